@@ -1,0 +1,63 @@
+"""Finetune a Hugging Face causal LM: parse -> load data -> load model -> train -> save.
+
+    python finetune.py --dataset data.json --method lora
+    accelerate launch --num_processes 2 finetune.py --dataset data.json
+    torchrun --nproc_per_node 2 finetune.py --dataset data.json
+
+Every flag is also a YAML key for --config; see `python finetune.py --help`.
+"""
+
+import os
+import sys
+
+from toolkit.config import parse_config, save_config
+from toolkit.errors import exit_on_user_error
+
+
+@exit_on_user_error("finetune.py")
+def main(argv: list[str] | None = None):
+    if "--debug" in (sys.argv[1:] if argv is None else argv):
+        os.environ["TOOLKIT_DEBUG"] = "1"
+    cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
+
+    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.tokenize import ensure_chat_template
+    from toolkit.models import count_parameters, load_model, load_tokenizer, resolve_model
+    from toolkit.parallel import make_accelerator
+    from toolkit.train.checkpoint import save_final
+    from toolkit.train.evaluate import exact_match
+    from toolkit.train.loop import train
+    from toolkit.train.output import prepare_output_dir, report_data, summarize
+
+    examples = load_examples(cfg)  # bad data fails here, before the model is loaded
+    model_path = resolve_model(cfg.model.model)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    added_template = ensure_chat_template(tokenizer)
+    train_rows, train_stats = tokenize_examples(examples.train, tokenizer, cfg)
+    eval_rows, _ = tokenize_examples(examples.eval, tokenizer, cfg, what="eval")
+
+    accelerator = make_accelerator(cfg)
+    log = accelerator.print
+    out_dir = prepare_output_dir(cfg, accelerator)
+    if accelerator.is_main_process:
+        save_config(cfg, out_dir / "config.yaml")
+    report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
+
+    model = load_model(cfg, model_path)
+    trainable, total = count_parameters(model)
+    log(f"model: {model_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable, method {cfg.model.method})")
+    scores = {}
+    if examples.answers:
+        scores["before"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
+        log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
+
+    model, result = train(cfg, accelerator, model, tokenizer, train_rows, eval_rows, out_dir, log)
+    save_final(accelerator, model, tokenizer, out_dir / "final")
+
+    if examples.answers:
+        scores["after"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
+    return summarize(log, cfg, out_dir, result, scores, accelerator, model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Shared fixtures: a tiny Llama (GQA) + a BPE tokenizer trained here, saved to disk and loaded
+through the real `from_pretrained` path; small datasets in every supported format."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly mix potions near "
+         "old towers and bright rivers under cold northern skies with purple dragons").split()
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def build_tokenizer(chat_template: str | None = None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus() + ["<|user|> <|assistant|> <|system|> " * 3], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def build_model_dir(path: Path, chat_template: str | None = None, **overrides) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer(chat_template)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+              tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+              bos_token_id=tok.bos_token_id)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """No chat template: exercises the toolkit's fallback template."""
+    return build_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_chatml_model(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("tinychatml") / "model", chat_template=CHATML)
+
+
+def make_records(fmt: str, n: int = 32, seed: int = 0) -> list[dict]:
+    texts = corpus(n * 3, seed)
+    rows = []
+    for i in range(n):
+        q, a, b = texts[3 * i], texts[3 * i + 1], texts[3 * i + 2]
+        if fmt == "alpaca":
+            rows.append({"instruction": q, "input": b if i % 2 else "", "output": a})
+        elif fmt == "chat":
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a},
+                                      {"role": "user", "content": b}, {"role": "assistant", "content": q}]})
+        elif fmt == "sharegpt":
+            rows.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+        elif fmt == "text":
+            rows.append({"text": f"{q} {a} {b}"})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("data")
+    out = {}
+    for fmt in ("alpaca", "chat", "sharegpt", "text"):
+        p = d / f"{fmt}.jsonl" if fmt != "alpaca" else d / f"{fmt}.json"
+        rows = make_records(fmt)
+        p.write_text(json.dumps(rows) if p.suffix == ".json" else "\n".join(json.dumps(r) for r in rows) + "\n")
+        out[fmt] = p
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate():
+    """accelerate keeps process-wide singletons; each in-process run starts from a clean state."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()

@@ -1,0 +1,74 @@
+"""Run a test function on N gloo ranks in fresh processes (torchtitan/accelerate style)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, fn(*args), None))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
+    """Call `fn(*args)` on `world_size` ranks (env:// rendezvous, gloo); return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, value, err = queue.get(timeout=timeout)
+            if err:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,
+           launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """Run finetune.py as a user would: plain python, torchrun or accelerate launch."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+         "PYTHONUNBUFFERED": "1", **(env or {})}
+    if launcher == "python":
+        cmd = [sys.executable, str(ROOT / "finetune.py"), *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), str(ROOT / "finetune.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if nproc > 1 else []), "--num_processes", str(nproc),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)

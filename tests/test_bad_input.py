@@ -1,0 +1,58 @@
+"""Bad input: non-zero exit, one line naming the problem, no traceback, nothing loaded or clobbered."""
+
+import json
+
+import pytest
+from distributed import launch
+
+
+def case(tmp_path, name):
+    d = tmp_path / "in"
+    d.mkdir(exist_ok=True)
+    if name == "missing_file":
+        return ["--dataset", str(d / "nope.jsonl")], "nope.jsonl: file not found"
+    if name == "unknown_columns":
+        (d / "qa.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+        return ["--dataset", str(d / "qa.jsonl")], "cannot tell the format from columns answer, question"
+    if name == "wrong_format_name":
+        return ["--format", "alpacca"], "--format must be one of auto, alpaca, chat, sharegpt, text; got 'alpacca' (did you mean 'alpaca'?)"
+    if name == "wrong_format_for_columns":
+        (d / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+        return ["--dataset", str(d / "t.jsonl"), "--format", "sharegpt"], "--format sharegpt needs column(s) conversations"
+    if name == "empty_dataset":
+        (d / "empty.jsonl").write_text("")
+        return ["--dataset", str(d / "empty.jsonl")], "empty.jsonl: file is empty"
+    if name == "empty_json_array":
+        (d / "empty.json").write_text("[]")
+        return ["--dataset", str(d / "empty.json")], "empty.json: holds no records"
+    if name == "malformed_jsonl":
+        (d / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+        return ["--dataset", str(d / "bad.jsonl")], "bad.jsonl: invalid JSON on line 2"
+    if name == "unknown_flag":
+        return ["--learning-rate", "1e-4"], "unknown flag --learning-rate"
+    if name == "missing_model":
+        return ["--model", str(d / "no-model")], "no-model: folder not found"
+    if name == "uncached_hub_id":
+        return ["--model", "some-org/not-cached-model"], "not in the Hugging Face cache"
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
+                                  "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
+                                  "missing_model", "uncached_hub_id"])
+def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    argv, expected = case(tmp_path, name)
+    if "--model" not in argv:
+        argv += ["--model", str(tiny_model)]
+    p = launch(argv + ["--output-dir", str(out), "--overwrite-output-dir"], launcher="python",
+               env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
+    assert lines == [f"finetune.py: error: {lines[0].split('error: ', 1)[1]}"], p.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in p.stderr and "model:" not in p.stdout
+    assert sorted(x.name for x in out.iterdir()) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"

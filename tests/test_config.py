@@ -1,0 +1,66 @@
+import pytest
+import yaml
+
+from toolkit.config import Config, parse_config, save_config
+from toolkit.errors import UserError
+
+
+def test_defaults_yaml_flags_precedence(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("lr: 0.001\nseq_len: 128\ntrain:\n  grad_accum: 3\nlora-r: 4\n")
+    cfg = parse_config(["--config", str(cfg_file), "--seq-len", "64", "--output-dir", str(tmp_path / "o")])
+    assert cfg.train.lr == 0.001  # from YAML
+    assert cfg.data.seq_len == 64  # flag beats YAML
+    assert cfg.train.grad_accum == 3  # section-nested YAML
+    assert cfg.model.lora_r == 4  # dashed YAML key
+    assert cfg.train.micro_batch_size == Config().train.micro_batch_size  # default
+
+
+def test_saved_config_reads_back_to_the_same_run(tmp_path):
+    cfg = parse_config(["--method", "full", "--lr-schedule", "linear", "--gradient-checkpointing",
+                        "--output-dir", str(tmp_path / "o")])
+    save_config(cfg, tmp_path / "config.yaml")
+    flat = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert flat["lr"] == 2e-5 and flat["method"] == "full"  # the method's default lr is resolved
+    again = parse_config(["--config", str(tmp_path / "config.yaml")])
+    assert again.flat() == {**cfg.flat(), "lr": 2e-5}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "8"], "unknown flag --lora-rank (did you mean --lora-r?)"),
+    (["--method", "fulll"], "did you mean 'full'"),
+    (["--format", "xml"], "--format must be one of auto, alpaca, chat, sharegpt, text"),
+    (["--seq-len", "long"], "--seq-len must be an integer"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--micro-batch-size", "0", "--eval-split", "1.5"], "--eval-split must be in [0, 1) (got 1.5); --micro-batch-size must be >= 1 (got 0)"),
+    (["--dataset", "missing.jsonl"], "--dataset missing.jsonl: file not found"),
+    (["--dataset", "notes.txt"], "unsupported file type"),
+])
+def test_bad_flags_name_the_problem(tmp_path, argv, message):
+    if "notes.txt" in argv:
+        (tmp_path / "notes.txt").write_text("x")
+        argv = ["--dataset", str(tmp_path / "notes.txt")]
+    with pytest.raises(UserError) as e:
+        parse_config(argv + ["--output-dir", str(tmp_path / "o")])
+    assert message in str(e.value)
+
+
+def test_unknown_yaml_key_suggests_closest(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("micro_batch: 2\n")
+    with pytest.raises(UserError, match="unknown key 'micro_batch'.*did you mean 'micro_batch_size'"):
+        parse_config(["--config", str(f)])
+
+
+def test_yaml_wrong_type(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("grad_accum: 2.5\n")
+    with pytest.raises(UserError, match="'grad_accum' in .* must be an integer, got 2.5"):
+        parse_config(["--config", str(f)])
+
+
+def test_non_empty_output_dir_needs_overwrite(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    with pytest.raises(UserError, match="not empty; pass --overwrite-output-dir"):
+        parse_config(["--output-dir", str(tmp_path)])
+    assert parse_config(["--output-dir", str(tmp_path), "--overwrite-output-dir"]).output.overwrite_output_dir

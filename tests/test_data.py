@@ -1,0 +1,94 @@
+import pytest
+from conftest import CHATML, build_tokenizer, make_records
+
+from toolkit.config import parse_config
+from toolkit.data import collate, load_examples, tokenize_examples
+from toolkit.data.formats import detect_format, to_conversation
+from toolkit.data.tokenize import IGNORE_INDEX, encode, ensure_chat_template
+from toolkit.errors import UserError
+
+
+@pytest.fixture(scope="module", params=["fallback", "chatml"])
+def tokenizer(request):
+    tok = build_tokenizer(CHATML if request.param == "chatml" else None)
+    ensure_chat_template(tok)
+    return tok
+
+
+def trained_text(tok, enc) -> str:
+    return tok.decode([i for i, l in zip(enc.input_ids, enc.labels) if l != IGNORE_INDEX])
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "chat", "sharegpt", "text"])
+def test_auto_detects_each_format(fmt):
+    rows = make_records(fmt, 2)
+    assert detect_format(list(rows[0]), "auto", "x") == fmt
+
+
+def test_unknown_columns_are_one_clear_error():
+    with pytest.raises(UserError, match="cannot tell the format from columns answer, question"):
+        detect_format(["question", "answer"], "auto", "data.json")
+    with pytest.raises(UserError, match="--format alpaca needs column.* instruction"):
+        detect_format(["text"], "alpaca", "data.json")
+
+
+def test_prompt_tokens_masked_every_assistant_turn_trained(tokenizer):
+    conv = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "lazy dog"},
+            {"role": "user", "content": "seven wizards"}, {"role": "assistant", "content": "purple dragons"}]
+    enc = encode(tokenizer, conv, seq_len=512, train_on_prompt=False)
+    got = trained_text(tokenizer, enc)
+    eot = "<|im_end|>" if tokenizer.chat_template == CHATML else "</s>"
+    assert got == f"lazy dog{eot}purple dragons{eot}"
+    for word in ("be brief", "quick fox", "seven wizards", "user", "assistant"):
+        assert word not in got
+    full = encode(tokenizer, conv, seq_len=512, train_on_prompt=True)
+    assert full.labels == full.input_ids
+
+
+def test_text_format_trains_every_token_and_ends_with_eos(tokenizer):
+    enc = encode(tokenizer, "the lazy dog", seq_len=512, train_on_prompt=False)
+    assert enc.labels == enc.input_ids and enc.input_ids[-1] == tokenizer.eos_token_id
+
+
+def test_sharegpt_and_alpaca_become_chats():
+    sg = to_conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}, "sharegpt")
+    assert sg == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    al = to_conversation({"instruction": "do", "input": "this", "output": "done"}, "alpaca")
+    assert al == [{"role": "user", "content": "do\n\nthis"}, {"role": "assistant", "content": "done"}]
+    with pytest.raises(UserError, match="unknown ShareGPT speaker 'robot'"):
+        to_conversation({"conversations": [{"from": "robot", "value": "a"}]}, "sharegpt", 3)
+
+
+def test_truncation_is_counted_and_fully_masked_examples_dropped(tokenizer, tmp_path):
+    cfg = parse_config(["--seq-len", "32", "--output-dir", str(tmp_path / "o")])
+    long_prompt = [{"role": "user", "content": " ".join(["dragons"] * 40)}, {"role": "assistant", "content": "ok"}]
+    short = [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "dog"}]
+    rows, stats = tokenize_examples([long_prompt, short, "the quick brown fox jumps over a lazy dog " * 6],
+                                    tokenizer, cfg)
+    assert stats.truncated == 2 and stats.dropped == 1 and len(rows) == 2
+    assert all(len(r["input_ids"]) <= 32 for r in rows)
+    with pytest.raises(UserError, match="every training example is left with no answer tokens after truncation to --seq-len 32"):
+        tokenize_examples([long_prompt], tokenizer, cfg)
+
+
+def test_collate_pads_right_with_masked_labels(tokenizer):
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+
+
+def test_eval_split_holds_out_a_fraction(data_files, tmp_path):
+    cfg = parse_config(["--dataset", str(data_files["chat"]), "--eval-split", "0.25", "--output-dir", str(tmp_path / "o")])
+    ex = load_examples(cfg)
+    assert (len(ex.train), len(ex.eval)) == (24, 8)
+    assert not any(c in ex.eval for c in ex.train)
+
+
+def test_builtin_dates_train_and_eval_are_disjoint(tmp_path):
+    from toolkit.data.builtin import builtin_records
+
+    train = {r["answer"] for r in builtin_records("dates", "train")}
+    held = {r["answer"] for r in builtin_records("dates", "eval")}
+    assert len(train) == 1000 and len(held) == 64 and not train & held

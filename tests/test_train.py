@@ -1,0 +1,128 @@
+"""End-to-end runs of finetune.main on a tiny Llama, in-process (one rank)."""
+
+import json
+
+import pytest
+import torch
+
+import finetune
+from toolkit.config import parse_config
+from toolkit.data import collate, load_examples, tokenize_examples
+from toolkit.data.tokenize import ensure_chat_template
+
+
+def run(tmp_path, model, dataset, *extra):
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--dataset", str(dataset), "--output-dir", str(out), "--seq-len", "64",
+            "--micro-batch-size", "4", "--max-steps", "6", "--log-every", "1", "--warmup-steps", "1",
+            "--lr", "3e-3", *extra]
+    return finetune.main(argv), out
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def fixed_batch(model_dir, dataset, tmp_path):
+    from transformers import AutoTokenizer
+
+    cfg = parse_config(["--dataset", str(dataset), "--seq-len", "64", "--output-dir", str(tmp_path / "b")])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ensure_chat_template(tok)
+    rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
+    return collate(rows, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("fmt", ["alpaca", "chat", "sharegpt", "text"])
+def test_each_format_and_method_trains_and_saves(tmp_path, tiny_model, data_files, fmt, method):
+    result, out = run(tmp_path, tiny_model, data_files[fmt], "--method", method)
+    recs = [r for r in records(out) if "loss" in r]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s"):
+        assert all(isinstance(r[key], (int, float)) for r in recs), key
+    assert recs[-1]["loss"] < recs[0]["loss"]  # it learns
+    assert (out / "config.yaml").is_file() and (out / "loss.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    final = out / "final"
+    assert (final / "tokenizer_config.json").is_file()
+    if method == "lora":
+        assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
+    else:
+        assert (final / "model.safetensors").is_file()
+    assert result.summary["steps"] == 6
+
+
+def test_eval_split_records_eval_loss(tmp_path, tiny_model, data_files):
+    _, out = run(tmp_path, tiny_model, data_files["chat"], "--eval-split", "0.25", "--eval-every", "3")
+    evals = [r for r in records(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+
+
+def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):
+    result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "qlora")
+    assert any(type(m).__name__ == "Linear4bit" for m in result.model.modules())
+    recs = [r for r in records(out) if "loss" in r]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_gradient_checkpointing_gives_the_same_losses(tmp_path, tiny_model, data_files):
+    _, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
+    _, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
+    la = [r["loss"] for r in records(a)]
+    lb = [r["loss"] for r in records(b)]
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_adapter_and_merged_model_reload_with_plain_libraries(tmp_path, tiny_model, data_files):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.__main__ import main as cli
+
+    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
+    batch = fixed_batch(tiny_model, data_files["chat"], tmp_path)
+    with torch.no_grad():
+        trained = result.model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)
+        adapter = PeftModel.from_pretrained(base, out / "final").eval()
+        reloaded = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        cli(["merge", "--adapter", str(out / "final"), "--output", str(tmp_path / "merged")])
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        merged_logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        untrained = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=batch["input_ids"]).logits
+    assert not torch.allclose(untrained, trained, atol=1e-3)  # training changed the model
+    torch.testing.assert_close(reloaded, trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged_logits, trained, atol=1e-5, rtol=0)
+
+
+def test_full_model_reloads_with_plain_transformers(tmp_path, tiny_model, data_files):
+    from transformers import AutoModelForCausalLM
+
+    result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "full")
+    batch = fixed_batch(tiny_model, data_files["alpaca"], tmp_path)
+    with torch.no_grad():
+        trained = result.model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(out / "final").eval()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(reloaded, trained, atol=1e-5, rtol=0)
+
+
+def test_generate_cli_prints_the_greedy_completion(tmp_path, tiny_model, data_files, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.__main__ import main as cli
+    from toolkit.data.tokenize import prompt_text
+
+    _, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
+    capsys.readouterr()
+    cli(["generate", "--model", str(out / "final"), "--prompt", "the quick fox", "--max-new-tokens", "8"])
+    printed = capsys.readouterr().out.strip()
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "final").eval()
+    enc = tok(prompt_text(tok, [{"role": "user", "content": "the quick fox"}]), return_tensors="pt",
+              add_special_tokens=False)
+    ids = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert printed == tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()

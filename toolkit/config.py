@@ -1,0 +1,326 @@
+"""Run configuration: typed dataclass sections filled from defaults < `--config run.yaml` < flags.
+
+Every field is one flag (`--lora-r`) and one YAML key (`lora_r`); field names are unique across
+sections so a flat YAML file or a flat command line addresses them without a section prefix.
+Values from YAML and from flags go through the same `_coerce`, so both get the same checks and the
+same messages. `validate` collects every problem and raises once (torchtitan/litgpt habit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from toolkit.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DATASET = "builtin:dates"
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ModelConfig:
+    model: str = _f(DEFAULT_MODEL, f"local HF folder, hub id, or '{DEFAULT_MODEL}' (embedded default)")
+    method: str = _f("lora", "what to train", ("full", "lora", "qlora"))
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA input")
+    lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
+    trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _f(DEFAULT_DATASET, "json/jsonl/csv/parquet file, hub id, or builtin:NAME")
+    format: str = _f("auto", "record layout", ("auto", "alpaca", "chat", "sharegpt", "text"))
+    seq_len: int = _f(1024, "tokens per example; longer ones are truncated")
+    eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
+    train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = _f(4, "examples per rank per forward pass")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    lr: Optional[float] = _f(None, "peak learning rate (default 2e-4 for lora/qlora, 2e-5 for full)")
+    lr_schedule: str = _f("cosine", "decay after warmup", ("cosine", "linear", "constant"))
+    warmup_steps: int = _f(10, "linear warmup steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to biases and norms)")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = no clipping)")
+    epochs: int = _f(1, "passes over the training data")
+    max_steps: int = _f(-1, "optimizer steps; overrides --epochs when > 0")
+    seed: int = _f(42, "seed for weights init, shuffling and dropout")
+    mixed_precision: str = _f("auto", "bf16 on GPUs that support it, fp32 on CPU", ("auto", "no", "bf16", "fp16"))
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = _f("output", "where metrics, checkpoints and the final model go")
+    overwrite_output_dir: bool = _f(False, "allow writing into a non-empty output dir")
+    log_every: int = _f(10, "optimizer steps between metrics records")
+    eval_every: int = _f(0, "steps between eval-loss records (0 = only at the end)")
+    save_every: int = _f(0, "steps between checkpoints (0 = only the final model)")
+    debug: bool = _f(False, "show full tracebacks for errors")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Every key with its value, in declaration order: the YAML `config.yaml` holds."""
+        return {f.name: getattr(getattr(self, s), f.name) for s, f in _fields().values()}
+
+    @property
+    def lr(self) -> float:
+        """The learning rate in force: the user's, else the method's usual default."""
+        if self.train.lr is not None:
+            return self.train.lr
+        return 2e-5 if self.model.method == "full" else 2e-4
+
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """key -> (section name, field) for every configurable value."""
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+            assert f.name not in out, f"duplicate config key {f.name}"
+            out[f.name] = (section.name, f)
+    return out
+
+
+def _field_type(section: str, f: dataclasses.Field) -> tuple[type, bool]:
+    section_cls = Config.__dataclass_fields__[section].default_factory
+    tp = typing.get_type_hints(section_cls)[f.name]
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = True, args[0]
+    return tp, optional
+
+
+def _coerce(key: str, value: Any, origin: str) -> Any:
+    """Turn a flag string or a YAML value into the field's type, or raise naming the key."""
+    section, f = _fields()[key]
+    tp, optional = _field_type(section, f)
+    where = f"--{key.replace('_', '-')}" if origin == "flag" else f"'{key}' in {origin}"
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(f"{where} needs a value")
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                out: Any = value
+            elif str(value).lower() in ("1", "true", "yes", "on"):
+                out = True
+            elif str(value).lower() in ("0", "false", "no", "off"):
+                out = False
+            else:
+                raise ValueError
+        elif tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(value) if not isinstance(value, str) else int(value.strip())
+        elif tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+        else:
+            if isinstance(value, (list, tuple)) and key == "lora_targets":
+                value = ",".join(map(str, value))
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            out = str(value)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a string")
+        raise UserError(f"{where} must be {kind}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        hint = difflib.get_close_matches(str(out), choices, n=1)
+        also = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise UserError(f"{where} must be one of {', '.join(choices)}; got '{out}'{also}")
+    return out
+
+
+def _unknown(key: str, origin: str) -> UserError:
+    keys = list(_fields()) + ["config"]
+    if origin == "flag":
+        flags = [f"--{k.replace('_', '-')}" for k in keys]
+        hint = difflib.get_close_matches(key, flags, n=1, cutoff=0.5)
+        return UserError(f"unknown flag {key}" + (f" (did you mean {hint[0]}?)" if hint else "; see --help"))
+    hint = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print usage + exit
+        raise UserError(message)
+
+
+def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+                     description="Finetune a Hugging Face causal LM. Every flag is also a YAML key "
+                                 "(dashes -> underscores) for --config.")
+    parser.add_argument("--config", help="YAML file of keys; flags override it")
+    for section in dataclasses.fields(Config):
+        group = parser.add_argument_group(section.name)
+        for key, (sec, f) in _fields().items():
+            if sec != section.name:
+                continue
+            tp, _ = _field_type(sec, f)
+            help_ = f.metadata["help"]
+            if "choices" in f.metadata:
+                help_ += f" {{{','.join(f.metadata['choices'])}}}"
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_ += f" (default: {default})"
+            flag = f"--{key.replace('_', '-')}"
+            if tp is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+            else:
+                group.add_argument(flag, metavar=key.upper() if "choices" not in f.metadata else "{" + ",".join(f.metadata["choices"]) + "}", help=help_)
+    return parser
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flat `key: value` YAML; section-nested YAML (`train: {lr: ...}`) is accepted too."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"--config {path}:{at} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of keys to values, got {type(data).__name__}")
+    sections = {s.name for s in dataclasses.fields(Config)}
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        k = str(k).replace("-", "_")
+        if k in sections and isinstance(v, dict):
+            flat.update({str(kk).replace("-", "_"): vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    return flat
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Config:
+    """defaults < --config YAML < flags; raises `UserError` for any problem, collected once."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(prog)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        first = next((a for a in extra if a.startswith("-")), extra[0])
+        raise _unknown(first.split("=")[0], "flag") if first.startswith("-") else UserError(
+            f"unexpected argument '{first}' (flags take the form --name value)")
+    given = vars(ns)
+    values: dict[str, Any] = {}
+    if "config" in given:
+        path = given.pop("config")
+        for k, v in load_yaml(path).items():
+            if k not in _fields():
+                raise _unknown(k, path)
+            values[k] = _coerce(k, v, path)
+    for k, v in given.items():
+        values[k] = _coerce(k, v, "flag")
+    cfg = Config()
+    for k, v in values.items():
+        section, _ = _fields()[k]
+        setattr(getattr(cfg, section), k, v)
+    problems = validate(cfg)
+    if problems:
+        raise UserError("; ".join(problems))
+    return cfg
+
+
+def validate(cfg: Config) -> list[str]:
+    """Cross-field and range checks; returns every problem found (empty list = fine)."""
+    p: list[str] = []
+    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.output
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            p.append(msg)
+
+    need(m.lora_r > 0, f"--lora-r must be > 0 (got {m.lora_r})")
+    need(m.lora_alpha > 0, f"--lora-alpha must be > 0 (got {m.lora_alpha})")
+    need(0.0 <= m.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1) (got {m.lora_dropout})")
+    need(bool(m.lora_targets.strip(", ")), "--lora-targets is empty (use 'all-linear' or module names)")
+    need(d.seq_len >= 8, f"--seq-len must be >= 8 (got {d.seq_len})")
+    need(0.0 <= d.eval_split < 1.0, f"--eval-split must be in [0, 1) (got {d.eval_split})")
+    need(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1 (got {t.micro_batch_size})")
+    need(t.grad_accum >= 1, f"--grad-accum must be >= 1 (got {t.grad_accum})")
+    need(t.lr is None or t.lr > 0, f"--lr must be > 0 (got {t.lr})")
+    need(t.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {t.warmup_steps})")
+    need(t.weight_decay >= 0, f"--weight-decay must be >= 0 (got {t.weight_decay})")
+    need(t.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {t.max_grad_norm})")
+    need(t.epochs >= 1 or t.max_steps > 0, f"--epochs must be >= 1 (got {t.epochs})")
+    need(t.max_steps != 0, "--max-steps must be > 0, or -1 to use --epochs")
+    need(o.log_every >= 1, f"--log-every must be >= 1 (got {o.log_every})")
+    need(o.eval_every >= 0, f"--eval-every must be >= 0 (got {o.eval_every})")
+    need(o.save_every >= 0, f"--save-every must be >= 0 (got {o.save_every})")
+    need(not (o.eval_every > 0 and d.eval_split == 0),
+         "--eval-every needs held-out data: set --eval-split (for example 0.05)")
+    p.extend(_check_dataset_path(d.dataset))
+    p.extend(_check_output_dir(o))
+    return p
+
+
+DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _check_dataset_path(spec: str) -> list[str]:
+    if spec.startswith("builtin:"):
+        return []
+    path = Path(spec)
+    if path.suffix.lower() in DATA_SUFFIXES or os.sep in spec and not _looks_like_hub_id(spec):
+        if not path.exists():
+            return [f"--dataset {spec}: file not found"]
+        if path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+            return [f"--dataset {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
+    return []
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def _check_output_dir(o: OutputConfig) -> list[str]:
+    out = Path(o.output_dir)
+    if out.exists() and not out.is_dir():
+        return [f"--output-dir {o.output_dir} is a file, not a folder"]
+    if out.is_dir() and any(out.iterdir()) and not o.overwrite_output_dir:
+        return [f"--output-dir {o.output_dir} is not empty; pass --overwrite-output-dir or choose another folder"]
+    return []
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as flat YAML that `--config` reads back to the same run."""
+    flat = cfg.flat()
+    flat["lr"] = cfg.lr
+    path.write_text(yaml.safe_dump(flat, sort_keys=False))

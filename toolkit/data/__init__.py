@@ -1,0 +1,103 @@
+"""Data pipeline: records -> conversations -> token ids with label masks -> padded batches.
+
+Split in two so bad input fails early: `load_examples` needs no tokenizer (runs before anything is
+loaded), `tokenize_examples` needs the tokenizer but not the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.config import Config
+from toolkit.data.formats import detect_format, load_records, to_conversation
+from toolkit.data.tokenize import IGNORE_INDEX, encode
+from toolkit.errors import UserError
+
+
+@dataclass
+class Examples:
+    """Records in a common shape, before tokenization."""
+
+    format: str
+    detected: bool
+    train: list  # conversations (list of messages) or plain strings
+    eval: list
+    em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
+    answers: list[str] | None = None  # ... and their expected answers
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0  # nothing left to train after truncation
+    tokens: int = 0
+    target_tokens: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+
+def load_examples(cfg: Config) -> Examples:
+    spec = cfg.data.dataset
+    records = load_records(spec)
+    fmt = detect_format(records.column_names, cfg.data.format, spec)
+    convs = [to_conversation(r, fmt, i) for i, r in enumerate(records)]
+    if fmt != "text":
+        for i, c in enumerate(convs):
+            if not any(m["role"] == "assistant" for m in c) and not cfg.data.train_on_prompt:
+                raise UserError(f"--dataset {spec}: record {i} has no assistant turn, so it has nothing to "
+                                "train on (pass --train-on-prompt to train on whole conversations)")
+    answers = None
+    if spec.startswith("builtin:"):
+        from toolkit.data.builtin import builtin_records
+
+        held = builtin_records(spec.split(":", 1)[1], split="eval")
+        eval_convs = [r["messages"] for r in held] if cfg.data.eval_split > 0 else []
+        answers = [r["answer"] for r in held]
+        return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, [r["messages"] for r in held], answers)
+    train, held_out = convs, []
+    if cfg.data.eval_split > 0:
+        n_eval = max(1, round(len(convs) * cfg.data.eval_split))
+        if n_eval >= len(convs):
+            raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {len(convs)} records")
+        g = torch.Generator().manual_seed(cfg.train.seed)
+        order = torch.randperm(len(convs), generator=g).tolist()
+        held_out = [convs[i] for i in sorted(order[:n_eval])]
+        train = [convs[i] for i in sorted(order[n_eval:])]
+    return Examples(fmt, cfg.data.format == "auto", train, held_out)
+
+
+def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training") -> tuple[list[dict], DataStats]:
+    stats = DataStats()
+    out = []
+    for conv in convs:
+        enc = encode(tokenizer, conv, cfg.data.seq_len, cfg.data.train_on_prompt)
+        stats.examples += 1
+        stats.truncated += enc.truncated
+        n_target = sum(1 for x in enc.labels[1:] if x != IGNORE_INDEX)
+        if n_target == 0:
+            stats.dropped += 1
+            continue
+        stats.tokens += len(enc.input_ids)
+        stats.target_tokens += n_target
+        stats.lengths.append(len(enc.input_ids))
+        out.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    if not out and convs:
+        raise UserError(f"every {what} example is left with no answer tokens after truncation to "
+                        f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
+    return out, stats
+
+
+def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding gets attention 0 and label -100."""
+    width = max(len(x["input_ids"]) for x in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, x in enumerate(batch):
+        n = len(x["input_ids"])
+        ids[i, :n] = torch.tensor(x["input_ids"])
+        labels[i, :n] = torch.tensor(x["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,149 @@
+"""Read a dataset (file, hub id or built-in) and turn each record into chat messages or plain text.
+
+Every format ends up as one of two shapes, so tokenization has one path per shape:
+- a conversation: `[{"role": "system"|"user"|"assistant", "content": str}, ...]`
+- a plain text: `str`, trained on every token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toolkit.config import DATA_SUFFIXES
+from toolkit.errors import UserError
+
+# format -> the columns that identify it, in detection order.
+FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "text": ("text",),
+}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "system": "system"}
+
+
+def load_records(spec: str):
+    """A `datasets.Dataset` from a local file, a `builtin:NAME`, or a hub id."""
+    import datasets
+
+    if spec.startswith("builtin:"):
+        from toolkit.data.builtin import builtin_dataset
+
+        return builtin_dataset(spec.split(":", 1)[1], split="train")
+    path = Path(spec)
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES) if path.is_dir() else [path]
+        if not files:
+            raise UserError(f"--dataset {spec}: folder holds no .json/.jsonl/.csv/.parquet file")
+        kinds = {DATA_SUFFIXES[p.suffix.lower()] for p in files}
+        if len(kinds) > 1:
+            raise UserError(f"--dataset {spec}: mixes file types {sorted(kinds)}; keep one type per folder")
+        kind = kinds.pop()
+        if kind == "json":
+            for f in files:
+                _check_json_file(f)
+        datasets.disable_progress_bars()  # a bar per small file is noise in front of our own report
+        try:
+            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
+            raise UserError(f"--dataset {spec}: could not be read as {kind} ({_short(e)})") from None
+    else:
+        try:
+            ds = datasets.load_dataset(spec, split="train")
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"--dataset {spec}: not a local file and could not be loaded from the hub "
+                            f"({_short(e)}); pass a local .json/.jsonl/.csv/.parquet file") from None
+    if len(ds) == 0:
+        raise UserError(f"--dataset {spec}: holds no records")
+    return ds
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def _check_json_file(path: Path) -> None:
+    """Parse JSON / JSON Lines ourselves first so a bad file is reported with its line number."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise UserError(f"--dataset {path}: file is empty")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--dataset {path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise UserError(f"--dataset {path}: record {bad} is a {type(rows[bad]).__name__}, expected an object")
+        if not rows:
+            raise UserError(f"--dataset {path}: holds no records")
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--dataset {path}: invalid JSON on line {lineno} ({e.msg}); each line of a "
+                            ".jsonl file must be one JSON object") from None
+        if not isinstance(row, dict):
+            raise UserError(f"--dataset {path}: line {lineno} is a {type(row).__name__}, expected an object")
+
+
+def detect_format(columns: list[str], requested: str, source: str) -> str:
+    """Check the columns fit `requested`, or pick the format they fit when `requested` is auto."""
+    cols = set(columns)
+    if requested != "auto":
+        need = FORMAT_COLUMNS[requested]
+        missing = [c for c in need if c not in cols]
+        if missing:
+            raise UserError(f"--dataset {source}: --format {requested} needs column(s) {', '.join(missing)}; "
+                            f"found {', '.join(sorted(cols))}")
+        return requested
+    for fmt, need in FORMAT_COLUMNS.items():
+        if all(c in cols for c in need):
+            return fmt
+    expected = "; ".join(f"{f}: {'+'.join(c)}" for f, c in FORMAT_COLUMNS.items())
+    raise UserError(f"--dataset {source}: cannot tell the format from columns {', '.join(sorted(cols))} "
+                    f"(expected {expected})")
+
+
+def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict[str, str]] | str:
+    """One record as chat messages (alpaca, chat, sharegpt) or as plain text (text)."""
+    where = f"record {index}" if index >= 0 else "a record"
+    if fmt == "text":
+        if not isinstance(row["text"], str):
+            raise UserError(f"{where}: 'text' must be a string")
+        return row["text"]
+    if fmt == "alpaca":
+        instruction, inp, output = row.get("instruction"), row.get("input") or "", row.get("output")
+        if not isinstance(instruction, str) or not isinstance(output, str):
+            raise UserError(f"{where}: alpaca 'instruction' and 'output' must be strings")
+        prompt = f"{instruction}\n\n{inp}" if str(inp).strip() else instruction
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+        if isinstance(row.get("system"), str) and row["system"].strip():
+            msgs.insert(0, {"role": "system", "content": row["system"]})
+        return msgs
+    if fmt == "chat":
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise UserError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        return [{"role": str(m["role"]), "content": str(m["content"] or "")} for m in msgs]
+    if fmt == "sharegpt":
+        turns = row["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
+            raise UserError(f"{where}: 'conversations' must be a list of {{from, value}} objects")
+        out = []
+        for t in turns:
+            role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+            if role is None:
+                raise UserError(f"{where}: unknown ShareGPT speaker '{t['from']}' "
+                                f"(expected one of {', '.join(sorted(SHAREGPT_ROLES))})")
+            out.append({"role": role, "content": str(t["value"] or "")})
+        return out
+    raise ValueError(fmt)

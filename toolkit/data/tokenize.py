@@ -1,0 +1,89 @@
+"""Conversations -> token ids + labels, with prompt tokens masked to -100.
+
+The chat is rendered once with the tokenizer's chat template; each assistant message is then
+located in the rendered text (in order) and the tokens whose character offsets overlap it, plus the
+special end-of-turn token right after it, are trained. Working on offsets rather than on re-rendered
+prefixes means any template works, even ones that rewrite earlier turns, and every assistant turn of
+a multi-turn chat is trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+
+IGNORE_INDEX = -100
+
+# Used when a tokenizer ships no chat template (base models, tiny test tokenizers). Each message is
+# `<|role|>\n{content}{eos}\n`; the generation prompt is `<|assistant|>\n`. It is saved with the
+# tokenizer so generation after training uses the same layout.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give the tokenizer the fallback template if it has none; True if it was added."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return True
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+
+
+def encode(tokenizer, example: list[dict[str, str]] | str, seq_len: int, train_on_prompt: bool) -> Encoded:
+    if isinstance(example, str):
+        ids = tokenizer(example, add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        labels = list(ids)
+    else:
+        ids, labels = _encode_chat(tokenizer, example, train_on_prompt)
+    truncated = len(ids) > seq_len
+    return Encoded(ids[:seq_len], labels[:seq_len], truncated)
+
+
+def _encode_chat(tokenizer, messages: list[dict[str, str]], train_on_prompt: bool) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    # The end-of-turn marker right after an answer (<|im_end|>, <|eot_id|>, </s>, ...) is trained
+    # too, so the model learns to stop: any special token that directly follows the content.
+    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+    for m in messages:
+        start = text.find(m["content"], cursor)
+        if start < 0:
+            raise UserError("the chat template dropped or rewrote a message's text, so prompt and answer "
+                            "cannot be told apart; use --train-on-prompt or another template")
+        end = start + len(m["content"])
+        if m["role"] == "assistant":
+            end += next((len(t) for t in specials if text.startswith(t, end)), 0)
+            spans.append((start, end))
+        cursor = end
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if train_on_prompt:
+        return ids, list(ids)
+    labels = [IGNORE_INDEX] * len(ids)
+    j = 0
+    for i, (s, e) in enumerate(enc["offset_mapping"]):
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        if j < len(spans) and e > spans[j][0] and s < spans[j][1]:
+            labels[i] = ids[i]
+    return ids, labels
+
+
+def prompt_text(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The conversation up to (and including) the assistant generation prompt."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

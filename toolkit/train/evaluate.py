@@ -1,0 +1,68 @@
+"""Eval loss over held-out data and exact-match accuracy of greedy answers.
+
+Each rank takes a strided shard of the examples (no padding with duplicates, unlike a sharded
+training loader), and the sums are all-reduced, so the numbers are exact for any world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.data import collate
+from toolkit.data.tokenize import prompt_text
+from toolkit.train.loss import count_targets, token_loss_sum
+
+
+@torch.no_grad()
+def eval_loss(accelerator, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
+    model.eval()
+    shard = rows[accelerator.process_index::accelerator.num_processes]
+    n_batches = -(-len(rows) // (batch_size * accelerator.num_processes))  # same count on every rank
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for i in range(n_batches):
+        chunk = shard[i * batch_size:(i + 1) * batch_size]
+        if not chunk:  # keep sharded models (ZeRO-3, FSDP) in lock-step: run a dummy batch
+            chunk, weight = shard[:1] or rows[:1], 0.0
+        else:
+            weight = 1.0
+        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        total += weight * torch.stack([token_loss_sum(logits, batch["labels"]).double(),
+                                       count_targets(batch["labels"]).double()])
+    total = accelerator.reduce(total, "sum")
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+@torch.no_grad()
+def exact_match(accelerator, model, tokenizer, conversations: list, answers: list[str],
+                batch_size: int = 16, max_new_tokens: int = 16) -> tuple[int, int, list[str]]:
+    """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
+    model.eval()
+    gen_model = accelerator.unwrap_model(model)
+    prompts = [prompt_text(tokenizer, [m for m in c if m["role"] != "assistant"]) for c in conversations]
+    idx = list(range(accelerator.process_index, len(prompts), accelerator.num_processes))
+    per_rank = -(-len(prompts) // accelerator.num_processes)
+    idx += [idx[0] if idx else 0] * (per_rank - len(idx))  # equal work on every rank; padding not scored
+    n_real = len(range(accelerator.process_index, len(prompts), accelerator.num_processes))
+    old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    correct, samples = 0, []
+    for start in range(0, len(idx), batch_size):
+        chunk = idx[start:start + batch_size]
+        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(accelerator.device)
+        out = gen_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                 synced_gpus=accelerator.num_processes > 1)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for j, (i, text) in enumerate(zip(chunk, texts)):
+            if start + j < n_real:
+                correct += text.strip() == answers[i].strip()
+                if len(samples) < 3:
+                    question = next(m["content"] for m in reversed(conversations[i]) if m["role"] == "user")
+                    samples.append(f"{question!r} -> {text.strip()!r} "
+                                   f"(expected {answers[i]!r})")
+    tokenizer.padding_side = old_side
+    total = accelerator.reduce(torch.tensor([correct], device=accelerator.device), "sum").item()
+    model.train()
+    return int(total), len(prompts), samples

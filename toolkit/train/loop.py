@@ -1,0 +1,158 @@
+"""The training loop on accelerate: micro-batches, accumulation, global-token loss normalisation.
+
+One optimizer step consumes `grad_accum` micro-batches on each of `world` ranks. The micro-batches
+of a step are fetched first so the number of target tokens in the whole global batch (`n_global`)
+is known before any backward: each micro-batch's summed loss is divided by it, which makes the
+update independent of how the global batch is split over ranks and accumulation steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from toolkit.config import Config
+from toolkit.data import collate
+from toolkit.train.evaluate import eval_loss
+from toolkit.train.loss import count_targets, token_loss_sum
+from toolkit.train.metrics import MetricsLogger
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation that depends only on (seed, epoch): identical on every rank and for every
+    world size, so sharding it gives disjoint, reproducible data per rank."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    tokens: int
+    elapsed_s: float
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norm weights (1-D tensors), as in nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:
+    """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks."""
+    sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
+    return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler,
+                      collate_fn=partial(collate, pad_id=pad_id))
+
+
+def global_batches(loader, grad_accum: int) -> Iterator[tuple[int, list[dict]]]:
+    """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        chunk: list[dict] = []
+        for batch in loader:
+            chunk.append(batch)
+            if len(chunk) == grad_accum:
+                yield epoch, chunk
+                chunk = []
+        if chunk:
+            yield epoch, chunk
+        epoch += 1
+
+
+def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
+          out_dir: Path, log=print) -> tuple[torch.nn.Module, TrainResult]:
+    from transformers import get_scheduler
+
+    t = cfg.train
+    loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
+    optimizer = make_optimizer(model, cfg)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    # Not passed to prepare(): accelerate would step it once per process.
+    scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
+                              num_training_steps=total_steps)
+    world = accelerator.num_processes
+    log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
+        f"{t.micro_batch_size} x {t.grad_accum} accum x {world} ranks = {t.micro_batch_size * t.grad_accum * world} examples")
+
+    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process)
+    pad_id = tokenizer.pad_token_id
+    start = time.perf_counter()
+    window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": start}
+    tokens_seen, last_loss = 0, float("nan")
+    batches = global_batches(loader, t.grad_accum)
+    model.train()
+    for step in range(1, total_steps + 1):
+        epoch, micro = next(batches)
+        counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
+                              sum(b["attention_mask"].sum() for b in micro)]).to(torch.float64)
+        n_global, tokens_global = accelerator.reduce(counts, "sum").tolist()
+        # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
+        # of the step; setting both to this step's count keeps a short last step right.
+        accelerator.gradient_accumulation_steps = len(micro)
+        accelerator.step = 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        for batch in micro:
+            with accelerator.accumulate(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = token_loss_sum(logits, batch["labels"])
+                # x world: DDP/ZeRO/FSDP average gradients over ranks; x len(micro): undo accelerate's division.
+                accelerator.backward(loss * (world * len(micro) / n_global))
+                loss_sum += loss.detach().double()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        step_loss = accelerator.reduce(loss_sum, "sum").item()
+        window["loss"] += step_loss
+        window["targets"] += n_global
+        window["tokens"] += tokens_global
+        tokens_seen += int(tokens_global)
+        metrics.advance()
+        if step % cfg.output.log_every == 0 or step == total_steps:
+            now = time.perf_counter()
+            last_loss = window["loss"] / window["targets"]
+            metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
+                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                         "tokens": tokens_seen, "tokens_per_sec": window["tokens"] / (now - window["t0"]),
+                         "elapsed_s": now - start})
+            window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": now}
+        if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
+            t_eval = time.perf_counter()
+            el = eval_loss(accelerator, model, eval_rows, t.micro_batch_size, pad_id)
+            metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
+            metrics.write(f"step {step}: eval_loss {el:.4f}")
+            window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
+        if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
+            from toolkit.train.checkpoint import save_final
+
+            save_final(accelerator, model, tokenizer, out_dir / f"checkpoint-{step}")
+    metrics.close()
+    return model, TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start)

@@ -1,0 +1,66 @@
+"""The output folder and what the run tells the user about its data and its result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.config import Config
+
+ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json")
+
+
+def prepare_output_dir(cfg: Config, accelerator) -> Path:
+    """Create the folder; with --overwrite-output-dir remove this toolkit's own earlier artifacts
+    (never other files) so metrics of two runs do not mix."""
+    out = Path(cfg.output.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.output.overwrite_output_dir:
+            for name in ARTIFACTS:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            for p in out.glob("checkpoint-*"):
+                shutil.rmtree(p, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def report_data(log, cfg: Config, examples, stats, n_eval: int, added_template: bool) -> None:
+    how = "detected from columns" if examples.detected else "from --format"
+    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples} training examples, "
+        f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained")
+    if stats.truncated:
+        log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
+    if stats.dropped:
+        log(f"data: {stats.dropped} example(s) dropped: no answer tokens left after truncation")
+    if added_template:
+        log("data: the tokenizer has no chat template; using the toolkit's fallback "
+            "(<|role|>\\ncontent<eos>), saved with the tokenizer")
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    model: Any  # the trained model, unwrapped (what final/ holds)
+
+
+def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, model) -> RunResult:
+    summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens": result.tokens,
+               "train_seconds": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
+    for when, (correct, total, samples) in scores.items():
+        summary[f"exact_match_{when}"] = correct / total
+        if when == "after":
+            for s in samples:
+                log(f"  sample: {s}")
+    if accelerator.is_main_process:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"done: {result.steps} steps in {result.elapsed_s:.0f}s, final loss {result.final_loss:.4f}; "
+        f"saved {out / 'final'}")
+    if "before" in scores and "after" in scores:
+        (b, n, _), (a, _, _) = scores["before"], scores["after"]
+        log(f"exact match on {n} held-out examples: before {b}/{n} ({b / n:.0%}) -> after {a}/{n} ({a / n:.0%})")
+    return RunResult(summary, accelerator.unwrap_model(model))
