@@ -22,10 +22,11 @@ def main(argv: list[str] | None = None):
 
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import count_parameters, load_model, load_tokenizer, resolve_model
+    from toolkit.models import count_parameters, load_model, load_tokenizer, resolve_model, resolved_precision
     from toolkit.parallel import make_accelerator
     from toolkit.train.checkpoint import save_final
     from toolkit.train.evaluate import exact_match
+    from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None):
     train_rows, train_stats = tokenize_examples(examples.train, tokenizer, cfg)
     eval_rows, _ = tokenize_examples(examples.eval, tokenizer, cfg, what="eval")
 
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator(cfg, model_path)
     log = accelerator.print
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None):
 
     model, result = train(cfg, accelerator, model, tokenizer, train_rows, eval_rows, out_dir, log)
     save_final(accelerator, model, tokenizer, out_dir / "final")
+    verify_saved(accelerator, model, tokenizer, train_rows, out_dir / "final", model_path,
+                 resolved_precision(cfg), cfg.model.method == "qlora", log)
 
     if examples.answers:
         scores["after"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)

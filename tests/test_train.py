@@ -126,3 +126,21 @@ def test_generate_cli_prints_the_greedy_completion(tmp_path, tiny_model, data_fi
               add_special_tokens=False)
     ids = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert printed == tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_files):
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from toolkit.train.integrity import verify_saved
+
+    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
+    assert json.loads((out / "integrity.json").read_text())["ok"]  # the real run passed its check
+    path = out / "final" / "adapter_model.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in load_file(path).items()}, path)  # an "empty adapter" save
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    cfg = parse_config(["--dataset", str(data_files["chat"]), "--seq-len", "64", "--output-dir", str(tmp_path / "x")])
+    rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
+    with pytest.raises(SystemExit, match="integrity check FAILED"):
+        verify_saved(Accelerator(cpu=True), result.model, tok, rows, out / "final", str(tiny_model), "no", False)

@@ -1,4 +1,4 @@
-"""`python -m toolkit <command>`: prepare-model, merge, generate."""
+"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, verify."""
 
 from __future__ import annotations
 
@@ -56,6 +56,28 @@ def cmd_generate(args) -> None:
     print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
+def cmd_accelerate_config(args) -> None:
+    from toolkit.config import parse_config
+    from toolkit.parallel.launch_config import accelerate_yaml, write_accelerate_yaml
+
+    flags = ["--offload", args.offload, "--fsdp-sharding", args.fsdp_sharding, "--output-dir", "/nonexistent"]
+    flags += (["--zero-stage", str(args.zero_stage)] if args.zero_stage is not None else []) + (["--fsdp"] if args.fsdp else [])
+    par = parse_config(flags, prog="python -m toolkit accelerate-config").parallel  # same checks as finetune.py
+    cfg = accelerate_yaml(par.zero_stage, par.offload, par.fsdp, par.fsdp_sharding, args.num_processes,
+                          args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port,
+                          args.mixed_precision)
+    write_accelerate_yaml(Path(args.output), cfg)
+    print(f"wrote {args.output}: accelerate launch --config_file {args.output} finetune.py ...")
+
+
+def cmd_verify(args) -> None:
+    import json
+
+    from toolkit.train.integrity import reload_loss
+
+    print(json.dumps({"loss": reload_loss(args.folder, args.base, args.batch, args.pad_id, args.load_4bit)}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m toolkit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -75,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     s.set_defaults(fn=cmd_generate)
+    s = sub.add_parser("accelerate-config", help="write an accelerate YAML for `accelerate launch --config_file`")
+    s.add_argument("--output", required=True, help="YAML file to write")
+    s.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    s.add_argument("--offload", default="none", choices=("none", "optimizer", "optimizer+param"))
+    s.add_argument("--fsdp", action="store_true")
+    s.add_argument("--fsdp-sharding", default="full", choices=("full", "grad_op", "hybrid"))
+    s.add_argument("--num-processes", type=int, required=True, help="processes in total, all machines")
+    s.add_argument("--num-machines", type=int, default=1)
+    s.add_argument("--machine-rank", type=int, default=0)
+    s.add_argument("--main-process-ip")
+    s.add_argument("--main-process-port", type=int, default=29500)
+    s.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
+    s.set_defaults(fn=cmd_accelerate_config)
+    s = sub.add_parser("verify", help="(internal) loss of a saved folder on a batch, in a fresh process")
+    s.add_argument("--folder", required=True)
+    s.add_argument("--base", required=True, help="base model for an adapter folder")
+    s.add_argument("--batch", required=True, help="JSON list of {input_ids, labels}")
+    s.add_argument("--pad-id", type=int, required=True)
+    s.add_argument("--load-4bit", action="store_true", help="load the base in NF4 (QLoRA adapters)")
+    s.set_defaults(fn=cmd_verify)
     return p
 
 

@@ -73,6 +73,15 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
+    offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
+    fsdp: bool = _f(False, "shard with PyTorch FSDP2 instead of DDP/DeepSpeed")
+    fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = full within a node",
+                            ("full", "grad_op", "hybrid"))
+
+
+@dataclass
 class OutputConfig:
     output_dir: str = _f("output", "where metrics, checkpoints and the final model go")
     overwrite_output_dir: bool = _f(False, "allow writing into a non-empty output dir")
@@ -87,6 +96,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def flat(self) -> dict[str, Any]:
@@ -158,10 +168,11 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a string")
         raise UserError(f"{where} must be {kind}, got {value!r}") from None
     choices = f.metadata.get("choices")
-    if choices and out not in choices:
-        hint = difflib.get_close_matches(str(out), choices, n=1)
-        also = f" (did you mean '{hint[0]}'?)" if hint else ""
-        raise UserError(f"{where} must be one of {', '.join(choices)}; got '{out}'{also}")
+    if choices and out is not None and out not in choices:
+        names = [str(c) for c in choices]
+        hint = difflib.get_close_matches(str(out), names, n=1)
+        also = f" (did you mean '{hint[0]}'?)" if hint and hint[0] != str(out) else ""
+        raise UserError(f"{where} must be one of {', '.join(names)}; got '{out}'{also}")
     return out
 
 
@@ -192,15 +203,16 @@ def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
                 continue
             tp, _ = _field_type(sec, f)
             help_ = f.metadata["help"]
-            if "choices" in f.metadata:
-                help_ += f" {{{','.join(f.metadata['choices'])}}}"
+            names = [str(c) for c in f.metadata.get("choices", ())]
+            if names:
+                help_ += f" {{{','.join(names)}}}"
             default = f.default if f.default is not dataclasses.MISSING else None
             help_ += f" (default: {default})"
             flag = f"--{key.replace('_', '-')}"
             if tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
             else:
-                group.add_argument(flag, metavar=key.upper() if "choices" not in f.metadata else "{" + ",".join(f.metadata["choices"]) + "}", help=help_)
+                group.add_argument(flag, metavar="{" + ",".join(names) + "}" if names else key.upper(), help=help_)
     return parser
 
 
@@ -285,9 +297,46 @@ def validate(cfg: Config) -> list[str]:
     need(o.save_every >= 0, f"--save-every must be >= 0 (got {o.save_every})")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
+    par = cfg.parallel
+    need(not (par.fsdp and par.zero_stage is not None),
+         f"--fsdp and --zero-stage {par.zero_stage} both shard the model; choose one")
+    need(not (par.offload != "none" and par.zero_stage in (None, 0)),
+         f"--offload {par.offload} needs --zero-stage 1, 2 or 3")
+    need(not (par.offload == "optimizer+param" and par.zero_stage in (1, 2)),
+         f"--offload optimizer+param needs --zero-stage 3 (got {par.zero_stage}); use --offload optimizer")
+    need(not (m.method == "qlora" and par.offload == "optimizer+param"),
+         "--method qlora cannot offload its 4-bit base weights (--offload optimizer+param); use --offload optimizer")
+    need(not (m.method == "qlora" and (par.zero_stage == 3 or par.fsdp)),
+         "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
+    p.extend(_check_launcher(par))
     p.extend(_check_dataset_path(d.dataset))
     p.extend(_check_output_dir(o))
     return p
+
+
+def _check_launcher(par: ParallelConfig) -> list[str]:
+    """`accelerate launch --use_deepspeed/--use_fsdp` (or a config file) must agree with our flags.
+
+    When only the launcher names a strategy it is adopted, so an accelerate config file alone works.
+    """
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        launch = f"accelerate launch --use_deepspeed" + (f" --zero_stage {stage}" if stage else "")
+        if par.fsdp:
+            return [f"{launch} conflicts with --fsdp; drop one of them"]
+        if stage is not None and par.zero_stage is not None and int(stage) != par.zero_stage:
+            return [f"{launch} conflicts with --zero-stage {par.zero_stage}; drop one of them"]
+        if par.zero_stage is None:
+            par.zero_stage = int(stage) if stage is not None else 2
+        launch_offload = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+        if launch_offload == "cpu" and par.offload == "none":
+            par.offload = "optimizer+param" if env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu" else "optimizer"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        if par.zero_stage is not None:
+            return [f"accelerate launch --use_fsdp conflicts with --zero-stage {par.zero_stage}; drop one of them"]
+        par.fsdp = True
+    return []
 
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

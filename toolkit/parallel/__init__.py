@@ -1,4 +1,4 @@
-"""Process layout and the `Accelerator` that carries it."""
+"""Process layout and the `Accelerator` that carries it: DDP, DeepSpeed ZeRO or FSDP2."""
 
 from __future__ import annotations
 
@@ -8,21 +8,81 @@ from toolkit.config import Config
 from toolkit.models import resolved_precision
 
 
-def make_accelerator(cfg: Config):
-    """DDP (gloo on CPU, NCCL on GPU) when launched with several processes, else one process."""
+def strategy_name(cfg: Config) -> str:
+    """ddp | zero{0-3}[_offload|_offload_param] | fsdp_{full,grad_op,hybrid}: the planner's names."""
+    p = cfg.parallel
+    if p.fsdp:
+        return f"fsdp_{p.fsdp_sharding}"
+    if p.zero_stage is None:
+        return "ddp"
+    suffix = {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[p.offload]
+    return f"zero{p.zero_stage}{suffix}"
+
+
+def sharding_kind(cfg: Config) -> str | None:
+    return "fsdp" if cfg.parallel.fsdp else "deepspeed" if cfg.parallel.zero_stage is not None else None
+
+
+def make_accelerator(cfg: Config, model_path: str | None = None):
+    """DDP (gloo on CPU, NCCL on GPU) by default; DeepSpeed or FSDP2 plugins from the flags.
+    `model_path` gives the hidden size that DeepSpeed's bucket sizes scale with."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    # Without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no accelerator and
-    # every rank trains alone; with it, ranks join one gloo group.
-    accelerator = Accelerator(mixed_precision=resolved_precision(cfg), cpu=not torch.cuda.is_available())
+    from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
+
+    kind = sharding_kind(cfg)
+    from accelerate.utils import GradientAccumulationPlugin
+
+    # The loop fetches a step's micro-batches before running them, so the loader reaches its end
+    # early; syncing "with the dataloader" would then step mid-accumulation. The loop sets the
+    # count per step instead. DeepSpeed keeps its own count (and loss scaling): give it --grad-accum.
+    ga = cfg.train.grad_accum if kind == "deepspeed" else 1
+    kwargs: dict = {"mixed_precision": resolved_precision(cfg),
+                    "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga, sync_with_dataloader=False)}
+    if kind == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        from toolkit.parallel.deepspeed import deepspeed_config
+
+        hidden = None
+        if model_path:
+            from transformers import AutoConfig
+
+            hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
+                             "hidden_size", None)
+        ds = deepspeed_config(cfg.parallel.zero_stage, cfg.parallel.offload, resolved_precision(cfg), hidden,
+                              overlap_comm=torch.cuda.is_available())
+        ds["gradient_clipping"] = cfg.train.max_grad_norm
+        # An accelerate config file's DeepSpeed fields were adopted (or refused as conflicting) by
+        # config validation; accelerate would reject them next to an explicit JSON config.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    elif kind == "fsdp":
+        kwargs["fsdp_plugin"] = fsdp_plugin(cfg)
+    with cpu_rehearsal(kind) as rehearsing:
+        # Without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no accelerator
+        # and every rank trains alone; with it, ranks join one gloo group (see cpu_rehearsal).
+        accelerator = Accelerator(cpu=not torch.cuda.is_available() and not rehearsing, **kwargs)
     if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
     set_seed(cfg.train.seed)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
     return accelerator
+
+
+def fsdp_plugin(cfg: Config):
+    """FSDP2: `full` reshards parameters after forward (ZeRO-3-like), `grad_op` keeps them
+    gathered until backward (ZeRO-2-like), `hybrid` shards within a node and replicates across
+    nodes (one node: same as full). Blocks are wrapped by the model's `_no_split_modules`."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=cfg.parallel.fsdp_sharding != "grad_op",
+        auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
+        cpu_ram_efficient_loading=False, activation_checkpointing=False)
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:

@@ -15,6 +15,7 @@ def save_final(accelerator, model, tokenizer, path: Path) -> None:
     """Every rank must call this: sharded strategies gather the state dict collectively."""
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        state = {k: v.contiguous() for k, v in state.items()}
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)

@@ -8,6 +8,7 @@ update independent of how the global batch is split over ranks and accumulation 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from toolkit.config import Config
 from toolkit.data import collate
 from toolkit.train.evaluate import eval_loss
 from toolkit.train.loss import count_targets, token_loss_sum
+from toolkit.train.memory import grad_bytes, held_bytes
 from toolkit.train.metrics import MetricsLogger
 
 
@@ -84,6 +86,14 @@ def global_batches(loader, grad_accum: int) -> Iterator[tuple[int, list[dict]]]:
         epoch += 1
 
 
+def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
+    """{key: [rank 0 value, rank 1 value, ...]} for the memory record."""
+    keys = sorted(mine)
+    local = torch.tensor([mine[k] for k in keys], dtype=torch.int64, device=accelerator.device)
+    every = accelerator.gather(local.unsqueeze(0)).view(accelerator.num_processes, len(keys)).cpu()
+    return {k: every[:, i].tolist() for i, k in enumerate(keys)}
+
+
 def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
           out_dir: Path, log=print) -> tuple[torch.nn.Module, TrainResult]:
     from transformers import get_scheduler
@@ -98,6 +108,9 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
                               num_training_steps=total_steps)
     world = accelerator.num_processes
+    deepspeed = accelerator.distributed_type == "DEEPSPEED"
+    if deepspeed and accelerator.is_main_process:  # what DeepSpeed ran with, accelerate's "auto"s filled in
+        (out_dir / "ds_config.json").write_text(json.dumps(accelerator.state.deepspeed_plugin.deepspeed_config, indent=2))
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} ranks = {t.micro_batch_size * t.grad_accum * world} examples")
 
@@ -107,6 +120,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": start}
     tokens_seen, last_loss = 0, float("nan")
     batches = global_batches(loader, t.grad_accum)
+    memory: dict[str, list[int]] = {}
     model.train()
     for step in range(1, total_steps + 1):
         epoch, micro = next(batches)
@@ -122,13 +136,20 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = token_loss_sum(logits, batch["labels"])
-                # x world: DDP/ZeRO/FSDP average gradients over ranks; x len(micro): undo accelerate's division.
-                accelerator.backward(loss * (world * len(micro) / n_global))
+                # x world: DDP/ZeRO/FSDP average gradients over ranks; x divisor: undo the division by
+                # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
+                # engine divides by its configured --grad-accum).
+                divisor = t.grad_accum if deepspeed else len(micro)
+                accelerator.backward(loss * (world * divisor / n_global))
                 loss_sum += loss.detach().double()
+        grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if step == 1:
+            memory = {**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
+                      "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None}
 
         step_loss = accelerator.reduce(loss_sum, "sum").item()
         window["loss"] += step_loss
@@ -142,7 +163,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
             metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
                          "grad_norm": float(grad_norm) if grad_norm is not None else None,
                          "tokens": tokens_seen, "tokens_per_sec": window["tokens"] / (now - window["t0"]),
-                         "elapsed_s": now - start})
+                         "elapsed_s": now - start, **memory})
+            memory = {}
             window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": now}
         if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
             t_eval = time.perf_counter()

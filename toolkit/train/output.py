@@ -10,7 +10,8 @@ from typing import Any
 
 from toolkit.config import Config
 
-ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json")
+ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
+             "integrity.json", "ds_config.json")
 
 
 def prepare_output_dir(cfg: Config, accelerator) -> Path:

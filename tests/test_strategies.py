@@ -1,0 +1,180 @@
+"""Every memory strategy trains the same model: 2 gloo ranks vs the single-process reference.
+
+Tiny Llama, fp32, same seed and data, 5 steps of micro-batch 2 x accumulation 2 x 2 ranks against
+one process with micro-batch 8. Tolerance 1e-4 relative on per-step losses. Offloaded runs use the
+same torch AdamW on CPU (the toolkit passes its own optimizer, zero_force_ds_cpu_optimizer=false),
+so they are held to the same tolerance.
+"""
+
+import json
+
+import pytest
+import torch
+from distributed import launch
+from safetensors.torch import load_file
+
+STRATEGIES = {
+    "ddp": [], "zero0": ["--zero-stage", "0"], "zero1": ["--zero-stage", "1"], "zero2": ["--zero-stage", "2"],
+    "zero3": ["--zero-stage", "3"], "zero2_offload": ["--zero-stage", "2", "--offload", "optimizer"],
+    "zero3_offload": ["--zero-stage", "3", "--offload", "optimizer"],
+    "zero3_offload_param": ["--zero-stage", "3", "--offload", "optimizer+param"],
+    "fsdp_full": ["--fsdp"], "fsdp_grad_op": ["--fsdp", "--fsdp-sharding", "grad_op"],
+}
+
+
+def common(model, data, out, method):
+    return ["--model", str(model), "--dataset", str(data), "--output-dir", str(out), "--method", method,
+            "--seq-len", "64", "--max-steps", "5", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
+            "--lr-schedule", "linear", "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7"]
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, data_files):
+    refs = {}
+    for method in ("full", "lora"):
+        out = tmp_path_factory.mktemp(f"ref_{method}")
+        p = launch(common(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "8"], launcher="python")
+        assert p.returncode == 0, p.stderr[-3000:]
+        refs[method] = out
+    return refs
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory, tiny_model, data_files):
+    """Run each (strategy, method) once; several tests read the results."""
+    cache = {}
+
+    def get(name, method):
+        if (name, method) not in cache:
+            out = tmp_path_factory.mktemp(f"{name}_{method}")
+            argv = common(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "2", "--grad-accum", "2"]
+            p = launch(argv + STRATEGIES[name], nproc=2)
+            assert p.returncode == 0, p.stderr[-4000:]
+            cache[(name, method)] = out
+        return cache[(name, method)]
+
+    return get
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_losses_match_single_process(reference, strategy_runs, name, method):
+    ref = [r["loss"] for r in records(reference[method])]
+    got = [r["loss"] for r in records(strategy_runs(name, method))]
+    assert len(got) == 5 and got == pytest.approx(ref, rel=1e-4), f"{name}/{method}: {got} vs {ref}"
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_full"])
+def test_sharded_full_finetune_saves_consolidated_safetensors(reference, strategy_runs, name):
+    ref = load_file(reference["full"] / "final" / "model.safetensors")
+    got = load_file(strategy_runs(name, "full") / "final" / "model.safetensors")
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("name", ["zero3", "fsdp_full"])
+def test_sharded_final_folder_reloads_with_reference_logits(reference, strategy_runs, tiny_model, name, method):
+    """Plain transformers/peft, no toolkit code: the folder gives the single-process model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def logits(folder):
+        if method == "full":
+            model = AutoModelForCausalLM.from_pretrained(folder)
+        else:
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder)
+        ids = torch.arange(3, 40).view(1, -1)
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits
+
+    got = logits(strategy_runs(name, method) / "final")
+    torch.testing.assert_close(got, logits(reference[method] / "final"), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_full"])
+def test_sharded_lora_saves_the_gathered_adapter(reference, strategy_runs, name):
+    ref = load_file(reference["lora"] / "final" / "adapter_model.safetensors")
+    got = load_file(strategy_runs(name, "lora") / "final" / "adapter_model.safetensors")
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for k in ref:
+        assert got[k].numel() == ref[k].numel() > 0, f"{k} saved empty"
+        torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+def test_measured_memory_halves_under_sharding(strategy_runs):
+    """Per-rank bytes at the first logged step: optimizer states halve under ZeRO-1/2/3 and FSDP,
+    parameters halve under ZeRO-3 and FSDP full (2 ranks, within 5%)."""
+    def mem(name):
+        first = records(strategy_runs(name, "full"))[0]
+        assert len(first["param_bytes"]) == 2
+        return first
+
+    ddp = mem("ddp")
+    for name in ("zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op"):
+        m = mem(name)
+        for rank in range(2):
+            assert m["optim_bytes"][rank] == pytest.approx(ddp["optim_bytes"][rank] / 2, rel=0.05), name
+    for name in ("zero3", "fsdp_full"):
+        m = mem(name)
+        for rank in range(2):
+            assert m["param_bytes"][rank] == pytest.approx(ddp["param_bytes"][rank] / 2, rel=0.05), name
+
+
+def _launch_node(args, rank, port, tmp):
+    import subprocess
+    import sys
+
+    from distributed import ROOT
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+           "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "finetune.py"), *args]
+    log = open(tmp / f"node{rank}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_two_node_loopback_rehearsal_matches_one_node(tmp_path, tiny_model, data_files, strategy_runs):
+    """accelerate launch --num_machines 2 --machine_rank {0,1} on one host, ZeRO-3: same losses
+    as one node with 2 processes."""
+    from distributed import free_port
+
+    out = tmp_path / "two_nodes"
+    argv = common(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2",
+                                                                  "--zero-stage", "3"]
+    port = free_port()
+    nodes = [_launch_node(argv, r, port, tmp_path) for r in (0, 1)]
+    codes = [n.wait(timeout=600) for n in nodes]
+    assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
+    one_node = [r["loss"] for r in records(strategy_runs("zero3", "full"))]
+    assert [r["loss"] for r in records(out)] == pytest.approx(one_node, rel=1e-6)
+
+
+def test_generated_accelerate_config_works_with_stock_accelerate_launch(tmp_path, tiny_model, data_files,
+                                                                        strategy_runs):
+    import subprocess
+    import sys
+
+    from distributed import ROOT, free_port
+
+    from toolkit.__main__ import main as cli
+
+    yaml_path = tmp_path / "zero3.yaml"
+    cli(["accelerate-config", "--zero-stage", "3", "--num-processes", "2", "--output", str(yaml_path)])
+    out = tmp_path / "run"
+    argv = common(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2"]
+    p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
+                        "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *argv],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3  # adopted
+    zero3 = [r["loss"] for r in records(strategy_runs("zero3", "full"))]
+    assert [r["loss"] for r in records(out)] == pytest.approx(zero3, rel=1e-6)

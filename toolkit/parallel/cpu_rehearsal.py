@@ -1,0 +1,57 @@
+"""Run DeepSpeed and FSDP configs on CPU (gloo), so a GPU run can be rehearsed on a laptop.
+
+Why this exists: accelerate only turns DeepSpeed/FSDP on for accelerator-backed process groups.
+With `cpu=True` it builds a gloo group (MULTI_CPU) but then ignores a DeepSpeed plugin; without it,
+`PartialState._prepare_backend` finds no GPU and returns no backend at all. And it enables FSDP only
+for GPU-like distributed types. DeepSpeed 0.19 and FSDP2 themselves run fine on CPU with gloo.
+
+The workaround, all of it here:
+1. a one-process run gets the env:// variables a launcher would set (DeepSpeed always needs a
+   process group);
+2. the shared `PartialState` is created first with `cpu=True`, so the group is gloo on CPU;
+3. the `Accelerator` is then built with `cpu=False`, which lets its DeepSpeed branch run; for FSDP
+   the shared state's type is set to MULTI_GPU so accelerate takes its FSDP branch, which replaces
+   it with FSDP (the device stays `cpu`).
+When a GPU is present nothing here runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Iterator
+
+import torch
+
+
+def needed(kind: str | None) -> bool:
+    return kind in ("deepspeed", "fsdp") and not torch.cuda.is_available()
+
+
+def _single_process_env() -> None:
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@contextlib.contextmanager
+def cpu_rehearsal(kind: str | None) -> Iterator[bool]:
+    """Wrap `Accelerator(..., cpu=False)` creation; yields True when the shim is active."""
+    if not needed(kind):
+        yield False
+        return
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    _single_process_env()
+    state = PartialState(cpu=True)
+    if kind == "fsdp":
+        state.distributed_type = DistributedType.MULTI_GPU
+    yield True
+    if kind == "fsdp" and state.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(f"CPU rehearsal: accelerate did not enable FSDP ({state.distributed_type})")
