@@ -7,6 +7,7 @@
 Every flag is also a YAML key for --config; see `python finetune.py --help`.
 """
 
+import json
 import os
 import sys
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None):
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import count_parameters, load_model, load_tokenizer, resolve_model, resolved_precision
     from toolkit.parallel import make_accelerator
+    from toolkit.planner.auto import apply_auto_strategy
     from toolkit.train.checkpoint import save_final
     from toolkit.train.evaluate import exact_match
     from toolkit.train.integrity import verify_saved
@@ -37,11 +39,18 @@ def main(argv: list[str] | None = None):
     train_rows, train_stats = tokenize_examples(examples.train, tokenizer, cfg)
     eval_rows, _ = tokenize_examples(examples.eval, tokenizer, cfg, what="eval")
 
+    planned = None
+    if cfg.parallel.strategy == "auto":  # sets ZeRO/FSDP/offload, checkpointing and batch sizes
+        planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
+
     accelerator = make_accelerator(cfg, model_path)
     log = accelerator.print
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
+        if planned:
+            (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
+            log(table)
     report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
 
     model = load_model(cfg, model_path)

@@ -144,3 +144,23 @@ def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_f
     rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
     with pytest.raises(SystemExit, match="integrity check FAILED"):
         verify_saved(Accelerator(cpu=True), result.model, tok, rows, out / "final", str(tiny_model), "no", False)
+
+
+def test_strategy_auto_plans_writes_plan_json_and_trains(tmp_path, tiny_model, data_files):
+    import yaml
+
+    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "full", "--strategy", "auto",
+                      "--micro-batch-size", "1", "--grad-accum", "4")
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["chosen"] == "ddp"  # one CPU process, fp32: nothing to shard
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    # the planner raised the micro-batch as far as the global batch of 4 allows and kept that batch
+    assert (cfg["micro_batch_size"], cfg["grad_accum"]) == (4, 1)
+    assert result.summary["steps"] == 6
+
+
+def test_strategy_auto_refuses_manual_sharding_flags(tmp_path):
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match="--strategy auto picks the sharding itself"):
+        parse_config(["--strategy", "auto", "--zero-stage", "2", "--output-dir", str(tmp_path / "o")])

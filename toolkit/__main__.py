@@ -1,4 +1,4 @@
-"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, verify."""
+"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, plan, verify."""
 
 from __future__ import annotations
 
@@ -70,6 +70,53 @@ def cmd_accelerate_config(args) -> None:
     print(f"wrote {args.output}: accelerate launch --config_file {args.output} finetune.py ...")
 
 
+def load_model_config(spec: str) -> dict:
+    """A preset name, a model folder (its config.json) or a config JSON file."""
+    import difflib
+    import json
+
+    from toolkit.planner.presets import PRESETS
+
+    key = spec.lower().removesuffix("-instruct")
+    if key in PRESETS:
+        return dict(PRESETS[key])
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"--model {spec}: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    hint = difflib.get_close_matches(key, list(PRESETS), n=1)
+    raise UserError(f"--model {spec}: not a preset, model folder or config file"
+                    + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; presets: {', '.join(PRESETS)}")
+
+
+def cmd_plan(args) -> None:
+    import json
+
+    from toolkit.planner.plan import PlanInput, parse_size, plan, render_table
+
+    cfg = load_model_config(args.model_config or args.model)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if k not in cfg]
+    if missing:
+        raise UserError(f"--model {args.model}: config lacks {', '.join(missing)} (a decoder-only Llama-family "
+                        "config is expected)")
+    inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
+                    nodes=args.nodes, cpu_memory=parse_size(args.cpu_memory, "cpu-memory") if args.cpu_memory else None,
+                    method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
+                    micro_batch=args.micro_batch_size, precision=args.mixed_precision,
+                    checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp)
+    try:
+        result = plan(inp)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(json.dumps(result.to_json(), indent=2) if args.json else render_table(result, inp.gpu_memory))
+
+
 def cmd_verify(args) -> None:
     import json
 
@@ -110,6 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--main-process-port", type=int, default=29500)
     s.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     s.set_defaults(fn=cmd_accelerate_config)
+    s = sub.add_parser("plan", help="predict per-GPU memory of each strategy and pick the cheapest that fits")
+    s.add_argument("--model", default="smollm2-135m", help="preset, model folder or config.json")
+    s.add_argument("--model-config", help="a config JSON file (overrides --model)")
+    s.add_argument("--gpus-per-node", type=int, default=8)
+    s.add_argument("--nodes", type=int, default=1)
+    s.add_argument("--gpu-memory", default="80GB")
+    s.add_argument("--cpu-memory", help="CPU RAM per node, for offload (default: unlimited)")
+    s.add_argument("--method", default="lora", choices=("full", "lora", "qlora"))
+    s.add_argument("--lora-r", type=int, default=16)
+    s.add_argument("--lora-targets", default="all-linear")
+    s.add_argument("--seq-len", type=int, default=2048)
+    s.add_argument("--micro-batch-size", type=int, default=1)
+    s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"))
+    s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    s.add_argument("--global-batch", type=int, help="target examples per optimizer step")
+    s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
+    s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    s.set_defaults(fn=cmd_plan)
     s = sub.add_parser("verify", help="(internal) loss of a saved folder on a batch, in a fresh process")
     s.add_argument("--folder", required=True)
     s.add_argument("--base", required=True, help="base model for an adapter folder")

@@ -74,6 +74,8 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    strategy: str = _f("manual", "auto: let the planner pick ZeRO/FSDP/offload, checkpointing and batch sizes",
+                       ("manual", "auto"))
     zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
     offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
     fsdp: bool = _f(False, "shard with PyTorch FSDP2 instead of DDP/DeepSpeed")
@@ -298,6 +300,8 @@ def validate(cfg: Config) -> list[str]:
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
     par = cfg.parallel
+    need(not (par.strategy == "auto" and (par.fsdp or par.zero_stage is not None or par.offload != "none")),
+         "--strategy auto picks the sharding itself; drop --zero-stage/--fsdp/--offload or use --strategy manual")
     need(not (par.fsdp and par.zero_stage is not None),
          f"--fsdp and --zero-stage {par.zero_stage} both shard the model; choose one")
     need(not (par.offload != "none" and par.zero_stage in (None, 0)),

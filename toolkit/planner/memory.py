@@ -1,0 +1,123 @@
+"""Per-GPU memory of each strategy, as pure functions of counts and byte widths.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3-5: with Adam, K = 12 bytes of
+optimizer state per parameter in mixed precision, partitioned over N_d ranks at stage 1, plus
+gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit runs:
+- the model is loaded in fp32 and autocast does bf16 compute, so DDP/FSDP weights are 4 bytes and
+  gradients 4 bytes per parameter; DeepSpeed with bf16 converts the module to 2-byte weights and
+  keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
+- DeepSpeed keeps that fp32 master partition in fp32 runs too (measured: `master_bytes`);
+- only trainable parameters (LoRA: the adapters) have gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+MASTER_BYTES = 4  # DeepSpeed's fp32 master partition
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    deepspeed: bool = False
+    shard_optimizer: bool = False  # ZeRO-1+ / FSDP
+    shard_grads: bool = False  # ZeRO-2+ / FSDP
+    shard_params: bool = False  # ZeRO-3 / FSDP full
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
+    Strategy("ddp"),
+    Strategy("zero1", deepspeed=True, shard_optimizer=True),
+    Strategy("zero2", deepspeed=True, shard_optimizer=True, shard_grads=True),
+    Strategy("zero3", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True),
+    Strategy("zero2_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, offload_optimizer=True),
+    Strategy("zero3_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
+             offload_optimizer=True),
+    Strategy("zero3_offload_param", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
+             offload_optimizer=True, offload_params=True),
+    # FSDP2 shards parameters in both modes; grad_op keeps them gathered between forward and backward.
+    Strategy("fsdp_full", shard_optimizer=True, shard_grads=True, shard_params=True),
+    Strategy("fsdp_grad_op", shard_optimizer=True, shard_grads=True, shard_params=True),
+]}
+
+
+def weight_bytes_per_param(s: Strategy, precision: str) -> int:
+    """DeepSpeed casts the module to bf16/fp16; DDP/FSDP keep fp32 weights and autocast."""
+    return 2 if s.deepspeed and precision in ("bf16", "fp16") else 4
+
+
+def weights_bytes(s: Strategy, params: int, n: int, precision: str) -> int:
+    """Resident weights per GPU: all of them, or a 1/n shard (ZeRO-3, FSDP), or none (param offload)."""
+    if s.offload_params:
+        return 0
+    total = weight_bytes_per_param(s, precision) * params
+    return total // n if s.shard_params else total
+
+
+def grads_bytes(s: Strategy, trainable: int, n: int, precision: str) -> int:
+    """Gradients have the weights' dtype; partitioned from ZeRO-2 / FSDP on (ZeRO paper, P_os+g)."""
+    total = weight_bytes_per_param(s, precision) * trainable
+    return total // n if s.shard_grads else total
+
+
+def optimizer_bytes(s: Strategy, trainable: int, n: int) -> int:
+    """Adam moments (+ DeepSpeed's fp32 master) per GPU: 1/n of them from ZeRO-1 / FSDP on, none on
+    the GPU with optimizer offload (they move to CPU RAM, see `cpu_bytes`)."""
+    if s.offload_optimizer:
+        return 0
+    per_param = ADAM_BYTES + (MASTER_BYTES if s.deepspeed else 0)
+    total = per_param * trainable
+    return total // n if s.shard_optimizer else total
+
+
+def cpu_bytes(s: Strategy, params: int, trainable: int, n: int, precision: str) -> int:
+    """CPU RAM per GPU process that offload needs (the node needs this x GPUs per node)."""
+    out = 0
+    if s.offload_optimizer:
+        out += (ADAM_BYTES + MASTER_BYTES + 4) * trainable // n  # moments + master + fp32 grad partition
+    if s.offload_params:
+        out += weight_bytes_per_param(s, precision) * params // n
+    return out
+
+
+def activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, checkpointing: bool) -> int:
+    """Tensors autograd saves for backward, in elements per token, for a Llama-family decoder.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    eq. 1) give sbh(34 + 5as/h) bytes per GPT layer in 16-bit. Adapted here to what a Llama block
+    saves under SDPA (no s x s score matrix, so no 5as/h term): two RMSNorms' inputs and outputs,
+    q and the attention output (h each), k and v at the grouped-query width (2 x kv_dim), and the
+    SwiGLU MLP's gate, up, silu(gate) and product (4 x i): 8h + 2kv + 4i per layer, plus 3h outside
+    the blocks (embedding output, final norm input and output). With full activation checkpointing
+    each block keeps only its input (h). Fitted against `torch.autograd.graph.saved_tensors_hooks`
+    on real HF Llama blocks (tests/test_planner_activations.py: within 15% over a grid).
+    """
+    per_layer = h if checkpointing else 8 * h + 2 * kv_dim + 4 * i
+    return layers * per_layer + 3 * h
+
+
+def activation_bytes(layers: int, h: int, i: int, kv_dim: int, micro_batch: int, seq_len: int,
+                     act_bytes: int, checkpointing: bool) -> int:
+    """Saved activations per GPU for one micro-batch; with checkpointing, plus one block's worth
+    that exists while that block is recomputed in backward."""
+    saved = activation_elements_per_token(layers, h, i, kv_dim, checkpointing)
+    if checkpointing:
+        saved += 8 * h + 2 * kv_dim + 4 * i
+    return act_bytes * micro_batch * seq_len * saved
+
+
+def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> int:
+    """The LM head's logits (compute dtype), the toolkit's fp32 copy for the loss, and
+    cross-entropy's saved fp32 log-softmax: (act_bytes + 4 + 4) x b x s x V."""
+    return (act_bytes + 8) * micro_batch * seq_len * vocab
+
+
+def tp_activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, t: int) -> int:
+    """Megatron tensor parallelism of degree t (Korthikanti et al. 2022, eq. 2: sbh(10 + 24/t +
+    5as/(ht))): tensors inside the column/row-parallel region (q, attention output, o_proj input,
+    k/v, the SwiGLU tensors) are split by t; the two norms' inputs and outputs (4h) are replicated."""
+    return layers * (4 * h + (4 * h + 2 * kv_dim + 4 * i) // t) + 3 * h

@@ -1,0 +1,270 @@
+"""Predict per-GPU memory for every strategy and pick the cheapest that fits.
+
+"Cheapest" = least communication per step: offload last (it adds host<->device traffic), then
+bytes moved between GPUs (ZeRO paper sec. 7: DDP and ZeRO-1/2 move 2 x gradients, ZeRO-3 adds two
+all-gathers of the parameters, which for LoRA are the whole frozen base). Without gradient
+checkpointing first; then the largest micro-batch that fits and the accumulation that reaches the
+target global batch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, cpu_bytes, grads_bytes,
+                                    logits_bytes, optimizer_bytes, tp_activation_elements_per_token,
+                                    weight_bytes_per_param, weights_bytes)
+from toolkit.planner.memory import activation_elements_per_token
+from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
+
+GiB = 1024**3
+FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
+DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
+FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
+QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
+ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
+         "zero3_offload_param"]
+
+
+def parse_size(text: str, what: str) -> int:
+    """'80GB', '80GiB', '512MB', '1.5TB' or a plain number of bytes -> bytes (GB = GiB here, as
+    vendors quote GPU memory)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|[KMGT])?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise UserError(f"--{what} {text!r} is not a size; use a number with KB/MB/GB/TB, e.g. 80GB")
+    value = float(m.group(1)) * 1024 ** {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[(m.group(2) or "")[:1].upper()]
+    if value <= 0:
+        raise UserError(f"--{what} must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass
+class PlanInput:
+    model: dict[str, Any]
+    gpu_memory: int
+    gpus_per_node: int = 8
+    nodes: int = 1
+    cpu_memory: int | None = None  # per node
+    method: str = "lora"
+    lora_r: int = 16
+    lora_targets: str = "all-linear"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    precision: str = "bf16"
+    checkpointing: bool | None = None  # None: try without first
+    global_batch: int | None = None
+    tp: list[int] | None = None  # TP degrees to predict (default: every valid one)
+    pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
+
+
+def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
+    """t must divide the query and kv heads (each rank keeps whole heads), stay inside a node
+    (TP all-reduces every layer) and divide the world (data parallel across TP groups)."""
+    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return [t for t in range(2, gpus_per_node + 1) if nq % t == 0 and nkv % t == 0 and world % t == 0]
+
+
+def check_tp(cfg: dict[str, Any], t: int, gpus_per_node: int, world: int) -> None:
+    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if t < 1 or nq % t or nkv % t:
+        raise UserError(f"--tp {t}: must divide the attention heads ({nq}) and kv heads ({nkv})")
+    if t > gpus_per_node or world % t:
+        raise UserError(f"--tp {t}: must be <= GPUs per node ({gpus_per_node}) and divide the world size ({world})")
+
+
+@dataclass
+class Candidate:
+    name: str
+    checkpointing: bool
+    micro_batch: int
+    bytes: dict[str, int]
+    cpu_bytes_per_node: int
+    comm_bytes: int
+    fits: bool
+    runnable: bool = True  # tp*/pp* rows are predictions until the toolkit runs them
+
+
+@dataclass
+class Plan:
+    params: int
+    trainable_params: int
+    world: int
+    strategies: list[Candidate]
+    chosen: str | None
+    chosen_detail: Candidate | None = None
+    grad_accum: int = 1
+    flags: list[str] = field(default_factory=list)
+    advice: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    nkv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], nkv * head_dim(cfg), cfg["vocab_size"]
+
+
+def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int) -> Candidate:
+    cfg = inp.model
+    counts = count_params(cfg)
+    params = counts.total
+    trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
+    n = inp.gpus_per_node * inp.nodes
+    layers, h, i, kv, vocab = _dims(cfg)
+    act = 2 if inp.precision in ("bf16", "fp16") else 4
+    if inp.method == "qlora":
+        linear = layers * sum(a * b for a, b in linear_shapes(cfg).values())
+        weights = int(linear * QLORA_BITS / 8) + 4 * (params - linear) + 4 * trainable
+    else:
+        weights = weights_bytes(s, params, n, inp.precision) + (4 * trainable if inp.method == "lora" else 0)
+    b = {
+        "weights": weights,
+        "grads": grads_bytes(s, trainable, n, inp.precision),
+        "optimizer": optimizer_bytes(s, trainable, n),
+        "activations": activation_bytes(layers, h, i, kv, micro_batch, inp.seq_len, act, checkpointing),
+        "logits": logits_bytes(micro_batch, inp.seq_len, vocab, act),
+    }
+    wb = weight_bytes_per_param(s, inp.precision)
+    block = counts.per_block * wb
+    buckets = DDP_BUCKET * 2 if not s.deepspeed and not s.shard_params else 0
+    if s.deepspeed:
+        buckets += 2 * 4 * h * h  # reduce bucket (h*h, fp32) double-buffered
+    if s.shard_params:
+        buckets += 2 * block  # the gathered block in use + the next one prefetched
+    b["buffers"] = FRAMEWORK_CONTEXT + buckets
+    b["buffers"] += int(FRAGMENTATION * sum(b.values()))
+    b["total"] = sum(b.values())
+    cpu = cpu_bytes(s, params, trainable, n, inp.precision) * inp.gpus_per_node
+    gathers = (2 if s.name != "fsdp_grad_op" else 1) * params * wb if s.shard_params else 0
+    comm = 2 * trainable * wb + gathers if n > 1 else 0
+    fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
+    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits)
+
+
+def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointing: bool) -> Candidate:
+    """tpT[_dpD]: Megatron TP of degree T inside a node, DDP across the D = world/T groups;
+    ppP: a naive pipeline of P stages (GPipe: every micro-batch's activations alive at once), the
+    heaviest stage taken. Weights stay fp32 under autocast, as in DDP."""
+    cfg = inp.model
+    counts = count_params(cfg)
+    layers, h, i, kv, vocab = _dims(cfg)
+    trainable_all = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
+    act = 2 if inp.precision in ("bf16", "fp16") else 4
+    world = inp.gpus_per_node * inp.nodes
+    outside = counts.embedding + counts.lm_head + counts.final_norm
+    if kind == "tp":
+        block_linear = sum(a * b for a, b in linear_shapes(cfg).values())
+        params = layers * (counts.per_block - block_linear + block_linear // degree) + outside
+        trainable = params if inp.method == "full" else trainable_all // degree
+        per_token = layers * h + 3 * h if checkpointing else tp_activation_elements_per_token(layers, h, i, kv, degree)
+        acts = act * inp.micro_batch * inp.seq_len * per_token
+        logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)
+        comm = 4 * 2 * layers * inp.micro_batch * inp.seq_len * h * act  # 2 all-reduces fwd + 2 bwd per block
+        name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
+    else:
+        stage_layers = -(-layers // degree)
+        params = stage_layers * counts.per_block + max(counts.embedding, counts.lm_head + counts.final_norm)
+        trainable = params if inp.method == "full" else -(-trainable_all // degree)
+        per_layer = activation_elements_per_token(1, h, i, kv, checkpointing) - 3 * h
+        acts = act * inp.micro_batch * inp.seq_len * (stage_layers * per_layer + 2 * h)
+        logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)  # on the last stage
+        comm = 2 * (degree - 1) * inp.micro_batch * inp.seq_len * h * act  # activations + their grads
+        name = f"pp{degree}"
+    b = {"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
+         "activations": acts, "logits": logits}
+    b["buffers"] = FRAMEWORK_CONTEXT + 2 * DDP_BUCKET
+    b["buffers"] += int(FRAGMENTATION * sum(b.values()))
+    b["total"] = sum(b.values())
+    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, runnable=False)
+
+
+def plan(inp: PlanInput) -> Plan:
+    problems = []
+    if inp.gpus_per_node < 1 or inp.nodes < 1:
+        problems.append("--gpus-per-node and --nodes must be >= 1")
+    if inp.seq_len < 1 or inp.micro_batch < 1:
+        problems.append("--seq-len and --micro-batch-size must be >= 1")
+    if inp.method not in ("full", "lora", "qlora"):
+        problems.append(f"--method must be full, lora or qlora (got {inp.method})")
+    if problems:
+        raise UserError("; ".join(problems))
+    names = [n for n in ORDER if not (inp.method == "qlora" and (STRATEGIES[n].shard_params or STRATEGIES[n].offload_params))]
+    gc_options = [inp.checkpointing] if inp.checkpointing is not None else [False, True]
+    rows = [estimate(inp, STRATEGIES[n], gc, inp.micro_batch) for gc in gc_options for n in names]
+    world = inp.gpus_per_node * inp.nodes
+    if inp.tp:
+        for t in inp.tp:
+            check_tp(inp.model, t, inp.gpus_per_node, world)
+    tps = inp.tp or valid_tp(inp.model, inp.gpus_per_node, world)
+    pps = inp.pp or [p for p in (2, 4) if p <= inp.model["num_hidden_layers"] and p <= world]
+    for p in pps:
+        if p < 2 or p > inp.model["num_hidden_layers"]:
+            raise UserError(f"--pp {p}: needs 2 <= stages <= blocks ({inp.model['num_hidden_layers']})")
+    rows += [estimate_model_parallel(inp, "tp", t, gc_options[0]) for t in tps]
+    rows += [estimate_model_parallel(inp, "pp", p, gc_options[0]) for p in pps]
+    counts = count_params(inp.model)
+    trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
+    result = Plan(counts.total, trainable, world, rows, None)
+    ranked = sorted(names, key=lambda n: (STRATEGIES[n].offload_optimizer, STRATEGIES[n].offload_params,
+                                          estimate(inp, STRATEGIES[n], False, 1).comm_bytes, ORDER.index(n)))
+    for gc in gc_options:
+        for name in ranked:
+            c = estimate(inp, STRATEGIES[name], gc, inp.micro_batch)
+            if c.fits:
+                mb = inp.micro_batch
+                cap = -(-inp.global_batch // world) if inp.global_batch else 256  # never past the target
+                while mb * 2 <= cap and estimate(inp, STRATEGIES[name], gc, mb * 2).fits:
+                    mb *= 2
+                best = estimate(inp, STRATEGIES[name], gc, mb)
+                target = inp.global_batch or mb * world
+                result.chosen, result.chosen_detail = name, best
+                result.grad_accum = max(1, -(-target // (mb * world)))
+                result.flags = flags_for(name, gc, mb, result.grad_accum, inp.method)
+                return result
+    smallest = min((estimate(inp, STRATEGIES[n], True, 1) for n in names), key=lambda c: c.bytes["total"])
+    short = smallest.bytes["total"] - inp.gpu_memory
+    result.advice = (f"nothing fits: the smallest plan ({smallest.name}, gradient checkpointing, micro-batch 1) needs "
+                     f"{smallest.bytes['total'] / GiB:.1f} GiB per GPU, {max(short, 0) / GiB:.1f} GiB more than "
+                     f"{inp.gpu_memory / GiB:.0f} GiB" + (f" (or {smallest.cpu_bytes_per_node / GiB:.0f} GiB CPU RAM per node)"
+                                                        if short <= 0 else "")
+                     + "; more GPUs, CPU offload, --method qlora or a shorter --seq-len would reduce it")
+    return result
+
+
+def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
+    s = STRATEGIES[name]
+    flags = ["--method", method]
+    if s.deepspeed:
+        flags += ["--zero-stage", name[4]]
+        if s.offload_optimizer:
+            flags += ["--offload", "optimizer+param" if s.offload_params else "optimizer"]
+    elif name.startswith("fsdp"):
+        flags += ["--fsdp", "--fsdp-sharding", name.split("_", 1)[1]]
+    if gc:
+        flags.append("--gradient-checkpointing")
+    return flags + ["--micro-batch-size", str(mb), "--grad-accum", str(ga)]
+
+
+def render_table(p: Plan, gpu_memory: int) -> str:
+    cols = ["weights", "grads", "optimizer", "activations", "logits", "buffers", "total"]
+    lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {p.world} GPUs  "
+             f"GPU memory {gpu_memory / GiB:.0f} GiB  (GiB per GPU below)",
+             f"{'strategy':<22}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'fits':>6}"]
+    for c in p.strategies:
+        lines.append(f"{c.name + (' +gc' if c.checkpointing else '') + ('' if c.runnable else ' *'):<22}"
+                     + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
+                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{'yes' if c.fits else 'no':>6}")
+    if any(not c.runnable for c in p.strategies):
+        lines.append("* predicted only: tensor/pipeline parallel runs are not in finetune.py yet, so never chosen")
+    if p.chosen:
+        d = p.chosen_detail
+        lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "
+                     f"{d.micro_batch}, grad-accum {p.grad_accum}: {d.bytes['total'] / GiB:.1f} GiB per GPU")
+        lines.append("flags: " + " ".join(p.flags))
+    else:
+        lines.append(p.advice)
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+"""Public architectures' configs (the fields the planner reads), copied from each model's
+config.json on the Hugging Face hub, so planning needs no download."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                       max_position_embeddings=8192),
+    "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                        max_position_embeddings=8192),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+                       max_position_embeddings=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       max_position_embeddings=32768),
+    "qwen2.5-72b": dict(model_type="qwen2", hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+                        max_position_embeddings=32768),
+}
