@@ -60,23 +60,16 @@ def test_nothing_fits_says_by_how_much(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "llama-3-9b"], "not a preset, model folder or config file (did you mean 'llama-3-8b'?)"),
     (["--gpu-memory", "80XB"], "--gpu-memory '80XB' is not a size"),
-    (["--gpu-memory", "-8GB"], "is not a size"),
+    (["--gpu-memory", "-8GB"], "--gpu-memory must be positive, got '-8GB'"),
     (["--gpu-memory", "0"], "--gpu-memory must be positive"),
     (["--lora-targets", "qkv"], "LoRA targets ['qkv'] are not linears"),
 ])
-def test_bad_input_is_one_clear_error(argv, message):
+def test_bad_input_is_one_clear_error(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         cli(["plan", *argv])
     assert e.value.code == 2
-
-
-def test_bad_input_messages(capsys):
-    for argv, message in [(["--model", "llama-3-9b"], "did you mean 'llama-3-8b'?"),
-                          (["--gpu-memory", "80XB"], "--gpu-memory '80XB' is not a size")]:
-        with pytest.raises(SystemExit):
-            cli(["plan", *argv])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
 
 
 def test_parse_size():

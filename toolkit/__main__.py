@@ -186,9 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--gpu-memory -8GB` -> `--gpu-memory=-8GB`: argparse would take "-8GB" for a flag and say
+    "expected one argument"; joined, the value reaches its own check and gets a clear message."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1][:1] == "-" \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
 @exit_on_user_error("python -m toolkit")
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     args.fn(args)
 
 

@@ -32,7 +32,7 @@ ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_o
 def parse_size(text: str, what: str) -> int:
     """'80GB', '80GiB', '512MB', '1.5TB' or a plain number of bytes -> bytes (GB = GiB here, as
     vendors quote GPU memory)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|[KMGT])?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([KMGT]i?B|[KMGT])?\s*", str(text), re.IGNORECASE)
     if not m:
         raise UserError(f"--{what} {text!r} is not a size; use a number with KB/MB/GB/TB, e.g. 80GB")
     value = float(m.group(1)) * 1024 ** {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[(m.group(2) or "")[:1].upper()]
