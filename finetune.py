@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None):
 
     if examples.answers:
         scores["after"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
-    return summarize(log, cfg, out_dir, result, scores, accelerator, model)
+    run = summarize(log, cfg, out_dir, result, scores, accelerator, model)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
+    return run
 
 
 if __name__ == "__main__":
