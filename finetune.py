@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None):
             log(table)
     report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
 
-    model = load_model(cfg, model_path)
+    model = load_model(cfg, model_path, accelerator.tp_layout)
     trainable, total = count_parameters(model)
-    log(f"model: {model_path} ({total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable, method {cfg.model.method})")
+    per = " on this rank" if cfg.parallel.tp > 1 else ""
+    log(f"model: {model_path} ({total / 1e6:.1f}M params{per}, {trainable / 1e6:.2f}M trainable, method {cfg.model.method})")
     scores = {}
     if examples.answers:
         scores["before"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)

@@ -72,3 +72,17 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def parity_args(model, data, out, method: str) -> list[str]:
+    """finetune.py flags shared by the parity tests: tiny model, fp32, 5 logged steps, no dropout."""
+    return ["--model", str(model), "--dataset", str(data), "--output-dir", str(out), "--method", method,
+            "--seq-len", "64", "--max-steps", "5", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
+            "--lr-schedule", "linear", "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7"]
+
+
+def records(out) -> list[dict]:
+    """The run's metrics.jsonl records."""
+    import json
+
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

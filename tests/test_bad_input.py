@@ -34,12 +34,19 @@ def case(tmp_path, name):
         return ["--model", str(d / "no-model")], "no-model: folder not found"
     if name == "uncached_hub_id":
         return ["--model", "some-org/not-cached-model"], "not in the Hugging Face cache"
+    if name == "tp_without_ranks":
+        return ["--tp", "2"], "--tp 2 needs a world size that is a multiple of 2 (got 1 process)"
+    if name == "tp_not_dividing_heads":
+        return ["--tp", "4"], "--tp 4: must divide the kv heads (2)"
+    if name == "tp_with_zero3":
+        return ["--tp", "2", "--zero-stage", "3"], "--tp 2 with --zero-stage 3 is not supported"
     raise KeyError(name)
 
 
 @pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
                                   "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
-                                  "missing_model", "uncached_hub_id"])
+                                  "missing_model", "uncached_hub_id", "tp_without_ranks", "tp_not_dividing_heads",
+                                  "tp_with_zero3"])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
     out = tmp_path / "out"
     out.mkdir()

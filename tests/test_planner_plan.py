@@ -79,17 +79,19 @@ def test_parse_size():
 
 
 def test_tp_and_pp_rows_follow_divisibility_and_are_never_chosen(capsys):
+    """TP rows are runnable (--tp N) but auto picks among DDP/ZeRO/FSDP; PP rows are predictions."""
     out = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
     rows = {s["name"]: s for s in out["strategies"]}
     assert {"tp2_dp4", "tp4_dp2", "tp8", "pp2", "pp4"} <= set(rows)  # 32 heads / 8 kv heads: 2, 4, 8 divide
     assert rows["tp8"]["bytes"]["weights"] < rows["tp2_dp4"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
-    assert not any(rows[n]["runnable"] for n in ("tp8", "pp2")) and rows[out["chosen"]]["runnable"]
+    assert rows["tp8"]["runnable"] and not rows["pp2"]["runnable"] and rows[out["chosen"]]["runnable"]
+    assert not out["chosen"].startswith(("tp", "pp"))
     qwen = plan_json(capsys, "--model", "qwen2.5-7b", "--gpus-per-node", "8", "--gpu-memory", "80GB")
     assert {s["name"] for s in qwen["strategies"] if s["name"].startswith("tp")} == {"tp2_dp4", "tp4_dp2"}  # 28/4 heads
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "llama-3-8b", "--tp", "3"], "--tp 3: must divide the attention heads (32) and kv heads (8)"),
+    (["--model", "llama-3-8b", "--tp", "3"], "--tp 3: must divide the attention heads (32), kv heads (8), intermediate size (14336)"),
     (["--model", "llama-3-8b", "--tp", "16"], "--tp 16: must divide"),
     (["--model", "llama-3-8b", "--gpus-per-node", "2", "--tp", "4"], "--tp 4: must be <= GPUs per node (2)"),
     (["--model", "smollm2-135m", "--pp", "64"], "--pp 64: needs 2 <= stages <= blocks (30)"),

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from distributed import launch
+from distributed import launch, parity_args, records
 from safetensors.torch import load_file
 
 STRATEGIES = {
@@ -22,22 +22,12 @@ STRATEGIES = {
 }
 
 
-def common(model, data, out, method):
-    return ["--model", str(model), "--dataset", str(data), "--output-dir", str(out), "--method", method,
-            "--seq-len", "64", "--max-steps", "5", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
-            "--lr-schedule", "linear", "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7"]
-
-
-def records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, data_files):
     refs = {}
     for method in ("full", "lora"):
         out = tmp_path_factory.mktemp(f"ref_{method}")
-        p = launch(common(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "8"], launcher="python")
+        p = launch(parity_args(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "8"], launcher="python")
         assert p.returncode == 0, p.stderr[-3000:]
         refs[method] = out
     return refs
@@ -51,7 +41,7 @@ def strategy_runs(tmp_path_factory, tiny_model, data_files):
     def get(name, method):
         if (name, method) not in cache:
             out = tmp_path_factory.mktemp(f"{name}_{method}")
-            argv = common(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "2", "--grad-accum", "2"]
+            argv = parity_args(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "2", "--grad-accum", "2"]
             p = launch(argv + STRATEGIES[name], nproc=2)
             assert p.returncode == 0, p.stderr[-4000:]
             cache[(name, method)] = out
@@ -147,7 +137,7 @@ def test_two_node_loopback_rehearsal_matches_one_node(tmp_path, tiny_model, data
     from distributed import free_port
 
     out = tmp_path / "two_nodes"
-    argv = common(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2",
+    argv = parity_args(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2",
                                                                   "--zero-stage", "3"]
     port = free_port()
     nodes = [_launch_node(argv, r, port, tmp_path) for r in (0, 1)]
@@ -169,7 +159,7 @@ def test_generated_accelerate_config_works_with_stock_accelerate_launch(tmp_path
     yaml_path = tmp_path / "zero3.yaml"
     cli(["accelerate-config", "--zero-stage", "3", "--num-processes", "2", "--output", str(yaml_path)])
     out = tmp_path / "run"
-    argv = common(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2"]
+    argv = parity_args(tiny_model, data_files["chat"], out, "full") + ["--micro-batch-size", "2", "--grad-accum", "2"]
     p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
                         "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *argv],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,

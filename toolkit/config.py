@@ -81,6 +81,8 @@ class ParallelConfig:
     fsdp: bool = _f(False, "shard with PyTorch FSDP2 instead of DDP/DeepSpeed")
     fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = full within a node",
                             ("full", "grad_op", "hybrid"))
+    tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
+                    "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP only")
 
 
 @dataclass
@@ -312,7 +314,17 @@ def validate(cfg: Config) -> list[str]:
          "--method qlora cannot offload its 4-bit base weights (--offload optimizer+param); use --offload optimizer")
     need(not (m.method == "qlora" and (par.zero_stage == 3 or par.fsdp)),
          "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
-    p.extend(_check_launcher(par))
+    p.extend(_check_launcher(par))  # before the TP checks: it may adopt ZeRO or FSDP from the launcher
+    need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
+    if par.tp > 1:
+        other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp else
+                 f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None)
+        need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
+                            "with plain data parallel only (drop one of them)")
+        need(m.method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
+                                  "cannot be sliced); use --method lora")
+        need(t.mixed_precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
+                                          "(no loss scaling across TP shards); use bf16")
     p.extend(_check_dataset_path(d.dataset))
     p.extend(_check_output_dir(o))
     return p

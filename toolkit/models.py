@@ -148,10 +148,11 @@ def resolved_precision(cfg: Config) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def load_model(cfg: Config, path: str):
+def load_model(cfg: Config, path: str, tp_layout=None):
     """Load the causal LM in fp32 master weights (accelerate autocasts for bf16/fp16), then wrap
     it for LoRA/QLoRA. QLoRA stores the frozen base in NF4 (bitsandbytes) and computes in the run's
-    dtype."""
+    dtype. With a TP layout every rank loads the full weights and keeps its slice (LoRA adapters
+    are created first, so TP=1 and TP=t start from the same adapter init)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": torch.float32}
@@ -175,6 +176,10 @@ def load_model(cfg: Config, path: str):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg)
+    if tp_layout is not None:
+        from toolkit.parallel.tp import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, tp_layout.tp_group)
     return model
 
 

@@ -67,10 +67,30 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
         accelerator = Accelerator(cpu=not torch.cuda.is_available() and not rehearsing, **kwargs)
     if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
+    accelerator.tp_layout = tensor_parallel_layout(cfg, model_path, accelerator.num_processes)
     set_seed(cfg.train.seed)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
     return accelerator
+
+
+def tensor_parallel_layout(cfg: Config, model_path: str | None, world: int):
+    """None without --tp; else check the model and world (one line for every problem, before the
+    model is loaded) and build the tp x dp process groups."""
+    if cfg.parallel.tp == 1:
+        return None
+    from toolkit.errors import UserError
+    from toolkit.parallel.tp import make_layout, tp_problems
+
+    problems = []
+    if model_path:
+        from transformers import AutoConfig
+
+        problems = tp_problems(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
+                               cfg.parallel.tp, world)
+    if problems:
+        raise UserError("; ".join(problems))
+    return make_layout(cfg.parallel.tp)
 
 
 def fsdp_plugin(cfg: Config):

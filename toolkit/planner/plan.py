@@ -60,17 +60,27 @@ class PlanInput:
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
 
 
-def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
-    """t must divide the query and kv heads (each rank keeps whole heads), stay inside a node
-    (TP all-reduces every layer) and divide the world (data parallel across TP groups)."""
+def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
+    """Each rank keeps whole query and kv heads and an equal slice of the MLP: t must divide the
+    attention heads, the kv heads and the intermediate size. The runtime (`--tp`) uses this too."""
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return [t for t in range(2, gpus_per_node + 1) if nq % t == 0 and nkv % t == 0 and world % t == 0]
+    if t < 1:
+        return [f"--tp {t}: must be >= 1"]
+    bad = [f"{what} ({n})" for what, n in (("attention heads", nq), ("kv heads", nkv),
+                                           ("intermediate size", cfg["intermediate_size"])) if n % t]
+    return [f"--tp {t}: must divide the {', '.join(bad)}"] if bad else []
+
+
+def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
+    """t passes `tp_divisibility_problems`, stays inside a node (TP all-reduces every layer) and
+    divides the world (data parallel across TP groups)."""
+    return [t for t in range(2, gpus_per_node + 1) if not tp_divisibility_problems(cfg, t) and world % t == 0]
 
 
 def check_tp(cfg: dict[str, Any], t: int, gpus_per_node: int, world: int) -> None:
-    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if t < 1 or nq % t or nkv % t:
-        raise UserError(f"--tp {t}: must divide the attention heads ({nq}) and kv heads ({nkv})")
+    problems = tp_divisibility_problems(cfg, t)
+    if problems:
+        raise UserError(problems[0])
     if t > gpus_per_node or world % t:
         raise UserError(f"--tp {t}: must be <= GPUs per node ({gpus_per_node}) and divide the world size ({world})")
 
@@ -84,7 +94,7 @@ class Candidate:
     cpu_bytes_per_node: int
     comm_bytes: int
     fits: bool
-    runnable: bool = True  # tp*/pp* rows are predictions until the toolkit runs them
+    runnable: bool = True  # pp* rows are predictions until the toolkit runs them
 
 
 @dataclass
@@ -179,7 +189,8 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
     b["buffers"] = FRAMEWORK_CONTEXT + 2 * DDP_BUCKET
     b["buffers"] += int(FRAGMENTATION * sum(b.values()))
     b["total"] = sum(b.values())
-    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, runnable=False)
+    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory,
+                     runnable=kind == "tp")
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -259,7 +270,9 @@ def render_table(p: Plan, gpu_memory: int) -> str:
                      + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
                      + f"{c.cpu_bytes_per_node / GiB:>10.1f}{'yes' if c.fits else 'no':>6}")
     if any(not c.runnable for c in p.strategies):
-        lines.append("* predicted only: tensor/pipeline parallel runs are not in finetune.py yet, so never chosen")
+        lines.append("* predicted only: pipeline-parallel runs are not in finetune.py yet, so never chosen")
+    if any(c.name.startswith("tp") for c in p.strategies):
+        lines.append("tp rows run with --tp N (torchrun, world = N x data-parallel); auto picks among DDP/ZeRO/FSDP")
     if p.chosen:
         d = p.chosen_detail
         lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "

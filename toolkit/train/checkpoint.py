@@ -13,7 +13,13 @@ from pathlib import Path
 
 def save_final(accelerator, model, tokenizer, path: Path) -> None:
     """Every rank must call this: sharded strategies gather the state dict collectively."""
-    state = accelerator.get_state_dict(model)
+    layout = getattr(accelerator, "tp_layout", None)
+    if layout is not None:  # gather the TP shards back into the full tensors a non-TP run would save
+        from toolkit.parallel.tp import gather_state_dict
+
+        state = gather_state_dict(accelerator.unwrap_model(model), layout.tp_group)
+    else:
+        state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         state = {k: v.contiguous() for k, v in state.items()}
         tmp = path.with_name(path.name + ".tmp")

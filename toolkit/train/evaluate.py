@@ -10,14 +10,16 @@ import torch
 
 from toolkit.data import collate
 from toolkit.data.tokenize import prompt_text
+from toolkit.parallel.tp import data_parallel
 from toolkit.train.loss import count_targets, token_loss_sum
 
 
 @torch.no_grad()
 def eval_loss(accelerator, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
     model.eval()
-    shard = rows[accelerator.process_index::accelerator.num_processes]
-    n_batches = -(-len(rows) // (batch_size * accelerator.num_processes))  # same count on every rank
+    rank, ranks, _ = data_parallel(accelerator)  # TP peers take the same shard (and double both sums)
+    shard = rows[rank::ranks]
+    n_batches = -(-len(rows) // (batch_size * ranks))  # same count on every rank
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for i in range(n_batches):
         chunk = shard[i * batch_size:(i + 1) * batch_size]
@@ -40,17 +42,20 @@ def exact_match(accelerator, model, tokenizer, conversations: list, answers: lis
     """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
     model.eval()
     gen_model = accelerator.unwrap_model(model)
+    # Before prepare() the model is still where it was loaded (CPU, or its device_map for QLoRA).
+    device = next(gen_model.parameters()).device
     prompts = [prompt_text(tokenizer, [m for m in c if m["role"] != "assistant"]) for c in conversations]
-    idx = list(range(accelerator.process_index, len(prompts), accelerator.num_processes))
-    per_rank = -(-len(prompts) // accelerator.num_processes)
+    rank, ranks, replicas = data_parallel(accelerator)
+    idx = list(range(rank, len(prompts), ranks))
+    per_rank = -(-len(prompts) // ranks)
     idx += [idx[0] if idx else 0] * (per_rank - len(idx))  # equal work on every rank; padding not scored
-    n_real = len(range(accelerator.process_index, len(prompts), accelerator.num_processes))
+    n_real = len(range(rank, len(prompts), ranks))
     old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     correct, samples = 0, []
     for start in range(0, len(idx), batch_size):
         chunk = idx[start:start + batch_size]
         enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(accelerator.device)
+                        add_special_tokens=False).to(device)
         out = gen_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, use_cache=True,
                                  synced_gpus=accelerator.num_processes > 1)
@@ -63,6 +68,6 @@ def exact_match(accelerator, model, tokenizer, conversations: list, answers: lis
                     samples.append(f"{question!r} -> {text.strip()!r} "
                                    f"(expected {answers[i]!r})")
     tokenizer.padding_side = old_side
-    total = accelerator.reduce(torch.tensor([correct], device=accelerator.device), "sum").item()
+    total = accelerator.reduce(torch.tensor([correct], device=accelerator.device), "sum").item() // replicas
     model.train()
     return int(total), len(prompts), samples

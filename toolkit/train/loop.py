@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from toolkit.config import Config
 from toolkit.data import collate
+from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel
 from toolkit.train.evaluate import eval_loss
 from toolkit.train.loss import count_targets, token_loss_sum
 from toolkit.train.memory import grad_bytes, held_bytes
@@ -101,18 +102,23 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     t = cfg.train
     loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
     optimizer = make_optimizer(model, cfg)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    layout = accelerator.tp_layout
+    if layout is not None:  # DDP over the data-parallel group only; the loader sharded by dp rank
+        model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, optimizer, loader)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
                               num_training_steps=total_steps)
-    world = accelerator.num_processes
+    _, world, replicas = data_parallel(accelerator)  # data-parallel ranks; TP peers read the same data
     deepspeed = accelerator.distributed_type == "DEEPSPEED"
     if deepspeed and accelerator.is_main_process:  # what DeepSpeed ran with, accelerate's "auto"s filled in
         (out_dir / "ds_config.json").write_text(json.dumps(accelerator.state.deepspeed_plugin.deepspeed_config, indent=2))
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
-        f"{t.micro_batch_size} x {t.grad_accum} accum x {world} ranks = {t.micro_batch_size * t.grad_accum * world} examples")
+        f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
+        f"{t.micro_batch_size * t.grad_accum * world} examples" + (f"; tensor parallel {replicas}" if layout else ""))
 
     metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process)
     pad_id = tokenizer.pad_token_id
@@ -126,7 +132,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         epoch, micro = next(batches)
         counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
                               sum(b["attention_mask"].sum() for b in micro)]).to(torch.float64)
-        n_global, tokens_global = accelerator.reduce(counts, "sum").tolist()
+        n_global, tokens_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
         # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
         # of the step; setting both to this step's count keeps a short last step right.
         accelerator.gradient_accumulation_steps = len(micro)
@@ -136,14 +142,17 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = token_loss_sum(logits, batch["labels"])
-                # x world: DDP/ZeRO/FSDP average gradients over ranks; x divisor: undo the division by
+                # x world: DDP/ZeRO/FSDP average gradients over data-parallel ranks; x divisor: undo the division by
                 # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
                 # engine divides by its configured --grad-accum).
                 divisor = t.grad_accum if deepspeed else len(micro)
                 accelerator.backward(loss * (world * divisor / n_global))
                 loss_sum += loss.detach().double()
         grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+        if layout is not None:
+            grad_norm = clip_grad_norm(model.parameters(), t.max_grad_norm or float("inf"), layout)
+        else:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -151,7 +160,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
             memory = {**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
                       "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None}
 
-        step_loss = accelerator.reduce(loss_sum, "sum").item()
+        step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
         window["loss"] += step_loss
         window["targets"] += n_global
         window["tokens"] += tokens_global

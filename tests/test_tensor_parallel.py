@@ -1,0 +1,343 @@
+"""Tensor parallelism: the comm primitives, the parallel layers, the Llama-family plan and `--tp`
+runs, each against the single-process math on gloo (fp32, tolerance 1e-5 unless stated).
+
+Layout under test: 2 ranks = tp 2; 4 ranks = tp 2 x dp 2 (TP groups {0,1} {2,3}).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from distributed import launch, parity_args, records, run_distributed
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _init():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
+
+
+# ---------------------------------------------------------------- primitives and layers
+
+
+def _primitives_and_layers() -> dict:
+    """Runs on every rank of a 2-rank group; returns max |difference| per check."""
+    dist = _init()
+    from torch import nn
+
+    from toolkit.parallel.tp.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+    from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+
+    group, rank, t = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    diff = {}
+    # Rank-dependent inputs with a known sum over ranks: X_r = (r + 1) * base.
+    base = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+
+    x = (base * (rank + 1)).requires_grad_()
+    y = copy_to_tp(x, group)
+    (y * upstream * (rank + 1)).sum().backward()  # dL_r/dy = upstream * (r + 1)
+    diff["copy.forward"] = (y - x).abs().max().item()
+    diff["copy.backward"] = (x.grad - upstream * sum(r + 1 for r in range(t))).abs().max().item()
+
+    x = (base * (rank + 1)).requires_grad_()
+    y = reduce_from_tp(x, group)
+    (y * upstream).sum().backward()
+    diff["reduce.forward"] = (y - base * sum(r + 1 for r in range(t))).abs().max().item()
+    diff["reduce.backward"] = (x.grad - upstream).abs().max().item()
+
+    x = base.clone().requires_grad_()
+    y = split_to_tp(x, group)
+    (y * upstream.chunk(t, -1)[rank]).sum().backward()
+    diff["split.forward"] = (y - base.chunk(t, -1)[rank]).abs().max().item()
+    # every rank's slice gradient lands in its own columns
+    diff["split.backward"] = (x.grad - upstream).abs().max().item()
+
+    x = base.chunk(t, -1)[rank].clone().requires_grad_()
+    y = gather_from_tp(x, group)
+    (y * upstream).sum().backward()
+    diff["gather.forward"] = (y - base).abs().max().item()
+    diff["gather.backward"] = (x.grad - upstream.chunk(t, -1)[rank]).abs().max().item()
+
+    # Layers: a full nn.Linear vs its sharded copies; same input, same upstream gradient.
+    for bias in (False, True):
+        torch.manual_seed(0)
+        full = nn.Linear(8, 6, bias=bias)
+        inp = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2))
+        g_out = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(3))
+        xr = inp.clone().requires_grad_()
+        (full(xr) * g_out).sum().backward()
+
+        col = ColumnParallelLinear.from_linear(full, group, gather_output=True, copy_input=True)
+        xc = inp.clone().requires_grad_()
+        yc = col(xc)
+        (yc * g_out).sum().backward()
+        diff[f"column{bias=}.forward"] = (yc - full(inp)).abs().max().item()
+        diff[f"column{bias=}.dx"] = (xc.grad - xr.grad).abs().max().item()
+        diff[f"column{bias=}.dweight"] = (col.weight.grad - full.weight.grad.chunk(t, 0)[rank]).abs().max().item()
+        if bias:
+            diff[f"column{bias=}.dbias"] = (col.bias.grad - full.bias.grad.chunk(t, 0)[rank]).abs().max().item()
+
+        row = RowParallelLinear.from_linear(full_in := nn.Linear(6, 8, bias=bias), group, input_is_parallel=False)
+        inp2 = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(4))
+        g2 = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5))
+        xr2 = inp2.clone().requires_grad_()
+        (full_in(xr2) * g2).sum().backward()
+        xw = inp2.clone().requires_grad_()
+        yr = row(xw)
+        (yr * g2).sum().backward()
+        diff[f"row{bias=}.forward"] = (yr - full_in(inp2)).abs().max().item()
+        diff[f"row{bias=}.dx"] = (xw.grad - xr2.grad).abs().max().item()
+        diff[f"row{bias=}.dweight"] = (row.weight.grad - full_in.weight.grad.chunk(t, 1)[rank]).abs().max().item()
+        if bias:
+            diff[f"row{bias=}.dbias"] = (row.bias.grad - full_in.bias.grad).abs().max().item()
+    dist.destroy_process_group()
+    return diff
+
+
+def test_primitives_and_layers_match_single_process_math():
+    for rank, diff in enumerate(run_distributed(_primitives_and_layers, 2)):
+        bad = {k: v for k, v in diff.items() if v > 1e-6}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(diff) == 8 + 2 * 6 + 2  # every check ran
+
+
+def test_primitives_are_identity_on_one_rank():
+    from toolkit.parallel.tp.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+
+    x = torch.randn(2, 4)
+    for fn in (copy_to_tp, reduce_from_tp, split_to_tp, gather_from_tp):
+        assert fn(x, None) is x
+
+
+# ---------------------------------------------------------------- the Llama-family plan
+
+
+def _model_dirs(root) -> dict:
+    """Three block layouts: Llama GQA (4 q / 2 kv heads), Llama MHA with attention and MLP biases
+    (row-parallel bias added once), Qwen3 (q/k RMSNorm inside the TP region, head_dim != h/heads)."""
+    from conftest import build_model_dir, build_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dirs = {"llama_gqa": build_model_dir(root / "llama_gqa"),
+            "llama_bias": build_model_dir(root / "llama_bias", num_key_value_heads=4, attention_bias=True, mlp_bias=True)}
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    qwen = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True))
+    qwen.save_pretrained(root / "qwen3")
+    tok.save_pretrained(root / "qwen3")
+    dirs["qwen3"] = root / "qwen3"
+    return {k: str(v) for k, v in dirs.items()}
+
+
+def _logits_and_grads(dirs: dict, tp: int) -> dict:
+    """Unsharded vs TP model from the same folder: logits and every parameter's gradient."""
+    dist = _init()
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel.tp import apply_tensor_parallel, gather_state_dict, make_layout
+    from toolkit.parallel.tp.comm import TRAFFIC
+    from toolkit.train.loss import token_loss_sum
+
+    layout = make_layout(tp)
+    out = {}
+    for name, folder in dirs.items():
+        for method in ("full", "lora"):
+            def build():
+                torch.manual_seed(0)
+                m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                if method == "lora":  # B random too (init_lora_weights=False) so every LoRA gradient is non-zero
+                    m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                                     init_lora_weights=False))
+                return m
+
+            ref, tpm = build(), apply_tensor_parallel(build(), layout.tp_group)
+            g = torch.Generator().manual_seed(layout.dp_rank)  # dp groups see different data, TP peers the same
+            ids = torch.randint(5, 300, (2, 12), generator=g)
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0  # left padding in one row
+            loss_ref = token_loss_sum(ref(input_ids=ids, attention_mask=mask).logits, ids)
+            logits_ref = ref(input_ids=ids, attention_mask=mask).logits
+            loss_ref.backward()
+            TRAFFIC.clear()
+            logits = tpm(input_ids=ids, attention_mask=mask).logits
+            token_loss_sum(logits, ids).backward()
+            key = f"{name}/{method}"
+            if method == "full":  # Megatron's count: 2 all-reduces of b*s*h per block each way
+                expected = 2 * tpm.config.num_hidden_layers * ids.numel() * tpm.config.hidden_size * 4
+                out[key + "/bytes_off"] = abs(TRAFFIC["forward"] - expected) + abs(TRAFFIC["backward"] - expected)
+            out[key + "/logits"] = (logits - logits_ref).abs().max().item()
+            ref_params = dict(ref.named_parameters())
+            worst, n = 0.0, 0
+            for pname, p in tpm.named_parameters():
+                if p.grad is None:
+                    continue
+                full = ref_params[pname].grad
+                dim = getattr(p, "tp_split_dim", None)
+                expect = full if dim is None else full.chunk(tp, dim)[layout.tp_rank]
+                assert p.grad.shape == expect.shape, (pname, p.grad.shape, expect.shape)
+                worst, n = max(worst, (p.grad - expect).abs().max().item()), n + 1
+            out[key + "/grads"] = worst
+            out[key + "/n_grads"] = n
+            assert n == sum(p.requires_grad for p in ref.parameters()), key
+            gathered = gather_state_dict(tpm, layout.tp_group)
+            ref_state = ref.state_dict()
+            assert gathered.keys() == ref_state.keys()
+            out[key + "/gathered"] = max((gathered[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return _model_dirs(tmp_path_factory.mktemp("tp_models"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_logits_and_every_gradient_match_unsharded(model_dirs, world):
+    results = run_distributed(_logits_and_grads, world, model_dirs, 2)
+    for rank, diff in enumerate(results):
+        bad = {k: v for k, v in diff.items() if not k.endswith("n_grads") and v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len([k for k in diff if k.endswith("/grads")]) == 6
+        assert len([k for k in diff if k.endswith("/bytes_off")]) == 3  # checked (== 0) by `bad` above
+
+
+def test_tp_problems_name_the_fix(model_dirs):
+    from transformers import AutoConfig, GPT2Config
+
+    from toolkit.parallel.tp import tp_problems
+
+    llama = AutoConfig.from_pretrained(model_dirs["llama_gqa"])  # 4 heads, 2 kv heads, intermediate 128
+    assert tp_problems(llama, 2, 4) == []
+    assert tp_problems(llama, 4, 4) == ["--tp 4: must divide the kv heads (2)"]
+    assert any("world size that is a multiple of 2 (got 1 process)" in p for p in tp_problems(llama, 2, 1))
+    assert any("multiple of 2 (got 3 processes)" in p for p in tp_problems(llama, 2, 3))
+    gpt2 = tp_problems(GPT2Config(), 2, 2)
+    assert gpt2 and "no tensor-parallel plan for model type 'gpt2'" in gpt2[0] and "llama, mistral" in gpt2[0]
+
+
+def test_unknown_block_layout_names_the_modules_found(model_dirs):
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.errors import UserError
+    from toolkit.parallel.tp import apply_tensor_parallel
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama_gqa"])
+    model.model.layers[0].mlp = nn.Sequential(nn.Linear(64, 64))
+
+    class TwoRanks:  # apply_tensor_parallel only asks the group for its size before checking blocks
+        pass
+
+    import toolkit.parallel.tp.plan as plan
+
+    real = plan.group_size
+    plan.group_size = lambda g: 2
+    try:
+        with pytest.raises(UserError, match=r"block 0 \(LlamaDecoderLayer\) has no mlp.gate_proj, mlp.up_proj, "
+                                            r"mlp.down_proj.*mlp: Sequential"):
+            apply_tensor_parallel(model, TwoRanks())
+    finally:
+        plan.group_size = real
+
+
+# ---------------------------------------------------------------- finetune.py --tp N
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, data_files):
+    """(layout, method) -> output dir. Global batch 8 everywhere: 1 x mb 8; tp2 x mb 4 x accum 2;
+    tp2 x dp2 x mb 2 x accum 2."""
+    layouts = {"single": (1, ["--micro-batch-size", "8"]),
+               "tp2": (2, ["--tp", "2", "--micro-batch-size", "4", "--grad-accum", "2"]),
+               "tp2_dp2": (4, ["--tp", "2", "--micro-batch-size", "2", "--grad-accum", "2"]),
+               "tp2_gc": (2, ["--tp", "2", "--micro-batch-size", "8", "--gradient-checkpointing"]),
+               "single_dropout": (1, ["--micro-batch-size", "8", "--lora-dropout", "0.1"]),
+               "tp2_dropout": (2, ["--tp", "2", "--micro-batch-size", "8", "--lora-dropout", "0.1"])}
+    cache = {}
+
+    def get(layout, method):
+        if (layout, method) not in cache:
+            nproc, extra = layouts[layout]
+            out = tmp_path_factory.mktemp(f"{layout}_{method}")
+            p = launch(parity_args(tiny_model, data_files["chat"], out, method) + extra, nproc=nproc,
+                       launcher="python" if nproc == 1 else "torchrun")
+            assert p.returncode == 0, p.stderr[-4000:]
+            cache[(layout, method)] = out
+        return cache[(layout, method)]
+
+    return get
+
+
+@pytest.mark.parametrize("layout, method", [("tp2", "full"), ("tp2", "lora"), ("tp2_dp2", "full"),
+                                            ("tp2_dp2", "lora"), ("tp2_gc", "lora")])
+def test_losses_match_single_process(runs, layout, method):
+    """Gradient checkpointing runs with LoRA: frozen embeddings, recomputed all-reduces."""
+    ref = [r["loss"] for r in records(runs("single", method))]
+    got = [r["loss"] for r in records(runs(layout, method))]
+    assert len(got) == 5 and got == pytest.approx(ref, abs=1e-5, rel=1e-5), f"{layout}/{method}: {got} vs {ref}"
+
+
+def test_lora_dropout_drops_the_same_features_as_one_process(runs):
+    """Row-parallel LoRA inputs are split; ShardedDropout keeps the slice of the full-width mask, so
+    per-step losses with --lora-dropout 0.1 match the single process (the mask is drawn as F.dropout
+    draws it on CPU)."""
+    ref = [r["loss"] for r in records(runs("single_dropout", "lora"))]
+    got = [r["loss"] for r in records(runs("tp2_dropout", "lora"))]
+    no_dropout = [r["loss"] for r in records(runs("single", "lora"))]
+    assert got == pytest.approx(ref, abs=1e-5, rel=1e-5), f"{got} vs {ref}"
+    assert ref[2:] != pytest.approx(no_dropout[2:], abs=1e-4)  # dropout changed the run: the check has teeth
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_dp2"])
+def test_saved_folder_is_standard_and_reloads_with_matching_logits(runs, tiny_model, layout, method):
+    """Plain transformers/peft, no toolkit code: same files, same tensors (1e-5) and same logits
+    as the single-process run's folder."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    name = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    ref_dir, got_dir = runs("single", method) / "final", runs(layout, method) / "final"
+    ref, got = load_file(ref_dir / name), load_file(got_dir / name)
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], **TOL, msg=k)
+    config = "config.json" if method == "full" else "adapter_config.json"
+
+    def settings(folder):  # peft writes target_modules from a set: compare it as one
+        c = json.loads((folder / config).read_text())
+        return {**c, "target_modules": sorted(c["target_modules"])} if "target_modules" in c else c
+
+    assert settings(got_dir) == settings(ref_dir)
+
+    def logits(folder):
+        if method == "full":
+            model = AutoModelForCausalLM.from_pretrained(folder)
+        else:
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder)
+        with torch.no_grad():
+            return model.eval()(input_ids=torch.arange(3, 40).view(1, -1)).logits
+
+    torch.testing.assert_close(logits(got_dir), logits(ref_dir), **TOL)
+
+
+def test_tp_halves_the_sharded_parameters(runs):
+    """Per-rank parameter bytes at step 1: the block linears are split in two, embeddings and norms
+    are not, so tp2 holds (blocks/2 + rest) of the single-process bytes."""
+    ref = records(runs("single", "full"))[0]["param_bytes"][0]
+    got = records(runs("tp2", "full"))[0]["param_bytes"]
+    h, kv, i, layers = 64, 2 * 16, 128, 2  # 2 kv heads of 16
+    linear = layers * 4 * (2 * h * h + 2 * h * kv + 3 * h * i)  # fp32 bytes of q,o + k,v + gate,up,down
+    assert len(got) == 2 and got[0] == got[1] == ref - linear // 2

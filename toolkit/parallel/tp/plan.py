@@ -1,0 +1,148 @@
+"""The tensor-parallel plan for Llama-family HF models (Llama, Mistral, Qwen2, Qwen3), applied in
+place to a loaded model (full or peft-LoRA) by slicing its full weights.
+
+Per decoder block, with t ranks:
+    attention: q/k/v column-parallel (whole heads: rank i keeps heads i*n/t .. (i+1)*n/t - 1, and
+               the same for kv heads), o row-parallel; attention modules reshape with -1 heads, so
+               they run on n/t query and n_kv/t kv heads unchanged (the q/kv group ratio is kept).
+    MLP:       gate/up column-parallel, down row-parallel.
+The block input is copied into the TP region once per attention and once per MLP (one backward
+all-reduce each, as Megatron's fused QKV / gate-up do), and each row-parallel output is all-reduced
+once: 2 all-reduces of b*s*h per block in forward and 2 in backward.
+
+LoRA adapters follow their base layer: column -> lora_A replicated (its gradient is summed over
+ranks), lora_B split by output rows; row -> lora_A split by input columns (its r-dim output is
+all-reduced), lora_B replicated. Replicated parameters inside the region (column lora_A, Qwen3
+q/k norms) get a gradient all-reduce hook. A row layer's LoRA dropout draws the full-width mask and
+keeps its slice (ShardedDropout), so TP and non-TP runs drop the same features. Embeddings, norms
+and the LM head stay replicated.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from toolkit.errors import UserError
+from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, reduce_from_tp
+from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"}
+MLP = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+
+
+def tp_problems(config, t: int, world: int) -> list[str]:
+    """Everything wrong with tensor parallel degree t for this HF config and world size (pure)."""
+    from toolkit.planner.plan import tp_divisibility_problems
+
+    problems = []
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(getattr(config, "architectures", None) or []) or model_type
+        problems.append(f"--tp {t}: no tensor-parallel plan for model type '{model_type}' ({arch}); "
+                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    else:
+        problems += tp_divisibility_problems(config.to_dict(), t)
+    if t > world or world % t:
+        problems.append(f"--tp {t} needs a world size that is a multiple of {t} (got {world} process"
+                        f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {t} (x data-parallel groups)")
+    return problems
+
+
+def _blocks(model) -> list[nn.Module]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        found = sorted({type(m).__name__ for m in base.children()} | {type(m).__name__ for m in (inner or base).children()})
+        raise UserError(f"--tp: cannot find decoder blocks at model.model.layers in {type(base).__name__}; "
+                        f"found modules: {', '.join(found)}")
+    return list(layers)
+
+
+def _check_block(i: int, block: nn.Module) -> None:
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    missing = [f"self_attn.{n}" for n in ATTENTION if attn is None or not hasattr(attn, n)]
+    missing += [f"mlp.{n}" for n in MLP if mlp is None or not hasattr(mlp, n)]
+    if missing:
+        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in block.named_children())
+        raise UserError(f"--tp: block {i} ({type(block).__name__}) has no {', '.join(missing)}; "
+                        f"the Llama-family plan does not fit (found {found})")
+
+
+def _shard_projection(parent: nn.Module, name: str, kind: str, group) -> None:
+    target = getattr(parent, name)
+    base = getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
+    if kind == "column":
+        sharded = ColumnParallelLinear.from_linear(base, group, gather_output=False, copy_input=False)
+    else:
+        sharded = RowParallelLinear.from_linear(base, group, input_is_parallel=True)
+    if target is base:
+        setattr(parent, name, sharded)
+        return
+    target.base_layer = sharded
+    target.in_features, target.out_features = sharded.in_features, sharded.out_features
+    for adapter in target.lora_A:
+        lora_a, lora_b = target.lora_A[adapter], target.lora_B[adapter]
+        if kind == "column":
+            lora_b.weight = shard(lora_b.weight, 0, group)
+            lora_b.out_features = lora_b.weight.shape[0]
+        else:
+            lora_a.weight = shard(lora_a.weight, 1, group)
+            lora_a.in_features = lora_a.weight.shape[1]
+            lora_a.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
+            lora_b.weight.tp_full_grad = True
+            dropout = target.lora_dropout[adapter]
+            if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                target.lora_dropout[adapter] = ShardedDropout(dropout.p, group)
+
+
+def _copy_hidden_states(group):
+    def hook(_module, args, kwargs):
+        if args:
+            return (copy_to_tp(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], group)}
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
+    """Shard `model` in place over `group`; returns it. Every rank must call this with identical
+    full weights (same checkpoint, same seed for LoRA init)."""
+    t = group_size(group)
+    if t == 1:
+        return model
+    for i, block in enumerate(_blocks(model)):
+        _check_block(i, block)
+        for sub, plan in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
+            for name, kind in plan.items():
+                _shard_projection(sub, name, kind, group)
+            sub.register_forward_pre_hook(_copy_hidden_states(group), with_kwargs=True)
+            for p in sub.parameters():
+                if p.requires_grad and not hasattr(p, "tp_split_dim") and not getattr(p, "tp_full_grad", False):
+                    p.register_hook(all_reduce_grad(group))
+        attn = block.self_attn
+        for attr in ("num_heads", "num_key_value_heads"):  # some archs keep per-module head counts
+            if isinstance(getattr(attn, attr, None), int):
+                setattr(attn, attr, getattr(attn, attr) // t)
+        attn.tp_degree = t
+    model.toolkit_tp_degree = t  # not `tp_size`: transformers reserves that for its own TP
+    return model
+
+
+def gather_state_dict(model: nn.Module, group) -> dict:
+    """The full (unsharded) state dict, on every rank: each `tp_split_dim` shard is all-gathered
+    and concatenated back. Collective: every rank of the group must call it."""
+    import torch
+    import torch.distributed as dist
+
+    t = group_size(group)
+    out = {}
+    for key, v in model.state_dict(keep_vars=True).items():
+        dim = getattr(v, "tp_split_dim", None)
+        v = v.detach()
+        if dim is not None and t > 1:
+            parts = [torch.empty_like(v) for _ in range(t)]
+            dist.all_gather(parts, v.contiguous(), group=group)
+            v = torch.cat(parts, dim=dim)
+        out[key] = v
+    return out
