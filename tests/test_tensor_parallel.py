@@ -341,3 +341,21 @@ def test_tp_halves_the_sharded_parameters(runs):
     h, kv, i, layers = 64, 2 * 16, 128, 2  # 2 kv heads of 16
     linear = layers * 4 * (2 * h * h + 2 * h * kv + 3 * h * i)  # fp32 bytes of q,o + k,v + gate,up,down
     assert len(got) == 2 and got[0] == got[1] == ref - linear // 2
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_planner_tp_row_matches_measured_bytes(runs, tiny_model, method):
+    """The planner's tp2 row (same divisibility and split rules as the runtime plan) against the
+    per-rank bytes measured at step 1: weights (adapters included), gradients, Adam states, 5%."""
+    from toolkit.planner.plan import PlanInput, estimate_model_parallel
+
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,
+                    micro_batch=4, precision="no")
+    row = estimate_model_parallel(inp, "tp", 2, False)
+    assert row.name == "tp2" and row.runnable
+    measured = records(runs("tp2", method))[0]
+    for rank in range(2):
+        assert measured["param_bytes"][rank] == pytest.approx(row.bytes["weights"], rel=0.05)
+        assert measured["grad_bytes"][rank] == pytest.approx(row.bytes["grads"], rel=0.05)
+        assert measured["optim_bytes"][rank] == pytest.approx(row.bytes["optimizer"], rel=0.05)

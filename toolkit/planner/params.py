@@ -60,13 +60,22 @@ def count_params(cfg: dict[str, Any]) -> ParamCounts:
                        lm_head=0 if tied else v * h)
 
 
-def lora_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear") -> int:
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest are row-parallel
+
+
+def lora_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear", tp: int = 1) -> int:
     """LoRA adds A (r x in) and B (out x r) per targeted linear; `all-linear` (peft) is every linear
-    of the blocks, not the lm_head."""
+    of the blocks, not the lm_head. Per rank under tensor parallel degree `tp` (the toolkit's plan):
+    a column-parallel layer keeps A whole and 1/tp of B's rows, a row-parallel one 1/tp of A's
+    columns and B whole."""
     names = list(LINEARS) if targets == "all-linear" else [t.strip() for t in (
         targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
     shapes = linear_shapes(cfg)
     unknown = [n for n in names if n not in shapes]
     if unknown:
         raise ValueError(f"LoRA targets {unknown} are not linears of this architecture ({', '.join(LINEARS)})")
-    return cfg["num_hidden_layers"] * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+    def per_rank(n: str) -> int:
+        fan_in, fan_out = shapes[n]
+        return r * (fan_in + fan_out // tp) if n in COLUMN_PARALLEL else r * (fan_in // tp + fan_out)
+
+    return cfg["num_hidden_layers"] * sum(per_rank(n) for n in names)

@@ -169,7 +169,8 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
     if kind == "tp":
         block_linear = sum(a * b for a, b in linear_shapes(cfg).values())
         params = layers * (counts.per_block - block_linear + block_linear // degree) + outside
-        trainable = params if inp.method == "full" else trainable_all // degree
+        trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets, tp=degree)
+        params += 0 if inp.method == "full" else trainable  # adapters are weights too
         per_token = layers * h + 3 * h if checkpointing else tp_activation_elements_per_token(layers, h, i, kv, degree)
         acts = act * inp.micro_batch * inp.seq_len * per_token
         logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)
