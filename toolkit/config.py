@@ -54,6 +54,8 @@ class DataConfig:
     seq_len: int = _f(1024, "tokens per example; longer ones are truncated")
     eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
+    packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
+                              "stay per example); --micro-batch-size then counts packed rows")
 
 
 @dataclass
@@ -70,6 +72,8 @@ class TrainConfig:
     seed: int = _f(42, "seed for weights init, shuffling and dropout")
     mixed_precision: str = _f("auto", "bf16 on GPUs that support it, fp32 on CPU", ("auto", "no", "bf16", "fp16"))
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    loss: str = _f("full", "full: logits then cross-entropy; chunked: LM head + cross-entropy 256 tokens "
+                           "at a time, so batch x seq x vocab fp32 logits never exist", ("full", "chunked"))
 
 
 @dataclass

@@ -21,9 +21,11 @@ from torch.utils.data import DataLoader, Sampler
 
 from toolkit.config import Config
 from toolkit.data import collate
+from toolkit.data.packing import collate_packed, count_examples, model_inputs, pack_rows
 from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel
 from toolkit.train.evaluate import eval_loss
-from toolkit.train.loss import count_targets, token_loss_sum
+from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flops
+from toolkit.train.loss import ChunkedHead, count_targets, token_loss_sum
 from toolkit.train.memory import grad_bytes, held_bytes
 from toolkit.train.metrics import MetricsLogger
 
@@ -65,10 +67,11 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
 
 
 def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:
-    """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks."""
+    """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
+    With --packing the rows are packed once (deterministically) and the packed rows shuffled."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler,
-                      collate_fn=partial(collate, pad_id=pad_id))
+                      collate_fn=partial(collate_packed if cfg.data.packing else collate, pad_id=pad_id))
 
 
 def global_batches(loader, grad_accum: int) -> Iterator[tuple[int, list[dict]]]:
@@ -100,6 +103,11 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     from transformers import get_scheduler
 
     t = cfg.train
+    if cfg.data.packing:
+        n_examples = len(train_rows)
+        train_rows = pack_rows(train_rows, cfg.data.seq_len)
+        fill = sum(len(r["input_ids"]) for r in train_rows) / (len(train_rows) * cfg.data.seq_len)
+        log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
     loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
     optimizer = make_optimizer(model, cfg)
     layout = accelerator.tp_layout
@@ -107,6 +115,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, optimizer, loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    chunked = ChunkedHead(accelerator.unwrap_model(model)) if t.loss == "chunked" else None
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
@@ -120,10 +129,17 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
         f"{t.micro_batch_size * t.grad_accum * world} examples" + (f"; tensor parallel {replicas}" if layout else ""))
 
+    # MFU: model FLOPs over the peak every rank measures now, all at once (shared cores stay shared).
+    model_cfg = getattr(accelerator.unwrap_model(model), "config", None)
+    n_matmul = matmul_params(accelerator.unwrap_model(model))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    accelerator.wait_for_everyone()
+    peak = accelerator.reduce(torch.tensor(measure_peak_flops(accelerator.device, dtype), dtype=torch.float64,
+                                           device=accelerator.device), "sum").item()
     metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process)
     pad_id = tokenizer.pad_token_id
     start = time.perf_counter()
-    window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": start}
+    window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": start}
     tokens_seen, last_loss = 0, float("nan")
     batches = global_batches(loader, t.grad_accum)
     memory: dict[str, list[int]] = {}
@@ -131,8 +147,9 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     for step in range(1, total_steps + 1):
         epoch, micro = next(batches)
         counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
-                              sum(b["attention_mask"].sum() for b in micro)]).to(torch.float64)
-        n_global, tokens_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
+                              sum(b["attention_mask"].sum() for b in micro),
+                              sum(count_examples(b) for b in micro)]).to(torch.float64)
+        n_global, tokens_global, examples_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
         # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
         # of the step; setting both to this step's count keeps a short last step right.
         accelerator.gradient_accumulation_steps = len(micro)
@@ -140,8 +157,12 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for batch in micro:
             with accelerator.accumulate(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss = token_loss_sum(logits, batch["labels"])
+                if chunked is not None:  # the head returns the loss sum in place of logits
+                    with chunked.labels(batch["labels"]):
+                        loss = model(**model_inputs(batch)).logits
+                else:
+                    logits = model(**model_inputs(batch)).logits
+                    loss = token_loss_sum(logits, batch["labels"])
                 # x world: DDP/ZeRO/FSDP average gradients over data-parallel ranks; x divisor: undo the division by
                 # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
                 # engine divides by its configured --grad-accum).
@@ -164,17 +185,22 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         window["loss"] += step_loss
         window["targets"] += n_global
         window["tokens"] += tokens_global
+        window["examples"] += examples_global
         tokens_seen += int(tokens_global)
         metrics.advance()
         if step % cfg.output.log_every == 0 or step == total_steps:
             now = time.perf_counter()
             last_loss = window["loss"] / window["targets"]
+            tokens_per_sec = window["tokens"] / (now - window["t0"])
+            per_token = flops_per_token(n_matmul, model_cfg.num_hidden_layers, model_cfg.hidden_size,
+                                        window["tokens"] / window["examples"])  # context: mean example length
             metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
                          "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                         "tokens": tokens_seen, "tokens_per_sec": window["tokens"] / (now - window["t0"]),
+                         "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,
+                         "mfu": per_token * tokens_per_sec / peak, "flops_per_token": per_token, "peak_flops": peak,
                          "elapsed_s": now - start, **memory})
             memory = {}
-            window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "t0": now}
+            window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
         if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
             t_eval = time.perf_counter()
             el = eval_loss(accelerator, model, eval_rows, t.micro_batch_size, pad_id)

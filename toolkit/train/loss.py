@@ -21,7 +21,108 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies in fp32. logits (B, T, V), labels (B, T) -> scalar."""
-    shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
-    shift_labels = labels[:, 1:]  # (B, T-1)
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+    # Shift the labels, not the logits: slicing (B, T, V) logits and flattening them copies them all.
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): the last position predicts nothing
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# Rows of logits alive at once: 256 x 49,152 (SmolLM2's vocab) fp32 = 50 MB instead of 201 MB per
+# 1,024 tokens, and still large enough matmuls to keep a GPU busy.
+LOSS_CHUNK_TOKENS = 256
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t CE(h_t W^T + b, y_t) computed `chunk` rows at a time; full logits never exist.
+
+    The gradient is formed in forward, chunk by chunk, while each chunk's logits are alive
+    (dlogits = softmax - onehot): dH is kept (N x h, the size of the input) and dW, db summed; backward
+    only scales them by the incoming scalar. All the work happens inside the LM head's forward, where
+    ZeRO-3/FSDP have the weight gathered; nothing is recomputed later (the fused linear cross-entropy
+    of Liger-Kernel and Apple's Cut Cross-Entropy, without their custom kernels)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        d_hidden = torch.zeros_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in range(0, hidden.size(0), chunk):
+            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            valid = y != IGNORE_INDEX
+            if not valid.any():
+                continue
+            logits = F.linear(h, weight, bias).float()  # (chunk, V): the only logits alive
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += torch.where(valid, lse - target, 0.0).sum()  # = cross_entropy(..., reduction="sum")
+            if not (need_h or need_w or need_b):
+                continue
+            g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: no second (chunk, V) buffer
+            rows = valid.nonzero(as_tuple=True)[0]
+            g[rows, y[rows]] -= 1.0
+            g[~valid] = 0.0
+            if need_h:
+                d_hidden[start:start + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                d_weight.addmm_(g.t(), h.float())
+            if need_b:
+                d_bias += g.sum(0)
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (d_hidden, d_weight, d_bias)))
+        ctx.dtypes = weight.dtype, bias.dtype if bias is not None else None
+        ctx.needs = need_h, need_w, need_b
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs
+        return (d_hidden * grad if need_h else None, (d_weight * grad).to(ctx.dtypes[0]) if need_w else None,
+                (d_bias * grad).to(ctx.dtypes[1]) if need_b else None, None, None)
+
+
+def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
+                     chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """`token_loss_sum(head(hidden), labels)` without materialising (B, T, V) logits.
+    hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over target tokens."""
+    h = hidden[:, :-1].reshape(-1, hidden.size(-1))
+    y = labels[:, 1:].reshape(-1).to(h.device)
+    return _ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk)
+
+
+class ChunkedHead:
+    """Turns the model's LM head into a chunked loss for the forward passes run inside `labels(...)`.
+
+    The head's `forward` is replaced on the instance (parameters and state-dict keys untouched), so
+    the loss is computed inside the model's own forward: DDP, ZeRO and FSDP see an ordinary module
+    call with its weight gathered. Outside `labels(...)` the head computes logits as before
+    (generation, eval). Inside it the model's `.logits` output is the scalar loss sum."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = LOSS_CHUNK_TOKENS):
+        self.head = model.get_output_embeddings()
+        if not isinstance(self.head, torch.nn.Linear):
+            from toolkit.errors import UserError
+
+            raise UserError(f"--loss chunked needs a linear LM head; this model has {type(self.head).__name__}")
+        self.chunk, self._labels = chunk, None
+        original = self.head.forward
+
+        def forward(hidden):
+            if self._labels is None:
+                return original(hidden)
+            return chunked_loss_sum(hidden, self.head, self._labels, self.chunk)
+
+        self.head.forward = forward
+
+    def labels(self, labels: torch.Tensor):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def scope():
+            self._labels = labels
+            try:
+                yield
+            finally:
+                self._labels = None
+        return scope()

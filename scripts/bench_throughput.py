@@ -1,0 +1,255 @@
+"""Training throughput: (a) a minimal hand-written PyTorch loop, (b) this toolkit's loop,
+(c) transformers.Trainer, on the same model, data, micro-batch, precision and steps.
+
+Each run is a fresh process. Runs alternate a, b, c, a, b, c, ... (`--repeats` rounds) so drift in
+the machine's speed hits all three alike. A run trains `--warmup` steps, then times `--steps` more;
+its figure is non-padding tokens / seconds over the timed steps. All three read the same batches in
+the same order (the toolkit's epoch-0 permutation), so they do the same work. The table gives
+medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT)
+and one peak measured by the parent before the runs. TRL's SFTTrainer is not installed here and is
+left out.
+
+    python scripts/bench_throughput.py --model tiny --method full
+    python scripts/bench_throughput.py --model smollm2-135m-instruct --method lora
+Results append to benchmarks/throughput.json; benchmarks/throughput.md and throughput.png are redrawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+VARIANTS = ("raw", "toolkit", "trainer")
+TINY = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, max_position_embeddings=512)
+
+
+def tiny_model_dir(path: Path) -> str:
+    """A Llama of TINY shape with SmolLM2's tokenizer, saved and loaded through from_pretrained."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from toolkit.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY, vocab_size=len(tok))).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def setup(args):
+    """The shared work: toolkit config, model (fp32, LoRA if asked), tokenized rows in epoch-0 order."""
+    import torch
+
+    from toolkit.config import parse_config
+    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.tokenize import ensure_chat_template
+    from toolkit.models import load_model, load_tokenizer, resolve_model
+    from toolkit.train.loop import EpochShuffleSampler
+
+    out = tempfile.mkdtemp()
+    cfg = parse_config(["--model", args.model_path, "--method", args.method, "--micro-batch-size", str(args.micro_batch),
+                        "--max-steps", str(args.warmup + args.steps), "--log-every", str(args.warmup),
+                        "--mixed-precision", "no", "--lr-schedule", "constant", "--warmup-steps", "0",
+                        "--output-dir", out, "--overwrite-output-dir", "--seq-len", "256"])
+    path = resolve_model(cfg.model.model)
+    tok = load_tokenizer(path)
+    ensure_chat_template(tok)
+    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
+    order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
+    torch.manual_seed(cfg.train.seed)
+    return cfg, load_model(cfg, path), tok, [rows[i] for i in order], rows, out
+
+
+def run_raw(args) -> dict:
+    import torch
+
+    from toolkit.data import collate
+    from toolkit.train.loss import count_targets, token_loss_sum
+
+    cfg, model, tok, ordered, _, _ = setup(args)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    model.train()
+    mb, tokens, t0 = args.micro_batch, 0, None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            t0 = time.perf_counter()
+        batch = collate(ordered[step * mb:(step + 1) * mb], tok.pad_token_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            tokens += int(batch["attention_mask"].sum())
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def run_toolkit(args) -> dict:
+    from toolkit.parallel import make_accelerator
+    from toolkit.train.loop import train
+
+    cfg, model, tok, _, rows, out = setup(args)
+    accelerator = make_accelerator(cfg)
+    train(cfg, accelerator, model, tok, rows, [], Path(out), log=lambda *a, **k: None)
+    recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    first, last = recs[0], recs[-1]  # the first record closes the warm-up window
+    assert first["step"] == args.warmup and last["step"] == args.warmup + args.steps
+    return {"tokens": last["tokens"] - first["tokens"], "seconds": last["elapsed_s"] - first["elapsed_s"],
+            "toolkit_mfu": statistics.mean(r["mfu"] for r in recs[1:])}
+
+
+def run_trainer(args) -> dict:
+    import torch
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from toolkit.data import collate
+
+    cfg, model, tok, ordered, _, out = setup(args)
+    counts, stamps = [], []
+
+    def collator(batch):
+        b = collate(batch, tok.pad_token_id)
+        counts.append(int(b["attention_mask"].sum()))
+        return b
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    class InOrder(Trainer):  # the same batches as the other two
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+    targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.micro_batch,
+                              max_steps=args.warmup + args.steps, learning_rate=cfg.lr, lr_scheduler_type="constant",
+                              max_grad_norm=cfg.train.max_grad_norm, logging_strategy="no", save_strategy="no",
+                              report_to=[], use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+                              remove_unused_columns=False, optim="adamw_torch", seed=cfg.train.seed,
+                              disable_tqdm=True)
+    InOrder(model=model, args=targs, train_dataset=ordered, data_collator=collator, callbacks=[Stamp()]).train()
+    return {"tokens": sum(counts[args.warmup:args.warmup + args.steps]),
+            "seconds": stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]}
+
+
+def child_main(argv: list[str]) -> None:
+    args = json.loads(argv[0])
+    args = argparse.Namespace(**args)
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    result = {"raw": run_raw, "toolkit": run_toolkit, "trainer": run_trainer}[args.variant](args)
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", help="'tiny' or a toolkit --model value")
+    ap.add_argument("--method", default="full", choices=("full", "lora"))
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    import torch
+    from transformers import AutoConfig
+
+    from toolkit.models import resolve_model
+    from toolkit.planner.params import count_params
+    from toolkit.train.flops import flops_per_token, measure_peak_flops
+
+    tmp = tempfile.mkdtemp()
+    path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)
+    torch.set_num_threads(os.cpu_count() or 1)
+    peak = measure_peak_flops(torch.device("cpu"), torch.float32)
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for rep in range(a.repeats):
+        for v in VARIANTS:
+            spec = {**vars(a), "variant": v, "model_path": path}
+            p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                               cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"{v} failed:\n{p.stderr[-3000:]}")
+            r = json.loads(line[7:])
+            r["tokens_per_sec"] = r["tokens"] / r["seconds"]
+            results[v].append(r)
+            print(f"round {rep + 1} {v}: {r['tokens_per_sec']:.1f} tokens/s", flush=True)
+    cfg = AutoConfig.from_pretrained(path)
+    c = count_params(cfg.to_dict())
+    n = c.per_block * c.blocks + c.final_norm + (c.lm_head or c.embedding)
+    context = statistics.mean(r["tokens"] for r in results["raw"]) / (a.steps * a.micro_batch)
+    per_token = flops_per_token(n, cfg.num_hidden_layers, cfg.hidden_size, context)
+    med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in VARIANTS}
+    entry = {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
+             "repeats": a.repeats, "dtype": "float32", "device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__,
+             "peak_flops": peak, "flops_per_token": per_token,
+             "median_tokens_per_sec": med,
+             "spread_tokens_per_sec": {v: [min(r["tokens_per_sec"] for r in results[v]),
+                                           max(r["tokens_per_sec"] for r in results[v])] for v in VARIANTS},
+             "mfu": {v: med[v] * per_token / peak for v in VARIANTS},
+             "toolkit_reported_mfu": statistics.median(r["toolkit_mfu"] for r in results["toolkit"]),
+             "toolkit_over_raw": med["toolkit"] / med["raw"], "toolkit_over_trainer": med["toolkit"] / med["trainer"],
+             "runs": results}
+    bench = ROOT / "benchmarks"
+    bench.mkdir(exist_ok=True)
+    store = bench / "throughput.json"
+    data = json.loads(store.read_text()) if store.exists() else []
+    data = [d for d in data if (d["model"], d["method"]) != (a.model, a.method)] + [entry]
+    store.write_text(json.dumps(data, indent=2))
+    render(data, bench)
+    print(json.dumps({k: entry[k] for k in ("median_tokens_per_sec", "toolkit_over_raw", "toolkit_over_trainer", "mfu")}, indent=2))
+
+
+def render(data: list[dict], bench: Path) -> None:
+    lines = ["# Training throughput: raw PyTorch loop vs toolkit vs transformers.Trainer", "",
+             "Reproduce: `python scripts/bench_throughput.py --model tiny --method full` (and the other rows). "
+             "Method in the script's docstring: fresh process per run, alternating order, same batches, "
+             "non-padding tokens/s over the timed steps, median of the rounds (min-max in brackets).", "",
+             "| model | method | micro-batch x steps | rounds | raw tokens/s | toolkit tokens/s | Trainer tokens/s | "
+             "toolkit / raw | toolkit / Trainer | MFU raw / toolkit / Trainer | MFU the toolkit logged |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in data:
+        m, s = d["median_tokens_per_sec"], d["spread_tokens_per_sec"]
+        cell = lambda v: f"{m[v]:.0f} [{s[v][0]:.0f}-{s[v][1]:.0f}]"  # noqa: E731
+        lines.append(f"| {d['model']} | {d['method']} | {d['micro_batch']} x {d['steps']} | {d['repeats']} | {cell('raw')} | "
+                     f"{cell('toolkit')} | {cell('trainer')} | {d['toolkit_over_raw']:.3f} | {d['toolkit_over_trainer']:.3f} | "
+                     f"{d['mfu']['raw']:.3f} / {d['mfu']['toolkit']:.3f} / {d['mfu']['trainer']:.3f} | "
+                     f"{d['toolkit_reported_mfu']:.3f} |")
+    lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU: one {data[-1]['peak_flops'] / 1e9:.0f} "
+              "GFLOP/s fp32 matmul probe per benchmark (the toolkit's own logged MFU uses its own probe, so it differs a little)."]
+    (bench / "throughput.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.25
+    for i, v in enumerate(VARIANTS):
+        ax.bar([k + (i - 1) * width for k in range(len(data))], [d["median_tokens_per_sec"][v] for d in data], width, label=v)
+    ax.set_xticks(range(len(data)), [f"{d['model']}\n{d['method']}" for d in data])
+    ax.set_ylabel("tokens/s (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(bench / "throughput.png", dpi=100)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child_main(sys.argv[2:])
+    else:
+        main()

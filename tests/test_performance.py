@@ -1,0 +1,165 @@
+"""Chunked loss (`--loss chunked`) and MFU in the metrics: same numbers as the plain path, and the
+FLOP count written out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from distributed import launch, parity_args, records
+
+from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flops
+from toolkit.train.loss import chunked_loss_sum, token_loss_sum
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [7, 1024])
+def test_chunked_loss_and_gradients_equal_full_logits(bias, chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 11))
+    labels[0, :4] = -100  # a masked prompt
+    labels[2, :] = -100  # a row with no targets at all
+    ref = token_loss_sum(head(hidden), labels)
+    ref.backward()
+    want = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
+    hidden.grad = None
+    head.zero_grad()
+    got = chunked_loss_sum(hidden, head, labels, chunk=chunk)
+    (2.5 * got).backward()  # the incoming gradient is applied in backward
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    have = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+    for g, w in zip(have, want):
+        torch.testing.assert_close(g, 2.5 * w, atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_head_gets_no_gradient_and_input_still_does():
+    head = torch.nn.Linear(8, 20, bias=False).requires_grad_(False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    labels = torch.randint(0, 20, (2, 5))
+    chunked_loss_sum(hidden, head, labels, chunk=3).backward()
+    assert head.weight.grad is None and hidden.grad is not None and hidden.grad[:, -1].abs().sum() == 0
+
+
+def test_flops_per_token_is_palm_formula(tiny_model):
+    """6N + 12 L h T with N the matmul weights: untied tiny Llama = everything but the input embedding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    n_all = sum(p.numel() for p in model.parameters())
+    n = n_all - model.get_input_embeddings().weight.numel()
+    assert matmul_params(model) == n
+    assert flops_per_token(n, 2, 64, 30.0) == 6 * n + 12 * 2 * 64 * 30.0
+
+
+def test_peak_probe_is_positive_and_finite():
+    peak = measure_peak_flops(torch.device("cpu"), torch.float32, n=256, reps=2)
+    assert math.isfinite(peak) and peak > 1e6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, data_files):
+    cache = {}
+
+    def get(name, method, loss, nproc=1, extra=()):
+        key = (name, method, loss)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{name}_{method}_{loss}")
+            argv = parity_args(tiny_model, data_files["chat"], out, method) + ["--loss", loss, *extra]
+            p = launch(argv, nproc=nproc, launcher="python" if nproc == 1 else "torchrun")
+            assert p.returncode == 0, p.stderr[-4000:]
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_chunked_loss_trains_like_full_logits(runs, method):
+    ref = [r["loss"] for r in records(runs("single", method, "full", extra=["--micro-batch-size", "8"]))]
+    got = [r["loss"] for r in records(runs("single", method, "chunked", extra=["--micro-batch-size", "8"]))]
+    assert len(got) == 5 and got == pytest.approx(ref, abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.parametrize("name, flags", [("zero3", ["--zero-stage", "3"]), ("fsdp", ["--fsdp"])])
+def test_chunked_loss_under_sharded_weights(runs, name, flags):
+    """The loss runs inside the LM head's forward, where ZeRO-3/FSDP have gathered its weight."""
+    ref = [r["loss"] for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"]))]
+    got = [r["loss"] for r in records(runs(name, "full", "chunked", nproc=2,
+                                           extra=["--micro-batch-size", "2", "--grad-accum", "2", *flags]))]
+    assert len(got) == 5 and got == pytest.approx(ref, rel=1e-4)
+
+
+def test_mfu_is_in_every_training_record(runs):
+    recs = [r for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"])) if "loss" in r]
+    assert recs and all(0 < r["mfu"] < 1 and r["peak_flops"] > 0 for r in recs)
+    for r in recs:
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
+
+
+# ---------------------------------------------------------------- packing
+
+
+def _rows(n=9, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        k = rng.randint(5, 20)
+        ids = [rng.randint(5, 300) for _ in range(k)]
+        rows.append({"input_ids": ids, "labels": [-100 if j < k // 3 else t for j, t in enumerate(ids)]})
+    return rows
+
+
+def test_pack_rows_keeps_every_example_whole_and_restarts_positions():
+    from toolkit.data.packing import pack_rows
+
+    rows = _rows()
+    packed = pack_rows(rows, 40)
+    assert all(len(p["input_ids"]) <= 40 for p in packed)
+    assert sum(p["examples"] for p in packed) == len(rows)
+    assert len(packed) == -(-sum(len(r["input_ids"]) for r in rows) // 40)  # first-fit decreasing: no spare row here
+    pieces = []
+    for p in packed:
+        starts = [i for i, pos in enumerate(p["position_ids"]) if pos == 0] + [len(p["input_ids"])]
+        for a, b in zip(starts, starts[1:]):
+            assert p["position_ids"][a:b] == list(range(b - a)) and p["labels"][a] == -100
+            pieces.append(tuple(p["input_ids"][a:b]))
+    assert sorted(pieces) == sorted(tuple(r["input_ids"]) for r in rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_batch_gives_the_unpacked_loss_and_gradients(tiny_model, attn):
+    """Block-diagonal attention and restarted positions: no example sees another."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.data import collate
+    from toolkit.data.packing import collate_packed, model_inputs, pack_rows
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn)
+    model.config.use_cache = False
+    rows = _rows()
+    plain = collate(rows, 0)
+    ref = token_loss_sum(model(**model_inputs(plain)).logits, plain["labels"])
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    packed = collate_packed(pack_rows(rows, 40), 0)
+    assert packed["input_ids"].shape[0] < len(rows)
+    got = token_loss_sum(model(**model_inputs(packed)).logits, packed["labels"])
+    got.backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):
+    """Global batch = the whole dataset (32 examples), so packing changes only the layout: the same
+    per-step losses (3 steps, full finetune)."""
+    ref = [r["loss"] for r in records(runs("whole", "full", "full", extra=["--micro-batch-size", "64", "--max-steps", "3"]))]
+    got = [r["loss"] for r in records(runs("whole_packed", "full", "full",
+                                           extra=["--micro-batch-size", "64", "--max-steps", "3", "--packing"]))]
+    assert len(got) == 3 and got == pytest.approx(ref, abs=1e-5, rel=1e-5)

@@ -1,0 +1,72 @@
+"""Packing: several tokenized examples per sequence, trained exactly as if unpacked.
+
+Each packed row concatenates whole examples (first-fit decreasing: longest first, each into the
+first row with room, so little is left to pad). Per example, `position_ids` restart at 0 and the
+first token's label is dropped (it would be "predicted" from the previous example's last token; an
+unpacked example never trains its first token either). The model gets `position_ids` and no 2-D
+attention mask, from which transformers builds a block-diagonal causal mask (`masking_utils.
+find_packed_sequence_indices`: a new block wherever positions do not step by 1) for eager and SDPA
+attention, and varlen attention for FlashAttention: attention never crosses examples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.data.tokenize import IGNORE_INDEX
+
+
+def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
+    """First-fit decreasing bins of at most `seq_len` tokens -> packed rows with position_ids."""
+    bins: list[list[dict]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=lambda r: len(r["input_ids"]), reverse=True):
+        n = len(row["input_ids"])
+        slot = next((i for i, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            bins.append([row])
+            room.append(seq_len - n)
+        else:
+            bins[slot].append(row)
+            room[slot] -= n
+    packed = []
+    for members in bins:
+        ids, labels, positions = [], [], []
+        for r in members:
+            ids += r["input_ids"]
+            labels += [IGNORE_INDEX] + list(r["labels"][1:])
+            positions += list(range(len(r["input_ids"])))
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions, "examples": len(members)})
+    return packed
+
+
+def collate_packed(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad packed rows to the longest; the padding is a block of its own (positions restart
+    at 0) with label -100. `attention_mask` marks real tokens for counting; it is not given to the model."""
+    width = max(len(x["input_ids"]) for x in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    positions = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, x in enumerate(batch):
+        n = len(x["input_ids"])
+        ids[i, :n] = torch.tensor(x["input_ids"])
+        labels[i, :n] = torch.tensor(x["labels"])
+        mask[i, :n] = 1
+        positions[i, :n] = torch.tensor(x["position_ids"])
+        positions[i, n:] = torch.arange(width - n)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": positions}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model is called with: packed batches give position_ids instead of the 2-D mask."""
+    if "position_ids" in batch:  # no KV cache either: transformers only looks for packing without one
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def count_examples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Examples in a (packed or padded) batch: real tokens at position 0."""
+    if "position_ids" in batch:
+        return ((batch["position_ids"] == 0) & (batch["attention_mask"] == 1)).sum()
+    return torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)
