@@ -168,8 +168,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     from toolkit.models import resolve_model
-    from toolkit.planner.params import count_params
-    from toolkit.train.flops import flops_per_token, measure_peak_flops
+    from toolkit.train.flops import flops_per_token, matmul_params_from_config, measure_peak_flops
 
     tmp = tempfile.mkdtemp()
     path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)
@@ -189,8 +188,7 @@ def main() -> None:
             results[v].append(r)
             print(f"round {rep + 1} {v}: {r['tokens_per_sec']:.1f} tokens/s", flush=True)
     cfg = AutoConfig.from_pretrained(path)
-    c = count_params(cfg.to_dict())
-    n = c.per_block * c.blocks + c.final_norm + (c.lm_head or c.embedding)
+    n = matmul_params_from_config(cfg.to_dict())
     context = statistics.mean(r["tokens"] for r in results["raw"]) / (a.steps * a.micro_batch)
     per_token = flops_per_token(n, cfg.num_hidden_layers, cfg.hidden_size, context)
     med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in VARIANTS}

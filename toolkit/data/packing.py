@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.data import collate
 from toolkit.data.tokenize import IGNORE_INDEX
 
 
@@ -41,21 +42,16 @@ def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
 
 
 def collate_packed(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad packed rows to the longest; the padding is a block of its own (positions restart
-    at 0) with label -100. `attention_mask` marks real tokens for counting; it is not given to the model."""
-    width = max(len(x["input_ids"]) for x in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    positions = torch.zeros((len(batch), width), dtype=torch.long)
+    """`collate` plus position_ids: the padding is a block of its own (positions restart at 0) with
+    label -100. `attention_mask` marks real tokens for counting; it is not given to the model."""
+    out = collate(batch, pad_id)
+    width = out["input_ids"].shape[1]
+    positions = torch.zeros_like(out["input_ids"])
     for i, x in enumerate(batch):
         n = len(x["input_ids"])
-        ids[i, :n] = torch.tensor(x["input_ids"])
-        labels[i, :n] = torch.tensor(x["labels"])
-        mask[i, :n] = 1
         positions[i, :n] = torch.tensor(x["position_ids"])
         positions[i, n:] = torch.arange(width - n)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": positions}
+    return {**out, "position_ids": positions}
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

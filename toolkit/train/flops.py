@@ -21,16 +21,21 @@ def flops_per_token(matmul_params: int, layers: int, hidden: int, context: float
     return 6.0 * matmul_params + 12.0 * layers * hidden * context
 
 
+def matmul_params_from_config(cfg: dict) -> int:
+    """Blocks + final norm + the LM head (the tied embedding when there is no separate head)."""
+    from toolkit.planner.params import count_params
+
+    c = count_params(cfg)
+    return c.per_block * c.blocks + c.final_norm + (c.lm_head or c.embedding)
+
+
 def matmul_params(model: torch.nn.Module) -> int:
     """Weights that take part in matmuls, for the *unsharded* model: counted from its config with the
     planner's formulas (exact for the supported architectures; TP/ZeRO-3/FSDP shards do not matter),
     else from the module's own parameters. An input embedding not tied to the LM head is a lookup."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        from toolkit.planner.params import count_params
-
-        c = count_params(base.config.to_dict())
-        return c.per_block * c.blocks + c.final_norm + (c.lm_head or c.embedding)
+        return matmul_params_from_config(base.config.to_dict())
     except (KeyError, ValueError, TypeError):
         seen: set[int] = set()
         total = 0

@@ -115,7 +115,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, optimizer, loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    chunked = ChunkedHead(accelerator.unwrap_model(model)) if t.loss == "chunked" else None
+    unwrapped = accelerator.unwrap_model(model)
+    chunked = ChunkedHead(unwrapped) if t.loss == "chunked" else None
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
@@ -130,8 +131,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         f"{t.micro_batch_size * t.grad_accum * world} examples" + (f"; tensor parallel {replicas}" if layout else ""))
 
     # MFU: model FLOPs over the peak every rank measures now, all at once (shared cores stay shared).
-    model_cfg = getattr(accelerator.unwrap_model(model), "config", None)
-    n_matmul = matmul_params(accelerator.unwrap_model(model))
+    model_cfg, n_matmul = unwrapped.config, matmul_params(unwrapped)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     accelerator.wait_for_everyone()
     peak = accelerator.reduce(torch.tensor(measure_peak_flops(accelerator.device, dtype), dtype=torch.float64,

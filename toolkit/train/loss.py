@@ -8,6 +8,9 @@ by the number of target tokens in the whole global batch (all ranks, all accumul
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -115,14 +118,10 @@ class ChunkedHead:
 
         self.head.forward = forward
 
-    def labels(self, labels: torch.Tensor):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def scope():
-            self._labels = labels
-            try:
-                yield
-            finally:
-                self._labels = None
-        return scope()
+    @contextmanager
+    def labels(self, labels: torch.Tensor) -> Iterator[None]:
+        self._labels = labels
+        try:
+            yield
+        finally:
+            self._labels = None
