@@ -40,13 +40,31 @@ def case(tmp_path, name):
         return ["--tp", "4"], "--tp 4: must divide the kv heads (2)"
     if name == "tp_with_zero3":
         return ["--tp", "2", "--zero-stage", "3"], "--tp 2 with --zero-stage 3 is not supported"
+    if name == "pp_more_stages_than_blocks":
+        return ["--pp", "3"], "--pp 3: more stages than the model's 2 decoder blocks; use --pp 2 or fewer"
+    if name == "pp_microbatches_not_dividing":
+        return ["--pp", "2", "--micro-batch-size", "4", "--pp-microbatches", "3"], \
+            "--pp-microbatches 3 does not divide --micro-batch-size 4"
+    if name == "pp_unknown_architecture":
+        from conftest import build_tokenizer
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        tok = build_tokenizer()
+        GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                   bos_token_id=tok.bos_token_id)).save_pretrained(d / "gpt2")
+        tok.save_pretrained(d / "gpt2")
+        return ["--pp", "2", "--model", str(d / "gpt2")], \
+            "cannot split GPT2LMHeadModel into pipeline stages: missing model.embed_tokens"
+    if name == "pp_devices_missing_gpu":
+        return ["--pp", "2", "--pp-devices", "cuda:0,cuda:7"], "cuda:7 not present"
     raise KeyError(name)
 
 
 @pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
                                   "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
                                   "missing_model", "uncached_hub_id", "tp_without_ranks", "tp_not_dividing_heads",
-                                  "tp_with_zero3"])
+                                  "tp_with_zero3", "pp_more_stages_than_blocks", "pp_microbatches_not_dividing",
+                                  "pp_unknown_architecture", "pp_devices_missing_gpu"])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
     out = tmp_path / "out"
     out.mkdir()

@@ -353,7 +353,7 @@ def test_planner_tp_row_matches_measured_bytes(runs, tiny_model, method):
     inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,
                     micro_batch=4, precision="no")
     row = estimate_model_parallel(inp, "tp", 2, False)
-    assert row.name == "tp2" and row.runnable
+    assert row.name == "tp2"
     measured = records(runs("tp2", method))[0]
     for rank in range(2):
         assert measured["param_bytes"][rank] == pytest.approx(row.bytes["weights"], rel=0.05)

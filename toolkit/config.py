@@ -87,6 +87,15 @@ class ParallelConfig:
                             ("full", "grad_op", "hybrid"))
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
                     "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP only")
+    pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
+                    "several processes run one stage each (world = pp x data-parallel)")
+    pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "
+                                 "bubble fraction (pp-1)/(m+pp-1)")
+    pp_schedule: str = _f("gpipe", "multi-process pipeline schedule (torch.distributed.pipelining)", ("gpipe", "1f1b"))
+    pp_balance: str = _f("params", "split blocks into stages by parameter count or by measured block time",
+                         ("params", "time"))
+    pp_devices: str = _f("", "single process: comma-separated stage devices (default cuda:0..pp-1, "
+                             "or cpu for every stage on a machine without GPUs)")
 
 
 @dataclass
@@ -329,8 +338,43 @@ def validate(cfg: Config) -> list[str]:
                                   "cannot be sliced); use --method lora")
         need(t.mixed_precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
                                           "(no loss scaling across TP shards); use bf16")
+    p.extend(_pipeline_problems(cfg))
     p.extend(_check_dataset_path(d.dataset))
     p.extend(_check_output_dir(o))
+    return p
+
+
+def _pipeline_problems(cfg: Config) -> list[str]:
+    """--pp checks that need no model (stage count vs blocks is checked once the config is read)."""
+    par, t, m = cfg.parallel, cfg.train, cfg.model
+    if par.pp < 1:
+        return [f"--pp must be >= 1 (got {par.pp})"]
+    p = []
+    if par.pp_microbatches < 1:
+        p.append(f"--pp-microbatches must be >= 1 (got {par.pp_microbatches})")
+    elif t.micro_batch_size % par.pp_microbatches:
+        p.append(f"--pp-microbatches {par.pp_microbatches} does not divide --micro-batch-size "
+                 f"{t.micro_batch_size}; use a divisor of it or change the batch size")
+    if par.pp == 1:
+        if par.pp_devices:
+            p.append("--pp-devices needs --pp N with N > 1")
+        return p
+    other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp else
+             f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else f"--tp {par.tp}" if par.tp > 1 else None)
+    if other:
+        p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with plain data "
+                 "parallel only (drop one of them)")
+    if m.method == "qlora":
+        p.append(f"--pp {par.pp} with --method qlora is not supported; use --method lora")
+    if t.mixed_precision == "fp16":
+        p.append(f"--pp {par.pp} with --mixed-precision fp16 is not supported (no loss scaling across stages); use bf16")
+    if t.loss == "chunked":
+        p.append(f"--pp {par.pp} with --loss chunked is not supported; the last stage computes full logits (use --loss full)")
+    if par.pp_schedule == "1f1b" and par.pp_microbatches < par.pp:
+        p.append(f"--pp-schedule 1f1b needs --pp-microbatches >= --pp ({par.pp_microbatches} < {par.pp})")
+    if par.pp_devices and len([x for x in par.pp_devices.split(",") if x.strip()]) != par.pp:
+        p.append(f"--pp-devices lists {len([x for x in par.pp_devices.split(',') if x.strip()])} devices "
+                 f"for --pp {par.pp}; give one per stage (for example cuda:0,cuda:1)")
     return p
 
 

@@ -68,6 +68,7 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
     accelerator.tp_layout = tensor_parallel_layout(cfg, model_path, accelerator.num_processes)
+    accelerator.pp_layout = pipeline_layout(cfg, model_path, accelerator.num_processes)
     set_seed(cfg.train.seed)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
@@ -91,6 +92,35 @@ def tensor_parallel_layout(cfg: Config, model_path: str | None, world: int):
     if problems:
         raise UserError("; ".join(problems))
     return make_layout(cfg.parallel.tp)
+
+
+def pipeline_layout(cfg: Config, model_path: str | None, world: int):
+    """None without --pp or in one process (the naive pipeline needs no groups); else check the
+    model and world (one line for every problem, before the weights are loaded) and build the
+    pp x dp process groups."""
+    if cfg.parallel.pp == 1:
+        return None
+    from toolkit.errors import UserError
+    from toolkit.parallel.pp import make_pipeline_layout, pipeline_problems
+
+    problems = []
+    if model_path:
+        from transformers import AutoConfig
+
+        trust = cfg.model.trust_remote_code
+        problems = pipeline_problems(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
+                                     cfg.parallel.pp, world, trust)
+    if world > 1 and cfg.parallel.pp_devices:
+        problems.append("--pp-devices is for the single-process pipeline; launched with several processes "
+                        "each rank runs its stage on its own device (drop --pp-devices)")
+    if problems:
+        raise UserError("; ".join(problems))
+    if world == 1:
+        from toolkit.parallel.pp import pipeline_devices
+
+        pipeline_devices(cfg)  # a missing GPU fails now, before any weights are read
+        return None
+    return make_pipeline_layout(cfg.parallel.pp)
 
 
 def fsdp_plugin(cfg: Config):

@@ -19,6 +19,7 @@ from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.planner.memory import activation_elements_per_token
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.stages import balance
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
@@ -94,7 +95,6 @@ class Candidate:
     cpu_bytes_per_node: int
     comm_bytes: int
     fits: bool
-    runnable: bool = True  # pp* rows are predictions until the toolkit runs them
 
 
 @dataclass
@@ -157,8 +157,8 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
 
 def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointing: bool) -> Candidate:
     """tpT[_dpD]: Megatron TP of degree T inside a node, DDP across the D = world/T groups;
-    ppP: a naive pipeline of P stages (GPipe: every micro-batch's activations alive at once), the
-    heaviest stage taken. Weights stay fp32 under autocast, as in DDP."""
+    ppP: P pipeline stages split as the runtime splits them (GPipe: every micro-batch's activations
+    alive at once; a tied embedding is also held by the last stage), the heaviest stage taken. Weights stay fp32 under autocast, as in DDP."""
     cfg = inp.model
     counts = count_params(cfg)
     layers, h, i, kv, vocab = _dims(cfg)
@@ -176,22 +176,30 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
         logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)
         comm = 4 * 2 * layers * inp.micro_batch * inp.seq_len * h * act  # 2 all-reduces fwd + 2 bwd per block
         name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
-    else:
-        stage_layers = -(-layers // degree)
-        params = stage_layers * counts.per_block + max(counts.embedding, counts.lm_head + counts.final_norm)
-        trainable = params if inp.method == "full" else -(-trainable_all // degree)
+        b = {"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
+             "activations": acts, "logits": logits}
+    else:  # the runtime's split (toolkit.parallel.pp); the stage with the largest total is taken
+        tied = counts.lm_head == 0
+        sizes = balance([counts.per_block] * layers, degree, counts.embedding, counts.lm_head + counts.final_norm)
         per_layer = activation_elements_per_token(1, h, i, kv, checkpointing) - 3 * h
-        acts = act * inp.micro_batch * inp.seq_len * (stage_layers * per_layer + 2 * h)
-        logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)  # on the last stage
+        stages = []
+        for s, n in enumerate(sizes):
+            last = s == degree - 1
+            params = n * counts.per_block + (counts.embedding if s == 0 else 0) \
+                + (counts.final_norm + (counts.embedding if tied else counts.lm_head) if last else 0)  # tied: a copy
+            trainable = params if inp.method == "full" else trainable_all * n // layers
+            params += 0 if inp.method == "full" else trainable
+            acts = act * inp.micro_batch * inp.seq_len * (n * per_layer + 2 * h)  # GPipe: every micro-batch alive
+            logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act) if last else 0
+            stages.append({"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
+                           "activations": acts, "logits": logits})
+        b = max(stages, key=lambda x: sum(x.values()))
         comm = 2 * (degree - 1) * inp.micro_batch * inp.seq_len * h * act  # activations + their grads
         name = f"pp{degree}"
-    b = {"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
-         "activations": acts, "logits": logits}
     b["buffers"] = FRAMEWORK_CONTEXT + 2 * DDP_BUCKET
     b["buffers"] += int(FRAGMENTATION * sum(b.values()))
     b["total"] = sum(b.values())
-    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory,
-                     runnable=kind == "tp")
+    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory)
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -267,13 +275,12 @@ def render_table(p: Plan, gpu_memory: int) -> str:
              f"GPU memory {gpu_memory / GiB:.0f} GiB  (GiB per GPU below)",
              f"{'strategy':<22}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'fits':>6}"]
     for c in p.strategies:
-        lines.append(f"{c.name + (' +gc' if c.checkpointing else '') + ('' if c.runnable else ' *'):<22}"
+        lines.append(f"{c.name + (' +gc' if c.checkpointing else ''):<22}"
                      + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
                      + f"{c.cpu_bytes_per_node / GiB:>10.1f}{'yes' if c.fits else 'no':>6}")
-    if any(not c.runnable for c in p.strategies):
-        lines.append("* predicted only: pipeline-parallel runs are not in finetune.py yet, so never chosen")
-    if any(c.name.startswith("tp") for c in p.strategies):
-        lines.append("tp rows run with --tp N (torchrun, world = N x data-parallel); auto picks among DDP/ZeRO/FSDP")
+    if any(c.name.startswith(("tp", "pp")) for c in p.strategies):
+        lines.append("tp/pp rows run with --tp N / --pp N (torchrun, world = N x data-parallel; --pp also in one "
+                     "process over N GPUs); auto picks among DDP/ZeRO/FSDP")
     if p.chosen:
         d = p.chosen_detail
         lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "

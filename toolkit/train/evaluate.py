@@ -21,16 +21,23 @@ def eval_loss(accelerator, model, rows: list[dict], batch_size: int, pad_id: int
     shard = rows[rank::ranks]
     n_batches = -(-len(rows) // (batch_size * ranks))  # same count on every rank
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    # where inputs go: the model's device (a pipeline's gathered model sits on CPU after training);
+    # DeepSpeed's partitioned parameters can report CPU under offload, so it gets the rank's device
+    plain = not hasattr(model, "loss_sum") and accelerator.distributed_type != "DEEPSPEED"
+    device = next(model.parameters()).device if plain else accelerator.device
     for i in range(n_batches):
         chunk = shard[i * batch_size:(i + 1) * batch_size]
         if not chunk:  # keep sharded models (ZeRO-3, FSDP) in lock-step: run a dummy batch
             chunk, weight = shard[:1] or rows[:1], 0.0
         else:
             weight = 1.0
-        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        total += weight * torch.stack([token_loss_sum(logits, batch["labels"]).double(),
-                                       count_targets(batch["labels"]).double()])
+        batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+        if hasattr(model, "loss_sum"):  # a pipeline: logits exist on the last stage only
+            loss = model.loss_sum(batch).to(accelerator.device)
+        else:
+            loss = token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["labels"]).to(accelerator.device)
+        total += weight * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
     total = accelerator.reduce(total, "sum")
     model.train()
     return (total[0] / total[1]).item()

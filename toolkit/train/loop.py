@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.config import Config
 from toolkit.data import collate
 from toolkit.data.packing import collate_packed, count_examples, model_inputs, pack_rows
-from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel
+from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel, shard_loader
 from toolkit.train.evaluate import eval_loss
 from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flops
 from toolkit.train.loss import ChunkedHead, count_targets, token_loss_sum
@@ -109,13 +109,19 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         fill = sum(len(r["input_ids"]) for r in train_rows) / (len(train_rows) * cfg.data.seq_len)
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
     loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
-    optimizer = make_optimizer(model, cfg)
-    layout = accelerator.tp_layout
-    if layout is not None:  # DDP over the data-parallel group only; the loader sharded by dp rank
-        model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, optimizer, loader)
+    layout, pipe = accelerator.tp_layout, None
+    if cfg.parallel.pp > 1:  # the stages (one process: all of them) run forward/backward themselves
+        from toolkit.parallel.pp import build_pipeline
+
+        sample = (t.micro_batch_size, max(len(r["input_ids"]) for r in train_rows))
+        model = pipe = build_pipeline(cfg, accelerator, model, sample, tokenizer.pad_token_id)
+        log(pipe.describe())
+        optimizer, loader = make_optimizer(pipe, cfg), shard_loader(accelerator, loader)
+    elif layout is not None:  # DDP over the data-parallel group only; the loader sharded by dp rank
+        model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, make_optimizer(model, cfg), loader)
     else:
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    unwrapped = accelerator.unwrap_model(model)
+        model, optimizer, loader = accelerator.prepare(model, make_optimizer(model, cfg), loader)
+    unwrapped = pipe.model if pipe is not None else accelerator.unwrap_model(model)
     chunked = ChunkedHead(unwrapped) if t.loss == "chunked" else None
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
@@ -156,6 +162,9 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         accelerator.step = 0
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for batch in micro:
+            if pipe is not None:  # x world: gradients are averaged over data-parallel replicas
+                loss_sum += pipe.train_step(batch, scale=world / n_global).to(loss_sum.device)
+                continue
             with accelerator.accumulate(model):
                 if chunked is not None:  # the head returns the loss sum in place of logits
                     with chunked.labels(batch["labels"]):
@@ -170,7 +179,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
                 accelerator.backward(loss * (world * divisor / n_global))
                 loss_sum += loss.detach().double()
         grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
-        if layout is not None:
+        if pipe is not None:
+            pipe.finish_grads()
+            grad_norm = pipe.clip_grad_norm(t.max_grad_norm or float("inf"))
+        elif layout is not None:
             grad_norm = clip_grad_norm(model.parameters(), t.max_grad_norm or float("inf"), layout)
         else:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
@@ -210,6 +222,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
             from toolkit.train.checkpoint import save_final
 
-            save_final(accelerator, model, tokenizer, out_dir / f"checkpoint-{step}")
+            save_final(accelerator, pipe.gather(to_cpu=False) if pipe is not None else model, tokenizer, out_dir / f"checkpoint-{step}")
     metrics.close()
+    if pipe is not None:  # the stages' weights back in one HF model (on every rank), ready to save
+        model = pipe.gather()
     return model, TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start)

@@ -18,7 +18,7 @@ from toolkit.parallel.tp.comm import group_size
 from toolkit.parallel.tp.plan import apply_tensor_parallel, gather_state_dict, tp_problems
 
 __all__ = ["Layout", "make_layout", "apply_tensor_parallel", "gather_state_dict", "tp_problems",
-           "prepare_tensor_parallel", "clip_grad_norm", "data_parallel"]
+           "prepare_tensor_parallel", "clip_grad_norm", "data_parallel", "shard_loader"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class Layout:
     dp_rank: int
     tp_group: Any
     dp_group: Any
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that read each data shard: the whole TP group."""
+        return self.tp
 
 
 def make_layout(tp: int) -> Layout:
@@ -42,18 +47,25 @@ def make_layout(tp: int) -> Layout:
 
 def data_parallel(accelerator) -> tuple[int, int, int]:
     """(data rank, data ranks, replicas): which shard of the data this rank reads, of how many, and
-    how many ranks read each shard (the TP degree), for dividing world-wide sums."""
-    layout: Layout | None = getattr(accelerator, "tp_layout", None)
+    how many ranks read each shard (the TP degree, or the pipeline depth), for dividing world-wide sums."""
+    layout = getattr(accelerator, "tp_layout", None) or getattr(accelerator, "pp_layout", None)
     if layout is None:
         return accelerator.process_index, accelerator.num_processes, 1
-    return layout.dp_rank, layout.dp, layout.tp
+    return layout.dp_rank, layout.dp, layout.replicas
+
+
+def shard_loader(accelerator, loader):
+    """The loader sharded by data-parallel rank (TP/PP peers read the same batches)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    rank, ranks, _ = data_parallel(accelerator)
+    return prepare_data_loader(loader, accelerator.device, num_processes=ranks, process_index=rank,
+                               put_on_device=True, even_batches=accelerator.even_batches)
 
 
 def prepare_tensor_parallel(accelerator, layout: Layout, model, optimizer, loader):
     """What `accelerator.prepare` does, with DDP over the dp group only and the loader sharded by
     dp rank (accelerate's own DDP would average over every rank, TP peers included)."""
-    from accelerate.data_loader import prepare_data_loader
-
     model = model.to(accelerator.device)
     if accelerator.mixed_precision == "bf16":
         forward = model.forward
@@ -63,9 +75,7 @@ def prepare_tensor_parallel(accelerator, layout: Layout, model, optimizer, loade
             model, process_group=layout.dp_group,
             device_ids=[accelerator.local_process_index] if accelerator.device.type == "cuda" else None)
     optimizer = accelerator.prepare_optimizer(optimizer)
-    loader = prepare_data_loader(loader, accelerator.device, num_processes=layout.dp, process_index=layout.dp_rank,
-                                 put_on_device=True, even_batches=accelerator.even_batches)
-    return model, optimizer, loader
+    return model, optimizer, shard_loader(accelerator, loader)
 
 
 def _autocast(accelerator, forward, *args, **kwargs):

@@ -1,0 +1,279 @@
+"""Pipeline parallelism: the stage split, the naive single-process pipeline and `--pp` runs on
+torch.distributed.pipelining, each against the unsplit model (fp32, tolerance 1e-5).
+
+Layouts under test: one process with p in {2, 3} stages on cpu; 2 ranks = pp 2 (GPipe, 1F1B);
+4 ranks = pp 2 x dp 2 (stage 0 on ranks {0,1}, stage 1 on {2,3}). The models tie the embedding
+and the LM head, so the tied weight lives on the first and the last stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import CHATML, build_model_dir
+from distributed import launch, parity_args, records
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory):
+    """4 blocks (so p = 3 is possible), tied embedding / LM head."""
+    return build_model_dir(tmp_path_factory.mktemp("pp") / "model", chat_template=CHATML, num_hidden_layers=4,
+                           tie_word_embeddings=True)
+
+
+# ---------------------------------------------------------------- the split
+
+
+def _brute_force(costs: list[float], p: int, first: float, last: float) -> float:
+    """The smallest possible largest-stage cost over every contiguous split."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), p - 1):
+        bounds = (0, *cuts, len(costs))
+        stage = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stage[0] += first
+        stage[-1] += last
+        best = min(best, max(stage))
+    return best
+
+
+def test_balance_is_optimal_on_random_costs():
+    from toolkit.parallel.pp.split import balance
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        p = rng.randint(1, n)
+        costs = [rng.choice([1.0, 2.0, 5.0, 13.0]) * rng.random() for _ in range(n)]
+        first, last = rng.random() * 10, rng.random() * 10
+        sizes = balance(costs, p, first, last)
+        assert len(sizes) == p and sum(sizes) == n and min(sizes) >= 1
+        bounds = [sum(sizes[:i]) for i in range(p + 1)]
+        stage = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stage[0] += first
+        stage[-1] += last
+        assert max(stage) == pytest.approx(_brute_force(costs, p, first, last))
+
+
+def test_uneven_model_split_is_within_one_block_of_optimal(tmp_path):
+    """Blocks 1 and 2 get an MLP 8x wider: an even split by block count (2+2+2) would put both
+    heavy blocks on one stage; the split by parameter count must match the brute-force optimum
+    (so no boundary moved by one block could do better)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel.pp.split import balance, decoder_parts, param_costs
+
+    path = build_model_dir(tmp_path / "m", num_hidden_layers=6)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for i in (1, 2):
+        mlp = model.model.layers[i].mlp
+        h, wide = mlp.gate_proj.in_features, mlp.gate_proj.out_features * 8
+        mlp.gate_proj, mlp.up_proj = torch.nn.Linear(h, wide, bias=False), torch.nn.Linear(h, wide, bias=False)
+        mlp.down_proj = torch.nn.Linear(wide, h, bias=False)
+    blocks, first, last = param_costs(decoder_parts(model))
+    assert len(set(blocks)) == 2  # uneven
+    for p in (2, 3, 4):
+        sizes = balance(blocks, p, first, last)
+        bounds = [sum(sizes[:i]) for i in range(p + 1)]
+        stage = [sum(blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stage[0] += first
+        stage[-1] += last
+        assert max(stage) == _brute_force(blocks, p, first, last), (p, sizes)
+    assert balance(blocks, 3, first, last)[0] <= 2  # the heavy blocks are not lumped with the embeddings
+
+
+def test_architecture_without_the_layout_names_what_it_found(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.errors import UserError
+    from toolkit.parallel.pp import pipeline_problems
+    from toolkit.parallel.pp.split import decoder_parts
+
+    with pytest.raises(UserError, match=r"missing model\.embed_tokens.*found transformer \(GPT2Model\), lm_head"):
+        decoder_parts(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)))
+    problems = pipeline_problems(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64), 2, 1)
+    assert len(problems) == 1 and "GPT2LMHeadModel" in problems[0]
+
+
+def test_problems_for_too_many_stages_and_a_bad_world(tied_model):
+    from transformers import AutoConfig
+
+    from toolkit.parallel.pp import pipeline_problems
+
+    problems = pipeline_problems(AutoConfig.from_pretrained(tied_model), 5, 3)
+    assert problems == ["--pp 5: more stages than the model's 4 decoder blocks; use --pp 4 or fewer",
+                        "--pp 5 across processes needs a world size that is a multiple of 5 (got 3); launch with "
+                        "torchrun --nproc_per_node 5 (x data-parallel groups), or one process for the naive pipeline"]
+    assert pipeline_problems(AutoConfig.from_pretrained(tied_model), 2, 4) == []
+
+
+def test_bubble_fraction():
+    from toolkit.parallel.pp import bubble_fraction
+
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(2, 1) == pytest.approx(0.5)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
+# ---------------------------------------------------------------- the naive pipeline, in process
+
+
+def _batches(vocab: int, pad_id: int, n: int = 3, batch: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Padded batches of random lengths with prompt tokens masked out of the labels."""
+    from toolkit.data import collate
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        rows = []
+        for _ in range(batch):
+            length = int(torch.randint(6, 30, (1,), generator=g))
+            ids = torch.randint(5, vocab, (length,), generator=g).tolist()
+            rows.append({"input_ids": ids, "labels": [-100] * 3 + ids[3:]})
+        out.append(collate(rows, pad_id))
+    return out
+
+
+def _train(model_dir, method: str, stages: int, microbatches: int, gc: bool = False):
+    """([loss, grad norm] of each of 3 AdamW steps, final trainable weights); unsplit when stages == 1."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel.pp import NaivePipeline
+    from toolkit.train.loss import count_targets, token_loss_sum
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        if gc:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        g = torch.Generator().manual_seed(3)
+        for n, p in model.named_parameters():  # B starts at zero: make it non-zero so A gets gradients at step 1
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02, generator=g)
+    model.train()
+    pipe = NaivePipeline(model, [torch.device("cpu")] * stages, microbatches) if stages > 1 else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    losses = []
+    for batch in _batches(model.config.vocab_size, model.config.pad_token_id):
+        n = count_targets(batch["labels"]).item()
+        if pipe is not None:
+            loss = pipe.train_step(batch, scale=1.0 / n)
+            norm = pipe.clip_grad_norm(1.0)
+        else:
+            loss = token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["labels"])
+            (loss / n).backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses += [loss.item() / n, norm.item()]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (3, 1), (3, 4)])
+def test_naive_pipeline_matches_unsplit_model(tied_model, method, stages, microbatches):
+    """Per-step losses, gradient norms and final weights equal the unsplit model's within 1e-5."""
+    ref_losses, ref_weights = _train(tied_model, method, 1, 1)
+    losses, weights = _train(tied_model, method, stages, microbatches)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert weights.keys() == ref_weights.keys()  # AdamW moves every weight with a gradient by ~lr = 1e-3 >> 1e-5
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], **TOL, msg=k)
+
+
+def test_naive_pipeline_with_gradient_checkpointing_and_lora(tied_model):
+    ref_losses, ref_weights = _train(tied_model, "lora", 1, 1)
+    losses, weights = _train(tied_model, "lora", 2, 4, gc=True)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], **TOL, msg=k)
+
+
+def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel.pp import NaivePipeline
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model)
+    pipe = NaivePipeline(model, [torch.device("cpu")] * 3, 4)
+    assert sum(pipe.sizes) == 4 and len(pipe.sizes) == 3
+    assert pipe.stages[0].embed is model.model.embed_tokens and pipe.stages[0].head is None
+    assert pipe.stages[-1].head is model.lm_head and pipe.stages[-1].norm is model.model.norm
+    got = [layer for s in pipe.stages for layer in s.layers]
+    assert got == list(model.model.layers)
+    assert "3 stages" in pipe.describe() and "33.3%" in pipe.describe()
+
+
+# ---------------------------------------------------------------- finetune.py --pp
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tied_model, data_files):
+    """(layout, method) -> output dir. Global batch 4 everywhere: 1 x mb 4 (pp split into 2 or 4
+    micro-batches); pp2 x dp2 x mb 2."""
+    layouts = {"single": (1, ["--micro-batch-size", "4"]),
+               "naive2_time": (1, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2",
+                                   "--pp-balance", "time"]),
+               "gpipe2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2"]),
+               "1f1b2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "4", "--pp-schedule", "1f1b"]),
+               "pp2_dp2": (4, ["--micro-batch-size", "2", "--pp", "2", "--pp-microbatches", "2"])}
+    cache = {}
+
+    def get(layout, method):
+        if (layout, method) not in cache:
+            nproc, extra = layouts[layout]
+            out = tmp_path_factory.mktemp(f"{layout}_{method}")
+            p = launch(parity_args(tied_model, data_files["chat"], out, method) + extra, nproc=nproc,
+                       launcher="python" if nproc == 1 else "torchrun")
+            assert p.returncode == 0, p.stderr[-4000:]
+            cache[(layout, method)] = (out, p.stdout)
+        return cache[(layout, method)]
+
+    return get
+
+
+@pytest.mark.parametrize("layout, method", [("naive2_time", "full"), ("gpipe2", "full"), ("1f1b2", "full"),
+                                            ("1f1b2", "lora"), ("pp2_dp2", "full")])
+def test_pp_losses_and_saved_weights_match_single_process(runs, layout, method):
+    from safetensors.torch import load_file
+
+    ref_out, _ = runs("single", method)
+    out, stdout = runs(layout, method)
+    ref = [r[k] for r in records(ref_out) for k in ("loss", "grad_norm")]
+    got = [r[k] for r in records(out) for k in ("loss", "grad_norm")]
+    assert len(got) == 10 and got == pytest.approx(ref, abs=1e-5, rel=1e-5), f"{layout}/{method}: {got} vs {ref}"
+    name = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    ref_w, got_w = load_file(ref_out / "final" / name), load_file(out / "final" / name)
+    assert got_w.keys() == ref_w.keys() and len(ref_w) > 0
+    for k in ref_w:
+        torch.testing.assert_close(got_w[k], ref_w[k], **TOL, msg=k)
+    assert "pipeline: 2 stages" in stdout and "expected bubble" in stdout
+
+
+@pytest.mark.parametrize("layout, method", [("gpipe2", "full"), ("1f1b2", "lora")])
+def test_planner_pp_row_matches_measured_bytes(runs, tied_model, layout, method):
+    """The planner's pp2 row (the runtime's split, heaviest stage) against the largest per-rank
+    bytes measured at step 1: weights (the tied embedding on both ends), gradients, Adam states, 5%."""
+    import json
+
+    from toolkit.planner.plan import PlanInput, estimate_model_parallel
+
+    cfg = json.loads((tied_model / "config.json").read_text())
+    inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,
+                    micro_batch=4, precision="no")
+    row = estimate_model_parallel(inp, "pp", 2, False)
+    measured = records(runs(layout, method)[0])[0]
+    assert max(measured["param_bytes"]) == pytest.approx(row.bytes["weights"], rel=0.05)
+    assert max(measured["grad_bytes"]) == pytest.approx(row.bytes["grads"], rel=0.05)
+    assert max(measured["optim_bytes"]) == pytest.approx(row.bytes["optimizer"], rel=0.05)

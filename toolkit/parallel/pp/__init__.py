@@ -1,0 +1,91 @@
+"""Pipeline parallelism, one flag (`--pp N`) for two runtimes:
+
+- one process: the naive pipeline (`naive.NaivePipeline`) puts N stages on `--pp-devices`
+  (default cuda:0..N-1; `cpu` for every stage on a machine without GPUs);
+- several processes: each rank runs one stage on torch.distributed.pipelining
+  (`stages.StagePipeline`), with data parallelism across pipeline groups (world = N x dp).
+
+Both present the same interface to the training loop: `train_step(batch, scale)` (forward and
+backward of m micro-batches, returns the summed token loss), `finish_grads()`,
+`clip_grad_norm(max)`, `loss_sum(batch)` for eval and `gather()` for the HF model to save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.config import Config
+from toolkit.errors import UserError
+from toolkit.parallel.pp.naive import NaivePipeline, bubble_fraction
+from toolkit.parallel.pp.split import balance, decoder_parts, param_costs, time_costs
+from toolkit.parallel.pp.stages import PipelineLayout, StagePipeline, make_pipeline_layout
+
+__all__ = ["NaivePipeline", "StagePipeline", "PipelineLayout", "bubble_fraction", "balance", "decoder_parts",
+           "pipeline_problems", "pipeline_devices", "build_pipeline", "make_pipeline_layout"]
+
+
+def pipeline_problems(model_config, pp: int, world: int, trust_remote_code: bool = False) -> list[str]:
+    """Everything wrong with `--pp pp` for this model and world size, found on a meta-device copy
+    of the architecture (no weights are read)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    problems = []
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    try:
+        n_blocks = len(decoder_parts(skeleton).layers)
+        if pp > n_blocks:
+            problems.append(f"--pp {pp}: more stages than the model's {n_blocks} decoder blocks; use --pp {n_blocks} or fewer")
+    except UserError as e:
+        problems.append(str(e))
+    if world > 1 and world % pp:
+        problems.append(f"--pp {pp} across processes needs a world size that is a multiple of {pp} (got {world}); "
+                        f"launch with torchrun --nproc_per_node {pp} (x data-parallel groups), or one process for the naive pipeline")
+    return problems
+
+
+def pipeline_devices(cfg: Config) -> list[torch.device]:
+    """The naive pipeline's stage devices: --pp-devices, else the first N GPUs, else cpu for all."""
+    n = cfg.parallel.pp
+    if cfg.parallel.pp_devices:
+        names = [x.strip() for x in cfg.parallel.pp_devices.split(",") if x.strip()]
+        try:
+            devices = [torch.device(x) for x in names]
+        except RuntimeError as e:
+            raise UserError(f"--pp-devices {cfg.parallel.pp_devices}: {e}") from None
+        gpus = torch.cuda.device_count()
+        bad = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= gpus]
+        if bad:
+            raise UserError(f"--pp-devices {cfg.parallel.pp_devices}: {', '.join(bad)} not present "
+                            f"({gpus} GPU{'s' if gpus != 1 else ''} visible)")
+        return devices
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * n
+    if torch.cuda.device_count() < n:
+        raise UserError(f"--pp {n} in one process needs {n} GPUs, {torch.cuda.device_count()} visible; "
+                        "pass --pp-devices (a device may repeat) or launch one process per stage")
+    return [torch.device("cuda", i) for i in range(n)]
+
+
+def build_pipeline(cfg: Config, accelerator, model, sample_shape: tuple[int, int], pad_id: int):
+    """The naive pipeline in one process, this rank's stage with several."""
+    par = cfg.parallel
+    autocast = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
+    layout: PipelineLayout | None = getattr(accelerator, "pp_layout", None)
+    if layout is None:
+        return NaivePipeline(model, pipeline_devices(cfg), par.pp_microbatches, par.pp_balance,
+                             (sample_shape[0] // par.pp_microbatches, sample_shape[1]), autocast)
+    import torch.distributed as dist
+
+    parts = decoder_parts(model)
+    if par.pp_balance == "time":  # measured once, on rank 0, so every rank cuts the model the same way
+        costs = [time_costs(parts, sample_shape[0] // par.pp_microbatches, sample_shape[1], accelerator.device)
+                 if accelerator.is_main_process else None]
+        dist.broadcast_object_list(costs, src=0)
+        blocks, first, last = costs[0]
+    else:
+        blocks, first, last = param_costs(parts)
+    sizes = balance(blocks, par.pp, first, last)
+    return StagePipeline(model, layout, sizes, par.pp_microbatches, par.pp_schedule, accelerator.device,
+                         pad_id, autocast)

@@ -1,0 +1,122 @@
+"""The naive pipeline: one process, the model's stages on a list of devices (GPipe, torchgpipe-style).
+
+A batch is split into m micro-batches. Forward runs on a clock: at tick t stage s works on
+micro-batch t - s, so after p - 1 ticks every stage is busy (on GPUs kernels launch
+asynchronously, so the devices overlap); the micro-batch losses are summed and one backward runs
+through every stage (autograd keeps one worker per device). Gradients accumulate over the
+micro-batches. Of the m + p - 1 ticks each stage idles p - 1: the bubble (p-1)/(m+p-1) of GPipe
+(Huang et al. 2019, https://arxiv.org/abs/1811.06965, section 2.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from toolkit.parallel.pp.split import DecoderStage, balance, decoder_parts, param_costs, stage_bounds, time_costs
+from toolkit.train.loss import token_loss_sum
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle share of each stage in a GPipe step: (p - 1) / (m + p - 1) (GPipe, section 2.2)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], m: int) -> list[dict[str, torch.Tensor]]:
+    """m equal slices along the batch dimension (the caller checked that m divides it)."""
+    n = batch["input_ids"].shape[0]
+    if n % m:
+        raise ValueError(f"{m} pipeline micro-batches do not divide a batch of {n}")
+    size = n // m
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(m)]
+
+
+def stage_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What every stage is given besides the activations: the padding mask, or the packed positions."""
+    if "position_ids" in batch:  # packed: per-example positions make the block-diagonal mask
+        return {"position_ids": batch["position_ids"]}
+    return {"attention_mask": batch["attention_mask"]}
+
+
+def split_sizes(parts, stages: int, by: str, sample_shape: tuple[int, int] | None, device) -> list[int]:
+    if by == "time":
+        blocks, first, last = time_costs(parts, *(sample_shape or (1, 128)), device=device)
+    else:
+        blocks, first, last = param_costs(parts)
+    return balance(blocks, stages, first, last)
+
+
+class NaivePipeline(nn.Module):
+    """The model's stages on `devices` in one process; `train_step` runs a GPipe step."""
+
+    def __init__(self, model: nn.Module, devices: list[torch.device], microbatches: int, by: str = "params",
+                 sample_shape: tuple[int, int] | None = None, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        parts = decoder_parts(model)
+        self.__dict__["model"] = model  # not a submodule: parameters() are the stages' (shared) ones
+        self.devices, self.microbatches = devices, microbatches
+        self.sizes = split_sizes(parts, len(devices), by, sample_shape, devices[0])
+        bounds = stage_bounds(self.sizes)
+        self.stages = nn.ModuleList(
+            DecoderStage(parts, a, b, first=i == 0, last=i == len(devices) - 1, autocast_dtype=autocast_dtype)
+            for i, (a, b) in enumerate(bounds))
+        tied = parts.head.weight is parts.embed.weight
+        for stage, device in zip(self.stages, devices):
+            for name, child in stage.named_children():
+                if not (tied and name == "head"):  # a tied head stays with the embeddings on stage 0
+                    child.to(device)
+        parts.rotary.to(devices[0])
+
+    def describe(self) -> str:
+        bounds = stage_bounds(self.sizes)
+        parts = ", ".join(f"{d}: blocks {a}-{b - 1}" for d, (a, b) in zip(self.devices, bounds))
+        p, m = len(self.devices), self.microbatches
+        return (f"naive pipeline: {p} stages ({parts}); {m} micro-batch{'es' if m > 1 else ''}, "
+                f"expected bubble (p-1)/(m+p-1) = {bubble_fraction(p, m):.1%}")
+
+    def forward_microbatches(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Logits of each micro-batch, run on the GPipe clock."""
+        mbs = split_microbatches(batch, self.microbatches)
+        acts = [mb["input_ids"] for mb in mbs]
+        p, m = len(self.stages), len(mbs)
+        for tick in range(m + p - 1):
+            for s in range(p):
+                i = tick - s
+                if 0 <= i < m:
+                    acts[i] = self.stages[s](acts[i], **stage_inputs(mbs[i]))
+        return acts
+
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        """Forward and backward of one batch; gradients accumulate. Returns the summed token loss."""
+        mbs = split_microbatches(batch, self.microbatches)
+        logits = self.forward_microbatches(batch)
+        total = sum(token_loss_sum(lg, mb["labels"].to(lg.device)) for lg, mb in zip(logits, mbs))
+        (total * scale).backward()
+        return total.detach().double()
+
+    @torch.no_grad()
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.stages_forward(batch)
+        return token_loss_sum(logits, batch["labels"].to(logits.device)).double()
+
+    def stages_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = batch["input_ids"]
+        for stage in self.stages:
+            x = stage(x, **stage_inputs(batch))
+        return x
+
+    def finish_grads(self) -> None:
+        """Nothing to synchronise in one process (DDP over naive pipelines is not offered)."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [p for p in self.parameters() if p.grad is not None]
+        norms = [torch.linalg.vector_norm(p.grad.double()).to(self.devices[0]) for p in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+        if max_norm and max_norm != float("inf"):
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.float(), foreach=False)
+        return total.float()
+
+    def gather(self, to_cpu: bool = True) -> nn.Module:
+        """The HF model (its parameters are the stages'), moved back to CPU after training so plain
+        HF code (generation, the integrity reload) can run it; left in place for a mid-run save."""
+        return self.model.to("cpu") if to_cpu else self.model

@@ -1,0 +1,190 @@
+"""Multi-process pipeline: one stage per rank on `torch.distributed.pipelining` (GPipe or 1F1B),
+composed with data parallelism: world = pp x dp.
+
+Ranks are laid out pp-outer (Megatron's order): with pp=2, dp=2 stage 0 is ranks {0,1}, stage 1
+ranks {2,3}; the pipeline groups are {0,2} and {1,3}, the data-parallel groups {0,1} and {2,3}.
+Every rank of a pipeline group reads the same micro-batches (stage 0 needs the ids, the last
+stage the labels, every stage the mask); the data is sharded by dp rank. The project supplies the
+stage split and the HF adaptation (`DecoderStage`); sends, receives and schedules are PyTorch's.
+
+A tied embedding / LM head lives on both the first and the last stage: its two gradient halves
+are summed over the {first, last} pair (Megatron's embedding group) so both copies stay equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from toolkit.parallel.pp.naive import split_microbatches, stage_inputs
+from toolkit.parallel.pp.split import DecoderStage, decoder_parts, stage_bounds
+from toolkit.train.loss import token_loss_sum
+
+PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: Any
+    dp_group: Any
+    tie_group: Any  # {first stage, last stage} of this pipeline
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that read each data shard: the whole pipeline group."""
+        return self.pp
+
+
+def make_pipeline_layout(pp: int) -> PipelineLayout:
+    """Create the pipeline, data-parallel and tied-embedding groups (collective: every rank calls
+    it, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // pp
+    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
+    tie_groups = [dist.new_group([d, (pp - 1) * dp + d]) for d in range(dp)]
+    d, s = rank % dp, rank // dp
+    return PipelineLayout(pp, dp, s, d, pp_groups[d], dp_groups[s], tie_groups[d])
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad every (B, T) tensor to a multiple of `multiple` tokens: masked, label -100,
+    positions continuing (packed rows' padding is its own block)."""
+    t = batch["input_ids"].shape[1]
+    extra = -t % multiple
+    if not extra:
+        return batch
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100}
+    out = {}
+    for k, v in batch.items():
+        if k == "position_ids":
+            more = v[:, -1:] + torch.arange(1, extra + 1, device=v.device)
+            out[k] = torch.cat([v, more], dim=1)
+        else:
+            out[k] = torch.nn.functional.pad(v, (0, extra), value=fill[k])
+    return out
+
+
+class StagePipeline(nn.Module):
+    """This rank's stage of the model, and the schedule that runs it."""
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
+                 schedule: str, device: torch.device, pad_id: int, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        parts = decoder_parts(model)
+        self.__dict__["model"] = model  # not a submodule: parameters() are this rank's stage only
+        self.layout, self.sizes, self.microbatches = layout, sizes, microbatches
+        self.schedule_name, self.device, self.pad_id = schedule, device, pad_id
+        start, stop = stage_bounds(sizes)[layout.pp_rank]
+        first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
+        self.stage = DecoderStage(parts, start, stop, first, last, autocast_dtype).to(device)
+        self.first, self.last = first, last
+        self.tied = parts.head.weight if parts.head.weight is parts.embed.weight and layout.pp > 1 else None
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.names = {n: p for p in self.stage.parameters() if (n := names.get(id(p)))}
+        self._schedules: dict[tuple, Any] = {}
+        self._losses: list[torch.Tensor] = []
+        self._scale = 1.0
+
+    def describe(self) -> str:
+        bounds = ", ".join(f"stage {i}: blocks {a}-{b - 1}" for i, (a, b) in enumerate(stage_bounds(self.sizes)))
+        from toolkit.parallel.pp.naive import bubble_fraction
+
+        return (f"pipeline: {self.layout.pp} stages x {self.layout.dp} data-parallel ({bounds}); "
+                f"{self.schedule_name}, {self.microbatches} micro-batches, expected bubble "
+                f"(p-1)/(m+p-1) = {bubble_fraction(self.layout.pp, self.microbatches):.1%}")
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = token_loss_sum(logits, labels)
+        self._losses.append(loss.detach().double())
+        return loss * self._scale
+
+    def _schedule(self, shape: tuple[int, int], m: int, keys: tuple[str, ...]):
+        """One PipelineStage + schedule per (batch shape, micro-batches, inputs): the stage infers
+        the shapes it sends and receives on its first step and keeps them."""
+        key = (shape, m, keys)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            stage = PipelineStage(self.stage, self.layout.pp_rank, self.layout.pp, self.device,
+                                  group=self.layout.pp_group)
+            cls = Schedule1F1B if self.schedule_name == "1f1b" and m >= self.layout.pp else ScheduleGPipe
+            self._schedules[key] = cls(stage, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _run(self, batch: dict[str, torch.Tensor], m: int, train: bool) -> torch.Tensor:
+        batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)
+        extra = {k: v.to(self.device) for k, v in stage_inputs(batch).items()}
+        if "position_ids" not in extra:  # every stage builds its mask from the same positions
+            b, t = batch["input_ids"].shape
+            extra["position_ids"] = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t).contiguous()
+        schedule = self._schedule(tuple(batch["input_ids"].shape), m, tuple(sorted(extra)))
+        args = (batch["input_ids"].to(self.device),) if self.first else ()
+        target = batch["labels"].to(self.device) if self.last else None
+        self._losses = []
+        (schedule.step if train else schedule.eval)(*args, target=target, losses=[] if self.last else None,
+                                                    return_outputs=False, **extra)
+        # the last m records are this step's micro-batches (a schedule's first step also calls the
+        # loss function once on a stand-in output, to set up backward)
+        total = (torch.stack(self._losses[-m:]).sum() if self.last
+                 else torch.zeros((), dtype=torch.float64, device=self.device))
+        # every rank of the pipeline reports the loss the last stage computed
+        dist.broadcast(total, group=self.layout.pp_group, group_src=self.layout.pp - 1)
+        return total
+
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        """Forward and backward of one batch in m micro-batches; gradients accumulate."""
+        self._scale = scale
+        return self._run(batch, self.microbatches, train=True)
+
+    @torch.no_grad()
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._run(batch, 1, train=False)
+
+    def finish_grads(self) -> None:
+        """Sum the tied embedding's two halves; average gradients over data-parallel replicas."""
+        if self.tied is not None and self.tied.grad is not None:
+            dist.all_reduce(self.tied.grad, group=self.layout.tie_group)
+        if self.layout.dp > 1:
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=self.layout.dp_group)
+                flat /= self.layout.dp
+                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(synced)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The full model's gradient norm: squares summed over the stages (a tied weight once)."""
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        counted = [p for p in params if not (self.tied is not None and p is self.tied and not self.first)]
+        sq = sum((p.grad.double().pow(2).sum() for p in counted),
+                 torch.zeros((), dtype=torch.float64, device=self.device))
+        dist.all_reduce(sq, group=self.layout.pp_group)
+        total = sq.sqrt()
+        if max_norm and max_norm != float("inf"):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.float())
+        return total.float()
+
+    def gather(self, to_cpu: bool = True) -> nn.Module:
+        """Every rank's full HF model with the trained weights of every stage (collective over the
+        pipeline group): what `save_final` writes. Moved to CPU after training (the integrity reload
+        and exact match run it there); left in place for a mid-run save, so training goes on."""
+        mine = {n: p.detach().cpu() for n, p in self.names.items() if p.requires_grad}
+        every: list[dict] = [None] * self.layout.pp  # type: ignore[list-item]
+        dist.all_gather_object(every, mine, group=self.layout.pp_group)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for state in every:
+                for n, v in state.items():
+                    if n not in self.names:  # this rank's own are current
+                        params[n].copy_(v)
+        return self.model.to("cpu") if to_cpu else self.model
