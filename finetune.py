@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None):
 
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import count_parameters, load_model, load_tokenizer, resolve_model, resolved_precision
+    from toolkit.models import check_model, count_parameters, load_model, load_tokenizer, resolve_model, resolved_precision
     from toolkit.parallel import make_accelerator
     from toolkit.planner.auto import apply_auto_strategy
     from toolkit.train.checkpoint import save_final
@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None):
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
+    from toolkit.train.resume import resume_point
 
     examples = load_examples(cfg)  # bad data fails here, before the model is loaded
     model_path = resolve_model(cfg.model.model)
+    check_model(cfg, model_path)  # LoRA targets, on a weightless skeleton
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     added_template = ensure_chat_template(tokenizer)
     train_rows, train_stats = tokenize_examples(examples.train, tokenizer, cfg)
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None):
         planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
 
     accelerator = make_accelerator(cfg, model_path)
+    resume = resume_point(cfg, accelerator.num_processes)  # refuses a checkpoint of another run, before loading
     log = accelerator.print
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None):
             log(table)
     report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
 
-    model = load_model(cfg, model_path, accelerator.tp_layout)
+    model = load_model(cfg, model_path, accelerator.tp_layout, resume.path if resume else None)
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
     log(f"model: {model_path} ({total / 1e6:.1f}M params{per}, {trainable / 1e6:.2f}M trainable, method {cfg.model.method})")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None):
         scores["before"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
-    model, result = train(cfg, accelerator, model, tokenizer, train_rows, eval_rows, out_dir, log)
+    model, result = train(cfg, accelerator, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
     save_final(accelerator, model, tokenizer, out_dir / "final")
     verify_saved(accelerator, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log)

@@ -6,8 +6,10 @@ the machine's speed hits all three alike. A run trains `--warmup` steps, then ti
 its figure is non-padding tokens / seconds over the timed steps. All three read the same batches in
 the same order (the toolkit's epoch-0 permutation), so they do the same work. The table gives
 medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT)
-and one peak measured by the parent before the runs. TRL's SFTTrainer is not installed here and is
-left out.
+and one peak measured by the parent before the runs. (d) TRL's SFTTrainer joins when `trl` imports
+(it is not a toolkit dependency: `pip install --no-deps --target /tmp/trlpkg trl` and run with
+PYTHONPATH=/tmp/trlpkg); it gets the same pre-tokenized rows and collator, so it skips its own
+tokenization, and keeps its per-step extras (token accuracy, entropy) as users get them.
 
     python scripts/bench_throughput.py --model tiny --method full
     python scripts/bench_throughput.py --model smollm2-135m-instruct --method lora
@@ -28,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VARIANTS = ("raw", "toolkit", "trainer")
+VARIANTS = ("raw", "toolkit", "trainer", "sft")
 TINY = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=512)
 
@@ -145,13 +147,59 @@ def run_trainer(args) -> dict:
             "seconds": stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]}
 
 
+def run_sft(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from toolkit.data import collate
+
+    cfg, model, tok, ordered, _, out = setup(args)
+    counts, stamps = [], []
+
+    def collator(batch):
+        b = collate(batch, tok.pad_token_id)
+        counts.append(int(b["attention_mask"].sum()))
+        return b
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    class InOrder(SFTTrainer):  # the same batches as the others
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+    targs = SFTConfig(output_dir=out, per_device_train_batch_size=args.micro_batch,
+                      max_steps=args.warmup + args.steps, learning_rate=cfg.lr, lr_scheduler_type="constant",
+                      max_grad_norm=cfg.train.max_grad_norm, logging_strategy="no", save_strategy="no",
+                      report_to=[], use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+                      remove_unused_columns=False, optim="adamw_torch", seed=cfg.train.seed, disable_tqdm=True,
+                      dataset_kwargs={"skip_prepare_dataset": True}, max_length=None, packing=False)
+    data = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in ordered])
+    InOrder(model=model, args=targs, train_dataset=data, data_collator=collator, processing_class=tok,
+            callbacks=[Stamp()]).train()
+    return {"tokens": sum(counts[args.warmup:args.warmup + args.steps]),
+            "seconds": stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]}
+
+
+def trl_available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def child_main(argv: list[str]) -> None:
     args = json.loads(argv[0])
     args = argparse.Namespace(**args)
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    result = {"raw": run_raw, "toolkit": run_toolkit, "trainer": run_trainer}[args.variant](args)
+    result = {"raw": run_raw, "toolkit": run_toolkit, "trainer": run_trainer, "sft": run_sft}[args.variant](args)
     print("RESULT " + json.dumps(result))
 
 
@@ -174,9 +222,10 @@ def main() -> None:
     path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)
     torch.set_num_threads(os.cpu_count() or 1)
     peak = measure_peak_flops(torch.device("cpu"), torch.float32)
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v != "sft" or trl_available()]
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     for rep in range(a.repeats):
-        for v in VARIANTS:
+        for v in variants:
             spec = {**vars(a), "variant": v, "model_path": path}
             p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                                cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -191,16 +240,17 @@ def main() -> None:
     n = matmul_params_from_config(cfg.to_dict())
     context = statistics.mean(r["tokens"] for r in results["raw"]) / (a.steps * a.micro_batch)
     per_token = flops_per_token(n, cfg.num_hidden_layers, cfg.hidden_size, context)
-    med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in VARIANTS}
+    med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in variants}
     entry = {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
              "repeats": a.repeats, "dtype": "float32", "device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__,
              "peak_flops": peak, "flops_per_token": per_token,
              "median_tokens_per_sec": med,
              "spread_tokens_per_sec": {v: [min(r["tokens_per_sec"] for r in results[v]),
-                                           max(r["tokens_per_sec"] for r in results[v])] for v in VARIANTS},
-             "mfu": {v: med[v] * per_token / peak for v in VARIANTS},
+                                           max(r["tokens_per_sec"] for r in results[v])] for v in variants},
+             "mfu": {v: med[v] * per_token / peak for v in variants},
              "toolkit_reported_mfu": statistics.median(r["toolkit_mfu"] for r in results["toolkit"]),
              "toolkit_over_raw": med["toolkit"] / med["raw"], "toolkit_over_trainer": med["toolkit"] / med["trainer"],
+             **({"toolkit_over_sft": med["toolkit"] / med["sft"]} if "sft" in med else {}),
              "runs": results}
     bench = ROOT / "benchmarks"
     bench.mkdir(exist_ok=True)
@@ -213,18 +263,22 @@ def main() -> None:
 
 
 def render(data: list[dict], bench: Path) -> None:
-    lines = ["# Training throughput: raw PyTorch loop vs toolkit vs transformers.Trainer", "",
+    lines = ["# Training throughput: raw PyTorch loop vs toolkit vs transformers.Trainer vs TRL SFTTrainer", "",
              "Reproduce: `python scripts/bench_throughput.py --model tiny --method full` (and the other rows). "
              "Method in the script's docstring: fresh process per run, alternating order, same batches, "
-             "non-padding tokens/s over the timed steps, median of the rounds (min-max in brackets).", "",
+             "non-padding tokens/s over the timed steps, median of the rounds (min-max in brackets). "
+             "SFTTrainer: TRL 1.16 installed with --no-deps beside this environment; '-' where a row predates it.", "",
              "| model | method | micro-batch x steps | rounds | raw tokens/s | toolkit tokens/s | Trainer tokens/s | "
-             "toolkit / raw | toolkit / Trainer | MFU raw / toolkit / Trainer | MFU the toolkit logged |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SFTTrainer tokens/s | toolkit / raw | toolkit / Trainer | toolkit / SFTTrainer | "
+             "MFU raw / toolkit / Trainer | MFU the toolkit logged |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in data:
         m, s = d["median_tokens_per_sec"], d["spread_tokens_per_sec"]
-        cell = lambda v: f"{m[v]:.0f} [{s[v][0]:.0f}-{s[v][1]:.0f}]"  # noqa: E731
+        cell = lambda v: f"{m[v]:.0f} [{s[v][0]:.0f}-{s[v][1]:.0f}]" if v in m else "-"  # noqa: E731
+        sft = f"{d['toolkit_over_sft']:.3f}" if "toolkit_over_sft" in d else "-"
         lines.append(f"| {d['model']} | {d['method']} | {d['micro_batch']} x {d['steps']} | {d['repeats']} | {cell('raw')} | "
-                     f"{cell('toolkit')} | {cell('trainer')} | {d['toolkit_over_raw']:.3f} | {d['toolkit_over_trainer']:.3f} | "
+                     f"{cell('toolkit')} | {cell('trainer')} | {cell('sft')} | {d['toolkit_over_raw']:.3f} | "
+                     f"{d['toolkit_over_trainer']:.3f} | {sft} | "
                      f"{d['mfu']['raw']:.3f} / {d['mfu']['toolkit']:.3f} / {d['mfu']['trainer']:.3f} | "
                      f"{d['toolkit_reported_mfu']:.3f} |")
     lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU: one {data[-1]['peak_flops'] / 1e9:.0f} "
@@ -236,9 +290,10 @@ def render(data: list[dict], bench: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.25
+    width = 0.2
     for i, v in enumerate(VARIANTS):
-        ax.bar([k + (i - 1) * width for k in range(len(data))], [d["median_tokens_per_sec"][v] for d in data], width, label=v)
+        ax.bar([k + (i - 1.5) * width for k in range(len(data))], [d["median_tokens_per_sec"].get(v, 0) for d in data],
+               width, label=v)
     ax.set_xticks(range(len(data)), [f"{d['model']}\n{d['method']}" for d in data])
     ax.set_ylabel("tokens/s (median)")
     ax.legend()

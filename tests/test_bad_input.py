@@ -29,7 +29,7 @@ def case(tmp_path, name):
         (d / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
         return ["--dataset", str(d / "bad.jsonl")], "bad.jsonl: invalid JSON on line 2"
     if name == "unknown_flag":
-        return ["--learning-rate", "1e-4"], "unknown flag --learning-rate"
+        return ["--learning-rate", "1e-4"], "unknown flag --learning-rate (did you mean --lr?)"
     if name == "missing_model":
         return ["--model", str(d / "no-model")], "no-model: folder not found"
     if name == "uncached_hub_id":
@@ -55,6 +55,48 @@ def case(tmp_path, name):
         tok.save_pretrained(d / "gpt2")
         return ["--pp", "2", "--model", str(d / "gpt2")], \
             "cannot split GPT2LMHeadModel into pipeline stages: missing model.embed_tokens"
+    if name == "unknown_yaml_key":
+        (d / "run.yaml").write_text("learning_rate: 0.001\n")
+        return ["--config", str(d / "run.yaml")], "(did you mean 'lr'?)"
+    if name == "wrong_type":
+        return ["--lr", "fast"], "--lr"
+    if name == "out_of_range":
+        return ["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1) (got 1.5)"
+    if name == "lora_targets_match_nothing":
+        return ["--method", "lora", "--lora-targets", "qkv_proj"], "qkv_proj"
+    if name == "every_example_too_long":
+        (d / "long.jsonl").write_text("".join(json.dumps({"instruction": "word " * 40, "output": "answer " * 40}) + "\n"
+                                              for _ in range(4)))
+        return ["--dataset", str(d / "long.jsonl"), "--seq-len", "16"], "--seq-len"
+    if name == "output_dir_would_be_clobbered":
+        return ["--no-overwrite"], "is not empty; pass --resume auto to continue its run"
+    if name == "resume_truncated_checkpoint":
+        (d / "checkpoint-2").mkdir()
+        (d / "checkpoint-2" / "model.safetensors").write_bytes(b"\0" * 16)
+        return ["--resume", str(d / "checkpoint-2"), "--no-overwrite"], "not a complete checkpoint (no trainer_state.json)"
+    if name == "resume_checkpoint_of_another_run":
+        ck = d / "checkpoint-2"
+        ck.mkdir()
+        (ck / "rank0.pt").write_bytes(b"")
+        layout = {"zero_stage": None, "offload": "none", "fsdp": False, "fsdp_sharding": "full", "tp": 1, "pp": 1,
+                  "pp_microbatches": 1}
+        (ck / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 1, "resumable": True, "fingerprint": {
+            "dataset": "0" * 64, "settings": {"lr": 0.5}, "layout": layout}}))
+        return ["--resume", str(ck), "--no-overwrite"], "this is not the run that wrote it: the dataset changed"
+    if name == "resume_with_overwrite":
+        return ["--resume", "auto"], "--resume and --overwrite-output-dir contradict each other"
+    if name == "model_needs_remote_code":
+        import shutil
+
+        from conftest import build_model_dir
+
+        m = build_model_dir(d / "custom")
+        cfg = json.loads((m / "config.json").read_text())
+        cfg.update(model_type="toolkit-test-custom", auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                                                               "AutoModelForCausalLM": "modeling_custom.CustomLM"})
+        (m / "config.json").write_text(json.dumps(cfg))
+        shutil.copy(m / "config.json", m / "config.json.bak")
+        return ["--model", str(m)], "--trust-remote-code"
     if name == "pp_devices_missing_gpu":
         return ["--pp", "2", "--pp-devices", "cuda:0,cuda:7"], "cuda:7 not present"
     raise KeyError(name)
@@ -64,7 +106,10 @@ def case(tmp_path, name):
                                   "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
                                   "missing_model", "uncached_hub_id", "tp_without_ranks", "tp_not_dividing_heads",
                                   "tp_with_zero3", "pp_more_stages_than_blocks", "pp_microbatches_not_dividing",
-                                  "pp_unknown_architecture", "pp_devices_missing_gpu"])
+                                  "pp_unknown_architecture", "pp_devices_missing_gpu", "unknown_yaml_key", "wrong_type",
+                                  "out_of_range", "lora_targets_match_nothing", "every_example_too_long",
+                                  "output_dir_would_be_clobbered", "resume_truncated_checkpoint",
+                                  "resume_checkpoint_of_another_run", "resume_with_overwrite", "model_needs_remote_code"])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
     out = tmp_path / "out"
     out.mkdir()
@@ -72,7 +117,9 @@ def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name
     argv, expected = case(tmp_path, name)
     if "--model" not in argv:
         argv += ["--model", str(tiny_model)]
-    p = launch(argv + ["--output-dir", str(out), "--overwrite-output-dir"], launcher="python",
+    overwrite = [] if "--no-overwrite" in argv else ["--overwrite-output-dir"]
+    argv = [a for a in argv if a != "--no-overwrite"]
+    p = launch(argv + ["--output-dir", str(out), *overwrite], launcher="python",
                env={"HF_HUB_OFFLINE": "1"}, timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [line for line in p.stderr.splitlines() if line.strip() and "warn" not in line.lower()]

@@ -163,3 +163,16 @@ def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):
     got = [r["loss"] for r in records(runs("whole_packed", "full", "full",
                                            extra=["--micro-batch-size", "64", "--max-steps", "3", "--packing"]))]
     assert len(got) == 3 and got == pytest.approx(ref, abs=1e-5, rel=1e-5)
+
+
+def test_chunked_loss_refuses_a_second_backward():
+    """Backward hands over (and scales in place) the gradients formed in forward: a second backward
+    through the same graph would reuse scaled buffers, so it is an error, not a silent wrong value."""
+    from toolkit.train.loss import chunked_loss_sum
+
+    head = torch.nn.Linear(8, 32, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    loss = chunked_loss_sum(hidden, head, torch.randint(0, 32, (2, 5)), chunk=3)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()

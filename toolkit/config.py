@@ -72,6 +72,8 @@ class TrainConfig:
     seed: int = _f(42, "seed for weights init, shuffling and dropout")
     mixed_precision: str = _f("auto", "bf16 on GPUs that support it, fp32 on CPU", ("auto", "no", "bf16", "fp16"))
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    max_bad_steps: int = _f(3, "non-finite loss or gradient norm: skip the update; after this many in a row, "
+                               "save a checkpoint and stop")
     loss: str = _f("full", "full: logits then cross-entropy; chunked: LM head + cross-entropy 256 tokens "
                            "at a time, so batch x seq x vocab fp32 logits never exist", ("full", "chunked"))
 
@@ -104,7 +106,10 @@ class OutputConfig:
     overwrite_output_dir: bool = _f(False, "allow writing into a non-empty output dir")
     log_every: int = _f(10, "optimizer steps between metrics records")
     eval_every: int = _f(0, "steps between eval-loss records (0 = only at the end)")
-    save_every: int = _f(0, "steps between checkpoints (0 = only the final model)")
+    save_every: int = _f(0, "steps between resumable checkpoints (0 = only the final model)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
+    resume: str = _f("", "resume from 'auto' (the newest complete checkpoint in --output-dir) or a checkpoint folder")
+    resume_ignore_mismatch: bool = _f(False, "resume even if the dataset or result-changing settings differ from the checkpoint's")
     debug: bool = _f(False, "show full tracebacks for errors")
 
 
@@ -193,14 +198,25 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
     return out
 
 
+# transformers.TrainingArguments / TRL names people bring with them -> ours
+ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_size", "batch_size": "micro_batch_size",
+           "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs", "max_seq_length": "seq_len",
+           "max_length": "seq_len", "model_name_or_path": "model", "lora_rank": "lora_r", "warmup": "warmup_steps",
+           "bf16": "mixed_precision", "fp16": "mixed_precision", "save_steps": "save_every",
+           "logging_steps": "log_every", "resume_from_checkpoint": "resume"}
+
+
 def _unknown(key: str, origin: str) -> UserError:
     keys = list(_fields()) + ["config"]
     if origin == "flag":
         flags = [f"--{k.replace('_', '-')}" for k in keys]
-        hint = difflib.get_close_matches(key, flags, n=1, cutoff=0.5)
+        alias = ALIASES.get(key.lstrip("-").replace("-", "_"))
+        hint = [f"--{alias.replace('_', '-')}"] if alias else difflib.get_close_matches(key, flags, n=1, cutoff=0.5)
         return UserError(f"unknown flag {key}" + (f" (did you mean {hint[0]}?)" if hint else "; see --help"))
-    hint = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+    alias = ALIASES.get(key)
+    hint = [alias] if alias else difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint[0]}'?)" if hint
+                                                           else "; see python finetune.py --help for the keys"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,6 +328,10 @@ def validate(cfg: Config) -> list[str]:
     need(o.log_every >= 1, f"--log-every must be >= 1 (got {o.log_every})")
     need(o.eval_every >= 0, f"--eval-every must be >= 0 (got {o.eval_every})")
     need(o.save_every >= 0, f"--save-every must be >= 0 (got {o.save_every})")
+    need(o.keep_last >= 0, f"--keep-last must be >= 0 (got {o.keep_last})")
+    need(t.max_bad_steps >= 1, f"--max-bad-steps must be >= 1 (got {t.max_bad_steps})")
+    need(not (o.resume and o.overwrite_output_dir),
+         "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
     par = cfg.parallel
@@ -427,8 +447,9 @@ def _check_output_dir(o: OutputConfig) -> list[str]:
     out = Path(o.output_dir)
     if out.exists() and not out.is_dir():
         return [f"--output-dir {o.output_dir} is a file, not a folder"]
-    if out.is_dir() and any(out.iterdir()) and not o.overwrite_output_dir:
-        return [f"--output-dir {o.output_dir} is not empty; pass --overwrite-output-dir or choose another folder"]
+    if out.is_dir() and any(out.iterdir()) and not o.overwrite_output_dir and not o.resume:
+        return [f"--output-dir {o.output_dir} is not empty; pass --resume auto to continue its run, "
+                "--overwrite-output-dir to replace it, or choose another folder"]
     return []
 
 

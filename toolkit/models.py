@@ -148,11 +148,12 @@ def resolved_precision(cfg: Config) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def load_model(cfg: Config, path: str, tp_layout=None):
+def load_model(cfg: Config, path: str, tp_layout=None, resume_from=None):
     """Load the causal LM in fp32 master weights (accelerate autocasts for bf16/fp16), then wrap
     it for LoRA/QLoRA. QLoRA stores the frozen base in NF4 (bitsandbytes) and computes in the run's
     dtype. With a TP layout every rank loads the full weights and keeps its slice (LoRA adapters
-    are created first, so TP=1 and TP=t start from the same adapter init)."""
+    are created first, so TP=1 and TP=t start from the same adapter init). `resume_from`: a
+    checkpoint folder whose weights replace the loaded ones."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": torch.float32}
@@ -176,11 +177,49 @@ def load_model(cfg: Config, path: str, tp_layout=None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg)
+    if resume_from is not None:  # a checkpoint's weights, before any sharding
+        from toolkit.train.checkpoint import restore_weights
+
+        restore_weights(model, resume_from, cfg.model.method)
     if tp_layout is not None:
         from toolkit.parallel.tp import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, tp_layout.tp_group)
     return model
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
+               or type(mod).__name__.startswith("Linear")}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise UserError(f"--lora-targets {', '.join(missing)} match no module of this model; "
+                        f"linear modules are: {', '.join(sorted(present))}")
+
+
+def check_model(cfg: Config, path: str) -> None:
+    """What the architecture alone can refuse (code it needs from the hub, LoRA targets), found on a
+    weightless meta-device skeleton: before any weights are read or the output dir is touched."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    m = cfg.model
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a custom model_type would also print a warning first
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
+                            "if you trust its author") from None
+        raise
+    finally:
+        hf_logging.set_verbosity(level)
+    if m.method in ("lora", "qlora") and m.lora_targets != "all-linear":
+        check_lora_targets(skeleton, [t.strip() for t in m.lora_targets.split(",") if t.strip()])
 
 
 def apply_lora(model, cfg: Config):
@@ -196,12 +235,7 @@ def apply_lora(model, cfg: Config):
     targets: str | list[str] = m.lora_targets
     if targets != "all-linear":
         targets = [t.strip() for t in targets.split(",") if t.strip()]
-        present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
-                   or type(mod).__name__.startswith("Linear")}
-        missing = [t for t in targets if t not in present]
-        if missing:
-            raise UserError(f"--lora-targets {', '.join(missing)} match no module of this model; "
-                            f"linear modules are: {', '.join(sorted(present))}")
+        check_lora_targets(model, targets)
     lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM", bias="none")
     return get_peft_model(model, lora)

@@ -1,33 +1,167 @@
-"""Saving standard Hugging Face folders: a full model or a peft adapter, tokenizer included.
+"""Saving standard Hugging Face folders (a full model or a peft adapter, tokenizer included) and
+resumable checkpoints.
 
-Written to `<name>.tmp` and renamed into place only when complete, so a crash mid-save never
-leaves a half-written folder under the final name.
+Everything is written to `<name>.tmp` and renamed into place only when complete, so a crash
+mid-save never leaves a half-written folder under the final name. A checkpoint is the HF folder
+plus what exact resumption needs: `trainer_state.json` (step, data position, fingerprint, config;
+written last) and one `rank{r}.pt` per rank (optimizer, scheduler and RNG states, read back with
+`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
+import torch
 
-def save_final(accelerator, model, tokenizer, path: Path) -> None:
-    """Every rank must call this: sharded strategies gather the state dict collectively."""
+TRAINER_STATE = "trainer_state.json"
+
+
+def _model_state(accelerator, model) -> dict:
+    """The full state dict (collective: sharded strategies gather it)."""
     layout = getattr(accelerator, "tp_layout", None)
     if layout is not None:  # gather the TP shards back into the full tensors a non-TP run would save
         from toolkit.parallel.tp import gather_state_dict
 
-        state = gather_state_dict(accelerator.unwrap_model(model), layout.tp_group)
-    else:
-        state = accelerator.get_state_dict(model)
+        return gather_state_dict(accelerator.unwrap_model(model), layout.tp_group)
+    return accelerator.get_state_dict(model)
+
+
+def _write_model(accelerator, model, tokenizer, folder: Path) -> None:
+    state = _model_state(accelerator, model)
     if accelerator.is_main_process:
         state = {k: v.contiguous() for k, v in state.items()}
-        tmp = path.with_name(path.name + ".tmp")
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+
+def _fresh_tmp(accelerator, path: Path) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    return tmp
+
+
+def _publish(accelerator, tmp: Path, path: Path) -> None:
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
+
+
+def save_final(accelerator, model, tokenizer, path: Path) -> None:
+    """Every rank must call this: sharded strategies gather the state dict collectively."""
+    tmp = _fresh_tmp(accelerator, path)
+    _write_model(accelerator, model, tokenizer, tmp)
+    _publish(accelerator, tmp, path)
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch generator states as weights_only-loadable values."""
+    kind, keys, pos = random.getstate()[0], random.getstate()[1], random.getstate()[2]
+    np_state = np.random.get_state()
+    return {"python": [kind, list(keys), pos],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    kind, keys, pos = state["python"]
+    random.setstate((kind, tuple(keys), pos))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
+                    fault=None) -> None:
+    """A resumable checkpoint (collective). `state` is what `trainer_state.json` records; `fault`
+    is the fault-injection hook the crash tests use (see `toolkit.train.faults`). A full disk is
+    one clear error; the half-written `.tmp` folder is removed and earlier checkpoints stay."""
+    try:
+        _save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path, state, fault)
+    except OSError as e:
+        import errno
+
+        from toolkit.errors import UserError
+
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
+        earlier = [p.name for p in complete_checkpoints(path.parent)]
+        raise UserError(f"no space left on the device while writing {path}; it was not saved"
+                        + (f" ({', '.join(earlier)} intact)" if earlier else "")
+                        + ". Free space (or use --keep-last), then continue with --resume auto") from None
+
+
+def _save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: Path, state: dict, fault) -> None:
+    tmp = _fresh_tmp(accelerator, path)
+    _write_model(accelerator, model, tokenizer, tmp)
+    if fault is not None:
+        fault("save", state["step"])  # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
+    resumable = accelerator.distributed_type not in ("DEEPSPEED", "FSDP")
+    if resumable:  # ZeRO/FSDP optimizer states are partitioned in their own formats: not saved yet
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+                   tmp / f"rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps({**state, "world_size": accelerator.num_processes,
+                                                     "resumable": resumable}, indent=2))
+    _publish(accelerator, tmp, path)
+
+
+def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:
+    if keep_last and accelerator.is_main_process:
+        for old in complete_checkpoints(out_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """checkpoint-N folders holding a trainer_state.json (written last), oldest first."""
+    found = [p for p in Path(out_dir).glob("checkpoint-*")
+             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    return torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+
+
+def restore_weights(model, folder: Path, method: str) -> None:
+    """Load a checkpoint's weights (safetensors) into the freshly built model or adapter."""
+    from safetensors.torch import load_file
+
+    from toolkit.errors import UserError
+
+    state: dict = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(f))
+    if not state:
+        raise UserError(f"--resume {folder}: no .safetensors weights in the checkpoint")
+    if method in ("lora", "qlora"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, state)
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        unexpected = list(getattr(result, "unexpected_keys", []))
+    else:
+        result = model.load_state_dict(state, strict=False)
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        missing = [k for k in result.missing_keys if not (tied and k.endswith("lm_head.weight"))]
+        unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
+        raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model "
+                        f"(missing {missing[:3]}, unexpected {unexpected[:3]}); it is from another model or method")

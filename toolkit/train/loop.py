@@ -35,14 +35,17 @@ class EpochShuffleSampler(Sampler[int]):
     world size, so sharding it gives disjoint, reproducible data per rank."""
 
     def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch = n, seed, 0
+        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
+        """The epoch's permutation; a resume sets `skip` to start mid-epoch without loading the
+        skipped examples (it applies to one pass only)."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        skip, self.skip = self.skip, 0
+        return iter(torch.randperm(self.n, generator=g).tolist()[skip:])
 
     def __len__(self) -> int:
         return self.n
@@ -70,15 +73,22 @@ def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
     With --packing the rows are packed once (deterministically) and the packed rows shuffled."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
+    # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
+    # it starts, which would shift dropout's random stream depending on where a resumed run started.
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler,
-                      collate_fn=partial(collate_packed if cfg.data.packing else collate, pad_id=pad_id))
+                      collate_fn=partial(collate_packed if cfg.data.packing else collate, pad_id=pad_id),
+                      generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
-def global_batches(loader, grad_accum: int) -> Iterator[tuple[int, list[dict]]]:
-    """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short."""
-    epoch = 0
+def global_batches(loader, grad_accum: int, sampler: EpochShuffleSampler | None = None, start: tuple[int, int] = (0, 0),
+                   ) -> Iterator[tuple[int, list[dict]]]:
+    """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short.
+    `start` = (epoch, sampler indices already consumed in it) resumes mid-epoch."""
+    epoch, skip = start
     while True:
         loader.set_epoch(epoch)
+        if skip:
+            sampler.skip, skip = skip, 0
         chunk: list[dict] = []
         for batch in loader:
             chunk.append(batch)
@@ -90,6 +100,13 @@ def global_batches(loader, grad_accum: int) -> Iterator[tuple[int, list[dict]]]:
         epoch += 1
 
 
+def keep_records_through(path: Path, step: int) -> None:
+    """Drop metrics records past `step` (written by a run that died before its next checkpoint)."""
+    if path.exists():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
 def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
     """{key: [rank 0 value, rank 1 value, ...]} for the memory record."""
     keys = sorted(mine)
@@ -99,8 +116,12 @@ def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
 
 
 def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
-          out_dir: Path, log=print) -> tuple[torch.nn.Module, TrainResult]:
+          out_dir: Path, log=print, resume=None) -> tuple[torch.nn.Module, TrainResult]:
     from transformers import get_scheduler
+
+    from toolkit.train.checkpoint import load_rank_state, prune_checkpoints, save_checkpoint, set_rng_state
+    from toolkit.train.faults import EXIT_PREEMPTED, Preemption, fault_hook
+    from toolkit.train.resume import fingerprint
 
     t = cfg.train
     if cfg.data.packing:
@@ -109,6 +130,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         fill = sum(len(r["input_ids"]) for r in train_rows) / (len(train_rows) * cfg.data.seq_len)
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
     loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
+    sampler = loader.sampler
     layout, pipe = accelerator.tp_layout, None
     if cfg.parallel.pp > 1:  # the stages (one process: all of them) run forward/backward themselves
         from toolkit.parallel.pp import build_pipeline
@@ -142,88 +164,138 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     accelerator.wait_for_everyone()
     peak = accelerator.reduce(torch.tensor(measure_peak_flops(accelerator.device, dtype), dtype=torch.float64,
                                            device=accelerator.device), "sum").item()
+    first_step, tokens_seen = 1, 0
+    if resume is not None:  # weights were restored at load; now optimizer, scheduler, data position, RNG
+        saved = load_rank_state(resume.path, accelerator.process_index)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        first_step, tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
+        log(f"resumed from {resume.path}: continuing at step {first_step} of {total_steps}")
+    if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
+        keep_records_through(out_dir / "metrics.jsonl", first_step - 1)  # none was found) are of lost steps
+    epoch0, step_in_epoch = divmod(first_step - 1, steps_per_epoch)
+    batches = global_batches(loader, t.grad_accum, sampler,
+                             (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
     metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process)
+    metrics.advance(first_step - 1)
     pad_id = tokenizer.pad_token_id
+    fault, preempt, bad_steps = fault_hook(), Preemption(), 0
+
+    def checkpoint(step: int, epoch: int) -> Path:
+        path = out_dir / f"checkpoint-{step}"
+        state = {"step": step, "epoch": epoch, "tokens": tokens_seen, "fingerprint": fingerprint(cfg),
+                 "config": cfg.flat()}
+        save_checkpoint(accelerator, pipe.gather(to_cpu=False) if pipe is not None else model, tokenizer,
+                        optimizer, scheduler, path, state, fault)
+        prune_checkpoints(accelerator, out_dir, cfg.output.keep_last)
+        return path
+
     start = time.perf_counter()
     window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": start}
-    tokens_seen, last_loss = 0, float("nan")
-    batches = global_batches(loader, t.grad_accum)
+    last_loss = float("nan")
     memory: dict[str, list[int]] = {}
     model.train()
-    for step in range(1, total_steps + 1):
-        epoch, micro = next(batches)
-        counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
-                              sum(b["attention_mask"].sum() for b in micro),
-                              sum(count_examples(b) for b in micro)]).to(torch.float64)
-        n_global, tokens_global, examples_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
-        # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
-        # of the step; setting both to this step's count keeps a short last step right.
-        accelerator.gradient_accumulation_steps = len(micro)
-        accelerator.step = 0
-        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for batch in micro:
-            if pipe is not None:  # x world: gradients are averaged over data-parallel replicas
-                loss_sum += pipe.train_step(batch, scale=world / n_global).to(loss_sum.device)
+    if resume is not None:
+        set_rng_state(saved["rng"])  # last: model set-up above may draw random numbers
+    try:  # the progress bar closes before any error line, and the signal handlers are put back
+        for step in range(first_step, total_steps + 1):
+            epoch, micro = next(batches)
+            counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
+                                  sum(b["attention_mask"].sum() for b in micro),
+                                  sum(count_examples(b) for b in micro)]).to(torch.float64)
+            n_global, tokens_global, examples_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
+            # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
+            # of the step; setting both to this step's count keeps a short last step right.
+            accelerator.gradient_accumulation_steps = len(micro)
+            accelerator.step = 0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+            for batch in micro:
+                if pipe is not None:  # x world: gradients are averaged over data-parallel replicas
+                    loss_sum += pipe.train_step(batch, scale=world / n_global).to(loss_sum.device)
+                    continue
+                with accelerator.accumulate(model):
+                    if chunked is not None:  # the head returns the loss sum in place of logits
+                        with chunked.labels(batch["labels"]):
+                            loss = model(**model_inputs(batch)).logits
+                    else:
+                        logits = model(**model_inputs(batch)).logits
+                        loss = token_loss_sum(logits, batch["labels"])
+                    # x world: DDP/ZeRO/FSDP average gradients over data-parallel ranks; x divisor: undo the division by
+                    # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
+                    # engine divides by its configured --grad-accum).
+                    divisor = t.grad_accum if deepspeed else len(micro)
+                    accelerator.backward(loss * (world * divisor / n_global))
+                    loss_sum += loss.detach().double()
+            grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
+            if pipe is not None:
+                pipe.finish_grads()
+                grad_norm = pipe.clip_grad_norm(t.max_grad_norm or float("inf"))
+            elif layout is not None:
+                grad_norm = clip_grad_norm(model.parameters(), t.max_grad_norm or float("inf"), layout)
+            else:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+            step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
+            if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or deepspeed:
+                optimizer.step()  # (DeepSpeed's engine must step every time; a non-finite step there only counts)
+                scheduler.step()
+                bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
+            else:  # skip the update: the weights, optimizer and schedule stay where they were
+                bad_steps += 1
+            optimizer.zero_grad(set_to_none=True)
+            if step == first_step:
+                memory = {**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
+                          "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None}
+            if bad_steps:
+                metrics.log({"step": step, "skipped_update": True, "loss_sum": step_loss,
+                             "grad_norm": float(grad_norm) if grad_norm is not None else None})
+                metrics.write(f"step {step}: non-finite loss or gradient norm; update skipped ({bad_steps} in a row)")
+                if bad_steps >= t.max_bad_steps:
+                    path = checkpoint(step, epoch)
+                    from toolkit.errors import UserError
+
+                    raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {bad_steps} "
+                                    f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
+                                    "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")
                 continue
-            with accelerator.accumulate(model):
-                if chunked is not None:  # the head returns the loss sum in place of logits
-                    with chunked.labels(batch["labels"]):
-                        loss = model(**model_inputs(batch)).logits
-                else:
-                    logits = model(**model_inputs(batch)).logits
-                    loss = token_loss_sum(logits, batch["labels"])
-                # x world: DDP/ZeRO/FSDP average gradients over data-parallel ranks; x divisor: undo the division by
-                # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
-                # engine divides by its configured --grad-accum).
-                divisor = t.grad_accum if deepspeed else len(micro)
-                accelerator.backward(loss * (world * divisor / n_global))
-                loss_sum += loss.detach().double()
-        grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
-        if pipe is not None:
-            pipe.finish_grads()
-            grad_norm = pipe.clip_grad_norm(t.max_grad_norm or float("inf"))
-        elif layout is not None:
-            grad_norm = clip_grad_norm(model.parameters(), t.max_grad_norm or float("inf"), layout)
-        else:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step == 1:
-            memory = {**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
-                      "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None}
 
-        step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
-        window["loss"] += step_loss
-        window["targets"] += n_global
-        window["tokens"] += tokens_global
-        window["examples"] += examples_global
-        tokens_seen += int(tokens_global)
-        metrics.advance()
-        if step % cfg.output.log_every == 0 or step == total_steps:
-            now = time.perf_counter()
-            last_loss = window["loss"] / window["targets"]
-            tokens_per_sec = window["tokens"] / (now - window["t0"])
-            per_token = flops_per_token(n_matmul, model_cfg.num_hidden_layers, model_cfg.hidden_size,
-                                        window["tokens"] / window["examples"])  # context: mean example length
-            metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
-                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                         "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,
-                         "mfu": per_token * tokens_per_sec / peak, "flops_per_token": per_token, "peak_flops": peak,
-                         "elapsed_s": now - start, **memory})
-            memory = {}
-            window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
-        if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
-            t_eval = time.perf_counter()
-            el = eval_loss(accelerator, model, eval_rows, t.micro_batch_size, pad_id)
-            metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
-            metrics.write(f"step {step}: eval_loss {el:.4f}")
-            window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
-        if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
-            from toolkit.train.checkpoint import save_final
-
-            save_final(accelerator, pipe.gather(to_cpu=False) if pipe is not None else model, tokenizer, out_dir / f"checkpoint-{step}")
-    metrics.close()
+            window["loss"] += step_loss
+            window["targets"] += n_global
+            window["tokens"] += tokens_global
+            window["examples"] += examples_global
+            tokens_seen += int(tokens_global)
+            metrics.advance()
+            if step % cfg.output.log_every == 0 or step == total_steps:
+                now = time.perf_counter()
+                last_loss = window["loss"] / window["targets"]
+                tokens_per_sec = window["tokens"] / (now - window["t0"])
+                per_token = flops_per_token(n_matmul, model_cfg.num_hidden_layers, model_cfg.hidden_size,
+                                            window["tokens"] / window["examples"])  # context: mean example length
+                metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
+                             "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                             "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,
+                             "mfu": per_token * tokens_per_sec / peak, "flops_per_token": per_token, "peak_flops": peak,
+                             "elapsed_s": now - start, **memory})
+                memory = {}
+                window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
+            if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
+                t_eval = time.perf_counter()
+                el = eval_loss(accelerator, model, eval_rows, t.micro_batch_size, pad_id)
+                metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
+                metrics.write(f"step {step}: eval_loss {el:.4f}")
+                window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
+            if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
+                checkpoint(step, epoch)
+            if fault is not None:
+                fault("step", step)
+            if step != total_steps and preempt.requested(accelerator):
+                path = checkpoint(step, epoch)
+                metrics.write(f"preempted at step {step}: checkpoint saved to {path}; continue with --resume auto")
+                metrics.close()  # the bar ends before the exit
+                accelerator.end_training()
+                raise SystemExit(EXIT_PREEMPTED)
+    finally:
+        preempt.restore()
+        metrics.close()
     if pipe is not None:  # the stages' weights back in one HF model (on every rank), ready to save
         model = pipe.gather()
     return model, TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start)

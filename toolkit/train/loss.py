@@ -52,17 +52,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         for start in range(0, hidden.size(0), chunk):
+            logits = g = None  # drop the previous chunk's (chunk, V) buffer before the next one is made
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
             valid = y != IGNORE_INDEX
             if not valid.any():
                 continue
-            logits = F.linear(h, weight, bias).float()  # (chunk, V): the only logits alive
-            lse = torch.logsumexp(logits, dim=-1)
+            logits = F.linear(h, weight, bias).float()  # (chunk, V): the only (chunk, V) buffer alive
             target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            # log-sum-exp and softmax in place (torch.logsumexp would allocate a second (chunk, V))
+            top = logits.amax(1, keepdim=True)
+            g = logits.sub_(top).exp_()
+            norm = g.sum(1, keepdim=True)
+            lse = (top + norm.log()).squeeze(1)
             total += torch.where(valid, lse - target, 0.0).sum()  # = cross_entropy(..., reduction="sum")
             if not (need_h or need_w or need_b):
                 continue
-            g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: no second (chunk, V) buffer
+            g.div_(norm)  # softmax
             rows = valid.nonzero(as_tuple=True)[0]
             g[rows, y[rows]] -= 1.0
             g[~valid] = 0.0
@@ -72,17 +77,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 d_weight.addmm_(g.t(), h.float())
             if need_b:
                 d_bias += g.sum(0)
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (d_hidden, d_weight, d_bias)))
-        ctx.dtypes = weight.dtype, bias.dtype if bias is not None else None
-        ctx.needs = need_h, need_w, need_b
+        # Kept on ctx, not saved for backward: backward scales them in place and hands them over, so
+        # no second weight-sized buffer appears (a second backward through this graph is an error).
+        ctx.grads = d_hidden, d_weight, d_bias
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs
-        return (d_hidden * grad if need_h else None, (d_weight * grad).to(ctx.dtypes[0]) if need_w else None,
-                (d_bias * grad).to(ctx.dtypes[1]) if need_b else None, None, None)
+        if ctx.grads is None:
+            raise RuntimeError("chunked loss: backward ran twice through the same graph")
+        grads, ctx.grads = ctx.grads, None
+        return (*(g.mul_(grad).to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes)),
+                None, None)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,

@@ -46,7 +46,7 @@ class MetricsLogger:
             (self._bar.write if self._bar is not None else print)(message)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file.closed:
             return
         self._bar.close()
         self._tb.close()

@@ -1,0 +1,224 @@
+"""Fault tolerance: a run killed (SIGKILL) at a step or in the middle of a checkpoint write and
+resumed with `--resume auto` continues exactly; elastic restarts; SIGTERM; the NaN guard; refusals.
+
+Exactness: bitwise for one process (fp32, CPU), 1e-6 for 2-rank DDP. Kills are injected with
+TOOLKIT_FAULT (toolkit/train/faults.py), at steps drawn from a seeded RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from distributed import ROOT, free_port, launch, records
+
+
+def args(model, data, out, method="lora", steps=8, extra=()) -> list[str]:
+    """Dropout on (LoRA): the RNG state must be restored too."""
+    return ["--model", str(model), "--dataset", str(data), "--output-dir", str(out), "--method", method,
+            "--seq-len", "64", "--max-steps", str(steps), "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "2",
+            "--lr-schedule", "cosine", "--mixed-precision", "no", "--lora-dropout", "0.1", "--seed", "7",
+            "--micro-batch-size", "4", "--save-every", "2", *extra]
+
+
+def losses(out) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
+
+
+def weights(out, method="lora") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "final" / ("adapter_model.safetensors" if method == "lora" else "model.safetensors"))
+
+
+def run(argv, nproc=1, env=None, **kw):
+    return launch(argv, nproc=nproc, env=env, launcher="python" if nproc == 1 else "torchrun", **kw)
+
+
+@pytest.fixture(scope="module")
+def data(data_files):
+    return data_files["alpaca"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, data):
+    """Uninterrupted runs, by (method, processes)."""
+    cache = {}
+
+    def get(method="lora", nproc=1):
+        if (method, nproc) not in cache:
+            out = tmp_path_factory.mktemp(f"ref_{method}_{nproc}")
+            p = run(args(tiny_model, data, out, method), nproc)
+            assert p.returncode == 0, p.stderr[-3000:]
+            cache[(method, nproc)] = out
+        return cache[(method, nproc)]
+
+    return get
+
+
+KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 2)
+
+
+@pytest.mark.parametrize("fault", [f"step:{s}" for s in KILL_STEPS] + ["save:4"])
+def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model, data, reference, fault):
+    """SIGKILL after a step, or while checkpoint-4 is being written (the model is on disk, the
+    optimizer states and trainer_state.json are not): --resume auto picks the newest complete
+    checkpoint and the per-step losses and final weights equal the uninterrupted run bit for bit."""
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out), env={"TOOLKIT_FAULT": fault})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    if fault == "save:4":
+        assert (out / "checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    expected_from = 2 if fault == "save:4" else 2 * (int(fault.split(":")[1]) // 2)
+    assert f"checkpoint-{expected_from}: continuing at step {expected_from + 1}" in p.stdout
+    ref = reference("lora")
+    assert losses(out) == losses(ref)
+    got, want = weights(out), weights(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_full_finetune_resume_is_bitwise_identical(tmp_path, tiny_model, data, reference):
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out, "full"), env={"TOOLKIT_FAULT": "step:5"})
+    assert p.returncode == -signal.SIGKILL
+    p = run(args(tiny_model, data, out, "full", extra=["--resume", "auto"]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = reference("full")
+    assert losses(out) == losses(ref)
+    got, want = weights(out, "full"), weights(ref, "full")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_ddp_two_ranks_resume_matches(tmp_path, tiny_model, data, reference):
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out), nproc=2, env={"TOOLKIT_FAULT": "step:5:rank=1"})
+    assert p.returncode != 0
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]), nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = reference("lora", 2)
+    assert [s for s, _ in losses(out)] == list(range(1, 9))
+    assert [v for _, v in losses(out)] == pytest.approx([v for _, v in losses(ref)], abs=1e-6, rel=1e-6)
+    got, want = weights(out), weights(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6)
+
+
+def test_elastic_restart_survives_a_killed_worker(tmp_path, tiny_model, data, reference):
+    """torchrun --max-restarts 2: rank 1 is killed after step 5 (once); the group restarts with the
+    same command, `--resume auto` finds checkpoint-4, and the final weights match the uninterrupted run."""
+    out, marker = tmp_path / "out", tmp_path / "fired"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "2",
+           "--master_port", str(free_port()), str(ROOT / "finetune.py"), *args(tiny_model, data, out, extra=["--resume", "auto"])]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "TOOLKIT_FAULT": f"step:5:rank=1:once={marker}"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert marker.exists() and "checkpoint-4: continuing at step 5" in p.stdout
+    got, want = weights(out), weights(reference("lora", 2))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_within_a_bound(tmp_path, tiny_model, data):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "finetune.py"), *args(tiny_model, data, out, steps=100000,
+                                                           extra=["--save-every", "0"])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(records(out)) >= 2):
+        time.sleep(0.2)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert time.time() - sent < 30
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "trainer_state.json").is_file()
+    assert "preempted at step" in stdout + stderr and "Traceback" not in stderr
+
+
+def test_keep_last(tmp_path, tiny_model, data):
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out, extra=["--save-every", "1", "--keep-last", "2"]))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-7"]
+
+
+def test_nan_guard_skips_updates_then_saves_and_stops(tmp_path, tiny_model, data):
+    """A huge learning rate blows the weights up after step 1: non-finite steps are skipped and
+    logged; the third in a row saves a checkpoint and stops with one line."""
+    out = tmp_path / "out"
+    argv = args(tiny_model, data, out, "full", extra=["--lr", "1e30", "--warmup-steps", "0", "--max-grad-norm", "0"])
+    p = run(argv)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("finetune.py: error:")]
+    assert len(lines) == 1 and "not finite for 3 steps in a row" in lines[0] and "Traceback" not in p.stderr
+    skipped = [r for r in records(out) if r.get("skipped_update")]
+    assert len(skipped) == 3
+    assert (out / f"checkpoint-{skipped[-1]['step']}" / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["--lr", "2e-3"], "--lr was 0.001, now 0.002"),
+    (["--seed", "8"], "--seed was 7, now 8"),
+])
+def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, change, expected):
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out, steps=4))
+    assert p.returncode == 0
+    before = sorted(str(x) for x in out.rglob("*"))
+    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto", *change]))
+    assert p.returncode == 2
+    assert "this is not the run that wrote it" in p.stderr and expected in p.stderr
+    assert sorted(str(x) for x in out.rglob("*")) == before  # nothing touched
+    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto", "--resume-ignore-mismatch", *change]))
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_resume_refuses_another_dataset_and_world_size(tmp_path, tiny_model, data, data_files):
+    out = tmp_path / "out"
+    assert run(args(tiny_model, data, out, steps=4)).returncode == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(json.loads(data.read_text())[:-1]) if data.suffix == ".json" else
+                     "\n".join(data.read_text().splitlines()[:-1]) + "\n")
+    argv = args(tiny_model, other, out, steps=4, extra=["--resume", "auto"])
+    p = run(argv)
+    assert p.returncode == 2 and "the dataset changed" in p.stderr
+    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto"]), nproc=2)
+    assert p.returncode != 0 and "saved by 1 processes and this run has 2" in p.stderr
+
+
+def test_disk_full_during_a_checkpoint(tmp_path, tiny_model, data):
+    """ENOSPC while writing checkpoint-4 (simulated): one line, exit 2, checkpoint-2 intact and
+    resumable, no half-written folder left."""
+    out = tmp_path / "out"
+    p = run(args(tiny_model, data, out), env={"TOOLKIT_FAULT": "save:4:error=enospc"})
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("finetune.py: error:")]
+    assert len(lines) == 1 and "no space left on the device" in lines[0] and "checkpoint-2 intact" in lines[0]
+    assert "Traceback" not in p.stderr
+    assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]))
+    assert p.returncode == 0 and "checkpoint-2: continuing at step 3" in p.stdout
+
+
+@pytest.mark.parametrize("layout", [["--pp", "2", "--pp-microbatches", "2"], ["--tp", "2"]], ids=["pp2", "tp2"])
+def test_pipeline_and_tensor_parallel_runs_resume(tmp_path, tiny_model, data, layout):
+    """Per-rank optimizer states of pipeline stages / TP shards; weights restored before the split."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run(args(tiny_model, data, ref, steps=6, extra=layout), nproc=2).returncode == 0
+    assert run(args(tiny_model, data, out, steps=6, extra=layout), nproc=2, env={"TOOLKIT_FAULT": "step:3"}).returncode != 0
+    p = run(args(tiny_model, data, out, steps=6, extra=[*layout, "--resume", "auto"]), nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "checkpoint-2: continuing at step 3" in p.stdout
+    assert [v for _, v in losses(out)] == pytest.approx([v for _, v in losses(ref)], abs=1e-6, rel=1e-6)
+    got, want = weights(out), weights(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6)

@@ -1,0 +1,73 @@
+"""Preemption and fault injection.
+
+`Preemption` turns SIGTERM/SIGINT into a flag the loop checks once per step (all ranks agree through
+one all-reduce), so the run saves a checkpoint and exits instead of dying mid-step.
+
+`fault_hook()` is how the crash tests kill a run at a chosen point, deterministically:
+    TOOLKIT_FAULT="step:5"                 SIGKILL this process after step 5 completes
+    TOOLKIT_FAULT="save:4"                 SIGKILL while writing the step-4 checkpoint (model written,
+                                           optimizer states and trainer_state.json not yet)
+    TOOLKIT_FAULT="step:5:rank=1:once=F"   only on rank 1, and only if file F does not exist yet
+                                           (created just before the kill: an elastic restart survives)
+    TOOLKIT_FAULT="save:4:error=enospc"    raise "No space left on device" in that write instead
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the run did not finish, a checkpoint was saved
+
+
+class Preemption:
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (an in-process test): no handler, nothing to restore
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def requested(self, accelerator) -> bool:
+        """True on every rank once any rank got the signal (collective when there are several)."""
+        if accelerator.num_processes == 1:
+            return self.signal is not None
+        import torch
+
+        flag = torch.tensor([1.0 if self.signal is not None else 0.0], device=accelerator.device)
+        return accelerator.reduce(flag, "max").item() > 0
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def fault_hook() -> Callable[[str, int], None] | None:
+    spec = os.environ.get("TOOLKIT_FAULT")
+    if not spec:
+        return None
+    where, at, *opts = spec.split(":")
+    options = dict(o.split("=", 1) for o in opts)
+    rank = int(options.get("rank", 0))
+    once = options.get("once")
+
+    def fire(point: str, step: int) -> None:
+        if point != where or step != int(at) or int(os.environ.get("RANK", 0)) != rank:
+            return
+        if once:
+            if Path(once).exists():
+                return
+            Path(once).touch()
+        if options.get("error") == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return fire
