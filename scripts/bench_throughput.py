@@ -113,7 +113,8 @@ def run_toolkit(args) -> dict:
             "toolkit_mfu": statistics.mean(r["mfu"] for r in recs[1:])}
 
 
-def run_trainer(args) -> dict:
+def run_hf_trainer(args, sft: bool = False) -> dict:
+    """transformers.Trainer, or TRL's SFTTrainer (`sft`), on the same batches in the same order."""
     import torch
     from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -132,55 +133,27 @@ def run_trainer(args) -> dict:
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    class InOrder(Trainer):  # the same batches as the other two
+    common = dict(output_dir=out, per_device_train_batch_size=args.micro_batch, max_steps=args.warmup + args.steps,
+                  learning_rate=cfg.lr, lr_scheduler_type="constant", max_grad_norm=cfg.train.max_grad_norm,
+                  logging_strategy="no", save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+                  dataloader_num_workers=0, remove_unused_columns=False, optim="adamw_torch", seed=cfg.train.seed,
+                  disable_tqdm=True)
+    if sft:  # pre-tokenized rows: SFTTrainer skips its own tokenization
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        base, targs = SFTTrainer, SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
+                                            packing=False)
+        data, extra = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in ordered]), \
+            {"processing_class": tok}
+    else:
+        base, targs, data, extra = Trainer, TrainingArguments(**common), ordered, {}
+
+    class InOrder(base):  # the same batches as the others
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
-    targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.micro_batch,
-                              max_steps=args.warmup + args.steps, learning_rate=cfg.lr, lr_scheduler_type="constant",
-                              max_grad_norm=cfg.train.max_grad_norm, logging_strategy="no", save_strategy="no",
-                              report_to=[], use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                              remove_unused_columns=False, optim="adamw_torch", seed=cfg.train.seed,
-                              disable_tqdm=True)
-    InOrder(model=model, args=targs, train_dataset=ordered, data_collator=collator, callbacks=[Stamp()]).train()
-    return {"tokens": sum(counts[args.warmup:args.warmup + args.steps]),
-            "seconds": stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]}
-
-
-def run_sft(args) -> dict:
-    import torch
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    from toolkit.data import collate
-
-    cfg, model, tok, ordered, _, out = setup(args)
-    counts, stamps = [], []
-
-    def collator(batch):
-        b = collate(batch, tok.pad_token_id)
-        counts.append(int(b["attention_mask"].sum()))
-        return b
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-
-    class InOrder(SFTTrainer):  # the same batches as the others
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    targs = SFTConfig(output_dir=out, per_device_train_batch_size=args.micro_batch,
-                      max_steps=args.warmup + args.steps, learning_rate=cfg.lr, lr_scheduler_type="constant",
-                      max_grad_norm=cfg.train.max_grad_norm, logging_strategy="no", save_strategy="no",
-                      report_to=[], use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                      remove_unused_columns=False, optim="adamw_torch", seed=cfg.train.seed, disable_tqdm=True,
-                      dataset_kwargs={"skip_prepare_dataset": True}, max_length=None, packing=False)
-    data = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in ordered])
-    InOrder(model=model, args=targs, train_dataset=data, data_collator=collator, processing_class=tok,
-            callbacks=[Stamp()]).train()
+    InOrder(model=model, args=targs, train_dataset=data, data_collator=collator, callbacks=[Stamp()], **extra).train()
     return {"tokens": sum(counts[args.warmup:args.warmup + args.steps]),
             "seconds": stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1]}
 
@@ -199,7 +172,9 @@ def child_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    result = {"raw": run_raw, "toolkit": run_toolkit, "trainer": run_trainer, "sft": run_sft}[args.variant](args)
+    run = {"raw": run_raw, "toolkit": run_toolkit, "trainer": run_hf_trainer,
+           "sft": lambda a: run_hf_trainer(a, sft=True)}[args.variant]
+    result = run(args)
     print("RESULT " + json.dumps(result))
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from toolkit.config import Config
+from toolkit.errors import UserError
 from toolkit.data import collate
 from toolkit.data.packing import collate_packed, count_examples, model_inputs, pack_rows
 from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel, shard_loader
@@ -251,8 +252,6 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
                 metrics.write(f"step {step}: non-finite loss or gradient norm; update skipped ({bad_steps} in a row)")
                 if bad_steps >= t.max_bad_steps:
                     path = checkpoint(step, epoch)
-                    from toolkit.errors import UserError
-
                     raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {bad_steps} "
                                     f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
                                     "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")

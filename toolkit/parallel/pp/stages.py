@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.parallel.pp.naive import split_microbatches, stage_inputs
+from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
 from toolkit.parallel.pp.split import DecoderStage, decoder_parts, stage_bounds
 from toolkit.train.loss import token_loss_sum
 
@@ -96,8 +96,6 @@ class StagePipeline(nn.Module):
 
     def describe(self) -> str:
         bounds = ", ".join(f"stage {i}: blocks {a}-{b - 1}" for i, (a, b) in enumerate(stage_bounds(self.sizes)))
-        from toolkit.parallel.pp.naive import bubble_fraction
-
         return (f"pipeline: {self.layout.pp} stages x {self.layout.dp} data-parallel ({bounds}); "
                 f"{self.schedule_name}, {self.microbatches} micro-batches, expected bubble "
                 f"(p-1)/(m+p-1) = {bubble_fraction(self.layout.pp, self.microbatches):.1%}")
