@@ -32,6 +32,9 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
 
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
 
+    from toolkit.parallel.elastic import join_restarted_group
+
+    join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
     kind = sharding_kind(cfg)
     from accelerate.utils import GradientAccumulationPlugin
 

@@ -1,23 +1,29 @@
 """Saving standard Hugging Face folders (a full model or a peft adapter, tokenizer included) and
 resumable checkpoints.
 
-Everything is written to `<name>.tmp` and renamed into place only when complete, so a crash
-mid-save never leaves a half-written folder under the final name. A checkpoint is the HF folder
-plus what exact resumption needs: `trainer_state.json` (step, data position, fingerprint, config;
-written last) and one `rank{r}.pt` per rank (optimizer, scheduler and RNG states, read back with
-`torch.load(weights_only=True)`).
+Everything is written to `<name>.tmp` and renamed into place only when every rank's part is
+written, so a crash mid-save never leaves a half-written folder under the final name. A checkpoint
+is the HF folder plus what exact resumption needs: `trainer_state.json` (step, data position,
+fingerprint, config) and one `rank{r}.pt` per rank (optimizer, scheduler, fp16 gradient scaler and
+RNG states, read back with `torch.load(weights_only=True)`; `optimizer_state` says what each
+strategy stores).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from toolkit.errors import UserError
+from toolkit.train.optimizer_state import optimizer_state
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -32,8 +38,9 @@ def _model_state(accelerator, model) -> dict:
     return accelerator.get_state_dict(model)
 
 
-def _write_model(accelerator, model, tokenizer, folder: Path) -> None:
-    state = _model_state(accelerator, model)
+def _write_model(accelerator, model, tokenizer, folder: Path, state: dict) -> None:
+    """The HF folder, written by the main process from the gathered `state` (None on other ranks
+    under ZeRO-3)."""
     if accelerator.is_main_process:
         state = {k: v.contiguous() for k, v in state.items()}
         accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
@@ -61,7 +68,7 @@ def _publish(accelerator, tmp: Path, path: Path) -> None:
 def save_final(accelerator, model, tokenizer, path: Path) -> None:
     """Every rank must call this: sharded strategies gather the state dict collectively."""
     tmp = _fresh_tmp(accelerator, path)
-    _write_model(accelerator, model, tokenizer, tmp)
+    _write_model(accelerator, model, tokenizer, tmp, _model_state(accelerator, model))
     _publish(accelerator, tmp, path)
 
 
@@ -88,38 +95,42 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
                     fault=None) -> None:
     """A resumable checkpoint (collective). `state` is what `trainer_state.json` records; `fault`
-    is the fault-injection hook the crash tests use (see `toolkit.train.faults`). A full disk is
-    one clear error; the half-written `.tmp` folder is removed and earlier checkpoints stay."""
+    is the fault-injection hook the crash tests use (see `toolkit.train.faults`).
+
+    A full disk on any rank is one clear error on every rank (they agree through one all-reduce
+    after the writes, so none waits at a barrier for a rank that gave up); the half-written `.tmp`
+    folder is removed and earlier checkpoints stay."""
+    tmp = _fresh_tmp(accelerator, path)
+    model_state = _model_state(accelerator, model)  # the collectives first: every rank takes part
+    scaler = getattr(accelerator, "scaler", None)  # fp16 outside DeepSpeed (whose loss scaler is in its optimizer state)
+    rank_state = {"optimizer": optimizer_state(accelerator, model, optimizer), "scheduler": scheduler.state_dict(),
+                  "rng": rng_state(), "scaler": scaler.state_dict() if scaler is not None else None}
+    full = False
     try:
-        _save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path, state, fault)
+        _write_model(accelerator, model, tokenizer, tmp, model_state)
+        if fault is not None:
+            fault("save", state["step"])  # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
+        torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
+        if accelerator.is_main_process:  # <name>.tmp is never read: the rename below is what publishes
+            (tmp / TRAINER_STATE).write_text(json.dumps({**state, "world_size": accelerator.num_processes}, indent=2))
     except OSError as e:
-        import errno
-
-        from toolkit.errors import UserError
-
         if e.errno != errno.ENOSPC:
             raise
-        shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
+        full = True
+    if _on_any_rank(accelerator, full):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
         earlier = [p.name for p in complete_checkpoints(path.parent)]
         raise UserError(f"no space left on the device while writing {path}; it was not saved"
                         + (f" ({', '.join(earlier)} intact)" if earlier else "")
-                        + ". Free space (or use --keep-last), then continue with --resume auto") from None
-
-
-def _save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: Path, state: dict, fault) -> None:
-    tmp = _fresh_tmp(accelerator, path)
-    _write_model(accelerator, model, tokenizer, tmp)
-    if fault is not None:
-        fault("save", state["step"])  # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
-    resumable = accelerator.distributed_type not in ("DEEPSPEED", "FSDP")
-    if resumable:  # ZeRO/FSDP optimizer states are partitioned in their own formats: not saved yet
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-                   tmp / f"rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({**state, "world_size": accelerator.num_processes,
-                                                     "resumable": resumable}, indent=2))
+                        + ". Free space (or use --keep-last), then continue with --resume auto")
     _publish(accelerator, tmp, path)
+
+
+def _on_any_rank(accelerator, flag: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return flag
+    return accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item() > 0
 
 
 def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:
@@ -130,7 +141,7 @@ def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:
 
 
 def complete_checkpoints(out_dir: Path) -> list[Path]:
-    """checkpoint-N folders holding a trainer_state.json (written last), oldest first."""
+    """checkpoint-N folders (renamed from .tmp once complete) holding a trainer_state.json, oldest first."""
     found = [p for p in Path(out_dir).glob("checkpoint-*")
              if p.is_dir() and p.name.split("-", 1)[1].isdigit() and (p / TRAINER_STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
@@ -144,8 +155,6 @@ def restore_weights(model, folder: Path, method: str) -> None:
     """Load a checkpoint's weights (safetensors) into the freshly built model or adapter."""
     from safetensors.torch import load_file
 
-    from toolkit.errors import UserError
-
     state: dict = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(f))
@@ -158,10 +167,27 @@ def restore_weights(model, folder: Path, method: str) -> None:
         missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
         unexpected = list(getattr(result, "unexpected_keys", []))
     else:
-        result = model.load_state_dict(state, strict=False)
+        result = (_load_partitioned(model, state) if any(hasattr(p, "ds_id") for p in model.parameters())
+                  else model.load_state_dict(state, strict=False))
         tied = getattr(model.config, "tie_word_embeddings", False)
         missing = [k for k in result.missing_keys if not (tied and k.endswith("lm_head.weight"))]
         unexpected = list(result.unexpected_keys)
     if missing or unexpected:
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); it is from another model or method")
+
+
+def _load_partitioned(model, state: dict):
+    """`load_state_dict` for a model that ZeRO-3 partitioned while loading (transformers loads
+    under `deepspeed.zero.Init` when accelerate's plugin is stage 3): one parameter gathered at a
+    time, written, and re-partitioned (collective; rank 0's copy is the one kept)."""
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in state:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.copy_(state[name])
+    return SimpleNamespace(missing_keys=[k for k in params if k not in state],
+                           unexpected_keys=[k for k in state if k not in params])

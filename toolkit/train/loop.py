@@ -29,6 +29,7 @@ from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flo
 from toolkit.train.loss import ChunkedHead, count_targets, token_loss_sum
 from toolkit.train.memory import grad_bytes, held_bytes
 from toolkit.train.metrics import MetricsLogger
+from toolkit.train.optimizer_state import load_optimizer_state
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -168,8 +169,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     first_step, tokens_seen = 1, 0
     if resume is not None:  # weights were restored at load; now optimizer, scheduler, data position, RNG
         saved = load_rank_state(resume.path, accelerator.process_index)
-        optimizer.load_state_dict(saved["optimizer"])
+        load_optimizer_state(accelerator, model, optimizer, saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
+        if saved.get("scaler") is not None and accelerator.scaler is not None:
+            accelerator.scaler.load_state_dict(saved["scaler"])
         first_step, tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
         log(f"resumed from {resume.path}: continuing at step {first_step} of {total_steps}")
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when

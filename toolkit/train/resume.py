@@ -94,8 +94,8 @@ def layout_problems(point: ResumePoint, cfg: Config, world: int) -> list[str]:
     """Optimizer states are per rank: the world size and parallel layout must match (not overridable)."""
     saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint(cfg)["layout"]
     if point.state.get("resumable") is False:
-        return ["it holds the model weights only (ZeRO/FSDP optimizer states are not saved yet); start a new "
-                "run from it instead"]
+        return ["it holds the model weights only (written by an older version that did not save ZeRO/FSDP "
+                "optimizer states); start a new run from it instead"]
     problems = []
     if point.state.get("world_size") != world:
         problems.append(f"it was saved by {point.state.get('world_size')} processes and this run has {world}")
