@@ -19,6 +19,15 @@ def strategy_name(cfg: Config) -> str:
     return f"zero{p.zero_stage}{suffix}"
 
 
+def any_rank(accelerator, flag: bool) -> bool:
+    """True on every rank when `flag` is True on any (one all-reduce; none with one process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    return accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item() > 0
+
+
 def sharding_kind(cfg: Config) -> str | None:
     return "fsdp" if cfg.parallel.fsdp else "deepspeed" if cfg.parallel.zero_stage is not None else None
 
@@ -31,7 +40,6 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from accelerate.utils import set_seed
 
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
-
     from toolkit.parallel.elastic import join_restarted_group
 
     join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from toolkit.errors import UserError
+from toolkit.parallel import any_rank
 from toolkit.train.optimizer_state import optimizer_state
 
 TRAINER_STATE = "trainer_state.json"
@@ -117,7 +118,7 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: P
         if e.errno != errno.ENOSPC:
             raise
         full = True
-    if _on_any_rank(accelerator, full):
+    if any_rank(accelerator, full):
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         earlier = [p.name for p in complete_checkpoints(path.parent)]
@@ -125,12 +126,6 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: P
                         + (f" ({', '.join(earlier)} intact)" if earlier else "")
                         + ". Free space (or use --keep-last), then continue with --resume auto")
     _publish(accelerator, tmp, path)
-
-
-def _on_any_rank(accelerator, flag: bool) -> bool:
-    if accelerator.num_processes == 1:
-        return flag
-    return accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item() > 0
 
 
 def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:

@@ -38,12 +38,9 @@ class Preemption:
 
     def requested(self, accelerator) -> bool:
         """True on every rank once any rank got the signal (collective when there are several)."""
-        if accelerator.num_processes == 1:
-            return self.signal is not None
-        import torch
+        from toolkit.parallel import any_rank
 
-        flag = torch.tensor([1.0 if self.signal is not None else 0.0], device=accelerator.device)
-        return accelerator.reduce(flag, "max").item() > 0
+        return any_rank(accelerator, self.signal is not None)
 
     def restore(self) -> None:
         for sig, old in self._old.items():

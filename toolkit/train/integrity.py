@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from toolkit.data import collate
+from toolkit.parallel import any_rank
 from toolkit.train.evaluate import eval_loss
 
 
@@ -44,11 +45,10 @@ def verify_saved(accelerator, model, tokenizer, rows: list[dict], final_dir: Pat
             rel = abs(result["reloaded_loss"] - trained) / max(abs(trained), 1e-12)
             result["relative_diff"] = rel
             result["ok"] = rel <= tolerance(precision)
-    ok = accelerator.reduce(torch.tensor([1.0 if result.get("ok") else 0.0], device=accelerator.device), "max").item()
-    result["ok"] = bool(ok)
+    result["ok"] = any_rank(accelerator, bool(result.get("ok")))
     if accelerator.is_main_process:
         (final_dir.parent / "integrity.json").write_text(json.dumps(result, indent=2))
-    if not ok:
+    if not result["ok"]:
         raise SystemExit(f"integrity check FAILED: {final_dir} reloaded with plain transformers/peft gives loss "
                          f"{result.get('reloaded_loss', result.get('error'))} but the trained model gives {trained:.6f}")
     log(f"integrity: {final_dir} reloads with plain transformers/peft; loss {result.get('reloaded_loss', trained):.6f} "
