@@ -62,13 +62,32 @@ class TrainResult:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and norm weights (1-D tensors), as in nanoGPT."""
+    """AdamW; no weight decay on biases and norm weights (1-D tensors), as in nanoGPT.
+
+    The fused kernel (one pass over each parameter's memory; transformers.Trainer's default on
+    torch >= 2.8) where the parameters' device and dtype have it: on this 2-core CPU its step over
+    SmolLM2-135M's weights takes 0.09 s against 0.38 s for torch's default per-tensor loop. The
+    update is the same AdamW; ZeRO and FSDP step it on their own partitions."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, fused=fused_adamw_supported(params))
+
+
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """torch's own rule (floating point, a device with fused kernels), checked here because AdamW
+    applies it only at the first step."""
+    try:
+        from torch.optim.optimizer import _device_dtype_check_for_fused
+
+        for p in params:
+            _device_dtype_check_for_fused(p)
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:

@@ -98,7 +98,10 @@ def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.
     hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over target tokens."""
     h = hidden[:, :-1].reshape(-1, hidden.size(-1))
     y = labels[:, 1:].reshape(-1).to(h.device)
-    return _ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk)
+    # Only target rows go through the head: prompt and padding rows add nothing to the loss and get a zero
+    # gradient, so the head's matmuls run on the targets alone (17% of the tokens of the built-in data).
+    keep = (y != IGNORE_INDEX).nonzero(as_tuple=True)[0]
+    return _ChunkedLinearCrossEntropy.apply(h.index_select(0, keep), head.weight, head.bias, y[keep], chunk)
 
 
 class ChunkedHead:
