@@ -199,8 +199,8 @@ def test_chunked_loss_runs_the_head_on_target_tokens_only(monkeypatch):
 
 
 def test_adamw_uses_the_fused_kernel_where_torch_has_one():
-    """Fused AdamW on CPU/GPU parameters (the default per-tensor loop is ~4x slower on CPU, see
-    make_optimizer); parameters the kernel cannot take fall back to the plain loop, not an error at step 1."""
+    """Fused AdamW on CPU/GPU parameters (the default per-tensor loop is 9x slower on CPU, see
+    benchmarks/adamw.md); parameters the kernel cannot take get the plain loop, not an error at step 1."""
     from toolkit.config import parse_config
     from toolkit.train.loop import make_optimizer
 
