@@ -5,7 +5,7 @@ Each run is a fresh process. Runs alternate a, b, c, a, b, c, ... (`--repeats` r
 the machine's speed hits all three alike. A run trains `--warmup` steps, then times `--steps` more;
 its figure is non-padding tokens / seconds over the timed steps. Every arm steps the fused AdamW
 kernel: the toolkit's and Trainer's default (`adamw_torch_fused`), and the raw loop is given
-`fused=True` so that toolkit / raw measures the loop around the same kernels. All three read the same batches in
+`fused=True` so that toolkit / raw measures the loop around the same kernels. All arms read the same batches in
 the same order (the toolkit's epoch-0 permutation), so they do the same work. The table gives
 medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT)
 and one peak measured by the parent before the runs. (d) TRL's SFTTrainer joins when `trl` imports

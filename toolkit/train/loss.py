@@ -36,7 +36,8 @@ LOSS_CHUNK_TOKENS = 256
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(h_t W^T + b, y_t) computed `chunk` rows at a time; full logits never exist.
+    """sum_t CE(h_t W^T + b, y_t) computed `chunk` rows at a time; full logits never exist. Every row
+    is a target (the caller drops ignored positions first).
 
     The gradient is formed in forward, chunk by chunk, while each chunk's logits are alive
     (dlogits = softmax - onehot): dH is kept (N x h, the size of the input) and dW, db summed; backward
@@ -54,23 +55,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk):
             logits = g = None  # drop the previous chunk's (chunk, V) buffer before the next one is made
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            valid = y != IGNORE_INDEX
-            if not valid.any():
-                continue
             logits = F.linear(h, weight, bias).float()  # (chunk, V): the only (chunk, V) buffer alive
-            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            target = logits.gather(1, y.unsqueeze(1)).squeeze(1)
             # log-sum-exp and softmax in place (torch.logsumexp would allocate a second (chunk, V))
             top = logits.amax(1, keepdim=True)
             g = logits.sub_(top).exp_()
             norm = g.sum(1, keepdim=True)
             lse = (top + norm.log()).squeeze(1)
-            total += torch.where(valid, lse - target, 0.0).sum()  # = cross_entropy(..., reduction="sum")
+            total += (lse - target).sum()  # = cross_entropy(..., reduction="sum")
             if not (need_h or need_w or need_b):
                 continue
             g.div_(norm)  # softmax
-            rows = valid.nonzero(as_tuple=True)[0]
-            g[rows, y[rows]] -= 1.0
-            g[~valid] = 0.0
+            g[torch.arange(len(y), device=y.device), y] -= 1.0
             if need_h:
                 d_hidden[start:start + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
