@@ -1,5 +1,7 @@
-"""Training throughput: (a) a minimal hand-written PyTorch loop, (b) this toolkit's loop,
-(c) transformers.Trainer, on the same model, data, micro-batch, precision and steps.
+"""Training throughput: (a) a minimal hand-written PyTorch loop, (b) this toolkit's loop as users
+run it (`--loss auto`, the chunked loss on these models) and (b') with `--loss full` (full logits,
+as (a) and (c) compute them), (c) transformers.Trainer, on the same model, data, micro-batch,
+precision and steps.
 
 Each run is a fresh process. Runs alternate a, b, c, a, b, c, ... (`--repeats` rounds) so drift in
 the machine's speed hits all three alike. A run trains `--warmup` steps, then times `--steps` more;
@@ -7,8 +9,9 @@ its figure is non-padding tokens / seconds over the timed steps. Every arm steps
 kernel: the toolkit's and Trainer's default (`adamw_torch_fused`), and the raw loop is given
 `fused=True` so that toolkit / raw measures the loop around the same kernels. All arms read the same batches in
 the same order (the toolkit's epoch-0 permutation), so they do the same work. The table gives
-medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT)
-and one peak measured by the parent before the runs. (d) TRL's SFTTrainer joins when `trl` imports
+medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT;
+the default arm's head counted on target tokens only, as it logs) and one peak measured by the
+parent before the runs. (d) TRL's SFTTrainer joins when `trl` imports
 (it is not a toolkit dependency: `pip install --no-deps --target /tmp/trlpkg trl` and run with
 PYTHONPATH=/tmp/trlpkg); it gets the same pre-tokenized rows and collator, so it skips its own
 tokenization, and keeps its per-step extras (token accuracy, entropy) as users get them.
@@ -32,8 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VARIANTS = ("raw", "toolkit", "chunked", "trainer", "sft")  # chunked: the toolkit with --loss chunked
-LABELS = {"raw": "raw loop", "toolkit": "toolkit", "chunked": "toolkit --loss chunked", "trainer": "Trainer",
+VARIANTS = ("raw", "toolkit", "full", "trainer", "sft")  # full: the toolkit with --loss full (logits like raw/Trainer)
+LABELS = {"raw": "raw loop", "toolkit": "toolkit", "full": "toolkit --loss full", "trainer": "Trainer",
           "sft": "SFTTrainer"}
 TINY = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=512)
@@ -54,7 +57,7 @@ def tiny_model_dir(path: Path) -> str:
     return str(path)
 
 
-def setup(args, loss: str = "full"):
+def setup(args, loss: str = "auto"):
     """The shared work: toolkit config, model (fp32, LoRA if asked), tokenized rows in epoch-0 order."""
     import torch
 
@@ -103,7 +106,7 @@ def run_raw(args) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
-def run_toolkit(args, loss: str = "full") -> dict:
+def run_toolkit(args, loss: str = "auto") -> dict:
     from toolkit.parallel import make_accelerator
     from toolkit.train.loop import train
 
@@ -114,7 +117,8 @@ def run_toolkit(args, loss: str = "full") -> dict:
     first, last = recs[0], recs[-1]  # the first record closes the warm-up window
     assert first["step"] == args.warmup and last["step"] == args.warmup + args.steps
     return {"tokens": last["tokens"] - first["tokens"], "seconds": last["elapsed_s"] - first["elapsed_s"],
-            "toolkit_mfu": statistics.mean(r["mfu"] for r in recs[1:])}
+            "toolkit_mfu": statistics.mean(r["mfu"] for r in recs[1:]),
+            "flops_per_token": statistics.mean(r["flops_per_token"] for r in recs[1:])}
 
 
 def run_hf_trainer(args, sft: bool = False) -> dict:
@@ -176,7 +180,7 @@ def child_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    run = {"raw": run_raw, "toolkit": run_toolkit, "chunked": lambda a: run_toolkit(a, "chunked"), "trainer": run_hf_trainer,
+    run = {"raw": run_raw, "toolkit": run_toolkit, "full": lambda a: run_toolkit(a, "full"), "trainer": run_hf_trainer,
            "sft": lambda a: run_hf_trainer(a, sft=True)}[args.variant]
     result = run(args)
     print("RESULT " + json.dumps(result))
@@ -222,17 +226,21 @@ def main() -> None:
     n = matmul_params_from_config(cfg.to_dict())
     context = statistics.mean(r["tokens"] for r in results["raw"]) / (a.steps * a.micro_batch)
     per_token = flops_per_token(n, cfg.num_hidden_layers, cfg.hidden_size, context)
+    # the default's chunked loss skips the head on prompt tokens: credit the FLOPs it logged it ran
+    fpt = {v: statistics.median(r["flops_per_token"] for r in results[v]) if v == "toolkit" else per_token
+           for v in variants}
     med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in variants}
-    pairs = [(x, y) for x in ("toolkit", "chunked") for y in ("raw", "trainer", "sft") if x in med and y in med]
+    pairs = [(x, y) for x in ("toolkit", "full") for y in ("raw", "trainer", "sft") if x in med and y in med]
     entry = {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
              "repeats": a.repeats, "dtype": "float32", "device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__,
              "peak_flops": peak, "flops_per_token": per_token,
              "median_tokens_per_sec": med,
              "spread_tokens_per_sec": {v: [min(r["tokens_per_sec"] for r in results[v]),
                                            max(r["tokens_per_sec"] for r in results[v])] for v in variants},
-             "mfu": {v: med[v] * per_token / peak for v in variants},
+             "flops_per_token_by_arm": fpt,
+             "mfu": {v: med[v] * fpt[v] / peak for v in variants},
              "reported_mfu": {v: statistics.median(r["toolkit_mfu"] for r in results[v])
-                              for v in ("toolkit", "chunked") if v in results},
+                              for v in ("toolkit", "full") if v in results},
              # ratio of the medians (the acceptance figure) and, less sensitive to drift between rounds,
              # the median of each round's own ratio (the two runs of a round ran minutes apart)
              "ratios": {f"{x}/{y}": med[x] / med[y] for x, y in pairs},
@@ -250,30 +258,32 @@ def main() -> None:
 
 
 def render(data: list[dict], bench: Path) -> None:
-    ratio_keys = ("toolkit/raw", "toolkit/trainer", "chunked/raw", "chunked/trainer", "chunked/sft")
+    ratio_keys = ("toolkit/raw", "toolkit/trainer", "toolkit/sft", "full/raw", "full/trainer")
     lines = ["# Training throughput: raw PyTorch loop vs toolkit vs transformers.Trainer vs TRL SFTTrainer", "",
              "Reproduce: `python scripts/bench_throughput.py --model tiny --method full` (and the other rows). "
              "Method in the script's docstring: fresh process per run, alternating order, same batches, "
              "non-padding tokens/s over the timed steps, median of the rounds (min-max in brackets). "
-             "'chunked' is the toolkit with `--loss chunked` (the LM head runs on target tokens only, in chunks). "
+             "'toolkit' is its default (`--loss auto`: here the chunked loss, the LM head on target tokens only); "
+             "'toolkit --loss full' computes full logits as the raw loop and Trainer do. "
              "Ratios are of the medians; the median of each round's own ratio follows in brackets. "
              "SFTTrainer: TRL 1.16 installed with --no-deps beside this environment; '-' where a row did not run it.", "",
              "| model | method | micro-batch x steps | rounds | " + " | ".join(f"{LABELS[v]} tokens/s" for v in VARIANTS)
-             + " | " + " | ".join(ratio_keys) + " | MFU " + " / ".join(VARIANTS[:4]) + " | MFU the toolkit logged (default / chunked) |",
+             + " | " + " | ".join(ratio_keys) + " | MFU " + " / ".join(VARIANTS[:4]) + " | MFU the toolkit logged (default / --loss full) |",
              "|" + "---|" * (4 + len(VARIANTS) + len(ratio_keys) + 2)]
     for d in data:
         m, s = d["median_tokens_per_sec"], d["spread_tokens_per_sec"]
         cell = lambda v: f"{m[v]:.0f} [{s[v][0]:.0f}-{s[v][1]:.0f}]" if v in m else "-"  # noqa: E731
         ratio = lambda k: f"{d['ratios'][k]:.3f} ({d['round_ratios'][k]:.3f})" if k in d.get("ratios", {}) else "-"  # noqa: E731
         mfu = " / ".join(f"{d['mfu'][v]:.3f}" if v in d["mfu"] else "-" for v in VARIANTS[:4])
-        logged = " / ".join(f"{d['reported_mfu'][v]:.3f}" if v in d.get("reported_mfu", {}) else "-" for v in ("toolkit", "chunked"))
+        logged = " / ".join(f"{d['reported_mfu'][v]:.3f}" if v in d.get("reported_mfu", {}) else "-" for v in ("toolkit", "full"))
         lines.append(f"| {d['model']} | {d['method']} | {d['micro_batch']} x {d['steps']} | {d['repeats']} | "
                      + " | ".join(cell(v) for v in VARIANTS) + " | " + " | ".join(ratio(k) for k in ratio_keys)
                      + f" | {mfu} | {logged} |")
     lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU: one {data[-1]['peak_flops'] / 1e9:.0f} "
               "GFLOP/s fp32 matmul probe per benchmark (the toolkit's own logged MFU uses its own probe, so it differs a little). "
-              "MFU counts model FLOPs (6N + 12LhT per token) whatever the loss path skips, so the chunked loss's "
-              "saved head work shows as higher MFU."]
+              "MFU counts model FLOPs (6N + 12LhT per token); for the default toolkit arm the LM head's 6 N_head counts "
+              "on target tokens only, where its chunked loss runs the head (the FLOPs per token it logs). "
+              "The --loss full arm is the like-for-like loop comparison."]
     (bench / "throughput.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

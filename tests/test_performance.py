@@ -9,7 +9,7 @@ import pytest
 import torch
 from distributed import launch, parity_args, records
 
-from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flops
+from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
 from toolkit.train.loss import chunked_loss_sum, token_loss_sum
 
 
@@ -52,6 +52,11 @@ def test_flops_per_token_is_palm_formula(tiny_model):
     n = n_all - model.get_input_embeddings().weight.numel()
     assert matmul_params(model) == n
     assert flops_per_token(n, 2, 64, 30.0) == 6 * n + 12 * 2 * 64 * 30.0
+    head = model.get_output_embeddings().weight.numel()
+    assert head_params(model) == head
+    assert step_flops(10, 10, n, head, 2, 64, 30.0) == pytest.approx(10 * flops_per_token(n, 2, 64, 30.0))
+    # the chunked loss runs the head on target tokens only: 3 of the 10 here
+    assert step_flops(10, 3, n, head, 2, 64, 30.0) == pytest.approx(10 * flops_per_token(n, 2, 64, 30.0) - 7 * 6 * head)
 
 
 def test_peak_probe_is_positive_and_finite():
@@ -97,6 +102,19 @@ def test_mfu_is_in_every_training_record(runs):
     assert recs and all(0 < r["mfu"] < 1 and r["peak_flops"] > 0 for r in recs)
     for r in recs:
         assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
+
+
+
+def test_mfu_counts_the_head_only_where_the_chunked_loss_runs_it(runs, tiny_model):
+    """Prompt tokens skip the LM head under the chunked loss, so their head FLOPs are not credited."""
+    from transformers import AutoModelForCausalLM
+
+    head = head_params(AutoModelForCausalLM.from_pretrained(tiny_model))
+    full = [r for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"])) if "loss" in r]
+    chunked = [r for r in records(runs("single", "full", "chunked", extra=["--micro-batch-size", "8"])) if "loss" in r]
+    assert len(full) == len(chunked)
+    for f, c in zip(full, chunked):
+        assert f["flops_per_token"] - 6 * head < c["flops_per_token"] < f["flops_per_token"]
 
 
 # ---------------------------------------------------------------- packing
@@ -208,3 +226,24 @@ def test_adamw_uses_the_fused_kernel_where_torch_has_one():
     assert make_optimizer(torch.nn.Linear(4, 4), cfg).defaults["fused"] is True
     meta = torch.nn.Linear(4, 4, device="meta")
     assert not make_optimizer(meta, cfg).defaults["fused"]
+
+
+def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
+    """`--loss auto` (the default) takes the chunked path on a linear head and falls back to full
+    logits on any other head; `--loss chunked` on such a head is a clear error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config import Config
+    from toolkit.errors import UserError
+    from toolkit.train.loss import ChunkedHead, chunked_head_for
+
+    assert Config().train.loss == "auto"
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64))
+    assert chunked_head_for(model, "full") is None
+    head = chunked_head_for(model, "auto")
+    assert isinstance(head, ChunkedHead) and head.head is model.lm_head
+    model.lm_head = torch.nn.Sequential(torch.nn.Linear(16, 64))  # some other head
+    assert chunked_head_for(model, "auto") is None
+    with pytest.raises(UserError, match="--loss chunked needs a linear LM head"):
+        chunked_head_for(model, "chunked")

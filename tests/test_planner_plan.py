@@ -101,3 +101,22 @@ def test_impossible_model_parallel_degrees(capsys, argv, message):
         cli(["plan", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_logits_term_follows_the_loss_path(capsys):
+    """--loss auto/chunked holds one 256-row chunk of logits, the hidden rows and the head's gradient;
+    --loss full holds b x s x V logits three times over; pipeline stages always compute full logits."""
+    from toolkit.planner.memory import chunked_loss_bytes, logits_bytes
+
+    argv = ["--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full",
+            "--seq-len", "2048", "--mixed-precision", "bf16", "--pp", "2"]
+    full = {s["name"]: s for s in plan_json(capsys, *argv, "--loss", "full")["strategies"]}
+    auto = {s["name"]: s for s in plan_json(capsys, *argv)["strategies"]}
+    vocab, h = 128256, 4096
+    for name in ("ddp", "zero3"):
+        mb = full[name]["micro_batch"]
+        assert full[name]["bytes"]["logits"] == logits_bytes(mb, 2048, vocab, 2)
+        mb = auto[name]["micro_batch"]
+        assert auto[name]["bytes"]["logits"] == chunked_loss_bytes(mb, 2048, vocab, h, 2, head_trainable=True)
+        assert auto[name]["bytes"]["logits"] < full[name]["bytes"]["logits"]
+    assert auto["pp2"]["bytes"]["logits"] == full["pp2"]["bytes"]["logits"] == logits_bytes(1, 2048, vocab, 2)

@@ -109,7 +109,7 @@ def cmd_plan(args) -> None:
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-                    global_batch=args.global_batch, tp=args.tp, pp=args.pp)
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, loss=args.loss)
     try:
         result = plan(inp)
     except ValueError as e:
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch-size", type=int, default=1)
     s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"))
     s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked"),
+                   help="the run's --loss: full logits, or one chunk's (auto/chunked; pipeline stages use full)")
     s.add_argument("--global-batch", type=int, help="target examples per optimizer step")
     s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
     s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")

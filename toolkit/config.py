@@ -74,8 +74,10 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     max_bad_steps: int = _f(3, "non-finite loss or gradient norm: skip the update; after this many in a row, "
                                "save a checkpoint and stop")
-    loss: str = _f("full", "full: logits then cross-entropy; chunked: LM head + cross-entropy on the target "
-                           "tokens only, 256 at a time, so batch x seq x vocab fp32 logits never exist", ("full", "chunked"))
+    loss: str = _f("auto", "full: logits then cross-entropy; chunked: LM head + cross-entropy on the target "
+                           "tokens only, 256 at a time, so batch x seq x vocab fp32 logits never exist (same loss "
+                           "and gradients); auto: chunked, except under --pp or with a non-linear LM head",
+                   ("auto", "full", "chunked"))
 
 
 @dataclass

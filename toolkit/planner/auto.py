@@ -36,7 +36,7 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[P
                     method=cfg.model.method, lora_r=cfg.model.lora_r, lora_targets=cfg.model.lora_targets,
                     seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size, precision=precision,
                     checkpointing=True if t.gradient_checkpointing else None,
-                    global_batch=t.micro_batch_size * t.grad_accum * per_node * nodes)
+                    global_batch=t.micro_batch_size * t.grad_accum * per_node * nodes, loss=t.loss)
     try:
         result = plan(inp)
     except (KeyError, ValueError) as e:

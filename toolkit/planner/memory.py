@@ -116,6 +116,15 @@ def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> 
     return (act_bytes + 8) * micro_batch * seq_len * vocab
 
 
+def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_bytes: int, head_trainable: bool,
+                       chunk: int = 256) -> int:
+    """`--loss chunked` (toolkit.train.loss): one chunk's logits in the compute dtype and in fp32
+    ((act_bytes + 4) x chunk x V), the target rows of the hidden states and their gradient (at most
+    2 x b x s x h x act_bytes), and the head's fp32 gradient (4 x V x h) when the head trains."""
+    return (act_bytes + 4) * chunk * vocab + 2 * act_bytes * micro_batch * seq_len * h \
+        + (4 * vocab * h if head_trainable else 0)
+
+
 def tp_activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, t: int) -> int:
     """Megatron tensor parallelism of degree t (Korthikanti et al. 2022, eq. 2: sbh(10 + 24/t +
     5as/(ht))): tensors inside the column/row-parallel region (q, attention output, o_proj input,

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, cpu_bytes, grads_bytes,
-                                    logits_bytes, optimizer_bytes, tp_activation_elements_per_token,
-                                    weight_bytes_per_param, weights_bytes)
+from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, chunked_loss_bytes,
+                                    cpu_bytes, grads_bytes, logits_bytes, optimizer_bytes,
+                                    tp_activation_elements_per_token, weight_bytes_per_param, weights_bytes)
 from toolkit.planner.memory import activation_elements_per_token
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
@@ -59,6 +59,15 @@ class PlanInput:
     global_batch: int | None = None
     tp: list[int] | None = None  # TP degrees to predict (default: every valid one)
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
+    loss: str = "auto"  # the runtime's --loss: auto and chunked never hold (b, s, V) logits, except under pp
+
+
+def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False) -> int:
+    """The loss step's buffers: full logits, or one chunk's under `--loss chunked`/`auto` (the
+    pipeline's last stage always computes full logits)."""
+    if inp.loss == "full" or pipeline:
+        return logits_bytes(micro_batch, inp.seq_len, vocab, act)
+    return chunked_loss_bytes(micro_batch, inp.seq_len, vocab, h, act, head_trainable=inp.method == "full")
 
 
 def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
@@ -136,7 +145,7 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
         "grads": grads_bytes(s, trainable, n, inp.precision),
         "optimizer": optimizer_bytes(s, trainable, n),
         "activations": activation_bytes(layers, h, i, kv, micro_batch, inp.seq_len, act, checkpointing),
-        "logits": logits_bytes(micro_batch, inp.seq_len, vocab, act),
+        "logits": loss_bytes(inp, micro_batch, vocab, h, act),
     }
     wb = weight_bytes_per_param(s, inp.precision)
     block = counts.per_block * wb
@@ -173,7 +182,7 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
         params += 0 if inp.method == "full" else trainable  # adapters are weights too
         per_token = layers * h + 3 * h if checkpointing else tp_activation_elements_per_token(layers, h, i, kv, degree)
         acts = act * inp.micro_batch * inp.seq_len * per_token
-        logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act)
+        logits = loss_bytes(inp, inp.micro_batch, vocab, h, act)
         comm = 4 * 2 * layers * inp.micro_batch * inp.seq_len * h * act  # 2 all-reduces fwd + 2 bwd per block
         name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
         b = {"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
@@ -190,7 +199,7 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
             trainable = params if inp.method == "full" else trainable_all * n // layers
             params += 0 if inp.method == "full" else trainable
             acts = act * inp.micro_batch * inp.seq_len * (n * per_layer + 2 * h)  # GPipe: every micro-batch alive
-            logits = logits_bytes(inp.micro_batch, inp.seq_len, vocab, act) if last else 0
+            logits = loss_bytes(inp, inp.micro_batch, vocab, h, act, pipeline=True) if last else 0
             stages.append({"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
                            "activations": acts, "logits": logits})
         b = max(stages, key=lambda x: sum(x.values()))

@@ -6,6 +6,8 @@ Model FLOPs (not hardware FLOPs: recomputation and padding are not credited), af
 6N: each weight does one multiply-add (2 FLOPs) per token in forward and two in backward; N counts
 the weights used in matmuls (the LM head, not a separate input-embedding lookup table).
 12 L h T: attention scores and weighted values, forward + backward, over a context of T tokens.
+The chunked loss runs the LM head on target tokens only: the head's 6 N_head then counts only for
+them (`step_flops`), as the logits of prompt and padding tokens are not model work the loss needs.
 The peak is measured, not taken from a datasheet: a matmul probe on the same device and dtype
 (fp32 on CPU, bf16 on GPU) at start-up, with every rank probing at once so shared cores are shared.
 """
@@ -19,6 +21,26 @@ import torch
 
 def flops_per_token(matmul_params: int, layers: int, hidden: int, context: float) -> float:
     return 6.0 * matmul_params + 12.0 * layers * hidden * context
+
+
+def step_flops(tokens: float, head_tokens: float, matmul_params: int, head_params: int, layers: int,
+               hidden: int, context: float) -> float:
+    """Model FLOPs of `tokens` through the body and `head_tokens` of them through the LM head."""
+    body = flops_per_token(matmul_params - head_params, layers, hidden, context)
+    return tokens * body + 6.0 * head_params * head_tokens
+
+
+def head_params(model: torch.nn.Module) -> int:
+    """Weights of the LM head of the *unsharded* model, from its config as `matmul_params` counts it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        from toolkit.planner.params import count_params
+
+        c = count_params(base.config.to_dict())
+        return c.lm_head or c.embedding
+    except (KeyError, ValueError, TypeError):
+        head = base.get_output_embeddings()
+        return 0 if head is None else getattr(head.weight, "ds_numel", head.weight.numel())
 
 
 def matmul_params_from_config(cfg: dict) -> int:

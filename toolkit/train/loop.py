@@ -25,8 +25,8 @@ from toolkit.data import collate
 from toolkit.data.packing import collate_packed, count_examples, model_inputs, pack_rows
 from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel, shard_loader
 from toolkit.train.evaluate import eval_loss
-from toolkit.train.flops import flops_per_token, matmul_params, measure_peak_flops
-from toolkit.train.loss import ChunkedHead, count_targets, token_loss_sum
+from toolkit.train.flops import head_params, matmul_params, measure_peak_flops, step_flops
+from toolkit.train.loss import chunked_head_for, count_targets, token_loss_sum
 from toolkit.train.memory import grad_bytes, held_bytes
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.optimizer_state import load_optimizer_state
@@ -165,7 +165,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     else:
         model, optimizer, loader = accelerator.prepare(model, make_optimizer(model, cfg), loader)
     unwrapped = pipe.model if pipe is not None else accelerator.unwrap_model(model)
-    chunked = ChunkedHead(unwrapped) if t.loss == "chunked" else None
+    chunked = chunked_head_for(unwrapped, t.loss) if pipe is None else None  # pp: the last stage computes logits
+    log(f"loss: {'chunked LM head + cross-entropy on target tokens' if chunked else 'full logits + cross-entropy'}")
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
@@ -180,7 +181,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         f"{t.micro_batch_size * t.grad_accum * world} examples" + (f"; tensor parallel {replicas}" if layout else ""))
 
     # MFU: model FLOPs over the peak every rank measures now, all at once (shared cores stay shared).
-    model_cfg, n_matmul = unwrapped.config, matmul_params(unwrapped)
+    model_cfg, n_matmul, n_head = unwrapped.config, matmul_params(unwrapped), head_params(unwrapped)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     accelerator.wait_for_everyone()
     peak = accelerator.reduce(torch.tensor(measure_peak_flops(accelerator.device, dtype), dtype=torch.float64,
@@ -289,8 +290,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
                 now = time.perf_counter()
                 last_loss = window["loss"] / window["targets"]
                 tokens_per_sec = window["tokens"] / (now - window["t0"])
-                per_token = flops_per_token(n_matmul, model_cfg.num_hidden_layers, model_cfg.hidden_size,
-                                            window["tokens"] / window["examples"])  # context: mean example length
+                flops = step_flops(window["tokens"], window["targets"] if chunked else window["tokens"], n_matmul, n_head,
+                                   model_cfg.num_hidden_layers, model_cfg.hidden_size,
+                                   window["tokens"] / window["examples"])  # context: mean example length
+                per_token = flops / window["tokens"]
                 metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
                              "grad_norm": float(grad_norm) if grad_norm is not None else None,
                              "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,

@@ -131,3 +131,11 @@ class ChunkedHead:
             yield
         finally:
             self._labels = None
+
+
+def chunked_head_for(model: torch.nn.Module, loss: str) -> ChunkedHead | None:
+    """`--loss` resolved: `auto` is chunked wherever the head is a plain linear layer (fewer FLOPs and
+    no (B, T, V) buffer for the same loss and gradients), else the full-logits path."""
+    if loss == "full" or (loss == "auto" and not isinstance(model.get_output_embeddings(), torch.nn.Linear)):
+        return None
+    return ChunkedHead(model)
