@@ -287,9 +287,9 @@ def render(data: list[dict], bench: Path) -> None:
         lines.append(f"| {d['model']} | {d['method']} | {d['micro_batch']} x {d['steps']} | {d['repeats']} | "
                      + " | ".join(cell(v) for v in VARIANTS) + " | " + " | ".join(ratio(k) for k in ratio_keys)
                      + f" | {mfu} | {logged} |")
-    probes = "; ".join(f"{d['model']} {d['method']} {d['peak_flops'] / 1e9:.0f}" + (
-        f" (probes {d['peak_probes'][0] / 1e9:.0f} / {d['peak_probes'][1] / 1e9:.0f} / {d['peak_probes'][2] / 1e9:.0f}, "
-        f"min / median / max of {d['peak_probes'][3]})" if "peak_probes" in d else " (one probe)") for d in data)
+    probes = "; ".join(f"{d['model']} {d['method']} {d['peak_flops'] / 1e9:.0f} (probes {d['peak_probes'][0] / 1e9:.0f} / "
+                       f"{d['peak_probes'][1] / 1e9:.0f} / {d['peak_probes'][2] / 1e9:.0f}, min / median / max of "
+                       f"{d['peak_probes'][3]})" for d in data)
     lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU, GFLOP/s, per row: the best "
               f"fp32 1024^3 matmul probe of the benchmark: {probes}. The toolkit's logged MFU divides by the "
               "one probe its run took at start-up, so it reads higher where that probe read low. "
