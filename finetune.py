@@ -12,6 +12,7 @@ import os
 import sys
 
 from toolkit.config import parse_config, save_config
+from toolkit.console import quiet
 from toolkit.errors import exit_on_user_error
 
 
@@ -20,11 +21,14 @@ def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
+    quiet()  # third-party notices the user cannot act on (shown with --debug)
 
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import check_model, count_parameters, load_model, load_tokenizer, resolve_model, resolved_precision
+    from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolve_model,
+                                resolved_precision)
     from toolkit.parallel import make_accelerator
+    from toolkit.parallel.strategy import make_strategy
     from toolkit.planner.auto import apply_auto_strategy
     from toolkit.train.checkpoint import save_final
     from toolkit.train.evaluate import exact_match
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None):
     if cfg.parallel.strategy == "auto":  # sets ZeRO/FSDP/offload, checkpointing and batch sizes
         planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
 
-    accelerator = make_accelerator(cfg, model_path)
+    strategy = make_strategy(cfg, make_accelerator(cfg, model_path), model_path)  # the layout, decided once
+    accelerator = strategy.accelerator
     resume = resume_point(cfg, accelerator.num_processes)  # refuses a checkpoint of another run, before loading
     log = accelerator.print
     out_dir = prepare_output_dir(cfg, accelerator)
@@ -56,22 +61,22 @@ def main(argv: list[str] | None = None):
             log(table)
     report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
 
-    model = load_model(cfg, model_path, accelerator.tp_layout, resume.path if resume else None)
+    model = strategy.shard_model(load_model(cfg, model_path, resume.path if resume else None))
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
-    log(f"model: {model_path} ({total / 1e6:.1f}M params{per}, {trainable / 1e6:.2f}M trainable, method {cfg.model.method})")
+    log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method})")
     scores = {}
     if examples.answers:
-        scores["before"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
+        scores["before"] = exact_match(strategy, model, tokenizer, examples.em_conversations, examples.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
-    model, result = train(cfg, accelerator, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
-    save_final(accelerator, model, tokenizer, out_dir / "final")
-    verify_saved(accelerator, model, tokenizer, train_rows, out_dir / "final", model_path,
+    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
+    save_final(strategy, model, tokenizer, out_dir / "final")
+    verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log)
 
     if examples.answers:
-        scores["after"] = exact_match(accelerator, model, tokenizer, examples.em_conversations, examples.answers)
+        scores["after"] = exact_match(strategy, model, tokenizer, examples.em_conversations, examples.answers)
     run = summarize(log, cfg, out_dir, result, scores, accelerator, model)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
@@ -80,3 +85,8 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     main()
+    # Everything is saved and the process group destroyed: skip interpreter teardown, where objects still
+    # holding gloo groups are freed and a finished rank aborted once in CI ("terminate called without an
+    # active exception", SIGABRT, after the final save).
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)

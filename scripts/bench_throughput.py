@@ -108,11 +108,11 @@ def run_raw(args) -> dict:
 
 def run_toolkit(args, loss: str = "auto") -> dict:
     from toolkit.parallel import make_accelerator
+    from toolkit.parallel.strategy import make_strategy
     from toolkit.train.loop import train
 
     cfg, model, tok, _, rows, out = setup(args, loss)
-    accelerator = make_accelerator(cfg)
-    train(cfg, accelerator, model, tok, rows, [], Path(out), log=lambda *a, **k: None)
+    train(cfg, make_strategy(cfg, make_accelerator(cfg)), model, tok, rows, [], Path(out), log=lambda *a, **k: None)
     recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     first, last = recs[0], recs[-1]  # the first record closes the warm-up window
     assert first["step"] == args.warmup and last["step"] == args.warmup + args.steps

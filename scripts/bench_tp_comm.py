@@ -71,6 +71,7 @@ def _worker(rank: int, world: int, port: int, folder: str, queue) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from toolkit.models import enable_checkpointing
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.tp.comm import TRAFFIC
     from toolkit.train.loss import token_loss_sum
@@ -82,7 +83,7 @@ def _worker(rank: int, world: int, port: int, folder: str, queue) -> None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         if gc:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if method == "lora":
             model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear", lora_dropout=0.0))
         model = apply_tensor_parallel(model, layout.tp_group)

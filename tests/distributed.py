@@ -58,8 +58,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
 
 
 def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,
-           launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run finetune.py as a user would: plain python, torchrun or accelerate launch."""
+           launcher: str = "torchrun", multi_gpu: bool = True) -> subprocess.CompletedProcess:
+    """Run finetune.py as a user would: plain python, torchrun or accelerate launch (with
+    `--multi_gpu` for several processes unless `multi_gpu=False`, the mistake a user can make)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
          "PYTHONUNBUFFERED": "1", **(env or {})}
     if launcher == "python":
@@ -68,10 +69,29 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), str(ROOT / "finetune.py"), *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if nproc > 1 else []), "--num_processes", str(nproc),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if nproc > 1 and multi_gpu else []), "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def run_once(tmp_path_factory):
+    """A run-once cache for a test module: `get(key, argv_for, nproc)` runs finetune.py once per key
+    (one process: plain python; several: torchrun), asserts it succeeded, keeps its stdout/stderr
+    beside the output and returns the output dir. Several tests then read one multi-rank run."""
+    cache: dict = {}
+
+    def get(key: tuple, argv_for, nproc: int = 1, env: dict | None = None) -> Path:
+        if key not in cache:
+            out = tmp_path_factory.mktemp("_".join(map(str, key)))
+            p = launch(argv_for(out), nproc=nproc, env=env, launcher="python" if nproc == 1 else "torchrun")
+            assert p.returncode == 0, p.stderr[-4000:]
+            (out / "stdout.txt").write_text(p.stdout)
+            (out / "stderr.txt").write_text(p.stderr)
+            cache[key] = out
+        return cache[key]
+
+    return get
 
 
 def parity_args(model, data, out, method: str) -> list[str]:

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from distributed import launch
+from distributed import free_port, launch
 
 
 def case(tmp_path, name):
@@ -33,13 +33,26 @@ def case(tmp_path, name):
     if name == "missing_model":
         return ["--model", str(d / "no-model")], "no-model: folder not found"
     if name == "uncached_hub_id":
-        return ["--model", "some-org/not-cached-model"], "not in the Hugging Face cache"
+        return ["--model", "some-org/not-cached-model"], "not in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+    if name == "unreachable_hub":  # online, but the hub's port is closed: one probe, no retries
+        return ["--model", "some-org/not-cached-model"], "and the hub cannot be reached from here (127.0.0.1:"
+    if name == "mapped_column_missing":
+        (d / "qa.jsonl").write_text(json.dumps({"prompt": "q", "response": "a"}) + "\n")
+        return ["--dataset", str(d / "qa.jsonl"), "--columns", "instruction=prompt,output=reply"], \
+            "--columns output=reply: --dataset"
+    if name == "system_prompt_on_text":
+        (d / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+        return ["--dataset", str(d / "t.jsonl"), "--system-prompt", "be brief"], "--system-prompt applies to conversations"
     if name == "tp_without_ranks":
         return ["--tp", "2"], "--tp 2 needs a world size that is a multiple of 2 (got 1 process)"
     if name == "tp_not_dividing_heads":
         return ["--tp", "4"], "--tp 4: must divide the kv heads (2)"
     if name == "tp_with_zero3":
         return ["--tp", "2", "--zero-stage", "3"], "--tp 2 with --zero-stage 3 is not supported"
+    if name == "dp_shard_with_zero":
+        return ["--dp-shard", "2", "--zero-stage", "3"], "DeepSpeed does not run on the device mesh"
+    if name == "dp_shard_not_fitting":
+        return ["--dp-shard", "2"], "--dp-shard 2 does not fit: 1 process / (pp 1 x tp 1) leave 1 data-parallel rank"
     if name == "pp_more_stages_than_blocks":
         return ["--pp", "3"], "--pp 3: more stages than the model's 2 decoder blocks; use --pp 2 or fewer"
     if name == "pp_microbatches_not_dividing":
@@ -104,8 +117,10 @@ def case(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
                                   "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
-                                  "missing_model", "uncached_hub_id", "tp_without_ranks", "tp_not_dividing_heads",
-                                  "tp_with_zero3", "pp_more_stages_than_blocks", "pp_microbatches_not_dividing",
+                                  "missing_model", "uncached_hub_id", "unreachable_hub", "mapped_column_missing",
+                                  "system_prompt_on_text", "tp_without_ranks", "tp_not_dividing_heads",
+                                  "tp_with_zero3", "dp_shard_with_zero", "dp_shard_not_fitting",
+                                  "pp_more_stages_than_blocks", "pp_microbatches_not_dividing",
                                   "pp_unknown_architecture", "pp_devices_missing_gpu", "unknown_yaml_key", "wrong_type",
                                   "out_of_range", "lora_targets_match_nothing", "every_example_too_long",
                                   "output_dir_would_be_clobbered", "resume_truncated_checkpoint",
@@ -119,12 +134,27 @@ def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name
         argv += ["--model", str(tiny_model)]
     overwrite = [] if "--no-overwrite" in argv else ["--overwrite-output-dir"]
     argv = [a for a in argv if a != "--no-overwrite"]
-    p = launch(argv + ["--output-dir", str(out), *overwrite], launcher="python",
-               env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    env = {"HF_HUB_OFFLINE": "1"}
+    if name == "unreachable_hub":
+        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    p = launch(argv + ["--output-dir", str(out), *overwrite], launcher="python", env=env, timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
-    lines = [line for line in p.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines == [f"finetune.py: error: {lines[0].split('error: ', 1)[1]}"], p.stderr
     assert expected in lines[0]
     assert "Traceback" not in p.stderr and "model:" not in p.stdout
     assert sorted(x.name for x in out.iterdir()) == ["notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp_path, tiny_model, data_files):
+    """`accelerate launch --num_processes 2` on a machine without a GPU starts one process unless
+    --multi_gpu is given; it must say so in one line instead of training alone."""
+    out = tmp_path / "out"
+    p = launch(["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--output-dir", str(out)],
+               nproc=2, launcher="accelerate", multi_gpu=False, env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert p.returncode != 0, p.stderr[-2000:]  # finetune.py exits 2; accelerate's launcher then exits 1 with its own traceback
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert errors == ["finetune.py: error: accelerate launch --num_processes N started one process, not N (without "
+                      "a GPU it needs --multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
+    assert "returned non-zero exit status 2" in p.stderr and "model:" not in p.stdout and not out.exists()

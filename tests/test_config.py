@@ -64,3 +64,51 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
     with pytest.raises(UserError, match="not empty; pass --resume auto to continue its run, --overwrite-output-dir to replace it"):
         parse_config(["--output-dir", str(tmp_path)])
     assert parse_config(["--output-dir", str(tmp_path), "--overwrite-output-dir"]).output.overwrite_output_dir
+
+
+def test_help_states_each_default_and_choice_once(capsys):
+    """No '(default: None)' or '(default: False)', no default repeated after a help text that gives
+    it, and each choice list only as the flag's metavar."""
+    from toolkit.config import build_parser
+
+    import re
+
+    text = build_parser().format_help()
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    assert "(default: completions only)" in flat and "(default: lora)" in flat
+    flags = re.split(r"\n  (?=--)", text.split("options:", 1)[1])
+    assert len(flags) > 40 and all(" ".join(f.split()).count("default") <= 1 for f in flags)
+    assert text.count("{auto,alpaca,chat,sharegpt,text}") == 2  # usage line + the flag's own line
+
+
+@pytest.mark.parametrize("name", ["lerning_rate", "learning-rate", "micro_batch", "grad_acum"])
+def test_misspelt_yaml_keys_get_the_closest_key(tmp_path, name):
+    """Our keys and the transformers/TRL names people bring (learning_rate -> lr) are both matched."""
+    f = tmp_path / "run.yaml"
+    f.write_text(f"{name}: 2\n")
+    want = {"lerning_rate": "lr", "learning-rate": "lr", "micro_batch": "micro_batch_size", "grad_acum": "grad_accum"}
+    with pytest.raises(UserError, match=f"unknown key '{name.replace('-', '_')}' in .*did you mean '{want[name]}'"):
+        parse_config(["--config", str(f)])
+
+
+def test_columns_from_a_flag_or_a_yaml_mapping(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("columns:\n  instruction: prompt\n  output: response\nsystem_prompt: Be brief.\n")
+    from_yaml = parse_config(["--config", str(f), "--output-dir", str(tmp_path / "o")])
+    from_flag = parse_config(["--columns", "instruction=prompt,output=response", "--output-dir", str(tmp_path / "o")])
+    assert from_yaml.data.columns == from_flag.data.columns == "instruction=prompt,output=response"
+    assert from_yaml.data.system_prompt == "Be brief."
+    save_config(from_yaml, tmp_path / "config.yaml")  # and it reads back
+    assert parse_config(["--config", str(tmp_path / "config.yaml")]).data.columns == from_yaml.data.columns
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("instruction", "--columns 'instruction': write OURS=YOURS"),
+    ("instrucion=prompt", "'instrucion' is not a field the formats read (did you mean 'instruction'?)"),
+    ("output=a,output=b", "--columns maps output more than once"),
+])
+def test_bad_column_mapping_is_named(tmp_path, spec, message):
+    with pytest.raises(UserError) as e:
+        parse_config(["--columns", spec, "--output-dir", str(tmp_path / "o")])
+    assert message in str(e.value)

@@ -92,3 +92,52 @@ def test_builtin_dates_train_and_eval_are_disjoint(tmp_path):
     train = {r["answer"] for r in builtin_records("dates", "train")}
     held = {r["answer"] for r in builtin_records("dates", "eval")}
     assert len(train) == 1000 and len(held) == 64 and not train & held
+
+
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tmp_path, data, *flags):
+    return parse_config(["--dataset", str(data), "--output-dir", str(tmp_path / "o"), *flags])
+
+
+def test_column_mapping_reads_your_own_names(tmp_path):
+    data = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "Say hi", "response": "hi"}, {"prompt": "Say no", "response": "no"}])
+    with pytest.raises(UserError, match="cannot tell the format .* name yours with --columns"):
+        load_examples(_cfg(tmp_path, data))
+    ex = load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt,output=response"))
+    assert ex.format == "alpaca"
+    assert ex.train[0] == [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    with pytest.raises(UserError, match="has no column 'respons' \\(did you mean 'response'\\?\\); its columns are prompt, response"):
+        load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt,output=respons"))
+
+
+def test_column_mapping_refuses_to_shadow_a_column_and_allows_a_swap(tmp_path):
+    data = _jsonl(tmp_path / "a.jsonl", [{"instruction": "question?", "output": "answer", "prompt": "other"}])
+    with pytest.raises(UserError, match="already has a column 'instruction'"):
+        load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt"))
+    swapped = load_examples(_cfg(tmp_path, data, "--columns", "instruction=output,output=instruction"))
+    assert swapped.train[0] == [{"role": "user", "content": "answer"}, {"role": "assistant", "content": "question?"}]
+
+
+def test_system_prompt_goes_where_there_is_none(tmp_path, tokenizer):
+    data = _jsonl(tmp_path / "s.jsonl", [
+        {"conversations": [{"from": "human", "value": "the quick fox"}, {"from": "gpt", "value": "lazy dog"}]},
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "seven wizards"},
+                           {"from": "gpt", "value": "purple dragons"}]}])
+    cfg = _cfg(tmp_path, data, "--system-prompt", "cold northern skies")
+    ex = load_examples(cfg)
+    assert ex.system_added == 1
+    assert ex.train[0][0] == {"role": "system", "content": "cold northern skies"}
+    assert [m["role"] for m in ex.train[1]] == ["system", "user", "assistant"] and ex.train[1][0]["content"] == "be brief"
+    rows, _ = tokenize_examples(ex.train, tokenizer, cfg)
+    assert "cold northern skies" in tokenizer.decode(rows[0]["input_ids"])  # in the prompt ...
+    enc = [i for i, l in zip(rows[0]["input_ids"], rows[0]["labels"]) if l != IGNORE_INDEX]
+    assert "cold northern" not in tokenizer.decode(enc)  # ... and not trained on
+    text = _jsonl(tmp_path / "t.jsonl", [{"text": "a plain document"}])
+    with pytest.raises(UserError, match="--system-prompt applies to conversations"):
+        load_examples(_cfg(tmp_path, text, "--system-prompt", "x"))

@@ -3,12 +3,13 @@ FLOP count written out by hand."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 import pytest
 import torch
-from distributed import launch, parity_args, records
+from distributed import parity_args, records, run_once
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
 from toolkit.train.loss import chunked_loss_sum, token_loss_sum
@@ -69,19 +70,10 @@ def test_peak_probe_is_positive_finite_and_warmed_up():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, data_files):
-    cache = {}
-
-    def get(name, method, loss, nproc=1, extra=()):
-        key = (name, method, loss)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{name}_{method}_{loss}")
-            argv = parity_args(tiny_model, data_files["chat"], out, method) + ["--loss", loss, *extra]
-            p = launch(argv, nproc=nproc, launcher="python" if nproc == 1 else "torchrun")
-            assert p.returncode == 0, p.stderr[-4000:]
-            cache[key] = out
-        return cache[key]
-
-    return get
+    once = run_once(tmp_path_factory)
+    return lambda name, method, loss, nproc=1, extra=(): once(
+        (name, method, loss), lambda out: parity_args(tiny_model, data_files["chat"], out, method) + ["--loss", loss, *extra],
+        nproc=nproc)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -98,6 +90,61 @@ def test_chunked_loss_under_sharded_weights(runs, name, flags):
     got = [r["loss"] for r in records(runs(name, "full", "chunked", nproc=2,
                                            extra=["--micro-batch-size", "2", "--grad-accum", "2", *flags]))]
     assert len(got) == 5 and got == pytest.approx(ref, rel=1e-4)
+
+
+def test_zero3_run_prints_no_library_noise_and_counts_the_whole_model(runs, tiny_model):
+    """Two ZeRO-3 ranks: no DeepSpeed accelerator/op-build lines, no deprecation warnings per
+    collective, and the model line counts the parameters before partitioning (not 0.0M)."""
+    from toolkit.models import human
+    from toolkit.planner.params import count_params
+
+    out = runs("zero3", "full", "chunked", nproc=2, extra=["--micro-batch-size", "2", "--grad-accum", "2", "--zero-stage", "3"])
+    text = (out / "stdout.txt").read_text() + (out / "stderr.txt").read_text()
+    for noise in ("Setting accelerator to CPU", "built successfully", "is deprecated", "gemm_4bit", "Warning"):
+        assert noise not in text, noise
+    total = count_params(json.loads((tiny_model / "config.json").read_text())).total
+    assert f"({human(total)} params, {human(total)} trainable, method full)" in text
+
+
+def test_datasheet_peaks_are_matched_by_device_name():
+    from toolkit.hardware import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.5e12  # the SXM part's name
+    assert datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756.5e12
+    assert datasheet_peak("NVIDIA H100 NVL", "fp16")[0] == 835.5e12
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 19.5e12
+    assert datasheet_peak("NVIDIA A10", "bf16")[0] == 125e12 and datasheet_peak("NVIDIA L4", "bf16")[0] == 121e12
+    assert datasheet_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores: measure
+    assert datasheet_peak("NVIDIA A10G", "bf16") is None and datasheet_peak("cpu", "fp32") is None
+
+
+def test_mfu_divides_by_the_datasheet_peak_of_a_known_device(tmp_path, tiny_model, data_files, monkeypatch):
+    """With the device reported as an H100 SXM (fp32 run: 67 TFLOP/s), MFU is against the datasheet;
+    the CPU probe is logged beside it."""
+    import finetune
+
+    monkeypatch.setattr("toolkit.train.flops.device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    out = tmp_path / "out"
+    finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
+    recs = [r for r in records(out) if "loss" in r]
+    assert recs and all(r["peak_flops"] == 67e12 and r["peak_source"].startswith("datasheet: NVIDIA H100 SXM fp32")
+                        for r in recs)
+    for r in recs:
+        assert 0 < r["measured_peak_flops"] < r["peak_flops"]  # this 2-core CPU is no H100
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / 67e12)
+
+
+def test_mfu_above_one_comes_with_a_warning(tmp_path, tiny_model, data_files, monkeypatch, capsys):
+    """A probe that read absurdly low (another job on the device) gives MFU > 1: said once, not logged silently."""
+    import finetune
+
+    monkeypatch.setattr("toolkit.train.flops.measure_peak_flops", lambda device, dtype: 1e3)
+    out = tmp_path / "out"
+    finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
+    recs = [r for r in records(out) if "loss" in r]
+    assert all(r["mfu"] > 1 and r["peak_source"] == "measured" for r in recs)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "> 1: the peak was measured low" in ln]
+    assert len(said) == 1
 
 
 def test_mfu_is_in_every_training_record(runs):

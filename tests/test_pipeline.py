@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from conftest import CHATML, build_model_dir
-from distributed import launch, parity_args, records
+from distributed import parity_args, records, run_once
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -142,13 +142,14 @@ def _train(model_dir, method: str, stages: int, microbatches: int, gc: bool = Fa
     """([loss, grad norm] of each of 3 AdamW steps, final trainable weights); unsplit when stages == 1."""
     from transformers import AutoModelForCausalLM
 
+    from toolkit.models import enable_checkpointing
     from toolkit.parallel.pp import NaivePipeline
     from toolkit.train.loss import count_targets, token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -200,6 +201,21 @@ def test_naive_pipeline_with_gradient_checkpointing_and_lora(tied_model):
         torch.testing.assert_close(weights[k], ref_weights[k], **TOL, msg=k)
 
 
+def test_stage_modules_come_from_the_config():
+    """transformers' `base_model_pp_plan` (embeddings, blocks, norm in forward order) and the model
+    class's `_pp_plan` (the LM head) name the modules the stages are cut from."""
+    from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+
+    from toolkit.parallel.pp.split import stage_names
+
+    assert stage_names(LlamaConfig(), LlamaForCausalLM) == ("embed_tokens", "layers", "norm", "lm_head")
+    other = LlamaConfig()
+    other.base_model_pp_plan = {"wte": (["input_ids"], ["inputs_embeds"]), "h": (["hidden_states"], ["hidden_states"]),
+                                "ln_f": (["hidden_states"], ["hidden_states"])}
+    assert stage_names(other)[:3] == ("wte", "h", "ln_f")
+    assert stage_names(GPT2Config()) == ("embed_tokens", "layers", "norm", "lm_head")  # none declared: Llama's
+
+
 def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
     from transformers import AutoModelForCausalLM
 
@@ -228,19 +244,14 @@ def runs(tmp_path_factory, tied_model, data_files):
                "gpipe2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2"]),
                "1f1b2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "4", "--pp-schedule", "1f1b"]),
                "pp2_dp2": (4, ["--micro-batch-size", "2", "--pp", "2", "--pp-microbatches", "2"])}
-    cache = {}
+    get = run_once(tmp_path_factory)
 
-    def get(layout, method):
-        if (layout, method) not in cache:
-            nproc, extra = layouts[layout]
-            out = tmp_path_factory.mktemp(f"{layout}_{method}")
-            p = launch(parity_args(tied_model, data_files["chat"], out, method) + extra, nproc=nproc,
-                       launcher="python" if nproc == 1 else "torchrun")
-            assert p.returncode == 0, p.stderr[-4000:]
-            cache[(layout, method)] = (out, p.stdout)
-        return cache[(layout, method)]
+    def run(layout, method):
+        out = get((layout, method), lambda out: parity_args(tied_model, data_files["chat"], out, method) + layouts[layout][1],
+                  nproc=layouts[layout][0])
+        return out, (out / "stdout.txt").read_text()
 
-    return get
+    return run
 
 
 @pytest.mark.parametrize("layout, method", [("naive2_time", "full"), ("gpipe2", "full"), ("1f1b2", "full"),

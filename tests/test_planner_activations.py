@@ -13,11 +13,13 @@ def saved_bytes(batch: int, seq: int, checkpointing: bool) -> int:
     """Bytes of distinct storages autograd keeps for backward, parameters excluded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from toolkit.models import enable_checkpointing
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CFG, attn_implementation="sdpa"))
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

@@ -24,10 +24,10 @@ def test_model_state_bytes_within_5_percent_of_measured(tmp_path, tiny_model, da
     cfg = json.loads((tiny_model / "config.json").read_text())
     params = count_params(cfg).total
     trainable = params if method == "full" else lora_params(cfg, 8, "all-linear")
-    total = params + (0 if method == "full" else trainable)  # LoRA adapters are parameters too
+    frozen = 0 if method == "full" else params  # LoRA: the base is frozen, the adapters are weights too
     s = STRATEGIES[name]
     for rank in range(2):
-        assert measured["param_bytes"][rank] == pytest.approx(weights_bytes(s, total, 2, "no"), rel=0.05)
+        assert measured["param_bytes"][rank] == pytest.approx(weights_bytes(s, frozen, trainable, 2, "no"), rel=0.05)
         optim = measured["optim_bytes"][rank] + measured["master_bytes"][rank]
         assert optim == pytest.approx(optimizer_bytes(s, trainable, 2), rel=0.05)
         if measured["grad_bytes"] is not None:  # null under DeepSpeed (freed inside its step)

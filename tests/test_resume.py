@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from distributed import ROOT, free_port, launch, records
+from distributed import ROOT, free_port, launch, records, run_once
 
 
 def args(model, data, out, method="lora", steps=8, extra=()) -> list[str]:
@@ -60,17 +60,8 @@ def data(data_files):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, data):
     """Uninterrupted runs, by (method, processes)."""
-    cache = {}
-
-    def get(method="lora", nproc=1):
-        if (method, nproc) not in cache:
-            out = tmp_path_factory.mktemp(f"ref_{method}_{nproc}")
-            p = run(args(tiny_model, data, out, method), nproc)
-            assert p.returncode == 0, p.stderr[-3000:]
-            cache[(method, nproc)] = out
-        return cache[(method, nproc)]
-
-    return get
+    once = run_once(tmp_path_factory)
+    return lambda method="lora", nproc=1: once(("ref", method, nproc), lambda out: args(tiny_model, data, out, method), nproc)
 
 
 KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 2)
@@ -102,6 +93,11 @@ def test_full_finetune_resume_is_bitwise_identical(tmp_path, tiny_model, data, r
     assert p.returncode == -signal.SIGKILL
     p = run(args(tiny_model, data, out, "full", extra=["--resume", "auto"]))
     assert p.returncode == 0, p.stderr[-3000:]
+    # the bar starts at the checkpoint (its rate counts only the steps run); the end line says what ran
+    bar = [line for line in p.stderr.splitlines() if line.strip()]
+    assert bar[0].startswith("train:  50%|") and " 4/8 [" in bar[0]
+    assert "done: 4 steps (5-8, resumed at step 5) in" in p.stdout
+    assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 4
     ref = reference("full")
     assert losses(out) == losses(ref)
     got, want = weights(out, "full"), weights(ref, "full")

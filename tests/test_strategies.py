@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from distributed import launch, parity_args, records
+from distributed import launch, parity_args, records, run_once
 from safetensors.torch import load_file
 
 STRATEGIES = {
@@ -36,18 +36,9 @@ def reference(tmp_path_factory, tiny_model, data_files):
 @pytest.fixture(scope="module")
 def strategy_runs(tmp_path_factory, tiny_model, data_files):
     """Run each (strategy, method) once; several tests read the results."""
-    cache = {}
-
-    def get(name, method):
-        if (name, method) not in cache:
-            out = tmp_path_factory.mktemp(f"{name}_{method}")
-            argv = parity_args(tiny_model, data_files["chat"], out, method) + ["--micro-batch-size", "2", "--grad-accum", "2"]
-            p = launch(argv + STRATEGIES[name], nproc=2)
-            assert p.returncode == 0, p.stderr[-4000:]
-            cache[(name, method)] = out
-        return cache[(name, method)]
-
-    return get
+    get = run_once(tmp_path_factory)
+    return lambda name, method: get((name, method), lambda out: parity_args(tiny_model, data_files["chat"], out, method)
+                                    + ["--micro-batch-size", "2", "--grad-accum", "2", *STRATEGIES[name]], nproc=2)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])

@@ -133,6 +133,7 @@ def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_f
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
+    from toolkit.parallel.strategy import AccelerateStrategy
     from toolkit.train.integrity import verify_saved
 
     result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
@@ -143,7 +144,7 @@ def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_f
     cfg = parse_config(["--dataset", str(data_files["chat"]), "--seq-len", "64", "--output-dir", str(tmp_path / "x")])
     rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
     with pytest.raises(SystemExit, match="integrity check FAILED"):
-        verify_saved(Accelerator(cpu=True), result.model, tok, rows, out / "final", str(tiny_model), "no", False)
+        verify_saved(AccelerateStrategy(Accelerator(cpu=True)), result.model, tok, rows, out / "final", str(tiny_model), "no", False)
 
 
 def test_strategy_auto_plans_writes_plan_json_and_trains(tmp_path, tiny_model, data_files):
@@ -164,3 +165,38 @@ def test_strategy_auto_refuses_manual_sharding_flags(tmp_path):
 
     with pytest.raises(UserError, match="--strategy auto picks the sharding itself"):
         parse_config(["--strategy", "auto", "--zero-stage", "2", "--output-dir", str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("method, precision, base, trainable", [
+    ("full", "bf16", torch.float32, torch.float32),  # masters stay fp32; autocast computes in bf16
+    ("lora", "no", torch.float32, torch.float32),
+    ("lora", "bf16", torch.bfloat16, torch.float32),  # the frozen base in half, adapters fp32
+    ("lora", "fp16", torch.float16, torch.float32),
+])
+def test_parameter_dtypes_per_method_and_precision(tmp_path, tiny_model, method, precision, base, trainable):
+    from toolkit.models import load_model
+
+    cfg = parse_config(["--method", method, "--mixed-precision", precision, "--output-dir", str(tmp_path / "o")])
+    model = load_model(cfg, str(tiny_model))
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert trained == {trainable} and frozen in (set(), {base})
+    assert (method == "full") == (not frozen)
+
+
+def test_lora_bf16_step_runs_on_cpu_and_holds_the_planned_bytes(tmp_path, tiny_model, data_files):
+    """A LoRA run in bf16 on CPU trains and saves, and the weights it holds are what the planner now
+    predicts for DDP in bf16 (base 2 bytes, adapters 4), half the fp32 base."""
+    from toolkit.planner.memory import STRATEGIES, weights_bytes
+    from toolkit.planner.params import count_params, lora_params
+
+    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora", "--mixed-precision", "bf16",
+                      "--lora-r", "8")
+    recs = [r for r in records(out) if "loss" in r]
+    assert len(recs) == 6 and all(r["loss"] == r["loss"] for r in recs)  # finite
+    assert json.loads((out / "integrity.json").read_text())["ok"]
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    params, adapters = count_params(cfg).total, lora_params(cfg, 8)
+    predicted = weights_bytes(STRATEGIES["ddp"], params, adapters, 1, "bf16")
+    assert recs[0]["param_bytes"] == [predicted]
+    assert predicted < weights_bytes(STRATEGIES["ddp"], params, adapters, 1, "no")

@@ -104,8 +104,19 @@ def cmd_plan(args) -> None:
     if missing:
         raise UserError(f"--model {args.model}: config lacks {', '.join(missing)} (a decoder-only Llama-family "
                         "config is expected)")
+    note = None
+    if args.cpu_memory is None:  # the node is this machine unless told otherwise
+        from toolkit.hardware import host_memory_bytes
+
+        cpu_memory = host_memory_bytes()
+        note = (f"host RAM per node: {cpu_memory / 1024**3:.0f} GiB, this machine's (--cpu-memory SIZE to plan for "
+                "another node, --cpu-memory unlimited not to check it)")
+    elif args.cpu_memory.strip().lower() in ("unlimited", "none"):
+        cpu_memory = None
+    else:
+        cpu_memory = parse_size(args.cpu_memory, "cpu-memory")
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
-                    nodes=args.nodes, cpu_memory=parse_size(args.cpu_memory, "cpu-memory") if args.cpu_memory else None,
+                    nodes=args.nodes, cpu_memory=cpu_memory,
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
@@ -114,7 +125,9 @@ def cmd_plan(args) -> None:
         result = plan(inp)
     except ValueError as e:
         raise UserError(str(e)) from None
-    print(json.dumps(result.to_json(), indent=2) if args.json else render_table(result, inp.gpu_memory))
+    if note:
+        result.notes.insert(0, note)
+    print(json.dumps(result.to_json(), indent=2) if args.json else render_table(result))
 
 
 def cmd_verify(args) -> None:
@@ -157,13 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--main-process-port", type=int, default=29500)
     s.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     s.set_defaults(fn=cmd_accelerate_config)
-    s = sub.add_parser("plan", help="predict per-GPU memory of each strategy and pick the cheapest that fits")
+    s = sub.add_parser("plan", help="predict per-GPU memory and step time of each strategy and pick one that fits")
     s.add_argument("--model", default="smollm2-135m", help="preset, model folder or config.json")
     s.add_argument("--model-config", help="a config JSON file (overrides --model)")
     s.add_argument("--gpus-per-node", type=int, default=8)
     s.add_argument("--nodes", type=int, default=1)
     s.add_argument("--gpu-memory", default="80GB")
-    s.add_argument("--cpu-memory", help="CPU RAM per node, for offload (default: unlimited)")
+    s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's; "
+                                        "'unlimited' not to check it)")
     s.add_argument("--method", default="lora", choices=("full", "lora", "qlora"))
     s.add_argument("--lora-r", type=int, default=16)
     s.add_argument("--lora-targets", default="all-linear")
@@ -208,6 +222,10 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 @exit_on_user_error("python -m toolkit")
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.command in ("merge", "generate", "verify", "prepare-model"):  # these load models: keep it quiet
+        from toolkit.console import quiet
+
+        quiet()
     args.fn(args)
 
 

@@ -53,6 +53,10 @@ class DataConfig:
     format: str = _f("auto", "record layout", ("auto", "alpaca", "chat", "sharegpt", "text"))
     seq_len: int = _f(1024, "tokens per example; longer ones are truncated")
     eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
+    columns: str = _f("", "use your own column names: OURS=YOURS pairs, e.g. instruction=prompt,output=response "
+                          "(in YAML also a mapping); ours are instruction, input, output, system, messages, "
+                          "conversations, text")
+    system_prompt: str = _f("", "system message added to every conversation that has none")
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
@@ -87,10 +91,13 @@ class ParallelConfig:
     zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
     offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
     fsdp: bool = _f(False, "shard with PyTorch FSDP2 instead of DDP/DeepSpeed")
-    fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = full within a node",
-                            ("full", "grad_op", "hybrid"))
+    fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = shard within a "
+                                    "node and replicate across nodes (HSDP: --dp-replicate nodes)", ("full", "grad_op", "hybrid"))
+    dp_shard: int = _f(0, "ranks that shard the weights with FSDP2 on the device mesh (0 = inferred); composes "
+                          "with --tp and --dp-replicate")
+    dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
-                    "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP only")
+                    "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP or --dp-shard")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
                     "several processes run one stage each (world = pp x data-parallel)")
     pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "
@@ -185,6 +192,8 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
         else:
             if isinstance(value, (list, tuple)) and key == "lora_targets":
                 value = ",".join(map(str, value))
+            if isinstance(value, dict) and key == "columns":
+                value = ",".join(f"{k}={v}" for k, v in value.items())
             if not isinstance(value, (str, int, float)):
                 raise ValueError
             out = str(value)
@@ -208,16 +217,22 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "logging_steps": "log_every", "resume_from_checkpoint": "resume"}
 
 
+def closest_key(name: str) -> str | None:
+    """The config key a misspelt or foreign name most likely means: our keys and the names people
+    bring from transformers/TRL (`ALIASES`) are both matched, so 'lerning_rate' finds 'lr'."""
+    name = name.lstrip("-").replace("-", "_")
+    if name in ALIASES:
+        return ALIASES[name]
+    hint = difflib.get_close_matches(name, list(_fields()) + ["config"] + list(ALIASES), n=1, cutoff=0.6)
+    return ALIASES.get(hint[0], hint[0]) if hint else None
+
+
 def _unknown(key: str, origin: str) -> UserError:
-    keys = list(_fields()) + ["config"]
+    hint = closest_key(key)
     if origin == "flag":
-        flags = [f"--{k.replace('_', '-')}" for k in keys]
-        alias = ALIASES.get(key.lstrip("-").replace("-", "_"))
-        hint = [f"--{alias.replace('_', '-')}"] if alias else difflib.get_close_matches(key, flags, n=1, cutoff=0.5)
-        return UserError(f"unknown flag {key}" + (f" (did you mean {hint[0]}?)" if hint else "; see --help"))
-    alias = ALIASES.get(key)
-    hint = [alias] if alias else difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint[0]}'?)" if hint
+        return UserError(f"unknown flag {key}" + (f" (did you mean --{hint.replace('_', '-')}?)" if hint
+                                                   else "; see --help"))
+    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint}'?)" if hint
                                                            else "; see python finetune.py --help for the keys"))
 
 
@@ -237,18 +252,22 @@ def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
             if sec != section.name:
                 continue
             tp, _ = _field_type(sec, f)
-            help_ = f.metadata["help"]
-            names = [str(c) for c in f.metadata.get("choices", ())]
-            if names:
-                help_ += f" {{{','.join(names)}}}"
-            default = f.default if f.default is not dataclasses.MISSING else None
-            help_ += f" (default: {default})"
+            names = [str(c) for c in f.metadata.get("choices", ())]  # shown once, as the metavar
+            help_ = f.metadata["help"] + _default_note(f)
             flag = f"--{key.replace('_', '-')}"
             if tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
             else:
                 group.add_argument(flag, metavar="{" + ",".join(names) + "}" if names else key.upper(), help=help_)
     return parser
+
+
+def _default_note(f: dataclasses.Field) -> str:
+    """' (default: X)' unless the help already says it, the default is unset, or a switch is off."""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if "default" in f.metadata["help"] or default is None or default is False or default == "":
+        return ""
+    return " (default: on)" if default is True else f" (default: {default})"
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -351,18 +370,48 @@ def validate(cfg: Config) -> list[str]:
          "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
     p.extend(_check_launcher(par))  # before the TP checks: it may adopt ZeRO or FSDP from the launcher
     need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
+    p.extend(_mesh_problems(cfg))
     if par.tp > 1:
-        other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp else
+        other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp and not mesh_sharded(par) else
                  f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None)
         need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
-                            "with plain data parallel only (drop one of them)")
+                            "with DDP, or with FSDP2 on the device mesh: use --dp-shard N (drop one of them)")
         need(m.method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
                                   "cannot be sliced); use --method lora")
         need(t.mixed_precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
                                           "(no loss scaling across TP shards); use bf16")
     p.extend(_pipeline_problems(cfg))
+    p.extend(column_problems(d.columns))
     p.extend(_check_dataset_path(d.dataset))
     p.extend(_check_output_dir(o))
+    return p
+
+
+def mesh_sharded(par: ParallelConfig) -> bool:
+    """Sharded data parallel on the toolkit's device mesh (FSDP2 with TP inside, HSDP), not through
+    accelerate's FSDP plugin: asked for with --dp-shard / --dp-replicate, or --fsdp-sharding hybrid."""
+    return par.dp_shard > 0 or par.dp_replicate > 0 or (par.fsdp and par.fsdp_sharding == "hybrid")
+
+
+def _mesh_problems(cfg: Config) -> list[str]:
+    """--dp-shard / --dp-replicate checks that need no world size (ParallelDims checks the product)."""
+    par, p = cfg.parallel, []
+    for name in ("dp_shard", "dp_replicate"):
+        if getattr(par, name) < 0:
+            p.append(f"--{name.replace('_', '-')} must be >= 1, or 0 to infer it (got {getattr(par, name)})")
+    if not mesh_sharded(par):
+        return p
+    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n)) \
+        or "--fsdp-sharding hybrid"
+    if par.zero_stage is not None:
+        p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
+                 "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
+    if par.strategy == "auto":
+        p.append(f"{flags} with --strategy auto: the planner picks 1-D layouts only; use --strategy manual")
+    if cfg.model.method == "qlora":
+        p.append(f"{flags} with --method qlora is not supported (4-bit weights are not sharded); use --method lora")
+    if cfg.train.mixed_precision == "fp16":
+        p.append(f"{flags} with --mixed-precision fp16 is not supported (no loss scaling across shards); use bf16")
     return p
 
 
@@ -381,11 +430,11 @@ def _pipeline_problems(cfg: Config) -> list[str]:
         if par.pp_devices:
             p.append("--pp-devices needs --pp N with N > 1")
         return p
-    other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp else
-             f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else f"--tp {par.tp}" if par.tp > 1 else None)
+    other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp and not mesh_sharded(par) else
+             f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None)
     if other:
-        p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with plain data "
-                 "parallel only (drop one of them)")
+        p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with --tp and with "
+                 "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")
     if m.method == "qlora":
         p.append(f"--pp {par.pp} with --method qlora is not supported; use --method lora")
     if t.mixed_precision == "fp16":
@@ -400,12 +449,22 @@ def _pipeline_problems(cfg: Config) -> list[str]:
     return p
 
 
+def single_process_launch(env) -> bool:
+    """accelerate's simple launcher (`--num_processes N > 1` without `--multi_gpu`, which is what a
+    machine without a GPU gets) sets the rendezvous address for N processes but starts one, with no
+    WORLD_SIZE: it would train alone, silently, with 1/N of the global batch asked for."""
+    return "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
+
+
 def _check_launcher(par: ParallelConfig) -> list[str]:
     """`accelerate launch --use_deepspeed/--use_fsdp` (or a config file) must agree with our flags.
 
     When only the launcher names a strategy it is adopted, so an accelerate config file alone works.
     """
     env = os.environ
+    if single_process_launch(env):
+        return ["accelerate launch --num_processes N started one process, not N (without a GPU it needs "
+                "--multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         launch = f"accelerate launch --use_deepspeed" + (f" --zero_stage {stage}" if stage else "")
@@ -423,6 +482,33 @@ def _check_launcher(par: ParallelConfig) -> list[str]:
             return [f"accelerate launch --use_fsdp conflicts with --zero-stage {par.zero_stage}; drop one of them"]
         par.fsdp = True
     return []
+
+
+# the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
+DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text")
+
+
+def parse_columns(spec: str) -> dict[str, str]:
+    """'instruction=prompt,output=response' -> {'instruction': 'prompt', 'output': 'response'}."""
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    return {ours.strip(): yours.strip() for ours, *rest in pairs for yours in rest}
+
+
+def column_problems(spec: str) -> list[str]:
+    problems, seen = [], []
+    for item in (i for i in spec.split(",") if i.strip()):
+        ours, sep, yours = (x.strip() for x in item.partition("="))
+        seen.append(ours)
+        if not sep or not ours or not yours:
+            problems.append(f"--columns {item.strip()!r}: write OURS=YOURS, e.g. --columns instruction=prompt,output=response")
+        elif ours not in DATA_FIELDS:
+            hint = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
+            problems.append(f"--columns {item.strip()}: '{ours}' is not a field the formats read"
+                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; use one of {', '.join(DATA_FIELDS)}")
+    twice = sorted({k for k in seen if seen.count(k) > 1})
+    if twice:
+        problems.append(f"--columns maps {', '.join(twice)} more than once; give one column for each")
+    return problems
 
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

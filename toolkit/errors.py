@@ -14,6 +14,11 @@ class UserError(Exception):
     """A problem with what the user asked for (flags, files, data): fixable without reading code."""
 
 
+def debug() -> bool:
+    """`--debug` (which sets TOOLKIT_DEBUG=1): tracebacks and third-party notices are shown."""
+    return os.environ.get("TOOLKIT_DEBUG") == "1"
+
+
 def exit_on_user_error(prog: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorate a CLI main: a `UserError` becomes `prog: error: ...` on stderr and exit status 2.
 
@@ -26,7 +31,7 @@ def exit_on_user_error(prog: str) -> Callable[[Callable[..., T]], Callable[..., 
             try:
                 return fn(*args, **kwargs)
             except UserError as e:
-                if os.environ.get("TOOLKIT_DEBUG") == "1":
+                if debug():
                     raise
                 print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
                 sys.exit(2)

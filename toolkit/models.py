@@ -89,8 +89,9 @@ def prepare_default_model(force: bool = False, log=print) -> Path:
 def resolve_model(name: str) -> str:
     """Turn `--model` into something `from_pretrained` can open without network surprises.
 
-    Local folders must hold a config.json; hub ids must be in the local HF cache or downloadable.
-    The check is cheap (config only) so bad input fails before any weights are read.
+    Local folders must hold a config.json; hub ids must be in the local HF cache (checked offline,
+    first) or downloadable. The check is cheap (config only) so bad input fails before any weights
+    are read.
     """
     if name == DEFAULT_MODEL:
         return str(prepare_default_model())
@@ -113,18 +114,48 @@ def resolve_model(name: str) -> str:
     if isinstance(cached, str):
         return name
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if not offline:
-        from huggingface_hub import hf_hub_download
+    where = f"--model {name}: not a local folder and not in the local Hugging Face cache"
+    fix = ("download it where the hub is reachable and pass --model /path/to/folder, or use the default "
+           f"--model {DEFAULT_MODEL}")
+    if offline:
+        raise UserError(f"{where} (HF_HUB_OFFLINE is set); {fix}")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise UserError(f"{where}, and the hub cannot be reached from here ({unreachable}); {fix}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-        try:
-            hf_hub_download(name, "config.json", etag_timeout=10)
-            return name
-        except Exception:  # noqa: BLE001 - any failure means: not reachable from here
-            pass
-    raise UserError(f"--model {name}: not a local folder and not in the Hugging Face cache "
-                    f"(the hub is {'disabled by HF_HUB_OFFLINE' if offline else 'unreachable'}); "
-                    f"download it elsewhere and pass --model /path/to/folder, or use the default "
-                    f"--model {DEFAULT_MODEL}")
+    try:
+        hf_hub_download(name, "config.json", etag_timeout=10)
+        return name
+    except GatedRepoError:
+        raise UserError(f"--model {name} is gated on the hub: accept its terms on its hub page, then log in "
+                        "with `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"--model {name}: no such model on the Hugging Face hub (a typo, or a private model: log "
+                        "in with `hf auth login`)") from None
+    except Exception as e:  # noqa: BLE001 - any other failure means: not usable from here
+        raise UserError(f"{where}, and the hub did not serve its config.json ({type(e).__name__}); {fix}") from None
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub's host cannot be reached, from one TCP connection (None if it can). Asked before
+    any hub call so a machine without network gets its one-line error at once rather than after
+    huggingface_hub's five retries (~25 s). Behind a proxy the direct probe proves nothing: skipped."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -148,15 +179,22 @@ def resolved_precision(cfg: Config) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def load_model(cfg: Config, path: str, tp_layout=None, resume_from=None):
-    """Load the causal LM in fp32 master weights (accelerate autocasts for bf16/fp16), then wrap
-    it for LoRA/QLoRA. QLoRA stores the frozen base in NF4 (bitsandbytes) and computes in the run's
-    dtype. With a TP layout every rank loads the full weights and keeps its slice (LoRA adapters
-    are created first, so TP=1 and TP=t start from the same adapter init). `resume_from`: a
-    checkpoint folder whose weights replace the loaded ones."""
+def load_dtype(cfg: Config) -> torch.dtype:
+    """What the checkpoint is loaded in. Trainable weights are fp32 masters (accelerate autocasts the
+    compute to bf16/fp16); a LoRA base is frozen, so under bf16/fp16 it is loaded in that dtype and
+    holds half the memory (peft then creates the adapters in fp32). QLoRA's unquantized rest stays
+    fp32, as peft's `prepare_model_for_kbit_training` would upcast it anyway; CPU runs are fp32."""
+    return compute_dtype(cfg) if cfg.model.method == "lora" else torch.float32
+
+
+def load_model(cfg: Config, path: str, resume_from=None):
+    """Load the causal LM (`load_dtype`), then wrap it for LoRA/QLoRA. QLoRA stores the frozen base
+    in NF4 (bitsandbytes) and computes in the run's dtype. `resume_from`: a checkpoint folder whose
+    weights replace the loaded ones. The whole model: a layout that splits it (`Strategy.shard_model`)
+    does so after this, so every layout starts from the same weights and adapter init."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": torch.float32}
+    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg)}
     if cfg.model.method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -174,18 +212,24 @@ def load_model(cfg: Config, path: str, tp_layout=None, resume_from=None):
         raise
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg)
     if resume_from is not None:  # a checkpoint's weights, before any sharding
         from toolkit.train.checkpoint import restore_weights
 
         restore_weights(model, resume_from, cfg.model.method)
-    if tp_layout is not None:
-        from toolkit.parallel.tp import apply_tensor_parallel
-
-        model = apply_tensor_parallel(model, tp_layout.tp_group)
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every block, by the name transformers >= 5.2x gives it
+    (`gradient_checkpointing_enable` warns that it goes in v6), or the old one where it is all there is."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_lora_targets(model, targets: list[str]) -> None:
@@ -242,17 +286,23 @@ def apply_lora(model, cfg: Config):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) with tied or shared tensors counted once."""
+    """(trainable, total) with tied or shared tensors counted once; ZeRO-3 partitions its parameters
+    at load (`ds_numel` is the full size of what each holds a slice of)."""
     seen: set[int] = set()
     trainable = total = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n = p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1)  # two 4-bit values per byte
+        n = getattr(p, "ds_numel", p.numel()) * (2 if p.__class__.__name__ == "Params4bit" else 1)  # 2 per byte
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
+
+
+def human(n: int) -> str:
+    """A parameter count for the log: 123.2K, 134.5M, 8.03B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 def is_adapter_dir(path: str | Path) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit.config import Config
-from toolkit.data.formats import detect_format, load_records, to_conversation
+from toolkit.data.formats import detect_format, load_records, map_columns, to_conversation
 from toolkit.data.tokenize import IGNORE_INDEX, encode
 from toolkit.errors import UserError
 
@@ -26,6 +26,7 @@ class Examples:
     eval: list
     em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
     answers: list[str] | None = None  # ... and their expected answers
+    system_added: int = 0  # training conversations given --system-prompt
 
 
 @dataclass
@@ -38,24 +39,37 @@ class DataStats:
     lengths: list[int] = field(default_factory=list)
 
 
+def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
+    """`--system-prompt`: prepended where the conversation has no system message of its own."""
+    if not system or any(m["role"] == "system" for m in conv):
+        return conv
+    return [{"role": "system", "content": system}, *conv]
+
+
 def load_examples(cfg: Config) -> Examples:
-    spec = cfg.data.dataset
-    records = load_records(spec)
+    spec, system = cfg.data.dataset, cfg.data.system_prompt
+    records = map_columns(load_records(spec), cfg.data.columns, spec)
     fmt = detect_format(records.column_names, cfg.data.format, spec)
+    if fmt == "text" and system:
+        raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
+                        "which has no turns to put it in front of")
     convs = [to_conversation(r, fmt, i) for i, r in enumerate(records)]
+    added = 0
     if fmt != "text":
+        given = [with_system_prompt(c, system) for c in convs]
+        added = sum(new is not old for new, old in zip(given, convs))
+        convs = given
         for i, c in enumerate(convs):
             if not any(m["role"] == "assistant" for m in c) and not cfg.data.train_on_prompt:
                 raise UserError(f"--dataset {spec}: record {i} has no assistant turn, so it has nothing to "
                                 "train on (pass --train-on-prompt to train on whole conversations)")
-    answers = None
     if spec.startswith("builtin:"):
         from toolkit.data.builtin import builtin_records
 
         held = builtin_records(spec.split(":", 1)[1], split="eval")
-        eval_convs = [r["messages"] for r in held] if cfg.data.eval_split > 0 else []
-        answers = [r["answer"] for r in held]
-        return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, [r["messages"] for r in held], answers)
+        scored = [with_system_prompt(r["messages"], system) for r in held]
+        eval_convs = scored if cfg.data.eval_split > 0 else []
+        return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, scored, [r["answer"] for r in held], added)
     train, held_out = convs, []
     if cfg.data.eval_split > 0:
         n_eval = max(1, round(len(convs) * cfg.data.eval_split))
@@ -65,7 +79,7 @@ def load_examples(cfg: Config) -> Examples:
         order = torch.randperm(len(convs), generator=g).tolist()
         held_out = [convs[i] for i in sorted(order[:n_eval])]
         train = [convs[i] for i in sorted(order[n_eval:])]
-    return Examples(fmt, cfg.data.format == "auto", train, held_out)
+    return Examples(fmt, cfg.data.format == "auto", train, held_out, system_added=added)
 
 
 def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training") -> tuple[list[dict], DataStats]:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from toolkit.config import DATA_SUFFIXES
+from toolkit.config import DATA_SUFFIXES, parse_columns
 from toolkit.errors import UserError
 
 # format -> the columns that identify it, in detection order.
@@ -62,6 +62,26 @@ def load_records(spec: str):
     return ds
 
 
+def map_columns(ds, spec: str, source: str):
+    """Rename the dataset's own column names to the fields the formats read (`--columns`), checking
+    each named column exists and that no field would be taken twice."""
+    import difflib
+
+    mapping = parse_columns(spec)
+    if not mapping:
+        return ds
+    cols = list(ds.column_names)
+    for ours, yours in mapping.items():
+        if yours not in cols:
+            hint = difflib.get_close_matches(yours, cols, n=1)
+            raise UserError(f"--columns {ours}={yours}: --dataset {source} has no column '{yours}'"
+                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; its columns are {', '.join(cols)}")
+        if ours in cols and ours not in mapping.values():
+            raise UserError(f"--columns {ours}={yours}: --dataset {source} already has a column '{ours}'; map that "
+                            f"one elsewhere too, or drop {ours}={yours}")
+    return ds.rename_columns({yours: ours for ours, yours in mapping.items() if yours != ours})
+
+
 def _short(e: Exception) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
@@ -110,7 +130,7 @@ def detect_format(columns: list[str], requested: str, source: str) -> str:
             return fmt
     expected = "; ".join(f"{f}: {'+'.join(c)}" for f, c in FORMAT_COLUMNS.items())
     raise UserError(f"--dataset {source}: cannot tell the format from columns {', '.join(sorted(cols))} "
-                    f"(expected {expected})")
+                    f"(expected {expected}); name yours with --columns, e.g. --columns instruction=prompt,output=response")
 
 
 def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict[str, str]] | str:

@@ -1,10 +1,11 @@
-"""Process layout and the `Accelerator` that carries it: DDP, DeepSpeed ZeRO or FSDP2."""
+"""The `Accelerator` (DDP, DeepSpeed ZeRO or FSDP2 plugins, gloo on CPU) that every layout runs on;
+the layout itself is decided in `toolkit.parallel.strategy.make_strategy`."""
 
 from __future__ import annotations
 
 import os
 
-from toolkit.config import Config
+from toolkit.config import Config, mesh_sharded
 from toolkit.models import resolved_precision
 
 
@@ -29,6 +30,9 @@ def any_rank(accelerator, flag: bool) -> bool:
 
 
 def sharding_kind(cfg: Config) -> str | None:
+    """The accelerate plugin to build: none for the mesh layouts, which shard with FSDP2 themselves."""
+    if mesh_sharded(cfg.parallel):
+        return None
     return "fsdp" if cfg.parallel.fsdp else "deepspeed" if cfg.parallel.zero_stage is not None else None
 
 
@@ -78,66 +82,16 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
         accelerator = Accelerator(cpu=not torch.cuda.is_available() and not rehearsing, **kwargs)
     if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
-    accelerator.tp_layout = tensor_parallel_layout(cfg, model_path, accelerator.num_processes)
-    accelerator.pp_layout = pipeline_layout(cfg, model_path, accelerator.num_processes)
     set_seed(cfg.train.seed)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
     return accelerator
 
 
-def tensor_parallel_layout(cfg: Config, model_path: str | None, world: int):
-    """None without --tp; else check the model and world (one line for every problem, before the
-    model is loaded) and build the tp x dp process groups."""
-    if cfg.parallel.tp == 1:
-        return None
-    from toolkit.errors import UserError
-    from toolkit.parallel.tp import make_layout, tp_problems
-
-    problems = []
-    if model_path:
-        from transformers import AutoConfig
-
-        problems = tp_problems(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
-                               cfg.parallel.tp, world)
-    if problems:
-        raise UserError("; ".join(problems))
-    return make_layout(cfg.parallel.tp)
-
-
-def pipeline_layout(cfg: Config, model_path: str | None, world: int):
-    """None without --pp or in one process (the naive pipeline needs no groups); else check the
-    model and world (one line for every problem, before the weights are loaded) and build the
-    pp x dp process groups."""
-    if cfg.parallel.pp == 1:
-        return None
-    from toolkit.errors import UserError
-    from toolkit.parallel.pp import make_pipeline_layout, pipeline_problems
-
-    problems = []
-    if model_path:
-        from transformers import AutoConfig
-
-        trust = cfg.model.trust_remote_code
-        problems = pipeline_problems(AutoConfig.from_pretrained(model_path, trust_remote_code=trust),
-                                     cfg.parallel.pp, world, trust)
-    if world > 1 and cfg.parallel.pp_devices:
-        problems.append("--pp-devices is for the single-process pipeline; launched with several processes "
-                        "each rank runs its stage on its own device (drop --pp-devices)")
-    if problems:
-        raise UserError("; ".join(problems))
-    if world == 1:
-        from toolkit.parallel.pp import pipeline_devices
-
-        pipeline_devices(cfg)  # a missing GPU fails now, before any weights are read
-        return None
-    return make_pipeline_layout(cfg.parallel.pp)
-
-
 def fsdp_plugin(cfg: Config):
-    """FSDP2: `full` reshards parameters after forward (ZeRO-3-like), `grad_op` keeps them
-    gathered until backward (ZeRO-2-like), `hybrid` shards within a node and replicates across
-    nodes (one node: same as full). Blocks are wrapped by the model's `_no_split_modules`."""
+    """FSDP2 over every rank: `full` reshards parameters after forward (ZeRO-3-like), `grad_op` keeps
+    them gathered until backward (ZeRO-2-like). Blocks are wrapped by the model's `_no_split_modules`.
+    (`hybrid` is HSDP on the device mesh: `toolkit.parallel.strategy.MeshShardedStrategy`.)"""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin(

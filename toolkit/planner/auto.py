@@ -8,6 +8,7 @@ from pathlib import Path
 
 from toolkit.config import Config
 from toolkit.errors import UserError
+from toolkit.hardware import host_memory_bytes
 from toolkit.planner.plan import Plan, PlanInput, plan, render_table
 
 
@@ -20,7 +21,7 @@ def detect_hardware() -> tuple[int, int, int, str]:
     nodes = max(1, world // max(1, local))
     if torch.cuda.is_available():
         return local, torch.cuda.get_device_properties(0).total_memory, nodes, torch.cuda.get_device_name(0)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = host_memory_bytes()
     return local, ram // local, nodes, f"CPU ({ram / 1024**3:.0f} GiB RAM / {local} rank(s))"
 
 
@@ -32,7 +33,7 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[P
 
         model_cfg = AutoConfig.from_pretrained(model_path).to_dict()
     t = cfg.train
-    inp = PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
+    inp = PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes, cpu_memory=host_memory_bytes(),
                     method=cfg.model.method, lora_r=cfg.model.lora_r, lora_targets=cfg.model.lora_targets,
                     seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size, precision=precision,
                     checkpointing=True if t.gradient_checkpointing else None,
@@ -51,4 +52,5 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[P
     elif name.startswith("fsdp"):
         p.fsdp, p.fsdp_sharding = True, name.split("_", 1)[1]
     t.gradient_checkpointing, t.micro_batch_size, t.grad_accum = d.checkpointing, d.micro_batch, result.grad_accum
-    return result, f"planned for {per_node} x {what}, {nodes} node(s)\n" + render_table(result, memory)
+    return result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine\n"
+                    + render_table(result))

@@ -3,9 +3,11 @@
 Model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3-5: with Adam, K = 12 bytes of
 optimizer state per parameter in mixed precision, partitioned over N_d ranks at stage 1, plus
 gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit runs:
-- the model is loaded in fp32 and autocast does bf16 compute, so DDP/FSDP weights are 4 bytes and
-  gradients 4 bytes per parameter; DeepSpeed with bf16 converts the module to 2-byte weights and
-  keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
+- trainable weights are loaded in fp32 and autocast does bf16 compute, so DDP/FSDP trainable weights
+  and gradients are 4 bytes per parameter; DeepSpeed with bf16 converts the module to 2-byte weights
+  and keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
+- a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.models.load_model`),
+  2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
 - DeepSpeed keeps that fp32 master partition in fp32 runs too (measured: `master_bytes`);
 - only trainable parameters (LoRA: the adapters) have gradients and optimizer state.
 """
@@ -46,20 +48,31 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
 
 
 def weight_bytes_per_param(s: Strategy, precision: str) -> int:
-    """DeepSpeed casts the module to bf16/fp16; DDP/FSDP keep fp32 weights and autocast."""
+    """Trainable weights (and their gradients): DeepSpeed casts the module to bf16/fp16; DDP/FSDP keep
+    fp32 weights and autocast."""
     return 2 if s.deepspeed and precision in ("bf16", "fp16") else 4
 
 
-def weights_bytes(s: Strategy, params: int, n: int, precision: str) -> int:
-    """Resident weights per GPU: all of them, or a 1/n shard (ZeRO-3, FSDP), or none (param offload)."""
+def frozen_bytes_per_param(precision: str) -> int:
+    """Frozen weights (a LoRA base): loaded in the half dtype under bf16/fp16, whatever the strategy."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def weights_bytes(s: Strategy, frozen: int, trainable: int, n: int, precision: str) -> int:
+    """Resident weights per GPU, frozen and trainable: all of them, or a 1/n shard (ZeRO-3, FSDP), or
+    none (param offload)."""
     if s.offload_params:
         return 0
-    total = weight_bytes_per_param(s, precision) * params
+    total = frozen_bytes_per_param(precision) * frozen + weight_bytes_per_param(s, precision) * trainable
     return total // n if s.shard_params else total
 
 
 def grads_bytes(s: Strategy, trainable: int, n: int, precision: str) -> int:
-    """Gradients have the weights' dtype; partitioned from ZeRO-2 / FSDP on (ZeRO paper, P_os+g)."""
+    """Gradients have the weights' dtype; partitioned from ZeRO-2 / FSDP on (ZeRO paper, P_os+g);
+    with optimizer offload each reduced partition is copied to the host as it is produced
+    (ZeRO-Offload, Ren et al. 2021, sec. 4.1), so the GPU keeps only the reduce buckets (buffers)."""
+    if s.offload_optimizer:
+        return 0
     total = weight_bytes_per_param(s, precision) * trainable
     return total // n if s.shard_grads else total
 

@@ -1,10 +1,10 @@
-"""Predict per-GPU memory for every strategy and pick the cheapest that fits.
+"""Predict per-GPU memory for every strategy and pick the one to run.
 
-"Cheapest" = least communication per step: offload last (it adds host<->device traffic), then
-bytes moved between GPUs (ZeRO paper sec. 7: DDP and ZeRO-1/2 move 2 x gradients, ZeRO-3 adds two
-all-gathers of the parameters, which for LoRA are the whole frozen base). Without gradient
-checkpointing first; then the largest micro-batch that fits and the accumulation that reaches the
-target global batch.
+Order (docs/planner.md): what fits (GPU memory and host RAM) > no CPU offload > the least predicted
+step time (`toolkit.planner.cost`: gradient checkpointing's extra forward, the bytes moved between
+GPUs, offload's PCIe traffic and host optimizer step, compared rather than ranked by a fixed order).
+On one GPU nothing is sharded: only DDP and the offload variants are planned. Then the largest
+micro-batch that fits and the accumulation that reaches the target global batch.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, chunked_loss_bytes,
-                                    cpu_bytes, grads_bytes, logits_bytes, optimizer_bytes,
-                                    tp_activation_elements_per_token, weight_bytes_per_param, weights_bytes)
-from toolkit.planner.memory import activation_elements_per_token
+from toolkit.planner.cost import ADAM_HOST_BYTES, flops_per_token, step_seconds
+from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, activation_elements_per_token,
+                                    chunked_loss_bytes, cpu_bytes, frozen_bytes_per_param, grads_bytes, logits_bytes,
+                                    optimizer_bytes, tp_activation_elements_per_token, weight_bytes_per_param,
+                                    weights_bytes)
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
 
@@ -25,6 +26,7 @@ GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
 DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
+TIE = 0.05  # predicted times closer than this are treated as equal
 QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
 ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
          "zero3_offload_param"]
@@ -48,7 +50,7 @@ class PlanInput:
     gpu_memory: int
     gpus_per_node: int = 8
     nodes: int = 1
-    cpu_memory: int | None = None  # per node
+    cpu_memory: int | None = None  # host RAM per node; None: not checked
     method: str = "lora"
     lora_r: int = 16
     lora_targets: str = "all-linear"
@@ -104,6 +106,7 @@ class Candidate:
     cpu_bytes_per_node: int
     comm_bytes: int
     fits: bool
+    step_seconds: float | None = None  # predicted, for ranking (None: TP/PP rows, not ranked yet)
 
 
 @dataclass
@@ -117,6 +120,9 @@ class Plan:
     grad_accum: int = 1
     flags: list[str] = field(default_factory=list)
     advice: str = ""
+    gpu_memory: int = 0
+    cpu_memory: int | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,19 +133,24 @@ def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
     return cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], nkv * head_dim(cfg), cfg["vocab_size"]
 
 
+def offloads(s: Strategy) -> bool:
+    return s.offload_optimizer or s.offload_params
+
+
 def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int) -> Candidate:
     cfg = inp.model
     counts = count_params(cfg)
     params = counts.total
     trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
+    frozen = 0 if inp.method == "full" else params
     n = inp.gpus_per_node * inp.nodes
     layers, h, i, kv, vocab = _dims(cfg)
     act = 2 if inp.precision in ("bf16", "fp16") else 4
-    if inp.method == "qlora":
+    if inp.method == "qlora":  # peft's prepare_model_for_kbit_training keeps the unquantized rest in fp32
         linear = layers * sum(a * b for a, b in linear_shapes(cfg).values())
         weights = int(linear * QLORA_BITS / 8) + 4 * (params - linear) + 4 * trainable
     else:
-        weights = weights_bytes(s, params, n, inp.precision) + (4 * trainable if inp.method == "lora" else 0)
+        weights = weights_bytes(s, frozen, trainable, n, inp.precision)
     b = {
         "weights": weights,
         "grads": grads_bytes(s, trainable, n, inp.precision),
@@ -148,44 +159,60 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
         "logits": loss_bytes(inp, micro_batch, vocab, h, act),
     }
     wb = weight_bytes_per_param(s, inp.precision)
-    block = counts.per_block * wb
+    model_bytes = frozen_bytes_per_param(inp.precision) * frozen + wb * trainable  # the whole model, once
+    block = model_bytes * counts.per_block // max(params, 1)
     buckets = DDP_BUCKET * 2 if not s.deepspeed and not s.shard_params else 0
     if s.deepspeed:
         buckets += 2 * 4 * h * h  # reduce bucket (h*h, fp32) double-buffered
-    if s.shard_params:
+    if s.name == "fsdp_grad_op":  # every block stays gathered from its forward until its backward
+        buckets += model_bytes - model_bytes // n
+    elif s.shard_params:
         buckets += 2 * block  # the gathered block in use + the next one prefetched
     b["buffers"] = FRAMEWORK_CONTEXT + buckets
     b["buffers"] += int(FRAGMENTATION * sum(b.values()))
     b["total"] = sum(b.values())
     cpu = cpu_bytes(s, params, trainable, n, inp.precision) * inp.gpus_per_node
-    gathers = (2 if s.name != "fsdp_grad_op" else 1) * params * wb if s.shard_params else 0
-    comm = 2 * trainable * wb + gathers if n > 1 else 0
+    # ZeRO-3 / FSDP full gather the parameters in forward and backward, and once more to recompute
+    # a checkpointed forward; FSDP grad_op keeps them gathered from forward to the end of backward.
+    gathers = (1 if s.name == "fsdp_grad_op" else 2 + checkpointing) if s.shard_params else 0
+    comm = 2 * trainable * wb + gathers * model_bytes if n > 1 else 0
+    pcie = 2 * wb * trainable // n if s.offload_optimizer else 0  # gradients down, updated weights up
+    if s.offload_params:  # each rank fetches its partition before every gather
+        pcie += (2 + checkpointing) * model_bytes // n
+    flops = micro_batch * inp.seq_len * flops_per_token(params, trainable, layers, h, inp.seq_len, checkpointing)
+    host = ADAM_HOST_BYTES * trainable // n if s.offload_optimizer else 0
+    seconds = step_seconds(flops, inp.precision, comm, inp.nodes, pcie, host)
     fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
-    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits)
+    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, seconds)
 
 
 def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointing: bool) -> Candidate:
     """tpT[_dpD]: Megatron TP of degree T inside a node, DDP across the D = world/T groups;
     ppP: P pipeline stages split as the runtime splits them (GPipe: every micro-batch's activations
-    alive at once; a tied embedding is also held by the last stage), the heaviest stage taken. Weights stay fp32 under autocast, as in DDP."""
+    alive at once; a tied embedding is also held by the last stage), the heaviest stage taken.
+    Trainable weights stay fp32 under autocast, as in DDP; a LoRA base is in the half dtype."""
     cfg = inp.model
     counts = count_params(cfg)
     layers, h, i, kv, vocab = _dims(cfg)
     trainable_all = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
     act = 2 if inp.precision in ("bf16", "fp16") else 4
     world = inp.gpus_per_node * inp.nodes
+    fb = frozen_bytes_per_param(inp.precision)
+
+    def weights(params: int, trainable: int) -> int:  # LoRA: the base frozen, the adapters trainable
+        return 4 * params if inp.method == "full" else fb * params + 4 * trainable
+
     outside = counts.embedding + counts.lm_head + counts.final_norm
     if kind == "tp":
         block_linear = sum(a * b for a, b in linear_shapes(cfg).values())
         params = layers * (counts.per_block - block_linear + block_linear // degree) + outside
         trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets, tp=degree)
-        params += 0 if inp.method == "full" else trainable  # adapters are weights too
         per_token = layers * h + 3 * h if checkpointing else tp_activation_elements_per_token(layers, h, i, kv, degree)
         acts = act * inp.micro_batch * inp.seq_len * per_token
         logits = loss_bytes(inp, inp.micro_batch, vocab, h, act)
         comm = 4 * 2 * layers * inp.micro_batch * inp.seq_len * h * act  # 2 all-reduces fwd + 2 bwd per block
         name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
-        b = {"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
+        b = {"weights": weights(params, trainable), "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
              "activations": acts, "logits": logits}
     else:  # the runtime's split (toolkit.parallel.pp); the stage with the largest total is taken
         tied = counts.lm_head == 0
@@ -197,10 +224,9 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
             params = n * counts.per_block + (counts.embedding if s == 0 else 0) \
                 + (counts.final_norm + (counts.embedding if tied else counts.lm_head) if last else 0)  # tied: a copy
             trainable = params if inp.method == "full" else trainable_all * n // layers
-            params += 0 if inp.method == "full" else trainable
             acts = act * inp.micro_batch * inp.seq_len * (n * per_layer + 2 * h)  # GPipe: every micro-batch alive
             logits = loss_bytes(inp, inp.micro_batch, vocab, h, act, pipeline=True) if last else 0
-            stages.append({"weights": 4 * params, "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
+            stages.append({"weights": weights(params, trainable), "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
                            "activations": acts, "logits": logits})
         b = max(stages, key=lambda x: sum(x.values()))
         comm = 2 * (degree - 1) * inp.micro_batch * inp.seq_len * h * act  # activations + their grads
@@ -209,6 +235,48 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
     b["buffers"] += int(FRAGMENTATION * sum(b.values()))
     b["total"] = sum(b.values())
     return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory)
+
+
+def planned_strategies(inp: PlanInput) -> list[str]:
+    """The strategies worth predicting: QLoRA's 4-bit base can be neither sharded by parameter nor
+    offloaded; on one GPU ZeRO and FSDP shard over a single rank (nothing saved, DeepSpeed's or
+    FSDP's overhead paid), so only DDP and the CPU-offload variants remain."""
+    world = inp.gpus_per_node * inp.nodes
+    out = []
+    for name in ORDER:
+        s = STRATEGIES[name]
+        if inp.method == "qlora" and (s.shard_params or s.offload_params):
+            continue
+        if world == 1 and s.shard_optimizer and not offloads(s):
+            continue
+        out.append(name)
+    return out
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fits first, then no CPU offload, then the least predicted time per example; ties go to the
+    simpler strategy (ORDER)."""
+    return (not c.fits, offloads(STRATEGIES[c.name]), c.step_seconds / c.micro_batch, ORDER.index(c.name))
+
+
+def choose(rows: list[Candidate]) -> Candidate:
+    """The first by `rank_key`, except that predictions within `TIE` of the fastest count as equal
+    (the time model is not that accurate) and the simpler strategy among them wins (ORDER, no
+    checkpointing first)."""
+    best = min(rows, key=rank_key)
+    near = [c for c in rows if rank_key(c)[:2] == rank_key(best)[:2]
+            and c.step_seconds / c.micro_batch <= (1 + TIE) * best.step_seconds / best.micro_batch]
+    return min(near, key=lambda c: (ORDER.index(c.name), c.checkpointing))
+
+
+def largest_micro_batch(inp: PlanInput, c: Candidate, cap: int) -> Candidate:
+    """The candidate at the largest micro-batch that still fits (doubling, never past `cap`): per-step
+    costs (gradient reduction, ZeRO-3 gathers, offload traffic, the host's Adam step) are then shared
+    by more examples, which is how offload and sharding pay for themselves."""
+    mb = c.micro_batch
+    while mb * 2 <= cap and estimate(inp, STRATEGIES[c.name], c.checkpointing, mb * 2).fits:
+        mb *= 2
+    return c if mb == c.micro_batch else estimate(inp, STRATEGIES[c.name], c.checkpointing, mb)
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -221,7 +289,7 @@ def plan(inp: PlanInput) -> Plan:
         problems.append(f"--method must be full, lora or qlora (got {inp.method})")
     if problems:
         raise UserError("; ".join(problems))
-    names = [n for n in ORDER if not (inp.method == "qlora" and (STRATEGIES[n].shard_params or STRATEGIES[n].offload_params))]
+    names = planned_strategies(inp)
     gc_options = [inp.checkpointing] if inp.checkpointing is not None else [False, True]
     rows = [estimate(inp, STRATEGIES[n], gc, inp.micro_batch) for gc in gc_options for n in names]
     world = inp.gpus_per_node * inp.nodes
@@ -233,35 +301,55 @@ def plan(inp: PlanInput) -> Plan:
     for p in pps:
         if p < 2 or p > inp.model["num_hidden_layers"]:
             raise UserError(f"--pp {p}: needs 2 <= stages <= blocks ({inp.model['num_hidden_layers']})")
-    rows += [estimate_model_parallel(inp, "tp", t, gc_options[0]) for t in tps]
-    rows += [estimate_model_parallel(inp, "pp", p, gc_options[0]) for p in pps]
     counts = count_params(inp.model)
     trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
-    result = Plan(counts.total, trainable, world, rows, None)
-    ranked = sorted(names, key=lambda n: (STRATEGIES[n].offload_optimizer, STRATEGIES[n].offload_params,
-                                          estimate(inp, STRATEGIES[n], False, 1).comm_bytes, ORDER.index(n)))
-    for gc in gc_options:
-        for name in ranked:
-            c = estimate(inp, STRATEGIES[name], gc, inp.micro_batch)
-            if c.fits:
-                mb = inp.micro_batch
-                cap = -(-inp.global_batch // world) if inp.global_batch else 256  # never past the target
-                while mb * 2 <= cap and estimate(inp, STRATEGIES[name], gc, mb * 2).fits:
-                    mb *= 2
-                best = estimate(inp, STRATEGIES[name], gc, mb)
-                target = inp.global_batch or mb * world
-                result.chosen, result.chosen_detail = name, best
-                result.grad_accum = max(1, -(-target // (mb * world)))
-                result.flags = flags_for(name, gc, mb, result.grad_accum, inp.method)
-                return result
-    smallest = min((estimate(inp, STRATEGIES[n], True, 1) for n in names), key=lambda c: c.bytes["total"])
-    short = smallest.bytes["total"] - inp.gpu_memory
-    result.advice = (f"nothing fits: the smallest plan ({smallest.name}, gradient checkpointing, micro-batch 1) needs "
-                     f"{smallest.bytes['total'] / GiB:.1f} GiB per GPU, {max(short, 0) / GiB:.1f} GiB more than "
-                     f"{inp.gpu_memory / GiB:.0f} GiB" + (f" (or {smallest.cpu_bytes_per_node / GiB:.0f} GiB CPU RAM per node)"
-                                                        if short <= 0 else "")
-                     + "; more GPUs, CPU offload, --method qlora or a shorter --seq-len would reduce it")
+    result = Plan(counts.total, trainable, world, list(rows), None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory)
+    if world == 1:
+        result.notes.append("one GPU: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
+                            "CPU-offload variants are planned")
+    result.strategies += [estimate_model_parallel(inp, "tp", t, gc_options[0]) for t in tps]
+    result.strategies += [estimate_model_parallel(inp, "pp", p, gc_options[0]) for p in pps]
+    cap = -(-inp.global_batch // world) if inp.global_batch else 256  # never past the target
+    best = choose([largest_micro_batch(inp, r, cap) if r.fits else r for r in rows])
+    if not best.fits:
+        result.advice = nothing_fits(inp, names)
+        return result
+    target = inp.global_batch or best.micro_batch * world
+    result.chosen, result.chosen_detail = best.name, best
+    result.grad_accum = max(1, -(-target // (best.micro_batch * world)))
+    result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
     return result
+
+
+def nothing_fits(inp: PlanInput, names: list[str]) -> str:
+    """Name the resource that is short: GPU memory for the smallest plan that fits in host RAM, and
+    host RAM for the plans (CPU offload) that would fit on the GPU."""
+    gc = inp.checkpointing is not False
+    how = "gradient checkpointing" if gc else "no checkpointing"
+    smallest = [estimate(inp, STRATEGIES[n], gc, 1) for n in names]
+    fitting = sorted((c for c in smallest if c.fits), key=rank_key)
+    if fitting:  # only the requested micro-batch is too large
+        return (f"nothing fits at --micro-batch-size {inp.micro_batch}; at micro-batch 1 {fitting[0].name} ({how}) "
+                f"fits in {fitting[0].bytes['total'] / GiB:.1f} GiB per GPU: lower --micro-batch-size and raise "
+                "--grad-accum")
+    gpu, cpu = inp.gpu_memory, inp.cpu_memory
+    in_ram = [c for c in smallest if cpu is None or c.cpu_bytes_per_node <= cpu]
+    parts = []
+    if in_ram:
+        c = min(in_ram, key=lambda c: c.bytes["total"])
+        parts.append(f"the smallest plan in GPU memory ({c.name}, {how}, micro-batch 1) needs "
+                     f"{c.bytes['total'] / GiB:.1f} GiB per GPU, {(c.bytes['total'] - gpu) / GiB:.1f} GiB more than "
+                     f"the {gpu / GiB:.0f} GiB GPU")
+    on_gpu = [c for c in smallest if c.bytes["total"] <= gpu and cpu is not None and c.cpu_bytes_per_node > cpu]
+    if on_gpu:
+        c = min(on_gpu, key=lambda c: c.cpu_bytes_per_node)
+        parts.append(f"{c.name} ({how}, micro-batch 1) would fit the GPU ({c.bytes['total'] / GiB:.1f} of "
+                     f"{gpu / GiB:.0f} GiB) but needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node, "
+                     f"{(c.cpu_bytes_per_node - cpu) / GiB:.0f} GiB more than the {cpu / GiB:.0f} GiB there")
+    helps = ["more GPUs", "more host RAM for CPU offload", "--method qlora", "a shorter --seq-len"]
+    if not gc:
+        helps.insert(0, "--gradient-checkpointing")
+    return "nothing fits: " + "; ".join(parts) + "; " + ", ".join(helps[:-1]) + f" or {helps[-1]} would reduce it"
 
 
 def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
@@ -278,22 +366,27 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
     return flags + ["--micro-batch-size", str(mb), "--grad-accum", str(ga)]
 
 
-def render_table(p: Plan, gpu_memory: int) -> str:
+def render_table(p: Plan) -> str:
     cols = ["weights", "grads", "optimizer", "activations", "logits", "buffers", "total"]
+    ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {p.world} GPUs  "
-             f"GPU memory {gpu_memory / GiB:.0f} GiB  (GiB per GPU below)",
-             f"{'strategy':<22}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'fits':>6}"]
+             f"GPU memory {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  (GiB per GPU below)", *p.notes,
+             f"{'strategy':<22}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'step s':>8}{'fits':>6}"]
     for c in p.strategies:
+        step = "-" if c.step_seconds is None else f"{c.step_seconds:.2f}"
         lines.append(f"{c.name + (' +gc' if c.checkpointing else ''):<22}"
                      + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
-                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{'yes' if c.fits else 'no':>6}")
+                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{step:>8}{'yes' if c.fits else 'no':>6}")
+    lines.append("step s: predicted seconds per micro-batch step (H100-class node), used to rank what fits")
     if any(c.name.startswith(("tp", "pp")) for c in p.strategies):
         lines.append("tp/pp rows run with --tp N / --pp N (torchrun, world = N x data-parallel; --pp also in one "
                      "process over N GPUs); auto picks among DDP/ZeRO/FSDP")
     if p.chosen:
         d = p.chosen_detail
         lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "
-                     f"{d.micro_batch}, grad-accum {p.grad_accum}: {d.bytes['total'] / GiB:.1f} GiB per GPU")
+                     f"{d.micro_batch}, grad-accum {p.grad_accum}: {d.bytes['total'] / GiB:.1f} GiB per GPU"
+                     + (f", {d.cpu_bytes_per_node / GiB:.1f} GiB host RAM per node" if d.cpu_bytes_per_node else "")
+                     + f", {d.step_seconds:.2f} s per micro-batch step predicted")
         lines.append("flags: " + " ".join(p.flags))
     else:
         lines.append(p.advice)

@@ -17,34 +17,23 @@ import os
 import random
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank
-from toolkit.train.optimizer_state import optimizer_state
+from toolkit.parallel.strategy import load_full_state_dict
 
 TRAINER_STATE = "trainer_state.json"
 
 
-def _model_state(accelerator, model) -> dict:
-    """The full state dict (collective: sharded strategies gather it)."""
-    layout = getattr(accelerator, "tp_layout", None)
-    if layout is not None:  # gather the TP shards back into the full tensors a non-TP run would save
-        from toolkit.parallel.tp import gather_state_dict
-
-        return gather_state_dict(accelerator.unwrap_model(model), layout.tp_group)
-    return accelerator.get_state_dict(model)
-
-
 def _write_model(accelerator, model, tokenizer, folder: Path, state: dict) -> None:
-    """The HF folder, written by the main process from the gathered `state` (None on other ranks
-    under ZeRO-3)."""
+    """The HF folder, written by the main process from the gathered `state` (complete on the main
+    process only under ZeRO-3); `model` is the unwrapped HF model or peft model."""
     if accelerator.is_main_process:
         state = {k: v.contiguous() for k, v in state.items()}
-        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
 
@@ -66,10 +55,11 @@ def _publish(accelerator, tmp: Path, path: Path) -> None:
     accelerator.wait_for_everyone()
 
 
-def save_final(accelerator, model, tokenizer, path: Path) -> None:
+def save_final(strategy, model, tokenizer, path: Path) -> None:
     """Every rank must call this: sharded strategies gather the state dict collectively."""
+    accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
-    _write_model(accelerator, model, tokenizer, tmp, _model_state(accelerator, model))
+    _write_model(accelerator, strategy.unwrap(model), tokenizer, tmp, strategy.state_dict(model))
     _publish(accelerator, tmp, path)
 
 
@@ -93,7 +83,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
+def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
                     fault=None) -> None:
     """A resumable checkpoint (collective). `state` is what `trainer_state.json` records; `fault`
     is the fault-injection hook the crash tests use (see `toolkit.train.faults`).
@@ -101,14 +91,16 @@ def save_checkpoint(accelerator, model, tokenizer, optimizer, scheduler, path: P
     A full disk on any rank is one clear error on every rank (they agree through one all-reduce
     after the writes, so none waits at a barrier for a rank that gave up); the half-written `.tmp`
     folder is removed and earlier checkpoints stay."""
+    accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
-    model_state = _model_state(accelerator, model)  # the collectives first: every rank takes part
+    saved = strategy.export(model, final=False)  # a model split across ranks, gathered into one HF model
+    model_state = strategy.state_dict(saved)  # the collectives first: every rank takes part
     scaler = getattr(accelerator, "scaler", None)  # fp16 outside DeepSpeed (whose loss scaler is in its optimizer state)
-    rank_state = {"optimizer": optimizer_state(accelerator, model, optimizer), "scheduler": scheduler.state_dict(),
+    rank_state = {"optimizer": strategy.optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
                   "rng": rng_state(), "scaler": scaler.state_dict() if scaler is not None else None}
     full = False
     try:
-        _write_model(accelerator, model, tokenizer, tmp, model_state)
+        _write_model(accelerator, strategy.unwrap(saved), tokenizer, tmp, model_state)
         if fault is not None:
             fault("save", state["step"])  # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
         torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
@@ -162,27 +154,10 @@ def restore_weights(model, folder: Path, method: str) -> None:
         missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
         unexpected = list(getattr(result, "unexpected_keys", []))
     else:
-        result = (_load_partitioned(model, state) if any(hasattr(p, "ds_id") for p in model.parameters())
-                  else model.load_state_dict(state, strict=False))
+        result = load_full_state_dict(model, state)
         tied = getattr(model.config, "tie_word_embeddings", False)
         missing = [k for k in result.missing_keys if not (tied and k.endswith("lm_head.weight"))]
         unexpected = list(result.unexpected_keys)
     if missing or unexpected:
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); it is from another model or method")
-
-
-def _load_partitioned(model, state: dict):
-    """`load_state_dict` for a model that ZeRO-3 partitioned while loading (transformers loads
-    under `deepspeed.zero.Init` when accelerate's plugin is stage 3): one parameter gathered at a
-    time, written, and re-partitioned (collective; rank 0's copy is the one kept)."""
-    import deepspeed
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in params.items():
-            if name in state:
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.copy_(state[name])
-    return SimpleNamespace(missing_keys=[k for k in params if k not in state],
-                           unexpected_keys=[k for k in state if k not in params])

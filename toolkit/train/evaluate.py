@@ -10,33 +10,27 @@ import torch
 
 from toolkit.data import collate
 from toolkit.data.tokenize import prompt_text
-from toolkit.parallel.tp import data_parallel
-from toolkit.train.loss import count_targets, token_loss_sum
+from toolkit.train.loss import count_targets
 
 
 @torch.no_grad()
-def eval_loss(accelerator, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
+def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
+    """Mean token loss over `rows`; `strategy` (toolkit.parallel.strategy) runs the forward."""
+    accelerator = strategy.accelerator
     model.eval()
-    rank, ranks, _ = data_parallel(accelerator)  # TP peers take the same shard (and double both sums)
-    shard = rows[rank::ranks]
+    rank, ranks = strategy.data_rank, strategy.data_ranks  # model-parallel peers take the same shard
+    shard = rows[rank::ranks]  # (and count both sums as often: the ratio is unchanged)
     n_batches = -(-len(rows) // (batch_size * ranks))  # same count on every rank
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    # where inputs go: the model's device (a pipeline's gathered model sits on CPU after training);
-    # DeepSpeed's partitioned parameters can report CPU under offload, so it gets the rank's device
-    plain = not hasattr(model, "loss_sum") and accelerator.distributed_type != "DEEPSPEED"
-    device = next(model.parameters()).device if plain else accelerator.device
+    device = strategy.eval_device(model)
     for i in range(n_batches):
         chunk = shard[i * batch_size:(i + 1) * batch_size]
-        if not chunk:  # keep sharded models (ZeRO-3, FSDP) in lock-step: run a dummy batch
+        if not chunk:  # keep sharded models in lock-step: run a dummy batch
             chunk, weight = shard[:1] or rows[:1], 0.0
         else:
             weight = 1.0
         batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
-        if hasattr(model, "loss_sum"):  # a pipeline: logits exist on the last stage only
-            loss = model.loss_sum(batch).to(accelerator.device)
-        else:
-            loss = token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                  batch["labels"]).to(accelerator.device)
+        loss = strategy.eval_loss_sum(model, batch).to(accelerator.device)
         total += weight * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
     total = accelerator.reduce(total, "sum")
     model.train()
@@ -44,15 +38,16 @@ def eval_loss(accelerator, model, rows: list[dict], batch_size: int, pad_id: int
 
 
 @torch.no_grad()
-def exact_match(accelerator, model, tokenizer, conversations: list, answers: list[str],
+def exact_match(strategy, model, tokenizer, conversations: list, answers: list[str],
                 batch_size: int = 16, max_new_tokens: int = 16) -> tuple[int, int, list[str]]:
     """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
+    accelerator = strategy.accelerator
     model.eval()
-    gen_model = accelerator.unwrap_model(model)
+    gen_model = strategy.unwrap(model)
     # Before prepare() the model is still where it was loaded (CPU, or its device_map for QLoRA).
     device = next(gen_model.parameters()).device
     prompts = [prompt_text(tokenizer, [m for m in c if m["role"] != "assistant"]) for c in conversations]
-    rank, ranks, replicas = data_parallel(accelerator)
+    rank, ranks, replicas = strategy.data_rank, strategy.data_ranks, strategy.replicas
     idx = list(range(rank, len(prompts), ranks))
     per_rank = -(-len(prompts) // ranks)
     idx += [idx[0] if idx else 0] * (per_rank - len(idx))  # equal work on every rank; padding not scored

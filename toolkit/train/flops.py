@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation: model FLOPs per token x tokens/s over the device's measured peak.
+"""Model FLOPs utilisation: model FLOPs per token x tokens/s over the devices' peak.
 
 Model FLOPs (not hardware FLOPs: recomputation and padding are not credited), after PaLM
 (Chowdhery et al. 2022, appendix B) and nanoGPT's `estimate_mfu`:
@@ -8,15 +8,20 @@ the weights used in matmuls (the LM head, not a separate input-embedding lookup 
 12 L h T: attention scores and weighted values, forward + backward, over a context of T tokens.
 The chunked loss runs the LM head on target tokens only: the head's 6 N_head then counts only for
 them (`step_flops`), as the logits of prompt and padding tokens are not model work the loss needs.
-The peak is measured, not taken from a datasheet: a matmul probe on the same device and dtype
-(fp32 on CPU, bf16 on GPU) at start-up, with every rank probing at once so shared cores are shared.
+The peak is the datasheet's dense rate for the run's compute dtype where the device is known
+(`toolkit.hardware`, the convention of PaLM, Megatron-LM and torchtitan), and otherwise (CPUs,
+unknown GPUs) a matmul probe on the same device and dtype at start-up, every rank probing at once so
+shared cores are shared. The probe's figure is logged either way (`measured_peak_flops`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+
+from toolkit.hardware import datasheet_peak
 
 
 def flops_per_token(matmul_params: int, layers: int, hidden: int, context: float) -> float:
@@ -102,3 +107,40 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
     if device.type == "cuda":
         torch.cuda.empty_cache()  # do not keep the probe's blocks in the allocator's cache
     return 2.0 * n ** 3 / best
+
+
+def device_name(device: torch.device) -> str:
+    """What the datasheet table is matched against: the CUDA device's name, else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@dataclass
+class Peak:
+    flops: float  # the MFU denominator, summed over ranks
+    measured: float  # the probes' sum, logged beside it
+    source: str  # "datasheet: ..." or "measured"
+
+
+def run_peak(accelerator, dtype: torch.dtype) -> Peak:
+    """Every rank probes its device and looks up its datasheet; the datasheet sum is the peak when
+    every rank's device is known, else the probes' sum."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    sheet = datasheet_peak(device_name(accelerator.device), name)
+    accelerator.wait_for_everyone()
+    measured = measure_peak_flops(accelerator.device, dtype)
+    local = torch.tensor([measured, sheet[0] if sheet else 0.0, float(sheet is not None)], dtype=torch.float64,
+                         device=accelerator.device)
+    measured_sum, sheet_sum, known = accelerator.reduce(local, "sum").tolist()
+    if sheet is not None and round(known) == accelerator.num_processes:
+        return Peak(sheet_sum, measured_sum, "datasheet: " + sheet[1])
+    return Peak(measured_sum, measured_sum, "measured")
+
+
+def mfu_warning(mfu: float, peak: Peak) -> str | None:
+    """MFU above 1 is impossible; say why it was logged rather than let it pass for a result."""
+    if mfu <= 1.0:
+        return None
+    if peak.source == "measured":
+        return (f"warning: mfu {mfu:.2f} > 1: the peak was measured low at start-up ({peak.flops / 1e9:.0f} GFLOP/s; "
+                "another job on the device?), so mfu is not meaningful for this run")
+    return f"warning: mfu {mfu:.2f} > 1 against the datasheet peak: the model FLOP count over-credits this model"

@@ -23,10 +23,11 @@ def tolerance(precision: str) -> float:
     return 1e-4 if precision == "no" else 3e-2
 
 
-def verify_saved(accelerator, model, tokenizer, rows: list[dict], final_dir: Path, base: str,
+def verify_saved(strategy, model, tokenizer, rows: list[dict], final_dir: Path, base: str,
                  precision: str, quantized: bool, log=print) -> dict:
+    accelerator = strategy.accelerator
     batch = rows[:4]
-    trained = eval_loss(accelerator, model, batch, batch_size=len(batch), pad_id=tokenizer.pad_token_id)
+    trained = eval_loss(strategy, model, batch, batch_size=len(batch), pad_id=tokenizer.pad_token_id)
     result = {"trained_loss": trained}
     if accelerator.is_main_process:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -22,14 +22,12 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.data import collate
-from toolkit.data.packing import collate_packed, count_examples, model_inputs, pack_rows
-from toolkit.parallel.tp import clip_grad_norm, data_parallel, prepare_tensor_parallel, shard_loader
+from toolkit.data.packing import collate_packed, count_examples, pack_rows
 from toolkit.train.evaluate import eval_loss
-from toolkit.train.flops import head_params, matmul_params, measure_peak_flops, step_flops
-from toolkit.train.loss import chunked_head_for, count_targets, token_loss_sum
-from toolkit.train.memory import grad_bytes, held_bytes
+from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
+from toolkit.train.loss import count_targets
+from toolkit.train.memory import held_bytes
 from toolkit.train.metrics import MetricsLogger
-from toolkit.train.optimizer_state import load_optimizer_state
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -55,10 +53,15 @@ class EpochShuffleSampler(Sampler[int]):
 
 @dataclass
 class TrainResult:
-    steps: int
+    steps: int  # the run's last step
     final_loss: float
     tokens: int
-    elapsed_s: float
+    elapsed_s: float  # of this process's steps
+    first_step: int = 1  # > 1 after a resume
+
+    @property
+    def steps_run(self) -> int:
+        return self.steps - self.first_step + 1
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -136,8 +139,10 @@ def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
     return {k: every[:, i].tolist() for i, k in enumerate(keys)}
 
 
-def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
+def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
           out_dir: Path, log=print, resume=None) -> tuple[torch.nn.Module, TrainResult]:
+    """Train `model` with `strategy` (a `toolkit.parallel.strategy.Strategy`: it prepares the model,
+    runs each step's forward and backward, clips and saves); returns the model to save."""
     from transformers import get_scheduler
 
     from toolkit.train.checkpoint import load_rank_state, prune_checkpoints, save_checkpoint, set_rng_state
@@ -152,44 +157,30 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
     loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
     sampler = loader.sampler
-    layout, pipe = accelerator.tp_layout, None
-    if cfg.parallel.pp > 1:  # the stages (one process: all of them) run forward/backward themselves
-        from toolkit.parallel.pp import build_pipeline
-
-        sample = (t.micro_batch_size, max(len(r["input_ids"]) for r in train_rows))
-        model = pipe = build_pipeline(cfg, accelerator, model, sample, tokenizer.pad_token_id)
-        log(pipe.describe())
-        optimizer, loader = make_optimizer(pipe, cfg), shard_loader(accelerator, loader)
-    elif layout is not None:  # DDP over the data-parallel group only; the loader sharded by dp rank
-        model, optimizer, loader = prepare_tensor_parallel(accelerator, layout, model, make_optimizer(model, cfg), loader)
-    else:
-        model, optimizer, loader = accelerator.prepare(model, make_optimizer(model, cfg), loader)
-    unwrapped = pipe.model if pipe is not None else accelerator.unwrap_model(model)
-    chunked = chunked_head_for(unwrapped, t.loss) if pipe is None else None  # pp: the last stage computes logits
-    log(f"loss: {'chunked LM head + cross-entropy on target tokens' if chunked else 'full logits + cross-entropy'}")
+    accelerator = strategy.accelerator
+    model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
+    unwrapped = strategy.unwrap(model)
+    log(strategy.describe())
     steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
                               num_training_steps=total_steps)
-    _, world, replicas = data_parallel(accelerator)  # data-parallel ranks; TP peers read the same data
-    deepspeed = accelerator.distributed_type == "DEEPSPEED"
-    if deepspeed and accelerator.is_main_process:  # what DeepSpeed ran with, accelerate's "auto"s filled in
-        (out_dir / "ds_config.json").write_text(json.dumps(accelerator.state.deepspeed_plugin.deepspeed_config, indent=2))
+    world, replicas = strategy.data_ranks, strategy.replicas  # model-parallel peers read the same data
+    strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
-        f"{t.micro_batch_size * t.grad_accum * world} examples" + (f"; tensor parallel {replicas}" if layout else ""))
+        f"{t.micro_batch_size * t.grad_accum * world} examples")
 
-    # MFU: model FLOPs over the peak every rank measures now, all at once (shared cores stay shared).
+    # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     model_cfg, n_matmul, n_head = unwrapped.config, matmul_params(unwrapped), head_params(unwrapped)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    accelerator.wait_for_everyone()
-    peak = accelerator.reduce(torch.tensor(measure_peak_flops(accelerator.device, dtype), dtype=torch.float64,
-                                           device=accelerator.device), "sum").item()
+    peak = run_peak(accelerator, dtype)
+    mfu_warned = False
     first_step, tokens_seen = 1, 0
     if resume is not None:  # weights were restored at load; now optimizer, scheduler, data position, RNG
         saved = load_rank_state(resume.path, accelerator.process_index)
-        load_optimizer_state(accelerator, model, optimizer, saved["optimizer"])
+        strategy.load_optimizer_state(model, optimizer, saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         if saved.get("scaler") is not None and accelerator.scaler is not None:
             accelerator.scaler.load_state_dict(saved["scaler"])
@@ -200,8 +191,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     epoch0, step_in_epoch = divmod(first_step - 1, steps_per_epoch)
     batches = global_batches(loader, t.grad_accum, sampler,
                              (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
-    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process)
-    metrics.advance(first_step - 1)
+    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=first_step - 1)
     pad_id = tokenizer.pad_token_id
     fault, preempt, bad_steps = fault_hook(), Preemption(), 0
 
@@ -209,8 +199,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
         path = out_dir / f"checkpoint-{step}"
         state = {"step": step, "epoch": epoch, "tokens": tokens_seen, "fingerprint": fingerprint(cfg),
                  "config": cfg.flat()}
-        save_checkpoint(accelerator, pipe.gather(to_cpu=False) if pipe is not None else model, tokenizer,
-                        optimizer, scheduler, path, state, fault)
+        save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path, state, fault)
         prune_checkpoints(accelerator, out_dir, cfg.output.keep_last)
         return path
 
@@ -228,39 +217,14 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
                                   sum(b["attention_mask"].sum() for b in micro),
                                   sum(count_examples(b) for b in micro)]).to(torch.float64)
             n_global, tokens_global, examples_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
-            # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch
-            # of the step; setting both to this step's count keeps a short last step right.
-            accelerator.gradient_accumulation_steps = len(micro)
-            accelerator.step = 0
-            loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-            for batch in micro:
-                if pipe is not None:  # x world: gradients are averaged over data-parallel replicas
-                    loss_sum += pipe.train_step(batch, scale=world / n_global).to(loss_sum.device)
-                    continue
-                with accelerator.accumulate(model):
-                    if chunked is not None:  # the head returns the loss sum in place of logits
-                        with chunked.labels(batch["labels"]):
-                            loss = model(**model_inputs(batch)).logits
-                    else:
-                        logits = model(**model_inputs(batch)).logits
-                        loss = token_loss_sum(logits, batch["labels"])
-                    # x world: DDP/ZeRO/FSDP average gradients over data-parallel ranks; x divisor: undo the division by
-                    # the accumulation count (accelerate's, set to this step's count above; DeepSpeed's own
-                    # engine divides by its configured --grad-accum).
-                    divisor = t.grad_accum if deepspeed else len(micro)
-                    accelerator.backward(loss * (world * divisor / n_global))
-                    loss_sum += loss.detach().double()
-            grads_held = grad_bytes(model) if step == 1 and not deepspeed else None  # DeepSpeed freed them in backward
-            if pipe is not None:
-                pipe.finish_grads()
-                grad_norm = pipe.clip_grad_norm(t.max_grad_norm or float("inf"))
-            elif layout is not None:
-                grad_norm = clip_grad_norm(model.parameters(), t.max_grad_norm or float("inf"), layout)
-            else:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+            # each micro-batch's summed loss over the global batch's target count; x world: data-parallel
+            # ranks average their gradients
+            loss_sum = strategy.forward_backward(model, micro, scale=world / n_global)
+            grads_held = strategy.grads_held(model) if step == first_step else None
+            grad_norm = strategy.clip_grad_norm(model, t.max_grad_norm or float("inf"))
             step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
-            if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or deepspeed:
-                optimizer.step()  # (DeepSpeed's engine must step every time; a non-finite step there only counts)
+            if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or strategy.always_steps:
+                optimizer.step()
                 scheduler.step()
                 bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
             else:  # skip the update: the weights, optimizer and schedule stay where they were
@@ -290,20 +254,26 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
                 now = time.perf_counter()
                 last_loss = window["loss"] / window["targets"]
                 tokens_per_sec = window["tokens"] / (now - window["t0"])
-                flops = step_flops(window["tokens"], window["targets"] if chunked else window["tokens"], n_matmul, n_head,
+                flops = step_flops(window["tokens"], window["targets"] if strategy.chunked else window["tokens"], n_matmul, n_head,
                                    model_cfg.num_hidden_layers, model_cfg.hidden_size,
                                    window["tokens"] / window["examples"])  # context: mean example length
                 per_token = flops / window["tokens"]
+                mfu = per_token * tokens_per_sec / peak.flops
+                warning = None if mfu_warned else mfu_warning(mfu, peak)
+                if warning:
+                    metrics.write(warning)
+                    mfu_warned = True
                 metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
                              "grad_norm": float(grad_norm) if grad_norm is not None else None,
                              "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,
-                             "mfu": per_token * tokens_per_sec / peak, "flops_per_token": per_token, "peak_flops": peak,
+                             "mfu": mfu, "flops_per_token": per_token, "peak_flops": peak.flops,
+                             "peak_source": peak.source, "measured_peak_flops": peak.measured,
                              "elapsed_s": now - start, **memory})
                 memory = {}
                 window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
             if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
                 t_eval = time.perf_counter()
-                el = eval_loss(accelerator, model, eval_rows, t.micro_batch_size, pad_id)
+                el = eval_loss(strategy, model, eval_rows, t.micro_batch_size, pad_id)
                 metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
                 metrics.write(f"step {step}: eval_loss {el:.4f}")
                 window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
@@ -320,6 +290,4 @@ def train(cfg: Config, accelerator, model, tokenizer, train_rows: list[dict], ev
     finally:
         preempt.restore()
         metrics.close()
-    if pipe is not None:  # the stages' weights back in one HF model (on every rank), ready to save
-        model = pipe.gather()
-    return model, TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start)
+    return strategy.export(model), TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start, first_step)

@@ -10,7 +10,9 @@ from typing import Any
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: Path, total_steps: int, enabled: bool):
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, done: int = 0):
+        """`done`: steps a resumed run starts past; the bar starts there and its rate counts only
+        the steps this run takes."""
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
@@ -22,7 +24,7 @@ class MetricsLogger:
 
         self._file = self.path.open("a", buffering=1)
         self._tb = SummaryWriter(str(out_dir / "tensorboard"))
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self._bar = tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append a record (must hold `step`); numbers also go to TensorBoard under their key."""

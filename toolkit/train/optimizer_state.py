@@ -1,4 +1,5 @@
-"""Optimizer state for resumable checkpoints, for every strategy, as `weights_only`-loadable values.
+"""Optimizer state for resumable checkpoints as `weights_only`-loadable values (the strategies in
+`toolkit.parallel.strategy` decide which state each layout stores):
 
 - DDP, TP, PP: the rank's own `optimizer.state_dict()` (plain tensors and numbers).
 - DeepSpeed ZeRO-1/2/3: the ZeRO optimizer's own per-rank `state_dict()` (this rank's fp32 master
@@ -40,44 +41,30 @@ def _plain(value, where: str = "optimizer state"):
     raise TypeError(f"{where}: cannot store a {type(value).__name__} in a weights_only checkpoint")
 
 
-def _zero_optimizer(accelerator, optimizer):
-    """DeepSpeed's optimizer behind accelerate's wrapper (ZeRO-1/2/3, or the client optimizer at stage 0)."""
-    return optimizer.optimizer if accelerator.distributed_type == "DEEPSPEED" else None
+def plain(value) -> dict:
+    """`value` (an optimizer's state_dict) as weights_only-loadable values."""
+    return _plain(value)
 
 
-def optimizer_state(accelerator, model, optimizer) -> dict:
-    """This rank's share of the optimizer state (collective under FSDP)."""
-    if accelerator.distributed_type == "FSDP":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    zero = _zero_optimizer(accelerator, optimizer)
-    return _plain(zero.state_dict() if zero is not None else optimizer.state_dict())
-
-
-def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
-    """Undo `optimizer_state` (collective under FSDP). The model weights are already restored."""
-    if accelerator.distributed_type == "FSDP":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer.optimizer, saved,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        return
-    zero = _zero_optimizer(accelerator, optimizer)
-    if zero is None:
-        optimizer.load_state_dict(saved)
-        return
+def restore_loss_scaler(optimizer, saved: dict) -> dict:
+    """`saved` with its stored loss-scaler numbers put back into the optimizer's live scaler object."""
     saved = dict(saved)
-    for key, value in list(saved.items()):  # the live loss scaler object, with the saved numbers
+    for key, value in list(saved.items()):
         if isinstance(value, dict) and LOSS_SCALER_KEY in value:
-            scaler = getattr(zero, "loss_scaler", None)
+            scaler = getattr(optimizer, "loss_scaler", None)
             if scaler is not None:
                 vars(scaler).update(value[LOSS_SCALER_KEY])
             saved[key] = scaler
-    if "state_dict_list" in inspect.signature(zero.load_state_dict).parameters:  # ZeRO-1/2/3: one entry per dp rank
-        states = [None] * accelerator.num_processes
-        states[accelerator.process_index] = saved
-        zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+    return saved
+
+
+def load_partitioned(optimizer, saved: dict, rank: int, ranks: int) -> None:
+    """Load this rank's partition into a partitioned (ZeRO-1/2/3) optimizer, whose `load_state_dict`
+    takes one entry per data-parallel rank, with the fp32 masters restored exactly
+    (`load_from_fp32_weights`, not rounded from bf16); a stage-0 client optimizer takes it as is."""
+    if "state_dict_list" in inspect.signature(optimizer.load_state_dict).parameters:
+        states = [None] * ranks
+        states[rank] = saved
+        optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
     else:
-        zero.load_state_dict(saved)
+        optimizer.load_state_dict(saved)

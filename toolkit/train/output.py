@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.config import Config
+from toolkit.config import Config, parse_columns
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
              "integrity.json", "ds_config.json", "plan.json")
@@ -32,8 +32,12 @@ def prepare_output_dir(cfg: Config, accelerator) -> Path:
 
 def report_data(log, cfg: Config, examples, stats, n_eval: int, added_template: bool) -> None:
     how = "detected from columns" if examples.detected else "from --format"
+    if cfg.data.columns:
+        how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(cfg.data.columns).items())
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples} training examples, "
         f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained")
+    if examples.system_added:
+        log(f"data: --system-prompt added to {examples.system_added} conversation(s) without a system message")
     if stats.truncated:
         log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
     if stats.dropped:
@@ -50,8 +54,8 @@ class RunResult:
 
 
 def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, model) -> RunResult:
-    summary = {"steps": result.steps, "final_loss": result.final_loss, "tokens": result.tokens,
-               "train_seconds": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
+    summary = {"steps": result.steps, "steps_this_run": result.steps_run, "final_loss": result.final_loss,
+               "tokens": result.tokens, "train_seconds": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
     for when, (correct, total, samples) in scores.items():
         summary[f"exact_match_{when}"] = correct / total
         if when == "after":
@@ -59,8 +63,9 @@ def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, mo
                 log(f"  sample: {s}")
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log(f"done: {result.steps} steps in {result.elapsed_s:.0f}s, final loss {result.final_loss:.4f}; "
-        f"saved {out / 'final'}")
+    ran = f"{result.steps} steps" if result.first_step == 1 else \
+        f"{result.steps_run} steps ({result.first_step}-{result.steps}, resumed at step {result.first_step})"
+    log(f"done: {ran} in {result.elapsed_s:.0f}s, final loss {result.final_loss:.4f}; saved {out / 'final'}")
     if "before" in scores and "after" in scores:
         (b, n, _), (a, _, _) = scores["before"], scores["after"]
         log(f"exact match on {n} held-out examples: before {b}/{n} ({b / n:.0%}) -> after {a}/{n} ({a / n:.0%})")

@@ -68,14 +68,15 @@ def pipeline_devices(cfg: Config) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(n)]
 
 
-def build_pipeline(cfg: Config, accelerator, model, sample_shape: tuple[int, int], pad_id: int):
-    """The naive pipeline in one process, this rank's stage with several."""
+def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, model, sample_shape: tuple[int, int],
+                   pad_id: int, loss_fn, shard_mesh=None):
+    """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
+    over `shard_mesh` when given)."""
     par = cfg.parallel
     autocast = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
-    layout: PipelineLayout | None = getattr(accelerator, "pp_layout", None)
     if layout is None:
         return NaivePipeline(model, pipeline_devices(cfg), par.pp_microbatches, par.pp_balance,
-                             (sample_shape[0] // par.pp_microbatches, sample_shape[1]), autocast)
+                             (sample_shape[0] // par.pp_microbatches, sample_shape[1]), autocast, loss_fn)
     import torch.distributed as dist
 
     parts = decoder_parts(model)
@@ -88,4 +89,4 @@ def build_pipeline(cfg: Config, accelerator, model, sample_shape: tuple[int, int
         blocks, first, last = param_costs(parts)
     sizes = balance(blocks, par.pp, first, last)
     return StagePipeline(model, layout, sizes, par.pp_microbatches, par.pp_schedule, accelerator.device,
-                         pad_id, autocast)
+                         pad_id, autocast, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.parallel.grad_norm import clip_grad_norm
 from toolkit.parallel.pp.split import DecoderStage, balance, decoder_parts, param_costs, stage_bounds, time_costs
 from toolkit.train.loss import token_loss_sum
 
@@ -50,8 +51,10 @@ class NaivePipeline(nn.Module):
     """The model's stages on `devices` in one process; `train_step` runs a GPipe step."""
 
     def __init__(self, model: nn.Module, devices: list[torch.device], microbatches: int, by: str = "params",
-                 sample_shape: tuple[int, int] | None = None, autocast_dtype: torch.dtype | None = None):
+                 sample_shape: tuple[int, int] | None = None, autocast_dtype: torch.dtype | None = None,
+                 loss_fn=token_loss_sum):
         super().__init__()
+        self.loss_fn = loss_fn  # (logits, labels) -> summed loss
         parts = decoder_parts(model)
         self.__dict__["model"] = model  # not a submodule: parameters() are the stages' (shared) ones
         self.devices, self.microbatches = devices, microbatches
@@ -90,14 +93,14 @@ class NaivePipeline(nn.Module):
         """Forward and backward of one batch; gradients accumulate. Returns the summed token loss."""
         mbs = split_microbatches(batch, self.microbatches)
         logits = self.forward_microbatches(batch)
-        total = sum(token_loss_sum(lg, mb["labels"].to(lg.device)) for lg, mb in zip(logits, mbs))
+        total = sum(self.loss_fn(lg, mb["labels"].to(lg.device)) for lg, mb in zip(logits, mbs))
         (total * scale).backward()
         return total.detach().double()
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self.stages_forward(batch)
-        return token_loss_sum(logits, batch["labels"].to(logits.device)).double()
+        return self.loss_fn(logits, batch["labels"].to(logits.device)).double()
 
     def stages_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x = batch["input_ids"]
@@ -109,12 +112,8 @@ class NaivePipeline(nn.Module):
         """Nothing to synchronise in one process (DDP over naive pipelines is not offered)."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = [p for p in self.parameters() if p.grad is not None]
-        norms = [torch.linalg.vector_norm(p.grad.double()).to(self.devices[0]) for p in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
-        if max_norm and max_norm != float("inf"):
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.float(), foreach=False)
-        return total.float()
+        params = list(self.parameters())
+        return clip_grad_norm(params, max_norm, [(params, ())])
 
     def gather(self, to_cpu: bool = True) -> nn.Module:
         """The HF model (its parameters are the stages'), moved back to CPU after training so plain

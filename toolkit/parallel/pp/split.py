@@ -29,23 +29,33 @@ class DecoderParts:
     head: nn.Module
 
 
+def stage_names(config, model_cls: type | None = None) -> tuple[str, str, str, str]:
+    """(embeddings, blocks, final norm, LM head) attribute names, from the config's
+    `base_model_pp_plan` and the model class's `_pp_plan` (transformers' own: the decoder's modules in
+    forward order, the blocks being the one that runs per layer); Llama's names where none is declared."""
+    plan = list(getattr(config, "base_model_pp_plan", None) or {})
+    embed, layers, norm = (plan[0], plan[1], plan[-1]) if len(plan) == 3 else ("embed_tokens", "layers", "norm")
+    head = next(iter(getattr(model_cls, "_pp_plan", None) or {}), "lm_head")
+    return embed, layers, norm, head
+
+
 def decoder_parts(model: nn.Module, flag: str = "--pp") -> DecoderParts:
     """Find the decoder's pieces in a (possibly peft-wrapped) HF causal LM, or say what is there."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(base, "model", None)
-    names = {"embed_tokens": None, "layers": None, "norm": None, "rotary_emb": None}
+    embed, layers, norm, head_name = stage_names(base.config, type(base))
+    names = {embed: None, layers: None, norm: None, "rotary_emb": None}
     for name in names:
         names[name] = getattr(inner, name, None) if inner is not None else None
-    head = getattr(base, "lm_head", None)
-    missing = [f"model.{k}" for k, v in names.items() if v is None] + ([] if head is not None else ["lm_head"])
+    head = getattr(base, head_name, None)
+    missing = [f"model.{k}" for k, v in names.items() if v is None] + ([] if head is not None else [head_name])
     if missing:
         found = ", ".join(f"{n} ({type(m).__name__})" for n, m in base.named_children())
         inner_found = ", ".join(f"model.{n} ({type(m).__name__})" for n, m in inner.named_children()) if inner is not None else ""
         raise UserError(f"{flag}: cannot split {type(base).__name__} into pipeline stages: missing "
                         f"{', '.join(missing)}; found {found}{'; ' + inner_found if inner_found else ''}. "
                         "Supported: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM)")
-    return DecoderParts(base.config, names["embed_tokens"], list(names["layers"]), names["norm"],
-                        names["rotary_emb"], head)
+    return DecoderParts(base.config, names[embed], list(names[layers]), names[norm], names["rotary_emb"], head)
 
 
 def param_costs(parts: DecoderParts) -> tuple[list[float], float, float]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from toolkit.parallel.grad_norm import clip_grad_norm, full, local
 from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
 from toolkit.parallel.pp.split import DecoderStage, decoder_parts, stage_bounds
 from toolkit.train.loss import token_loss_sum
@@ -43,16 +44,18 @@ class PipelineLayout:
         return self.pp
 
 
-def make_pipeline_layout(pp: int) -> PipelineLayout:
-    """Create the pipeline, data-parallel and tied-embedding groups (collective: every rank calls
-    it, in the same order)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // pp
-    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
-    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
-    tie_groups = [dist.new_group([d, (pp - 1) * dp + d]) for d in range(dp)]
-    d, s = rank % dp, rank // dp
-    return PipelineLayout(pp, dp, s, d, pp_groups[d], dp_groups[s], tie_groups[d])
+def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
+    """The pipeline, data-parallel and tied-embedding groups of `mesh` (by default one over the
+    whole world with this pipeline depth). Collective: every rank calls it, in the same order."""
+    from toolkit.parallel.mesh import local_mesh
+
+    mesh = mesh if mesh is not None else local_mesh(pp=pp)
+    pipelines = mesh.mesh.reshape(mesh["pp"].size(), -1).T.tolist()  # each row: one pipeline's ranks, stage order
+    ties = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
+    dp = mesh["dp"]
+    mine = next(i for i, ranks in enumerate(pipelines) if dist.get_rank() in ranks)
+    return PipelineLayout(mesh["pp"].size(), dp.size(), mesh.get_local_rank("pp"), dp.get_local_rank(),
+                          mesh.get_group("pp"), dp.get_group(), ties[mine])
 
 
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -77,8 +80,10 @@ class StagePipeline(nn.Module):
     """This rank's stage of the model, and the schedule that runs it."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
-                 schedule: str, device: torch.device, pad_id: int, autocast_dtype: torch.dtype | None = None):
+                 schedule: str, device: torch.device, pad_id: int, autocast_dtype: torch.dtype | None = None,
+                 loss_fn=token_loss_sum, shard_mesh=None, reshard: bool = True):
         super().__init__()
+        self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
         parts = decoder_parts(model)
         self.__dict__["model"] = model  # not a submodule: parameters() are this rank's stage only
         self.layout, self.sizes, self.microbatches = layout, sizes, microbatches
@@ -87,7 +92,16 @@ class StagePipeline(nn.Module):
         first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
         self.stage = DecoderStage(parts, start, stop, first, last, autocast_dtype).to(device)
         self.first, self.last = first, last
-        self.tied = parts.head.weight if parts.head.weight is parts.embed.weight and layout.pp > 1 else None
+        tied = parts.head.weight is parts.embed.weight and layout.pp > 1
+        self.sharded = shard_mesh is not None
+        if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 over the shard mesh
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.stage.layers:
+                fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard)
+            fully_shard(self.stage, mesh=shard_mesh, reshard_after_forward=reshard)
+        # the tied weight as this stage holds it (FSDP2 replaced the parameters it shards)
+        self.tied = (self.stage.embed.weight if first else self.stage.head.weight if last else None) if tied else None
         names = {id(p): n for n, p in model.named_parameters()}
         self.names = {n: p for p in self.stage.parameters() if (n := names.get(id(p)))}
         self._schedules: dict[tuple, Any] = {}
@@ -101,7 +115,7 @@ class StagePipeline(nn.Module):
                 f"(p-1)/(m+p-1) = {bubble_fraction(self.layout.pp, self.microbatches):.1%}")
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = token_loss_sum(logits, labels)
+        loss = self.loss_fn(logits, labels)
         self._losses.append(loss.detach().double())
         return loss * self._scale
 
@@ -148,10 +162,11 @@ class StagePipeline(nn.Module):
         return self._run(batch, 1, train=False)
 
     def finish_grads(self) -> None:
-        """Sum the tied embedding's two halves; average gradients over data-parallel replicas."""
+        """Sum the tied embedding's two halves; average gradients over data-parallel replicas (FSDP2
+        has reduced them already when the stage is sharded)."""
         if self.tied is not None and self.tied.grad is not None:
-            dist.all_reduce(self.tied.grad, group=self.layout.tie_group)
-        if self.layout.dp > 1:
+            dist.all_reduce(local(self.tied.grad), group=self.layout.tie_group)
+        if self.layout.dp > 1 and not self.sharded:
             grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
@@ -160,23 +175,34 @@ class StagePipeline(nn.Module):
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The full model's gradient norm: squares summed over the stages (a tied weight once)."""
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        counted = [p for p in params if not (self.tied is not None and p is self.tied and not self.first)]
-        sq = sum((p.grad.double().pow(2).sum() for p in counted),
-                 torch.zeros((), dtype=torch.float64, device=self.device))
-        dist.all_reduce(sq, group=self.layout.pp_group)
-        total = sq.sqrt()
-        if max_norm and max_norm != float("inf"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.float())
-        return total.float()
+    def clip_grad_norm(self, max_norm: float, tp_group=None, tp_split=(), shard_group=None) -> torch.Tensor:
+        """The full model's gradient norm: squares summed over the stages (a tied weight once), over
+        the TP group for the TP slices (`tp_split`: their names) and over the shard group of FSDP2."""
+        params = list(self.stage.parameters())
+        counted = {n: p for n, p in self.names.items() if not (self.tied is not None and p is self.tied and not self.first)}
+        shard = (shard_group,) if shard_group is not None else ()
+        split = [p for n, p in counted.items() if n in tp_split]
+        rest = [p for n, p in counted.items() if n not in tp_split]
+        tp = (tp_group,) if tp_group is not None else ()
+        return clip_grad_norm(params, max_norm, [(split, (self.layout.pp_group, *tp, *shard)),
+                                                 (rest, (self.layout.pp_group, *shard))])
+
+    def _unshard_outside_blocks(self) -> None:
+        """Plain whole parameters in place of the stage root's FSDP2 shards (collective over the shard
+        group): the HF model's own forward never calls the stage root, whose hook would gather them."""
+        in_blocks = {id(m) for block in self.stage.layers for m in block.modules()}
+        for module in self.stage.modules():
+            if id(module) in in_blocks:
+                continue
+            for name, p in list(module._parameters.items()):
+                if p is not None and hasattr(p, "full_tensor"):
+                    module._parameters[name] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
 
     def gather(self, to_cpu: bool = True) -> nn.Module:
         """Every rank's full HF model with the trained weights of every stage (collective over the
         pipeline group): what `save_final` writes. Moved to CPU after training (the integrity reload
         and exact match run it there); left in place for a mid-run save, so training goes on."""
-        mine = {n: p.detach().cpu() for n, p in self.names.items() if p.requires_grad}
+        mine = {n: full(p).detach().cpu() for n, p in self.names.items() if p.requires_grad}
         every: list[dict] = [None] * self.layout.pp  # type: ignore[list-item]
         dist.all_gather_object(every, mine, group=self.layout.pp_group)
         params = dict(self.model.named_parameters())
@@ -185,4 +211,8 @@ class StagePipeline(nn.Module):
                 for n, v in state.items():
                     if n not in self.names:  # this rank's own are current
                         params[n].copy_(v)
+        if self.sharded:  # stays where it is: after training the weights the stage holds outside its blocks
+            if to_cpu:    # (embedding, norm, head) become whole tensors; blocks gather theirs in every forward
+                self._unshard_outside_blocks()
+            return self.model
         return self.model.to("cpu") if to_cpu else self.model

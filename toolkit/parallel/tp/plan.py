@@ -1,5 +1,7 @@
 """The tensor-parallel plan for Llama-family HF models (Llama, Mistral, Qwen2, Qwen3), applied in
-place to a loaded model (full or peft-LoRA) by slicing its full weights.
+place to a loaded model (full or peft-LoRA) by slicing its full weights. Which projections are
+column- and row-parallel comes from the config's `base_model_tp_plan` (transformers' own), with
+the hand-written Llama plan below as the fallback.
 
 Per decoder block, with t ranks:
     attention: q/k/v column-parallel (whole heads: rank i keeps heads i*n/t .. (i+1)*n/t - 1, and
@@ -27,8 +29,32 @@ from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, re
 from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The hand-written plan: the fallback for a config that declares no `base_model_tp_plan` we can run
 ATTENTION = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"}
 MLP = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+FALLBACK_PLAN = {"self_attn": ATTENTION, "mlp": MLP}
+STYLES = {"colwise": "column", "rowwise": "row"}  # transformers' TP styles these layers implement
+
+
+def block_plan(config) -> dict[str, dict[str, str]]:
+    """{block submodule: {projection: column | row}}, read from the config's `base_model_tp_plan`
+    (transformers' own, e.g. 'layers.*.self_attn.q_proj': 'colwise'). Parameters it marks
+    'replicated_with_grad_allreduce' (Qwen3's q/k norms) are what every replicated parameter inside
+    the TP region gets here anyway. A plan beyond per-block column/row pairs (vocab-parallel
+    embeddings, packed or sequence-parallel styles) or none at all: the hand-written plan."""
+    declared = getattr(config, "base_model_tp_plan", None) or {}
+    plan: dict[str, dict[str, str]] = {}
+    for key, style in declared.items():
+        parts = key.split(".")
+        if style == "replicated_with_grad_allreduce" and parts[:2] == ["layers", "*"]:
+            continue
+        if len(parts) != 4 or parts[:2] != ["layers", "*"] or style not in STYLES:
+            return FALLBACK_PLAN
+        plan.setdefault(parts[2], {})[parts[3]] = STYLES[style]
+    # each region: columns in, exactly one row out (the all-reduce that closes it)
+    if not plan or any(list(kinds.values()).count("row") != 1 for kinds in plan.values()):
+        return FALLBACK_PLAN
+    return plan
 
 
 def tp_problems(config, t: int, world: int) -> list[str]:
@@ -49,7 +75,8 @@ def tp_problems(config, t: int, world: int) -> list[str]:
     return problems
 
 
-def _blocks(model) -> list[nn.Module]:
+def decoder_blocks(model) -> list[nn.Module]:
+    """The decoder blocks of a Llama-family model (or a peft model around one)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(base, "model", None)
     layers = getattr(inner, "layers", None)
@@ -60,10 +87,9 @@ def _blocks(model) -> list[nn.Module]:
     return list(layers)
 
 
-def _check_block(i: int, block: nn.Module) -> None:
-    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-    missing = [f"self_attn.{n}" for n in ATTENTION if attn is None or not hasattr(attn, n)]
-    missing += [f"mlp.{n}" for n in MLP if mlp is None or not hasattr(mlp, n)]
+def _check_block(i: int, block: nn.Module, plan: dict[str, dict[str, str]]) -> None:
+    missing = [f"{sub}.{n}" for sub, kinds in plan.items() for n in kinds
+               if getattr(block, sub, None) is None or not hasattr(getattr(block, sub), n)]
     if missing:
         found = ", ".join(f"{n}: {type(m).__name__}" for n, m in block.named_children())
         raise UserError(f"--tp: block {i} ({type(block).__name__}) has no {', '.join(missing)}; "
@@ -111,15 +137,17 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     t = group_size(group)
     if t == 1:
         return model
-    for i, block in enumerate(_blocks(model)):
-        _check_block(i, block)
-        for sub, plan in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
-            for name, kind in plan.items():
+    plan = block_plan(model.config)
+    for i, block in enumerate(decoder_blocks(model)):
+        _check_block(i, block, plan)
+        for sub, kinds in ((getattr(block, name), kinds) for name, kinds in plan.items()):
+            for name, kind in kinds.items():
                 _shard_projection(sub, name, kind, group)
             sub.register_forward_pre_hook(_copy_hidden_states(group), with_kwargs=True)
             for p in sub.parameters():
                 if p.requires_grad and not hasattr(p, "tp_split_dim") and not getattr(p, "tp_full_grad", False):
                     p.register_hook(all_reduce_grad(group))
+                    p.tp_partial_grad = True  # for FSDP2, which replaces the parameter (and its hook)
         attn = block.self_attn
         for attr in ("num_heads", "num_key_value_heads"):  # some archs keep per-module head counts
             if isinstance(getattr(attn, attr, None), int):

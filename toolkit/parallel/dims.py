@@ -1,0 +1,82 @@
+"""The degree of every parallel dimension, decided once from the flags and the launcher.
+
+    world = pp x dp_replicate x dp_shard x cp x tp
+
+The mesh is laid out in that order, outermost first (torchtitan's and Megatron's order): TP
+innermost, so its per-layer collectives run between consecutive ranks, which share a node; PP
+outermost, since stages exchange only activations at their boundaries. `cp` (context parallel)
+is held at 1 until it is built. One degree is inferred from the rest: the data-parallel one.
+
+Pure Python: the planner and config checks import this without torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own shard of every global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that read the same shard of the data (the model-parallel group)."""
+        return self.pp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def problems(self) -> list[str]:
+        """Every way these degrees fail to cover the world, as one list."""
+        p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
+        if not p and self.pp * self.dp * self.cp * self.tp != self.world_size:
+            p.append(f"{self.describe()} is {self.pp * self.dp * self.cp * self.tp} ranks, but {self.world_size} "
+                     f"were launched; launch {self.pp * self.dp * self.cp * self.tp} processes or change the degrees")
+        return p
+
+    def describe(self) -> str:
+        """'pp 2 x dp_replicate 2' (the dimensions above 1)."""
+        parts = [f"{d} {getattr(self, d)}" for d in MESH_DIMS if getattr(self, d) > 1]
+        return " x ".join(parts) or "one rank"
+
+
+def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False, dp_shard: int = 0,
+               dp_replicate: int = 0) -> tuple[ParallelDims, list[str]]:
+    """The layout for `world_size` ranks: the model-parallel degrees as given, the data-parallel ones
+    as given (0 = inferred: what the others leave, sharded with ZeRO/FSDP when `sharded`, else
+    replicated). Returns the dims and every problem found."""
+    model_parallel = tp * pp
+    if model_parallel < 1 or world_size % model_parallel:
+        flags = " x ".join(f"--{n} {v}" for n, v in (("pp", pp), ("tp", tp)) if v != 1)
+        return ParallelDims(world_size, pp=pp, tp=tp), [
+            f"{flags} needs a world size that is a multiple of {model_parallel} (got {world_size}); launch "
+            f"torchrun --nproc_per_node {model_parallel} (times the data-parallel degree you want)"]
+    rest = world_size // model_parallel
+    given = " x ".join(f"--{n} {v}" for n, v in (("dp-replicate", dp_replicate), ("dp-shard", dp_shard)) if v)
+    if not dp_shard and not dp_replicate:
+        dp_shard, dp_replicate = (rest, 1) if sharded else (1, rest)
+    elif not dp_shard:
+        dp_shard = rest // dp_replicate if rest % dp_replicate == 0 else 0
+    elif not dp_replicate:
+        dp_replicate = rest // dp_shard if rest % dp_shard == 0 else 0
+    if dp_shard < 1 or dp_replicate < 1 or dp_shard * dp_replicate != rest:
+        return ParallelDims(world_size, pp=pp, tp=tp), [
+            f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp} x tp {tp}) "
+            f"leave {rest} data-parallel rank{'s' if rest != 1 else ''}; launch {model_parallel * (dp_shard or 1) * (dp_replicate or 1)} "
+            f"processes or change the degrees"]
+    dims = ParallelDims(world_size, pp=pp, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    return dims, dims.problems()

@@ -1,0 +1,533 @@
+"""One strategy seam: everything the training loop, checkpoints and evaluation ask of a parallel
+layout, so that none of them branches on which layout runs (torchtitan's `parallelize` /
+`pipelining_fn` split).
+
+- `AccelerateStrategy`: DDP, DeepSpeed ZeRO-0..3 (+ offload) and FSDP2, all through accelerate.
+  Every DeepSpeed quirk lives here.
+- `TensorParallelStrategy`: the project's TP layers over the mesh's `tp` dimension, DDP over `dp`.
+- `MeshShardedStrategy`: FSDP2 over the mesh's `dp_shard` (HSDP: `dp_replicate` x `dp_shard`),
+  the TP layers inside when tp > 1.
+- `PipelineStrategy`: one stage per rank over the mesh's `pp` dimension, each stage TP-split and/or
+  FSDP2-sharded, data parallel over `dp`; in one process, the naive pipeline with every stage.
+
+`make_strategy` decides the layout once (`ParallelDims`), checks it against the model's config
+before any weights are read, and builds the device mesh where a layout needs one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from toolkit.config import Config
+from toolkit.errors import UserError
+from toolkit.parallel.dims import ParallelDims, infer_dims
+from toolkit.train.loss import token_loss_sum
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
+
+
+class AccelerateStrategy:
+    """DDP / DeepSpeed / FSDP2: accelerate prepares the model and shards the data over every rank."""
+
+    def __init__(self, accelerator, dims: ParallelDims | None = None, cfg: Config | None = None,
+                 loss_fn: LossFn = token_loss_sum):
+        self.accelerator, self.cfg, self.loss_fn = accelerator, cfg, loss_fn
+        n = accelerator.num_processes
+        self.dims = dims or ParallelDims(n, dp_replicate=n)
+        self.deepspeed = accelerator.distributed_type == "DEEPSPEED"
+        self.chunked = None  # the LM head that returns the loss sum itself (toolkit.train.loss)
+
+    # --- data: which shard of every global batch this rank reads
+    @property
+    def data_rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dims.dp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that read the same shard: world-wide sums count it this many times."""
+        return self.dims.replicas
+
+    def shard_loader(self, loader):
+        from accelerate.data_loader import prepare_data_loader
+
+        a = self.accelerator
+        return prepare_data_loader(loader, a.device, num_processes=self.data_ranks, process_index=self.data_rank,
+                                   put_on_device=True, even_batches=a.even_batches)
+
+    # --- model and optimizer
+    def shard_model(self, model):
+        """Applied right after loading (ZeRO-3 partitions inside `from_pretrained` itself)."""
+        return model
+
+    def prepare(self, model, optimizer_fn: Callable, loader):
+        model, optimizer, loader = self.accelerator.prepare(model, optimizer_fn(model), loader)
+        self._choose_loss(model)
+        return model, optimizer, loader
+
+    def _choose_loss(self, model) -> None:
+        from toolkit.train.loss import chunked_head_for
+
+        if self.loss_fn is token_loss_sum:  # the chunked head computes exactly this loss
+            self.chunked = chunked_head_for(self.unwrap(model), self.cfg.train.loss if self.cfg else "auto")
+
+    def describe(self) -> str:
+        """The log lines that say how this layout runs (after `prepare`)."""
+        return "loss: " + ("chunked LM head + cross-entropy on target tokens" if self.chunked else "full logits + cross-entropy")
+
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)
+
+    def save_run_config(self, out_dir: Path) -> None:
+        """What DeepSpeed ran with, accelerate's "auto"s filled in."""
+        if self.deepspeed and self.accelerator.is_main_process:
+            config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            (out_dir / "ds_config.json").write_text(json.dumps(config, indent=2))
+
+    # --- one optimizer step
+    def _loss(self, model, batch: dict) -> torch.Tensor:
+        from toolkit.data.packing import model_inputs
+
+        if self.chunked is not None:  # the head returns the loss sum in place of logits
+            with self.chunked.labels(batch["labels"]):
+                return model(**model_inputs(batch)).logits
+        return self.loss_fn(model(**model_inputs(batch)).logits, batch["labels"])
+
+    def forward_backward(self, model, micro: list[dict], scale: float) -> torch.Tensor:
+        """Forward and backward of one global batch's micro-batches on this rank, each micro-batch's
+        summed loss times `scale`; returns the summed loss (float64). Gradients are synchronised."""
+        a = self.accelerator
+        # accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch;
+        # setting both to this step's count keeps a short last step right. DeepSpeed's engine divides
+        # by its configured --grad-accum instead.
+        a.gradient_accumulation_steps, a.step = len(micro), 0
+        divisor = self.cfg.train.grad_accum if self.deepspeed else len(micro)
+        total = torch.zeros((), dtype=torch.float64, device=a.device)
+        for batch in micro:
+            with a.accumulate(model):
+                loss = self._loss(model, batch)
+                a.backward(loss * (scale * divisor))
+                total += loss.detach().double()
+        return total
+
+    def clip_grad_norm(self, model, max_norm: float):
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    @property
+    def always_steps(self) -> bool:
+        """DeepSpeed's engine must step every time (a non-finite step there only counts as skipped)."""
+        return self.deepspeed
+
+    def grads_held(self, model) -> int | None:
+        """Gradient bytes this rank holds after backward (None: DeepSpeed freed them in backward)."""
+        from toolkit.train.memory import grad_bytes
+
+        return None if self.deepspeed else grad_bytes(model)
+
+    # --- evaluation
+    def eval_device(self, model) -> torch.device:
+        """Where inputs go: the model's device (a gathered pipeline model sits on CPU after training);
+        DeepSpeed's partitioned parameters can report CPU under offload, so it gets the rank's device."""
+        return self.accelerator.device if self.deepspeed else next(model.parameters()).device
+
+    def eval_loss_sum(self, model, batch: dict) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return self.loss_fn(logits, batch["labels"])
+
+    # --- saving
+    def export(self, model, final: bool = True):
+        """The model to save (and, when `final`, to evaluate and return after training)."""
+        return model
+
+    def state_dict(self, model) -> dict:
+        """The full state dict (collective: sharded strategies gather it); complete on the main process."""
+        return self.accelerator.get_state_dict(model)
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        """This rank's share of the optimizer state, as weights_only-loadable values (collective under FSDP)."""
+        from toolkit.train.optimizer_state import plain
+
+        if self.accelerator.distributed_type == "FSDP":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(model, optimizer.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # DeepSpeed: the ZeRO optimizer's own per-rank state (fp32 master partition, Adam moments)
+        return plain(optimizer.optimizer.state_dict() if self.deepspeed else optimizer.state_dict())
+
+    def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
+        """Undo `optimizer_state` (collective under FSDP). The model weights are already restored."""
+        from toolkit.train.optimizer_state import load_partitioned, restore_loss_scaler
+
+        if self.accelerator.distributed_type == "FSDP":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer.optimizer, saved,
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        elif self.deepspeed:
+            zero = optimizer.optimizer
+            load_partitioned(zero, restore_loss_scaler(zero, saved), self.accelerator.process_index,
+                             self.accelerator.num_processes)
+        else:
+            optimizer.load_state_dict(saved)
+
+
+class TensorParallelStrategy(AccelerateStrategy):
+    """TP layers over the mesh's `tp` groups; DDP over `dp`; the loader sharded by dp rank."""
+
+    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config | None = None,
+                 loss_fn: LossFn = token_loss_sum):
+        super().__init__(accelerator, dims, cfg, loss_fn)
+        from toolkit.parallel.tp import make_layout
+
+        self.layout = make_layout(dims.tp, mesh)
+
+    @property
+    def data_rank(self) -> int:
+        return self.layout.dp_rank
+
+    def shard_model(self, model):
+        """Every rank loads the full weights and keeps its slice (LoRA adapters are created first, so
+        TP=1 and TP=t start from the same adapter init)."""
+        from toolkit.parallel.tp import apply_tensor_parallel
+
+        return apply_tensor_parallel(model, self.layout.tp_group)
+
+    def prepare(self, model, optimizer_fn: Callable, loader):
+        from toolkit.parallel.tp import prepare_tensor_parallel
+
+        model, optimizer = prepare_tensor_parallel(self.accelerator, self.layout, model, optimizer_fn(model))
+        self._choose_loss(model)
+        return model, optimizer, self.shard_loader(loader)
+
+    def describe(self) -> str:
+        return f"device mesh: {self.dims.describe()} (TP layers, DDP over dp)\n{super().describe()}"
+
+    def clip_grad_norm(self, model, max_norm: float):
+        from toolkit.parallel.tp import clip_grad_norm
+
+        return clip_grad_norm(model.parameters(), max_norm, self.layout)
+
+    def state_dict(self, model) -> dict:
+        """The TP shards gathered back into the full tensors a non-TP run would save."""
+        from toolkit.parallel.tp import gather_state_dict
+
+        return gather_state_dict(self.unwrap(model), self.layout.tp_group)
+
+
+class MeshShardedStrategy(TensorParallelStrategy):
+    """FSDP2 `fully_shard` over the mesh's data-parallel dimensions (`dp_shard`; HSDP: `dp_replicate`
+    x `dp_shard`, replicated across the outer and sharded within), with the TP layers inside when
+    tp > 1 (torchtitan's 2-D layout). Each TP rank's FSDP group holds the ranks of the same TP
+    coordinate, so it shards that rank's TP slices; gradients reduce-scatter over `dp_shard` and
+    all-reduce over `dp_replicate`."""
+
+    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
+        super().__init__(accelerator, dims, mesh, cfg, loss_fn)
+        from toolkit.parallel.mesh import fsdp_mesh
+
+        self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
+        self.tp_split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
+        self.tp_partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
+
+    def shard_model(self, model):
+        model = super().shard_model(model) if self.dims.tp > 1 else model
+        self.tp_split, self.tp_partial = tp_names(model)
+        return model
+
+    def prepare(self, model, optimizer_fn: Callable, loader):
+        from torch.distributed.fsdp import fully_shard
+
+        from toolkit.parallel.tp.plan import decoder_blocks
+
+        a = self.accelerator
+        model = model.to(a.device)
+        reshard = self.cfg.parallel.fsdp_sharding != "grad_op"
+        for block in decoder_blocks(model):
+            fully_shard(block, mesh=self.shard_mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=reshard)
+        if a.mixed_precision == "bf16":  # fp32 weights and reductions, bf16 compute (as the other layouts)
+            from toolkit.parallel.tp import autocast_forward
+
+            autocast_forward(a, model)
+        optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
+        self._choose_loss(model)
+        return model, optimizer, self.shard_loader(loader)
+
+    def describe(self) -> str:
+        inside = ", TP layers inside" if self.dims.tp > 1 else ""
+        return f"device mesh: {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside})\n" \
+            + AccelerateStrategy.describe(self)
+
+    def forward_backward(self, model, micro: list[dict], scale: float) -> torch.Tensor:
+        total = super().forward_backward(model, micro, scale)
+        all_reduce_partial_grads(self.unwrap(model), self.tp_partial, self.layout.tp_group)
+        return total
+
+    def clip_grad_norm(self, model, max_norm: float):
+        from toolkit.parallel.grad_norm import clip_grad_norm
+
+        named = list(self.unwrap(model).named_parameters())
+        split = [p for n, p in named if n in self.tp_split]
+        rest = [p for n, p in named if n not in self.tp_split]
+        return clip_grad_norm([p for _, p in named], max_norm,
+                              [(split, (self.layout.tp_group, self.shard_group)), (rest, (self.shard_group,))])
+
+    def state_dict(self, model) -> dict:
+        return gathered_state_dict(self.unwrap(model), self.tp_split, self.layout.tp_group)
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        return local_optimizer_state(optimizer)
+
+    def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
+        load_local_optimizer_state(optimizer, saved)
+
+
+class PipelineStrategy(AccelerateStrategy):
+    """Stages over the mesh's `pp` groups (`layout`), or every stage in this process (no layout)."""
+
+    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
+        super().__init__(accelerator, dims, cfg, loss_fn)
+        from toolkit.parallel.pp import make_pipeline_layout, pipeline_devices
+
+        self.layout = make_pipeline_layout(dims.pp, mesh) if mesh is not None else None
+        if self.layout is None:
+            pipeline_devices(cfg)  # a missing GPU fails now, before any weights are read
+        self.tp_layout = None
+        if dims.tp > 1:  # pp x tp: every stage holds TP layers over the mesh's tp groups
+            from toolkit.parallel.tp import make_layout
+
+            self.tp_layout = make_layout(dims.tp, mesh)
+        self.shard_mesh = self.shard_group = None
+        if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
+            from toolkit.parallel.mesh import fsdp_mesh
+
+            self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
+        self.tp_split: dict[str, int] = {}
+        self.tp_partial: list[str] = []
+        self.pipe = None  # built in prepare(); None again once exported
+
+    @property
+    def data_rank(self) -> int:
+        return self.layout.dp_rank if self.layout else 0
+
+    def prepare(self, model, optimizer_fn: Callable, loader):
+        from toolkit.parallel.pp import build_pipeline
+
+        # the stage split may be timed on a real micro-batch's shape; padding as the loader pads
+        sample = (loader.batch_size, max(len(r["input_ids"]) for r in loader.dataset))
+        pad_id = loader.collate_fn.keywords["pad_id"]
+        self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss_fn,
+                                   self.shard_mesh)
+        return self.pipe, optimizer_fn(self.pipe), self.shard_loader(loader)
+
+    def describe(self) -> str:
+        mesh = f"device mesh: {self.dims.describe()}\n" if self.layout is not None else ""
+        return f"{mesh}{self.pipe.describe()}\nloss: full logits + cross-entropy on the last stage"
+
+    def unwrap(self, model):
+        return self.pipe.model if self.pipe is not None else model
+
+    def forward_backward(self, model, micro: list[dict], scale: float) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        for batch in micro:  # the stages run forward and backward themselves
+            total += self.pipe.train_step(batch, scale=scale).to(total.device)
+        self.pipe.finish_grads()  # tied embedding halves summed; gradients averaged over dp
+        if self.shard_mesh is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
+            all_reduce_partial_grads(self.pipe.model, self.tp_partial, self.tp_group)
+        return total
+
+    def shard_model(self, model):
+        if self.tp_layout is not None:
+            from toolkit.parallel.tp import apply_tensor_parallel
+
+            model = apply_tensor_parallel(model, self.tp_layout.tp_group)
+        self.tp_split, self.tp_partial = tp_names(model)
+        return model
+
+    @property
+    def tp_group(self):
+        return self.tp_layout.tp_group if self.tp_layout else None
+
+    def clip_grad_norm(self, model, max_norm: float):
+        if self.layout is None:  # the naive pipeline: every stage in this process
+            return self.pipe.clip_grad_norm(max_norm)
+        return self.pipe.clip_grad_norm(max_norm, self.tp_group, self.tp_split, self.shard_group)
+
+    def eval_device(self, model) -> torch.device:
+        return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
+
+    def eval_loss_sum(self, model, batch: dict) -> torch.Tensor:
+        if self.pipe is not None:  # logits exist on the last stage only
+            return self.pipe.loss_sum(batch)
+        return super().eval_loss_sum(model, batch)
+
+    def export(self, model, final: bool = True):
+        """Every stage's weights back in one HF model on every rank (collective). After training it
+        moves to CPU and the pipeline is done; a mid-run save leaves it in place."""
+        exported = self.pipe.gather(to_cpu=final)
+        if final:
+            self.pipe = None
+        return exported
+
+    def state_dict(self, model) -> dict:
+        return gathered_state_dict(model, self.tp_split, self.tp_group)
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        return local_optimizer_state(optimizer)
+
+    def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
+        load_local_optimizer_state(optimizer, saved)
+
+
+# --- what the mesh layouts share: TP slices and FSDP2 shards, by parameter name (FSDP2 replaces
+# the parameters, and with them the attributes and gradient hooks the TP plan put on them)
+
+def tp_names(model) -> tuple[dict[str, int], list[str]]:
+    """({name: dim its TP slice was cut along}, [names of TP-replicated parameters whose gradient is
+    a per-rank partial sum]) of a model the TP plan has split (both empty otherwise)."""
+    split = {n: p.tp_split_dim for n, p in model.named_parameters() if hasattr(p, "tp_split_dim")}
+    partial = [n for n, p in model.named_parameters() if getattr(p, "tp_partial_grad", False)]
+    return split, partial
+
+
+def all_reduce_partial_grads(model, names: list[str], tp_group) -> None:
+    """What the TP plan's gradient hooks do, on FSDP2's reduced shards: the sum over the TP group
+    commutes with the mean over data-parallel ranks, and TP peers hold the same shard of these."""
+    if not names or tp_group is None:
+        return
+    import torch.distributed as dist
+
+    from toolkit.parallel.grad_norm import local
+
+    params = dict(model.named_parameters())
+    for name in names:
+        if name in params and params[name].grad is not None:
+            dist.all_reduce(local(params[name].grad), group=tp_group)
+
+
+def gathered_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
+    """Full tensors (collective): FSDP2 shards all-gathered, then TP slices concatenated."""
+    import torch.distributed as dist
+
+    from toolkit.parallel.grad_norm import full
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    out = {}
+    for key, v in model.state_dict().items():
+        v = full(v)
+        if key in tp_split and tp > 1:
+            parts = [torch.empty_like(v) for _ in range(tp)]
+            dist.all_gather(parts, v.contiguous(), group=tp_group)
+            v = torch.cat(parts, dim=tp_split[key])
+        out[key] = v.detach()
+    return out
+
+
+def local_optimizer_state(optimizer) -> dict:
+    """This rank's optimizer state with FSDP2's DTensor moments as their local shards."""
+    from toolkit.parallel.grad_norm import local
+    from toolkit.train.optimizer_state import plain
+
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return plain(state)
+
+
+def load_local_optimizer_state(optimizer, saved: dict) -> None:
+    """Undo `local_optimizer_state`: each shard wrapped back as its parameter's DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def shard_of(i, v):
+        p = params[int(i)]
+        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0:
+            return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        return v
+
+    optimizer.load_state_dict({**saved, "state": {i: {k: shard_of(i, v) for k, v in s.items()}
+                                                  for i, s in saved["state"].items()}})
+
+
+def make_strategy(cfg: Config, accelerator, model_path: str | None = None, loss_fn: LossFn = token_loss_sum):
+    """Decide the layout once from the flags and the launched world, check it against the model's
+    config (one line for every problem, before any weights are read), build the mesh it needs."""
+    import os
+
+    from toolkit.config import mesh_sharded
+
+    par, world = cfg.parallel, accelerator.num_processes
+    problems = _model_problems(cfg, model_path, world)
+    if world > 1 and par.pp_devices and par.pp > 1:
+        problems.append("--pp-devices is for the single-process pipeline; launched with several processes "
+                        "each rank runs its stage on its own device (drop --pp-devices)")
+    pp = par.pp if world > 1 else 1  # one process: the naive pipeline holds every stage
+    replicate = par.dp_replicate
+    if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
+        replicate = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # HSDP: replicate across nodes
+    dims, dim_problems = infer_dims(world, tp=par.tp, pp=pp, sharded=par.fsdp or par.zero_stage is not None,
+                                    dp_shard=par.dp_shard, dp_replicate=replicate)
+    problems += [p for p in dim_problems if not problems]  # the model checks above name the world size already
+    if problems:
+        raise UserError("; ".join(problems))
+    mesh_layout = world > 1 and (pp > 1 or par.tp > 1 or (mesh_sharded(par) and dims.dp_shard > 1))
+    if not mesh_layout:
+        if par.pp > 1:  # one process: the naive pipeline
+            return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
+        return AccelerateStrategy(accelerator, dims, cfg, loss_fn)
+    from toolkit.parallel.mesh import build_mesh
+
+    mesh = build_mesh(dims, accelerator.device.type)
+    if pp > 1:
+        return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    if dims.dp_shard > 1:
+        return MeshShardedStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
+
+
+def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
+    """What the model's architecture refuses for --tp / --pp (read from its config, no weights)."""
+    par = cfg.parallel
+    if not model_path or (par.tp == 1 and par.pp == 1):
+        return []
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    problems = []
+    if par.tp > 1:
+        from toolkit.parallel.tp import tp_problems
+
+        problems += tp_problems(config, par.tp, world)
+    if par.pp > 1:
+        from toolkit.parallel.pp import pipeline_problems
+
+        problems += pipeline_problems(config, par.pp, world, cfg.model.trust_remote_code)
+    return problems
+
+
+def load_full_state_dict(model, state: dict):
+    """`model.load_state_dict(state, strict=False)`, also for a model that ZeRO-3 partitioned while
+    loading (transformers loads under `deepspeed.zero.Init` when accelerate's plugin is stage 3): there
+    one parameter is gathered at a time, written and re-partitioned (collective; rank 0's copy is kept)."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return model.load_state_dict(state, strict=False)
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in state:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.copy_(state[name])
+    return SimpleNamespace(missing_keys=[k for k in params if k not in state],
+                           unexpected_keys=[k for k in state if k not in params])
