@@ -5,15 +5,21 @@ checkpoint exactly (1e-6: losses of the remaining steps and final weights).
 
 Global batch 8 everywhere: one process x micro-batch 8; tp2 x dp_shard2 x mb 2 x accum 2;
 dp_replicate2 x dp_shard2 x mb 2; pp2 x tp2 x mb 8, pp2 x dp_shard2 x mb 4 and
-pp2 x dp_shard2 x tp2 x mb 4, each in 2 pipeline micro-batches.
+pp2 x dp_shard2 x tp2 x mb 4, each in 2 pipeline micro-batches. Context parallel (each cp rank
+holds half of every sequence): cp2 x dp2 x mb 4 on packed rows (against one process on the same
+packed rows), cp2 x dp_shard2 x mb 4 with gradient checkpointing, cp2 x tp2 x mb 8 (a model with
+4 key/value heads, so they split over tp x cp).
 """
 
 import json
 
 import pytest
 import torch
+from conftest import build_model_dir
 from distributed import launch, parity_args, records, run_once
 from safetensors.torch import load_file
+
+PACKED = ["--packing", "--seq-len", "160"]  # 16 rows of about two documents: 2 global batches of 8
 
 LAYOUTS = {
     "tp2_dp_shard2": (["--tp", "2", "--dp-shard", "2", "--micro-batch-size", "2", "--grad-accum", "2"],
@@ -27,20 +33,43 @@ LAYOUTS = {
     "3d": (["--pp", "2", "--dp-shard", "2", "--tp", "2", "--pp-microbatches", "2", "--micro-batch-size", "4"],
            "device mesh: pp 2 x dp_shard 2 x tp 2\npipeline: 2 stages x 2 data-parallel"),
 }
+CP = "context parallel: 2 ranks per sequence (Ulysses all-to-all attention)"
+LAYOUTS.update({  # context parallel, one method each (4-rank runs are dear on 2 cores)
+    "cp2_dp2_packed": (["--cp", "2", "--micro-batch-size", "4", *PACKED],
+                       f"device mesh: dp_replicate 2 x cp 2 (DDP over dp x cp)\n{CP}"),
+    "cp2_dp_shard2": (["--cp", "2", "--dp-shard", "2", "--micro-batch-size", "4", "--gradient-checkpointing"],
+                      f"device mesh: dp_shard 2 x cp 2 (FSDP2 over ('dp_shard_cp',))\n{CP}"),
+    "cp2_tp2": (["--cp", "2", "--tp", "2", "--micro-batch-size", "8"],
+                f"device mesh: cp 2 x tp 2 (TP layers, DDP over dp x cp)\n{CP}"),
+})
+METHODS = {"cp2_dp2_packed": ["full"], "cp2_dp_shard2": ["lora"], "cp2_tp2": ["full"]}
+# The one-process run each layout is held to: packed rows, or a model whose 4 key/value heads split over tp x cp.
+REFERENCE = {"cp2_dp2_packed": ("single_packed", ["--micro-batch-size", "8", *PACKED]), "cp2_tp2": ("single_mha", ["--micro-batch-size", "8"])}
 RANKS = {"3d": 8}
 # Each layout resumed once, full finetune or LoRA alternately (4- and 8-rank runs are dear on 2 cores).
-RESUMED = {"tp2_dp_shard2": "lora", "hsdp": "full", "pp2_tp2": "lora", "pp2_dp_shard2": "full", "3d": "lora"}
+RESUMED = {"tp2_dp_shard2": "lora", "hsdp": "full", "pp2_tp2": "lora", "pp2_dp_shard2": "full", "3d": "lora",
+           "cp2_dp_shard2": "lora"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, data_files):
-    """(layout, method) -> output dir; 'single' is the one-process reference. Every run saves
-    checkpoint-2 and checkpoint-4, which the resume test continues from."""
+def mha_model(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("mha") / "model", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, mha_model, data_files):
+    """(layout, method) -> output dir; 'single' (and 'single_packed', 'single_mha') the one-process
+    references. Every run saves checkpoint-2 and checkpoint-4, which the resume test continues from."""
     get = run_once(tmp_path_factory)
+    references = {"single": ["--micro-batch-size", "8"], **dict(REFERENCE.values())}
 
     def run(layout, method):
-        extra, nproc = (["--micro-batch-size", "8"], 1) if layout == "single" else (LAYOUTS[layout][0], RANKS.get(layout, 4))
-        return get((layout, method), lambda out: parity_args(tiny_model, data_files["chat"], out, method)
+        if layout in references:
+            extra, nproc = references[layout], 1
+        else:
+            extra, nproc = LAYOUTS[layout][0], RANKS.get(layout, 4)
+        model = mha_model if layout in ("cp2_tp2", "single_mha") else tiny_model
+        return get((layout, method), lambda out: parity_args(model, data_files["chat"], out, method)
                    + ["--save-every", "2", *extra], nproc=nproc)
 
     return run
@@ -50,10 +79,9 @@ def final_weights(out, method):
     return load_file(out / "final" / ("adapter_model.safetensors" if method == "lora" else "model.safetensors"))
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, method", [(lay, m) for lay in LAYOUTS for m in METHODS.get(lay, ["full", "lora"])])
 def test_composed_layout_matches_one_process(runs, layout, method):
-    ref, out = runs("single", method), runs(layout, method)
+    ref, out = runs(REFERENCE.get(layout, ("single",))[0], method), runs(layout, method)
     want = [r for r in records(ref) if "loss" in r]
     got = [r for r in records(out) if "loss" in r]
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]

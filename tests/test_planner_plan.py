@@ -174,7 +174,22 @@ def test_tp_and_pp_rows_follow_divisibility_and_are_never_chosen(capsys):
     assert {s["name"] for s in qwen["strategies"] if s["name"].startswith("tp")} == {"tp2_dp4", "tp4_dp2"}  # 28/4 heads
 
 
+def test_cp_rows_split_the_sequence(capsys):
+    """--cp C rows: a whole model per rank, activations and the loss buffers of s/C tokens, the
+    Ulysses all-to-all bytes; a 128k-token LoRA run that DDP does not fit fits at cp 8."""
+    argv = ["--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--gradient-checkpointing", "on"]
+    rows = {s["name"]: s for s in plan_json(capsys, *argv, "--seq-len", "131072", "--cp", "2", "--cp", "8")["strategies"]}
+    half = {s["name"]: s for s in plan_json(capsys, *argv, "--seq-len", "65536")["strategies"]}
+    assert rows["cp2_dp4"]["bytes"]["weights"] == rows["ddp"]["bytes"]["weights"]
+    assert rows["cp2_dp4"]["bytes"]["activations"] == half["ddp"]["bytes"]["activations"]  # s/2 tokens per rank
+    assert rows["cp8"]["bytes"]["activations"] < rows["cp2_dp4"]["bytes"]["activations"] / 3.9
+    # a rank sends (C-1)/C of its s/C tokens' q, k, v and output: s/4 of them at cp 2, 7s/64 at cp 8
+    assert rows["cp2_dp4"]["comm_bytes"] / rows["cp8"]["comm_bytes"] == pytest.approx((1 / 4) / (7 / 64))
+    assert not rows["ddp"]["fits"] and rows["cp8"]["fits"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "smollm2-135m", "--cp", "2"], "--cp 2: must be >= 2 and divide the attention heads (9), kv heads (3)"),
     (["--model", "llama-3-8b", "--tp", "3"], "--tp 3: must divide the attention heads (32), kv heads (8), intermediate size (14336)"),
     (["--model", "llama-3-8b", "--tp", "16"], "--tp 16: must divide"),
     (["--model", "llama-3-8b", "--gpus-per-node", "2", "--tp", "4"], "--tp 4: must be <= GPUs per node (2)"),

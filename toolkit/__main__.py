@@ -120,7 +120,7 @@ def cmd_plan(args) -> None:
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, loss=args.loss)
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss)
     try:
         result = plan(inp)
     except ValueError as e:
@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--global-batch", type=int, help="target examples per optimizer step")
     s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
     s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")
+    s.add_argument("--cp", type=int, action="append", help="context-parallel degree to predict (repeatable)")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.set_defaults(fn=cmd_plan)
     s = sub.add_parser("verify", help="(internal) loss of a saved folder on a batch, in a fresh process")

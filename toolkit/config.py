@@ -98,6 +98,8 @@ class ParallelConfig:
     dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
                     "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP or --dp-shard")
+    cp: int = _f(1, "context-parallel degree: each of this many ranks holds 1/cp of every sequence "
+                    "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
                     "several processes run one stage each (world = pp x data-parallel)")
     pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "
@@ -372,8 +374,7 @@ def validate(cfg: Config) -> list[str]:
     need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
     p.extend(_mesh_problems(cfg))
     if par.tp > 1:
-        other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp and not mesh_sharded(par) else
-                 f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None)
+        other = off_mesh_layout(par)
         need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
                             "with DDP, or with FSDP2 on the device mesh: use --dp-shard N (drop one of them)")
         need(m.method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
@@ -381,6 +382,7 @@ def validate(cfg: Config) -> list[str]:
         need(t.mixed_precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
                                           "(no loss scaling across TP shards); use bf16")
     p.extend(_pipeline_problems(cfg))
+    p.extend(_cp_problems(cfg))
     p.extend(column_problems(d.columns))
     p.extend(_check_dataset_path(d.dataset))
     p.extend(_check_output_dir(o))
@@ -391,6 +393,16 @@ def mesh_sharded(par: ParallelConfig) -> bool:
     """Sharded data parallel on the toolkit's device mesh (FSDP2 with TP inside, HSDP), not through
     accelerate's FSDP plugin: asked for with --dp-shard / --dp-replicate, or --fsdp-sharding hybrid."""
     return par.dp_shard > 0 or par.dp_replicate > 0 or (par.fsdp and par.fsdp_sharding == "hybrid")
+
+
+def off_mesh_layout(par: ParallelConfig) -> str | None:
+    """The flag that asks for a layout outside the device mesh (the planner's, accelerate's FSDP
+    plugin, DeepSpeed), which --tp, --pp and --cp do not compose with; None if there is none."""
+    if par.strategy == "auto":
+        return "--strategy auto"
+    if par.fsdp and not mesh_sharded(par):
+        return "--fsdp"
+    return f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None
 
 
 def _mesh_problems(cfg: Config) -> list[str]:
@@ -415,6 +427,25 @@ def _mesh_problems(cfg: Config) -> list[str]:
     return p
 
 
+def _cp_problems(cfg: Config) -> list[str]:
+    """--cp checks that need no model (heads vs tp x cp are checked once the config is read)."""
+    par, t, m = cfg.parallel, cfg.train, cfg.model
+    if par.cp < 1:
+        return [f"--cp must be >= 1 (got {par.cp})"]
+    if par.cp == 1:
+        return []
+    other = f"--pp {par.pp}" if par.pp > 1 else off_mesh_layout(par)
+    p = []
+    if other:
+        p.append(f"--cp {par.cp} with {other} is not supported; context parallel composes with DDP, "
+                 "--dp-shard N (FSDP2 on the mesh) and --tp (drop one of them)")
+    if m.method == "qlora":
+        p.append(f"--cp {par.cp} with --method qlora is not supported; use --method lora")
+    if t.mixed_precision == "fp16":
+        p.append(f"--cp {par.cp} with --mixed-precision fp16 is not supported; use bf16")
+    return p
+
+
 def _pipeline_problems(cfg: Config) -> list[str]:
     """--pp checks that need no model (stage count vs blocks is checked once the config is read)."""
     par, t, m = cfg.parallel, cfg.train, cfg.model
@@ -430,8 +461,7 @@ def _pipeline_problems(cfg: Config) -> list[str]:
         if par.pp_devices:
             p.append("--pp-devices needs --pp N with N > 1")
         return p
-    other = ("--strategy auto" if par.strategy == "auto" else "--fsdp" if par.fsdp and not mesh_sharded(par) else
-             f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None)
+    other = off_mesh_layout(par)
     if other:
         p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with --tp and with "
                  "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")

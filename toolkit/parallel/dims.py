@@ -4,8 +4,9 @@
 
 The mesh is laid out in that order, outermost first (torchtitan's and Megatron's order): TP
 innermost, so its per-layer collectives run between consecutive ranks, which share a node; PP
-outermost, since stages exchange only activations at their boundaries. `cp` (context parallel)
-is held at 1 until it is built. One degree is inferred from the rest: the data-parallel one.
+outermost, since stages exchange only activations at their boundaries. `cp` (context parallel:
+ranks that hold different tokens of the same sequences) sits inside data parallel and outside TP,
+as in torchtitan. One degree is inferred from the rest: the data-parallel one.
 
 Pure Python: the planner and config checks import this without torch.distributed.
 """
@@ -55,14 +56,14 @@ class ParallelDims:
 
 
 def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False, dp_shard: int = 0,
-               dp_replicate: int = 0) -> tuple[ParallelDims, list[str]]:
-    """The layout for `world_size` ranks: the model-parallel degrees as given, the data-parallel ones
-    as given (0 = inferred: what the others leave, sharded with ZeRO/FSDP when `sharded`, else
-    replicated). Returns the dims and every problem found."""
-    model_parallel = tp * pp
+               dp_replicate: int = 0, cp: int = 1) -> tuple[ParallelDims, list[str]]:
+    """The layout for `world_size` ranks: the model-parallel degrees (and cp) as given, the
+    data-parallel ones as given (0 = inferred: what the others leave, sharded with ZeRO/FSDP when
+    `sharded`, else replicated). Returns the dims and every problem found."""
+    model_parallel = tp * pp * cp
     if model_parallel < 1 or world_size % model_parallel:
-        flags = " x ".join(f"--{n} {v}" for n, v in (("pp", pp), ("tp", tp)) if v != 1)
-        return ParallelDims(world_size, pp=pp, tp=tp), [
+        flags = " x ".join(f"--{n} {v}" for n, v in (("pp", pp), ("cp", cp), ("tp", tp)) if v != 1)
+        return ParallelDims(world_size, pp=pp, cp=cp, tp=tp), [
             f"{flags} needs a world size that is a multiple of {model_parallel} (got {world_size}); launch "
             f"torchrun --nproc_per_node {model_parallel} (times the data-parallel degree you want)"]
     rest = world_size // model_parallel
@@ -74,9 +75,9 @@ def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False,
     elif not dp_replicate:
         dp_replicate = rest // dp_shard if rest % dp_shard == 0 else 0
     if dp_shard < 1 or dp_replicate < 1 or dp_shard * dp_replicate != rest:
-        return ParallelDims(world_size, pp=pp, tp=tp), [
-            f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp} x tp {tp}) "
+        return ParallelDims(world_size, pp=pp, cp=cp, tp=tp), [
+            f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp}) "
             f"leave {rest} data-parallel rank{'s' if rest != 1 else ''}; launch {model_parallel * (dp_shard or 1) * (dp_replicate or 1)} "
             f"processes or change the degrees"]
-    dims = ParallelDims(world_size, pp=pp, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    dims = ParallelDims(world_size, pp=pp, tp=tp, cp=cp, dp_shard=dp_shard, dp_replicate=dp_replicate)
     return dims, dims.problems()

@@ -13,13 +13,24 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """Every rank calls this once, in the same order (it creates the groups of each dimension)."""
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the data-parallel group: replicas and shards together
+    if dims.cp > 1:  # cp ranks read the same data but hold different tokens: gradients average over them too
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp ranks as well
     return mesh
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """What FSDP2 shards over: `dp_shard`, or (HSDP) `dp_replicate` x `dp_shard`, replicated across the
-    outer dimension and sharded within."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    """What FSDP2 shards over: `dp_shard` (x `cp`), or (HSDP) `dp_replicate` x that, replicated across
+    the outer dimension and sharded within."""
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+
+
+def grad_dim(dims: ParallelDims, sharded: bool = False) -> str:
+    """The mesh dimension gradients are averaged (`sharded`: reduce-scattered) over."""
+    if sharded:
+        return "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    return "dp_cp" if dims.cp > 1 else "dp"
 
 
 def local_mesh(tp: int = 1, pp: int = 1) -> DeviceMesh:

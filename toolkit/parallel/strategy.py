@@ -34,17 +34,21 @@ class AccelerateStrategy:
     """DDP / DeepSpeed / FSDP2: accelerate prepares the model and shards the data over every rank."""
 
     def __init__(self, accelerator, dims: ParallelDims | None = None, cfg: Config | None = None,
-                 loss_fn: LossFn = token_loss_sum):
+                 loss_fn: LossFn = token_loss_sum, mesh=None):
         self.accelerator, self.cfg, self.loss_fn = accelerator, cfg, loss_fn
         n = accelerator.num_processes
         self.dims = dims or ParallelDims(n, dp_replicate=n)
         self.deepspeed = accelerator.distributed_type == "DEEPSPEED"
         self.chunked = None  # the LM head that returns the loss sum itself (toolkit.train.loss)
+        # context parallel: each rank of a cp group holds a slice of every sequence (toolkit.parallel.cp)
+        self.cp_group = mesh.get_group("cp") if mesh is not None and self.dims.cp > 1 else None
+        self.context = None  # its ContextParallel, once the model is known
+        self._dp_rank = mesh["dp"].get_local_rank() if mesh is not None else None
 
     # --- data: which shard of every global batch this rank reads
     @property
     def data_rank(self) -> int:
-        return self.accelerator.process_index
+        return self.accelerator.process_index if self._dp_rank is None else self._dp_rank
 
     @property
     def data_ranks(self) -> int:
@@ -64,11 +68,21 @@ class AccelerateStrategy:
 
     # --- model and optimizer
     def shard_model(self, model):
-        """Applied right after loading (ZeRO-3 partitions inside `from_pretrained` itself)."""
+        """Applied right after loading (ZeRO-3 partitions inside `from_pretrained` itself). Context
+        parallel swaps in the Ulysses attention (same weights)."""
+        if self.cp_group is not None:
+            from toolkit.parallel.cp import ContextParallel, use_ulysses
+
+            use_ulysses(model)
+            self.context = ContextParallel(self.cp_group, model.config, model.get_input_embeddings().weight.dtype)
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
-        model, optimizer, loader = self.accelerator.prepare(model, optimizer_fn(model), loader)
+        if self.context is not None:  # accelerate would shard the data over every rank, cp peers included
+            model, optimizer = self.accelerator.prepare(model, optimizer_fn(model))
+            loader = self.shard_loader(loader)
+        else:
+            model, optimizer, loader = self.accelerator.prepare(model, optimizer_fn(model), loader)
         self._choose_loss(model)
         return model, optimizer, loader
 
@@ -80,7 +94,12 @@ class AccelerateStrategy:
 
     def describe(self) -> str:
         """The log lines that say how this layout runs (after `prepare`)."""
-        return "loss: " + ("chunked LM head + cross-entropy on target tokens" if self.chunked else "full logits + cross-entropy")
+        mesh = f"device mesh: {self.dims.describe()} (DDP over dp x cp)\n" if self.context else ""
+        return mesh + self._step_lines()
+
+    def _step_lines(self) -> str:
+        cp = f"context parallel: {self.dims.cp} ranks per sequence (Ulysses all-to-all attention)\n" if self.context else ""
+        return cp + "loss: " + ("chunked LM head + cross-entropy on target tokens" if self.chunked else "full logits + cross-entropy")
 
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
@@ -94,11 +113,16 @@ class AccelerateStrategy:
     # --- one optimizer step
     def _loss(self, model, batch: dict) -> torch.Tensor:
         from toolkit.data.packing import model_inputs
+        from toolkit.train.loss import target_loss_sum
 
+        if "targets" in batch:  # context parallel: this rank's slice, labels shifted before the split
+            inputs, labels, shifted = batch["inputs"], batch["targets"], True
+        else:
+            inputs, labels, shifted = model_inputs(batch), batch["labels"], False
         if self.chunked is not None:  # the head returns the loss sum in place of logits
-            with self.chunked.labels(batch["labels"]):
-                return model(**model_inputs(batch)).logits
-        return self.loss_fn(model(**model_inputs(batch)).logits, batch["labels"])
+            with self.chunked.labels(labels, shifted):
+                return model(**inputs).logits
+        return (target_loss_sum if shifted else self.loss_fn)(model(**inputs).logits, labels)
 
     def forward_backward(self, model, micro: list[dict], scale: float) -> torch.Tensor:
         """Forward and backward of one global batch's micro-batches on this rank, each micro-batch's
@@ -109,13 +133,27 @@ class AccelerateStrategy:
         # by its configured --grad-accum instead.
         a.gradient_accumulation_steps, a.step = len(micro), 0
         divisor = self.cfg.train.grad_accum if self.deepspeed else len(micro)
+        # Context parallel: a rank's loss covers its slice of the tokens, and gradients are averaged
+        # over dp x cp ranks, where the true gradient sums the cp slices: x cp undoes that mean.
+        scale *= self.dims.cp
         total = torch.zeros((), dtype=torch.float64, device=a.device)
         for batch in micro:
-            with a.accumulate(model):
+            with a.accumulate(model), self._slice(batch) as batch:
                 loss = self._loss(model, batch)
                 a.backward(loss * (scale * divisor))
                 total += loss.detach().double()
+        if self.context is not None:  # every cp rank reports the whole sequences' loss, as replicas do
+            import torch.distributed as dist
+
+            dist.all_reduce(total, group=self.cp_group)
         return total
+
+    def _slice(self, batch: dict):
+        """Context parallel: this rank's slice of `batch`, with the whole sequences' attention mask set
+        for the forward and backward run inside (else the batch as it is)."""
+        from contextlib import nullcontext
+
+        return self.context.shard(batch) if self.context is not None else nullcontext(batch)
 
     def clip_grad_norm(self, model, max_norm: float):
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
@@ -184,21 +222,18 @@ class TensorParallelStrategy(AccelerateStrategy):
 
     def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config | None = None,
                  loss_fn: LossFn = token_loss_sum):
-        super().__init__(accelerator, dims, cfg, loss_fn)
+        super().__init__(accelerator, dims, cfg, loss_fn, mesh)
+        from toolkit.parallel.mesh import grad_dim
         from toolkit.parallel.tp import make_layout
 
-        self.layout = make_layout(dims.tp, mesh)
-
-    @property
-    def data_rank(self) -> int:
-        return self.layout.dp_rank
+        self.layout = make_layout(dims.tp, mesh, grad_dim(dims))
 
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its slice (LoRA adapters are created first, so
         TP=1 and TP=t start from the same adapter init)."""
         from toolkit.parallel.tp import apply_tensor_parallel
 
-        return apply_tensor_parallel(model, self.layout.tp_group)
+        return apply_tensor_parallel(super().shard_model(model), self.layout.tp_group)
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         from toolkit.parallel.tp import prepare_tensor_parallel
@@ -208,7 +243,8 @@ class TensorParallelStrategy(AccelerateStrategy):
         return model, optimizer, self.shard_loader(loader)
 
     def describe(self) -> str:
-        return f"device mesh: {self.dims.describe()} (TP layers, DDP over dp)\n{super().describe()}"
+        over = "dp x cp" if self.dims.cp > 1 else "dp"
+        return f"device mesh: {self.dims.describe()} (TP layers, DDP over {over})\n{self._step_lines()}"
 
     def clip_grad_norm(self, model, max_norm: float):
         from toolkit.parallel.tp import clip_grad_norm
@@ -231,14 +267,14 @@ class MeshShardedStrategy(TensorParallelStrategy):
 
     def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
         super().__init__(accelerator, dims, mesh, cfg, loss_fn)
-        from toolkit.parallel.mesh import fsdp_mesh
+        from toolkit.parallel.mesh import fsdp_mesh, grad_dim
 
-        self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
+        self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group(grad_dim(dims, sharded=True))
         self.tp_split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
         self.tp_partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
 
     def shard_model(self, model):
-        model = super().shard_model(model) if self.dims.tp > 1 else model
+        model = super().shard_model(model) if self.dims.tp > 1 else AccelerateStrategy.shard_model(self, model)
         self.tp_split, self.tp_partial = tp_names(model)
         return model
 
@@ -264,7 +300,7 @@ class MeshShardedStrategy(TensorParallelStrategy):
     def describe(self) -> str:
         inside = ", TP layers inside" if self.dims.tp > 1 else ""
         return f"device mesh: {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside})\n" \
-            + AccelerateStrategy.describe(self)
+            + self._step_lines()
 
     def forward_backward(self, model, micro: list[dict], scale: float) -> torch.Tensor:
         total = super().forward_backward(model, micro, scale)
@@ -474,11 +510,11 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None, loss_
     if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
         replicate = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # HSDP: replicate across nodes
     dims, dim_problems = infer_dims(world, tp=par.tp, pp=pp, sharded=par.fsdp or par.zero_stage is not None,
-                                    dp_shard=par.dp_shard, dp_replicate=replicate)
+                                    dp_shard=par.dp_shard, dp_replicate=replicate, cp=par.cp)
     problems += [p for p in dim_problems if not problems]  # the model checks above name the world size already
     if problems:
         raise UserError("; ".join(problems))
-    mesh_layout = world > 1 and (pp > 1 or par.tp > 1 or (mesh_sharded(par) and dims.dp_shard > 1))
+    mesh_layout = world > 1 and (pp > 1 or par.tp > 1 or dims.cp > 1 or (mesh_sharded(par) and dims.dp_shard > 1))
     if not mesh_layout:
         if par.pp > 1:  # one process: the naive pipeline
             return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
@@ -488,15 +524,17 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None, loss_
     mesh = build_mesh(dims, accelerator.device.type)
     if pp > 1:
         return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
-    if dims.dp_shard > 1:
+    if dims.dp_shard > 1 and mesh_sharded(par):
         return MeshShardedStrategy(accelerator, dims, mesh, cfg, loss_fn)
-    return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    if par.tp > 1:
+        return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    return AccelerateStrategy(accelerator, dims, cfg, loss_fn, mesh)  # cp x DDP: accelerate's DDP over every rank
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
     """What the model's architecture refuses for --tp / --pp (read from its config, no weights)."""
     par = cfg.parallel
-    if not model_path or (par.tp == 1 and par.pp == 1):
+    if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1):
         return []
     from transformers import AutoConfig
 
@@ -510,6 +548,10 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
         from toolkit.parallel.pp import pipeline_problems
 
         problems += pipeline_problems(config, par.pp, world, cfg.model.trust_remote_code)
+    if par.cp > 1:
+        from toolkit.parallel.cp import cp_problems
+
+        problems += cp_problems(config, par.tp, par.cp)
     return problems
 
 

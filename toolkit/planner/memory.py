@@ -143,3 +143,12 @@ def tp_activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, t
     5as/(ht))): tensors inside the column/row-parallel region (q, attention output, o_proj input,
     k/v, the SwiGLU tensors) are split by t; the two norms' inputs and outputs (4h) are replicated."""
     return layers * (4 * h + (4 * h + 2 * kv_dim + 4 * i) // t) + 3 * h
+
+
+def ulysses_comm_bytes(layers: int, h: int, kv_dim: int, micro_batch: int, seq_len: int, cp: int, act_bytes: int) -> int:
+    """Bytes each rank sends per micro-batch under Ulysses context parallelism of degree cp (Jacobs et
+    al. 2023, DeepSpeed-Ulysses, sec. 3.2): per layer, q, k, v (h, kv_dim, kv_dim wide) and the
+    attention output (h) are each all-to-all'd once forward and once backward, and a rank sends the
+    (cp-1)/cp of its s/cp tokens' slice that other ranks' heads need."""
+    per_token = 2 * (2 * h + 2 * kv_dim)  # forward + backward
+    return layers * micro_batch * (-(-seq_len // cp)) * per_token * act_bytes * (cp - 1) // cp

@@ -17,7 +17,8 @@ from toolkit.errors import UserError
 from toolkit.planner.cost import ADAM_HOST_BYTES, flops_per_token, step_seconds
 from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, activation_elements_per_token,
                                     chunked_loss_bytes, cpu_bytes, frozen_bytes_per_param, grads_bytes, logits_bytes,
-                                    optimizer_bytes, tp_activation_elements_per_token, weight_bytes_per_param,
+                                    optimizer_bytes, tp_activation_elements_per_token, ulysses_comm_bytes,
+                                    weight_bytes_per_param,
                                     weights_bytes)
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
@@ -61,15 +62,18 @@ class PlanInput:
     global_batch: int | None = None
     tp: list[int] | None = None  # TP degrees to predict (default: every valid one)
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
+    cp: list[int] | None = None  # context-parallel degrees to predict (default: none)
     loss: str = "auto"  # the runtime's --loss: auto and chunked never hold (b, s, V) logits, except under pp
 
 
-def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False) -> int:
+def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
+               seq_len: int | None = None) -> int:
     """The loss step's buffers: full logits, or one chunk's under `--loss chunked`/`auto` (the
-    pipeline's last stage always computes full logits)."""
+    pipeline's last stage always computes full logits), for `seq_len` tokens (default: the whole)."""
+    s = seq_len or inp.seq_len
     if inp.loss == "full" or pipeline:
-        return logits_bytes(micro_batch, inp.seq_len, vocab, act)
-    return chunked_loss_bytes(micro_batch, inp.seq_len, vocab, h, act, head_trainable=inp.method == "full")
+        return logits_bytes(micro_batch, s, vocab, act)
+    return chunked_loss_bytes(micro_batch, s, vocab, h, act, head_trainable=inp.method == "full")
 
 
 def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
@@ -87,6 +91,14 @@ def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
     """t passes `tp_divisibility_problems`, stays inside a node (TP all-reduces every layer) and
     divides the world (data parallel across TP groups)."""
     return [t for t in range(2, gpus_per_node + 1) if not tp_divisibility_problems(cfg, t) and world % t == 0]
+
+
+def check_cp(cfg: dict[str, Any], c: int, world: int) -> None:
+    """The runtime's rule (toolkit.parallel.cp.cp_problems): query and kv heads divide by cp."""
+    nkv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if c < 2 or cfg["num_attention_heads"] % c or nkv % c or world % c:
+        raise UserError(f"--cp {c}: must be >= 2 and divide the attention heads ({cfg['num_attention_heads']}), "
+                        f"kv heads ({nkv}) and the world size ({world})")
 
 
 def check_tp(cfg: dict[str, Any], t: int, gpus_per_node: int, world: int) -> None:
@@ -188,7 +200,8 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
 
 def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointing: bool) -> Candidate:
     """tpT[_dpD]: Megatron TP of degree T inside a node, DDP across the D = world/T groups;
-    ppP: P pipeline stages split as the runtime splits them (GPipe: every micro-batch's activations
+    cpC[_dpD]: Ulysses context parallel, each of C ranks holding s/C tokens of every sequence (and
+    the whole model, as DDP), DDP across the D groups; ppP: P pipeline stages split as the runtime splits them (GPipe: every micro-batch's activations
     alive at once; a tied embedding is also held by the last stage), the heaviest stage taken.
     Trainable weights stay fp32 under autocast, as in DDP; a LoRA base is in the half dtype."""
     cfg = inp.model
@@ -214,6 +227,14 @@ def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointin
         name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
         b = {"weights": weights(params, trainable), "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
              "activations": acts, "logits": logits}
+    elif kind == "cp":  # every layer but attention is token-local: a rank's activations are its s/C tokens'
+        local = -(-inp.seq_len // degree)
+        acts = activation_bytes(layers, h, i, kv, inp.micro_batch, local, act, checkpointing)
+        b = {"weights": weights(counts.total, trainable_all), "grads": 4 * trainable_all,
+             "optimizer": ADAM_BYTES * trainable_all, "activations": acts,
+             "logits": loss_bytes(inp, inp.micro_batch, vocab, h, act, seq_len=local)}
+        comm = ulysses_comm_bytes(layers, h, kv, inp.micro_batch, inp.seq_len, degree, act)
+        name = f"cp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
     else:  # the runtime's split (toolkit.parallel.pp); the stage with the largest total is taken
         tied = counts.lm_head == 0
         sizes = balance([counts.per_block] * layers, degree, counts.embedding, counts.lm_head + counts.final_norm)
@@ -309,6 +330,9 @@ def plan(inp: PlanInput) -> Plan:
                             "CPU-offload variants are planned")
     result.strategies += [estimate_model_parallel(inp, "tp", t, gc_options[0]) for t in tps]
     result.strategies += [estimate_model_parallel(inp, "pp", p, gc_options[0]) for p in pps]
+    for c in inp.cp or []:
+        check_cp(inp.model, c, world)
+        result.strategies.append(estimate_model_parallel(inp, "cp", c, gc_options[0]))
     cap = -(-inp.global_batch // world) if inp.global_batch else 256  # never past the target
     best = choose([largest_micro_batch(inp, r, cap) if r.fits else r for r in rows])
     if not best.fits:
@@ -378,9 +402,9 @@ def render_table(p: Plan) -> str:
                      + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
                      + f"{c.cpu_bytes_per_node / GiB:>10.1f}{step:>8}{'yes' if c.fits else 'no':>6}")
     lines.append("step s: predicted seconds per micro-batch step (H100-class node), used to rank what fits")
-    if any(c.name.startswith(("tp", "pp")) for c in p.strategies):
-        lines.append("tp/pp rows run with --tp N / --pp N (torchrun, world = N x data-parallel; --pp also in one "
-                     "process over N GPUs); auto picks among DDP/ZeRO/FSDP")
+    if any(c.name.startswith(("tp", "pp", "cp")) for c in p.strategies):
+        lines.append("tp/pp/cp rows run with --tp N / --pp N / --cp N (torchrun, world = N x data-parallel; --pp also "
+                     "in one process over N GPUs); auto picks among DDP/ZeRO/FSDP")
     if p.chosen:
         d = p.chosen_detail
         lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "

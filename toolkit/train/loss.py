@@ -22,11 +22,20 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """targets[:, t] = labels[:, t + 1], what position t predicts (the last position predicts nothing).
+    Shift the labels, not the logits: slicing (B, T, V) logits and flattening them copies them all."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies in fp32. logits (B, T, V), labels (B, T) -> scalar."""
-    # Shift the labels, not the logits: slicing (B, T, V) logits and flattening them copies them all.
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): the last position predicts nothing
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1).to(logits.device),
+    return target_loss_sum(logits, shift_labels(labels))
+
+
+def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sum` on labels already shifted (context parallel shifts before it splits a sequence)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -89,11 +98,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                     chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
-    """`token_loss_sum(head(hidden), labels)` without materialising (B, T, V) logits.
-    hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over target tokens."""
-    h = hidden[:, :-1].reshape(-1, hidden.size(-1))
-    y = labels[:, 1:].reshape(-1).to(h.device)
+                     chunk: int = LOSS_CHUNK_TOKENS, shifted: bool = False) -> torch.Tensor:
+    """`token_loss_sum(head(hidden), labels)` (`target_loss_sum` when `shifted`) without materialising
+    (B, T, V) logits. hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over targets."""
+    if shifted:
+        h, y = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1).to(hidden.device)
+    else:
+        h, y = hidden[:, :-1].reshape(-1, hidden.size(-1)), labels[:, 1:].reshape(-1).to(hidden.device)
     # Only target rows go through the head: prompt and padding rows add nothing to the loss and get a zero
     # gradient, so the head's matmuls run on the targets alone (17% of the tokens of the built-in data).
     keep = (y != IGNORE_INDEX).nonzero(as_tuple=True)[0]
@@ -114,19 +125,20 @@ class ChunkedHead:
             from toolkit.errors import UserError
 
             raise UserError(f"--loss chunked needs a linear LM head; this model has {type(self.head).__name__}")
-        self.chunk, self._labels = chunk, None
+        self.chunk, self._labels, self._shifted = chunk, None, False
         original = self.head.forward
 
         def forward(hidden):
             if self._labels is None:
                 return original(hidden)
-            return chunked_loss_sum(hidden, self.head, self._labels, self.chunk)
+            return chunked_loss_sum(hidden, self.head, self._labels, self.chunk, self._shifted)
 
         self.head.forward = forward
 
     @contextmanager
-    def labels(self, labels: torch.Tensor) -> Iterator[None]:
-        self._labels = labels
+    def labels(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[None]:
+        """`shifted`: `labels` are already the targets of each position (`shift_labels`)."""
+        self._labels, self._shifted = labels, shifted
         try:
             yield
         finally:

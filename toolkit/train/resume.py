@@ -22,7 +22,10 @@ RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "micro_batch_size", "grad_accum", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
                "loss")
-LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "tp", "pp", "pp_microbatches")
+LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
+               "pp_microbatches")
+
+NEWER_LAYOUT_KEYS = {"dp_shard": 0, "dp_replicate": 0, "cp": 1}  # what older checkpoints ran with
 
 
 @dataclass
@@ -100,7 +103,7 @@ def layout_problems(point: ResumePoint, cfg: Config, world: int) -> list[str]:
     if point.state.get("world_size") != world:
         problems.append(f"it was saved by {point.state.get('world_size')} processes and this run has {world}")
     for k, v in now.items():
-        if saved.get(k, 0 if k.startswith("dp_") else None) != v:  # checkpoints from before --dp-*: inferred
+        if saved.get(k, NEWER_LAYOUT_KEYS.get(k)) != v:  # a checkpoint from before the key: its old meaning
             problems.append(f"--{k.replace('_', '-')} was {saved.get(k)!r}, now {v!r}")
     missing = [r for r in range(world) if not (point.path / f"rank{r}.pt").is_file()]
     if missing and not problems:

@@ -35,14 +35,15 @@ class Layout:
         return self.tp
 
 
-def make_layout(tp: int, mesh=None) -> Layout:
+def make_layout(tp: int, mesh=None, grads: str = "dp") -> Layout:
     """The TP and DP groups of `mesh` (by default one over the whole world with this TP degree; a
-    mesh is built collectively: every rank calls this, in the same order)."""
+    mesh is built collectively: every rank calls this, in the same order). DDP averages over the
+    `grads` dimension: `dp`, or `dp_cp` when context-parallel ranks hold other tokens of the same rows."""
     from toolkit.parallel.mesh import local_mesh
 
     mesh = mesh if mesh is not None else local_mesh(tp=tp)
-    dp = mesh["dp"]
-    return Layout(mesh["tp"].size(), dp.size(), mesh.get_local_rank("tp"), dp.get_local_rank(),
+    dp = mesh[grads]
+    return Layout(mesh["tp"].size(), dp.size(), mesh.get_local_rank("tp"), mesh["dp"].get_local_rank(),
                   mesh.get_group("tp"), dp.get_group())
 
 

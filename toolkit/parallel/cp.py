@@ -1,0 +1,157 @@
+"""Context parallelism, DeepSpeed-Ulysses style: each rank of a `cp` group holds S/cp tokens of every
+sequence, and every layer except attention is token-local, so it runs on that slice unchanged.
+Attention is the one place a token needs the others; there an all-to-all turns the sequence
+split into a head split and back (Jacobs et al. 2023, arXiv:2309.14509):
+
+    q, k, v  (B, H, S/cp, D)  --all-to-all-->  (B, H/cp, S, D)   attention over the whole sequence
+    out      (B, S, H/cp, D)  --all-to-all-->  (B, S/cp, H, D)   for this rank's heads
+
+Each all-to-all moves (cp-1)/cp of the tensor, and its backward is the same exchange with the
+split and gathered dimensions swapped. Heads (after TP's own split) must divide by cp.
+
+It plugs in through transformers' attention interface (`ulysses_<inner>` wraps the model's own
+`sdpa`/`eager` function), so any model that calls attention through it works. Outside a
+`ContextParallel.shard` block the wrapper is the inner function itself (evaluation, generation).
+
+Why not DeepSpeed 0.19's `UlyssesSPAttentionHF`: it drops 4-D masks (packed rows would attend
+across documents with SDPA and eager; only flash-attention varlen keeps them apart), takes its group
+from DeepSpeed's own sequence-parallel state (consecutive ranks, not the mesh's `cp` dimension,
+which is strided when TP is inside), and replaces the global `sdpa` entry for every model.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from functools import partial
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from toolkit.data.tokenize import IGNORE_INDEX
+from toolkit.train.loss import shift_labels
+
+INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
+_active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}
+
+
+def cp_problems(config, tp: int, cp: int) -> list[str]:
+    """The heads each rank keeps after TP must split again over cp (pure: config only)."""
+    if cp == 1:
+        return []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    q, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if q % (tp * cp) or kv % (tp * cp):
+        return [f"--cp {cp}{f' x --tp {tp}' if tp > 1 else ''} needs query and key/value heads divisible by "
+                f"{tp * cp} (this model has {q} and {kv}); choose cp{' x tp' if tp > 1 else ''} dividing both"]
+    return []
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split `x` into cp parts along `scatter`, send part j to rank j, concatenate what arrives along
+    `gather` (in rank order). Backward: the same exchange with the two dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter: int, gather: int):
+        ctx.group, ctx.dims = group, (scatter, gather)
+        return _exchange(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter, gather = ctx.dims
+        return _exchange(grad, ctx.group, gather, scatter), None, None, None
+
+
+def _exchange(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    send = torch.stack(x.chunk(n, dim=scatter)).contiguous()  # (n, ...): part j goes to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *args, inner: str, **kwargs):
+    """transformers' attention signature: q, k, v (B, heads, S_local, D) -> ((B, S_local, heads, D), None)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # eager is not in the interface: each modeling file has its own (the default it falls back to)
+    attend = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else sys.modules[type(module).__module__].eager_attention_forward
+    if _active is None:
+        return attend(module, query, key, value, attention_mask, *args, **kwargs)
+    group = _active["group"]
+    q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads split, whole sequence
+    # The model built its mask for the local slice; attention here needs the whole sequence's.
+    out, _ = attend(module, q, k, v, _active["mask"], *args, **kwargs)  # (B, S, H/cp, D)
+    return _AllToAll.apply(out, group, 1, 2), None  # (B, S/cp, H, D)
+
+
+def use_ulysses(model) -> str:
+    """Switch `model` to the Ulysses wrapper of its current attention; returns the inner name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    inner = model.config._attn_implementation
+    if inner.startswith("ulysses_"):
+        return inner.removeprefix("ulysses_")
+    if inner not in INNER:
+        from toolkit.errors import UserError
+
+        raise UserError(f"--cp needs sdpa or eager attention; this model runs {inner!r} "
+                        "(load it with --attn-implementation sdpa)")
+    name = f"ulysses_{inner}"
+    AttentionInterface.register(name, partial(ulysses_attention, inner=inner))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])  # masks as the inner builds them
+    model.set_attn_implementation(name)
+    return inner
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Right-pad a collated batch to a multiple of n tokens: padding attends nowhere real (attention
+    mask 0; packed rows: positions restart at 0, a block of its own) and has no targets."""
+    ids = batch["input_ids"]
+    width, extra = ids.shape[1], -ids.shape[1] % n
+    packed = "position_ids" in batch
+    # explicit positions for plain rows too: a slice must not restart them at 0
+    positions = batch["position_ids"] if packed else torch.arange(width, device=ids.device).expand_as(ids)
+    if not extra:
+        return {**batch, "position_ids": positions}
+    more = torch.arange(extra, device=ids.device).expand(len(ids), -1)
+    pad = partial(F.pad, pad=(0, extra))
+    return {**batch, "input_ids": pad(ids, value=0), "labels": pad(batch["labels"], value=IGNORE_INDEX),
+            "attention_mask": pad(batch["attention_mask"], value=0),
+            "position_ids": torch.cat([positions, more if packed else more + width], 1)}
+
+
+class ContextParallel:
+    """This rank's slice of every sequence, and the attention that sees the whole of it."""
+
+    def __init__(self, group, model_config, dtype: torch.dtype = torch.float32):
+        self.group, self.config, self.dtype = group, model_config, dtype  # dtype: the masks' (as the model's)
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    @contextmanager
+    def shard(self, batch: dict[str, torch.Tensor]) -> Iterator[dict]:
+        """{"inputs": this rank's model inputs, "targets": its shifted labels}; the forward and the
+        backward (checkpointed layers recompute attention) run inside. Packed rows keep their own
+        positions and block-diagonal mask: both are built on the whole sequence, then split."""
+        global _active
+        from transformers.masking_utils import create_causal_mask
+
+        packed = "position_ids" in batch
+        full = pad_to_multiple(batch, self.cp)
+        ids, positions = full["input_ids"], full["position_ids"]
+        b, s = ids.shape
+        shape_only = torch.empty((b, s, 0), device=ids.device, dtype=self.dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=shape_only, past_key_values=None,
+                                  attention_mask=None if packed else full["attention_mask"], position_ids=positions)
+        part = slice(self.rank * s // self.cp, (self.rank + 1) * s // self.cp)
+        local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
+                            "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
+                 "targets": shift_labels(full["labels"])[:, part]}  # shifted whole: a slice's last token keeps its target
+        _active = {"group": self.group, "mask": mask}
+        try:
+            yield local
+        finally:
+            _active = None
