@@ -14,6 +14,7 @@ Writes benchmarks/packing.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,6 +24,43 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int, rounds: int,
+                          autocast=contextlib.nullcontext, log=print) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Timed passes (forward + backward + optimizer step over every micro-batch of a variant), one
+    warm-up micro-batch each, then `rounds` rounds alternating the variants: `real` tokens / the
+    median seconds per variant, and every round's seconds. Batches are already on the model's device."""
+    import torch
+
+    from toolkit.data.packing import model_inputs
+    from toolkit.train.loss import count_targets, token_loss_sum
+
+    model.train()
+
+    def one_pass(batches) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in batches:
+            with autocast():
+                logits = model(**model_inputs(b)).logits
+            loss = token_loss_sum(logits, b["labels"]) / count_targets(b["labels"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for batches in variants.values():
+        one_pass(batches[:1])
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds):
+        for name, batches in variants.items():
+            times[name].append(one_pass(batches))
+            log(f"round {r + 1} {name}: {real / times[name][-1]:.1f} useful tokens/s")
+    return {k: real / statistics.median(v) for k, v in times.items()}, times
 
 
 def main() -> None:
@@ -40,11 +78,10 @@ def main() -> None:
 
     from toolkit.config import parse_config
     from toolkit.data import collate, load_examples, tokenize_examples
-    from toolkit.data.packing import collate_packed, model_inputs, pack_rows
+    from toolkit.data.packing import collate_packed, pack_rows
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import load_model, load_tokenizer, resolve_model
     from toolkit.train.loop import EpochShuffleSampler
-    from toolkit.train.loss import count_targets, token_loss_sum
 
     cfg = parse_config(["--dataset", a.dataset, "--method", "lora", "--seq-len", str(a.seq_len), "--mixed-precision", "no",
                         "--output-dir", tempfile.mkdtemp(), "--overwrite-output-dir"])
@@ -63,25 +100,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_model(cfg, path)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    model.train()
-
-    def one_pass(batches) -> float:
-        t0 = time.perf_counter()
-        for b in batches:
-            loss = token_loss_sum(model(**model_inputs(b)).logits, b["labels"]) / count_targets(b["labels"])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    one_pass(padded[:1])
-    one_pass(packed[:1])
-    times: dict[str, list[float]] = {"padded": [], "packed": []}
-    for r in range(a.rounds):
-        for name, batches in (("padded", padded), ("packed", packed)):
-            times[name].append(one_pass(batches))
-            print(f"round {r + 1} {name}: {real / times[name][-1]:.1f} useful tokens/s", flush=True)
-    tps = {k: real / statistics.median(v) for k, v in times.items()}
+    tps, times = useful_tokens_per_sec(model, opt, {"padded": padded, "packed": packed}, real, a.rounds)
     result = {"dataset": Path(a.dataset).name, "model": "SmolLM2-135M-Instruct", "method": "lora", "dtype": "float32",
               "examples": a.examples, "real_tokens": real, "token_slots": slots,
               "padding_fraction": {k: 1 - real / v for k, v in slots.items()},

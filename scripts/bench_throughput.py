@@ -58,7 +58,9 @@ def tiny_model_dir(path: Path) -> str:
 
 
 def setup(args, loss: str = "auto"):
-    """The shared work: toolkit config, model (fp32, LoRA if asked), tokenized rows in epoch-0 order."""
+    """The shared work: toolkit config, model (LoRA if asked), tokenized rows in epoch-0 order. `args.rows`
+    (a JSON file of token rows) replaces the built-in data; `args.precision` is the toolkit's
+    --mixed-precision (default no: fp32, as on this CPU)."""
     import torch
 
     from toolkit.config import parse_config
@@ -70,15 +72,31 @@ def setup(args, loss: str = "auto"):
     out = tempfile.mkdtemp()
     cfg = parse_config(["--model", args.model_path, "--method", args.method, "--micro-batch-size", str(args.micro_batch),
                         "--max-steps", str(args.warmup + args.steps), "--log-every", str(args.warmup),
-                        "--mixed-precision", "no", "--lr-schedule", "constant", "--warmup-steps", "0",
-                        "--output-dir", out, "--overwrite-output-dir", "--seq-len", "256", "--loss", loss])
+                        "--mixed-precision", precision(args), "--lr-schedule", "constant", "--warmup-steps", "0",
+                        "--output-dir", out, "--overwrite-output-dir", "--seq-len", str(getattr(args, "seq_len", 256)),
+                        "--loss", loss])
     path = resolve_model(cfg.model.model)
     tok = load_tokenizer(path)
     ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
+    if getattr(args, "rows", None):
+        rows = json.loads(Path(args.rows).read_text())
+    else:
+        rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
     order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
     torch.manual_seed(cfg.train.seed)
     return cfg, load_model(cfg, path), tok, [rows[i] for i in order], rows, out
+
+
+def precision(args) -> str:
+    return getattr(args, "precision", "no")
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so that a clock read after it counts it."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run_raw(args) -> dict:
@@ -88,21 +106,27 @@ def run_raw(args) -> dict:
     from toolkit.train.loss import count_targets, token_loss_sum
 
     cfg, model, tok, ordered, _, _ = setup(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision(args) == "bf16")
     model.train()
     mb, tokens, t0 = args.micro_batch, 0, None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
+            sync()
             t0 = time.perf_counter()
-        batch = collate(ordered[step * mb:(step + 1) * mb], tok.pad_token_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        batch = {k: v.to(device) for k, v in collate(ordered[step * mb:(step + 1) * mb], tok.pad_token_id).items()}
+        with autocast:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step >= args.warmup:
-            tokens += int(batch["attention_mask"].sum())
+            tokens += sum(len(r["input_ids"]) for r in ordered[step * mb:(step + 1) * mb])
+    sync()
     return {"tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
@@ -139,11 +163,13 @@ def run_hf_trainer(args, sft: bool = False) -> dict:
 
     class Stamp(TrainerCallback):
         def on_step_end(self, *a, **k):
+            sync()
             stamps.append(time.perf_counter())
 
     common = dict(output_dir=out, per_device_train_batch_size=args.micro_batch, max_steps=args.warmup + args.steps,
                   learning_rate=cfg.lr, lr_scheduler_type="constant", max_grad_norm=cfg.train.max_grad_norm,
                   logging_strategy="no", save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+                  bf16=precision(args) == "bf16",
                   dataloader_num_workers=0, remove_unused_columns=False, seed=cfg.train.seed,
                   disable_tqdm=True)
     if sft:  # pre-tokenized rows: SFTTrainer skips its own tokenization
@@ -179,36 +205,38 @@ def child_main(argv: list[str]) -> None:
     args = argparse.Namespace(**args)
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
     run = {"raw": run_raw, "toolkit": run_toolkit, "full": lambda a: run_toolkit(a, "full"), "trainer": run_hf_trainer,
            "sft": lambda a: run_hf_trainer(a, sft=True)}[args.variant]
     result = run(args)
     from toolkit.train.flops import measure_peak_flops
 
-    result["peak_flops"] = measure_peak_flops(torch.device("cpu"), torch.float32)  # after the timed steps
+    result["peak_flops"] = measure_peak_flops(device, compute_dtype(args))  # after the timed steps
     print("RESULT " + json.dumps(result))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny", help="'tiny' or a toolkit --model value")
-    ap.add_argument("--method", default="full", choices=("full", "lora"))
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; sft runs only when trl imports")
-    a = ap.parse_args()
+def compute_dtype(args):
+    import torch
+
+    return torch.bfloat16 if precision(args) == "bf16" else torch.float32
+
+
+def measure(a: argparse.Namespace, path: str, log=print) -> dict:
+    """Run the arms in alternating rounds of fresh processes on model folder `path` and return the
+    benchmark entry: medians, spreads, ratios and MFU against the best peak probe of the run. `a`
+    holds main()'s options, plus `precision` and `rows` when the caller sets them (the GPU run)."""
     import torch
     from transformers import AutoConfig
 
-    from toolkit.models import resolve_model
     from toolkit.train.flops import flops_per_token, matmul_params_from_config, measure_peak_flops
 
-    tmp = tempfile.mkdtemp()
-    path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)
-    torch.set_num_threads(os.cpu_count() or 1)
-    peak = measure_peak_flops(torch.device("cpu"), torch.float32)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(os.cpu_count() or 1)
+    peak = measure_peak_flops(device, compute_dtype(a))
     variants = [v for v in a.variants.split(",") if v != "sft" or trl_available()]
     if not {"raw", "toolkit", "trainer"} <= set(variants) or set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: raw, toolkit and trainer are needed; choose from {', '.join(VARIANTS)}")
@@ -220,11 +248,11 @@ def main() -> None:
                                cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                raise SystemExit(f"{v} failed:\n{p.stderr[-3000:]}")
+                raise RuntimeError(f"{v} failed:\n{p.stderr[-3000:]}")
             r = json.loads(line[7:])
             r["tokens_per_sec"] = r["tokens"] / r["seconds"]
             results[v].append(r)
-            print(f"round {rep + 1} {v}: {r['tokens_per_sec']:.1f} tokens/s", flush=True)
+            log(f"round {rep + 1} {v}: {r['tokens_per_sec']:.1f} tokens/s")
     # the device's peak: the best of every probe in this benchmark (one here, one after each run's
     # timed steps); a probe can only read low (a neighbour's load, clocks), never high
     probes = [peak] + [r["peak_flops"] for v in variants for r in results[v]]
@@ -238,23 +266,45 @@ def main() -> None:
            for v in variants}
     med = {v: statistics.median(r["tokens_per_sec"] for r in results[v]) for v in variants}
     pairs = [(x, y) for x in ("toolkit", "full") for y in ("raw", "trainer", "sft") if x in med and y in med]
-    entry = {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
-             "repeats": a.repeats, "dtype": "float32", "device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__,
-             "peak_flops": peak, "peak_probes": [min(probes), statistics.median(probes), max(probes), len(probes)],
-             "flops_per_token": per_token,
-             "median_tokens_per_sec": med,
-             "spread_tokens_per_sec": {v: [min(r["tokens_per_sec"] for r in results[v]),
-                                           max(r["tokens_per_sec"] for r in results[v])] for v in variants},
-             "flops_per_token_by_arm": fpt,
-             "mfu": {v: med[v] * fpt[v] / peak for v in variants},
-             "reported_mfu": {v: statistics.median(r["toolkit_mfu"] for r in results[v])
-                              for v in ("toolkit", "full") if v in results},
-             # ratio of the medians (the acceptance figure) and, less sensitive to drift between rounds,
-             # the median of each round's own ratio (the two runs of a round ran minutes apart)
-             "ratios": {f"{x}/{y}": med[x] / med[y] for x, y in pairs},
-             "round_ratios": {f"{x}/{y}": statistics.median(rx["tokens_per_sec"] / ry["tokens_per_sec"]
-                                                            for rx, ry in zip(results[x], results[y])) for x, y in pairs},
-             "runs": results}
+    return {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
+            "repeats": a.repeats, "dtype": str(compute_dtype(a)).removeprefix("torch."),
+            "device": torch.cuda.get_device_name(0) if cuda else f"CPU, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "peak_flops": peak, "peak_probes": [min(probes), statistics.median(probes), max(probes), len(probes)],
+            "flops_per_token": per_token,
+            "median_tokens_per_sec": med,
+            "spread_tokens_per_sec": {v: [min(r["tokens_per_sec"] for r in results[v]),
+                                          max(r["tokens_per_sec"] for r in results[v])] for v in variants},
+            "flops_per_token_by_arm": fpt,
+            "mfu": {v: med[v] * fpt[v] / peak for v in variants},
+            "reported_mfu": {v: statistics.median(r["toolkit_mfu"] for r in results[v])
+                             for v in ("toolkit", "full") if v in results},
+            # ratio of the medians (the acceptance figure) and, less sensitive to drift between rounds,
+            # the median of each round's own ratio (the two runs of a round ran minutes apart)
+            "ratios": {f"{x}/{y}": med[x] / med[y] for x, y in pairs},
+            "round_ratios": {f"{x}/{y}": statistics.median(rx["tokens_per_sec"] / ry["tokens_per_sec"]
+                                                           for rx, ry in zip(results[x], results[y])) for x, y in pairs},
+            "runs": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", help="'tiny' or a toolkit --model value")
+    ap.add_argument("--method", default="full", choices=("full", "lora"))
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; sft runs only when trl imports")
+    a = ap.parse_args()
+    from toolkit.models import resolve_model
+
+    tmp = tempfile.mkdtemp()
+    path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)
+    try:
+        entry = measure(a, path, log=lambda m: print(m, flush=True))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     bench = ROOT / "benchmarks"
     bench.mkdir(exist_ok=True)
     store = bench / "throughput.json"

@@ -16,53 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from toolkit.synthetic import build_model_dir, build_tokenizer, corpus  # noqa: E402
+
+__all__ = ["build_model_dir", "build_tokenizer"]  # tests import the builders from here
+
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly mix potions near "
-         "old towers and bright rivers under cold northern skies with purple dragons").split()
-
-
-def corpus(n: int = 400, seed: int = 0) -> list[str]:
-    import random
-
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
-
-
-def build_tokenizer(chat_template: str | None = None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus() + ["<|user|> <|assistant|> <|system|> " * 3], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", bos_token="<s>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    if chat_template:
-        fast.chat_template = chat_template
-    return fast
-
-
-def build_model_dir(path: Path, chat_template: str | None = None, **overrides) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_tokenizer(chat_template)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-              tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-              bos_token_id=tok.bos_token_id)
-    kw.update(overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**kw))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,74 @@
+"""Config-built models and synthetic token rows: nothing is downloaded.
+
+The tests, the benchmarks and the GPU acceptance run (`scripts/gpu_acceptance.py`, on a machine that
+has no hub access and no SmolLM2 package) all need a model that goes through the real
+`from_pretrained` path; this builds one from a Llama config with random weights and a small BPE
+tokenizer trained here, and saves both as a standard HF folder.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from toolkit.data.tokenize import IGNORE_INDEX
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly mix potions near "
+         "old towers and bright rivers under cold northern skies with purple dragons").split()
+SPECIAL_TOKENS = ("<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>")
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def build_tokenizer(chat_template: str | None = None):
+    """A byte-level BPE of 384 tokens trained on `corpus()`, with the usual special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus() + ["<|user|> <|assistant|> <|system|> " * 3], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def build_model_dir(path: Path, chat_template: str | None = None, **overrides) -> Path:
+    """A Llama (2 blocks, hidden 64, GQA unless `overrides` say otherwise) saved with the tokenizer.
+    `vocab_size` may exceed the tokenizer's: the extra ids are only ever fed as synthetic rows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer(chat_template)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+              tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+              bos_token_id=tok.bos_token_id)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
+def token_rows(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0, prompt: float = 0.5) -> list[dict]:
+    """`n` tokenized examples as `toolkit.data.tokenize_examples` returns them: lengths uniform in
+    `lengths` (inclusive; equal bounds give rows without padding), ids drawn past the special tokens,
+    the first `prompt` fraction of each row masked from the loss as a chat prompt would be."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        length = rng.randint(*lengths)
+        ids = [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
+        cut = int(length * prompt)
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * cut + ids[cut:]})
+    return rows
