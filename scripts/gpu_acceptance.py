@@ -199,13 +199,9 @@ def train_case(c: dict) -> dict:
     if c["device"] == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     if c.get("single_rank_env"):  # DeepSpeed always wants a process group: what a launcher would set
-        import socket
+        from toolkit.parallel.cpu_rehearsal import _single_process_env
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        _single_process_env()
     out = Path(c["work"]) / c["name"]
     out.mkdir(parents=True, exist_ok=True)
     cfg = parse_config(["--model", c["model_dir"], "--output-dir", str(out), "--overwrite-output-dir",
