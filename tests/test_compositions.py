@@ -95,6 +95,35 @@ def test_composed_layout_matches_one_process(runs, layout, method):
     assert LAYOUTS[layout][1] in (out / "stdout.txt").read_text()
 
 
+@pytest.mark.parametrize("layout, method", [(lay, m) for lay in LAYOUTS for m in METHODS.get(lay, ["full", "lora"])])
+def test_planner_predicts_every_ranks_model_state(runs, tiny_model, mha_model, layout, method):
+    """The planner's bytes for the layout that ran (`toolkit.planner.layouts.stage_bytes`, for the
+    rank's pipeline stage) against each rank's weights, gradients and Adam state measured at step 1
+    (`metrics.jsonl`): within 5%. The runs are the parity test's, not launched again."""
+    from toolkit.parallel.dims import infer_dims
+    from toolkit.planner.layouts import stage_bytes
+    from toolkit.planner.plan import PlanInput
+
+    argv = LAYOUTS[layout][0]
+
+    def flag(name, default):
+        return int(argv[argv.index(name) + 1]) if name in argv else default
+
+    world = RANKS.get(layout, 4)
+    dims, problems = infer_dims(world, tp=flag("--tp", 1), pp=flag("--pp", 1), cp=flag("--cp", 1),
+                                dp_shard=flag("--dp-shard", 0), dp_replicate=flag("--dp-replicate", 0))
+    assert not problems
+    model = mha_model if layout == "cp2_tp2" else tiny_model
+    inp = PlanInput(model=json.loads((model / "config.json").read_text()), gpu_memory=2**40, gpus_per_node=world,
+                    method=method, lora_r=16, seq_len=64, micro_batch=flag("--micro-batch-size", 1), precision="no")
+    measured = records(runs(layout, method))[0]
+    for rank in range(world):
+        want = stage_bytes(inp, dims, rank // (world // dims.pp), False, inp.micro_batch)  # pp is the outermost dim
+        assert measured["param_bytes"][rank] == pytest.approx(want["weights"], rel=0.05), rank
+        assert measured["grad_bytes"][rank] == pytest.approx(want["grads"], rel=0.05), rank
+        assert measured["optim_bytes"][rank] == pytest.approx(want["optimizer"], rel=0.05), rank
+
+
 @pytest.mark.parametrize("layout", list(RESUMED))
 def test_composed_layout_resumes_exactly(runs, tiny_model, data_files, tmp_path, layout):
     """Per-rank optimizer state of FSDP2 shards of TP slices / pipeline stages of TP slices: continuing

@@ -278,12 +278,13 @@ def test_planner_pp_row_matches_measured_bytes(runs, tied_model, layout, method)
     bytes measured at step 1: weights (the tied embedding on both ends), gradients, Adam states, 5%."""
     import json
 
-    from toolkit.planner.plan import PlanInput, estimate_model_parallel
+    from toolkit.parallel.dims import ParallelDims
+    from toolkit.planner.plan import PlanInput, estimate_layout
 
     cfg = json.loads((tied_model / "config.json").read_text())
     inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,
                     micro_batch=4, precision="no")
-    row = estimate_model_parallel(inp, "pp", 2, False)
+    row = estimate_layout(inp, ParallelDims(2, pp=2), False, 4)
     measured = records(runs(layout, method)[0])[0]
     assert max(measured["param_bytes"]) == pytest.approx(row.bytes["weights"], rel=0.05)
     assert max(measured["grad_bytes"]) == pytest.approx(row.bytes["grads"], rel=0.05)

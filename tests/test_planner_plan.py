@@ -23,9 +23,14 @@ def test_json_schema(capsys):
     for s in out["strategies"]:
         assert set(s["bytes"]) == {"weights", "grads", "optimizer", "activations", "logits", "buffers", "total"}
         assert s["bytes"]["total"] == sum(v for k, v in s["bytes"].items() if k != "total")
-        assert isinstance(s["fits"], bool)
-        assert s["step_seconds"] is None if s["name"].startswith(("tp", "pp")) else s["step_seconds"] > 0
-    assert out["chosen"] in names
+        assert isinstance(s["fits"], bool) and isinstance(s["runnable"], bool) and s["step_seconds"] > 0
+        assert s["dims"] is None or (set(s["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
+                                     and s["dims"]["pp"] * s["dims"]["dp_replicate"] * s["dims"]["dp_shard"]
+                                     * s["dims"]["cp"] * s["dims"]["tp"] == 8)
+    assert any(s["dims"] and s["dims"]["tp"] > 1 and s["dims"]["pp"] > 1 for s in out["strategies"])  # composed
+    assert out["chosen"] in names and out["chosen_detail"]["step_time_s"] > 0
+    assert len(out["ranking"]) == 5 and out["ranking"][0]["name"] == out["chosen"]
+    assert out["ranking"][0]["reason"] == "chosen" and all(r["reason"] for r in out["ranking"])
 
 
 def test_small_model_gets_plain_ddp_and_the_largest_micro_batch(capsys):
@@ -50,21 +55,29 @@ def test_gradient_traffic_decides_only_where_it_costs_time(capsys):
 
 
 def test_more_memory_pressure_picks_more_sharding(capsys):
+    """Less GPU memory: the chosen layout holds fewer bytes of model state per GPU."""
     roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
     tight = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "24GB", "--method", "full")
-    order = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
-             "zero3_offload_param"]
-    assert order.index(tight["chosen"]) > order.index(roomy["chosen"])
+
+    def states(out):
+        return sum(out["chosen_detail"]["bytes"][k] for k in ("weights", "grads", "optimizer"))
+
+    assert states(tight) < states(roomy) / 2 and tight["chosen_detail"]["bytes"]["total"] <= 24 * 1024**3
 
 
-def test_checkpointing_beats_offload_70b_lora_on_one_node(capsys):
-    """The new user's case: offload fits, but so does ZeRO-3 with checkpointing and no offload."""
+def test_offload_loses_to_what_fits_without_it_70b_lora_on_one_node(capsys):
+    """The new user's case: offload fits, but so do ZeRO-3 with checkpointing and mesh layouts that
+    split the activations (cp) or the weights (tp) without recomputing the forward; the plan runs
+    without offload or checkpointing."""
     out = plan_json(capsys, "--model", "llama-3-70b", "--gpus-per-node", "8", "--nodes", "1", "--gpu-memory", "80GB",
                     "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1")
     rows = {(s["name"], s["checkpointing"]): s for s in out["strategies"]}
-    assert rows[("zero3_offload_param", False)]["fits"]  # offload without checkpointing fits ...
-    assert out["chosen"] == "zero3" and out["chosen_detail"]["checkpointing"]  # ... and loses
-    assert "--offload" not in out["flags"] and "--gradient-checkpointing" in out["flags"]
+    assert rows[("zero3_offload_param", False)]["fits"] and rows[("zero3", True)]["fits"]
+    assert not rows[("zero3", False)]["fits"]  # 1-D, only checkpointing or offload make room
+    chosen = out["chosen_detail"]
+    assert "offload" not in out["chosen"] and "--offload" not in out["flags"] and chosen["runnable"]
+    assert not chosen["checkpointing"] and chosen["dims"]["cp"] * chosen["dims"]["tp"] > 1
+    assert out["ranking"][0]["seconds_per_example"] < min(r["seconds_per_example"] for r in out["ranking"][1:]) * 1.05
 
 
 def test_one_gpu_never_shards(capsys):
@@ -78,14 +91,15 @@ def test_one_gpu_never_shards(capsys):
 
 
 def test_checkpointing_is_compared_not_ranked_first(capsys):
-    """Without memory pressure the checkpointed rows only cost time (8B full, 8 x 80 GB): ZeRO-1
-    runs without it. When everything that fits offloads (70B full), the offload rows are compared by
+    """Without memory pressure the checkpointed rows only cost time (8B full, 8 x 80 GB): the plan
+    runs without it. When everything that fits offloads (70B full on one node: 1.1 TB of weights,
+    gradients and Adam state over 640 GB, whatever the layout), the offload rows are compared by
     predicted time per example and the fastest is taken."""
     roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
     rows = {(s["name"], s["checkpointing"]): s for s in roomy["strategies"]}
-    assert rows[("zero1", True)]["fits"] and roomy["chosen"] == "zero1" and not roomy["chosen_detail"]["checkpointing"]
+    assert rows[("zero1", True)]["fits"] and not roomy["chosen_detail"]["checkpointing"]
     big = plan_json(capsys, "--model", "llama-3-70b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
-    fitting = [s for s in big["strategies"] if s["fits"] and s["step_seconds"] is not None]
+    fitting = [s for s in big["strategies"] if s["fits"]]
     assert fitting and all("offload" in s["name"] for s in fitting)
     chosen = big["chosen_detail"]
     assert chosen["micro_batch"] > 1  # a per-step cost (the host's Adam step) is shared by more examples
@@ -131,7 +145,7 @@ def test_lora_base_is_counted_in_the_half_dtype(capsys):
     fp32 = {s["name"]: s["bytes"]["weights"] for s in plan_json(capsys, *argv, "--mixed-precision", "no")["strategies"]}
     assert bf16["ddp"] == 2 * p + 4 * t and fp32["ddp"] == 4 * p + 4 * t
     assert bf16["fsdp_full"] == (2 * p + 4 * t) // 8
-    assert bf16["tp2_dp4"] < fp32["tp2_dp4"] and bf16["pp2"] < fp32["pp2"]
+    assert bf16["tp2_dp4"] < fp32["tp2_dp4"] and bf16["pp2_dp4"] < fp32["pp2_dp4"]
 
 
 def test_nothing_fits_says_by_how_much(capsys):
@@ -162,16 +176,22 @@ def test_parse_size():
         parse_size("lots", "x")
 
 
-def test_tp_and_pp_rows_follow_divisibility_and_are_never_chosen(capsys):
-    """TP and PP rows run (--tp N, --pp N) but auto picks among DDP/ZeRO/FSDP."""
+def test_mesh_rows_follow_divisibility(capsys):
+    """Every pp x dp x cp x tp the runtime accepts is predicted, none it refuses."""
     out = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
     rows = {s["name"]: s for s in out["strategies"]}
-    assert {"tp2_dp4", "tp4_dp2", "tp8", "pp2", "pp4"} <= set(rows)  # 32 heads / 8 kv heads: 2, 4, 8 divide
+    assert {"tp2_dp4", "tp4_dp2", "tp8", "pp2_dp4", "pp4_dp2", "pp2_tp4", "pp2_tp2_dp_shard2", "cp2_tp4",
+            "dp2_dp_shard4", "cp2_dp_shard4"} <= set(rows)  # 32 heads / 8 kv heads: 2, 4, 8 divide
     assert rows["tp8"]["bytes"]["weights"] < rows["tp2_dp4"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
-    assert rows["pp4"]["bytes"]["weights"] < rows["pp2"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
-    assert not out["chosen"].startswith(("tp", "pp"))
+    assert rows["pp4_dp2"]["bytes"]["weights"] < rows["pp2_dp4"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
+    assert rows["pp2_tp2_dp_shard2"]["bytes"]["weights"] == pytest.approx(rows["pp2_tp2_dp2"]["bytes"]["weights"] / 2, rel=1e-6)
+    assert not rows["cp2_pp2_dp2"]["runnable"] and "pipeline" in rows["cp2_pp2_dp2"]["why_not"] \
+        if "cp2_pp2_dp2" in rows else not rows["pp2_cp2_dp2"]["runnable"]
     qwen = plan_json(capsys, "--model", "qwen2.5-7b", "--gpus-per-node", "8", "--gpu-memory", "80GB")
-    assert {s["name"] for s in qwen["strategies"] if s["name"].startswith("tp")} == {"tp2_dp4", "tp4_dp2"}  # 28/4 heads
+    tps = {s["dims"]["tp"] for s in qwen["strategies"] if s["dims"]}
+    cps = {s["dims"]["cp"] for s in qwen["strategies"] if s["dims"]}
+    assert tps == {1, 2, 4} and cps == {1, 2, 4}  # 28 query / 4 kv heads: tp and cp divide 4, tp x cp too
+    assert all(s["dims"]["tp"] * s["dims"]["cp"] <= 4 for s in qwen["strategies"] if s["dims"])
 
 
 def test_cp_rows_split_the_sequence(capsys):
@@ -184,16 +204,19 @@ def test_cp_rows_split_the_sequence(capsys):
     assert rows["cp2_dp4"]["bytes"]["activations"] == half["ddp"]["bytes"]["activations"]  # s/2 tokens per rank
     assert rows["cp8"]["bytes"]["activations"] < rows["cp2_dp4"]["bytes"]["activations"] / 3.9
     # a rank sends (C-1)/C of its s/C tokens' q, k, v and output: s/4 of them at cp 2, 7s/64 at cp 8
-    assert rows["cp2_dp4"]["comm_bytes"] / rows["cp8"]["comm_bytes"] == pytest.approx((1 / 4) / (7 / 64))
+    # (both reduce gradients over dp x cp = 8 ranks, as DDP does)
+    ddp = rows["ddp +gc" if "ddp +gc" in rows else "ddp"]["comm_bytes"]
+    assert (rows["cp2_dp4"]["comm_bytes"] - ddp) / (rows["cp8"]["comm_bytes"] - ddp) == pytest.approx((1 / 4) / (7 / 64), rel=1e-6)
     assert not rows["ddp"]["fits"] and rows["cp8"]["fits"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "smollm2-135m", "--cp", "2"], "--cp 2: must be >= 2 and divide the attention heads (9), kv heads (3)"),
+    (["--model", "smollm2-135m", "--cp", "2"], "--cp 2 needs query and key/value heads divisible by 2 (this model has 9 and 3)"),
     (["--model", "llama-3-8b", "--tp", "3"], "--tp 3: must divide the attention heads (32), kv heads (8), intermediate size (14336)"),
     (["--model", "llama-3-8b", "--tp", "16"], "--tp 16: must divide"),
     (["--model", "llama-3-8b", "--gpus-per-node", "2", "--tp", "4"], "--tp 4: must be <= GPUs per node (2)"),
     (["--model", "smollm2-135m", "--pp", "64"], "--pp 64: needs 2 <= stages <= blocks (30)"),
+    (["--model", "smollm2-135m", "--pp", "3"], "--pp 3: needs 2 <= stages <= blocks (30) and to divide the world size (8)"),
 ])
 def test_impossible_model_parallel_degrees(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -218,4 +241,29 @@ def test_logits_term_follows_the_loss_path(capsys):
         mb = auto[name]["micro_batch"]
         assert auto[name]["bytes"]["logits"] == chunked_loss_bytes(mb, 2048, vocab, h, 2, head_trainable=True)
         assert auto[name]["bytes"]["logits"] < full[name]["bytes"]["logits"]
-    assert auto["pp2"]["bytes"]["logits"] == full["pp2"]["bytes"]["logits"] == logits_bytes(1, 2048, vocab, 2)
+    assert auto["pp2_dp4"]["bytes"]["logits"] == full["pp2_dp4"]["bytes"]["logits"] == logits_bytes(1, 2048, vocab, 2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama-3-70b", "--method", "lora"],  # a mesh layout with TP
+    ["--model", "llama-3-8b", "--method", "full", "--global-batch", "256"],  # a pipeline
+    ["--model", "llama-3-70b", "--method", "full"],  # DeepSpeed with offload
+])
+def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
+    """`--strategy auto` writes the chosen layout into the config exactly as the printed flags set it
+    (those flags pass finetune.py's own checks), mesh layouts included."""
+    from toolkit.config import parse_config
+    from toolkit.planner.auto import apply_plan
+    from toolkit.planner.plan import PlanInput, plan
+    from toolkit.planner.presets import PRESETS
+
+    model = PRESETS[argv[1]]
+    gb = int(argv[argv.index("--global-batch") + 1]) if "--global-batch" in argv else None
+    result = plan(PlanInput(model=model, gpu_memory=80 * 1024**3, cpu_memory=2 * 1024**4, method=argv[3], global_batch=gb))
+    assert result.chosen
+    auto = parse_config(["--strategy", "auto", "--output-dir", str(tmp_path / "a"), "--method", argv[3]])
+    apply_plan(auto, result)
+    printed = parse_config([*result.flags, "--output-dir", str(tmp_path / "b")])
+    assert auto.parallel.__dict__ | {"strategy": "manual"} == printed.parallel.__dict__
+    for k in ("gradient_checkpointing", "micro_batch_size", "grad_accum"):
+        assert getattr(auto.train, k) == getattr(printed.train, k)

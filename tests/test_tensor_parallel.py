@@ -370,12 +370,13 @@ def test_tp_halves_the_sharded_parameters(runs):
 def test_planner_tp_row_matches_measured_bytes(runs, tiny_model, method):
     """The planner's tp2 row (same divisibility and split rules as the runtime plan) against the
     per-rank bytes measured at step 1: weights (adapters included), gradients, Adam states, 5%."""
-    from toolkit.planner.plan import PlanInput, estimate_model_parallel
+    from toolkit.parallel.dims import ParallelDims
+    from toolkit.planner.plan import PlanInput, estimate_layout
 
     cfg = json.loads((tiny_model / "config.json").read_text())
     inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,
                     micro_batch=4, precision="no")
-    row = estimate_model_parallel(inp, "tp", 2, False)
+    row = estimate_layout(inp, ParallelDims(2, tp=2), False, 4)
     assert row.name == "tp2"
     measured = records(runs("tp2", method))[0]
     for rank in range(2):

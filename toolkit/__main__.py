@@ -96,7 +96,17 @@ def load_model_config(spec: str) -> dict:
 def cmd_plan(args) -> None:
     import json
 
+    from toolkit.planner.cost import load_hardware
     from toolkit.planner.plan import PlanInput, parse_size, plan, render_table
+
+    if args.calibrate:
+        from toolkit.parallel.calibrate import calibrate
+
+        calibrate(Path(args.output or "hardware.json"))
+        return
+    if args.output:
+        raise UserError("--output is where --calibrate writes; plan prints to stdout (use --json > FILE)")
+    hardware = load_hardware(args.hardware)
 
     cfg = load_model_config(args.model_config or args.model)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -120,7 +130,8 @@ def cmd_plan(args) -> None:
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss)
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss,
+                    hardware=hardware)
     try:
         result = plan(inp)
     except ValueError as e:
@@ -191,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
     s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")
     s.add_argument("--cp", type=int, action="append", help="context-parallel degree to predict (repeatable)")
+    s.add_argument("--hardware", help="the time model's figures: a preset (h100-sxm, a100-80gb, l40s, cpu) or a "
+                                      "file from --calibrate (default h100-sxm)")
+    s.add_argument("--calibrate", action="store_true", help="measure this machine (matmul peak, block efficiency, "
+                   "all-reduce/all-to-all bandwidth over the launcher's ranks) and write --output; run under "
+                   "torchrun --nproc_per_node N -m toolkit plan --calibrate for the links")
+    s.add_argument("--output", help="the hardware file --calibrate writes (default hardware.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.set_defaults(fn=cmd_plan)
     s = sub.add_parser("verify", help="(internal) loss of a saved folder on a batch, in a fresh process")

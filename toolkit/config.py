@@ -86,7 +86,8 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = _f("manual", "auto: let the planner pick ZeRO/FSDP/offload, checkpointing and batch sizes",
+    strategy: str = _f("manual", "auto: let the planner pick the layout (DDP/ZeRO/FSDP/offload or a tp/pp/cp/dp-shard mesh), "
+                                   "checkpointing and batch sizes",
                        ("manual", "auto"))
     zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
     offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
@@ -419,7 +420,8 @@ def _mesh_problems(cfg: Config) -> list[str]:
         p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
                  "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
     if par.strategy == "auto":
-        p.append(f"{flags} with --strategy auto: the planner picks 1-D layouts only; use --strategy manual")
+        p.append(f"{flags} with --strategy auto: the planner picks the whole layout itself; drop {flags} or use "
+                 "--strategy manual")
     if cfg.model.method == "qlora":
         p.append(f"{flags} with --method qlora is not supported (4-bit weights are not sharded); use --method lora")
     if cfg.train.mixed_precision == "fp16":

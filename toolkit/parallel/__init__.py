@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 from toolkit.config import Config, mesh_sharded
-from toolkit.models import resolved_precision
 
 
 def strategy_name(cfg: Config) -> str:
@@ -43,6 +42,7 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from toolkit.models import resolved_precision  # imports torch: not at package import (the planner reads dims)
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
     from toolkit.parallel.elastic import join_restarted_group
 

@@ -38,15 +38,13 @@ _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole 
 
 
 def cp_problems(config, tp: int, cp: int) -> list[str]:
-    """The heads each rank keeps after TP must split again over cp (pure: config only)."""
-    if cp == 1:
-        return []
+    """The heads each rank keeps after TP must split again over cp (the planner's rule, shared)."""
+    from toolkit.planner.layouts import cp_divisibility_problems
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    q, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    if q % (tp * cp) or kv % (tp * cp):
-        return [f"--cp {cp}{f' x --tp {tp}' if tp > 1 else ''} needs query and key/value heads divisible by "
-                f"{tp * cp} (this model has {q} and {kv}); choose cp{' x tp' if tp > 1 else ''} dividing both"]
-    return []
+    heads = {"num_attention_heads": text.num_attention_heads,
+             "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
+    return cp_divisibility_problems(heads, tp, cp)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -1,24 +1,98 @@
-"""Predicted seconds per step of a candidate, to rank the candidates that fit.
+"""Predicted seconds per step: compute at an achieved fraction of the device's peak, plus the bytes
+each collective moves over the link it crosses (data-parallel traffic hidden behind compute up to
+the compute time, the rest on the critical path), plus offload's PCIe traffic and host optimizer step.
 
-step = compute + GPU-to-GPU traffic + PCIe traffic (offload) + the host's optimizer step (offload),
-added as if nothing overlapped. The figures are a DGX H100-class node's datasheet numbers; the
-planner uses the seconds only to order the candidates of one plan (gradient checkpointing's extra
-forward against offload's PCIe traffic against ZeRO-3's all-gathers), and they are not yet
-validated against measured step times.
+The figures come from a `Hardware` description:
+a datasheet preset (`HARDWARE`, each figure with its source) or a file written by
+`python -m toolkit plan --calibrate`, which measures them on the machine it runs on.
 """
 
 from __future__ import annotations
 
-from toolkit.hardware import DATASHEETS
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-REFERENCE = next(d for d in DATASHEETS if d.name == "NVIDIA H100 SXM")
-ACHIEVED = 0.40  # fraction of the dense peak that training reaches: PaLM (Chowdhery et al. 2022, table 3)
-#                  reports 30-46% MFU for the large models of its time
-NVLINK_BW = 450e9  # bytes/s per GPU per direction: NVLink 4, 900 GB/s bidirectional (H100 SXM datasheet)
-NETWORK_BW = 50e9  # bytes/s per GPU between nodes: one 400 Gb/s NDR InfiniBand port per GPU (DGX H100 datasheet)
-PCIE_BW = 64e9  # bytes/s per GPU per direction: PCIe Gen5 x16, 128 GB/s bidirectional (H100 SXM datasheet)
-HOST_BW = 77e9  # bytes/s of host memory per GPU: 2 sockets x 8 channels of DDR5-4800 (DGX H100) over 8 GPUs
-ADAM_HOST_BYTES = 28  # bytes moved per parameter by a CPU Adam step: fp32 weight, m and v read and written, grad read
+from toolkit.errors import UserError
+
+ADAM_STEP_BYTES = 28  # bytes an Adam step moves per parameter (fp32 weight, m and v read and written, grad read),
+#                     on the device or, with optimizer offload, on the host
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the time model needs to know about one device and its links (bytes/s per device, one
+    direction). `efficiency` is the fraction of `peak_flops` that training matmuls reach."""
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype: fp32, bf16, fp16
+    efficiency: float
+    intra_node_bw: float  # between devices of one node (NVLink, or PCIe without it)
+    inter_node_bw: float  # between nodes (the NIC per device)
+    pcie_bw: float  # device <-> host, for offload
+    host_bw: float  # host memory bandwidth per device, for the host's optimizer step
+    collective_latency: float = 0.0  # seconds per collective call, whatever its size
+    memory_bw: float = 0.0  # device memory bytes/s, for the optimizer step on the device (0: not counted)
+    overlap: float = 0.0  # fraction of data-parallel traffic hidden behind compute (up to the compute time)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def peak(self, precision: str) -> float:
+        key = "fp32" if precision == "no" else precision
+        return self.peak_flops.get(key) or self.peak_flops["fp32"]
+
+    def link(self, span: int, gpus_per_node: int) -> float:
+        """Bandwidth of a group whose ranks span `span` consecutive ranks: inside a node or across."""
+        return self.intra_node_bw if span <= gpus_per_node else self.inter_node_bw
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+PALM = "PaLM (Chowdhery et al. 2022, table 3) reports 30-46% MFU for the large models of its time"
+OVERLAP = ("torchtitan's Llama 3.1 8B FSDP runs keep 97% of their 8-GPU tokens/s per GPU on 128 GPUs "
+           "(benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3) where unhidden inter-node traffic "
+           "would cost about 30%: 0.9 of it hidden")
+HARDWARE: dict[str, Hardware] = {h.name: h for h in [
+    Hardware("h100-sxm", {"fp32": 67e12, "bf16": 989.5e12, "fp16": 989.5e12}, 0.40, 450e9, 50e9, 64e9, 77e9, 0.0,
+             3.35e12, 0.9, {
+        "peak_flops": "NVIDIA H100 SXM datasheet (BF16 1,979 TFLOPS with sparsity, dense half)", "efficiency": PALM,
+        "intra_node_bw": "NVLink 4, 900 GB/s bidirectional (H100 SXM datasheet)",
+        "inter_node_bw": "one 400 Gb/s NDR InfiniBand port per GPU (DGX H100 datasheet)",
+        "pcie_bw": "PCIe Gen5 x16, 128 GB/s bidirectional", "host_bw": "2 sockets x 8 channels DDR5-4800 over 8 GPUs",
+        "memory_bw": "HBM3 3.35 TB/s (H100 SXM datasheet)", "overlap": OVERLAP}),
+    Hardware("a100-80gb", {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, 0.40, 300e9, 25e9, 32e9, 51e9, 0.0,
+             2.039e12, 0.9, {
+        "peak_flops": "NVIDIA A100 datasheet (BF16 312 TFLOPS dense)", "efficiency": PALM,
+        "intra_node_bw": "NVLink 3, 600 GB/s bidirectional (A100 SXM datasheet)",
+        "inter_node_bw": "one 200 Gb/s HDR InfiniBand port per GPU (DGX A100 datasheet)",
+        "pcie_bw": "PCIe Gen4 x16, 64 GB/s bidirectional", "host_bw": "2 sockets x 8 channels DDR4-3200 over 8 GPUs",
+        "memory_bw": "HBM2e 2,039 GB/s (A100 80GB SXM datasheet)", "overlap": OVERLAP}),
+    Hardware("l40s", {"fp32": 91.6e12, "bf16": 362e12, "fp16": 362e12}, 0.40, 32e9, 25e9, 32e9, 51e9, 0.0,
+             864e9, 0.9, {
+        "peak_flops": "NVIDIA L40S datasheet (BF16 733 TFLOPS with sparsity, dense half)", "efficiency": PALM,
+        "intra_node_bw": "no NVLink: PCIe Gen4 x16 peer to peer, 32 GB/s per direction",
+        "inter_node_bw": "assumed 200 Gb/s Ethernet/InfiniBand per GPU (no reference system)",
+        "pcie_bw": "PCIe Gen4 x16, 64 GB/s bidirectional", "host_bw": "assumed as a DGX A100-class host",
+        "memory_bw": "GDDR6 864 GB/s (L40S datasheet)", "overlap": OVERLAP}),
+    Hardware("cpu", {"fp32": 50e9, "bf16": 0.1e9}, 1.0, 2e9, 2e9, 10e9, 10e9, 1e-4, 10e9, 0.0, {
+        "all": "placeholders of the right order for a small x86 host: measure with `plan --calibrate`"}),
+]}
+DEFAULT_HARDWARE = "h100-sxm"
+
+
+def load_hardware(spec: str | None) -> Hardware:
+    """A preset name or a JSON file written by `plan --calibrate` (None: the H100 SXM preset)."""
+    spec = spec or DEFAULT_HARDWARE
+    if spec.lower() in HARDWARE:
+        return HARDWARE[spec.lower()]
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"--hardware {spec}: not a preset ({', '.join(HARDWARE)}) or a file from "
+                        "`python -m toolkit plan --calibrate --output FILE`")
+    try:
+        data = json.loads(path.read_text())
+        return Hardware(**{k: data[k] for k in Hardware.__dataclass_fields__ if k in data})
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise UserError(f"--hardware {spec}: not a hardware file ({e}); write one with `plan --calibrate`") from None
 
 
 def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq_len: int, checkpointing: bool) -> float:
@@ -31,8 +105,49 @@ def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq_l
     return forward + backward + (forward if checkpointing else 0.0)
 
 
-def step_seconds(flops: float, precision: str, gpu_bytes: int, nodes: int, pcie_bytes: int, host_bytes: int) -> float:
-    """Seconds for one micro-batch step on one GPU, nothing overlapped (an upper bound)."""
-    peak = REFERENCE.tflops["fp32" if precision == "no" else precision] * 1e12
-    link = NVLINK_BW if nodes == 1 else NETWORK_BW  # a ring over nodes runs at its slowest link
-    return flops / (peak * ACHIEVED) + gpu_bytes / link + pcie_bytes / PCIE_BW + host_bytes / HOST_BW
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """Idle fraction of a GPipe / 1F1B step: (p - 1) / (m + p - 1) (Huang et al. 2019, GPipe sec. 2.2;
+    Narayanan et al. 2021, sec. 2.2)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def ring_factor(n: int) -> float:
+    """Bytes a rank sends per byte of buffer in a ring all-reduce: 2(n-1)/n (reduce-scatter then
+    all-gather, Patarasuk & Yuan 2009); a reduce-scatter or an all-gather alone sends half of it."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+Traffic = tuple[float, float, int, str]  # (bytes a rank sends, link bytes/s, collective calls, kind: KINDS)
+KINDS = ("blocking", "overlapped", "overlapped_once")
+
+
+def step_seconds(flops: float, precision: str, traffic: list[Traffic], hw: Hardware, pcie_bytes: float = 0,
+                 host_bytes: float = 0, bubble: float = 0.0, optimizer_bytes: float = 0) -> tuple[float, float]:
+    """(seconds of one micro-batch step that ends an optimizer step, the part of it paid once per
+    optimizer step) on one device.
+
+    compute: FLOPs at `hw.efficiency` of the peak, stretched by the pipeline bubble. Exchanges the
+    next layer waits for ("blocking": TP all-reduces, Ulysses all-to-alls, pipeline sends) and PCIe
+    traffic (offload) add to it. Data-parallel traffic that runs behind the backward pass
+    ("overlapped": bucketed all-reduces, FSDP/ZeRO gathers and reduce-scatters) is hidden up to
+    `hw.overlap` of the compute time. Once per optimizer step: "overlapped_once" traffic (DDP skips
+    the all-reduce while accumulating), the optimizer's pass over its state (`optimizer_bytes` at
+    device memory bandwidth) and the host's optimizer step (offload, `host_bytes`)."""
+    compute = flops / (hw.peak(precision) * hw.efficiency) / (1 - bubble)
+
+    def seconds(kind: str) -> float:
+        return sum(b / bw + calls * hw.collective_latency for b, bw, calls, k in traffic if k == kind)
+
+    def exposed(comm: float) -> float:
+        return comm - hw.overlap * min(comm, compute)
+
+    micro = compute + seconds("blocking") + pcie_bytes / hw.pcie_bw + exposed(seconds("overlapped"))
+    once = exposed(seconds("overlapped") + seconds("overlapped_once")) - exposed(seconds("overlapped")) \
+        + host_bytes / hw.host_bw + (optimizer_bytes / hw.memory_bw if hw.memory_bw else 0.0)
+    return micro + once, once
+
+
+def optimizer_step_seconds(step: float, once: float, accumulation: int) -> float:
+    """An optimizer step of `accumulation` micro-batch steps: the per-micro-batch part each time,
+    the once-per-step part once."""
+    return accumulation * (step - once) + once

@@ -1,10 +1,11 @@
-"""Predict per-GPU memory for every strategy and pick the one to run.
+"""Predict per-GPU memory and step time for every layout the toolkit runs, and pick the one to run.
 
-Order (docs/planner.md): what fits (GPU memory and host RAM) > no CPU offload > the least predicted
-step time (`toolkit.planner.cost`: gradient checkpointing's extra forward, the bytes moved between
-GPUs, offload's PCIe traffic and host optimizer step, compared rather than ranked by a fixed order).
-On one GPU nothing is sharded: only DDP and the offload variants are planned. Then the largest
-micro-batch that fits and the accumulation that reaches the target global batch.
+The candidates: the 1-D strategies (DDP, ZeRO-1/2/3 and offloads, FSDP; `memory.STRATEGIES`, this
+module's `estimate`) and every device-mesh layout pp x dp_replicate x dp_shard x cp x tp
+(`layouts.mesh_layouts`, `estimate_layout`), each with and without gradient checkpointing, each
+grown to the largest micro-batch that fits. Order (docs/planner.md): runnable and fits (GPU memory
+and host RAM) > no CPU offload > the least predicted time per example (`cost.step_seconds`) > the
+simpler layout. On one GPU nothing is sharded: only DDP and the offload variants are planned.
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.planner.cost import ADAM_HOST_BYTES, flops_per_token, step_seconds
-from toolkit.planner.memory import (ADAM_BYTES, STRATEGIES, Strategy, activation_bytes, activation_elements_per_token,
-                                    chunked_loss_bytes, cpu_bytes, frozen_bytes_per_param, grads_bytes, logits_bytes,
-                                    optimizer_bytes, tp_activation_elements_per_token, ulysses_comm_bytes,
-                                    weight_bytes_per_param,
-                                    weights_bytes)
+from toolkit.parallel.dims import MESH_DIMS, ParallelDims
+from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, flops_per_token, load_hardware, optimizer_step_seconds,
+                                  ring_factor, step_seconds)
+from toolkit.planner.layouts import (cp_divisibility_problems, layout_name, mesh_layouts, mesh_step_seconds,
+                                     not_runnable, stage_bytes, tp_divisibility_problems, traffic)
+from toolkit.planner.layouts import flags as mesh_flags
+from toolkit.planner.memory import (STRATEGIES, Strategy, activation_bytes, chunked_loss_bytes, cpu_bytes,
+                                    frozen_bytes_per_param, grads_bytes, logits_bytes, optimizer_bytes,
+                                    weight_bytes_per_param, weights_bytes)
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
-from toolkit.planner.stages import balance
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
 DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
+DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step when no target is given (at most this many examples)
 TIE = 0.05  # predicted times closer than this are treated as equal
 QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
 ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
@@ -64,6 +68,11 @@ class PlanInput:
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
     cp: list[int] | None = None  # context-parallel degrees to predict (default: none)
     loss: str = "auto"  # the runtime's --loss: auto and chunked never hold (b, s, V) logits, except under pp
+    hardware: Hardware | None = None  # the time model's figures (None: the H100 SXM preset)
+
+    @property
+    def hw(self) -> Hardware:
+        return self.hardware or load_hardware(None)
 
 
 def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
@@ -76,17 +85,6 @@ def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, p
     return chunked_loss_bytes(micro_batch, s, vocab, h, act, head_trainable=inp.method == "full")
 
 
-def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
-    """Each rank keeps whole query and kv heads and an equal slice of the MLP: t must divide the
-    attention heads, the kv heads and the intermediate size. The runtime (`--tp`) uses this too."""
-    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if t < 1:
-        return [f"--tp {t}: must be >= 1"]
-    bad = [f"{what} ({n})" for what, n in (("attention heads", nq), ("kv heads", nkv),
-                                           ("intermediate size", cfg["intermediate_size"])) if n % t]
-    return [f"--tp {t}: must divide the {', '.join(bad)}"] if bad else []
-
-
 def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
     """t passes `tp_divisibility_problems`, stays inside a node (TP all-reduces every layer) and
     divides the world (data parallel across TP groups)."""
@@ -94,11 +92,12 @@ def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
 
 
 def check_cp(cfg: dict[str, Any], c: int, world: int) -> None:
-    """The runtime's rule (toolkit.parallel.cp.cp_problems): query and kv heads divide by cp."""
-    nkv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if c < 2 or cfg["num_attention_heads"] % c or nkv % c or world % c:
-        raise UserError(f"--cp {c}: must be >= 2 and divide the attention heads ({cfg['num_attention_heads']}), "
-                        f"kv heads ({nkv}) and the world size ({world})")
+    """The runtime's rule (`layouts.cp_divisibility_problems`), and cp must divide the world."""
+    problems = cp_divisibility_problems(cfg, 1, c) if c > 1 else [f"--cp {c}: must be >= 2"]
+    if problems:
+        raise UserError(problems[0])
+    if world % c:
+        raise UserError(f"--cp {c}: must divide the world size ({world})")
 
 
 def check_tp(cfg: dict[str, Any], t: int, gpus_per_node: int, world: int) -> None:
@@ -118,7 +117,20 @@ class Candidate:
     cpu_bytes_per_node: int
     comm_bytes: int
     fits: bool
-    step_seconds: float | None = None  # predicted, for ranking (None: TP/PP rows, not ranked yet)
+    step_seconds: float  # predicted seconds per micro-batch step (as an optimizer step of one micro-batch)
+    examples_per_step: int  # examples one micro-batch step processes over the whole world
+    once_seconds: float = 0.0  # the part of step_seconds paid once per optimizer step, not per micro-batch
+    grad_accum: int = 1  # micro-batch steps per optimizer step (set by `plan` from the target global batch)
+    dims: dict[str, int] | None = None  # the mesh degrees of a composed layout (None: a 1-D strategy)
+    runnable: bool = True
+    why_not: str = ""  # why the runtime refuses it, or why it lost (set by `plan`)
+    step_time_s: float | None = None  # predicted seconds per optimizer step (set by `plan`: x accumulation)
+
+    @property
+    def seconds_per_example(self) -> float:
+        """Predicted time per example at `grad_accum`: the quantity candidates are ranked by."""
+        step = optimizer_step_seconds(self.step_seconds, self.once_seconds, self.grad_accum)
+        return step / (self.examples_per_step * self.grad_accum)
 
 
 @dataclass
@@ -135,6 +147,8 @@ class Plan:
     gpu_memory: int = 0
     cpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
+    ranking: list[dict[str, Any]] = field(default_factory=list)  # the chosen and the next 4, each with why it lost
+    hardware: str = ""  # the time model's figures (`cost.Hardware.name`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,75 +201,55 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     # ZeRO-3 / FSDP full gather the parameters in forward and backward, and once more to recompute
     # a checkpointed forward; FSDP grad_op keeps them gathered from forward to the end of backward.
     gathers = (1 if s.name == "fsdp_grad_op" else 2 + checkpointing) if s.shard_params else 0
-    comm = 2 * trainable * wb + gathers * model_bytes if n > 1 else 0
+    # a ring all-reduce of the gradients (or reduce-scatter + all-gather: the same bytes, ZeRO paper
+    # sec. 7), and each all-gather of the parameters: a rank sends (n-1)/n of the buffer per pass
+    grads_sent = int(ring_factor(n) * trainable * wb)
+    comm = grads_sent + int(ring_factor(n) / 2 * gathers * model_bytes)
     pcie = 2 * wb * trainable // n if s.offload_optimizer else 0  # gradients down, updated weights up
     if s.offload_params:  # each rank fetches its partition before every gather
         pcie += (2 + checkpointing) * model_bytes // n
     flops = micro_batch * inp.seq_len * flops_per_token(params, trainable, layers, h, inp.seq_len, checkpointing)
-    host = ADAM_HOST_BYTES * trainable // n if s.offload_optimizer else 0
-    seconds = step_seconds(flops, inp.precision, comm, inp.nodes, pcie, host)
+    host = ADAM_STEP_BYTES * trainable // n if s.offload_optimizer else 0
+    on_device = 0 if s.offload_optimizer else ADAM_STEP_BYTES * trainable // (n if s.shard_optimizer else 1)
+    hw, link = inp.hw, inp.hw.link(n, inp.gpus_per_node)
+    # collective calls: DDP's 25 MiB buckets (and its 1 MiB first); DeepSpeed's h*h-element reduce and
+    # gather buckets; ZeRO-3 gathers each linear (7 per block), FSDP each block, per pass
+    if s.deepspeed:
+        grad_calls = 2 * -(-trainable // (h * h))
+    elif s.shard_grads:
+        grad_calls = layers
+    else:
+        grad_calls = 1 + -(-grads_sent // DDP_BUCKET)
+    traffic = [  # DDP's all-reduce waits for the last accumulated micro-batch; DeepSpeed reduces every one
+               (grads_sent, link, grad_calls if n > 1 else 0, "overlapped_once" if s.name == "ddp" else "overlapped"),
+               (comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped")]
+    seconds, once = step_seconds(flops, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device)
     fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
-    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, seconds)
+    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, seconds, micro_batch * n, once_seconds=once)
 
 
-def estimate_model_parallel(inp: PlanInput, kind: str, degree: int, checkpointing: bool) -> Candidate:
-    """tpT[_dpD]: Megatron TP of degree T inside a node, DDP across the D = world/T groups;
-    cpC[_dpD]: Ulysses context parallel, each of C ranks holding s/C tokens of every sequence (and
-    the whole model, as DDP), DDP across the D groups; ppP: P pipeline stages split as the runtime splits them (GPipe: every micro-batch's activations
-    alive at once; a tied embedding is also held by the last stage), the heaviest stage taken.
-    Trainable weights stay fp32 under autocast, as in DDP; a LoRA base is in the half dtype."""
-    cfg = inp.model
-    counts = count_params(cfg)
-    layers, h, i, kv, vocab = _dims(cfg)
-    trainable_all = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
-    act = 2 if inp.precision in ("bf16", "fp16") else 4
-    world = inp.gpus_per_node * inp.nodes
-    fb = frozen_bytes_per_param(inp.precision)
-
-    def weights(params: int, trainable: int) -> int:  # LoRA: the base frozen, the adapters trainable
-        return 4 * params if inp.method == "full" else fb * params + 4 * trainable
-
-    outside = counts.embedding + counts.lm_head + counts.final_norm
-    if kind == "tp":
-        block_linear = sum(a * b for a, b in linear_shapes(cfg).values())
-        params = layers * (counts.per_block - block_linear + block_linear // degree) + outside
-        trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets, tp=degree)
-        per_token = layers * h + 3 * h if checkpointing else tp_activation_elements_per_token(layers, h, i, kv, degree)
-        acts = act * inp.micro_batch * inp.seq_len * per_token
-        logits = loss_bytes(inp, inp.micro_batch, vocab, h, act)
-        comm = 4 * 2 * layers * inp.micro_batch * inp.seq_len * h * act  # 2 all-reduces fwd + 2 bwd per block
-        name = f"tp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
-        b = {"weights": weights(params, trainable), "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
-             "activations": acts, "logits": logits}
-    elif kind == "cp":  # every layer but attention is token-local: a rank's activations are its s/C tokens'
-        local = -(-inp.seq_len // degree)
-        acts = activation_bytes(layers, h, i, kv, inp.micro_batch, local, act, checkpointing)
-        b = {"weights": weights(counts.total, trainable_all), "grads": 4 * trainable_all,
-             "optimizer": ADAM_BYTES * trainable_all, "activations": acts,
-             "logits": loss_bytes(inp, inp.micro_batch, vocab, h, act, seq_len=local)}
-        comm = ulysses_comm_bytes(layers, h, kv, inp.micro_batch, inp.seq_len, degree, act)
-        name = f"cp{degree}" + (f"_dp{world // degree}" if world // degree > 1 else "")
-    else:  # the runtime's split (toolkit.parallel.pp); the stage with the largest total is taken
-        tied = counts.lm_head == 0
-        sizes = balance([counts.per_block] * layers, degree, counts.embedding, counts.lm_head + counts.final_norm)
-        per_layer = activation_elements_per_token(1, h, i, kv, checkpointing) - 3 * h
-        stages = []
-        for s, n in enumerate(sizes):
-            last = s == degree - 1
-            params = n * counts.per_block + (counts.embedding if s == 0 else 0) \
-                + (counts.final_norm + (counts.embedding if tied else counts.lm_head) if last else 0)  # tied: a copy
-            trainable = params if inp.method == "full" else trainable_all * n // layers
-            acts = act * inp.micro_batch * inp.seq_len * (n * per_layer + 2 * h)  # GPipe: every micro-batch alive
-            logits = loss_bytes(inp, inp.micro_batch, vocab, h, act, pipeline=True) if last else 0
-            stages.append({"weights": weights(params, trainable), "grads": 4 * trainable, "optimizer": ADAM_BYTES * trainable,
-                           "activations": acts, "logits": logits})
-        b = max(stages, key=lambda x: sum(x.values()))
-        comm = 2 * (degree - 1) * inp.micro_batch * inp.seq_len * h * act  # activations + their grads
-        name = f"pp{degree}"
-    b["buffers"] = FRAMEWORK_CONTEXT + 2 * DDP_BUCKET
+def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_batch: int) -> Candidate:
+    """A composed mesh layout (`toolkit.planner.layouts`): its heaviest pipeline stage's bytes per
+    rank, plus buffers (DDP buckets, or FSDP2's gathered block and the next prefetched) and the
+    allocator's fragmentation; its slowest rank's step; whether the runtime runs it."""
+    stages = [stage_bytes(inp, d, s, checkpointing, micro_batch) for s in range(d.pp)]
+    b = max(stages, key=lambda x: sum(x.values()))
+    counts = count_params(inp.model)
+    if d.dp_shard > 1:
+        wb = 4 if inp.method == "full" else frozen_bytes_per_param(inp.precision)
+        buffers = 2 * wb * (counts.per_block // d.tp)
+    else:
+        buffers = 2 * DDP_BUCKET
+    b["buffers"] = FRAMEWORK_CONTEXT + buffers
     b["buffers"] += int(FRAGMENTATION * sum(b.values()))
     b["total"] = sum(b.values())
-    return Candidate(name, checkpointing, inp.micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory)
+    hw = inp.hw
+    comm = int(sum(t[0] for t in traffic(inp, d, checkpointing, micro_batch, hw)))
+    why = not_runnable(d, inp.method, inp.precision, inp.loss)
+    seconds, once = mesh_step_seconds(inp, d, checkpointing, micro_batch, hw)
+    return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, seconds,
+                     micro_batch * d.dp, once_seconds=once, dims={k: getattr(d, k) for k in MESH_DIMS},
+                     runnable=not why, why_not=why)
 
 
 def planned_strategies(inp: PlanInput) -> list[str]:
@@ -274,30 +268,72 @@ def planned_strategies(inp: PlanInput) -> list[str]:
     return out
 
 
+def simplicity(c: Candidate) -> tuple[int, int]:
+    """Which of two equally fast candidates to prefer: the 1-D strategies in ORDER, then mesh
+    layouts with fewer and smaller model-parallel degrees."""
+    if c.dims is None:
+        return (0, ORDER.index(c.name))
+    return (1 + sum(v > 1 for v in c.dims.values()), c.dims["pp"] * c.dims["cp"] * c.dims["tp"])
+
+
+def offloads_row(c: Candidate) -> bool:
+    return c.dims is None and offloads(STRATEGIES[c.name])
+
+
 def rank_key(c: Candidate) -> tuple:
-    """Fits first, then no CPU offload, then the least predicted time per example; ties go to the
-    simpler strategy (ORDER)."""
-    return (not c.fits, offloads(STRATEGIES[c.name]), c.step_seconds / c.micro_batch, ORDER.index(c.name))
+    """Runnable and fits first, then no CPU offload, then the least predicted time per example;
+    ties go to the simpler layout (`simplicity`)."""
+    return (not (c.fits and c.runnable), offloads_row(c), c.seconds_per_example, simplicity(c))
 
 
 def choose(rows: list[Candidate]) -> Candidate:
     """The first by `rank_key`, except that predictions within `TIE` of the fastest count as equal
-    (the time model is not that accurate) and the simpler strategy among them wins (ORDER, no
-    checkpointing first)."""
+    (the time model is not that accurate) and the simpler layout among them wins (no checkpointing
+    first)."""
     best = min(rows, key=rank_key)
     near = [c for c in rows if rank_key(c)[:2] == rank_key(best)[:2]
-            and c.step_seconds / c.micro_batch <= (1 + TIE) * best.step_seconds / best.micro_batch]
-    return min(near, key=lambda c: (ORDER.index(c.name), c.checkpointing))
+            and c.seconds_per_example <= (1 + TIE) * best.seconds_per_example]
+    return min(near, key=lambda c: (simplicity(c), c.checkpointing))
 
 
-def largest_micro_batch(inp: PlanInput, c: Candidate, cap: int) -> Candidate:
-    """The candidate at the largest micro-batch that still fits (doubling, never past `cap`): per-step
-    costs (gradient reduction, ZeRO-3 gathers, offload traffic, the host's Adam step) are then shared
-    by more examples, which is how offload and sharding pay for themselves."""
-    mb = c.micro_batch
-    while mb * 2 <= cap and estimate(inp, STRATEGIES[c.name], c.checkpointing, mb * 2).fits:
-        mb *= 2
-    return c if mb == c.micro_batch else estimate(inp, STRATEGIES[c.name], c.checkpointing, mb)
+def reestimate(inp: PlanInput, c: Candidate, micro_batch: int) -> Candidate:
+    if c.dims is None:
+        return estimate(inp, STRATEGIES[c.name], c.checkpointing, micro_batch)
+    return estimate_layout(inp, ParallelDims(inp.gpus_per_node * inp.nodes, **c.dims), c.checkpointing, micro_batch)
+
+
+def largest_micro_batch(inp: PlanInput, c: Candidate, global_batch: int | None) -> Candidate:
+    """The candidate at the largest micro-batch that still fits (doubling, never past what the
+    target global batch, or `DEFAULT_GLOBAL_BATCH`, gives each data-parallel rank): per-step costs (gradient reduction,
+    ZeRO-3 gathers, offload traffic, the host's Adam step, the pipeline bubble) are then shared by
+    more examples, which is how sharding, offload and pipelining pay for themselves."""
+    replicas = c.examples_per_step // c.micro_batch
+    cap = -(-(global_batch or DEFAULT_GLOBAL_BATCH) // replicas)
+    best = c
+    while best.micro_batch * 2 <= cap:
+        bigger = reestimate(inp, c, best.micro_batch * 2)
+        if not bigger.fits:
+            break
+        best = bigger
+    return best
+
+
+def reason_lost(c: Candidate, chosen: Candidate, inp: PlanInput) -> str:
+    """Why `c` is not the chosen one, in a few words."""
+    if c is chosen:
+        return "chosen"
+    if not c.runnable:
+        return f"not runnable yet: {c.why_not}"
+    if c.bytes["total"] > inp.gpu_memory:
+        return f"does not fit: {c.bytes['total'] / GiB:.1f} GiB per GPU"
+    if not c.fits:
+        return f"needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node"
+    if offloads_row(c) and not offloads_row(chosen):
+        return "CPU offload: host RAM and PCIe traffic, only when nothing else fits"
+    ratio = c.seconds_per_example / chosen.seconds_per_example
+    if ratio <= 1 + TIE:
+        return f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); the simpler layout wins"
+    return f"{ratio - 1:+.0%} predicted time per example"
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -310,38 +346,50 @@ def plan(inp: PlanInput) -> Plan:
         problems.append(f"--method must be full, lora or qlora (got {inp.method})")
     if problems:
         raise UserError("; ".join(problems))
+    world = inp.gpus_per_node * inp.nodes
+    for t in inp.tp or []:
+        check_tp(inp.model, t, inp.gpus_per_node, world)
+    for p in inp.pp or []:
+        if p < 2 or p > inp.model["num_hidden_layers"] or world % p:
+            raise UserError(f"--pp {p}: needs 2 <= stages <= blocks ({inp.model['num_hidden_layers']}) and "
+                            f"to divide the world size ({world})")
+    for c in inp.cp or []:
+        check_cp(inp.model, c, world)
     names = planned_strategies(inp)
     gc_options = [inp.checkpointing] if inp.checkpointing is not None else [False, True]
     rows = [estimate(inp, STRATEGIES[n], gc, inp.micro_batch) for gc in gc_options for n in names]
-    world = inp.gpus_per_node * inp.nodes
-    if inp.tp:
-        for t in inp.tp:
-            check_tp(inp.model, t, inp.gpus_per_node, world)
-    tps = inp.tp or valid_tp(inp.model, inp.gpus_per_node, world)
-    pps = inp.pp or [p for p in (2, 4) if p <= inp.model["num_hidden_layers"] and p <= world]
-    for p in pps:
-        if p < 2 or p > inp.model["num_hidden_layers"]:
-            raise UserError(f"--pp {p}: needs 2 <= stages <= blocks ({inp.model['num_hidden_layers']})")
+    layouts = [] if inp.method == "qlora" else mesh_layouts(inp.model, world, inp.gpus_per_node, inp.tp, inp.pp, inp.cp)
+    rows += [estimate_layout(inp, d, gc, inp.micro_batch) for gc in gc_options for d in layouts]
     counts = count_params(inp.model)
     trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
-    result = Plan(counts.total, trainable, world, list(rows), None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory)
+    result = Plan(counts.total, trainable, world, rows, None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory,
+                  hardware=inp.hw.name)
     if world == 1:
         result.notes.append("one GPU: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
                             "CPU-offload variants are planned")
-    result.strategies += [estimate_model_parallel(inp, "tp", t, gc_options[0]) for t in tps]
-    result.strategies += [estimate_model_parallel(inp, "pp", p, gc_options[0]) for p in pps]
-    for c in inp.cp or []:
-        check_cp(inp.model, c, world)
-        result.strategies.append(estimate_model_parallel(inp, "cp", c, gc_options[0]))
-    cap = -(-inp.global_batch // world) if inp.global_batch else 256  # never past the target
-    best = choose([largest_micro_batch(inp, r, cap) if r.fits else r for r in rows])
-    if not best.fits:
+    if inp.method == "qlora":
+        result.notes.append("QLoRA: mesh layouts (--tp/--pp/--cp/--dp-shard) are not planned; its 4-bit base is "
+                            "neither sharded nor split")
+    grown = [largest_micro_batch(inp, r, inp.global_batch) if r.fits and r.runnable else r for r in rows]
+    for c in grown:  # no target: one micro-batch per optimizer step, as the table's step s
+        c.grad_accum = max(1, -(-inp.global_batch // c.examples_per_step)) if inp.global_batch else 1
+    best = choose(grown)
+    ranked = sorted(grown, key=rank_key)
+    result.ranking = [{"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+                       "gib_per_gpu": round(c.bytes["total"] / GiB, 2), "seconds_per_example": c.seconds_per_example,
+                       "reason": reason_lost(c, best, inp)} for c in [best] + [c for c in ranked if c is not best][:4]]
+    if not (best.fits and best.runnable):
         result.advice = nothing_fits(inp, names)
         return result
-    target = inp.global_batch or best.micro_batch * world
-    result.chosen, result.chosen_detail = best.name, best
-    result.grad_accum = max(1, -(-target // (best.micro_batch * world)))
-    result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
+    result.chosen, result.chosen_detail, result.grad_accum = best.name, best, best.grad_accum
+    for c in [*rows, best]:
+        c.step_time_s = optimizer_step_seconds(c.step_seconds, c.once_seconds, c.grad_accum)
+    if best.dims is None:
+        result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
+    else:
+        result.flags = (["--method", inp.method] + mesh_flags(ParallelDims(world, **best.dims), best.micro_batch)
+                        + (["--gradient-checkpointing"] if best.checkpointing else [])
+                        + ["--micro-batch-size", str(best.micro_batch), "--grad-accum", str(result.grad_accum)])
     return result
 
 
@@ -391,26 +439,32 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
 
 
 def render_table(p: Plan) -> str:
+    """The 1-D strategies' memory breakdown, the mesh layouts among the top 5, then the top 5 by
+    predicted time per example with why each lost, then the choice and its flags."""
     cols = ["weights", "grads", "optimizer", "activations", "logits", "buffers", "total"]
     ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
+    top = {(r["name"], r["checkpointing"]) for r in p.ranking}
+    shown = [c for c in p.strategies if c.dims is None or (c.name, c.checkpointing) in top]
+    mesh = len([c for c in p.strategies if c.dims is not None])
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {p.world} GPUs  "
              f"GPU memory {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  (GiB per GPU below)", *p.notes,
-             f"{'strategy':<22}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'step s':>8}{'fits':>6}"]
-    for c in p.strategies:
-        step = "-" if c.step_seconds is None else f"{c.step_seconds:.2f}"
-        lines.append(f"{c.name + (' +gc' if c.checkpointing else ''):<22}"
+             f"{'layout':<26}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'step s':>8}{'fits':>6}"]
+    for c in shown:
+        lines.append(f"{c.name + (' +gc' if c.checkpointing else ''):<26}"
                      + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
-                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{step:>8}{'yes' if c.fits else 'no':>6}")
-    lines.append("step s: predicted seconds per micro-batch step (H100-class node), used to rank what fits")
-    if any(c.name.startswith(("tp", "pp", "cp")) for c in p.strategies):
-        lines.append("tp/pp/cp rows run with --tp N / --pp N / --cp N (torchrun, world = N x data-parallel; --pp also "
-                     "in one process over N GPUs); auto picks among DDP/ZeRO/FSDP")
+                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{c.step_seconds:>8.2f}{'yes' if c.fits else 'no':>6}")
+    lines.append(f"step s: predicted seconds per micro-batch step at the requested micro-batch ({p.hardware}); {mesh} mesh layouts "
+                 "(pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
+    lines.append("top 5 by predicted time per example (each at the largest micro-batch that fits):")
+    for r in p.ranking:
+        lines.append(f"  {r['name'] + (' +gc' if r['checkpointing'] else ''):<26} mb {r['micro_batch']:<4} "
+                     f"{r['gib_per_gpu']:>7.1f} GiB  {r['seconds_per_example'] * 1e3:>9.2f} ms/example  {r['reason']}")
     if p.chosen:
         d = p.chosen_detail
         lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "
                      f"{d.micro_batch}, grad-accum {p.grad_accum}: {d.bytes['total'] / GiB:.1f} GiB per GPU"
                      + (f", {d.cpu_bytes_per_node / GiB:.1f} GiB host RAM per node" if d.cpu_bytes_per_node else "")
-                     + f", {d.step_seconds:.2f} s per micro-batch step predicted")
+                     + f", {d.step_time_s:.2f} s per optimizer step predicted")
         lines.append("flags: " + " ".join(p.flags))
     else:
         lines.append(p.advice)

@@ -1,0 +1,230 @@
+"""Composed layouts on the device mesh: every pp x dp_replicate x dp_shard x cp x tp that the
+runtime can build for a world size, with each rank's bytes (per pipeline stage) and a predicted step.
+
+How the runtime lays a model out (`toolkit.parallel`), which the formulas follow:
+- tp: the block linears split by t (Megatron column/row), embeddings, norms and the head replicated;
+- pp: contiguous blocks per stage (`stages.balance`, the runtime's split), the embedding on the first
+  stage, norm and head on the last (a tied head is a second copy there); the micro-batch runs as
+  one pipeline micro-batch per example, 1F1B when there are at least as many as stages, else GPipe;
+- cp: every rank holds the whole (tp/pp-sliced) model and s/cp tokens of each row;
+- dp_shard > 1: FSDP2 shards the rank's slice over dp_shard x cp (torchtitan's `dp_shard_cp`),
+  replicated over dp_replicate (HSDP); dp_shard = 1: DDP over dp_replicate x cp.
+Gradients are averaged over every data-parallel rank and cp (the ranks that see different tokens).
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from toolkit.parallel.dims import MESH_DIMS, ParallelDims
+from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_seconds
+from toolkit.planner.memory import ADAM_BYTES, frozen_bytes_per_param, ulysses_comm_bytes
+from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.stages import balance
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
+    """Each rank keeps whole query and kv heads and an equal slice of the MLP: t must divide the
+    attention heads, the kv heads and the intermediate size. The runtime (`--tp`) uses this too."""
+    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if t < 1:
+        return [f"--tp {t}: must be >= 1"]
+    bad = [f"{what} ({n})" for what, n in (("attention heads", nq), ("kv heads", nkv),
+                                           ("intermediate size", cfg["intermediate_size"])) if n % t]
+    return [f"--tp {t}: must divide the {', '.join(bad)}"] if bad else []
+
+
+def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]:
+    """The heads each rank keeps after TP must split again over cp (Ulysses exchanges whole heads).
+    The runtime (`toolkit.parallel.cp.cp_problems`) uses this too."""
+    if cp == 1:
+        return []
+    q, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if q % (tp * cp) or kv % (tp * cp):
+        return [f"--cp {cp}{f' x --tp {tp}' if tp > 1 else ''} needs query and key/value heads divisible by "
+                f"{tp * cp} (this model has {q} and {kv}); choose cp{' x tp' if tp > 1 else ''} dividing both"]
+    return []
+
+
+def layout_name(d: ParallelDims) -> str:
+    """'tp2_dp4', 'pp2_tp2_dp_shard2', 'dp2_dp_shard4' (HSDP): model-parallel degrees, then data."""
+    parts = [f"{k}{getattr(d, k)}" for k in ("pp", "cp", "tp") if getattr(d, k) > 1]
+    parts += [f"dp{d.dp_replicate}"] * (d.dp_replicate > 1) + [f"dp_shard{d.dp_shard}"] * (d.dp_shard > 1)
+    return "_".join(parts) or "one_rank"
+
+
+def flags(d: ParallelDims, micro_batch: int) -> list[str]:
+    """The finetune.py flags that lay the mesh out this way on d.world_size ranks (dp_replicate is
+    inferred from the world unless both data-parallel degrees are above 1)."""
+    out = []
+    for k in MESH_DIMS:
+        v = getattr(d, k)
+        if v > 1 and (k != "dp_replicate" or d.dp_shard > 1):
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    if d.pp > 1:
+        schedule, m = pipeline_schedule(d, micro_batch)
+        out += ["--pp-microbatches", str(m), "--pp-schedule", schedule]
+    return out
+
+
+def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[int] | None = None,
+                 pps: list[int] | None = None, cps: list[int] | None = None) -> list[ParallelDims]:
+    """Every valid mesh layout of `world` ranks other than the 1-D data-parallel ones (all
+    dp_replicate: DDP; all dp_shard: FSDP), which the strategy table covers. TP stays inside a node;
+    tp and cp follow the runtime's divisibility rules; pp needs a block per stage. `tps`/`pps`/`cps`
+    restrict those degrees (1 is always allowed)."""
+    layers = cfg["num_hidden_layers"]
+
+    def allowed(v: int, only: list[int] | None) -> bool:
+        return v == 1 or not only or v in only
+
+    out = []
+    for tp in divisors(world):
+        if tp > gpus_per_node or tp_divisibility_problems(cfg, tp) or not allowed(tp, tps):
+            continue
+        for pp in divisors(world // tp):
+            if pp > layers or not allowed(pp, pps):
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if cp_divisibility_problems(cfg, tp, cp) or not allowed(cp, cps):
+                    continue
+                dp = world // (tp * pp * cp)
+                for shard in divisors(dp):
+                    d = ParallelDims(world, pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
+                    if tp == pp == cp == 1 and 1 in (shard, dp // shard):
+                        continue
+                    out.append(d)
+    return out
+
+
+def not_runnable(d: ParallelDims, method: str, precision: str, loss: str) -> str:
+    """Why the runtime refuses this layout today ('' when it runs): the rules of `toolkit.config`."""
+    if method == "qlora":
+        return "QLoRA's 4-bit base is not sharded or split on the mesh"
+    if precision == "fp16":
+        return "fp16 has no loss scaling across mesh ranks (use bf16)"
+    if d.cp > 1 and d.pp > 1:
+        return "context parallel does not compose with pipeline stages yet"
+    if d.pp > 1 and loss == "chunked":
+        return "pipeline stages compute full logits (--loss chunked is refused with --pp)"
+    return ""
+
+
+def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
+    """(schedule, pipeline micro-batches): one example each; 1F1B where there are >= pp of them."""
+    return ("1f1b" if micro_batch >= d.pp else "gpipe"), micro_batch
+
+
+def stage_blocks(cfg: dict[str, Any], pp: int) -> list[int]:
+    """Blocks per pipeline stage, as the runtime splits them (`toolkit.parallel.pp.split`)."""
+    counts = count_params(cfg)
+    return list(_split(cfg["num_hidden_layers"], counts.per_block, counts.embedding, counts.lm_head + counts.final_norm, pp))
+
+
+@lru_cache(maxsize=None)
+def _split(layers: int, per_block: int, first: int, last: int, pp: int) -> tuple[int, ...]:
+    return (layers,) if pp == 1 else tuple(balance([per_block] * layers, pp, first, last))
+
+
+def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, lora_r: int,
+                 lora_targets: str) -> tuple[int, int]:
+    """(parameters, trainable parameters) one rank of pipeline stage `stage` holds, before sharding."""
+    counts = count_params(cfg)
+    layers = cfg["num_hidden_layers"]
+    blocks = stage_blocks(cfg, d.pp)[stage]
+    linear = sum(a * b for a, b in linear_shapes(cfg).values())
+    first, last = stage == 0, stage == d.pp - 1
+    head = counts.lm_head or (counts.embedding if d.pp > 1 else 0)  # tied: the last stage holds a copy
+    params = blocks * (counts.per_block - linear + linear // d.tp) + (counts.embedding if first else 0) \
+        + (counts.final_norm + head if last else 0)
+    if method == "full":
+        return params, params
+    return params, lora_params(cfg, lora_r, lora_targets, tp=d.tp) * blocks // layers
+
+
+def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_batch: int) -> dict[str, int]:
+    """Per-rank bytes of pipeline stage `stage` (`inp` is a `plan.PlanInput`): weights, gradients,
+    Adam state (sharded over dp_shard x cp by FSDP2), activations of the examples in flight, the
+    loss buffers on the last stage. Buffers and fragmentation are added by the caller."""
+    from toolkit.planner.plan import loss_bytes  # the loss path's bytes, shared with the 1-D rows
+
+    cfg = inp.model
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim(cfg)
+    act = 2 if inp.precision in ("bf16", "fp16") else 4
+    params, trainable = stage_params(cfg, d, stage, inp.method, inp.lora_r, inp.lora_targets)
+    shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
+    weights = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params + 4 * trainable
+    blocks = stage_blocks(cfg, d.pp)[stage]
+    first, last = stage == 0, stage == d.pp - 1
+    tokens = -(-inp.seq_len // d.cp)
+    block = 4 * h + (4 * h + 2 * kv + 4 * i) // d.tp  # Korthikanti et al. 2022 eq. 2, as memory.tp_activation_...
+    per_token = blocks * (h if checkpointing else block) + (block if checkpointing else 0) \
+        + (h if first else 0) + (2 * h if last else 0)
+    schedule, m = pipeline_schedule(d, micro_batch)
+    in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
+    logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
+                        pipeline=d.pp > 1, seq_len=tokens) if last else 0
+    return {"weights": weights // shard, "grads": 4 * trainable // shard, "optimizer": ADAM_BYTES * trainable // shard,
+            "activations": act * in_flight * tokens * per_token, "logits": logits}
+
+
+def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> list[Traffic]:
+    """(bytes a rank sends, link bandwidth, collective calls, kind) for each exchange of a micro-batch
+    step (`cost.step_seconds` for the kinds): TP all-reduces, Ulysses all-to-alls and pipeline sends
+    block; data-parallel gradient sync overlaps the backward (DDP's once per optimizer step, FSDP2's
+    reduce-scatters and gathers every micro-batch). Ranks are laid out tp innermost, pp outermost (`dims.MESH_DIMS`), so a group of
+    degree g whose stride is the product of the inner degrees spans stride x g ranks."""
+    cfg, G = inp.model, inp.gpus_per_node
+    h = cfg["hidden_size"]
+    kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim(cfg)
+    act = 2 if inp.precision in ("bf16", "fp16") else 4
+    blocks = max(stage_blocks(cfg, d.pp))
+    tokens = -(-inp.seq_len // d.cp)
+    out = []
+    if d.tp > 1:  # 2 all-reduces of b x s x h per block forward, 2 backward, 2 more to recompute
+        calls = (4 + 2 * checkpointing) * blocks
+        out.append((calls * micro_batch * tokens * h * act * ring_factor(d.tp), hw.link(d.tp, G), calls, "blocking"))
+    if d.cp > 1:  # q, k, v, out exchanged forward and backward (+ forward again to recompute), heads / tp
+        sent = ulysses_comm_bytes(blocks, h, kv, micro_batch, inp.seq_len, d.cp, act) / d.tp
+        out.append((sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks, "blocking"))
+    params, trainable = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
+    dp = d.dp_replicate * d.dp_shard * d.cp
+    if dp > 1:
+        span = d.tp * dp
+        grads = 4 * trainable
+        if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
+            shard = d.dp_shard * d.cp
+            model = 4 * params if inp.method == "full" else 2 * params
+            sent = ring_factor(shard) / 2 * (grads + (2 + checkpointing) * model)
+            sent += ring_factor(d.dp_replicate) * grads / shard  # HSDP: all-reduce of the shards
+            out.append((sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped"))
+        else:
+            out.append((ring_factor(dp) * grads, hw.link(span, G), 1 + -(-grads // (25 * 1024**2)), "overlapped_once"))
+    if d.pp > 1:  # each stage boundary: activations forward, their gradients backward, per example
+        out.append((2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch, "blocking"))
+    return out
+
+
+def mesh_step_seconds(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> tuple[float, float]:
+    """Seconds per micro-batch step of the slowest rank: its share of the FLOPs (1/tp of each block,
+    s/cp tokens, its stage's blocks) stretched by the pipeline bubble, plus `traffic`; and the part
+    of it paid once per optimizer step (`cost.step_seconds`)."""
+    cfg = inp.model
+    counts = count_params(cfg)
+    layers = cfg["num_hidden_layers"]
+    trainable = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
+    per_token = flops_per_token(counts.total, trainable, layers, cfg["hidden_size"], inp.seq_len, checkpointing)
+    share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
+    flops = micro_batch * inp.seq_len * per_token * share / (d.tp * d.cp)
+    bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0
+    _, trainable_rank = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
+    shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
+    return step_seconds(flops, inp.precision, traffic(inp, d, checkpointing, micro_batch, hw), hw, bubble=bubble,
+                        optimizer_bytes=ADAM_STEP_BYTES * trainable_rank / shard)
