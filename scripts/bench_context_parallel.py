@@ -156,7 +156,8 @@ def predicted_activation_bytes(layers: int, seq: int, cp: int) -> int:
     from toolkit.planner.memory import activation_bytes
 
     kv = SHAPES["num_key_value_heads"] * SHAPES["head_dim"]
-    return activation_bytes(layers, SHAPES["hidden_size"], SHAPES["intermediate_size"], kv, 1, -(-seq // cp), 4, False)
+    return activation_bytes(layers, SHAPES["hidden_size"], SHAPES["intermediate_size"], kv, 1, -(-seq // cp), 4, False,
+                            rope=2 * SHAPES["head_dim"])
 
 
 def longest_within(rows: list[dict], budget: int) -> tuple[int | None, int | None]:

@@ -166,7 +166,7 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     tokens = -(-inp.seq_len // d.cp)
     block = 4 * h + (4 * h + 2 * kv + 4 * i) // d.tp  # Korthikanti et al. 2022 eq. 2, as memory.tp_activation_...
     per_token = blocks * (h if checkpointing else block) + (block if checkpointing else 0) \
-        + (h if first else 0) + (2 * h if last else 0)
+        + (h if first else 0) + (2 * h if last else 0) + 2 * head_dim(cfg)  # + the stage's rotary cos/sin
     schedule, m = pipeline_schedule(d, micro_batch)
     in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
     logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
@@ -201,7 +201,7 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
         grads = 4 * trainable
         if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
             shard = d.dp_shard * d.cp
-            model = 4 * params if inp.method == "full" else 2 * params
+            model = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params
             sent = ring_factor(shard) / 2 * (grads + (2 + checkpointing) * model)
             sent += ring_factor(d.dp_replicate) * grads / shard  # HSDP: all-reduce of the shards
             out.append((sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped"))

@@ -97,7 +97,7 @@ def cpu_bytes(s: Strategy, params: int, trainable: int, n: int, precision: str) 
     return out
 
 
-def activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, checkpointing: bool) -> int:
+def activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, checkpointing: bool, rope: int = 0) -> int:
     """Tensors autograd saves for backward, in elements per token, for a Llama-family decoder.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -106,18 +106,20 @@ def activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, chec
     q and the attention output (h each), k and v at the grouped-query width (2 x kv_dim), and the
     SwiGLU MLP's gate, up, silu(gate) and product (4 x i): 8h + 2kv + 4i per layer, plus 3h outside
     the blocks (embedding output, final norm input and output). With full activation checkpointing
-    each block keeps only its input (h). Fitted against `torch.autograd.graph.saved_tensors_hooks`
+    each block keeps only its input (h). `rope`: the rotary cos and sin tables (2 x head_dim per
+    token), computed once per model (or pipeline stage) and saved by every block's rotary multiply
+    (a few % of a 1-block stage; noise over a whole model). Fitted against `torch.autograd.graph.saved_tensors_hooks`
     on real HF Llama blocks (tests/test_planner_activations.py: within 15% over a grid).
     """
     per_layer = h if checkpointing else 8 * h + 2 * kv_dim + 4 * i
-    return layers * per_layer + 3 * h
+    return layers * per_layer + 3 * h + rope
 
 
 def activation_bytes(layers: int, h: int, i: int, kv_dim: int, micro_batch: int, seq_len: int,
-                     act_bytes: int, checkpointing: bool) -> int:
+                     act_bytes: int, checkpointing: bool, rope: int = 0) -> int:
     """Saved activations per GPU for one micro-batch; with checkpointing, plus one block's worth
     that exists while that block is recomputed in backward."""
-    saved = activation_elements_per_token(layers, h, i, kv_dim, checkpointing)
+    saved = activation_elements_per_token(layers, h, i, kv_dim, checkpointing, rope)
     if checkpointing:
         saved += 8 * h + 2 * kv_dim + 4 * i
     return act_bytes * micro_batch * seq_len * saved

@@ -181,7 +181,8 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
         "weights": weights,
         "grads": grads_bytes(s, trainable, n, inp.precision),
         "optimizer": optimizer_bytes(s, trainable, n),
-        "activations": activation_bytes(layers, h, i, kv, micro_batch, inp.seq_len, act, checkpointing),
+        "activations": activation_bytes(layers, h, i, kv, micro_batch, inp.seq_len, act, checkpointing,
+                                        rope=2 * head_dim(cfg)),
         "logits": loss_bytes(inp, micro_batch, vocab, h, act),
     }
     wb = weight_bytes_per_param(s, inp.precision)
