@@ -22,18 +22,8 @@ def saved_bytes(batch: int, seq: int, checkpointing: bool) -> int:
         enable_checkpointing(model)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
     ids = torch.randint(0, CFG["vocab_size"], (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids)
-    return sum(seen.values())
+    return _saved(lambda: model(input_ids=ids), params)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
