@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None):
 
     strategy = make_strategy(cfg, make_accelerator(cfg, model_path), model_path)  # the layout, decided once
     accelerator = strategy.accelerator
-    resume = resume_point(cfg, accelerator.num_processes)  # refuses a checkpoint of another run, before loading
+    resume = resume_point(cfg, strategy)  # refuses a checkpoint of another run, before loading
     log = accelerator.print
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None):
             log(table)
     report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
 
-    model = strategy.shard_model(load_model(cfg, model_path, resume.path if resume else None))
+    model = strategy.shard_model(load_model(cfg, model_path, resume.path if resume and not resume.sharded else None))
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method})")

@@ -70,8 +70,8 @@ KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 2)
 
 @pytest.mark.parametrize("fault", [f"step:{s}" for s in KILL_STEPS] + ["save:4"])
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model, data, reference, fault):
-    """SIGKILL after a step, or while checkpoint-4 is being written (the model is on disk, the
-    optimizer states and trainer_state.json are not): --resume auto picks the newest complete
+    """SIGKILL after a step, or while checkpoint-4 is being written (the sharded weights and optimizer
+    state are on disk, the rank files and trainer_state.json are not): --resume auto picks the newest complete
     checkpoint and the per-step losses and final weights equal the uninterrupted run bit for bit."""
     out = tmp_path / "out"
     p = run(args(tiny_model, data, out), env={"TOOLKIT_FAULT": fault})
@@ -186,7 +186,9 @@ def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference):
     assert "checkpoint-6: continuing at step 7" in p.stdout
 
 
-def test_resume_refuses_another_dataset_world_size_and_sharding(tmp_path, tiny_model, data, reference):
+def test_resume_refuses_another_dataset_and_deepspeed(tmp_path, tiny_model, data, reference):
+    """Another dataset is refused; so is DeepSpeed ZeRO, which cannot read a sharded checkpoint (any
+    other layout reads it: tests/test_reshard.py)."""
     out = tmp_path / "out"
     shutil.copytree(reference(), out)
     other = tmp_path / "other.json"
@@ -194,10 +196,9 @@ def test_resume_refuses_another_dataset_world_size_and_sharding(tmp_path, tiny_m
                      "\n".join(data.read_text().splitlines()[:-1]) + "\n")
     p = run(args(tiny_model, other, out, extra=["--resume", "auto"]))
     assert p.returncode == 2 and "the dataset changed" in p.stderr
-    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]), nproc=2)
-    assert p.returncode != 0 and "saved by 1 processes and this run has 2" in p.stderr
     p = run(args(tiny_model, data, out, extra=["--resume", "auto", "--zero-stage", "2"]))
-    assert p.returncode == 2 and "--zero-stage was None, now 2" in p.stderr
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "a sharded checkpoint, which DeepSpeed ZeRO cannot read; resume it without --zero-stage" in p.stderr
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -223,15 +224,17 @@ LAYOUTS = {"pp2": ["--pp", "2", "--pp-microbatches", "2"], "tp2": ["--tp", "2"],
            "zero2_offload": ["--zero-stage", "2", "--offload", "optimizer"], "fsdp": ["--fsdp"]}
 
 
-@pytest.mark.parametrize("name, method", [("pp2", "lora"), ("tp2", "lora"), ("zero1", "full"), ("zero3", "full"),
-                                          ("zero3", "lora"), ("zero2_offload", "lora"), ("fsdp", "full")])
+@pytest.mark.parametrize("name, method", [("zero1", "full"), ("zero3", "full"), ("zero3", "lora"),
+                                          ("zero2_offload", "lora")])
 def test_parallel_runs_resume(tmp_path, tiny_model, data, name, method):
-    """Per-rank optimizer states of pipeline stages / TP shards (weights restored before the split),
-    ZeRO partitions (fp32 masters and Adam moments per rank) and FSDP2's consolidated optimizer
-    state: the group resumed from checkpoint-2 matches the uninterrupted run of the same strategy
-    within 1e-6 (losses and final weights). ZeRO-3 full resumes after a rank is killed at step 3; the
-    others resume from the uninterrupted run's own checkpoint-2, the steps after it taken away (what
-    a kill leaves is the same checkpoint; the kill itself is tested there and for DDP above)."""
+    """DeepSpeed's own format: ZeRO partitions (fp32 masters and Adam moments per rank), weights
+    restored before the split: the group resumed from checkpoint-2 matches the uninterrupted run of
+    the same strategy within 1e-6 (losses and final weights). ZeRO-3 full resumes after a rank is
+    killed at step 3; the others resume from the uninterrupted run's own checkpoint-2, the steps
+    after it taken away (what a kill leaves is the same checkpoint; the kill itself is tested there
+    and for DDP above). The sharded layouts (TP, PP, FSDP2) resume on their own and other layouts in
+    tests/test_reshard.py. A ZeRO-3 LoRA checkpoint holds the adapter, not the frozen base, and its
+    rank files the adapter's fp32 masters and Adam moments once (at most 1.05x)."""
     ref, out = tmp_path / "ref", tmp_path / "out"
     layout = LAYOUTS[name]
     p = run(args(tiny_model, data, ref, method, steps=6, extra=layout), nproc=2)
@@ -247,3 +250,19 @@ def test_parallel_runs_resume(tmp_path, tiny_model, data, name, method):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "checkpoint-2: continuing at step 3" in p.stdout
     assert_matches(out, ref, method, steps=6)
+    if (name, method) == ("zero3", "lora"):
+        adapter = sum(v.numel() * 4 for v in weights(ref).values())
+        saved = ref / "checkpoint-2"
+        assert (saved / "adapter_model.safetensors").stat().st_size <= 1.05 * adapter
+        held = [torch.load(f, weights_only=True)["optimizer"] for f in saved.glob("rank*.pt")]
+        assert sum(tensor_bytes(h) for h in held) <= 1.05 * 3 * adapter
+
+
+def tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0

@@ -1,4 +1,5 @@
-"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, plan, verify."""
+"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, plan,
+convert-checkpoint, verify."""
 
 from __future__ import annotations
 
@@ -141,6 +142,12 @@ def cmd_plan(args) -> None:
     print(json.dumps(result.to_json(), indent=2) if args.json else render_table(result))
 
 
+def cmd_convert_checkpoint(args) -> None:
+    from toolkit.train.checkpoint import convert_checkpoint
+
+    print(convert_checkpoint(Path(args.checkpoint), Path(args.output)))
+
+
 def cmd_verify(args) -> None:
     import json
 
@@ -210,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", help="the hardware file --calibrate writes (default hardware.json)")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("convert-checkpoint", help="a step checkpoint (any layout) as a standard HF model or "
+                                                  "adapter folder, on one process")
+    s.add_argument("checkpoint", help="an OUTPUT_DIR/checkpoint-N folder")
+    s.add_argument("--output", required=True, help="folder to write (must be empty or absent)")
+    s.set_defaults(fn=cmd_convert_checkpoint)
     s = sub.add_parser("verify", help="(internal) loss of a saved folder on a batch, in a fresh process")
     s.add_argument("--folder", required=True)
     s.add_argument("--base", required=True, help="base model for an adapter folder")
@@ -240,7 +252,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 @exit_on_user_error("python -m toolkit")
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
-    if args.command in ("merge", "generate", "verify", "prepare-model"):  # these load models: keep it quiet
+    if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint"):  # these load models: keep it quiet
         from toolkit.console import quiet
 
         quiet()

@@ -44,6 +44,7 @@ class AccelerateStrategy:
         self.cp_group = mesh.get_group("cp") if mesh is not None and self.dims.cp > 1 else None
         self.context = None  # its ContextParallel, once the model is known
         self._dp_rank = mesh["dp"].get_local_rank() if mesh is not None else None
+        self.tp_split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
 
     # --- data: which shard of every global batch this rank reads
     @property
@@ -180,6 +181,28 @@ class AccelerateStrategy:
         return self.loss_fn(logits, batch["labels"])
 
     # --- saving
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Step checkpoints as sharded DCP state any layout can read; DeepSpeed keeps its own per-rank
+        ZeRO format (resumed on the same layout only)."""
+        return not self.deepspeed
+
+    @property
+    def tp_group(self):
+        return None
+
+    def tp_coordinates(self) -> tuple[int, int]:
+        """(this rank's TP rank, TP degree): where its TP slices sit in the full tensors."""
+        import torch.distributed as dist
+
+        group = self.tp_group
+        return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+    def named_trainable(self, model) -> list[tuple[str, torch.nn.Parameter, int | None]]:
+        """(full-model name, this rank's parameter, TP split dim) of each trainable parameter this
+        rank holds: what a sharded checkpoint saves, with the optimizer state keyed by the same names."""
+        return [(n, p, self.tp_split.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+
     def export(self, model, final: bool = True):
         """The model to save (and, when `final`, to evaluate and return after training)."""
         return model
@@ -189,32 +212,19 @@ class AccelerateStrategy:
         return self.accelerator.get_state_dict(model)
 
     def optimizer_state(self, model, optimizer) -> dict:
-        """This rank's share of the optimizer state, as weights_only-loadable values (collective under FSDP)."""
+        """DeepSpeed's checkpoints (the others are sharded): the ZeRO optimizer's own per-rank state
+        (fp32 master partition, Adam moments) as weights_only-loadable values."""
         from toolkit.train.optimizer_state import plain
 
-        if self.accelerator.distributed_type == "FSDP":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            return get_optimizer_state_dict(model, optimizer.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # DeepSpeed: the ZeRO optimizer's own per-rank state (fp32 master partition, Adam moments)
-        return plain(optimizer.optimizer.state_dict() if self.deepspeed else optimizer.state_dict())
+        return plain(optimizer.optimizer.state_dict())
 
     def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
-        """Undo `optimizer_state` (collective under FSDP). The model weights are already restored."""
+        """Undo `optimizer_state`. The model weights are already restored."""
         from toolkit.train.optimizer_state import load_partitioned, restore_loss_scaler
 
-        if self.accelerator.distributed_type == "FSDP":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(model, optimizer.optimizer, saved,
-                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        elif self.deepspeed:
-            zero = optimizer.optimizer
-            load_partitioned(zero, restore_loss_scaler(zero, saved), self.accelerator.process_index,
-                             self.accelerator.num_processes)
-        else:
-            optimizer.load_state_dict(saved)
+        zero = optimizer.optimizer
+        load_partitioned(zero, restore_loss_scaler(zero, saved), self.accelerator.process_index,
+                         self.accelerator.num_processes)
 
 
 class TensorParallelStrategy(AccelerateStrategy):
@@ -233,7 +243,13 @@ class TensorParallelStrategy(AccelerateStrategy):
         TP=1 and TP=t start from the same adapter init)."""
         from toolkit.parallel.tp import apply_tensor_parallel
 
-        return apply_tensor_parallel(super().shard_model(model), self.layout.tp_group)
+        model = apply_tensor_parallel(super().shard_model(model), self.layout.tp_group)
+        self.tp_split = tp_names(model)[0]
+        return model
+
+    @property
+    def tp_group(self):
+        return self.layout.tp_group
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         from toolkit.parallel.tp import prepare_tensor_parallel
@@ -270,7 +286,6 @@ class MeshShardedStrategy(TensorParallelStrategy):
         from toolkit.parallel.mesh import fsdp_mesh, grad_dim
 
         self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group(grad_dim(dims, sharded=True))
-        self.tp_split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
         self.tp_partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
 
     def shard_model(self, model):
@@ -319,11 +334,6 @@ class MeshShardedStrategy(TensorParallelStrategy):
     def state_dict(self, model) -> dict:
         return gathered_state_dict(self.unwrap(model), self.tp_split, self.layout.tp_group)
 
-    def optimizer_state(self, model, optimizer) -> dict:
-        return local_optimizer_state(optimizer)
-
-    def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
-        load_local_optimizer_state(optimizer, saved)
 
 
 class PipelineStrategy(AccelerateStrategy):
@@ -346,7 +356,6 @@ class PipelineStrategy(AccelerateStrategy):
             from toolkit.parallel.mesh import fsdp_mesh
 
             self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
-        self.tp_split: dict[str, int] = {}
         self.tp_partial: list[str] = []
         self.pipe = None  # built in prepare(); None again once exported
 
@@ -405,6 +414,20 @@ class PipelineStrategy(AccelerateStrategy):
             return self.pipe.loss_sum(batch)
         return super().eval_loss_sum(model, batch)
 
+    def named_trainable(self, model) -> list[tuple[str, torch.nn.Parameter, int | None]]:
+        """This stage's trainable parameters under the full model's names; a tied LM head is saved
+        under its embedding's name, as a model without stages names it."""
+        if self.layout is None:  # the naive pipeline: every stage in this process
+            return super().named_trainable(model)
+        embed = self.pipe.model.get_input_embeddings().weight
+        embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
+        out = []
+        for n, p in self.pipe.names.items():
+            if p.requires_grad:
+                name = embed_name if self.pipe.tied is not None and p is self.pipe.tied and embed_name else n
+                out.append((name, p, self.tp_split.get(n, self.tp_split.get(name))))
+        return out
+
     def export(self, model, final: bool = True):
         """Every stage's weights back in one HF model on every rank (collective). After training it
         moves to CPU and the pipeline is done; a mid-run save leaves it in place."""
@@ -416,11 +439,6 @@ class PipelineStrategy(AccelerateStrategy):
     def state_dict(self, model) -> dict:
         return gathered_state_dict(model, self.tp_split, self.tp_group)
 
-    def optimizer_state(self, model, optimizer) -> dict:
-        return local_optimizer_state(optimizer)
-
-    def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
-        load_local_optimizer_state(optimizer, saved)
 
 
 # --- what the mesh layouts share: TP slices and FSDP2 shards, by parameter name (FSDP2 replaces
@@ -465,32 +483,6 @@ def gathered_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
             v = torch.cat(parts, dim=tp_split[key])
         out[key] = v.detach()
     return out
-
-
-def local_optimizer_state(optimizer) -> dict:
-    """This rank's optimizer state with FSDP2's DTensor moments as their local shards."""
-    from toolkit.parallel.grad_norm import local
-    from toolkit.train.optimizer_state import plain
-
-    state = optimizer.state_dict()
-    state["state"] = {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}
-    return plain(state)
-
-
-def load_local_optimizer_state(optimizer, saved: dict) -> None:
-    """Undo `local_optimizer_state`: each shard wrapped back as its parameter's DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-
-    def shard_of(i, v):
-        p = params[int(i)]
-        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0:
-            return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-        return v
-
-    optimizer.load_state_dict({**saved, "state": {i: {k: shard_of(i, v) for k, v in s.items()}
-                                                  for i, s in saved["state"].items()}})
 
 
 def make_strategy(cfg: Config, accelerator, model_path: str | None = None, loss_fn: LossFn = token_loss_sum):

@@ -5,11 +5,13 @@ one all-reduce), so the run saves a checkpoint and exits instead of dying mid-st
 
 `fault_hook()` is how the crash tests kill a run at a chosen point, deterministically:
     TOOLKIT_FAULT="step:5"                 SIGKILL this process after step 5 completes
-    TOOLKIT_FAULT="save:4"                 SIGKILL while writing the step-4 checkpoint (model written,
-                                           optimizer states and trainer_state.json not yet)
+    TOOLKIT_FAULT="save:4"                 SIGKILL while writing the step-4 checkpoint (weights and
+                                           optimizer state written, rank files and trainer_state.json not yet)
     TOOLKIT_FAULT="step:5:rank=1:once=F"   only on rank 1, and only if file F does not exist yet
                                            (created just before the kill: an elastic restart survives)
     TOOLKIT_FAULT="save:4:error=enospc"    raise "No space left on device" in that write instead
+    TOOLKIT_FAULT="step:3:signal=term"     SIGTERM instead of SIGKILL: a preemption after step 3 (the run
+                                           saves checkpoint-3 and exits 143), to stop a run at a chosen step
 """
 
 from __future__ import annotations
@@ -65,6 +67,6 @@ def fault_hook() -> Callable[[str, int], None] | None:
             Path(once).touch()
         if options.get("error") == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM if options.get("signal") == "term" else signal.SIGKILL)
 
     return fire

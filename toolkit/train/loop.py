@@ -145,7 +145,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     runs each step's forward and backward, clips and saves); returns the model to save."""
     from transformers import get_scheduler
 
-    from toolkit.train.checkpoint import load_rank_state, prune_checkpoints, save_checkpoint, set_rng_state
+    from toolkit.train.checkpoint import (load_rank_state, prune_checkpoints, restore_sharded, save_checkpoint,
+                                          set_rng_state)
     from toolkit.train.faults import EXIT_PREEMPTED, Preemption, fault_hook
     from toolkit.train.resume import fingerprint
 
@@ -178,13 +179,21 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     peak = run_peak(accelerator, dtype)
     mfu_warned = False
     first_step, tokens_seen = 1, 0
-    if resume is not None:  # weights were restored at load; now optimizer, scheduler, data position, RNG
-        saved = load_rank_state(resume.path, accelerator.process_index)
-        strategy.load_optimizer_state(model, optimizer, saved["optimizer"])
+    if resume is not None:  # weights, optimizer, scheduler, data position (global: examples consumed), RNG
+        # another layout reads rank 0's scheduler and hyperparameters (the same on every rank)
+        saved = load_rank_state(resume.path, accelerator.process_index if resume.same_layout else 0)
+        if resume.sharded:  # this layout's pieces, whatever layout wrote them
+            restore_sharded(strategy, model, optimizer, resume.path)
+            for group, hyper in zip(getattr(optimizer, "optimizer", optimizer).param_groups, saved["param_groups"]):
+                group.update(hyper)
+        else:  # weights were restored at load (DeepSpeed's format)
+            strategy.load_optimizer_state(model, optimizer, saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         if saved.get("scaler") is not None and accelerator.scaler is not None:
             accelerator.scaler.load_state_dict(saved["scaler"])
         first_step, tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
+        for note in resume.notes:
+            log(note)
         log(f"resumed from {resume.path}: continuing at step {first_step} of {total_steps}")
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", first_step - 1)  # none was found) are of lost steps
@@ -197,7 +206,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
 
     def checkpoint(step: int, epoch: int) -> Path:
         path = out_dir / f"checkpoint-{step}"
-        state = {"step": step, "epoch": epoch, "tokens": tokens_seen, "fingerprint": fingerprint(cfg),
+        state = {"step": step, "epoch": epoch, "tokens": tokens_seen, "fingerprint": fingerprint(cfg, world),
                  "config": cfg.flat()}
         save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path, state, fault)
         prune_checkpoints(accelerator, out_dir, cfg.output.keep_last)
@@ -208,8 +217,13 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     last_loss = float("nan")
     memory: dict[str, list[int]] = {}
     model.train()
-    if resume is not None:
-        set_rng_state(saved["rng"])  # last: model set-up above may draw random numbers
+    if resume is not None:  # last: model set-up above may draw random numbers
+        if resume.same_layout:
+            set_rng_state(saved["rng"])
+        else:  # per-rank streams (dropout) cannot carry over to other ranks: reseeded deterministically
+            from accelerate.utils import set_seed
+
+            set_seed(cfg.train.seed + resume.step, device_specific=True)
     try:  # the progress bar closes before any error line, and the signal handlers are put back
         for step in range(first_step, total_steps + 1):
             epoch, micro = next(batches)

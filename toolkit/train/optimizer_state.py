@@ -1,14 +1,11 @@
-"""Optimizer state for resumable checkpoints as `weights_only`-loadable values (the strategies in
-`toolkit.parallel.strategy` decide which state each layout stores):
+"""DeepSpeed ZeRO's optimizer state for its resumable checkpoints, as `weights_only`-loadable
+values (every other layout writes sharded state: `toolkit.train.sharded_state`).
 
-- DDP, TP, PP: the rank's own `optimizer.state_dict()` (plain tensors and numbers).
-- DeepSpeed ZeRO-1/2/3: the ZeRO optimizer's own per-rank `state_dict()` (this rank's fp32 master
-  partition and Adam moments), with the few Python objects in it (the loss scaler, enums,
-  dataclasses, named tuples) turned into plain values, since DeepSpeed's own `load_checkpoint` unpickles with
-  `weights_only=False`. It is loaded back through the ZeRO optimizer's `load_state_dict` with
-  `load_from_fp32_weights=True`, so the fp32 masters come back exactly (not rounded from bf16).
-- FSDP2: the consolidated state from `torch.distributed.checkpoint.state_dict` (full tensors on
-  rank 0, keyed by parameter name), broadcast from rank 0 when loaded.
+The ZeRO optimizer's own per-rank `state_dict()` (this rank's fp32 master partition and Adam
+moments), with the few Python objects in it (the loss scaler, enums, dataclasses, named tuples)
+turned into plain values, since DeepSpeed's own `load_checkpoint` unpickles with
+`weights_only=False`. It is loaded back through the ZeRO optimizer's `load_state_dict` with
+`load_from_fp32_weights=True`, so the fp32 masters come back exactly (not rounded from bf16).
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
 """Resuming a run from a checkpoint: which one, whether it belongs to this run, and restoring it.
 
 A checkpoint records a fingerprint: a hash of the dataset file and every setting that changes the
-trained result. Resuming with a different one is refused with one line naming what changed
-(`--resume-ignore-mismatch` overrides); a different world size or parallel layout is refused too,
-since optimizer states are saved per rank.
+trained result, the global batch (examples per optimizer step) among them. Resuming with a
+different one is refused with one line naming what changed (`--resume-ignore-mismatch` overrides).
+
+A sharded checkpoint resumes on any world size or layout (`toolkit.train.sharded_state` reshards
+it): the data position is global (steps x global batch examples), and the global batch is kept by
+re-splitting it into micro-batch x accumulation x data-parallel ranks, said in one line. Per-rank
+random streams (dropout) cannot carry over to other ranks and are reseeded to seed + step on each
+rank. DeepSpeed's per-rank ZeRO checkpoints resume on the same world size and layout only.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from toolkit.train.checkpoint import TRAINER_STATE, complete_checkpoints
 
 # Settings that change what a run computes (not how fast or where it logs).
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
-               "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "micro_batch_size", "grad_accum", "lr", "lr_schedule",
+               "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
                "loss")
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
@@ -28,11 +33,20 @@ LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp
 NEWER_LAYOUT_KEYS = {"dp_shard": 0, "dp_replicate": 0, "cp": 1}  # what older checkpoints ran with
 
 
+BATCH_KEYS = ("micro_batch_size", "grad_accum")  # older checkpoints fingerprinted these in place of the global batch
+
+
 @dataclass
 class ResumePoint:
     path: Path
     step: int
     state: dict
+    same_layout: bool = True  # the world size and layout that wrote it: each rank reads its own file
+    notes: tuple[str, ...] = ()  # what resuming changed (the batch re-split), for the log
+
+    @property
+    def sharded(self) -> bool:
+        return self.state.get("format") == "sharded"
 
 
 def dataset_digest(spec: str) -> str:
@@ -47,11 +61,26 @@ def dataset_digest(spec: str) -> str:
     return h.hexdigest()
 
 
-def fingerprint(cfg: Config) -> dict:
+def global_batch(cfg: Config, data_ranks: int) -> int:
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * data_ranks
+
+
+def fingerprint(cfg: Config, data_ranks: int) -> dict:
     flat = cfg.flat()
     return {"dataset": dataset_digest(cfg.data.dataset),
-            "settings": {k: flat[k] for k in RESULT_KEYS},
+            "settings": {**{k: flat[k] for k in RESULT_KEYS}, "global_batch": global_batch(cfg, data_ranks)},
             "layout": {k: flat[k] for k in LAYOUT_KEYS}}
+
+
+def resplit(total: int, micro: int, data_ranks: int) -> tuple[int, int] | None:
+    """(micro-batch, accumulation) with micro x accumulation x data_ranks = total: the micro-batch
+    kept where it divides the per-rank share, else the largest one below it that does (None: the
+    ranks cannot share `total` evenly)."""
+    if total % data_ranks:
+        return None
+    share = total // data_ranks
+    micro = max(m for m in range(1, min(micro, share) + 1) if share % m == 0)
+    return micro, share // micro
 
 
 def find_checkpoint(cfg: Config) -> ResumePoint | None:
@@ -81,24 +110,63 @@ def find_checkpoint(cfg: Config) -> ResumePoint | None:
     return ResumePoint(path, step, state)
 
 
-def mismatch(point: ResumePoint, cfg: Config, world: int) -> list[str]:
-    """What differs between the checkpoint's run and this one."""
-    saved, now = point.state.get("fingerprint", {}), fingerprint(cfg)
+def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
+    """What differs between the checkpoint's run and this one (the batch split aside: `keep_global_batch`)."""
+    saved, now = point.state.get("fingerprint", {}), fingerprint(cfg, data_ranks)
+    settings = saved.get("settings", {})
     problems = []
     if saved.get("dataset") != now["dataset"]:
         problems.append(f"the dataset changed ({cfg.data.dataset} hashes differently)")
-    for k, v in now["settings"].items():
-        if saved.get("settings", {}).get(k) != v:
-            problems.append(f"--{k.replace('_', '-')} was {saved.get('settings', {}).get(k)!r}, now {v!r}")
+    keys = [k for k in now["settings"] if k != "global_batch"]
+    if "global_batch" not in settings:  # an older checkpoint: same layout, so the same split
+        now["settings"].update({k: getattr(cfg.train, k) for k in BATCH_KEYS})
+        keys += list(BATCH_KEYS)
+    for k in keys:
+        if settings.get(k) != now["settings"][k]:
+            problems.append(f"--{k.replace('_', '-')} was {settings.get(k)!r}, now {now['settings'][k]!r}")
     return problems
 
 
-def layout_problems(point: ResumePoint, cfg: Config, world: int) -> list[str]:
-    """Optimizer states are per rank: the world size and parallel layout must match (not overridable)."""
-    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint(cfg)["layout"]
+def keep_global_batch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
+    """Re-split the checkpoint's global batch over this run's data-parallel ranks (sets
+    `cfg.train`); returns the line that says how, or raises where it cannot be split evenly."""
+    total = point.state.get("fingerprint", {}).get("settings", {}).get("global_batch")
+    if total is None or total == global_batch(cfg, data_ranks):
+        return []
+    t = cfg.train
+    split = resplit(total, t.micro_batch_size, data_ranks)
+    if split is None:
+        raise UserError(f"--resume {point.path}: its global batch of {total} examples cannot be shared evenly by "
+                        f"{data_ranks} data-parallel ranks; launch a layout whose data-parallel size divides {total}")
+    asked = f"{t.micro_batch_size} x {t.grad_accum} x {data_ranks} = {global_batch(cfg, data_ranks)}"
+    t.micro_batch_size, t.grad_accum = split
+    return [f"global batch {total} kept: micro-batch {split[0]} x accumulation {split[1]} x {data_ranks} "
+            f"data-parallel ranks (this launch asked for {asked})"]
+
+
+def same_layout(point: ResumePoint, cfg: Config, world: int) -> bool:
+    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(cfg)
+    return point.state.get("world_size") == world and all(
+        saved.get(k, NEWER_LAYOUT_KEYS.get(k)) == v for k, v in now.items())  # older checkpoints: the old meaning
+
+
+def fingerprint_layout(cfg: Config) -> dict:
+    flat = cfg.flat()
+    return {k: flat[k] for k in LAYOUT_KEYS}
+
+
+def layout_problems(point: ResumePoint, cfg: Config, world: int, deepspeed: bool) -> list[str]:
+    """A sharded checkpoint resumes on any non-DeepSpeed layout; DeepSpeed's per-rank ZeRO state
+    (and checkpoints of older versions) on the same world size and layout only."""
     if point.state.get("resumable") is False:
         return ["it holds the model weights only (written by an older version that did not save ZeRO/FSDP "
                 "optimizer states); start a new run from it instead"]
+    if point.sharded:
+        if deepspeed:
+            return ["it is a sharded checkpoint, which DeepSpeed ZeRO cannot read; resume it without --zero-stage "
+                    "(--fsdp shards the same state)"]
+        return [] if (point.path / "rank0.pt").is_file() else ["rank0.pt is missing"]
+    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(cfg)
     problems = []
     if point.state.get("world_size") != world:
         problems.append(f"it was saved by {point.state.get('world_size')} processes and this run has {world}")
@@ -108,26 +176,34 @@ def layout_problems(point: ResumePoint, cfg: Config, world: int) -> list[str]:
     missing = [r for r in range(world) if not (point.path / f"rank{r}.pt").is_file()]
     if missing and not problems:
         problems.append(f"rank files {', '.join(f'rank{r}.pt' for r in missing)} are missing")
+    if problems:
+        problems.append("DeepSpeed ZeRO checkpoints (per-rank partitions) resume on the same launch and parallel "
+                        "flags only")
     return problems
 
 
-def check_resume(point: ResumePoint | None, cfg: Config, world: int) -> None:
-    """One line for everything that stops this checkpoint from resuming this run."""
+def check_resume(point: ResumePoint | None, cfg: Config, world: int, data_ranks: int,
+                 deepspeed: bool = False) -> ResumePoint | None:
+    """One line for everything that stops this checkpoint from resuming this run; the point with
+    how this run continues it (same layout or resharded, the batch re-split)."""
     if point is None:
-        return
-    layout = layout_problems(point, cfg, world)
+        return None
+    layout = layout_problems(point, cfg, world, deepspeed)
     if layout:
-        raise UserError(f"--resume {point.path}: cannot resume: {'; '.join(layout)}. Resume with the same "
-                        "launch and parallel flags, or start a new run from its model folder (--model "
-                        f"{point.path})")
-    changed = mismatch(point, cfg, world)
+        raise UserError(f"--resume {point.path}: cannot resume: {'; '.join(layout)}. Or start a new run from its "
+                        f"weights: python -m toolkit convert-checkpoint {point.path} --output DIR, then --model DIR")
+    changed = mismatch(point, cfg, data_ranks)
     if changed and not cfg.output.resume_ignore_mismatch:
         raise UserError(f"--resume {point.path}: this is not the run that wrote it: {'; '.join(changed)}. "
                         "Restore them, or pass --resume-ignore-mismatch to continue anyway")
+    same = same_layout(point, cfg, world)
+    notes = [] if same else [f"resharding: the checkpoint was written by {point.state.get('world_size')} processes "
+                             f"({point.state.get('layout', '?')}); random streams reseeded to seed + step per rank"]
+    notes += keep_global_batch(point, cfg, data_ranks)
+    return ResumePoint(point.path, point.step, point.state, same, tuple(notes))
 
 
-def resume_point(cfg: Config, world: int) -> ResumePoint | None:
-    """The checkpoint to resume from, checked against this run (None: start from step 0)."""
-    point = find_checkpoint(cfg)
-    check_resume(point, cfg, world)
-    return point
+def resume_point(cfg: Config, strategy) -> ResumePoint | None:
+    """The checkpoint to resume from, checked against this run's layout (None: start from step 0)."""
+    return check_resume(find_checkpoint(cfg), cfg, strategy.accelerator.num_processes, strategy.data_ranks,
+                        strategy.deepspeed)
