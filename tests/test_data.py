@@ -1,3 +1,6 @@
+import re
+from collections import Counter
+
 import pytest
 from conftest import CHATML, build_tokenizer, make_records
 
@@ -141,3 +144,44 @@ def test_system_prompt_goes_where_there_is_none(tmp_path, tokenizer):
     text = _jsonl(tmp_path / "t.jsonl", [{"text": "a plain document"}])
     with pytest.raises(UserError, match="--system-prompt applies to conversations"):
         load_examples(_cfg(tmp_path, text, "--system-prompt", "x"))
+
+
+def test_mixture_draws_each_source_by_its_weight():
+    """Over the first 10k draws each source's share is within 2% of its weight; the draw follows
+    the seed; every source is used whole ("all_exhausted": smaller ones are cycled, none cut short)."""
+    from toolkit.data.mixture import mixture_order
+
+    weights = [0.5, 0.3, 0.2]
+    order = mixture_order([10000, 6000, 500], weights, seed=7)
+    share = Counter(s for s, _ in order[:10000])
+    for s, w in enumerate(weights):
+        assert abs(share[s] / 10000 - w) <= 0.02, (s, share)
+    for s, n in enumerate([10000, 6000, 500]):
+        assert {i for src, i in order if src == s} == set(range(n))
+    assert order[:50] == mixture_order([10000, 6000, 500], weights, seed=7)[:50]
+    assert order[:50] != mixture_order([10000, 6000, 500], weights, seed=8)[:50]
+
+
+def test_mixture_reads_each_source_in_its_own_format(data_files, tmp_path):
+    """alpaca (.json) + ShareGPT (.jsonl) + text: each detected on its own columns, each source's
+    --eval-split held out before drawing, every training example one of its source's records."""
+    spec = f"{data_files['alpaca']}:0.5,{data_files['sharegpt']}:0.3,{data_files['text']}:0.2"
+    ex = load_examples(_cfg(tmp_path, spec, "--eval-split", "0.25"))
+    assert ex.format == "alpaca+sharegpt+text"
+    assert [(f, n) for _, f, _, n in ex.sources] == [("alpaca", 24), ("sharegpt", 24), ("text", 24)]
+    assert len(ex.eval) == 3 * 8 and not any(c in ex.eval for c in ex.train)
+    alone = {k: load_examples(_cfg(tmp_path, data_files[k])).train for k in ("alpaca", "sharegpt", "text")}
+    assert all(any(c in alone[k] for k in alone) for c in ex.train)
+    kinds = Counter("text" if isinstance(c, str) else "chat" for c in ex.train)
+    assert kinds["text"] > 0 and kinds["chat"] > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{a}:0.7,{b}", "give a weight to every source or to none"),
+    ("{a}:0.7,{b}:0", "weights must be > 0 (got 0)"),
+    ("{a}:0.7,{missing}:0.3", "missing.jsonl: file not found"),
+])
+def test_bad_mixture_is_one_clear_error(data_files, tmp_path, spec, message):
+    spec = spec.format(a=data_files["alpaca"], b=data_files["chat"], missing=tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match=re.escape(message)):
+        _cfg(tmp_path, spec)

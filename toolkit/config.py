@@ -49,7 +49,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = _f(DEFAULT_DATASET, "json/jsonl/csv/parquet file, hub id, or builtin:NAME")
+    dataset: str = _f(DEFAULT_DATASET, "json/jsonl/csv/parquet file, hub id, or builtin:NAME; a mixture: "
+                                       "a.jsonl:0.7,b.json:0.3 (sampled by weight with --seed)")
     format: str = _f("auto", "record layout", ("auto", "alpaca", "chat", "sharegpt", "text"))
     seq_len: int = _f(1024, "tokens per example; longer ones are truncated")
     eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
@@ -385,7 +386,7 @@ def validate(cfg: Config) -> list[str]:
     p.extend(_pipeline_problems(cfg))
     p.extend(_cp_problems(cfg))
     p.extend(column_problems(d.columns))
-    p.extend(_check_dataset_path(d.dataset))
+    p.extend(_check_dataset(d.dataset))
     p.extend(_check_output_dir(o))
     return p
 
@@ -544,6 +545,14 @@ def column_problems(spec: str) -> list[str]:
 
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _check_dataset(spec: str) -> list[str]:
+    """One source, or each source of a mixture (`toolkit.dataset_spec`)."""
+    from toolkit.dataset_spec import parse_sources, spec_problems
+
+    problems = spec_problems(spec)
+    return problems or [p for s in parse_sources(spec) for p in _check_dataset_path(s.spec)]
 
 
 def _check_dataset_path(spec: str) -> list[str]:

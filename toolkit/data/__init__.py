@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit.config import Config
+from toolkit.dataset_spec import is_mixture, parse_sources
 from toolkit.data.formats import detect_format, load_records, map_columns, to_conversation
 from toolkit.data.tokenize import IGNORE_INDEX, encode
 from toolkit.errors import UserError
@@ -27,6 +28,7 @@ class Examples:
     em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
     answers: list[str] | None = None  # ... and their expected answers
     system_added: int = 0  # training conversations given --system-prompt
+    sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
 
 
 @dataclass
@@ -46,8 +48,10 @@ def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
     return [{"role": "system", "content": system}, *conv]
 
 
-def load_examples(cfg: Config) -> Examples:
-    spec, system = cfg.data.dataset, cfg.data.system_prompt
+def _conversations(cfg: Config, spec: str) -> tuple[str, list, int]:
+    """(format, each record as a conversation or text, how many got --system-prompt) of one source,
+    its format detected on its own columns."""
+    system = cfg.data.system_prompt
     records = map_columns(load_records(spec), cfg.data.columns, spec)
     fmt = detect_format(records.column_names, cfg.data.format, spec)
     if fmt == "text" and system:
@@ -63,6 +67,27 @@ def load_examples(cfg: Config) -> Examples:
             if not any(m["role"] == "assistant" for m in c) and not cfg.data.train_on_prompt:
                 raise UserError(f"--dataset {spec}: record {i} has no assistant turn, so it has nothing to "
                                 "train on (pass --train-on-prompt to train on whole conversations)")
+    return fmt, convs, added
+
+
+def _split_eval(convs: list, cfg: Config, what: str) -> tuple[list, list]:
+    """(train, held out): --eval-split of the records, drawn with the run's seed, order kept."""
+    if cfg.data.eval_split <= 0:
+        return convs, []
+    n_eval = max(1, round(len(convs) * cfg.data.eval_split))
+    if n_eval >= len(convs):
+        raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {len(convs)} records"
+                        + (f" of {what}" if what else ""))
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    order = torch.randperm(len(convs), generator=g).tolist()
+    return [convs[i] for i in sorted(order[n_eval:])], [convs[i] for i in sorted(order[:n_eval])]
+
+
+def load_examples(cfg: Config) -> Examples:
+    spec, system = cfg.data.dataset, cfg.data.system_prompt
+    if is_mixture(spec):
+        return _load_mixture(cfg)
+    fmt, convs, added = _conversations(cfg, spec)
     if spec.startswith("builtin:"):
         from toolkit.data.builtin import builtin_records
 
@@ -70,16 +95,31 @@ def load_examples(cfg: Config) -> Examples:
         scored = [with_system_prompt(r["messages"], system) for r in held]
         eval_convs = scored if cfg.data.eval_split > 0 else []
         return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, scored, [r["answer"] for r in held], added)
-    train, held_out = convs, []
-    if cfg.data.eval_split > 0:
-        n_eval = max(1, round(len(convs) * cfg.data.eval_split))
-        if n_eval >= len(convs):
-            raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {len(convs)} records")
-        g = torch.Generator().manual_seed(cfg.train.seed)
-        order = torch.randperm(len(convs), generator=g).tolist()
-        held_out = [convs[i] for i in sorted(order[:n_eval])]
-        train = [convs[i] for i in sorted(order[n_eval:])]
+    train, held_out = _split_eval(convs, cfg, "")
     return Examples(fmt, cfg.data.format == "auto", train, held_out, system_added=added)
+
+
+def _load_mixture(cfg: Config) -> Examples:
+    """`--dataset a.jsonl:0.7,b.json:0.3`: each source read and format-detected on its own, its
+    --eval-split held out first, then the training examples drawn by weight with the run's seed
+    (`toolkit.data.mixture`); without weights each source counts by its size."""
+    from toolkit.data.mixture import mixture_order
+
+    sources = parse_sources(cfg.data.dataset)
+    formats, trains, held, added = [], [], [], 0
+    for source in sources:
+        fmt, convs, n = _conversations(cfg, source.spec)
+        train, held_out = _split_eval(convs, cfg, source.spec)
+        formats.append(fmt)
+        trains.append(train)
+        held += held_out
+        added += n
+    weights = [s.weight if s.weight is not None else len(t) for s, t in zip(sources, trains)]
+    order = mixture_order([len(t) for t in trains], weights, cfg.train.seed)
+    fmt = "+".join(dict.fromkeys(formats))
+    return Examples(fmt, cfg.data.format == "auto", [trains[s][i] for s, i in order], held, system_added=added,
+                    sources=[(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(sources, formats, weights,
+                                                                                         trains)])
 
 
 def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training") -> tuple[list[dict], DataStats]:

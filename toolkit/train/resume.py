@@ -50,7 +50,13 @@ class ResumePoint:
 
 
 def dataset_digest(spec: str) -> str:
-    """sha256 of the dataset file (or the built-in dataset's name)."""
+    """sha256 of the dataset file (or the built-in dataset's name); of a mixture, of each source's
+    digest and weight."""
+    from toolkit.dataset_spec import is_mixture, parse_sources
+
+    if is_mixture(spec):
+        parts = [f"{dataset_digest(s.spec)}:{s.weight}" for s in parse_sources(spec)]
+        return hashlib.sha256(",".join(parts).encode()).hexdigest()
     path = Path(spec)
     if not path.is_file():
         return "spec:" + spec

@@ -1,0 +1,55 @@
+"""`--dataset`: one source, or a weighted mixture `a.jsonl:0.7,b.json:0.3` (pure parsing, no imports
+beyond the standard library: config validation reads it before anything heavy loads).
+
+A source is a file, folder, hub id or `builtin:NAME`; a trailing `:WEIGHT` that parses as a number
+is its weight (so `builtin:gsm8k` is a source, `builtin:gsm8k:0.5` a weighted one). Weights are
+given for every source of a mixture or for none (then each source counts by its size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str
+    weight: float | None = None
+
+
+def _weight(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_sources(spec: str) -> list[Source]:
+    sources = []
+    for part in (p.strip() for p in spec.split(",")):
+        head, sep, tail = part.rpartition(":")
+        weight = _weight(tail) if sep else None
+        sources.append(Source(head, weight) if weight is not None else Source(part))
+    return sources
+
+
+def is_mixture(spec: str) -> bool:
+    sources = parse_sources(spec)
+    return len(sources) > 1 or sources[0].weight is not None
+
+
+def spec_problems(spec: str) -> list[str]:
+    """What is wrong with a mixture's syntax (the sources' paths are checked one by one elsewhere)."""
+    if not is_mixture(spec):
+        return []
+    sources = parse_sources(spec)
+    problems = []
+    if any(not s.spec for s in sources):
+        problems.append(f"--dataset {spec}: an empty source; write a.jsonl:0.7,b.json:0.3")
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        problems.append(f"--dataset {spec}: give a weight to every source or to none (e.g. a.jsonl:0.7,b.json:0.3)")
+    bad = [s for s in sources if s.weight is not None and not s.weight > 0]
+    if bad:
+        problems.append(f"--dataset {spec}: weights must be > 0 (got {', '.join(f'{s.weight:g}' for s in bad)})")
+    return problems
