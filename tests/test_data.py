@@ -185,3 +185,28 @@ def test_bad_mixture_is_one_clear_error(data_files, tmp_path, spec, message):
     spec = spec.format(a=data_files["alpaca"], b=data_files["chat"], missing=tmp_path / "missing.jsonl")
     with pytest.raises(UserError, match=re.escape(message)):
         _cfg(tmp_path, spec)
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "chat", "sharegpt", "text"])
+def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, monkeypatch):
+    """The cached Arrow table holds exactly what `encode` gives each example (multi-turn chats
+    included: every assistant turn trained), in order; statistics from its columns; a second call
+    reads the cache file (same rows) and 2 tokenizing processes give the same table."""
+    from toolkit.data.table import tokenized_table
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    records = make_records(fmt, n=40)
+    convs = [to_conversation(r, fmt, i) for i, r in enumerate(records)]
+    cfg = parse_config(["--output-dir", str(tmp_path / "o"), "--seq-len", "48"])
+    rows, stats = tokenize_examples(convs, tokenizer, cfg)
+    want = [encode(tokenizer, c, 48, False) for c in convs]
+    kept = [w for w in want if any(x != IGNORE_INDEX for x in w.labels[1:])]
+    assert [(r["input_ids"], r["labels"]) for r in rows] == [(w.input_ids, w.labels) for w in kept]
+    assert (stats.examples, stats.truncated, stats.dropped) == (40, sum(w.truncated for w in want), 40 - len(kept))
+    assert stats.tokens == sum(len(w.input_ids) for w in kept)
+    assert rows[3] == {"input_ids": kept[3].input_ids, "labels": kept[3].labels} and len(rows[1:5]) == 4
+    assert len([p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]) == 1
+    again, cached = tokenize_examples(convs, tokenizer, cfg)
+    assert list(again) == list(rows) and cached.cached and not stats.cached
+    two, hit = tokenized_table(convs * 30, tokenizer, 48, False, tmp_path / "two", workers=2)
+    assert not hit and two["input_ids"][:40] == [w.input_ids for w in want] and len(two) == 1200

@@ -1,5 +1,5 @@
-"""`python -m toolkit <command>`: prepare-model, merge, generate, accelerate-config, plan,
-convert-checkpoint, verify."""
+"""`python -m toolkit <command>`: prepare-model, prepare-data, merge, generate, accelerate-config,
+plan, convert-checkpoint, verify."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def cmd_generate(args) -> None:
         out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                              temperature=args.temperature or None, pad_token_id=tok.pad_token_id or tok.eos_token_id)
     print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+
+
+def cmd_prepare_data(args) -> None:
+    """Tokenize a run's data into the cache its training run will read (no model, no GPU): what a
+    login node can do before the job starts. Takes finetune.py's flags or --config."""
+    from toolkit.config import parse_config
+    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.tokenize import ensure_chat_template
+    from toolkit.models import cache_dir, load_tokenizer, resolve_model
+
+    # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
+    cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
+    examples = load_examples(cfg)
+    tokenizer = load_tokenizer(resolve_model(cfg.model.model), cfg.model.trust_remote_code)
+    ensure_chat_template(tokenizer)
+    for what, convs in (("training", examples.train), ("eval", examples.eval)):
+        if convs:
+            rows, stats = tokenize_examples(convs, tokenizer, cfg, what=what)
+            print(f"{what}: {stats.examples} examples ({stats.dropped} dropped, {stats.truncated} truncated), "
+                  f"{stats.tokens} tokens, {stats.target_tokens} trained")
+    print(f"cached under {cache_dir() / 'data'}; runs with the same data, tokenizer and settings read it")
 
 
 def cmd_accelerate_config(args) -> None:
@@ -162,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prepare-model", help="convert the embedded SmolLM2-135M-Instruct GGUF to safetensors")
     s.add_argument("--force", action="store_true", help="convert again even if the cache holds it")
     s.set_defaults(fn=cmd_prepare_model)
+    s = sub.add_parser("prepare-data", help="tokenize a run's data into the cache (finetune.py's flags or --config)")
+    s.add_argument("flags", nargs=argparse.REMAINDER, help="finetune.py flags, e.g. --config run.yaml")
+    s.set_defaults(fn=cmd_prepare_data)
     s = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
     s.add_argument("--adapter", required=True, help="adapter folder (OUTPUT_DIR/final of a LoRA run)")
     s.add_argument("--output", required=True, help="folder for the merged model")
@@ -251,8 +275,12 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 @exit_on_user_error("python -m toolkit")
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
-    if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint"):  # these load models: keep it quiet
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare-data"] and not {"-h", "--help"} & set(argv[1:2]):  # finetune.py's flags, as they are
+        args = argparse.Namespace(command="prepare-data", flags=argv[1:], fn=cmd_prepare_data)
+    else:
+        args = build_parser().parse_args(_join_negative_values(argv))
+    if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint", "prepare-data"):  # these load models: keep it quiet
         from toolkit.console import quiet
 
         quiet()

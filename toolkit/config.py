@@ -61,6 +61,8 @@ class DataConfig:
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
+    data_workers: int = _f(0, "processes that tokenize (0 = the node's cores divided by its ranks); the result "
+                              "is cached, so later runs and the other ranks read it")
 
 
 @dataclass
@@ -385,6 +387,8 @@ def validate(cfg: Config) -> list[str]:
                                           "(no loss scaling across TP shards); use bf16")
     p.extend(_pipeline_problems(cfg))
     p.extend(_cp_problems(cfg))
+    if d.data_workers < 0:
+        p.append(f"--data-workers must be >= 0 (0 = the node's cores divided by its ranks; got {d.data_workers})")
     p.extend(column_problems(d.columns))
     p.extend(_check_dataset(d.dataset))
     p.extend(_check_output_dir(o))

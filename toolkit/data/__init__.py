@@ -13,7 +13,7 @@ import torch
 from toolkit.config import Config
 from toolkit.dataset_spec import is_mixture, parse_sources
 from toolkit.data.formats import detect_format, load_records, map_columns, to_conversation
-from toolkit.data.tokenize import IGNORE_INDEX, encode
+from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
 
 
@@ -39,6 +39,7 @@ class DataStats:
     tokens: int = 0
     target_tokens: int = 0
     lengths: list[int] = field(default_factory=list)
+    cached: bool = False  # read from the tokenized-data cache (toolkit.data.table)
 
 
 def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
@@ -122,25 +123,23 @@ def _load_mixture(cfg: Config) -> Examples:
                                                                                          trains)])
 
 
-def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training") -> tuple[list[dict], DataStats]:
-    stats = DataStats()
-    out = []
-    for conv in convs:
-        enc = encode(tokenizer, conv, cfg.data.seq_len, cfg.data.train_on_prompt)
-        stats.examples += 1
-        stats.truncated += enc.truncated
-        n_target = sum(1 for x in enc.labels[1:] if x != IGNORE_INDEX)
-        if n_target == 0:
-            stats.dropped += 1
-            continue
-        stats.tokens += len(enc.input_ids)
-        stats.target_tokens += n_target
-        stats.lengths.append(len(enc.input_ids))
-        out.append({"input_ids": enc.input_ids, "labels": enc.labels})
-    if not out and convs:
+def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training"):
+    """(rows, stats): the examples tokenized into a cached Arrow table (`toolkit.data.table`), the
+    rows left with a target token as a list-like `Rows`; the statistics read from its columns."""
+    from toolkit.data.table import Rows, tokenized_table
+    from toolkit.models import cache_dir
+
+    table, cached = tokenized_table(convs, tokenizer, cfg.data.seq_len, cfg.data.train_on_prompt, cache_dir() / "data",
+                            cfg.data.data_workers)
+    targets, lengths = table["targets"], table["length"]
+    keep = [i for i, n in enumerate(targets) if n > 0]
+    stats = DataStats(examples=len(table), truncated=sum(table["truncated"]), dropped=len(table) - len(keep),
+                      tokens=sum(lengths[i] for i in keep), target_tokens=sum(targets[i] for i in keep),
+                      lengths=[lengths[i] for i in keep], cached=cached)
+    if not keep and convs:
         raise UserError(f"every {what} example is left with no answer tokens after truncation to "
                         f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
-    return out, stats
+    return Rows(table, keep if len(keep) < len(table) else None), stats
 
 
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

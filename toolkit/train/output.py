@@ -35,7 +35,8 @@ def report_data(log, cfg: Config, examples, stats, n_eval: int, added_template: 
     if cfg.data.columns:
         how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(cfg.data.columns).items())
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples} training examples, "
-        f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained")
+        f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
+        + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
     if examples.system_added:
