@@ -6,7 +6,7 @@ file lock, the others wait and read it).
 The table is saved with `save_to_disk` into a folder named by the hash (renamed into place when
 complete) and opened with `load_from_disk`. Columns: `input_ids`, `labels` (int32), `length`, `targets` (trained tokens), `truncated`. `Rows`
 gives the rest of the toolkit the list-of-dicts view it reads (`rows[i]`, slices, iteration,
-`len`), one row at a time from the mapped file; `lengths` reads one column without the rows.
+`len`), one row at a time from the mapped file.
 Token ids and labels come from the same `encode` as before, so they are identical.
 """
 
@@ -107,7 +107,3 @@ class Rows:
 
     def __bool__(self) -> bool:
         return len(self) > 0
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.table["length"]
