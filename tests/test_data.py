@@ -210,3 +210,9 @@ def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, mon
     assert list(again) == list(rows) and cached.cached and not stats.cached
     two, hit = tokenized_table(convs * 30, tokenizer, 48, False, tmp_path / "two", workers=2)
     assert not hit and two["input_ids"][:40] == [w.input_ids for w in want] and len(two) == 1200
+
+
+def test_no_examples_tokenize_to_no_rows(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    rows, stats = tokenize_examples([], tokenizer, parse_config(["--output-dir", str(tmp_path / "o")]), what="eval")
+    assert len(rows) == 0 and stats.examples == 0

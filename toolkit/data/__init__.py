@@ -129,6 +129,8 @@ def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training
     from toolkit.data.table import Rows, tokenized_table
     from toolkit.models import cache_dir
 
+    if not convs:  # no eval split: nothing to tokenize or cache
+        return [], DataStats()
     table, cached = tokenized_table(convs, tokenizer, cfg.data.seq_len, cfg.data.train_on_prompt, cache_dir() / "data",
                             cfg.data.data_workers)
     # whole columns as arrays (indexing a datasets column is a Python call per row)
