@@ -193,7 +193,8 @@ def restore_sharded(strategy, model, optimizer, folder: Path) -> None:
 
     named = strategy.named_trainable(model)
     names = {n for n, _, _ in named}
-    missing = sorted(n for n in names if f"model.{n}" not in read_metadata(folder / STATE_DIR))
+    saved = read_metadata(folder / STATE_DIR)  # every rank file's header: read once
+    missing = sorted(n for n in names if f"model.{n}" not in saved)
     if any_rank(strategy.accelerator, bool(missing)):  # every rank stops, none waits in DCP's collectives
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model (missing "
                         f"{missing[:3] or 'on another rank'}); it is from another model or method")
