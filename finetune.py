@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None):
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
     quiet()  # third-party notices the user cannot act on (shown with --debug)
 
-    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolve_model,
                                 resolved_precision)
@@ -37,13 +37,12 @@ def main(argv: list[str] | None = None):
     from toolkit.train.output import prepare_output_dir, report_data, summarize
     from toolkit.train.resume import resume_point
 
-    examples = load_examples(cfg)  # bad data fails here, before the model is loaded
     model_path = resolve_model(cfg.model.model)
     check_model(cfg, model_path)  # LoRA targets, on a weightless skeleton
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     added_template = ensure_chat_template(tokenizer)
-    train_rows, train_stats = tokenize_examples(examples.train, tokenizer, cfg)
-    eval_rows, _ = tokenize_examples(examples.eval, tokenizer, cfg, what="eval")
+    data = prepare_data(cfg, tokenizer)  # tokenized once into the cache; bad data fails here, before the model
+    train_rows, eval_rows = data.train, data.eval
 
     planned = None
     if cfg.parallel.strategy == "auto":  # sets ZeRO/FSDP/offload, checkpointing and batch sizes
@@ -59,15 +58,15 @@ def main(argv: list[str] | None = None):
         if planned:
             (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
             log(table)
-    report_data(log, cfg, examples, train_stats, len(eval_rows), added_template)
+    report_data(log, cfg, data, added_template)
 
     model = strategy.shard_model(load_model(cfg, model_path, resume.path if resume and not resume.sharded else None))
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method})")
     scores = {}
-    if examples.answers:
-        scores["before"] = exact_match(strategy, model, tokenizer, examples.em_conversations, examples.answers)
+    if data.answers:
+        scores["before"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
     model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
@@ -75,8 +74,8 @@ def main(argv: list[str] | None = None):
     verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log)
 
-    if examples.answers:
-        scores["after"] = exact_match(strategy, model, tokenizer, examples.em_conversations, examples.answers)
+    if data.answers:
+        scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
     run = summarize(log, cfg, out_dir, result, scores, accelerator, model)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank

@@ -28,6 +28,13 @@ def case(tmp_path, name):
     if name == "malformed_jsonl":
         (d / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
         return ["--dataset", str(d / "bad.jsonl")], "bad.jsonl: invalid JSON on line 2"
+    if name == "record_without_answer":  # 1100 records: tokenized by 2 worker processes, the error from one
+        rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 1100
+        rows[1057] = {"messages": [{"role": "user", "content": "no answer"}]}
+        (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return ["--dataset", str(d / "chat.jsonl"), "--data-workers", "2"], "record 1057 has no assistant turn"
+    if name == "streaming_without_max_steps":
+        return ["--dataset", str(d.parent / "nope.jsonl"), "--streaming"], "--streaming needs --max-steps"
     if name == "unknown_flag":
         return ["--learning-rate", "1e-4"], "unknown flag --learning-rate (did you mean --lr?)"
     if name == "missing_model":
@@ -116,7 +123,8 @@ def case(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
-                                  "empty_dataset", "empty_json_array", "malformed_jsonl", "unknown_flag",
+                                  "empty_dataset", "empty_json_array", "malformed_jsonl", "record_without_answer",
+                                  "streaming_without_max_steps", "unknown_flag",
                                   "missing_model", "uncached_hub_id", "unreachable_hub", "mapped_column_missing",
                                   "system_prompt_on_text", "tp_without_ranks", "tp_not_dividing_heads",
                                   "tp_with_zero3", "dp_shard_with_zero", "dp_shard_not_fitting",

@@ -216,3 +216,61 @@ def test_no_examples_tokenize_to_no_rows(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     rows, stats = tokenize_examples([], tokenizer, parse_config(["--output-dir", str(tmp_path / "o")]), what="eval")
     assert len(rows) == 0 and stats.examples == 0
+
+
+def _per_example(cfg, tokenizer):
+    """Today's path, one example at a time: load_examples' conversations through `encode`."""
+    ex = load_examples(cfg)
+
+    def rows(convs):
+        encs = [encode(tokenizer, c, cfg.data.seq_len, cfg.data.train_on_prompt) for c in convs]
+        return [(e.input_ids, e.labels) for e in encs if any(x != IGNORE_INDEX for x in e.labels[1:])]
+
+    return ex, rows(ex.train), rows(ex.eval)
+
+
+@pytest.mark.parametrize("case", ["alpaca", "chat", "sharegpt", "text", "mixture"])
+def test_prepared_data_equals_the_per_example_path(case, tokenizer, tmp_path, monkeypatch):
+    """`prepare_data` (records rendered and tokenized inside `Dataset.map`, 2 worker processes,
+    eval split and mixture drawn by index) gives exactly today's rows: load_examples' conversations
+    tokenized one by one (multi-turn chats, --system-prompt and truncation included).
+    A second call reads the cache without opening the dataset."""
+    import toolkit.data.formats as formats
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    files = {}
+    for fmt in ("alpaca", "chat", "sharegpt", "text"):
+        files[fmt] = _jsonl(tmp_path / f"{fmt}.jsonl", make_records(fmt, n=1100 if fmt == case else 300, seed=3))
+    spec = f"{files['alpaca']}:0.5,{files['sharegpt']}:0.3,{files['text']}:0.2" if case == "mixture" else files[case]
+    flags = ["--seq-len", "72", "--eval-split", "0.1", "--data-workers", "2"]
+    flags += ["--system-prompt", "be brief"] if case in ("alpaca", "chat") else []
+    cfg = _cfg(tmp_path, spec, *flags)
+    ex, want_train, want_eval = _per_example(cfg, tokenizer)
+    got = prepare_data(cfg, tokenizer)
+    assert [(r["input_ids"], r["labels"]) for r in got.train] == want_train
+    assert [(r["input_ids"], r["labels"]) for r in got.eval] == want_eval
+    assert (got.format, got.system_added, got.sources) == (ex.format, ex.system_added, ex.sources)
+    assert not got.stats.cached and got.stats.examples == len(ex.train)
+    assert list(got.train.lengths) == [len(ids) for ids, _ in want_train]
+    if case == "chat":
+        assert got.stats.truncated > 0  # and both paths cut them the same way (above)
+
+    def unread(*a, **k):
+        raise AssertionError("a warm run read the dataset")
+
+    monkeypatch.setattr(formats, "load_records", unread)
+    again = prepare_data(cfg, tokenizer)
+    assert again.stats.cached and [r["input_ids"] for r in again.train] == [ids for ids, _ in want_train]
+
+
+def test_bad_record_in_a_worker_is_one_line_naming_its_index(tokenizer, tmp_path, monkeypatch):
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    records = make_records("chat", n=1100)
+    records[1057] = {"messages": [{"role": "user", "content": "no answer here"}]}
+    cfg = _cfg(tmp_path, _jsonl(tmp_path / "bad.jsonl", records), "--data-workers", "2")
+    with pytest.raises(UserError, match="record 1057 has no assistant turn"):
+        prepare_data(cfg, tokenizer)
+    assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]  # nothing half-built is kept

@@ -61,21 +61,21 @@ def cmd_prepare_data(args) -> None:
     """Tokenize a run's data into the cache its training run will read (no model, no GPU): what a
     login node can do before the job starts. Takes finetune.py's flags or --config."""
     from toolkit.config import parse_config
-    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import cache_dir, load_tokenizer, resolve_model
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
-    examples = load_examples(cfg)
     tokenizer = load_tokenizer(resolve_model(cfg.model.model), cfg.model.trust_remote_code)
     ensure_chat_template(tokenizer)
-    for what, convs in (("training", examples.train), ("eval", examples.eval)):
-        if convs:
-            rows, stats = tokenize_examples(convs, tokenizer, cfg, what=what)
+    data = prepare_data(cfg, tokenizer)
+    for what, stats in (("training", data.stats), ("eval", data.eval_stats)):
+        if stats.examples:
             print(f"{what}: {stats.examples} examples ({stats.dropped} dropped, {stats.truncated} truncated), "
                   f"{stats.tokens} tokens, {stats.target_tokens} trained")
-    print(f"cached under {cache_dir() / 'data'}; runs with the same data, tokenizer and settings read it")
+    print(f"{'read from' if data.stats.cached else 'written to'} {cache_dir() / 'data'}; runs with the same data, "
+          "tokenizer and settings read it")
 
 
 def cmd_accelerate_config(args) -> None:

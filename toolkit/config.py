@@ -61,8 +61,10 @@ class DataConfig:
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
-    data_workers: int = _f(0, "processes that tokenize (0 = the node's cores divided by its ranks); the result "
-                              "is cached, so later runs and the other ranks read it")
+    data_workers: int = _f(0, "processes that tokenize (0 = the node's cores); the result is cached, so later "
+                              "runs and the other ranks read it")
+    streaming: bool = _f(False, "read and tokenize the records as training goes, in file order, nothing cached "
+                                "(data larger than disk or RAM); needs --max-steps")
 
 
 @dataclass
@@ -388,7 +390,9 @@ def validate(cfg: Config) -> list[str]:
     p.extend(_pipeline_problems(cfg))
     p.extend(_cp_problems(cfg))
     if d.data_workers < 0:
-        p.append(f"--data-workers must be >= 0 (0 = the node's cores divided by its ranks; got {d.data_workers})")
+        p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
+    if d.streaming:
+        p.extend(_streaming_problems(cfg))
     p.extend(column_problems(d.columns))
     p.extend(_check_dataset(d.dataset))
     p.extend(_check_output_dir(o))
@@ -549,6 +553,19 @@ def column_problems(spec: str) -> list[str]:
 
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _streaming_problems(cfg: Config) -> list[str]:
+    from toolkit.dataset_spec import is_mixture
+
+    d, why = cfg.data, "a stream has no length to count epochs by"
+    p = [] if cfg.train.max_steps > 0 else [f"--streaming needs --max-steps ({why})"]
+    if d.eval_split > 0:
+        p.append("--streaming with --eval-split is not supported (a stream holds nothing out); drop one")
+    if is_mixture(d.dataset) or d.dataset.startswith("builtin:"):
+        p.append(f"--streaming reads one dataset file, folder or hub id (got --dataset {d.dataset}); "
+                 "drop --streaming for mixtures and built-in data")
+    return p
 
 
 def _check_dataset(spec: str) -> list[str]:

@@ -8,7 +8,10 @@ given for every source of a mixture or for none (then each source counts by its 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,35 @@ def spec_problems(spec: str) -> list[str]:
     if bad:
         problems.append(f"--dataset {spec}: weights must be > 0 (got {', '.join(f'{s.weight:g}' for s in bad)})")
     return problems
+
+
+def dataset_digest(spec: str) -> str:
+    """sha256 of the dataset's bytes: a file's, a folder's data files' (names and contents), or of a
+    mixture, each source's digest with its weight; "spec:NAME" for a built-in or hub dataset (which
+    a name identifies). Memoized on each file's size and mtime: a run checkpoints many times."""
+    if is_mixture(spec):
+        parts = [f"{dataset_digest(s.spec)}:{s.weight}" for s in parse_sources(spec)]
+        return hashlib.sha256(",".join(parts).encode()).hexdigest()
+    path = Path(spec)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.iterdir() if p.is_file()):
+            h.update(f"{f.name}\x00{_file_digest(f, *_stamp(f))}\x00".encode())
+        return h.hexdigest()
+    if path.is_file():
+        return _file_digest(path, *_stamp(path))
+    return "spec:" + spec
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@lru_cache(maxsize=64)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

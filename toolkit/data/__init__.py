@@ -6,7 +6,7 @@ loaded), `tokenize_examples` needs the tokenizer but not the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,6 @@ class DataStats:
     dropped: int = 0  # nothing left to train after truncation
     tokens: int = 0
     target_tokens: int = 0
-    lengths: list[int] = field(default_factory=list)
     cached: bool = False  # read from the tokenized-data cache (toolkit.data.table)
 
 
@@ -49,39 +48,54 @@ def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
     return [{"role": "system", "content": system}, *conv]
 
 
+def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple[list[dict] | str, bool]:
+    """(one record as a conversation or text, whether --system-prompt was added to it); a record
+    with nothing to train on is an error naming its index."""
+    conv = to_conversation(row, fmt, index)
+    if fmt == "text":
+        return conv, False
+    given = with_system_prompt(conv, cfg.data.system_prompt)
+    if not cfg.data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
+        raise UserError(f"--dataset {spec}: record {index} has no assistant turn, so it has nothing to "
+                        "train on (pass --train-on-prompt to train on whole conversations)")
+    return given, given is not conv
+
+
+def source_format(records, cfg: Config, spec: str) -> str:
+    """The source's format, from its columns or --format (text takes no --system-prompt)."""
+    fmt = detect_format(records.column_names, cfg.data.format, spec)
+    if fmt == "text" and cfg.data.system_prompt:
+        raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
+                        "which has no turns to put it in front of")
+    return fmt
+
+
 def _conversations(cfg: Config, spec: str) -> tuple[str, list, int]:
     """(format, each record as a conversation or text, how many got --system-prompt) of one source,
     its format detected on its own columns."""
-    system = cfg.data.system_prompt
     records = map_columns(load_records(spec), cfg.data.columns, spec)
-    fmt = detect_format(records.column_names, cfg.data.format, spec)
-    if fmt == "text" and system:
-        raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
-                        "which has no turns to put it in front of")
-    convs = [to_conversation(r, fmt, i) for i, r in enumerate(records)]
-    added = 0
-    if fmt != "text":
-        given = [with_system_prompt(c, system) for c in convs]
-        added = sum(new is not old for new, old in zip(given, convs))
-        convs = given
-        for i, c in enumerate(convs):
-            if not any(m["role"] == "assistant" for m in c) and not cfg.data.train_on_prompt:
-                raise UserError(f"--dataset {spec}: record {i} has no assistant turn, so it has nothing to "
-                                "train on (pass --train-on-prompt to train on whole conversations)")
-    return fmt, convs, added
+    fmt = source_format(records, cfg, spec)
+    pairs = [as_example(r, fmt, i, cfg, spec) for i, r in enumerate(records)]
+    return fmt, [c for c, _ in pairs], sum(added for _, added in pairs)
+
+
+def split_indices(n: int, cfg: Config, what: str) -> tuple[list[int], list[int]]:
+    """(train, held out) record indices: --eval-split of `n` records, drawn with the run's seed,
+    order kept."""
+    if cfg.data.eval_split <= 0:
+        return list(range(n)), []
+    n_eval = max(1, round(n * cfg.data.eval_split))
+    if n_eval >= n:
+        raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {n} records"
+                        + (f" of {what}" if what else ""))
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    order = torch.randperm(n, generator=g).tolist()
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
 def _split_eval(convs: list, cfg: Config, what: str) -> tuple[list, list]:
-    """(train, held out): --eval-split of the records, drawn with the run's seed, order kept."""
-    if cfg.data.eval_split <= 0:
-        return convs, []
-    n_eval = max(1, round(len(convs) * cfg.data.eval_split))
-    if n_eval >= len(convs):
-        raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {len(convs)} records"
-                        + (f" of {what}" if what else ""))
-    g = torch.Generator().manual_seed(cfg.train.seed)
-    order = torch.randperm(len(convs), generator=g).tolist()
-    return [convs[i] for i in sorted(order[n_eval:])], [convs[i] for i in sorted(order[:n_eval])]
+    train, held = split_indices(len(convs), cfg, what)
+    return [convs[i] for i in train], [convs[i] for i in held]
 
 
 def load_examples(cfg: Config) -> Examples:
@@ -124,26 +138,37 @@ def _load_mixture(cfg: Config) -> Examples:
 
 
 def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training"):
-    """(rows, stats): the examples tokenized into a cached Arrow table (`toolkit.data.table`), the
-    rows left with a target token as a list-like `Rows`; the statistics read from its columns."""
-    from toolkit.data.table import Rows, tokenized_table
+    """(rows, stats) of in-memory conversations or texts: tokenized into a cached Arrow table
+    (`toolkit.data.table`), the rows left with a target token as a list-like `Rows`. A run's own
+    data goes through `toolkit.data.prepare`, which starts from the files."""
+    from toolkit.data.table import Rows, table_stats, tokenized_table
     from toolkit.models import cache_dir
 
     if not convs:  # no eval split: nothing to tokenize or cache
         return [], DataStats()
     table, cached = tokenized_table(convs, tokenizer, cfg.data.seq_len, cfg.data.train_on_prompt, cache_dir() / "data",
-                            cfg.data.data_workers)
-    # whole columns as arrays (indexing a datasets column is a Python call per row)
-    targets, lengths, truncated = (table.data.column(c).to_numpy() for c in ("targets", "length", "truncated"))
-    kept = (targets > 0).nonzero()[0]
-    keep = kept.tolist()
-    stats = DataStats(examples=len(table), truncated=int(truncated.sum()), dropped=len(table) - len(keep),
-                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()),
-                      lengths=lengths[kept].tolist(), cached=cached)
-    if not keep and convs:
+                                    cfg.data.data_workers)
+    stats, keep = table_stats(table)
+    stats.cached = cached
+    check_trainable(stats, cfg, what)
+    return Rows(table, keep), stats
+
+
+def check_trainable(stats: DataStats, cfg: Config, what: str) -> None:
+    if stats.examples and stats.dropped == stats.examples:
         raise UserError(f"every {what} example is left with no answer tokens after truncation to "
                         f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
-    return Rows(table, keep if len(keep) < len(table) else None), stats
+
+
+def longest_row(rows, seq_len: int) -> int:
+    """Tokens in the longest row: from `lengths` where the rows carry them (a table, packed rows),
+    --seq-len for a stream (not read ahead)."""
+    lengths = getattr(rows, "lengths", None)
+    if lengths is not None:
+        return int(max(lengths))
+    if isinstance(rows, torch.utils.data.IterableDataset):
+        return seq_len
+    return max(len(r["input_ids"]) for r in rows)
 
 
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

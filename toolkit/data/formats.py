@@ -8,6 +8,7 @@ Every format ends up as one of two shapes, so tokenization has one path per shap
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,21 @@ def load_records(spec: str):
         if len(kinds) > 1:
             raise UserError(f"--dataset {spec}: mixes file types {sorted(kinds)}; keep one type per folder")
         kind = kinds.pop()
-        if kind == "json":
-            for f in files:
-                _check_json_file(f)
         datasets.disable_progress_bars()  # a bar per small file is noise in front of our own report
+        library_log = logging.getLogger("datasets")
+        level, library_log.level = library_log.level, logging.CRITICAL  # its parse error is ours to word
         try:
             ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
+            if kind == "json":  # our own parse names the line (not done up front: a large file is GBs as Python)
+                for f in files:
+                    _check_json_file(f)
             raise UserError(f"--dataset {spec}: could not be read as {kind} ({_short(e)})") from None
+        finally:
+            library_log.setLevel(level)
+        if len(ds) == 0 and kind == "json":
+            for f in files:
+                _check_json_file(f)
     else:
         try:
             ds = datasets.load_dataset(spec, split="train")
@@ -63,14 +71,17 @@ def load_records(spec: str):
 
 
 def map_columns(ds, spec: str, source: str):
-    """Rename the dataset's own column names to the fields the formats read (`--columns`), checking
-    each named column exists and that no field would be taken twice."""
+    """Rename the dataset's own column names to the fields the formats read (`--columns`)."""
+    renames = column_renames(list(ds.column_names), spec, source)
+    return ds.rename_columns(renames) if renames else ds
+
+
+def column_renames(cols: list[str], spec: str, source: str) -> dict[str, str]:
+    """{yours: ours} for `--columns`, checking each named column exists and that no field would be
+    taken twice."""
     import difflib
 
     mapping = parse_columns(spec)
-    if not mapping:
-        return ds
-    cols = list(ds.column_names)
     for ours, yours in mapping.items():
         if yours not in cols:
             hint = difflib.get_close_matches(yours, cols, n=1)
@@ -79,7 +90,7 @@ def map_columns(ds, spec: str, source: str):
         if ours in cols and ours not in mapping.values():
             raise UserError(f"--columns {ours}={yours}: --dataset {source} already has a column '{ours}'; map that "
                             f"one elsewhere too, or drop {ours}={yours}")
-    return ds.rename_columns({yours: ours for ours, yours in mapping.items() if yours != ours})
+    return {yours: ours for ours, yours in mapping.items() if yours != ours}
 
 
 def _short(e: Exception) -> str:

@@ -17,28 +17,58 @@ from toolkit.data import collate
 from toolkit.data.tokenize import IGNORE_INDEX
 
 
-def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
-    """First-fit decreasing bins of at most `seq_len` tokens -> packed rows with position_ids."""
-    bins: list[list[dict]] = []
-    room: list[int] = []
-    for row in sorted(rows, key=lambda r: len(r["input_ids"]), reverse=True):
-        n = len(row["input_ids"])
-        slot = next((i for i, free in enumerate(room) if free >= n), None)
-        if slot is None:
-            bins.append([row])
-            room.append(seq_len - n)
-        else:
-            bins[slot].append(row)
-            room[slot] -= n
-    packed = []
-    for members in bins:
+def pack_bins(lengths, seq_len: int) -> list[list[int]]:
+    """First-fit decreasing: example indices, longest first, each into the first bin with room for
+    it (ties in input order). The first fitting bin is found in a max-tree of the bins' free space,
+    O(log n) per example; bins not opened yet hold `seq_len`, so the leftmost fitting one is an open
+    bin where one fits, else the next new one."""
+    lengths = [int(x) for x in lengths]
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    free = [seq_len] * (2 * size)  # free[1] is the root; leaves size..2*size-1 are the bins
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+        n, node = lengths[i], 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= n else 2 * node + 1
+        slot = node - size
+        if slot == len(bins):
+            bins.append([])
+        bins[slot].append(i)
+        free[node] -= n
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
+    return bins
+
+
+class PackedRows:
+    """The packed rows of `rows` (a list or `toolkit.data.table.Rows`), built one at a time when read:
+    each concatenates its bin's examples, position_ids restarting at 0 and the first token of each
+    unlabelled."""
+
+    def __init__(self, rows, bins: list[list[int]], lengths=None):
+        self.rows, self.bins = rows, bins
+        self.lengths = None if lengths is None else [sum(int(lengths[i]) for i in b) for b in self.bins]
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, k: int) -> dict:
         ids, labels, positions = [], [], []
-        for r in members:
+        for i in self.bins[k]:
+            r = self.rows[i]
             ids += r["input_ids"]
             labels += [IGNORE_INDEX] + list(r["labels"][1:])
             positions += list(range(len(r["input_ids"])))
-        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions, "examples": len(members)})
-    return packed
+        return {"input_ids": ids, "labels": labels, "position_ids": positions, "examples": len(self.bins[k])}
+
+
+def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
+    """First-fit decreasing bins of at most `seq_len` tokens -> packed rows with position_ids."""
+    packed = PackedRows(rows, pack_bins([len(r["input_ids"]) for r in rows], seq_len))
+    return [packed[k] for k in range(len(packed))]
 
 
 def collate_packed(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -18,21 +18,13 @@ import os
 import tempfile
 from pathlib import Path
 
-CACHE_VERSION = "1"  # bump when encode() changes what it produces
+CACHE_VERSION = "2"  # bump when encode() or the tables' layout changes
 
 
 def _encode_batch(batch: dict, tokenizer, seq_len: int, train_on_prompt: bool) -> dict:
-    from toolkit.data.tokenize import IGNORE_INDEX, encode
+    from toolkit.data.tokenize import encode_batch
 
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "targets": [], "truncated": []}
-    for text in batch["example"]:
-        enc = encode(tokenizer, json.loads(text), seq_len, train_on_prompt)
-        out["input_ids"].append(enc.input_ids)
-        out["labels"].append(enc.labels)
-        out["length"].append(len(enc.input_ids))
-        out["targets"].append(sum(1 for x in enc.labels[1:] if x != IGNORE_INDEX))
-        out["truncated"].append(enc.truncated)
-    return out
+    return token_columns(encode_batch(tokenizer, [json.loads(t) for t in batch["example"]], seq_len, train_on_prompt))
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -53,43 +45,91 @@ def cache_key(texts: list[str], tokenizer, seq_len: int, train_on_prompt: bool) 
 
 
 def default_workers() -> int:
-    """The node's cores shared by its ranks; 1 (in process) below 2 cores each."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, (os.cpu_count() or 1) // ranks)
+    """The node's cores: one process per node builds while its other ranks wait on the lock."""
+    return os.cpu_count() or 1
+
+
+FEATURES = {"input_ids": ("int32",), "labels": ("int32",), "length": "int32", "targets": "int32", "truncated": "bool"}
+
+
+def features(extra: dict | None = None):
+    """The tokenized columns (`FEATURES`), plus `extra` {name: dtype}."""
+    from datasets import Features, Sequence, Value
+
+    spec = {**FEATURES, **(extra or {})}
+    return Features({k: Sequence(Value(v[0])) if isinstance(v, tuple) else Value(v) for k, v in spec.items()})
+
+
+def token_columns(encs: list) -> dict[str, list]:
+    """`encode_batch`'s results as the table's columns."""
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    return {"input_ids": [e.input_ids for e in encs], "labels": [e.labels for e in encs],
+            "length": [len(e.input_ids) for e in encs],
+            "targets": [sum(1 for x in e.labels[1:] if x != IGNORE_INDEX) for e in encs],
+            "truncated": [e.truncated for e in encs]}
+
+
+def built_once(path: Path, build) -> bool:
+    """Run `build(tmp)` unless `path` exists, under a file lock (one process builds, the others
+    wait, then read), publishing `tmp` as `path` by rename; whether `path` was there already."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_dir():
+            return True
+        tmp = Path(str(path) + ".tmp")
+        if tmp.exists():  # left by a build that was killed
+            import shutil
+
+            shutil.rmtree(tmp)
+        build(tmp)
+        os.replace(tmp, path)
+    return False
 
 
 def tokenized_table(convs: list, tokenizer, seq_len: int, train_on_prompt: bool, cache: Path, workers: int = 0):
     """(the table for `convs` (conversations or texts), whether the cache already held it)."""
     import datasets
-    from datasets import Features, Sequence, Value
-    from filelock import FileLock
 
     texts = [json.dumps(c, ensure_ascii=False) for c in convs]
-    cache.mkdir(parents=True, exist_ok=True)
     path = cache / cache_key(texts, tokenizer, seq_len, train_on_prompt)
-    features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
-                         "length": Value("int32"), "targets": Value("int32"), "truncated": Value("bool")})
     datasets.disable_progress_bars()
-    with FileLock(str(path) + ".lock"):
-        hit = path.is_dir()
-        if not hit:
-            with tempfile.TemporaryDirectory(dir=cache) as work:  # map's per-process files, then one table
-                workers = workers or default_workers()
-                table = datasets.Dataset.from_dict({"example": texts}).map(
-                    _encode_batch, batched=True, batch_size=256, remove_columns=["example"], features=features,
-                    num_proc=workers if workers > 1 and len(texts) >= 1024 else None,
-                    fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "train_on_prompt": train_on_prompt},
-                    cache_file_name=str(Path(work) / "part.arrow"), new_fingerprint=path.name[:32])
-                table.save_to_disk(str(path) + ".tmp")
-                del table
-            os.replace(str(path) + ".tmp", path)
+
+    def build(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=cache) as work:  # map's per-process files, then one table
+            n = workers or default_workers()
+            table = datasets.Dataset.from_dict({"example": texts}).map(
+                _encode_batch, batched=True, batch_size=256, remove_columns=["example"], features=features(),
+                num_proc=n if n > 1 and len(texts) >= 1024 else None,
+                fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "train_on_prompt": train_on_prompt},
+                cache_file_name=str(Path(work) / "part.arrow"), new_fingerprint=path.name[:32])
+            table.save_to_disk(str(tmp))
+
+    hit = built_once(path, build)
     return datasets.load_from_disk(str(path)), hit  # memory-mapped
 
 
-class Rows:
-    """The trainable rows of a table (those with a target token), read as a list of dicts."""
+def table_stats(table):
+    """(DataStats, the indices of the rows with a target token, or None when that is every row),
+    from whole columns (indexing a datasets column is a Python call per row)."""
+    from toolkit.data import DataStats
 
-    def __init__(self, table, keep: list[int] | None = None):
+    targets, lengths, truncated = (table.data.column(c).to_numpy() for c in ("targets", "length", "truncated"))
+    kept = (targets > 0).nonzero()[0]
+    stats = DataStats(examples=len(table), truncated=int(truncated.sum()), dropped=len(table) - len(kept),
+                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()))
+    return stats, (kept if len(kept) < len(table) else None)
+
+
+class Rows:
+    """The trainable rows of a table (those with a target token), read as a list of dicts;
+    `lengths` without reading the rows (packing)."""
+
+    def __init__(self, table, keep=None):
+        lengths = table.data.column("length").to_numpy()
+        self.lengths = lengths if keep is None else lengths[keep]
         self.table = table if keep is None else table.select(keep)
 
     def __len__(self) -> int:

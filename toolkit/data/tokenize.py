@@ -42,24 +42,38 @@ class Encoded:
 
 
 def encode(tokenizer, example: list[dict[str, str]] | str, seq_len: int, train_on_prompt: bool) -> Encoded:
-    if isinstance(example, str):
-        ids = tokenizer(example, add_special_tokens=True)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        labels = list(ids)
-    else:
-        ids, labels = _encode_chat(tokenizer, example, train_on_prompt)
-    truncated = len(ids) > seq_len
-    return Encoded(ids[:seq_len], labels[:seq_len], truncated)
+    return encode_batch(tokenizer, [example], seq_len, train_on_prompt)[0]
 
 
-def _encode_chat(tokenizer, messages: list[dict[str, str]], train_on_prompt: bool) -> tuple[list[int], list[int]]:
+def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool) -> list[Encoded]:
+    """Conversations and texts tokenized in one call to the tokenizer (its Rust batch path: no
+    per-example call overhead); the same ids as one call per example."""
+    out: list[Encoded | None] = [None] * len(examples)
+    texts = [i for i, x in enumerate(examples) if isinstance(x, str)]
+    if texts:
+        batch = tokenizer([examples[i] for i in texts], add_special_tokens=True)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        for i, ids in zip(texts, batch):
+            ids = ids + eos
+            out[i] = Encoded(ids[:seq_len], list(ids[:seq_len]), len(ids) > seq_len)
+    chats = [i for i, x in enumerate(examples) if not isinstance(x, str)]
+    if chats:
+        # The end-of-turn marker right after an answer (<|im_end|>, <|eot_id|>, </s>, ...) is trained
+        # too, so the model learns to stop: any special token that directly follows the content.
+        specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+        rendered = [_render_chat(tokenizer, examples[i], specials) for i in chats]
+        enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        for i, (_, spans), ids, offsets in zip(chats, rendered, enc["input_ids"], enc["offset_mapping"]):
+            labels = list(ids) if train_on_prompt else _answer_labels(ids, offsets, spans)
+            out[i] = Encoded(ids[:seq_len], labels[:seq_len], len(ids) > seq_len)
+    return out
+
+
+def _render_chat(tokenizer, messages: list[dict[str, str]], specials: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """(the chat rendered by its template, the character spans of the assistant answers in it)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans: list[tuple[int, int]] = []
     cursor = 0
-    # The end-of-turn marker right after an answer (<|im_end|>, <|eot_id|>, </s>, ...) is trained
-    # too, so the model learns to stop: any special token that directly follows the content.
-    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
     for m in messages:
         start = text.find(m["content"], cursor)
         if start < 0:
@@ -70,18 +84,19 @@ def _encode_chat(tokenizer, messages: list[dict[str, str]], train_on_prompt: boo
             end += next((len(t) for t in specials if text.startswith(t, end)), 0)
             spans.append((start, end))
         cursor = end
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    if train_on_prompt:
-        return ids, list(ids)
+    return text, spans
+
+
+def _answer_labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Each token's id where its characters overlap an answer span, else -100."""
     labels = [IGNORE_INDEX] * len(ids)
     j = 0
-    for i, (s, e) in enumerate(enc["offset_mapping"]):
+    for i, (s, e) in enumerate(offsets):
         while j < len(spans) and spans[j][1] <= s:
             j += 1
         if j < len(spans) and e > spans[j][0] and s < spans[j][1]:
             labels[i] = ids[i]
-    return ids, labels
+    return labels
 
 
 def prompt_text(tokenizer, messages: list[dict[str, str]]) -> str:

@@ -54,7 +54,12 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     # early; syncing "with the dataloader" would then step mid-accumulation. The loop sets the
     # count per step instead. DeepSpeed keeps its own count (and loss scaling): give it --grad-accum.
     ga = cfg.train.grad_accum if kind == "deepspeed" else 1
+    from accelerate.utils import DataLoaderConfiguration
+
+    # each rank reads its own micro-batches (a stream included: rank 0 would otherwise read and
+    # tokenize every rank's and send them)
     kwargs: dict = {"mixed_precision": resolved_precision(cfg),
+                    "dataloader_config": DataLoaderConfiguration(dispatch_batches=False),
                     "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga, sync_with_dataloader=False)}
     if kind == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin

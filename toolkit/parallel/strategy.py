@@ -65,7 +65,7 @@ class AccelerateStrategy:
 
         a = self.accelerator
         return prepare_data_loader(loader, a.device, num_processes=self.data_ranks, process_index=self.data_rank,
-                                   put_on_device=True, even_batches=a.even_batches)
+                                   put_on_device=True, even_batches=a.even_batches, dispatch_batches=False)
 
     # --- model and optimizer
     def shard_model(self, model):
@@ -364,11 +364,13 @@ class PipelineStrategy(AccelerateStrategy):
         return self.layout.dp_rank if self.layout else 0
 
     def prepare(self, model, optimizer_fn: Callable, loader):
+        from toolkit.data import longest_row
         from toolkit.parallel.pp import build_pipeline
 
         # the stage split may be timed on a real micro-batch's shape; padding as the loader pads
-        sample = (loader.batch_size, max(len(r["input_ids"]) for r in loader.dataset))
-        pad_id = loader.collate_fn.keywords["pad_id"]
+        sample = (loader.batch_size, longest_row(loader.dataset, self.cfg.data.seq_len))
+        fn = loader.collate_fn  # a partial of collate, or a stream's StreamCollate
+        pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
         self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss_fn,
                                    self.shard_mesh)
         return self.pipe, optimizer_fn(self.pipe), self.shard_loader(loader)

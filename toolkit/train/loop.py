@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.data import collate
-from toolkit.data.packing import collate_packed, count_examples, pack_rows
+from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
 from toolkit.train.evaluate import eval_loss
 from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss import count_targets
@@ -104,6 +104,15 @@ def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
+def stream_loader(stream, cfg: Config, tokenizer) -> DataLoader:
+    """Micro-batches of records in stream order, tokenized (and packed) by the collate_fn on the rank
+    that trains them; accelerate.prepare shards it (`toolkit.data.stream`)."""
+    from toolkit.data.stream import StreamCollate
+
+    return DataLoader(stream, batch_size=cfg.train.micro_batch_size,
+                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing))
+
+
 def global_batches(loader, grad_accum: int, sampler: EpochShuffleSampler | None = None, start: tuple[int, int] = (0, 0),
                    ) -> Iterator[tuple[int, list[dict]]]:
     """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short.
@@ -151,18 +160,22 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     from toolkit.train.resume import fingerprint
 
     t = cfg.train
-    if cfg.data.packing:
+    streamed = cfg.data.streaming  # train_rows is a RecordStream: tokenized per micro-batch as it is read
+    if cfg.data.packing and not streamed:  # from the lengths column of a table: no row is read to pack
         n_examples = len(train_rows)
-        train_rows = pack_rows(train_rows, cfg.data.seq_len)
-        fill = sum(len(r["input_ids"]) for r in train_rows) / (len(train_rows) * cfg.data.seq_len)
+        lengths = getattr(train_rows, "lengths", None)
+        lengths = [len(r["input_ids"]) for r in train_rows] if lengths is None else lengths
+        train_rows = PackedRows(train_rows, pack_bins(lengths, cfg.data.seq_len), lengths)
+        fill = sum(lengths) / (len(train_rows) * cfg.data.seq_len)
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
-    loader = make_loader(train_rows, cfg, tokenizer.pad_token_id)
-    sampler = loader.sampler
+    loader = stream_loader(train_rows, cfg, tokenizer) if streamed else make_loader(train_rows, cfg,
+                                                                                     tokenizer.pad_token_id)
+    sampler = None if streamed else loader.sampler
     accelerator = strategy.accelerator
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     unwrapped = strategy.unwrap(model)
     log(strategy.describe())
-    steps_per_epoch = math.ceil(len(loader) / t.grad_accum)
+    steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
@@ -198,6 +211,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", first_step - 1)  # none was found) are of lost steps
     epoch0, step_in_epoch = divmod(first_step - 1, steps_per_epoch)
+    if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
+        train_rows.start, step_in_epoch = (first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
     batches = global_batches(loader, t.grad_accum, sampler,
                              (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
     metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=first_step - 1)

@@ -30,10 +30,16 @@ def prepare_output_dir(cfg: Config, accelerator) -> Path:
     return out
 
 
-def report_data(log, cfg: Config, examples, stats, n_eval: int, added_template: bool) -> None:
+def report_data(log, cfg: Config, data, added_template: bool) -> None:
+    """`data`: a `toolkit.data.prepare.PreparedData`."""
+    examples, stats, n_eval = data, data.stats, len(data.eval)
     how = "detected from columns" if examples.detected else "from --format"
     if cfg.data.columns:
         how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(cfg.data.columns).items())
+    if data.streamed:
+        log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
+            "training reads it")
+        return
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples} training examples, "
         f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
         + (" (tokenized data read from the cache)" if stats.cached else ""))

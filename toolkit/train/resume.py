@@ -13,12 +13,12 @@ rank. DeepSpeed's per-rank ZeRO checkpoints resume on the same world size and la
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config import Config
+from toolkit.dataset_spec import dataset_digest
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import TRAINER_STATE, complete_checkpoints
 
@@ -26,7 +26,8 @@ from toolkit.train.checkpoint import TRAINER_STATE, complete_checkpoints
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
-               "loss")
+               "loss", "streaming")
+NEWER_RESULT_KEYS = {"streaming": False}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
@@ -49,24 +50,6 @@ class ResumePoint:
         return self.state.get("format") == "sharded"
 
 
-def dataset_digest(spec: str) -> str:
-    """sha256 of the dataset file (or the built-in dataset's name); of a mixture, of each source's
-    digest and weight."""
-    from toolkit.dataset_spec import is_mixture, parse_sources
-
-    if is_mixture(spec):
-        parts = [f"{dataset_digest(s.spec)}:{s.weight}" for s in parse_sources(spec)]
-        return hashlib.sha256(",".join(parts).encode()).hexdigest()
-    path = Path(spec)
-    if not path.is_file():
-        return "spec:" + spec
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def global_batch(cfg: Config, data_ranks: int) -> int:
     return cfg.train.micro_batch_size * cfg.train.grad_accum * data_ranks
 
@@ -75,7 +58,7 @@ def fingerprint(cfg: Config, data_ranks: int) -> dict:
     flat = cfg.flat()
     return {"dataset": dataset_digest(cfg.data.dataset),
             "settings": {**{k: flat[k] for k in RESULT_KEYS}, "global_batch": global_batch(cfg, data_ranks)},
-            "layout": {k: flat[k] for k in LAYOUT_KEYS}}
+            "layout": fingerprint_layout(cfg)}
 
 
 def resplit(total: int, micro: int, data_ranks: int) -> tuple[int, int] | None:
@@ -128,7 +111,7 @@ def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
         now["settings"].update({k: getattr(cfg.train, k) for k in BATCH_KEYS})
         keys += list(BATCH_KEYS)
     for k in keys:
-        if settings.get(k) != now["settings"][k]:
+        if settings.get(k, NEWER_RESULT_KEYS.get(k)) != now["settings"][k]:
             problems.append(f"--{k.replace('_', '-')} was {settings.get(k)!r}, now {now['settings'][k]!r}")
     return problems
 
