@@ -51,7 +51,7 @@ RANKS = {"3d": 8}
 # Resumed once each, full finetune or LoRA: 3d's sharded optimizer state of TP slices on pipeline
 # stages covers tp2_dp_shard2's and pp2_tp2's (4- and 8-rank runs are dear on 2 cores).
 # pp2 x dp_shard2 writes and reads sharded checkpoints in tests/test_reshard.py's LoRA chain.
-RESUMED = {"hsdp": "full", "3d": "lora", "cp2_dp_shard2": "lora"}
+RESUMED = {"hsdp": "full", "cp2_dp_shard2": "lora"}  # 3d's pieces (pp x tp x dp_shard): test_reshard's chains
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def reference(tmp_path_factory, tiny_model, data):
     return lambda method="lora", nproc=1: once(("ref", method, nproc), lambda out: args(tiny_model, data, out, method), nproc)
 
 
-KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 2)
+KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 1)
 
 
 @pytest.mark.parametrize("fault", [f"step:{s}" for s in KILL_STEPS] + ["save:4"])
@@ -201,7 +201,7 @@ def test_resume_refuses_another_dataset_and_deepspeed(tmp_path, tiny_model, data
     assert "a sharded checkpoint, which DeepSpeed ZeRO cannot read; resume it without --zero-stage" in p.stderr
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [2])  # one process takes the same path, without the agreement
 def test_disk_full_during_a_checkpoint(tmp_path, tiny_model, data, nproc):
     """ENOSPC while writing checkpoint-4 (simulated; with 2 processes on rank 1 only): one message
     (every rank that prints it prints the same line: they agree after the writes), a non-zero exit
@@ -224,8 +224,7 @@ LAYOUTS = {"pp2": ["--pp", "2", "--pp-microbatches", "2"], "tp2": ["--tp", "2"],
            "zero2_offload": ["--zero-stage", "2", "--offload", "optimizer"], "fsdp": ["--fsdp"]}
 
 
-@pytest.mark.parametrize("name, method", [("zero1", "full"), ("zero3", "full"), ("zero3", "lora"),
-                                          ("zero2_offload", "lora")])
+@pytest.mark.parametrize("name, method", [("zero3", "full"), ("zero3", "lora"), ("zero2_offload", "lora")])
 def test_parallel_runs_resume(tmp_path, tiny_model, data, name, method):
     """DeepSpeed's own format: ZeRO partitions (fp32 masters and Adam moments per rank), weights
     restored before the split: the group resumed from checkpoint-2 matches the uninterrupted run of

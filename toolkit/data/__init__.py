@@ -1,7 +1,9 @@
 """Data pipeline: records -> conversations -> token ids with label masks -> padded batches.
 
-Split in two so bad input fails early: `load_examples` needs no tokenizer (runs before anything is
-loaded), `tokenize_examples` needs the tokenizer but not the model.
+The pieces every path shares live here (a record as an example, the eval split, statistics,
+collate). A run reads its data through `toolkit.data.prepare` (tokenized once into the cache) or
+`toolkit.data.stream` (--streaming); `load_examples` + `tokenize_examples` do the same for records
+held in memory, one example at a time (the reference the prepared path is tested against).
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple
     return given, given is not conv
 
 
-def source_format(records, cfg: Config, spec: str) -> str:
+def source_format(columns: list[str], cfg: Config, spec: str) -> str:
     """The source's format, from its columns or --format (text takes no --system-prompt)."""
-    fmt = detect_format(records.column_names, cfg.data.format, spec)
+    fmt = detect_format(columns, cfg.data.format, spec)
     if fmt == "text" and cfg.data.system_prompt:
         raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
                         "which has no turns to put it in front of")
@@ -74,7 +76,7 @@ def _conversations(cfg: Config, spec: str) -> tuple[str, list, int]:
     """(format, each record as a conversation or text, how many got --system-prompt) of one source,
     its format detected on its own columns."""
     records = map_columns(load_records(spec), cfg.data.columns, spec)
-    fmt = source_format(records, cfg, spec)
+    fmt = source_format(records.column_names, cfg, spec)
     pairs = [as_example(r, fmt, i, cfg, spec) for i, r in enumerate(records)]
     return fmt, [c for c, _ in pairs], sum(added for _, added in pairs)
 

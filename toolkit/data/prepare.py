@@ -124,7 +124,7 @@ def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
     from toolkit.data.formats import load_records, map_columns
 
     records = map_columns(load_records(spec), cfg.data.columns, spec)
-    fmt = source_format(records, cfg, spec)
+    fmt = source_format(records.column_names, cfg, spec)
     n = cfg.data.data_workers or default_workers()
     table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
                         remove_columns=records.column_names, features=features({"system_added": "bool"}),

@@ -59,7 +59,7 @@ class RecordStream(torch.utils.data.IterableDataset):
         if first is None:
             raise UserError(f"--dataset {spec}: holds no records")
         self.renames = column_renames(list(first), cfg.data.columns, spec)
-        self.format = source_format(_Columns([self.renames.get(c, c) for c in first]), cfg, spec)
+        self.format = source_format([self.renames.get(c, c) for c in first], cfg, spec)
         self.records, self.cfg, self.spec, self.tokenizer, self.start = records, cfg, spec, tokenizer, 0
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
@@ -90,11 +90,6 @@ class RecordStream(torch.utils.data.IterableDataset):
 
     def _renamed(self, row: dict) -> dict:
         return {self.renames.get(k, k): v for k, v in row.items()} if self.renames else row
-
-
-class _Columns:
-    def __init__(self, names: list[str]):
-        self.column_names = names
 
 
 class StreamCollate:

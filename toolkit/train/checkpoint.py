@@ -133,7 +133,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
     if not sharded:  # DeepSpeed: the HF folder, gathered
         saved = strategy.export(model, final=False)  # a model split across ranks, gathered into one HF model
         model_state = strategy.state_dict(saved)  # the collectives first: every rank takes part
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = torch_optimizer(optimizer)
     scaler = getattr(accelerator, "scaler", None)  # fp16 outside DeepSpeed (whose loss scaler is in its optimizer state)
     rank_state = {"scheduler": scheduler.state_dict(), "rng": rng_state(),
                   "scaler": scaler.state_dict() if scaler is not None else None,
@@ -182,6 +182,11 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer inside accelerate's wrapper (its param_groups and per-parameter state)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def load_rank_state(path: Path, rank: int) -> dict:
     return torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
 
@@ -198,7 +203,7 @@ def restore_sharded(strategy, model, optimizer, folder: Path) -> None:
     if any_rank(strategy.accelerator, bool(missing)):  # every rank stops, none waits in DCP's collectives
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model (missing "
                         f"{missing[:3] or 'on another rank'}); it is from another model or method")
-    load_sharded(folder / STATE_DIR, named, getattr(optimizer, "optimizer", optimizer), *strategy.tp_coordinates())
+    load_sharded(folder / STATE_DIR, named, torch_optimizer(optimizer), *strategy.tp_coordinates(), meta=saved)
 
 
 def convert_checkpoint(ckpt: Path, output: Path) -> str:

@@ -155,7 +155,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     from transformers import get_scheduler
 
     from toolkit.train.checkpoint import (load_rank_state, prune_checkpoints, restore_sharded, save_checkpoint,
-                                          set_rng_state)
+                                          set_rng_state, torch_optimizer)
     from toolkit.train.faults import EXIT_PREEMPTED, Preemption, fault_hook
     from toolkit.train.resume import fingerprint
 
@@ -197,7 +197,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
         saved = load_rank_state(resume.path, accelerator.process_index if resume.same_layout else 0)
         if resume.sharded:  # this layout's pieces, whatever layout wrote them
             restore_sharded(strategy, model, optimizer, resume.path)
-            for group, hyper in zip(getattr(optimizer, "optimizer", optimizer).param_groups, saved["param_groups"]):
+            for group, hyper in zip(torch_optimizer(optimizer).param_groups, saved["param_groups"]):
                 group.update(hyper)
         else:  # weights were restored at load (DeepSpeed's format)
             strategy.load_optimizer_state(model, optimizer, saved["optimizer"])

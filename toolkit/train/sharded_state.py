@@ -158,8 +158,8 @@ def _named_state(named: Iterable[tuple[str, torch.Tensor, int | None]], optimize
             for key, md in create_from.items():
                 prefix = f"optimizer.{name}."
                 if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-                    state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == p.shape or md.size == model[name].shape
-                                                else torch.zeros(md.size, dtype=md.properties.dtype))
+                    state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == model[name].shape  # a moment
+                                                else torch.zeros(md.size, dtype=md.properties.dtype))  # step
         optim[name] = {k: piece(v, tp_dim, tp_rank, tp) if v.dim() and v.shape == p.shape else v
                        for k, v in state.items() if isinstance(v, torch.Tensor)}
     return {"model": model, "optimizer": optim}
@@ -195,11 +195,12 @@ def read_metadata(folder: Path):
     return HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
 
 
-def load_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1) -> list[str]:
+def load_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1, meta=None) -> list[str]:
     """Collective: read this layout's pieces of `named` and of their optimizer state from `folder`,
-    whatever layout wrote it, in place. Returns the names the checkpoint lacks (it does not fit)."""
+    whatever layout wrote it, in place. Returns the names the checkpoint lacks (it does not fit).
+    `meta`: `read_metadata(folder)` where the caller has it (it opens every rank file's header)."""
     named = list(named)
-    meta = read_metadata(folder)
+    meta = read_metadata(folder) if meta is None else meta
     missing = [n for n, _, _ in named if f"model.{n}" not in meta]
     if missing:
         return missing
