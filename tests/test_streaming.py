@@ -114,3 +114,15 @@ def test_stream_skips_wraps_and_packs_each_micro_batch(files, tmp_path):
     plain, packed = StreamCollate(stream, tok.pad_token_id, False)(first), StreamCollate(stream, tok.pad_token_id, True)(first)
     assert plain["input_ids"].shape[0] == 4 and packed["input_ids"].shape[0] < 4 and int(count_examples(packed)) == 4
     assert int((packed["labels"] != -100).sum()) == int((plain["labels"] != -100).sum())
+
+
+def test_stream_of_a_folder_without_data_files_is_one_clear_error(tmp_path):
+    from toolkit.config import parse_config
+    from toolkit.data.stream import RecordStream
+    from toolkit.errors import UserError
+
+    (tmp_path / "empty").mkdir()
+    cfg = parse_config(["--dataset", str(tmp_path / "empty"), "--streaming", "--max-steps", "1",
+                        "--output-dir", str(tmp_path / "o")])
+    with pytest.raises(UserError, match="folder holds no .json/.jsonl/.csv/.parquet file"):
+        RecordStream(cfg, None)

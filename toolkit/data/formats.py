@@ -35,15 +35,9 @@ def load_records(spec: str):
         from toolkit.data.builtin import builtin_dataset
 
         return builtin_dataset(spec.split(":", 1)[1], split="train")
-    path = Path(spec)
-    if path.exists():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES) if path.is_dir() else [path]
-        if not files:
-            raise UserError(f"--dataset {spec}: folder holds no .json/.jsonl/.csv/.parquet file")
-        kinds = {DATA_SUFFIXES[p.suffix.lower()] for p in files}
-        if len(kinds) > 1:
-            raise UserError(f"--dataset {spec}: mixes file types {sorted(kinds)}; keep one type per folder")
-        kind = kinds.pop()
+    local = data_files(spec)
+    if local:
+        kind, files = local
         datasets.disable_progress_bars()  # a bar per small file is noise in front of our own report
         library_log = logging.getLogger("datasets")
         level, library_log.level = library_log.level, logging.CRITICAL  # its parse error is ours to word
@@ -68,6 +62,20 @@ def load_records(spec: str):
     if len(ds) == 0:
         raise UserError(f"--dataset {spec}: holds no records")
     return ds
+
+
+def data_files(spec: str) -> tuple[str, list[Path]] | None:
+    """(datasets' loader name, the files) of a local file or folder; None for a hub id."""
+    path = Path(spec)
+    if not path.exists():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"--dataset {spec}: folder holds no .json/.jsonl/.csv/.parquet file")
+    kinds = {DATA_SUFFIXES[p.suffix.lower()] for p in files}
+    if len(kinds) > 1:
+        raise UserError(f"--dataset {spec}: mixes file types {sorted(kinds)}; keep one type per folder")
+    return kinds.pop(), files
 
 
 def map_columns(ds, spec: str, source: str):

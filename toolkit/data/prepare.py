@@ -24,7 +24,7 @@ from pathlib import Path
 
 from toolkit.config import Config
 from toolkit.data import DataStats, as_example, check_trainable, source_format, split_indices
-from toolkit.data.table import CACHE_VERSION, Rows, built_once, default_workers, features, table_stats, \
+from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, table_stats, \
     token_columns, tokenizer_digest
 from toolkit.dataset_spec import Source, dataset_digest, is_mixture, parse_sources
 
@@ -125,10 +125,9 @@ def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
 
     records = map_columns(load_records(spec), cfg.data.columns, spec)
     fmt = source_format(records.column_names, cfg, spec)
-    n = cfg.data.data_workers or default_workers()
     table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
                         remove_columns=records.column_names, features=features({"system_added": "bool"}),
-                        num_proc=n if n > 1 and len(records) >= 1024 else None,
+                        num_proc=map_processes(len(records), cfg.data.data_workers),
                         fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
                         cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
                         new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])

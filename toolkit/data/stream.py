@@ -39,20 +39,15 @@ class RecordStream(torch.utils.data.IterableDataset):
     """(record index, record) of one source in file order, forever; `start` records skipped."""
 
     def __init__(self, cfg: Config, tokenizer):
-        from pathlib import Path
-
         from datasets import load_dataset
 
-        from toolkit.config import DATA_SUFFIXES
-        from toolkit.data.formats import column_renames
+        from toolkit.data.formats import column_renames, data_files
 
         spec = cfg.data.dataset
-        path = Path(spec)
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES) if path.is_dir() else [path]
+        local = data_files(spec)  # the map-style reader's files and checks
         try:
-            records = load_dataset(DATA_SUFFIXES[files[0].suffix.lower()], data_files=[str(f) for f in files],
-                                   split="train", streaming=True) if path.exists() else \
-                load_dataset(spec, split="train", streaming=True)
+            records = load_dataset(local[0], data_files=[str(f) for f in local[1]], split="train", streaming=True) \
+                if local else load_dataset(spec, split="train", streaming=True)
             first = next(iter(records), None)
         except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
             raise UserError(f"--dataset {spec}: could not be streamed ({' '.join(str(e).split())[:300]})") from None

@@ -49,6 +49,13 @@ def default_workers() -> int:
     return os.cpu_count() or 1
 
 
+def map_processes(rows: int, workers: int) -> int | None:
+    """`Dataset.map`'s num_proc: `workers` (0: `default_workers()`), in process below 1024 rows
+    (starting processes costs more than it saves)."""
+    n = workers or default_workers()
+    return n if n > 1 and rows >= 1024 else None
+
+
 FEATURES = {"input_ids": ("int32",), "labels": ("int32",), "length": "int32", "targets": "int32", "truncated": "bool"}
 
 
@@ -99,10 +106,9 @@ def tokenized_table(convs: list, tokenizer, seq_len: int, train_on_prompt: bool,
 
     def build(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(dir=cache) as work:  # map's per-process files, then one table
-            n = workers or default_workers()
             table = datasets.Dataset.from_dict({"example": texts}).map(
                 _encode_batch, batched=True, batch_size=256, remove_columns=["example"], features=features(),
-                num_proc=n if n > 1 and len(texts) >= 1024 else None,
+                num_proc=map_processes(len(texts), workers),
                 fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "train_on_prompt": train_on_prompt},
                 cache_file_name=str(Path(work) / "part.arrow"), new_fingerprint=path.name[:32])
             table.save_to_disk(str(tmp))
