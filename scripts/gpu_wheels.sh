@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Wheels the lent GPU machine lacks, into .whl/ (git-ignored), at the versions installed here (what CI
 # tests): deepspeed (built here from its sdist: pure Python, its ops compile at run time), the pydantic
-# and hjson it needs, and bitsandbytes for QLoRA; about 50 MB of the 64 MiB one device call may carry.
+# and hjson it needs, bitsandbytes for QLoRA, and datasets with the dill and multiprocess it needs
+# (finetune.py tokenizes through it; the image has its other needs); about 55 MB of the 64 MiB one
+# device call may carry.
 # Then: the device tool's run(command="bash scripts/gpu_acceptance.sh PARTS", carry=[".whl"]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +13,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl \
   "pydantic==$(v pydantic)" "pydantic-core==$(v pydantic-core)" "annotated-types==$(v annotated-types)" \
-  "typing-inspection==$(v typing-inspection)" "hjson==$(v hjson)" "bitsandbytes==$(v bitsandbytes)"
+  "typing-inspection==$(v typing-inspection)" "hjson==$(v hjson)" "bitsandbytes==$(v bitsandbytes)" \
+  "datasets==$(v datasets)" "dill==$(v dill)" "multiprocess==$(v multiprocess)"
 sdist=$(mktemp -d)
 python3 -m pip download -q --no-deps --no-binary :all: "deepspeed==$(v deepspeed)" -d "$sdist"
 DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation "$sdist"/deepspeed-*.tar.gz -w .whl

@@ -58,21 +58,48 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
 
 
 def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,
-           launcher: str = "torchrun", multi_gpu: bool = True) -> subprocess.CompletedProcess:
-    """Run finetune.py as a user would: plain python, torchrun or accelerate launch (with
-    `--multi_gpu` for several processes unless `multi_gpu=False`, the mistake a user can make)."""
+           launcher: str = "torchrun", multi_gpu: bool = True, script: Path = ROOT / "finetune.py",
+           launcher_args: list[str] = ()) -> subprocess.CompletedProcess:
+    """Run `script` (finetune.py) as a user would: plain python, torchrun, accelerate launch (with
+    `--multi_gpu` for several processes unless `multi_gpu=False`, the mistake a user can make) or
+    DeepSpeed's launcher; `launcher_args` go to the launcher (e.g. accelerate's --use_deepspeed)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
          "PYTHONUNBUFFERED": "1", **(env or {})}
     if launcher == "python":
-        cmd = [sys.executable, str(ROOT / "finetune.py"), *args]
+        cmd = [sys.executable, str(script), *args]
     elif launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), str(ROOT / "finetune.py"), *args]
+               "--master_port", str(free_port()), *launcher_args, str(script), *args]
+    elif launcher == "deepspeed":
+        cmd = [sys.executable, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus", str(nproc),
+               "--master_port", str(free_port()), *launcher_args, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if nproc > 1 and multi_gpu else []), "--num_processes", str(nproc),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), str(ROOT / "finetune.py"), *args]
+        config = "--config_file" in launcher_args
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               *(["--multi_gpu"] if nproc > 1 and multi_gpu and not launcher_args else []), "--num_processes", str(nproc),
+               *([] if config else ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]),
+               "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], nproc: int = 1,
+                   launcher: str = "torchrun", launcher_args: list[str] = (), env: dict | None = None,
+                   timeout: float = 900, cuda_path: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Every run in `runs` ({name: flags}) in one launch and one process group (`tests/layouts.py`);
+    each writes out/name. Returns {name: {"exit": code, "out": folder}}; the launch's output is kept
+    in out/stdout.txt and out/stderr.txt."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"common": common, "runs": runs, "out": str(out), "cuda_path": list(cuda_path)}))
+    p = launch([str(spec)], nproc=nproc, env=env, timeout=timeout, launcher=launcher, script=ROOT / "tests" / "layouts.py",
+               launcher_args=launcher_args)
+    (out / "stdout.txt").write_text(p.stdout)
+    (out / "stderr.txt").write_text(p.stderr)
+    assert (out / "results.json").exists(), f"exit {p.returncode}:\n{p.stderr[-4000:]}"
+    results = json.loads((out / "results.json").read_text())
+    return {name: {**r, "out": out / name} for name, r in results.items()}
 
 
 def run_once(tmp_path_factory):

@@ -6,7 +6,6 @@ import pytest
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.parallel import strategy_name
 from toolkit.parallel.deepspeed import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,19 +44,3 @@ def test_invalid_parallel_combinations(tmp_path, argv, message):
     with pytest.raises(UserError) as e:
         parse_config(argv + ["--output-dir", str(tmp_path / "o")])
     assert message in str(e.value)
-
-
-def test_accelerate_launch_settings_conflict_or_are_adopted(tmp_path, monkeypatch):
-    out = ["--output-dir", str(tmp_path / "o")]
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    with pytest.raises(UserError, match="accelerate launch --use_deepspeed --zero_stage 2 conflicts with --zero-stage 3"):
-        parse_config(["--zero-stage", "3"] + out)
-    with pytest.raises(UserError, match="conflicts with --fsdp"):
-        parse_config(["--fsdp"] + out)
-    assert strategy_name(parse_config(out)) == "zero2"  # adopted from the launcher
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(UserError, match="accelerate launch --use_fsdp conflicts with --zero-stage 1"):
-        parse_config(["--zero-stage", "1"] + out)
-    assert strategy_name(parse_config(out)) == "fsdp_full"

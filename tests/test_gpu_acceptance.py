@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing", "pipeline", "deepspeed")
+PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing", "pipeline", "deepspeed", "launchers")
 
 
 def snapshot() -> dict[str, bytes]:
@@ -32,7 +32,9 @@ def test_smoke_runs_every_part(tmp_path):
     judged = {c["what"] for d in parts.values() for c in d["checks"] if c["passed"]}
     assert {"sdpa: packed vs unpacked loss (relative diff)", "pp2 vs one stage, per-step losses (max relative diff)",
             "losses, chunked vs full (max relative diff)", "zero2: saved model passes the integrity gate",
-            "zero3_offload: saved model passes the integrity gate"} <= judged
+            "zero3_offload: saved model passes the integrity gate",
+            "python finetune.py --zero-stage 3: trains, saved folder passes the integrity gate",
+            "accelerate launch --use_fsdp: trains, saved folder passes the integrity gate"} <= judged
     assert all(c["passed"] is None for c in parts["memory"]["checks"]) and len(parts["memory"]["checks"]) == 4
     assert parts["memory"]["skipped"] and parts["packing"]["skipped"]  # qlora and flash-attn need a GPU: said so
     for d in (parts["throughput_135m"], parts["throughput_1b"]):

@@ -1,6 +1,7 @@
 """End-to-end runs of finetune.main on a tiny Llama, in-process (one rank)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,23 +129,64 @@ def test_generate_cli_prints_the_greedy_completion(tmp_path, tiny_model, data_fi
     assert printed == tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_files):
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_files, method):
+    """Every level catches what it claims to: values that differ (an all-zero adapter, one flipped
+    weight), a tensor missing, a truncated file (`files`, from the in-memory tensors); a save whose
+    loss differs when reloaded in this process (`load`) and in a fresh one (`full`)."""
+    import shutil
+
     from accelerate import Accelerator
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
     from toolkit.parallel.strategy import AccelerateStrategy
+    from toolkit.train.checkpoint import save_final
     from toolkit.train.integrity import verify_saved
 
-    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
-    assert json.loads((out / "integrity.json").read_text())["ok"]  # the real run passed its check
-    path = out / "final" / "adapter_model.safetensors"
-    save_file({k: torch.zeros_like(v) for k, v in load_file(path).items()}, path)  # an "empty adapter" save
+    result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", method)
+    passed = json.loads((out / "integrity.json").read_text())  # the real run passed its check
+    assert passed["ok"] and passed["level"] == "load" and passed["files"]["tensors"] > 0
+    assert passed["relative_diff"] <= 1e-4
     tok = AutoTokenizer.from_pretrained(out / "final")
     cfg = parse_config(["--dataset", str(data_files["chat"]), "--seq-len", "64", "--output-dir", str(tmp_path / "x")])
     rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
-    with pytest.raises(SystemExit, match="integrity check FAILED"):
-        verify_saved(AccelerateStrategy(Accelerator(cpu=True)), result.model, tok, rows, out / "final", str(tiny_model), "no", False)
+    strategy = AccelerateStrategy(Accelerator(cpu=True))
+    good = tmp_path / "good"
+    expected = save_final(strategy, result.model, tok, good)
+    name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
+
+    def damaged(how) -> Path:
+        folder = tmp_path / how
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(good, folder)
+        path, state = folder / name, load_file(good / name)
+        key = sorted(state)[0]
+        if how == "zeros":
+            save_file({k: torch.zeros_like(v) for k, v in state.items()}, path)
+        elif how == "one_weight":
+            state[key] = state[key].clone()
+            state[key].view(-1)[0] += 1.0
+            save_file(state, path)
+        elif how == "missing":
+            save_file({k: v for k, v in state.items() if k != key}, path)
+        elif how == "truncated":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return folder
+
+    def check(folder, level, written):
+        return verify_saved(strategy, result.model, tok, rows, folder, str(tiny_model), "no", False, log=lambda m: None,
+                            level=level, expected=written)
+
+    assert check(good, "files", expected)["ok"]
+    for how, words in (("zeros", "differs from the trained model's"), ("one_weight", "differs from the trained model's"),
+                       ("missing", "was not saved"), ("truncated", "cannot be read")):
+        with pytest.raises(SystemExit, match=f"integrity check FAILED: .*{words}"):
+            check(damaged(how), "files", expected)
+    for level in ("load", "full"):  # without the in-memory tensors, the reloaded loss finds the bad save
+        assert check(good, level, None)["reloaded_loss"] == pytest.approx(passed["trained_loss"], rel=1e-4)
+        with pytest.raises(SystemExit, match="integrity check FAILED: .*reloaded with plain transformers/peft"):
+            check(damaged("zeros"), level, None)
 
 
 def test_strategy_auto_plans_writes_plan_json_and_trains(tmp_path, tiny_model, data_files):

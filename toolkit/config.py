@@ -115,6 +115,9 @@ class ParallelConfig:
                          ("params", "time"))
     pp_devices: str = _f("", "single process: comma-separated stage devices (default cuda:0..pp-1, "
                              "or cpu for every stage on a machine without GPUs)")
+    deepspeed: str = _f("", "your own DeepSpeed JSON (transformers Trainer's convention): its \"auto\" values are "
+                            "filled from these settings; what it sets wins over their defaults, and a flag that "
+                            "disagrees with it is an error")
 
 
 @dataclass
@@ -127,6 +130,10 @@ class OutputConfig:
     keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: str = _f("", "resume from 'auto' (the newest complete checkpoint in --output-dir) or a checkpoint folder")
     resume_ignore_mismatch: bool = _f(False, "resume even if the dataset or result-changing settings differ from the checkpoint's")
+    verify: str = _f("load", "after the final save: files = the weight files equal the trained tensors; load = "
+                             "also reload the folder with plain transformers/peft in this process and compare the "
+                             "loss on a short batch (skipped when too large for the CPU); full = that reload in a "
+                             "fresh process; none = no check", ("none", "files", "load", "full"))
     debug: bool = _f(False, "show full tracebacks for errors")
 
 
@@ -137,6 +144,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        # Where settings came from when not from the flags (an accelerate config, a launcher's flags,
+        # a --deepspeed file): one line each, printed at start. Not a config key.
+        self.notes: list[str] = []
 
     def flat(self) -> dict[str, Any]:
         """Every key with its value, in declaration order: the YAML `config.yaml` holds."""
@@ -304,7 +316,13 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Config:
     """defaults < --config YAML < flags; raises `UserError` for any problem, collected once."""
+    from toolkit.parallel.launch import local_rank_problem, pop_local_rank
+
     argv = sys.argv[1:] if argv is None else argv
+    argv, local_rank, problem = pop_local_rank(argv)  # DeepSpeed's launcher appends --local_rank=K
+    problem = problem or local_rank_problem(local_rank, os.environ)
+    if problem:
+        raise UserError(problem)
     parser = build_parser(prog)
     ns, extra = parser.parse_known_args(argv)
     if extra:
@@ -325,14 +343,20 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
     for k, v in values.items():
         section, _ = _fields()[k]
         setattr(getattr(cfg, section), k, v)
-    problems = validate(cfg)
+    problems = validate(cfg, given=set(values))
     if problems:
         raise UserError("; ".join(problems))
     return cfg
 
 
-def validate(cfg: Config) -> list[str]:
-    """Cross-field and range checks; returns every problem found (empty list = fine)."""
+def validate(cfg: Config, given: set[str] | None = None) -> list[str]:
+    """Cross-field and range checks; returns every problem found (empty list = fine). First the
+    settings a launcher or a --deepspeed file fixes are adopted where the user (`given`: the keys set
+    by flag or YAML) did not set them, and refused where they disagree."""
+    given = set() if given is None else given
+    adopted = _check_launcher(cfg, given) or _check_deepspeed_file(cfg, given)
+    if adopted:
+        return adopted
     p: list[str] = []
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.output
 
@@ -376,7 +400,6 @@ def validate(cfg: Config) -> list[str]:
          "--method qlora cannot offload its 4-bit base weights (--offload optimizer+param); use --offload optimizer")
     need(not (m.method == "qlora" and (par.zero_stage == 3 or par.fsdp)),
          "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
-    p.extend(_check_launcher(par))  # before the TP checks: it may adopt ZeRO or FSDP from the launcher
     need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
     p.extend(_mesh_problems(cfg))
     if par.tp > 1:
@@ -497,32 +520,114 @@ def single_process_launch(env) -> bool:
     return "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
 
 
-def _check_launcher(par: ParallelConfig) -> list[str]:
-    """`accelerate launch --use_deepspeed/--use_fsdp` (or a config file) must agree with our flags.
+def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
+    """`accelerate launch --use_deepspeed/--use_fsdp`, or an accelerate config naming DeepSpeed or FSDP,
+    must agree with our flags. What only the launcher says is adopted (an accelerate config alone
+    works) and said in one line (`cfg.notes`); a flag the user gave that disagrees is refused."""
+    from toolkit.parallel.launch import launch_source
 
-    When only the launcher names a strategy it is adopted, so an accelerate config file alone works.
-    """
-    env = os.environ
+    env, par = os.environ, cfg.parallel
     if single_process_launch(env):
         return ["accelerate launch --num_processes N started one process, not N (without a GPU it needs "
                 "--multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        launch = f"accelerate launch --use_deepspeed" + (f" --zero_stage {stage}" if stage else "")
-        if par.fsdp:
-            return [f"{launch} conflicts with --fsdp; drop one of them"]
-        if stage is not None and par.zero_stage is not None and int(stage) != par.zero_stage:
-            return [f"{launch} conflicts with --zero-stage {par.zero_stage}; drop one of them"]
-        if par.zero_stage is None:
-            par.zero_stage = int(stage) if stage is not None else 2
-        launch_offload = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
-        if launch_offload == "cpu" and par.offload == "none":
-            par.offload = "optimizer+param" if env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu" else "optimizer"
-    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        if par.zero_stage is not None:
-            return [f"accelerate launch --use_fsdp conflicts with --zero-stage {par.zero_stage}; drop one of them"]
+    deepspeed = env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not (deepspeed or fsdp):
+        return []
+    source = launch_source(env)
+    says = "DeepSpeed" if deepspeed else "FSDP"
+    if par.strategy == "auto":
+        return [f"{source} says {says}, and --strategy auto picks the layout itself; drop one of them"]
+    adopted: list[str] = []
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16") and "mixed_precision" not in given:
+        cfg.train.mixed_precision = precision  # "no" is also what accelerate says when nobody chose
+        adopted.append(precision)
+    if fsdp:
+        if par.zero_stage is not None or par.deepspeed:
+            asked = f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else f"--deepspeed {par.deepspeed}"
+            return [f"{source} says FSDP, {asked} asks for DeepSpeed; drop one of them"]
         par.fsdp = True
+        strategy = env.get("FSDP_SHARDING_STRATEGY", "")
+        sharding = {"SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid", "FULL_SHARD": "full"}.get(
+            strategy, "grad_op" if env.get("FSDP_RESHARD_AFTER_FORWARD", "").lower() == "false" else "full")
+        if "fsdp_sharding" in given and par.fsdp_sharding != sharding:
+            return [f"{source} says FSDP {strategy or 'sharding'} ({sharding}), --fsdp-sharding {par.fsdp_sharding} "
+                    "disagrees; drop one of them"]
+        par.fsdp_sharding = sharding
+        v1 = " (asked for FSDP1: the toolkit runs FSDP2)" if env.get("FSDP_VERSION") == "1" else ""
+        cfg.notes.append(f"layout: FSDP2, {sharding} sharding, from {source}{v1}"
+                         + (f"; {', '.join(adopted)} from it too" if adopted else ""))
+        return []
+    if "fsdp" in given and par.fsdp:
+        return [f"{source} says DeepSpeed, --fsdp asks for FSDP; drop one of them"]
+    ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if ds_file not in ("", "none"):  # the config names a DeepSpeed JSON: read as --deepspeed FILE
+        if par.deepspeed and Path(par.deepspeed).resolve() != Path(ds_file).resolve():
+            return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {par.deepspeed}; drop one of them"]
+        par.deepspeed = ds_file
+        cfg.notes.append(f"layout: DeepSpeed config {ds_file} from {source}")
+        return []
+    stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's default stage
+    if par.zero_stage is not None and par.zero_stage != stage:
+        return [f"{source} says ZeRO-{stage}, --zero-stage {par.zero_stage} disagrees; drop one of them"]
+    par.zero_stage = stage
+    optim = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+    offload = "optimizer+param" if env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "") \
+        else "optimizer" if optim not in ("none", "") else "none"
+    if "offload" in given and par.offload != offload:
+        return [f"{source} says offload {offload}, --offload {par.offload} disagrees; drop one of them"]
+    par.offload = offload
+    what = f"ZeRO-{stage}" + ("" if offload == "none" else f" with {offload} offload")
+    cfg.notes.append(f"layout: {what} from {source}" + (f"; {', '.join(adopted)} from it too" if adopted else ""))
     return []
+
+
+# a --deepspeed file's settings -> the DeepSpeed key that sets them (for messages)
+DS_KEYS = {"zero_stage": "zero_optimization.stage", "offload": "zero_optimization.offload_optimizer/offload_param",
+           "micro_batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
+           "max_grad_norm": "gradient_clipping", "mixed_precision": "bf16/fp16 enabled", "lr": "optimizer.params.lr",
+           "weight_decay": "optimizer.params.weight_decay"}
+
+
+def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
+    """`--deepspeed FILE`: DeepSpeed's own checks on the file first; then every setting it fixes is
+    adopted where no flag set it, and a flag that disagrees is refused (one line each)."""
+    par = cfg.parallel
+    if not par.deepspeed:
+        return []
+    from toolkit.parallel.deepspeed import file_settings, read_user_config, user_config_problems
+
+    path = par.deepspeed
+    try:
+        ds = read_user_config(path)
+    except UserError as e:
+        return [str(e)]
+    problems = user_config_problems(ds, path)
+    if problems:
+        return problems
+    if par.fsdp:
+        return [f"--deepspeed {path} with --fsdp: both shard the model; choose one"]
+    if par.strategy == "auto":
+        return [f"--deepspeed {path} with --strategy auto: the planner picks the sharding itself; drop one of them"]
+    adopted = []
+    for key, value in file_settings(ds).items():
+        section, f = _fields()[key]
+        value = _coerce(key, value, f"--deepspeed {path} ({DS_KEYS[key]})")
+        current = getattr(getattr(cfg, section), key)
+        if key in given or (key == "zero_stage" and current is not None):
+            if current != value:
+                problems.append(f"--deepspeed {path} sets {DS_KEYS[key]} to {value}, --{key.replace('_', '-')} "
+                                f"{current} disagrees; drop one of them")
+            continue
+        if current != value:
+            adopted.append(f"{key.replace('_', ' ')} {value}")
+        setattr(getattr(cfg, section), key, value)
+    if not problems:
+        cfg.notes.append(f"layout: ZeRO-{par.zero_stage} from --deepspeed {path}"
+                         + (f"; also from the file: {', '.join(a for a in adopted if not a.startswith('zero'))}"
+                            if any(not a.startswith("zero") for a in adopted) else ""))
+    return problems
 
 
 # the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to

@@ -32,6 +32,9 @@ LINES: tuple[str, ...] = (
     r"Setting ds_accelerator to",
     # DeepSpeed's shared-memory collectives on CPU, per rank
     r"DeepSpeed \S+ built successfully",
+    # DeepSpeed's warm-up schedules (a --deepspeed file's "scheduler"), once, when built: their lr
+    # before the first step is warmup_min_lr, which is what they then use
+    r"Attempting to get learning rate from scheduler before it has started",
     # bitsandbytes on import (peft imports it), with or without QLoRA
     r"Failed to load CPU gemm_4bit_forward from kernels-community",
 )

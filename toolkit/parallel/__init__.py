@@ -45,17 +45,19 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from toolkit.models import resolved_precision  # imports torch: not at package import (the planner reads dims)
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
     from toolkit.parallel.elastic import join_restarted_group
+    from toolkit.parallel import launch
 
     join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
     kind = sharding_kind(cfg)
-    from accelerate.utils import GradientAccumulationPlugin
+    # DeepSpeed and FSDP need a process group, also for one process that no launcher started: the same
+    # variables on a GPU and a CPU (toolkit.parallel.launch).
+    launch.ensure_rank_env(needs_group=kind is not None)
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     # The loop fetches a step's micro-batches before running them, so the loader reaches its end
     # early; syncing "with the dataloader" would then step mid-accumulation. The loop sets the
     # count per step instead. DeepSpeed keeps its own count (and loss scaling): give it --grad-accum.
     ga = cfg.train.grad_accum if kind == "deepspeed" else 1
-    from accelerate.utils import DataLoaderConfiguration
-
     # each rank reads its own micro-batches (a stream included: rank 0 would otherwise read and
     # tokenize every rank's and send them)
     kwargs: dict = {"mixed_precision": resolved_precision(cfg),
@@ -64,33 +66,67 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     if kind == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
 
-        from toolkit.parallel.deepspeed import deepspeed_config
-
-        hidden = None
-        if model_path:
-            from transformers import AutoConfig
-
-            hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
-                             "hidden_size", None)
-        ds = deepspeed_config(cfg.parallel.zero_stage, cfg.parallel.offload, resolved_precision(cfg), hidden,
-                              overlap_comm=torch.cuda.is_available())
-        ds["gradient_clipping"] = cfg.train.max_grad_norm
         # An accelerate config file's DeepSpeed fields were adopted (or refused as conflicting) by
         # config validation; accelerate would reject them next to an explicit JSON config.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+        os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=run_deepspeed_config(cfg, model_path))
     elif kind == "fsdp":
         kwargs["fsdp_plugin"] = fsdp_plugin(cfg)
     with cpu_rehearsal(kind) as rehearsing:
         # Without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no accelerator
         # and every rank trains alone; with it, ranks join one gloo group (see cpu_rehearsal).
-        accelerator = Accelerator(cpu=not torch.cuda.is_available() and not rehearsing, **kwargs)
+        accelerator = Accelerator(cpu=not launch.on_cuda() and not rehearsing, **kwargs)
     if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
     set_seed(cfg.train.seed)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
     return accelerator
+
+
+# The toolkit's values for keys a --deepspeed file leaves out: no per-step prints (accelerate would
+# write an infinite steps_per_print, which is not JSON), and its own torch AdamW allowed under ZeRO.
+QUIET_DEFAULTS = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+                  "zero_force_ds_cpu_optimizer": False}
+
+
+def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
+    """The DeepSpeed JSON this run hands to accelerate: the user's `--deepspeed` file with its "auto"s
+    filled from the run's settings, else the toolkit's own for --zero-stage/--offload. A file's
+    "scheduler" is left out here: the loop builds and steps it (`AccelerateStrategy.scheduler`), and
+    `save_run_config` writes it back. `model_path` gives the hidden size the ZeRO buckets scale with."""
+    from toolkit.models import resolved_precision
+    from toolkit.parallel import launch
+    from toolkit.parallel.deepspeed import deepspeed_config, fill_auto, read_user_config
+
+    hidden = None
+    if model_path:
+        from transformers import AutoConfig
+
+        hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
+                         "hidden_size", None)
+    t = cfg.train
+    if not cfg.parallel.deepspeed:
+        ds = deepspeed_config(cfg.parallel.zero_stage, cfg.parallel.offload, resolved_precision(cfg), hidden,
+                              overlap_comm=launch.on_cuda())
+        ds["gradient_clipping"] = t.max_grad_norm
+        return ds
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    ds = fill_auto(read_user_config(cfg.parallel.deepspeed), micro_batch=t.micro_batch_size, grad_accum=t.grad_accum,
+                   data_ranks=ranks, mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm,
+                   lr=cfg.lr, weight_decay=t.weight_decay, hidden_size=hidden)
+    ds.pop("scheduler", None)
+    for key, value in QUIET_DEFAULTS.items():  # what the file does not say
+        ds.setdefault(key, value)
+    want = t.micro_batch_size * t.grad_accum * ranks
+    if isinstance(ds.get("train_batch_size"), int) and ds["train_batch_size"] != want:
+        from toolkit.errors import UserError
+
+        raise UserError(f"--deepspeed {cfg.parallel.deepspeed}: train_batch_size {ds['train_batch_size']} is not micro "
+                        f"batch {t.micro_batch_size} x accumulation {t.grad_accum} x {ranks} ranks = {want}; set it "
+                        "to \"auto\" or make them agree")
+    return ds
 
 
 def fsdp_plugin(cfg: Config):

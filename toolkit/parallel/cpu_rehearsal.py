@@ -6,37 +6,24 @@ With `cpu=True` it builds a gloo group (MULTI_CPU) but then ignores a DeepSpeed 
 for GPU-like distributed types. DeepSpeed 0.19 and FSDP2 themselves run fine on CPU with gloo.
 
 The workaround, all of it here:
-1. a one-process run gets the env:// variables a launcher would set (DeepSpeed always needs a
-   process group);
-2. the shared `PartialState` is created first with `cpu=True`, so the group is gloo on CPU;
-3. the `Accelerator` is then built with `cpu=False`, which lets its DeepSpeed branch run; for FSDP
+1. the shared `PartialState` is created first with `cpu=True`, so the group is gloo on CPU;
+2. the `Accelerator` is then built with `cpu=False`, which lets its DeepSpeed branch run; for FSDP
    the shared state's type is set to MULTI_GPU so accelerate takes its FSDP branch, which replaces
    it with FSDP (the device stays `cpu`).
-When a GPU is present nothing here runs.
+When a GPU is present nothing here runs. The rank environment (a one-process run's env:// variables)
+is not set here: `toolkit.parallel.launch.ensure_rank_env` sets it on every device, before this.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from typing import Iterator
-
-import torch
 
 
 def needed(kind: str | None) -> bool:
-    return kind in ("deepspeed", "fsdp") and not torch.cuda.is_available()
+    from toolkit.parallel import launch
 
-
-def _single_process_env() -> None:
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return kind in ("deepspeed", "fsdp") and not launch.on_cuda()
 
 
 @contextlib.contextmanager
@@ -48,7 +35,6 @@ def cpu_rehearsal(kind: str | None) -> Iterator[bool]:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    _single_process_env()
     state = PartialState(cpu=True)
     if kind == "fsdp":
         state.distributed_type = DistributedType.MULTI_GPU

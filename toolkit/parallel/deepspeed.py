@@ -84,3 +84,154 @@ def standard_variants() -> dict[str, dict[str, Any]]:
     out["zero3_offload.json"] = deepspeed_config(3, "optimizer")
     out["zero3_offload_param.json"] = deepspeed_config(3, "optimizer+param")
     return out
+
+
+# --- a user's own DeepSpeed JSON (`--deepspeed ds_config.json`), in transformers.Trainer's convention:
+# "auto" is filled from the toolkit's settings; a value the file sets wins over the toolkit's defaults
+# and must agree with a flag the user gave (`toolkit.config`).
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The file as a dict, or one UserError naming the file and what is wrong with it."""
+    import json
+    from pathlib import Path
+
+    from toolkit.errors import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--deepspeed {path}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise UserError(f"--deepspeed {path}: not valid JSON{where}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--deepspeed {path}: expected a JSON object of DeepSpeed settings, got {type(data).__name__}")
+    return data
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value != "auto"
+
+
+def file_settings(ds: dict[str, Any]) -> dict[str, Any]:
+    """The toolkit settings a DeepSpeed JSON fixes (its values that are not "auto"), by config key."""
+    out: dict[str, Any] = {}
+    zero = ds.get("zero_optimization") or {}
+    out["zero_stage"] = int(zero["stage"]) if _set(zero.get("stage")) else 0
+    param = (zero.get("offload_param") or {}).get("device", "none")
+    optim = (zero.get("offload_optimizer") or {}).get("device", "none")
+    out["offload"] = "optimizer+param" if param not in ("none", None) else "optimizer" if optim not in ("none", None) else "none"
+    for key, ours in (("train_micro_batch_size_per_gpu", "micro_batch_size"), ("gradient_accumulation_steps", "grad_accum"),
+                      ("gradient_clipping", "max_grad_norm")):
+        if _set(ds.get(key)):
+            out[ours] = ds[key]
+    enabled = {k: (ds.get(k) or {}).get("enabled", False if k not in ds else "auto") for k in ("bf16", "fp16")}
+    if enabled["bf16"] is True:
+        out["mixed_precision"] = "bf16"
+    elif enabled["fp16"] is True:
+        out["mixed_precision"] = "fp16"
+    elif enabled["bf16"] is False and enabled["fp16"] is False and ("bf16" in ds or "fp16" in ds):
+        out["mixed_precision"] = "no"
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    for key, ours in (("lr", "lr"), ("weight_decay", "weight_decay")):
+        if _set(params.get(key)):
+            out[ours] = params[key]
+    return out
+
+
+def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ranks: int, mixed_precision: str,
+              max_grad_norm: float, lr: float, weight_decay: float, warmup_steps: int | None = None,
+              total_steps: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
+    """A copy of `ds` with every "auto" the toolkit knows replaced (transformers' `HfTrainerDeepSpeedConfig`
+    fills the same keys): batch sizes, precision, clipping, AdamW's and the warm-up schedule's values,
+    and the ZeRO buckets from the hidden size (`bucket_sizes`). The schedule's step counts are filled
+    once the run knows them (`total_steps`)."""
+    import copy
+
+    out = copy.deepcopy(ds)
+
+    def fill(section: dict, key: str, value: Any) -> None:
+        if value is not None and section.get(key) == "auto":
+            section[key] = value
+
+    fill(out, "train_micro_batch_size_per_gpu", micro_batch)
+    fill(out, "gradient_accumulation_steps", grad_accum)
+    fill(out, "train_batch_size", micro_batch * grad_accum * data_ranks)
+    fill(out, "gradient_clipping", max_grad_norm)
+    for dtype in ("bf16", "fp16"):
+        if isinstance(out.get(dtype), dict):
+            fill(out[dtype], "enabled", mixed_precision == dtype)
+    params = (out.get("optimizer") or {}).get("params")
+    if isinstance(params, dict):
+        for key, value in (("lr", lr), ("betas", [0.9, 0.999]), ("eps", 1e-8), ("weight_decay", weight_decay)):
+            fill(params, key, value)
+    params = (out.get("scheduler") or {}).get("params")
+    if isinstance(params, dict):
+        # DeepSpeed's schedules refuse 0 warm-up steps; 1 step from warmup_min_lr 0 is the nearest
+        warmup = None if warmup_steps is None or total_steps is None else max(1, min(warmup_steps, total_steps))
+        for key, value in (("warmup_min_lr", 0.0), ("warmup_max_lr", lr), ("warmup_num_steps", warmup),
+                           ("total_num_steps", total_steps), ("cos_min_ratio", 0.0)):
+            fill(params, key, value)
+    zero = out.get("zero_optimization")
+    if isinstance(zero, dict) and hidden_size:
+        for key, value in bucket_sizes(hidden_size).items():
+            fill(zero, key, value)
+        fill(zero, "allgather_bucket_size", bucket_sizes(hidden_size)["reduce_bucket_size"])
+    return out
+
+
+def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
+    """What DeepSpeed itself rejects in the file (unknown keys, bad values), one line each, checked
+    before any data or weights are read: its own config parser on a copy with batch sizes of one rank."""
+    from toolkit.console import quiet
+
+    quiet()
+    from pydantic import ValidationError
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = fill_auto(ds, micro_batch=1, grad_accum=1, data_ranks=1, mixed_precision="no", max_grad_norm=1.0,
+                      lr=1e-4, weight_decay=0.0, warmup_steps=0, total_steps=1, hidden_size=8)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        probe.pop(key, None)  # their product is checked against the launched world later, by DeepSpeed
+    probe["train_micro_batch_size_per_gpu"] = 1
+    scheduler = (ds.get("scheduler") or {}).get("type")
+    if scheduler is not None:
+        from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+        if scheduler not in VALID_LR_SCHEDULES:
+            return [f"--deepspeed {path}: scheduler.type {scheduler!r} is not one of DeepSpeed's schedules "
+                    f"({', '.join(VALID_LR_SCHEDULES)})"]
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as e:
+        section = SECTIONS.get(e.title, e.title)
+        return [f"--deepspeed {path}: {'.'.join([section, *map(str, err['loc'])])}: {err['msg']}" for err in e.errors()]
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+        return [f"--deepspeed {path}: DeepSpeed rejects it: {' '.join(str(e).split())}"]
+    return []
+
+
+# pydantic model -> the JSON key it reads (deepspeed/runtime/*config.py)
+SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+            "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+            "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+            "DeepSpeedFlopsProfilerConfig": "flops_profiler", "DeepSpeedMonitorConfig": "monitor",
+            "CommsConfig": "comms_logger", "DeepSpeedAIOConfig": "aio"}
+
+
+def file_scheduler(cfg, optimizer, total_steps: int) -> tuple[dict[str, Any] | None, Any]:
+    """(the file's "scheduler" section as it runs, DeepSpeed's scheduler on `optimizer`), or (None, None)
+    when the file names none. Its "auto"s: warm-up from 0 to --lr over --warmup-steps, `total_steps`."""
+    section = read_user_config(cfg.parallel.deepspeed).get("scheduler")
+    if not section:
+        return None, None
+    from deepspeed.runtime import lr_schedules
+
+    t = cfg.train
+    filled = fill_auto({"scheduler": section}, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=1,
+                       mixed_precision="no", max_grad_norm=t.max_grad_norm, lr=cfg.lr, weight_decay=t.weight_decay,
+                       warmup_steps=t.warmup_steps, total_steps=total_steps)["scheduler"]
+    return filled, getattr(lr_schedules, filled["type"])(optimizer, **filled.get("params", {}))

@@ -7,8 +7,9 @@ flag says otherwise, and refuses a conflicting flag). `deepspeed_config_file` po
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -47,3 +48,10 @@ def accelerate_yaml(zero_stage: int | None, offload: str, fsdp: bool, fsdp_shard
 def write_accelerate_yaml(path: Path, cfg: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def accelerate_default_config(env: Mapping[str, str] = os.environ) -> Path:
+    """Where `accelerate config` saves and `accelerate launch` reads by default (accelerate's
+    `commands/config/config_args.py`: $HF_HOME, else $XDG_CACHE_HOME/huggingface, /accelerate)."""
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"

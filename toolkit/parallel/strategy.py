@@ -45,6 +45,7 @@ class AccelerateStrategy:
         self.context = None  # its ContextParallel, once the model is known
         self._dp_rank = mesh["dp"].get_local_rank() if mesh is not None else None
         self.tp_split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
+        self.file_schedule: dict | None = None  # a --deepspeed file's "scheduler", as it runs
 
     # --- data: which shard of every global batch this rank reads
     @property
@@ -79,13 +80,36 @@ class AccelerateStrategy:
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
+        optimizer = self._file_optimizer(model) or optimizer_fn(model)
         if self.context is not None:  # accelerate would shard the data over every rank, cp peers included
-            model, optimizer = self.accelerator.prepare(model, optimizer_fn(model))
+            model, optimizer = self.accelerator.prepare(model, optimizer)
             loader = self.shard_loader(loader)
         else:
-            model, optimizer, loader = self.accelerator.prepare(model, optimizer_fn(model), loader)
+            model, optimizer, loader = self.accelerator.prepare(model, optimizer, loader)
         self._choose_loss(model)
         return model, optimizer, loader
+
+    def _file_optimizer(self, model):
+        """A --deepspeed file that names an optimizer: DeepSpeed builds it (accelerate's DummyOptim
+        stands in for it in `prepare`), with the file's values ("auto" ones filled in)."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.deepspeed else {}
+        if "optimizer" not in ds:
+            return None
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
+                          weight_decay=self.cfg.train.weight_decay)
+
+    def scheduler(self, optimizer, total_steps: int):
+        """The learning-rate schedule a --deepspeed file names (DeepSpeed's own class, built here on the
+        prepared optimizer and stepped once per optimizer step by the loop, as DeepSpeed's engine steps
+        it), or None for the toolkit's (--lr-schedule)."""
+        if not (self.deepspeed and self.cfg is not None and self.cfg.parallel.deepspeed):
+            return None
+        from toolkit.parallel.deepspeed import file_scheduler
+
+        self.file_schedule, scheduler = file_scheduler(self.cfg, optimizer, total_steps)
+        return scheduler
 
     def _choose_loss(self, model) -> None:
         from toolkit.train.loss import chunked_head_for
@@ -108,7 +132,11 @@ class AccelerateStrategy:
     def save_run_config(self, out_dir: Path) -> None:
         """What DeepSpeed ran with, accelerate's "auto"s filled in."""
         if self.deepspeed and self.accelerator.is_main_process:
-            config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            config = dict(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            if self.file_schedule:  # stepped by the loop, not by the engine
+                config["scheduler"] = self.file_schedule
+            if config.get("steps_per_print") == float("inf"):  # accelerate's "never", which JSON cannot hold
+                config["steps_per_print"] = 2**31 - 1
             (out_dir / "ds_config.json").write_text(json.dumps(config, indent=2))
 
     # --- one optimizer step
@@ -208,7 +236,12 @@ class AccelerateStrategy:
         return model
 
     def state_dict(self, model) -> dict:
-        """The full state dict (collective: sharded strategies gather it); complete on the main process."""
+        """The full state dict (collective: sharded strategies gather it); complete on the main process.
+        ZeRO-3 gathers it even where a --deepspeed file sets stage3_gather_16bit_weights_on_model_save
+        false (accelerate then refuses; the final folder needs the whole model)."""
+        if self.deepspeed and hasattr(model, "zero_gather_16bit_weights_on_model_save") and \
+                model.zero_optimization_stage() == 3 and not model.zero_gather_16bit_weights_on_model_save():
+            return model._zero3_consolidated_16bit_state_dict()
         return self.accelerator.get_state_dict(model)
 
     def optimizer_state(self, model, optimizer) -> dict:

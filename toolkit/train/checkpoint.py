@@ -63,12 +63,18 @@ def _publish(accelerator, tmp: Path, path: Path) -> None:
     accelerator.wait_for_everyone()
 
 
-def save_final(strategy, model, tokenizer, path: Path) -> None:
-    """Every rank must call this: sharded strategies gather the state dict collectively."""
+def save_final(strategy, model, tokenizer, path: Path) -> dict[str, torch.Tensor]:
+    """Every rank must call this: sharded strategies gather the state dict collectively. Returns the
+    tensors written, by the names they were written under (main process; empty elsewhere), for the
+    integrity check to compare the files with."""
+    from toolkit.train.integrity import saved_state
+
     accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
-    _write_model(accelerator, strategy.unwrap(model), tokenizer, tmp, strategy.state_dict(model))
+    unwrapped, state = strategy.unwrap(model), strategy.state_dict(model)
+    _write_model(accelerator, unwrapped, tokenizer, tmp, state)
     _publish(accelerator, tmp, path)
+    return saved_state(unwrapped, state) if accelerator.is_main_process else {}
 
 
 def rng_state() -> dict:

@@ -1,15 +1,30 @@
-"""After the final save: reload the folder in a fresh process with plain transformers/peft and
-check it gives the trained model's loss on a fixed batch. Sharded saves (ZeRO-3, FSDP) are where
-peers have shipped empty or stale weights; this turns such a save into a loud failure."""
+"""After the final save: prove the folder holds the trained model. Sharded saves (ZeRO-3, FSDP) are
+where peers ship empty or stale weights, and a full disk or a killed writer leaves a short file; this
+turns such a save into one loud line instead of a model that silently is not the one trained.
+
+Levels (`--verify`), each including the ones above it:
+- `files`: every weight file the folder (or its index) names exists and parses, and every tensor in it
+  equals the in-memory tensor that was saved (names, shapes, dtypes, values); nothing the model has is
+  missing. Reads the files back once: seconds even for an 8B model.
+- `load` (the default): plain transformers/peft load the folder in this process, on the CPU, and give
+  the trained model's loss on a short batch. Skipped, and said, when the model would not fit in half
+  the free host memory or its forward would take minutes on the CPU.
+- `full`: the same load in a fresh process with none of the run's state (the clean-room reload the
+  toolkit did by default before; it costs a second start-up, ~10 s on 2 cores, and a second copy of
+  the model).
+- `none`: nothing is checked.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -17,48 +32,210 @@ from toolkit.data import collate
 from toolkit.parallel import any_rank
 from toolkit.train.evaluate import eval_loss
 
+LEVELS = ("none", "files", "load", "full")
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
+INDEX = "model.safetensors.index.json"
+PROBE_TOKENS = 128  # tokens per row of the reload batch: its cost, not its length, is what matters
+RELOAD_FLOPS = 2e12  # ~10-30 s of CPU forward: above it `load` checks the files only
+
 
 def tolerance(precision: str) -> float:
     """Relative: fp32 reproduces to rounding; bf16/fp16 autocast vs an fp32 reload does not."""
     return 1e-4 if precision == "no" else 3e-2
 
 
+def saved_state(model, state: dict) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained(state_dict=state)` writes, under the names it writes them: a peft
+    model saves its adapter's weights only, renamed (peft's `get_peft_model_state_dict`)."""
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model, state_dict=state, adapter_name=model.active_adapter)
+    return dict(state)
+
+
+def weight_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """(the weight files the folder holds, problems): an index's shards must all exist."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            return [], [f"{index.name} is not a readable index ({e})"]
+        missing = [s for s in shards if not (folder / s).is_file()]
+        return [folder / s for s in shards], [f"{index.name} names {m}, which is missing" for m in missing]
+    files = [folder / f for f in WEIGHT_FILES if (folder / f).is_file()]
+    return files, [] if files else [f"no weight file ({', '.join(WEIGHT_FILES)} or {INDEX})"]
+
+
+def check_files(folder: Path, expected: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
+    """(tensors read, problems): every saved tensor equals its in-memory counterpart, and every
+    in-memory tensor was saved (a tied copy counts as saved when its twin is). A name the save
+    changed (transformers' key conversions) is matched by value among tensors of its shape."""
+    from safetensors import SafetensorError, safe_open
+
+    files, problems = weight_files(folder)
+    unmatched = dict(expected)
+    seen = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    saved = f.get_tensor(name)
+                    seen += 1
+                    mine = unmatched.pop(name, None)
+                    if mine is None:  # renamed on save: the first unmatched in-memory tensor equal to it
+                        name_of = next((k for k, v in unmatched.items() if _same(saved, v)), None)
+                        mine = unmatched.pop(name_of) if name_of is not None else None
+                        if mine is None:
+                            problems.append(f"{path.name}: {name} matches no tensor of the trained model")
+                    elif not _same(saved, mine):
+                        problems.append(f"{path.name}: {name} differs from the trained model's "
+                                        f"({_describe(saved)} saved, {_describe(mine)} in memory)")
+        except (SafetensorError, OSError, RuntimeError) as e:
+            problems.append(f"{path.name} cannot be read ({' '.join(str(e).split())[:200]})")
+    saved_storage = {v.untyped_storage().data_ptr() for k, v in expected.items() if k not in unmatched}
+    missing = [k for k, v in unmatched.items() if v.untyped_storage().data_ptr() not in saved_storage]
+    problems += [f"{k} was not saved" for k in missing[:5]]
+    return seen, problems
+
+
+def _same(saved: torch.Tensor, mine: torch.Tensor) -> bool:
+    return saved.shape == mine.shape and saved.dtype == mine.dtype and torch.equal(saved.to(mine.device), mine)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def probe_batch(rows) -> list[dict]:
+    """Up to 4 rows, each cut to its last PROBE_TOKENS tokens (the completion, where the targets are)."""
+    out = []
+    for r in list(rows[:4]):
+        ids, labels = list(r["input_ids"])[-PROBE_TOKENS:], list(r["labels"])[-PROBE_TOKENS:]
+        out.append({"input_ids": ids, "labels": labels})
+    return out if any(x != -100 for r in out for x in r["labels"]) else [dict(r) for r in list(rows[:4])]
+
+
+def reload_fits(folder: Path, base: str, tokens: int) -> str | None:
+    """None when a CPU reload of the model is cheap enough for `load`; else why not."""
+    from toolkit.planner.params import count_params
+
+    config = folder / "config.json" if (folder / "config.json").is_file() else Path(base) / "config.json"
+    if not config.is_file():
+        return None
+    n = count_params(json.loads(config.read_text())).total
+    free = _available_bytes()
+    if free is not None and 4 * n > free / 2:
+        return f"the model ({4 * n / 2**30:.1f} GiB in fp32) is over half the free host memory"
+    if 2 * n * tokens > RELOAD_FLOPS:
+        return f"a CPU forward of the {n / 1e9:.1f}B-parameter model would take minutes"
+    return None
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def plain_loading() -> Iterator[None]:
+    """from_pretrained as a fresh process runs it: not partitioned by the run's ZeRO-3 config (which
+    transformers finds through a global reference) nor loaded rank-0-only under FSDP's env flags."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    saved = {k: os.environ.pop(k) for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED") if k in os.environ}
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+        os.environ.update(saved)
+
+
 def verify_saved(strategy, model, tokenizer, rows: list[dict], final_dir: Path, base: str,
-                 precision: str, quantized: bool, log=print) -> dict:
+                 precision: str, quantized: bool, log=print, level: str = "load",
+                 expected: dict[str, torch.Tensor] | None = None) -> dict:
+    """Check the saved folder at `level` (module docstring); `expected` is what `save_final` returned
+    (the in-memory tensors written, on the main process). Collective. Writes integrity.json; a failed
+    check is one line and a non-zero exit."""
     accelerator = strategy.accelerator
-    batch = rows[:4]
-    trained = eval_loss(strategy, model, batch, batch_size=len(batch), pad_id=tokenizer.pad_token_id)
-    result = {"trained_loss": trained}
+    result: dict = {"level": level}
+    if level == "none":
+        log("integrity: not checked (--verify none)")
+        return result
+    batch = probe_batch(rows)
+    trained = eval_loss(strategy, model, batch, batch_size=len(batch), pad_id=tokenizer.pad_token_id) \
+        if level in ("load", "full") else None
+    result["trained_loss"] = trained
+    problem = None
     if accelerator.is_main_process:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(batch, f)
-        cmd = [sys.executable, "-m", "toolkit", "verify", "--folder", str(final_dir), "--base", base,
-               "--batch", f.name, "--pad-id", str(tokenizer.pad_token_id)] + (["--load-4bit"] if quantized else [])
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)  # a plain single process, as a user loading the folder would have
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        os.unlink(f.name)
-        if p.returncode != 0:
-            result["error"] = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"
-        else:
-            result["reloaded_loss"] = json.loads(p.stdout.strip().splitlines()[-1])["loss"]
-            rel = abs(result["reloaded_loss"] - trained) / max(abs(trained), 1e-12)
-            result["relative_diff"] = rel
-            result["ok"] = rel <= tolerance(precision)
-    result["ok"] = any_rank(accelerator, bool(result.get("ok")))
-    if accelerator.is_main_process:
+        n, problems = check_files(final_dir, expected) if expected is not None else (0, [])
+        result["files"] = {"tensors": n, "problems": problems[:10]}
+        problem = problems[0] if problems else None
+        if problem is None and level in ("load", "full"):
+            skip = reload_fits(final_dir, base, sum(len(r["input_ids"]) for r in batch)) if level == "load" else None
+            if skip:
+                result["reload"] = f"skipped: {skip}"
+            else:
+                result["reloaded_loss"], error = _reload(final_dir, base, batch, tokenizer.pad_token_id, quantized,
+                                                         fresh_process=level == "full")
+                if error:
+                    problem = f"reloading it fails ({error})"
+                else:
+                    rel = abs(result["reloaded_loss"] - trained) / max(abs(trained), 1e-12)
+                    result["relative_diff"] = rel
+                    if rel > tolerance(precision):
+                        problem = (f"reloaded with plain transformers/peft it gives loss {result['reloaded_loss']:.6f} "
+                                   f"but the trained model gives {trained:.6f}")
+        result["ok"] = problem is None
         (final_dir.parent / "integrity.json").write_text(json.dumps(result, indent=2))
-    if not result["ok"]:
-        raise SystemExit(f"integrity check FAILED: {final_dir} reloaded with plain transformers/peft gives loss "
-                         f"{result.get('reloaded_loss', result.get('error'))} but the trained model gives {trained:.6f}")
-    log(f"integrity: {final_dir} reloads with plain transformers/peft; loss {result.get('reloaded_loss', trained):.6f} "
-        f"vs trained {trained:.6f}")
+    if any_rank(accelerator, problem is not None):
+        raise SystemExit(f"integrity check FAILED: {final_dir}: {problem or 'see the main process'}")
+    if accelerator.is_main_process:
+        what = f"{result['files']['tensors']} tensors equal the trained weights" if expected is not None else ""
+        if "reloaded_loss" in result:
+            how = "in a fresh process" if level == "full" else "in this process"
+            what += f"{'; ' if what else ''}reloads with plain transformers/peft {how}: loss " \
+                    f"{result['reloaded_loss']:.6f} vs trained {trained:.6f}"
+        elif "reload" in result:
+            what += f"; reload {result['reload']}"
+        log(f"integrity: {final_dir}: {what or 'checked'}")
     return result
 
 
-def reload_loss(folder: str, base: str, batch_file: str, pad_id: int, load_4bit: bool) -> float:
-    """What the fresh process runs: plain from_pretrained, nothing from the training run."""
+def _reload(folder: Path, base: str, batch: list[dict], pad_id: int, quantized: bool,
+            fresh_process: bool) -> tuple[float | None, str | None]:
+    """(loss of the folder reloaded with plain from_pretrained on `batch`, error)."""
+    if not fresh_process:
+        try:
+            with plain_loading():
+                return reload_loss(str(folder), base, batch, pad_id, quantized), None
+        except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+            return None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(batch, f)
+    cmd = [sys.executable, "-m", "toolkit", "verify", "--folder", str(folder), "--base", base,
+           "--batch", f.name, "--pad-id", str(pad_id)] + (["--load-4bit"] if quantized else [])
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a plain single process, as a user loading the folder would have
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    os.unlink(f.name)
+    if p.returncode != 0:
+        return None, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"
+    return json.loads(p.stdout.strip().splitlines()[-1])["loss"], None
+
+
+def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, load_4bit: bool) -> float:
+    """Plain from_pretrained, nothing from the training run: the folder's loss on `batch` (rows, or
+    a JSON file of them)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from toolkit.train.loss import count_targets, token_loss_sum
@@ -75,7 +252,8 @@ def reload_loss(folder: str, base: str, batch_file: str, pad_id: int, load_4bit:
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model.eval()
-    batch = collate(json.loads(Path(batch_file).read_text()), pad_id)
+    rows = json.loads(Path(batch).read_text()) if isinstance(batch, str) else batch
+    batch = collate(rows, pad_id)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return (token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])).item()

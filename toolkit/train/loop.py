@@ -178,8 +178,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
-    scheduler = get_scheduler(t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps),
-                              num_training_steps=total_steps)
+    scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
+        t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
     world, replicas = strategy.data_ranks, strategy.replicas  # model-parallel peers read the same data
     strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "

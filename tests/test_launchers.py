@@ -1,0 +1,321 @@
+"""Every launch form trains: python, accelerate launch (no config, --num_processes N, --use_deepspeed,
+--use_fsdp, --config_file with a DeepSpeed or FSDP section, or naming a DeepSpeed JSON), torchrun and
+DeepSpeed's own launcher, at 1 and 2 ranks, with ZeRO-2, ZeRO-3 and FSDP; and `--deepspeed FILE`.
+
+Each form is one launch running several layouts in one process group (`tests/layouts.py`): tiny Llama,
+LoRA, fp32, 2 steps. Every run's per-step losses equal the single-process DDP reference of the same
+global batch (4 examples: 1 rank x 4 or 2 ranks x 2) within 1e-4 relative, and its saved folder
+reloads in plain transformers/peft with the trained loss (the run's own integrity check, level
+`load`). The one-process runs marked `cuda_path` take the launch set-up's GPU branch on this CPU
+(`toolkit.parallel.launch.on_cuda` forced True): before the fix of 2026-11-24 they failed here exactly
+as `accelerate launch --num_processes 1 finetune.py --zero-stage 3` failed on one H100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+from distributed import launch, launch_layouts, parity_args, records
+
+from toolkit.config import parse_config
+from toolkit.errors import UserError
+from toolkit.parallel import launch as L
+from toolkit.parallel.deepspeed import fill_auto, file_settings, read_user_config, user_config_problems
+from toolkit.parallel.launch_config import accelerate_yaml
+
+Z2, Z3, FSDP = ["--zero-stage", "2"], ["--zero-stage", "3"], ["--fsdp"]
+SHARDED = {"zero2": Z2, "zero3": Z3, "fsdp": FSDP}
+# What each launcher left in a rank's environment, read off them on this machine (toolkit.parallel.launch)
+ENVS = {
+    "python": {},
+    "accelerate launch, one process": {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"},
+    "torchrun": {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"},
+    "deepspeed": {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+}
+DS_PLAIN = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+DS_OWN = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": 0.5, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto", "torch_adam": True}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                             "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+
+
+# ----------------------------------------------------------------------------- the rank environment
+
+@pytest.mark.parametrize("name", list(ENVS))
+def test_rank_env_completes_every_launchers_environment(name):
+    """DeepSpeed and FSDP get a complete env:// rendezvous from every launcher, with no device branch."""
+    env = ENVS[name]
+    added = L.rank_env(env, needs_group=True, port=lambda: 12345)
+    full = {**env, **added}
+    assert all(k in full for k in (*L.RANK_VARS, "LOCAL_WORLD_SIZE")), full
+    if "WORLD_SIZE" not in env:  # nobody launched it: rank 0 of 1 on a free port
+        assert added == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12345"}
+    else:  # a launcher's values are kept; DeepSpeed's LOCAL_SIZE becomes LOCAL_WORLD_SIZE
+        assert all(full[k] == v for k, v in env.items()) and full["LOCAL_WORLD_SIZE"] == "2"
+    assert L.rank_env(env, needs_group=False, port=lambda: 1) == ({} if "WORLD_SIZE" not in env else added)
+
+
+def test_local_rank_flag_from_deepspeeds_launcher(monkeypatch, tmp_path):
+    assert L.pop_local_rank(["--local_rank=1", "--seq-len", "64"]) == (["--seq-len", "64"], 1, None)
+    assert L.pop_local_rank(["--seq-len", "64", "--local-rank", "0"]) == (["--seq-len", "64"], 0, None)
+    assert L.pop_local_rank(["--local_rank=x"])[2] == "--local_rank must be an integer (got 'x')"
+    for k in L.RANK_VARS:
+        monkeypatch.delenv(k, raising=False)
+    out = ["--output-dir", str(tmp_path / "o")]
+    with pytest.raises(UserError, match="--local_rank 0 was given, but no launcher set LOCAL_RANK and WORLD_SIZE"):
+        parse_config(["--local_rank=0", *out])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(UserError, match="--local_rank 0 disagrees with the launcher's LOCAL_RANK=1"):
+        parse_config(["--local_rank=0", *out])
+    assert parse_config(["--local_rank=1", *out]).parallel.zero_stage is None
+
+
+def test_launch_source_names_the_flags_or_the_config(tmp_path):
+    env = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    argv = ["python", "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3"]
+    assert L.launch_source(env, argv) == "accelerate launch --use_deepspeed --zero_stage 3"
+    cfg = tmp_path / "ds.yaml"
+    assert L.launch_source(env, ["accelerate", "launch", "--config_file", str(cfg)]) == f"accelerate config {cfg}"
+    home = tmp_path / "hf"
+    (home / "accelerate").mkdir(parents=True)
+    (home / "accelerate" / "default_config.yaml").write_text("distributed_type: FSDP\n")
+    assert L.launch_source({**env, "HF_HOME": str(home)}, ["accelerate", "launch"]) == \
+        f"accelerate config {home / 'accelerate' / 'default_config.yaml'}"
+
+
+# ----------------------------------------------------------------------------- launcher settings vs flags
+
+def _cfg(monkeypatch, env: dict, flags: list[str], tmp_path):
+    for k in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(L, "_parent_cmdline", lambda: ["accelerate", "launch", "--config_file", "/x/acc.yaml"])
+    return parse_config([*flags, "--output-dir", str(tmp_path / "o")])
+
+
+def test_accelerate_settings_are_adopted_and_said(monkeypatch, tmp_path):
+    ds = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_MIXED_PRECISION": "bf16"},
+              [], tmp_path)
+    assert (ds.parallel.zero_stage, ds.parallel.offload, ds.train.mixed_precision) == (3, "optimizer", "bf16")
+    assert ds.notes == ["layout: ZeRO-3 with optimizer offload from accelerate config /x/acc.yaml; bf16 from it too"]
+    fsdp = _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
+                              "FSDP_VERSION": "2"}, [], tmp_path)
+    assert (fsdp.parallel.fsdp, fsdp.parallel.fsdp_sharding) == (True, "grad_op")
+    assert fsdp.notes == ["layout: FSDP2, grad_op sharding, from accelerate config /x/acc.yaml"]
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    ({"ACCELERATE_USE_FSDP": "true"}, Z3, "accelerate config /x/acc.yaml says FSDP, --zero-stage 3 asks for DeepSpeed"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, Z3,
+     "accelerate config /x/acc.yaml says ZeRO-2, --zero-stage 3 disagrees"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, FSDP, "accelerate config /x/acc.yaml says DeepSpeed, --fsdp asks for FSDP"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, ["--strategy", "auto"], "and --strategy auto picks the layout itself"),
+])
+def test_accelerate_settings_that_disagree_with_a_flag_are_one_line(monkeypatch, tmp_path, env, flags, message):
+    with pytest.raises(UserError, match=message):
+        _cfg(monkeypatch, env, flags, tmp_path)
+
+
+# ----------------------------------------------------------------------------- --deepspeed FILE
+
+def test_deepspeed_file_autos_are_filled_and_its_values_win(tmp_path, monkeypatch):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**DS_OWN, "train_micro_batch_size_per_gpu": 2}))
+    cfg = _cfg(monkeypatch, {}, ["--deepspeed", str(path)], tmp_path)
+    # the file's values win over the defaults: stage 3, micro batch 2, clipping 0.5
+    assert (cfg.parallel.zero_stage, cfg.train.micro_batch_size, cfg.train.max_grad_norm) == (3, 2, 0.5)
+    assert cfg.notes == [f"layout: ZeRO-3 from --deepspeed {path}; also from the file: micro batch size 2, "
+                         "max grad norm 0.5"]
+    filled = fill_auto(read_user_config(str(path)), micro_batch=2, grad_accum=3, data_ranks=4, mixed_precision="bf16",
+                       max_grad_norm=0.5, lr=1e-4, weight_decay=0.1, warmup_steps=10, total_steps=5, hidden_size=64)
+    assert (filled["train_batch_size"], filled["gradient_accumulation_steps"]) == (24, 3)
+    assert filled["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1,
+                                             "torch_adam": True}
+    assert filled["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-4, "warmup_num_steps": 5,
+                                             "total_num_steps": 5}
+    assert filled["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert "auto" not in json.dumps(filled)
+    assert file_settings({"bf16": {"enabled": True}})["mixed_precision"] == "bf16"
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    (None, [], "--deepspeed {p}: file not found"),
+    ("{\n  \"zero_optimization\": {\"stage\": 3,}\n}", [], r"--deepspeed {p}: not valid JSON \(line 2, column 36"),
+    ("[1, 2]", [], "--deepspeed {p}: expected a JSON object of DeepSpeed settings, got list"),
+    ({"zero_optimization": {"stage": 3, "overlap_com": True}}, [],
+     "--deepspeed {p}: zero_optimization.overlap_com: Extra inputs are not permitted"),
+    ({"scheduler": {"type": "Cosine"}}, [], "--deepspeed {p}: scheduler.type 'Cosine' is not one of DeepSpeed's"),
+    ({"zero_optimization": {"stage": 3}}, Z2, "--deepspeed {p} sets zero_optimization.stage to 3, --zero-stage 2 "
+                                              "disagrees"),
+    ({"train_micro_batch_size_per_gpu": 2}, ["--micro-batch-size", "4"],
+     "--deepspeed {p} sets train_micro_batch_size_per_gpu to 2, --micro-batch-size 4 disagrees"),
+    ({}, FSDP, "--deepspeed {p} with --fsdp: both shard the model"),
+])
+def test_bad_deepspeed_files_are_one_line(tmp_path, monkeypatch, content, flags, message):
+    path = tmp_path / "ds.json"
+    if content is not None:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(UserError, match=message.format(p=path)) as e:
+        _cfg(monkeypatch, {}, ["--deepspeed", str(path), *flags], tmp_path)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_user_config_problems_accepts_the_shipped_variants():
+    from toolkit.parallel.deepspeed import standard_variants
+
+    assert all(user_config_problems(ds, name) == [] for name, ds in standard_variants().items())
+
+
+# ----------------------------------------------------------------------------- every launch form trains
+
+def _common(model, data) -> list[str]:
+    args = parity_args(model, data, "unused", "lora")
+    i = args.index("--output-dir")
+    return args[:i] + args[i + 2:] + ["--max-steps", "2"]
+
+
+def _batch(nproc: int) -> list[str]:
+    """The same global batch of 4 at any rank count."""
+    return ["--micro-batch-size", str(4 // nproc)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("launch_files")
+    (d / "ds_plain.json").write_text(json.dumps(DS_PLAIN))
+    (d / "ds_own.json").write_text(json.dumps(DS_OWN))
+    for name, zero, fsdp in (("zero2", 2, False), ("zero3", 3, False), ("fsdp", None, True)):
+        for n in (1, 2):
+            (d / f"acc_{name}_{n}.yaml").write_text(yaml.safe_dump(accelerate_yaml(zero, "none", fsdp, "full", n)))
+    acc = accelerate_yaml(None, "none", False, "full", 2)
+    acc.update(distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(d / "ds_plain.json"),
+                                                                "zero3_init_flag": False})
+    (d / "acc_dsfile_2.yaml").write_text(yaml.safe_dump(acc))
+    return d
+
+
+def forms(files) -> dict[str, dict]:
+    """name -> launcher, its arguments, ranks, runs ({layout: flags}), the runs on the GPU branch, and
+    the layout line each launcher-set run must print."""
+    f = files
+    plain, own = ["--deepspeed", str(f / "ds_plain.json")], ["--deepspeed", str(f / "ds_own.json")]
+    return {
+        "python": dict(launcher="python", nproc=1, runs={"ddp": [], **SHARDED, "dsfile": plain, "dsfile_own": own,
+                                                         "zero2_gpu_path": Z2, "zero3_gpu_path": Z3}),
+        "accelerate_1": dict(launcher="accelerate", nproc=1, runs={**SHARDED, "zero3_gpu_path": Z3}),
+        "accelerate_2": dict(launcher="accelerate", nproc=2, runs=SHARDED),
+        "torchrun_1": dict(launcher="torchrun", nproc=1, runs=SHARDED),
+        "torchrun_2": dict(launcher="torchrun", nproc=2, runs=SHARDED),
+        "deepspeed_1": dict(launcher="deepspeed", nproc=1, runs=SHARDED),
+        "deepspeed_2": dict(launcher="deepspeed", nproc=2, runs={**SHARDED, "dsfile_own": own}),
+        "use_deepspeed_z3_1": dict(launcher="accelerate", nproc=1, args=["--use_deepspeed", "--zero_stage", "3"],
+                                   runs={"zero3": []}, line="layout: ZeRO-3 from accelerate launch --use_deepspeed "
+                                                            "--zero_stage 3"),
+        "use_deepspeed_z2_2": dict(launcher="accelerate", nproc=2, args=["--use_deepspeed", "--zero_stage", "2"],
+                                   runs={"zero2": []}, line="layout: ZeRO-2 from accelerate launch --use_deepspeed "
+                                                            "--zero_stage 2"),
+        "use_fsdp_1": dict(launcher="accelerate", nproc=1, args=["--use_fsdp"], runs={"fsdp": []},
+                           line="layout: FSDP2, full sharding, from accelerate launch --use_fsdp"),
+        "use_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--use_fsdp"], runs={"fsdp": []},
+                           line="layout: FSDP2, full sharding, from accelerate launch --use_fsdp"),
+        "config_zero2_1": dict(launcher="accelerate", nproc=1, args=["--config_file", str(f / "acc_zero2_1.yaml")],
+                               runs={"zero2": []}, line=f"layout: ZeRO-2 from accelerate config {f / 'acc_zero2_1.yaml'}"),
+        "config_zero3_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_zero3_2.yaml")],
+                               runs={"zero3": []}, line=f"layout: ZeRO-3 from accelerate config {f / 'acc_zero3_2.yaml'}"),
+        "config_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_fsdp_2.yaml")],
+                              runs={"fsdp": []}, line=f"layout: FSDP2, full sharding, from accelerate config "
+                                                      f"{f / 'acc_fsdp_2.yaml'}"),
+        "config_dsfile_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_dsfile_2.yaml")],
+                                runs={"zero2": []}, line=f"layout: DeepSpeed config {f / 'ds_plain.json'} from "
+                                                         f"accelerate config {f / 'acc_dsfile_2.yaml'}"),
+    }
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model, data_files, files):
+    """Each launch form run once (on first use); several tests read it."""
+    done: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            form = forms(files)[name]
+            out = tmp_path_factory.mktemp(name)
+            runs = launch_layouts(out, _common(tiny_model, data_files["chat"]) + _batch(form["nproc"]), form["runs"],
+                                  nproc=form["nproc"], launcher=form["launcher"], launcher_args=form.get("args", []),
+                                  cuda_path=tuple(r for r in form["runs"] if r.endswith("_gpu_path")))
+            done[name] = {"runs": runs, "stdout": (out / "stdout.txt").read_text(), "form": form}
+        return done[name]
+
+    return get
+
+
+def _losses(out) -> list[float]:
+    return [r["loss"] for r in records(out) if "loss" in r]
+
+
+FORM_NAMES = ["python", "accelerate_1", "accelerate_2", "torchrun_1", "torchrun_2", "deepspeed_1", "deepspeed_2",
+              "use_deepspeed_z3_1", "use_deepspeed_z2_2", "use_fsdp_1", "use_fsdp_2", "config_zero2_1",
+              "config_zero3_2", "config_fsdp_2", "config_dsfile_2"]
+
+
+@pytest.mark.parametrize("name", FORM_NAMES)
+def test_every_launch_form_trains_with_the_reference_losses_and_reloads(launched, name):
+    got = launched(name)
+    reference = _losses(launched("python")["runs"]["ddp"]["out"])
+    assert len(reference) == 2
+    for layout, run in got["runs"].items():
+        assert run["exit"] == 0, f"{name}/{layout}:\n{(run['out'].parent / 'stderr.txt').read_text()[-3000:]}"
+        if layout != "dsfile_own":  # its own optimizer and schedule: checked below
+            assert _losses(run["out"]) == pytest.approx(reference, rel=1e-4), f"{name}/{layout}"
+        integrity = json.loads((run["out"] / "integrity.json").read_text())
+        assert integrity["ok"] and integrity["relative_diff"] <= 1e-4, f"{name}/{layout}: {integrity}"
+        stage = {"zero2": 2, "zero3": 3, "dsfile": 2, "dsfile_own": 3}.get(layout.removesuffix("_gpu_path"))
+        if stage is not None:
+            assert json.loads((run["out"] / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+    if "line" in got["form"]:
+        assert got["stdout"].count(got["form"]["line"]) == 1, got["stdout"][-2000:]
+
+
+def test_deepspeed_file_runs_as_written_with_its_autos_filled(launched, files):
+    """`--deepspeed` with its own optimizer and schedule: ds_config.json is the file with every "auto"
+    filled (and the schedule DeepSpeed's own, stepped per optimizer step); the loop logs its lr."""
+    for name in ("python", "deepspeed_2"):
+        run = launched(name)["runs"]["dsfile_own"]["out"]
+        ran = json.loads((run / "ds_config.json").read_text())
+        assert "auto" not in json.dumps(ran) and ran["gradient_clipping"] == 0.5
+        assert ran["optimizer"]["params"]["lr"] == 1e-3 and ran["zero_optimization"]["stage"] == 3
+        # --warmup-steps 0: DeepSpeed refuses 0, so 1 step from 0 to --lr
+        assert ran["scheduler"] == {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                                        "warmup_num_steps": 1, "total_num_steps": 2}}
+        assert ran["train_batch_size"] == 4 and ran["steps_per_print"] == 2**31 - 1
+        lrs = [r["lr"] for r in records(run) if "lr" in r]  # the lr after each step: DeepSpeed's schedule ran
+        assert lrs == [0.0, pytest.approx(1e-3)], lrs
+    plain = json.loads((launched("config_dsfile_2")["runs"]["zero2"]["out"] / "ds_config.json").read_text())
+    assert plain["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 64 * 64} or \
+        plain["zero_optimization"]["reduce_bucket_size"] == json.loads(
+            (launched("python")["runs"]["zero2"]["out"] / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
+
+
+def test_a_launcher_conflict_is_one_line_and_writes_nothing(tmp_path, tiny_model, data_files):
+    out = tmp_path / "out"
+    p = launch(_common(tiny_model, data_files["chat"]) + ["--output-dir", str(out), *Z3], launcher="accelerate",
+               launcher_args=["--use_fsdp"], timeout=300)
+    assert p.returncode != 0
+    errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("finetune.py: error:")]
+    assert errors == ["finetune.py: error: accelerate launch --use_fsdp says FSDP, --zero-stage 3 asks for "
+                      "DeepSpeed; drop one of them"]
+    assert not out.exists()
