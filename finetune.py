@@ -14,6 +14,7 @@ import sys
 from toolkit.config import parse_config, save_config
 from toolkit.console import quiet
 from toolkit.errors import exit_on_user_error
+from toolkit.startup import leave_unimported
 
 
 @exit_on_user_error("finetune.py")
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
+    if argv is None:  # the command line's own process: packages this layout never uses stay unimported
+        leave_unimported(cfg)
     quiet()  # third-party notices the user cannot act on (shown with --debug)
 
     from toolkit.data.prepare import prepare_data
@@ -72,9 +75,10 @@ def main(argv: list[str] | None = None):
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
     model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
-    written = save_final(strategy, model, tokenizer, out_dir / "final")
+    written = save_final(strategy, model, tokenizer, out_dir / "final")  # the tensors saved, for the check
     verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
+    del written  # a full copy of the weights on the main process under ZeRO-3/FSDP
 
     if data.answers:
         scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)

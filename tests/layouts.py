@@ -40,6 +40,7 @@ def main(argv: list[str]) -> None:
     local_rank = [a for a in argv if a.startswith("--local_rank")]  # DeepSpeed's launcher: passed on to each run
     spec = json.loads(Path(next(a for a in argv if not a.startswith("--local_rank"))).read_text())
     out = Path(spec["out"])
+    import torch.distributed as dist
     from accelerate import Accelerator
 
     import finetune
@@ -55,13 +56,13 @@ def main(argv: list[str]) -> None:
         os.environ.update(launched_env)
         reset_process_state()
         launch.on_cuda = (lambda: True) if name in spec.get("cuda_path", ()) else on_cuda
+        group_before = dist.is_initialized()  # a run after the first finds the group up: only the first sets it up
         try:
             finetune.main([*local_rank, *spec["common"], "--output-dir", str(out / name), *flags])
-            results[name] = {"exit": 0}
+            results[name] = {"exit": 0, "group_before": group_before}
         except SystemExit as e:  # a UserError, printed by finetune.main's handler
-            results[name] = {"exit": e.code if isinstance(e.code, int) else 1}
+            results[name] = {"exit": e.code if isinstance(e.code, int) else 1, "group_before": group_before}
         print(f"layouts: {name} exit {results[name]['exit']}", file=sys.stderr, flush=True)
-    import torch.distributed as dist
 
     if int(os.environ.get("RANK", "0")) == 0:
         (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -111,10 +111,33 @@ def test_accelerate_settings_are_adopted_and_said(monkeypatch, tmp_path):
               [], tmp_path)
     assert (ds.parallel.zero_stage, ds.parallel.offload, ds.train.mixed_precision) == (3, "optimizer", "bf16")
     assert ds.notes == ["layout: ZeRO-3 with optimizer offload from accelerate config /x/acc.yaml; bf16 from it too"]
-    fsdp = _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
-                              "FSDP_VERSION": "2"}, [], tmp_path)
-    assert (fsdp.parallel.fsdp, fsdp.parallel.fsdp_sharding) == (True, "grad_op")
-    assert fsdp.notes == ["layout: FSDP2, grad_op sharding, from accelerate config /x/acc.yaml"]
+    # what accelerate exports for the toolkit's own FSDP2 grad_op config (FSDP_SHARDING_STRATEGY is always
+    # exported, FULL_SHARD by default), and for FSDP1 configs by name, by number, or in the reshard field
+    for env, want in (({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_SHARDING_STRATEGY": "FULL_SHARD"},
+                       "grad_op"),
+                      ({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true"}, "full"),
+                      ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2", "FSDP_RESHARD_AFTER_FORWARD": "true"}, "grad_op"),
+                      ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}, "hybrid")):
+        fsdp = _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", **env}, [], tmp_path)
+        assert (fsdp.parallel.fsdp, fsdp.parallel.fsdp_sharding) == (True, want), env
+        assert fsdp.notes == [f"layout: FSDP2, {want} sharding, from accelerate config /x/acc.yaml"]
+    with pytest.raises(UserError, match="says FSDP NO_SHARD, which the toolkit does not run"):
+        _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "3"}, [], tmp_path)
+
+
+def test_a_deepspeed_file_beside_a_launcher_that_says_deepspeed(monkeypatch, tmp_path):
+    """The file decides the stage: one line, naming the accelerate config that named the file; a stage the
+    launcher was explicitly given must agree with the file's."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    cfg = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true"}, ["--deepspeed", str(path)], tmp_path)
+    assert cfg.parallel.zero_stage == 3 and cfg.notes == [f"layout: ZeRO-3 from --deepspeed {path}"]
+    cfg = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}, [],
+               tmp_path)
+    assert cfg.notes == [f"layout: ZeRO-3 from DeepSpeed config {path}, named by accelerate config /x/acc.yaml"]
+    with pytest.raises(UserError, match=f"accelerate config /x/acc.yaml says ZeRO-2, --deepspeed {path} says stage 3"):
+        _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+             ["--deepspeed", str(path)], tmp_path)
 
 
 @pytest.mark.parametrize("env, flags, message", [
@@ -151,6 +174,20 @@ def test_deepspeed_file_autos_are_filled_and_its_values_win(tmp_path, monkeypatc
     assert file_settings({"bf16": {"enabled": True}})["mixed_precision"] == "bf16"
 
 
+def test_keys_a_deepspeed_file_leaves_out_are_the_runs(tmp_path, monkeypatch):
+    """No accumulation, clipping or zero section in the file: DeepSpeed gets the run's (accelerate would
+    put accumulation 1 while the loop scales the loss by --grad-accum, and DeepSpeed would not clip)."""
+    from toolkit.parallel import run_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": False}}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _cfg(monkeypatch, {}, ["--deepspeed", str(path), "--grad-accum", "4", "--max-grad-norm", "0.3"], tmp_path)
+    ran = run_deepspeed_config(cfg)
+    assert (ran["gradient_accumulation_steps"], ran["gradient_clipping"], ran["train_micro_batch_size_per_gpu"],
+            ran["train_batch_size"], ran["zero_optimization"]) == (4, 0.3, 4, 32, {"stage": 0})
+
+
 @pytest.mark.parametrize("content, flags, message", [
     (None, [], "--deepspeed {p}: file not found"),
     ("{\n  \"zero_optimization\": {\"stage\": 3,}\n}", [], r"--deepspeed {p}: not valid JSON \(line 2, column 36"),
@@ -163,6 +200,8 @@ def test_deepspeed_file_autos_are_filled_and_its_values_win(tmp_path, monkeypatc
     ({"train_micro_batch_size_per_gpu": 2}, ["--micro-batch-size", "4"],
      "--deepspeed {p} sets train_micro_batch_size_per_gpu to 2, --micro-batch-size 4 disagrees"),
     ({}, FSDP, "--deepspeed {p} with --fsdp: both shard the model"),
+    ({"train_batch_size": 6}, [], r"--deepspeed {p}: train_batch_size 6 is not micro batch 4 x accumulation 1 x 1 "
+                                  "ranks = 4"),
 ])
 def test_bad_deepspeed_files_are_one_line(tmp_path, monkeypatch, content, flags, message):
     path = tmp_path / "ds.json"
@@ -198,9 +237,10 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch_files")
     (d / "ds_plain.json").write_text(json.dumps(DS_PLAIN))
     (d / "ds_own.json").write_text(json.dumps(DS_OWN))
-    for name, zero, fsdp in (("zero2", 2, False), ("zero3", 3, False), ("fsdp", None, True)):
-        for n in (1, 2):
-            (d / f"acc_{name}_{n}.yaml").write_text(yaml.safe_dump(accelerate_yaml(zero, "none", fsdp, "full", n)))
+    for name, zero, fsdp, sharding in (("zero2", 2, False, "full"), ("zero3", 3, False, "full"), ("fsdp", None, True, "full"),
+                                       ("fsdp_grad_op", None, True, "grad_op")):
+        for n in (1, 2):  # the toolkit's own accelerate-config output
+            (d / f"acc_{name}_{n}.yaml").write_text(yaml.safe_dump(accelerate_yaml(zero, "none", fsdp, sharding, n)))
     acc = accelerate_yaml(None, "none", False, "full", 2)
     acc.update(distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(d / "ds_plain.json"),
                                                                 "zero3_init_flag": False})
@@ -214,9 +254,10 @@ def forms(files) -> dict[str, dict]:
     f = files
     plain, own = ["--deepspeed", str(f / "ds_plain.json")], ["--deepspeed", str(f / "ds_own.json")]
     return {
-        "python": dict(launcher="python", nproc=1, runs={"ddp": [], **SHARDED, "dsfile": plain, "dsfile_own": own,
-                                                         "zero2_gpu_path": Z2, "zero3_gpu_path": Z3}),
-        "accelerate_1": dict(launcher="accelerate", nproc=1, runs={**SHARDED, "zero3_gpu_path": Z3}),
+        # a GPU-branch run first in its launch: no process group exists before it, as in a user's launch
+        "python": dict(launcher="python", nproc=1, runs={"zero3_gpu_path": Z3, "ddp": [], **SHARDED, "dsfile": plain,
+                                                         "dsfile_own": own}),
+        "accelerate_1": dict(launcher="accelerate", nproc=1, runs={"zero2_gpu_path": Z2, **SHARDED}),
         "accelerate_2": dict(launcher="accelerate", nproc=2, runs=SHARDED),
         "torchrun_1": dict(launcher="torchrun", nproc=1, runs=SHARDED),
         "torchrun_2": dict(launcher="torchrun", nproc=2, runs=SHARDED),
@@ -236,12 +277,12 @@ def forms(files) -> dict[str, dict]:
                                runs={"zero2": []}, line=f"layout: ZeRO-2 from accelerate config {f / 'acc_zero2_1.yaml'}"),
         "config_zero3_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_zero3_2.yaml")],
                                runs={"zero3": []}, line=f"layout: ZeRO-3 from accelerate config {f / 'acc_zero3_2.yaml'}"),
-        "config_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_fsdp_2.yaml")],
-                              runs={"fsdp": []}, line=f"layout: FSDP2, full sharding, from accelerate config "
-                                                      f"{f / 'acc_fsdp_2.yaml'}"),
+        "config_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_fsdp_grad_op_2.yaml")],
+                              runs={"fsdp": []}, line=f"layout: FSDP2, grad_op sharding, from accelerate config "
+                                                      f"{f / 'acc_fsdp_grad_op_2.yaml'}"),
         "config_dsfile_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_dsfile_2.yaml")],
-                                runs={"zero2": []}, line=f"layout: DeepSpeed config {f / 'ds_plain.json'} from "
-                                                         f"accelerate config {f / 'acc_dsfile_2.yaml'}"),
+                                runs={"zero2": []}, line=f"layout: ZeRO-2 from DeepSpeed config {f / 'ds_plain.json'}, "
+                                                         f"named by accelerate config {f / 'acc_dsfile_2.yaml'}"),
     }
 
 
@@ -279,6 +320,8 @@ def test_every_launch_form_trains_with_the_reference_losses_and_reloads(launched
     assert len(reference) == 2
     for layout, run in got["runs"].items():
         assert run["exit"] == 0, f"{name}/{layout}:\n{(run['out'].parent / 'stderr.txt').read_text()[-3000:]}"
+        if layout.endswith("_gpu_path"):  # it set up the rank environment and process group itself
+            assert run["group_before"] is False, f"{name}/{layout}"
         if layout != "dsfile_own":  # its own optimizer and schedule: checked below
             assert _losses(run["out"]) == pytest.approx(reference, rel=1e-4), f"{name}/{layout}"
         integrity = json.loads((run["out"] / "integrity.json").read_text())
@@ -298,9 +341,9 @@ def test_deepspeed_file_runs_as_written_with_its_autos_filled(launched, files):
         ran = json.loads((run / "ds_config.json").read_text())
         assert "auto" not in json.dumps(ran) and ran["gradient_clipping"] == 0.5
         assert ran["optimizer"]["params"]["lr"] == 1e-3 and ran["zero_optimization"]["stage"] == 3
-        # --warmup-steps 0: DeepSpeed refuses 0, so 1 step from 0 to --lr
+        # --warmup-steps 0: DeepSpeed's warm-up schedules run at least 2 steps, written as they run
         assert ran["scheduler"] == {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                                        "warmup_num_steps": 1, "total_num_steps": 2}}
+                                                                        "warmup_num_steps": 2, "total_num_steps": 2}}
         assert ran["train_batch_size"] == 4 and ran["steps_per_print"] == 2**31 - 1
         lrs = [r["lr"] for r in records(run) if "lr" in r]  # the lr after each step: DeepSpeed's schedule ran
         assert lrs == [0.0, pytest.approx(1e-3)], lrs

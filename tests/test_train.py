@@ -242,3 +242,31 @@ def test_lora_bf16_step_runs_on_cpu_and_holds_the_planned_bytes(tmp_path, tiny_m
     predicted = weights_bytes(STRATEGIES["ddp"], params, adapters, 1, "bf16")
     assert recs[0]["param_bytes"] == [predicted]
     assert predicted < weights_bytes(STRATEGIES["ddp"], params, adapters, 1, "no")
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM"])
+def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(tmp_path, arch):
+    """transformers 5 fuses MoE experts in memory and writes them one entry per expert (and drops tied
+    copies): the files check compares against what save_pretrained writes, so a good save passes and a
+    changed expert does not."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.train.integrity import check_files, saved_state
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=128, tie_word_embeddings=True)
+    if arch != "LlamaForCausalLM":
+        small.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=16)
+    cls = getattr(transformers, arch)
+    model = cls(cls.config_class(**small))
+    state = model.state_dict()
+    model.save_pretrained(tmp_path, state_dict=dict(state), safe_serialization=True)  # it empties the dict it gets
+    n, problems = check_files(tmp_path, saved_state(model, state))
+    assert problems == [] and n == len(load_file(tmp_path / "model.safetensors"))
+    saved = load_file(tmp_path / "model.safetensors")
+    key = next(k for k in sorted(saved) if "experts" in k or "mlp" in k)
+    saved[key] = saved[key] + 1
+    save_file(saved, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert any(key in p and "differs" in p for p in check_files(tmp_path, saved_state(model, state))[1])

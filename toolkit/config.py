@@ -147,8 +147,10 @@ class Config:
 
     def __post_init__(self) -> None:
         # Where settings came from when not from the flags (an accelerate config, a launcher's flags,
-        # a --deepspeed file): one line each, printed at start. Not a config key.
+        # a --deepspeed file): one line each, printed at start. Not config keys.
         self.notes: list[str] = []
+        self.deepspeed_named_by: str | None = None  # the accelerate config that named the --deepspeed file
+        self.deepspeed_launcher_stage: tuple[int, str] | None = None  # (stage, launcher) beside --deepspeed
 
     def flat(self) -> dict[str, Any]:
         """Every key with its value, in declaration order: the YAML `config.yaml` holds."""
@@ -548,15 +550,14 @@ def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
             asked = f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else f"--deepspeed {par.deepspeed}"
             return [f"{source} says FSDP, {asked} asks for DeepSpeed; drop one of them"]
         par.fsdp = True
-        strategy = env.get("FSDP_SHARDING_STRATEGY", "")
-        sharding = {"SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid", "FULL_SHARD": "full"}.get(
-            strategy, "grad_op" if env.get("FSDP_RESHARD_AFTER_FORWARD", "").lower() == "false" else "full")
+        sharding, problem = accelerate_fsdp_sharding(env)
+        if problem:
+            return [f"{source} {problem}"]
         if "fsdp_sharding" in given and par.fsdp_sharding != sharding:
-            return [f"{source} says FSDP {strategy or 'sharding'} ({sharding}), --fsdp-sharding {par.fsdp_sharding} "
-                    "disagrees; drop one of them"]
+            return [f"{source} says FSDP with {sharding} sharding, --fsdp-sharding {par.fsdp_sharding} disagrees; "
+                    "drop one of them"]
         par.fsdp_sharding = sharding
-        v1 = " (asked for FSDP1: the toolkit runs FSDP2)" if env.get("FSDP_VERSION") == "1" else ""
-        cfg.notes.append(f"layout: FSDP2, {sharding} sharding, from {source}{v1}"
+        cfg.notes.append(f"layout: FSDP2, {sharding} sharding, from {source}"
                          + (f"; {', '.join(adopted)} from it too" if adopted else ""))
         return []
     if "fsdp" in given and par.fsdp:
@@ -566,7 +567,11 @@ def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
         if par.deepspeed and Path(par.deepspeed).resolve() != Path(ds_file).resolve():
             return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {par.deepspeed}; drop one of them"]
         par.deepspeed = ds_file
-        cfg.notes.append(f"layout: DeepSpeed config {ds_file} from {source}")
+        cfg.deepspeed_named_by = source
+        return []
+    if par.deepspeed:  # the file decides the stage; a stage the launcher was given must agree with it
+        named = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        cfg.deepspeed_launcher_stage = (int(named), source) if named not in (None, "") else None
         return []
     stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's default stage
     if par.zero_stage is not None and par.zero_stage != stage:
@@ -581,6 +586,27 @@ def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
     what = f"ZeRO-{stage}" + ("" if offload == "none" else f" with {offload} offload")
     cfg.notes.append(f"layout: {what} from {source}" + (f"; {', '.join(adopted)} from it too" if adopted else ""))
     return []
+
+
+FSDP1_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                    "5": "HYBRID_SHARD_ZERO2"}
+
+
+def accelerate_fsdp_sharding(env) -> tuple[str, str | None]:
+    """(--fsdp-sharding, a problem) from what `accelerate launch` exports for FSDP. FSDP2 configs say
+    it with FSDP_RESHARD_AFTER_FORWARD true/false (accelerate always exports FSDP_SHARDING_STRATEGY,
+    FULL_SHARD by default); FSDP1 ones with a strategy name or number, in FSDP_RESHARD_AFTER_FORWARD
+    (newer accelerate) or FSDP_SHARDING_STRATEGY. The toolkit runs FSDP2 either way."""
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "")
+    if env.get("FSDP_VERSION") == "2":
+        return ("grad_op" if reshard.lower() == "false" else "full"), None
+    name = reshard if reshard.upper() in FSDP1_STRATEGIES.values() else env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    name = FSDP1_STRATEGIES.get(name, name.upper())
+    ours = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid"}.get(name)
+    if ours is None:
+        return "full", (f"says FSDP {name}, which the toolkit does not run (it runs FSDP2 with FULL_SHARD, "
+                        "SHARD_GRAD_OP or HYBRID_SHARD); change the config, or drop FSDP for plain DDP")
+    return ours, None
 
 
 # a --deepspeed file's settings -> the DeepSpeed key that sets them (for messages)
@@ -610,8 +636,13 @@ def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
         return [f"--deepspeed {path} with --fsdp: both shard the model; choose one"]
     if par.strategy == "auto":
         return [f"--deepspeed {path} with --strategy auto: the planner picks the sharding itself; drop one of them"]
+    settings = file_settings(ds)
+    launcher = cfg.deepspeed_launcher_stage
+    if launcher and launcher[0] != settings["zero_stage"]:
+        return [f"{launcher[1]} says ZeRO-{launcher[0]}, --deepspeed {path} says stage {settings['zero_stage']}; "
+                "drop one of them"]
     adopted = []
-    for key, value in file_settings(ds).items():
+    for key, value in settings.items():
         section, f = _fields()[key]
         value = _coerce(key, value, f"--deepspeed {path} ({DS_KEYS[key]})")
         current = getattr(getattr(cfg, section), key)
@@ -623,10 +654,18 @@ def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
         if current != value:
             adopted.append(f"{key.replace('_', ' ')} {value}")
         setattr(getattr(cfg, section), key, value)
+    t, ranks = cfg.train, int(os.environ.get("WORLD_SIZE", "1"))
+    want = t.micro_batch_size * t.grad_accum * ranks
+    if isinstance(ds.get("train_batch_size"), int) and ds["train_batch_size"] != want:
+        problems.append(f"--deepspeed {path}: train_batch_size {ds['train_batch_size']} is not micro batch "
+                        f"{t.micro_batch_size} x accumulation {t.grad_accum} x {ranks} ranks = {want}; set it to "
+                        "\"auto\" or make them agree")
     if not problems:
-        cfg.notes.append(f"layout: ZeRO-{par.zero_stage} from --deepspeed {path}"
-                         + (f"; also from the file: {', '.join(a for a in adopted if not a.startswith('zero'))}"
-                            if any(not a.startswith("zero") for a in adopted) else ""))
+        named_by = cfg.deepspeed_named_by
+        where = f"DeepSpeed config {path}, named by {named_by}" if named_by else f"--deepspeed {path}"
+        also = [a for a in adopted if not a.startswith("zero")]
+        cfg.notes.append(f"layout: ZeRO-{par.zero_stage} from {where}" + (f"; also from the file: {', '.join(also)}"
+                                                                          if also else ""))
     return problems
 
 

@@ -112,20 +112,19 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
                               overlap_comm=launch.on_cuda())
         ds["gradient_clipping"] = t.max_grad_norm
         return ds
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    ds = fill_auto(read_user_config(cfg.parallel.deepspeed), micro_batch=t.micro_batch_size, grad_accum=t.grad_accum,
-                   data_ranks=ranks, mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm,
-                   lr=cfg.lr, weight_decay=t.weight_decay, hidden_size=hidden)
+    ds = read_user_config(cfg.parallel.deepspeed)
+    # Keys the file leaves out are the run's, as "auto" would be: accelerate would otherwise put 1 for a
+    # missing accumulation (the loop scales the loss by --grad-accum for DeepSpeed to divide by) and
+    # DeepSpeed would not clip; no zero_optimization section is stage 0 (accelerate refuses none).
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
+        ds.setdefault(key, "auto")
+    ds.setdefault("zero_optimization", {"stage": 0})
+    ds = fill_auto(ds, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=int(os.environ.get(
+        "WORLD_SIZE", "1")), mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm, lr=cfg.lr,
+        weight_decay=t.weight_decay, hidden_size=hidden)
     ds.pop("scheduler", None)
     for key, value in QUIET_DEFAULTS.items():  # what the file does not say
         ds.setdefault(key, value)
-    want = t.micro_batch_size * t.grad_accum * ranks
-    if isinstance(ds.get("train_batch_size"), int) and ds["train_batch_size"] != want:
-        from toolkit.errors import UserError
-
-        raise UserError(f"--deepspeed {cfg.parallel.deepspeed}: train_batch_size {ds['train_batch_size']} is not micro "
-                        f"batch {t.micro_batch_size} x accumulation {t.grad_accum} x {ranks} ranks = {want}; set it "
-                        "to \"auto\" or make them agree")
     return ds
 
 

@@ -168,8 +168,8 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
             fill(params, key, value)
     params = (out.get("scheduler") or {}).get("params")
     if isinstance(params, dict):
-        # DeepSpeed's schedules refuse 0 warm-up steps; 1 step from warmup_min_lr 0 is the nearest
-        warmup = None if warmup_steps is None or total_steps is None else max(1, min(warmup_steps, total_steps))
+        # DeepSpeed's warm-up schedules run at least 2 warm-up steps (WarmupLR takes max(2, n)): written as run
+        warmup = None if warmup_steps is None or total_steps is None else max(2, min(warmup_steps, total_steps))
         for key, value in (("warmup_min_lr", 0.0), ("warmup_max_lr", lr), ("warmup_num_steps", warmup),
                            ("total_num_steps", total_steps), ("cos_min_ratio", 0.0)):
             fill(params, key, value)

@@ -38,17 +38,6 @@ def on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def launcher(env: Mapping[str, str]) -> str:
-    """The launcher's name as a user would type it (for messages)."""
-    if "CROSS_RANK" in env:
-        return "deepspeed"
-    if any(k.startswith("ACCELERATE_") for k in env):
-        return "accelerate launch"
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
-    return "a launcher" if "WORLD_SIZE" in env else "python"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,8 +120,11 @@ def launch_source(env: Mapping[str, str], parent_cmdline: list[str] | None = Non
     flags = [a for a in parent_cmdline if a.split("=")[0] in ("--use_deepspeed", "--use_fsdp", "--use-deepspeed",
                                                                 "--use-fsdp")]
     if flags:
-        stage = next((parent_cmdline[i + 1] for i, a in enumerate(parent_cmdline[:-1])
-                      if a in ("--zero_stage", "--zero-stage")), None)
+        stage = None
+        for i, arg in enumerate(parent_cmdline):
+            name, eq, rest = arg.partition("=")
+            if name in ("--zero_stage", "--zero-stage"):
+                stage = rest if eq else (parent_cmdline[i + 1] if i + 1 < len(parent_cmdline) else None)
         return "accelerate launch " + " ".join(flags) + (f" --zero_stage {stage}" if stage else "")
     path = accelerate_config_file(env, parent_cmdline)
     return f"accelerate config {path}" if path else "accelerate launch"

@@ -97,8 +97,10 @@ class AccelerateStrategy:
             return None
         from accelerate.utils import DummyOptim
 
-        return DummyOptim([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
-                          weight_decay=self.cfg.train.weight_decay)
+        params, decay = [p for p in model.parameters() if p.requires_grad], self.cfg.train.weight_decay
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},  # as make_optimizer:
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay on norms, biases
+        return DummyOptim([g for g in groups if g["params"]], lr=self.cfg.lr, weight_decay=decay)
 
     def scheduler(self, optimizer, total_steps: int):
         """The learning-rate schedule a --deepspeed file names (DeepSpeed's own class, built here on the
@@ -186,6 +188,11 @@ class AccelerateStrategy:
 
     def clip_grad_norm(self, model, max_norm: float):
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    def step_applied(self, model) -> bool:
+        """Whether the optimizer step just taken changed the weights: DeepSpeed skips one on an fp16
+        overflow, and then its schedule must not advance either."""
+        return model.was_step_applied() if self.deepspeed and hasattr(model, "was_step_applied") else True
 
     @property
     def always_steps(self) -> bool:

@@ -254,7 +254,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
             if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or strategy.always_steps:
                 optimizer.step()
-                scheduler.step()
+                if strategy.step_applied(model):  # DeepSpeed skips fp16 overflow steps; so does the schedule
+                    scheduler.step()
                 bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
             else:  # skip the update: the weights, optimizer and schedule stay where they were
                 bad_steps += 1

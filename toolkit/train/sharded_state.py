@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-STATE_DIR = "state"  # the DCP folder inside checkpoint-N
 
 
 @dataclass

@@ -1,0 +1,137 @@
+"""Start-up cost of a tiny run: `finetune.py --help`, and a 1-step LoRA run of a 156k-parameter Llama on
+1,000 rows, wall clock and by phase.
+
+Method. Every figure is a fresh `python` process, as a user runs it, with warm caches (the run's tokenized
+data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
+timed `--repeats` times and the median reported. The phases come from one more run of `finetune.main` in
+a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
+and "imports and config" is the time from the process's start to the first of them. `-X importtime` of a
+further run gives the self time of each top-level package imported.
+
+    python scripts/bench_startup.py [--repeats 5]
+Writes benchmarks/startup.json and benchmarks/startup.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+# (module, function) finetune.main calls, in order; each is wrapped with a timer in the phase run
+PHASES = [("toolkit.config", "parse_config"), ("toolkit.models", "check_model"), ("toolkit.models", "load_tokenizer"),
+          ("toolkit.data.prepare", "prepare_data"), ("toolkit.parallel", "make_accelerator"),
+          ("toolkit.parallel.strategy", "make_strategy"), ("toolkit.models", "load_model"),
+          ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
+          ("toolkit.train.integrity", "verify_saved"), ("toolkit.train.output", "summarize")]
+
+PHASE_RUN = """
+import importlib, json, sys, time
+t0 = time.perf_counter()
+sys.path.insert(0, {root!r})
+import finetune
+timings, starts = {{}}, []
+def wrap(owner, name):
+    fn = getattr(owner, name)
+    def timed(*a, **k):
+        s = time.perf_counter()
+        starts.append(s)
+        try:
+            return fn(*a, **k)
+        finally:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - s
+    setattr(owner, name, timed)
+for mod, name in {phases!r}:  # parse_config is imported into finetune at module level
+    wrap(finetune if mod == "toolkit.config" else importlib.import_module(mod), name)
+finetune.main({argv!r})
+print(json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() - t0}}))
+"""
+
+
+def timed(cmd: list[str], env: dict) -> float:
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ...: exit {p.returncode}\n{p.stderr[-2000:]}")
+    return time.perf_counter() - t
+
+
+def import_self_times(cmd: list[str], env: dict) -> dict[str, float]:
+    """Seconds of import self time per top-level package, from `python -X importtime` (its lines read
+    'import time: SELF_US | CUMULATIVE_US | NAME'), the 12 largest."""
+    p = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], cwd=ROOT, env=env, capture_output=True, text=True)
+    out: dict[str, float] = {}
+    for line in p.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if not line.startswith("import time:") or len(parts) != 3 or not parts[0].strip().isdigit():
+            continue
+        top = parts[2].strip().split(".")[0]
+        out[top] = out.get(top, 0.0) + int(parts[0]) / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from toolkit.synthetic import build_model_dir, corpus
+
+    work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
+    model = build_model_dir(work / "model")
+    texts = corpus(3000, seed=3)
+    data = work / "rows.json"
+    data.write_text(json.dumps([{"instruction": texts[3 * i], "input": texts[3 * i + 1], "output": texts[3 * i + 2]}
+                                for i in range(1000)]))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TOOLKIT_CACHE": str(work / "cache")}
+    argv = ["--model", str(model), "--dataset", str(data), "--seq-len", "64", "--max-steps", "1",
+            "--output-dir", str(work / "out"), "--overwrite-output-dir"]
+    run = [sys.executable, str(ROOT / "finetune.py"), *argv]
+    timed(run, env)  # cold: tokenizes into the cache; not counted
+    help_s = [timed([sys.executable, str(ROOT / "finetune.py"), "--help"], env) for _ in range(a.repeats)]
+    run_s = [timed(run, env) for _ in range(a.repeats)]
+    script = PHASE_RUN.format(root=str(ROOT), phases=PHASES, argv=argv)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(p.stderr[-3000:])
+    phases = json.loads(p.stdout.strip().splitlines()[-1])
+    imports = import_self_times(run, env)
+    import torch
+
+    out = {"device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__, "python": sys.version.split()[0],
+           "repeats": a.repeats, "help_seconds": {"median": statistics.median(help_s), "all": help_s},
+           "tiny_run_seconds": {"median": statistics.median(run_s), "all": run_s},
+           "phase_run": phases, "import_self_seconds_by_package": imports,
+           "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
+    (BENCH / "startup.json").write_text(json.dumps(out, indent=2))
+    lines = ["# Start-up: `finetune.py --help` and a 1-step tiny run", "",
+             "Reproduce: `python scripts/bench_startup.py` (method in its docstring). A 156k-parameter Llama, LoRA, "
+             "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each time.", "",
+             "| what | median seconds | all | target |", "|---|---|---|---|",
+             f"| `finetune.py --help` | {out['help_seconds']['median']:.2f} | "
+             f"{', '.join(f'{x:.2f}' for x in help_s)} | < 0.5 |",
+             f"| tiny run, wall | {out['tiny_run_seconds']['median']:.2f} | "
+             f"{', '.join(f'{x:.2f}' for x in run_s)} | < 6 |", "",
+             "One more run, by phase (seconds; `finetune.main`'s calls, each wrapped with a timer):", "",
+             "| phase | seconds |", "|---|---|",
+             f"| interpreter start, imports, `finetune.main` up to its first call | {phases['to_first_phase']:.2f} |"]
+    lines += [f"| `{name}` | {phases['phases'].get(name, 0.0):.2f} |" for _, name in PHASES]
+    lines += [f"| total | {phases['total']:.2f} |", "",
+              "Import self time by top-level package (`python -X importtime`, one run):", "",
+              "| package | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in imports.items()]
+    lines += ["", f"Device: {out['device']}, torch {out['torch']}, Python {out['python']}."]
+    (BENCH / "startup.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
