@@ -67,9 +67,9 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
          "PYTHONUNBUFFERED": "1", **(env or {})}
     if launcher == "python":
         cmd = [sys.executable, str(script), *args]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), *launcher_args, str(script), *args]
+    elif launcher == "torchrun":  # --standalone: the agent binds a free port itself (no race between tests)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               *launcher_args, str(script), *args]
     elif launcher == "deepspeed":
         cmd = [sys.executable, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus", str(nproc),
                "--master_port", str(free_port()), *launcher_args, str(script), *args]
@@ -99,7 +99,44 @@ def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], npr
     (out / "stderr.txt").write_text(p.stderr)
     assert (out / "results.json").exists(), f"exit {p.returncode}:\n{p.stderr[-4000:]}"
     results = json.loads((out / "results.json").read_text())
-    return {name: {**r, "out": out / name} for name, r in results.items()}
+    return {name: {**r, "out": out / name, "stdout": out / f"{name}.stdout.txt"} for name, r in results.items()}
+
+
+def common_args(model, data) -> list[str]:
+    """parity_args without an output folder (launch_layouts gives each run its own); a run's own
+    --method follows them and wins."""
+    args = parity_args(model, data, "unused", "full")
+    i = args.index("--output-dir")
+    return args[:i] + args[i + 2:]
+
+
+def batched_runs(tmp_path_factory, common: list[str], specs: dict[tuple, tuple[int, list[str]]]):
+    """A run cache for a test module: `specs` is {key: (ranks, flags)}; the first use of a key launches
+    every run of its rank count together, in one launch and process group (launch_layouts: plain python
+    for one rank, torchrun for more), and asserts each succeeded. Returns get(*key) -> output folder."""
+    outs: dict[tuple, Path] = {}
+
+    def name(key: tuple) -> str:
+        return "_".join(map(str, key))
+
+    def get(*key) -> Path:
+        if key not in outs:
+            n = specs[key][0]
+            group = {name(k): flags for k, (ranks, flags) in specs.items() if ranks == n}
+            root = tmp_path_factory.mktemp(f"ranks{n}")
+            runs = launch_layouts(root, common, group, nproc=n, launcher="python" if n == 1 else "torchrun")
+            for run, r in runs.items():
+                assert r["exit"] == 0, f"{run}:\n{(root / 'stderr.txt').read_text()[-4000:]}"
+            outs.update({k: root / name(k) for k, (ranks, _) in specs.items() if ranks == n})
+        return outs[key]
+
+    return get
+
+
+def run_stdout(out: Path) -> str:
+    """What a run printed: its own stdout.txt (run_once), or the launch's per-run file (launch_layouts)."""
+    own = Path(out) / "stdout.txt"
+    return own.read_text() if own.exists() else (Path(out).parent / f"{Path(out).name}.stdout.txt").read_text()
 
 
 def run_once(tmp_path_factory):

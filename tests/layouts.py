@@ -9,13 +9,14 @@ up until the last run: accelerate and DeepSpeed join the one that exists.
 
     <launcher> tests/layouts.py SPEC.json
 SPEC: {"common": [flags every run takes], "runs": {name: [flags]}, "out": folder, "cuda_path": [names]}.
-Each run writes OUT/name; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
+Each run writes OUT/name and its stdout to OUT/name.stdout.txt; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
 named in "cuda_path" take the launch set-up's GPU branch on this CPU (`toolkit.parallel.launch.on_cuda`
 answers True): one process only, where accelerate then runs DeepSpeed as on one GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -23,6 +24,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+class Tee:
+    """This run's stdout into OUT/name.stdout.txt (the main rank's, where the toolkit's lines come from)
+    as well as the launch's."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.streams[0], name)
 
 
 def reset_process_state() -> None:
@@ -57,11 +78,14 @@ def main(argv: list[str]) -> None:
         reset_process_state()
         launch.on_cuda = (lambda: True) if name in spec.get("cuda_path", ()) else on_cuda
         group_before = dist.is_initialized()  # a run after the first finds the group up: only the first sets it up
-        try:
-            finetune.main([*local_rank, *spec["common"], "--output-dir", str(out / name), *flags])
-            results[name] = {"exit": 0, "group_before": group_before}
-        except SystemExit as e:  # a UserError, printed by finetune.main's handler
-            results[name] = {"exit": e.code if isinstance(e.code, int) else 1, "group_before": group_before}
+        main_rank = int(os.environ.get("RANK", "0")) == 0
+        with open(out / f"{name}.stdout.txt" if main_rank else os.devnull, "w") as log, \
+                contextlib.redirect_stdout(Tee(sys.stdout, log)):
+            try:
+                finetune.main([*local_rank, *spec["common"], "--output-dir", str(out / name), *flags])
+                results[name] = {"exit": 0, "group_before": group_before}
+            except SystemExit as e:  # a UserError, printed by finetune.main's handler
+                results[name] = {"exit": e.code if isinstance(e.code, int) else 1, "group_before": group_before}
         print(f"layouts: {name} exit {results[name]['exit']}", file=sys.stderr, flush=True)
 
     if int(os.environ.get("RANK", "0")) == 0:

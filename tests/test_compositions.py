@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from conftest import build_model_dir
-from distributed import launch, parity_args, records, run_once
+from distributed import launch_layouts, parity_args, records, run_stdout
 from safetensors.torch import load_file
 
 PACKED = ["--packing", "--seq-len", "160"]  # 16 rows of about two documents: 2 global batches of 8
@@ -61,21 +61,39 @@ def mha_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, mha_model, data_files):
-    """(layout, method) -> output dir; 'single' (and 'single_packed', 'single_mha') the one-process
-    references. Every run saves checkpoint-2 and checkpoint-4, which the resume test continues from."""
-    get = run_once(tmp_path_factory)
+    """(layout, method) -> output dir, and (layout, method, "resumed") for the resumed runs; 'single'
+    (and 'single_packed', 'single_mha') the one-process references. One launch per world size
+    (tests/layouts.py): the references in one process, every 4-rank layout (and the resumes from their
+    checkpoint-2, after the run that wrote it) in one 4-rank torchrun, 3d in one 8-rank torchrun. Every
+    run saves checkpoint-2 and checkpoint-4."""
+    args = parity_args(tiny_model, data_files["chat"], "unused", "full")
+    i = args.index("--output-dir")
+    common = args[:i] + args[i + 2:] + ["--save-every", "2"]
+    pairs = [(lay, m) for lay in LAYOUTS for m in METHODS.get(lay, ["full", "lora"])]
     references = {"single": ["--micro-batch-size", "8"], **dict(REFERENCE.values())}
 
-    def run(layout, method):
-        if layout in references:
-            extra, nproc = references[layout], 1
-        else:
-            extra, nproc = LAYOUTS[layout][0], RANKS.get(layout, 4)
-        model = mha_model if layout in ("cp2_tp2", "single_mha") else tiny_model
-        return get((layout, method), lambda out: parity_args(model, data_files["chat"], out, method)
-                   + ["--save-every", "2", *extra], nproc=nproc)
+    def flags(layout, method):
+        model = ["--model", str(mha_model)] if layout in ("cp2_tp2", "single_mha") else []
+        extra = references[layout] if layout in references else LAYOUTS[layout][0]
+        return ["--method", method, *model, *extra]
 
-    return run
+    def name(*key):
+        return "_".join(key)
+
+    groups = {1: {name(REFERENCE.get(lay, ("single",))[0], m): flags(REFERENCE.get(lay, ("single",))[0], m)
+                  for lay, m in pairs}, 4: {}, 8: {}}
+    roots = {n: tmp_path_factory.mktemp(f"ranks{n}") for n in groups}
+    for lay, m in pairs:
+        n = RANKS.get(lay, 4)
+        groups[n][name(lay, m)] = flags(lay, m)
+        if RESUMED.get(lay) == m:
+            groups[n][name(lay, m, "resumed")] = flags(lay, m) + ["--resume", str(roots[n] / name(lay, m) / "checkpoint-2")]
+    outs = {}
+    for n, group in groups.items():
+        for key, r in launch_layouts(roots[n], common, group, nproc=n, launcher="python" if n == 1 else "torchrun").items():
+            assert r["exit"] == 0, f"{key}:\n{(roots[n] / 'stderr.txt').read_text()[-4000:]}"
+            outs[key] = r["out"]
+    return lambda *key: outs[name(*key)]
 
 
 def final_weights(out, method):
@@ -95,7 +113,7 @@ def test_composed_layout_matches_one_process(runs, layout, method):
     for k in want_w:
         torch.testing.assert_close(got_w[k], want_w[k], atol=1e-5, rtol=0, msg=f"{layout}/{method}: {k}")
     assert json.loads((out / "integrity.json").read_text())["ok"]
-    assert LAYOUTS[layout][1] in (out / "stdout.txt").read_text()
+    assert LAYOUTS[layout][1] in run_stdout(out)
 
 
 @pytest.mark.parametrize("layout, method", [(lay, m) for lay in LAYOUTS for m in METHODS.get(lay, ["full", "lora"])])
@@ -128,16 +146,12 @@ def test_planner_predicts_every_ranks_model_state(runs, tiny_model, mha_model, l
 
 
 @pytest.mark.parametrize("layout", list(RESUMED))
-def test_composed_layout_resumes_exactly(runs, tiny_model, data_files, tmp_path, layout):
+def test_composed_layout_resumes_exactly(runs, layout):
     """Per-rank optimizer state of FSDP2 shards of TP slices / pipeline stages of TP slices: continuing
     from checkpoint-2 in the same layout reproduces the uninterrupted run's steps 3-5 and weights."""
     method = RESUMED[layout]
-    full = runs(layout, method)
-    out = tmp_path / "resumed"
-    p = launch(parity_args(tiny_model, data_files["chat"], out, method)
-               + [*LAYOUTS[layout][0], "--resume", str(full / "checkpoint-2")], nproc=RANKS.get(layout, 4))
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "continuing at step 3" in p.stdout
+    full, out = runs(layout, method), runs(layout, method, "resumed")
+    assert "continuing at step 3" in run_stdout(out)
     got = [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
     want = [(r["step"], r["loss"]) for r in records(full) if "loss" in r and r["step"] >= 3]
     assert [s for s, _ in got] == [3, 4, 5]

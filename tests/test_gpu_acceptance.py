@@ -14,7 +14,7 @@ PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing"
 
 
 def snapshot() -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in BENCH.iterdir()} if BENCH.is_dir() else {}
+    return {str(p.relative_to(BENCH)): p.read_bytes() for p in BENCH.rglob("*") if p.is_file()} if BENCH.is_dir() else {}
 
 
 def test_smoke_runs_every_part(tmp_path):

@@ -237,10 +237,12 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch_files")
     (d / "ds_plain.json").write_text(json.dumps(DS_PLAIN))
     (d / "ds_own.json").write_text(json.dumps(DS_OWN))
-    for name, zero, fsdp, sharding in (("zero2", 2, False, "full"), ("zero3", 3, False, "full"), ("fsdp", None, True, "full"),
-                                       ("fsdp_grad_op", None, True, "grad_op")):
-        for n in (1, 2):  # the toolkit's own accelerate-config output
-            (d / f"acc_{name}_{n}.yaml").write_text(yaml.safe_dump(accelerate_yaml(zero, "none", fsdp, sharding, n)))
+    from toolkit.__main__ import main as cli
+
+    for name, flags in (("zero2", ["--zero-stage", "2"]), ("zero3", ["--zero-stage", "3"]),
+                        ("fsdp_grad_op", ["--fsdp", "--fsdp-sharding", "grad_op"])):
+        for n in (1, 2):  # the toolkit's own `python -m toolkit accelerate-config` output
+            cli(["accelerate-config", *flags, "--num-processes", str(n), "--output", str(d / f"acc_{name}_{n}.yaml")])
     acc = accelerate_yaml(None, "none", False, "full", 2)
     acc.update(distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(d / "ds_plain.json"),
                                                                 "zero3_init_flag": False})

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from distributed import parity_args, records, run_once
+from distributed import launch_layouts, parity_args, records, run_stdout
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
 from toolkit.train.loss import chunked_loss_sum, token_loss_sum
@@ -68,27 +68,42 @@ def test_peak_probe_is_positive_finite_and_warmed_up():
     assert time.perf_counter() - t0 >= 0.1  # warm-up and timing are time-bounded, not a fixed few calls
 
 
+MB8, SHARDED = ["--micro-batch-size", "8"], ["--micro-batch-size", "2", "--grad-accum", "2"]
+WHOLE = ["--micro-batch-size", "64", "--max-steps", "3"]  # the whole dataset in one step
+# (name, method, loss) -> (ranks, flags)
+RUNS = {**{("single", m, loss): (1, MB8) for m in ("full", "lora") for loss in ("full", "chunked")},
+        ("whole", "full", "full"): (1, WHOLE), ("whole_packed", "full", "full"): (1, [*WHOLE, "--packing"]),
+        ("zero3", "full", "chunked"): (2, [*SHARDED, "--zero-stage", "3"]),
+        ("fsdp", "full", "chunked"): (2, [*SHARDED, "--fsdp"])}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, data_files):
-    once = run_once(tmp_path_factory)
-    return lambda name, method, loss, nproc=1, extra=(): once(
-        (name, method, loss), lambda out: parity_args(tiny_model, data_files["chat"], out, method) + ["--loss", loss, *extra],
-        nproc=nproc)
+    """(name, method, loss) -> output dir: the one-process runs in one launch, the 2-rank ones in another."""
+    args = parity_args(tiny_model, data_files["chat"], "unused", "full")
+    i = args.index("--output-dir")
+    common, outs = args[:i] + args[i + 2:], {}
+    for n in (1, 2):
+        group = {"_".join(k): ["--method", k[1], "--loss", k[2], *flags] for k, (ranks, flags) in RUNS.items() if ranks == n}
+        root = tmp_path_factory.mktemp(f"perf{n}")
+        for name, r in launch_layouts(root, common, group, nproc=n, launcher="python" if n == 1 else "torchrun").items():
+            assert r["exit"] == 0, f"{name}:\n{(root / 'stderr.txt').read_text()[-3000:]}"
+            outs[name] = r["out"]
+    return lambda name, method, loss: outs[f"{name}_{method}_{loss}"]
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_chunked_loss_trains_like_full_logits(runs, method):
-    ref = [r["loss"] for r in records(runs("single", method, "full", extra=["--micro-batch-size", "8"]))]
-    got = [r["loss"] for r in records(runs("single", method, "chunked", extra=["--micro-batch-size", "8"]))]
+    ref = [r["loss"] for r in records(runs("single", method, "full"))]
+    got = [r["loss"] for r in records(runs("single", method, "chunked"))]
     assert len(got) == 5 and got == pytest.approx(ref, abs=1e-5, rel=1e-5)
 
 
 @pytest.mark.parametrize("name, flags", [("zero3", ["--zero-stage", "3"]), ("fsdp", ["--fsdp"])])
 def test_chunked_loss_under_sharded_weights(runs, name, flags):
     """The loss runs inside the LM head's forward, where ZeRO-3/FSDP have gathered its weight."""
-    ref = [r["loss"] for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"]))]
-    got = [r["loss"] for r in records(runs(name, "full", "chunked", nproc=2,
-                                           extra=["--micro-batch-size", "2", "--grad-accum", "2", *flags]))]
+    ref = [r["loss"] for r in records(runs("single", "full", "full"))]
+    got = [r["loss"] for r in records(runs(name, "full", "chunked"))]
     assert len(got) == 5 and got == pytest.approx(ref, rel=1e-4)
 
 
@@ -98,8 +113,8 @@ def test_zero3_run_prints_no_library_noise_and_counts_the_whole_model(runs, tiny
     from toolkit.models import human
     from toolkit.planner.params import count_params
 
-    out = runs("zero3", "full", "chunked", nproc=2, extra=["--micro-batch-size", "2", "--grad-accum", "2", "--zero-stage", "3"])
-    text = (out / "stdout.txt").read_text() + (out / "stderr.txt").read_text()
+    out = runs("zero3", "full", "chunked")
+    text = run_stdout(out) + (out.parent / "stderr.txt").read_text()  # the launch's stderr: every run's
     for noise in ("Setting accelerator to CPU", "built successfully", "is deprecated", "gemm_4bit", "Warning"):
         assert noise not in text, noise
     total = count_params(json.loads((tiny_model / "config.json").read_text())).total
@@ -148,7 +163,7 @@ def test_mfu_above_one_comes_with_a_warning(tmp_path, tiny_model, data_files, mo
 
 
 def test_mfu_is_in_every_training_record(runs):
-    recs = [r for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"])) if "loss" in r]
+    recs = [r for r in records(runs("single", "full", "full")) if "loss" in r]
     assert recs and all(0 < r["mfu"] < 1 and r["peak_flops"] > 0 for r in recs)
     for r in recs:
         assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
@@ -160,8 +175,8 @@ def test_mfu_counts_the_head_only_where_the_chunked_loss_runs_it(runs, tiny_mode
     from transformers import AutoModelForCausalLM
 
     head = head_params(AutoModelForCausalLM.from_pretrained(tiny_model))
-    full = [r for r in records(runs("single", "full", "full", extra=["--micro-batch-size", "8"])) if "loss" in r]
-    chunked = [r for r in records(runs("single", "full", "chunked", extra=["--micro-batch-size", "8"])) if "loss" in r]
+    full = [r for r in records(runs("single", "full", "full")) if "loss" in r]
+    chunked = [r for r in records(runs("single", "full", "chunked")) if "loss" in r]
     assert len(full) == len(chunked)
     for f, c in zip(full, chunked):
         assert f["flops_per_token"] - 6 * head < c["flops_per_token"] < f["flops_per_token"]
@@ -227,9 +242,8 @@ def test_packed_batch_gives_the_unpacked_loss_and_gradients(tiny_model, attn):
 def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):
     """Global batch = the whole dataset (32 examples), so packing changes only the layout: the same
     per-step losses (3 steps, full finetune)."""
-    ref = [r["loss"] for r in records(runs("whole", "full", "full", extra=["--micro-batch-size", "64", "--max-steps", "3"]))]
-    got = [r["loss"] for r in records(runs("whole_packed", "full", "full",
-                                           extra=["--micro-batch-size", "64", "--max-steps", "3", "--packing"]))]
+    ref = [r["loss"] for r in records(runs("whole", "full", "full"))]
+    got = [r["loss"] for r in records(runs("whole_packed", "full", "full"))]
     assert len(got) == 3 and got == pytest.approx(ref, abs=1e-5, rel=1e-5)
 
 

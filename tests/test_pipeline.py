@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from conftest import CHATML, build_model_dir
-from distributed import parity_args, records, run_once
+from distributed import batched_runs, common_args, records, run_stdout
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -244,12 +244,14 @@ def runs(tmp_path_factory, tied_model, data_files):
                "gpipe2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2"]),
                "1f1b2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "4", "--pp-schedule", "1f1b"]),
                "pp2_dp2": (4, ["--micro-batch-size", "2", "--pp", "2", "--pp-microbatches", "2"])}
-    get = run_once(tmp_path_factory)
+    used = [("single", "full"), ("single", "lora"), ("naive2_time", "full"), ("gpipe2", "full"), ("1f1b2", "full"),
+            ("1f1b2", "lora"), ("pp2_dp2", "full")]
+    get = batched_runs(tmp_path_factory, common_args(tied_model, data_files["chat"]),
+                       {(lay, m): (layouts[lay][0], ["--method", m, *layouts[lay][1]]) for lay, m in used})
 
     def run(layout, method):
-        out = get((layout, method), lambda out: parity_args(tied_model, data_files["chat"], out, method) + layouts[layout][1],
-                  nproc=layouts[layout][0])
-        return out, (out / "stdout.txt").read_text()
+        out = get(layout, method)
+        return out, run_stdout(out)
 
     return run
 

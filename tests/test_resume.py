@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from distributed import ROOT, free_port, launch, records, run_once
+from distributed import ROOT, batched_runs, free_port, launch, launch_layouts, records
 
 
 def args(model, data, out, method="lora", steps=8, extra=()) -> list[str]:
@@ -58,11 +58,19 @@ def data(data_files):
     return data_files["alpaca"]
 
 
+def flags(model, data, method="lora", steps=8, extra=()) -> list[str]:
+    """`args` without the output folder, for runs launched together (launch_layouts)."""
+    argv = args(model, data, "unused", method, steps, extra)
+    i = argv.index("--output-dir")
+    return argv[:i] + argv[i + 2:]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, data):
-    """Uninterrupted runs, by (method, processes)."""
-    once = run_once(tmp_path_factory)
-    return lambda method="lora", nproc=1: once(("ref", method, nproc), lambda out: args(tiny_model, data, out, method), nproc)
+    """Uninterrupted runs, by (method, processes): one launch per process count."""
+    get = batched_runs(tmp_path_factory, [], {(m, n): (n, flags(tiny_model, data, m)) for m, n in
+                                              (("lora", 1), ("full", 1), ("lora", 2))})
+    return lambda method="lora", nproc=1: get(method, nproc)
 
 
 KILL_STEPS = random.Random(0).sample([3, 4, 5, 6, 7], 1)
@@ -224,30 +232,47 @@ LAYOUTS = {"pp2": ["--pp", "2", "--pp-microbatches", "2"], "tp2": ["--tp", "2"],
            "zero2_offload": ["--zero-stage", "2", "--offload", "optimizer"], "fsdp": ["--fsdp"]}
 
 
-@pytest.mark.parametrize("name, method", [("zero3", "full"), ("zero3", "lora"), ("zero2_offload", "lora")])
-def test_parallel_runs_resume(tmp_path, tiny_model, data, name, method):
+PARALLEL = [("zero3", "full"), ("zero3", "lora"), ("zero2_offload", "lora")]
+
+
+@pytest.fixture(scope="module")
+def parallel_resumed(tmp_path_factory, tiny_model, data):
+    """(name, method) -> (uninterrupted run, resumed run), 2 ranks, 6 steps, in three launches: the
+    uninterrupted runs together; ZeRO-3 full killed at step 3 (rank 1); then every resume together.
+    The others resume from a copy of their uninterrupted run with the steps after checkpoint-2 taken
+    away (what a kill leaves is the same checkpoint; the kill itself is tested once, and for DDP above)."""
+    def key(name, method):
+        return f"{name}_{method}"
+
+    refs = launch_layouts(tmp_path_factory.mktemp("parallel_ref"), [],
+                          {key(n, m): flags(tiny_model, data, m, 6, LAYOUTS[n]) for n, m in PARALLEL}, nproc=2)
+    assert all(r["exit"] == 0 for r in refs.values()), refs
+    root = tmp_path_factory.mktemp("parallel_resumed")
+    killed = root / key("zero3", "full")
+    p = run(args(tiny_model, data, killed, "full", steps=6, extra=LAYOUTS["zero3"]), nproc=2,
+            env={"TOOLKIT_FAULT": "step:3:rank=1"})
+    assert p.returncode != 0
+    for n, m in PARALLEL[1:]:
+        shutil.copytree(refs[key(n, m)]["out"], root / key(n, m))
+        for later in ("checkpoint-4", "final"):
+            shutil.rmtree(root / key(n, m) / later)
+    resumed = launch_layouts(root, [], {key(n, m): flags(tiny_model, data, m, 6, [*LAYOUTS[n], "--resume", "auto"])
+                                        for n, m in PARALLEL}, nproc=2)
+    return {(n, m): (refs[key(n, m)]["out"], resumed[key(n, m)]) for n, m in PARALLEL}
+
+
+@pytest.mark.parametrize("name, method", PARALLEL)
+def test_parallel_runs_resume(parallel_resumed, name, method):
     """DeepSpeed's own format: ZeRO partitions (fp32 masters and Adam moments per rank), weights
     restored before the split: the group resumed from checkpoint-2 matches the uninterrupted run of
-    the same strategy within 1e-6 (losses and final weights). ZeRO-3 full resumes after a rank is
-    killed at step 3; the others resume from the uninterrupted run's own checkpoint-2, the steps
-    after it taken away (what a kill leaves is the same checkpoint; the kill itself is tested there
-    and for DDP above). The sharded layouts (TP, PP, FSDP2) resume on their own and other layouts in
-    tests/test_reshard.py. A ZeRO-3 LoRA checkpoint holds the adapter, not the frozen base, and its
-    rank files the adapter's fp32 masters and Adam moments once (at most 1.05x)."""
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    layout = LAYOUTS[name]
-    p = run(args(tiny_model, data, ref, method, steps=6, extra=layout), nproc=2)
-    assert p.returncode == 0, p.stderr[-3000:]
-    if (name, method) == ("zero3", "full"):
-        p = run(args(tiny_model, data, out, method, steps=6, extra=layout), nproc=2, env={"TOOLKIT_FAULT": "step:3:rank=1"})
-        assert p.returncode != 0
-    else:
-        shutil.copytree(ref, out)
-        for later in ("checkpoint-4", "final"):
-            shutil.rmtree(out / later)
-    p = run(args(tiny_model, data, out, method, steps=6, extra=[*layout, "--resume", "auto"]), nproc=2)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "checkpoint-2: continuing at step 3" in p.stdout
+    the same strategy within 1e-6 (losses and final weights). The sharded layouts (TP, PP, FSDP2)
+    resume on their own and other layouts in tests/test_reshard.py. A ZeRO-3 LoRA checkpoint holds
+    the adapter, not the frozen base, and its rank files the adapter's fp32 masters and Adam moments
+    once (at most 1.05x)."""
+    ref, resumed = parallel_resumed[(name, method)]
+    assert resumed["exit"] == 0, (resumed["out"].parent / "stderr.txt").read_text()[-3000:]
+    out = resumed["out"]
+    assert "checkpoint-2: continuing at step 3" in resumed["stdout"].read_text()
     assert_matches(out, ref, method, steps=6)
     if (name, method) == ("zero3", "lora"):
         adapter = sum(v.numel() * 4 for v in weights(ref).values())

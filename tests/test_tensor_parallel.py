@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from distributed import parity_args, records, run_distributed, run_once
+from distributed import batched_runs, common_args, records, run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -297,9 +297,10 @@ def runs(tmp_path_factory, tiny_model, data_files):
                "tp2_gc": (2, ["--tp", "2", "--micro-batch-size", "8", "--gradient-checkpointing"]),
                "single_dropout": (1, ["--micro-batch-size", "8", "--lora-dropout", "0.1"]),
                "tp2_dropout": (2, ["--tp", "2", "--micro-batch-size", "8", "--lora-dropout", "0.1"])}
-    get = run_once(tmp_path_factory)
-    return lambda layout, method: get((layout, method), lambda out: parity_args(tiny_model, data_files["chat"], out, method)
-                                      + layouts[layout][1], nproc=layouts[layout][0])
+    used = [("single", "full"), ("single", "lora"), ("tp2", "full"), ("tp2", "lora"), ("tp2_dp2", "full"),
+            ("tp2_dp2", "lora"), ("tp2_gc", "lora"), ("single_dropout", "lora"), ("tp2_dropout", "lora")]
+    return batched_runs(tmp_path_factory, common_args(tiny_model, data_files["chat"]),
+                        {(lay, m): (layouts[lay][0], ["--method", m, *layouts[lay][1]]) for lay, m in used})
 
 
 @pytest.mark.parametrize("layout, method", [("tp2", "full"), ("tp2", "lora"), ("tp2_dp2", "full"),
