@@ -5,7 +5,8 @@ Method. Every figure is a fresh `python` process, as a user runs it, with warm c
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
 timed `--repeats` times and the median reported. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
-and "imports and config" is the time from the process's start to the first of them. `-X importtime` of a
+and "imports and config" is the time from the process's start to the first of them; `main()` is called
+with no argv, as the command line calls it. `-X importtime` of a
 further run gives the self time of each top-level package imported.
 
     python scripts/bench_startup.py [--repeats 5]
@@ -51,7 +52,8 @@ def wrap(owner, name):
     setattr(owner, name, timed)
 for mod, name in {phases!r}:  # parse_config is imported into finetune at module level
     wrap(finetune if mod == "toolkit.config" else importlib.import_module(mod), name)
-finetune.main({argv!r})
+sys.argv = ["finetune.py", *{argv!r}]
+finetune.main()  # as the command line calls it (no argv: the process is the run's own)
 print(json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() - t0}}))
 """
 

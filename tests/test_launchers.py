@@ -18,7 +18,7 @@ import os
 
 import pytest
 import yaml
-from distributed import launch, launch_layouts, parity_args, records
+from distributed import common_args, launch, launch_layouts, records
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
@@ -222,9 +222,7 @@ def test_user_config_problems_accepts_the_shipped_variants():
 # ----------------------------------------------------------------------------- every launch form trains
 
 def _common(model, data) -> list[str]:
-    args = parity_args(model, data, "unused", "lora")
-    i = args.index("--output-dir")
-    return args[:i] + args[i + 2:] + ["--max-steps", "2"]
+    return common_args(model, data) + ["--method", "lora", "--max-steps", "2"]
 
 
 def _batch(nproc: int) -> list[str]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from distributed import launch_layouts, parity_args, records, run_stdout
+from distributed import batched_runs, common_args, parity_args, records, run_stdout
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
 from toolkit.train.loss import chunked_loss_sum, token_loss_sum
@@ -80,16 +80,8 @@ RUNS = {**{("single", m, loss): (1, MB8) for m in ("full", "lora") for loss in (
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, data_files):
     """(name, method, loss) -> output dir: the one-process runs in one launch, the 2-rank ones in another."""
-    args = parity_args(tiny_model, data_files["chat"], "unused", "full")
-    i = args.index("--output-dir")
-    common, outs = args[:i] + args[i + 2:], {}
-    for n in (1, 2):
-        group = {"_".join(k): ["--method", k[1], "--loss", k[2], *flags] for k, (ranks, flags) in RUNS.items() if ranks == n}
-        root = tmp_path_factory.mktemp(f"perf{n}")
-        for name, r in launch_layouts(root, common, group, nproc=n, launcher="python" if n == 1 else "torchrun").items():
-            assert r["exit"] == 0, f"{name}:\n{(root / 'stderr.txt').read_text()[-3000:]}"
-            outs[name] = r["out"]
-    return lambda name, method, loss: outs[f"{name}_{method}_{loss}"]
+    return batched_runs(tmp_path_factory, common_args(tiny_model, data_files["chat"]),
+                        {k: (ranks, ["--method", k[1], "--loss", k[2], *flags]) for k, (ranks, flags) in RUNS.items()})
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])

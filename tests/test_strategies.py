@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from distributed import launch_layouts, parity_args, records
+from distributed import batched_runs, common_args, parity_args, records
 from safetensors.torch import load_file
 
 STRATEGIES = {
@@ -22,35 +22,24 @@ STRATEGIES = {
 }
 
 
-def _common(model, data) -> list[str]:
-    """parity_args without an output folder (each run gets its own); a run's --method follows and wins."""
-    args = parity_args(model, data, "unused", "full")
-    i = args.index("--output-dir")
-    return args[:i] + args[i + 2:]
-
-
-def _outs(runs: dict) -> dict:
-    for name, r in runs.items():
-        assert r["exit"] == 0, f"{name}:\n{(r['out'].parent / 'stderr.txt').read_text()[-3000:]}"
-    return {name: r["out"] for name, r in runs.items()}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, data_files):
+    """One process with micro-batch 8 (both methods in one launch), and every (strategy, method) on 2
+    ranks with micro-batch 2 x accumulation 2, all in one torchrun launch (tests/layouts.py)."""
+    specs = {("ref", m): (1, ["--method", m, "--micro-batch-size", "8"]) for m in ("full", "lora")}
+    specs.update({(name, m): (2, ["--method", m, "--micro-batch-size", "2", "--grad-accum", "2", *flags])
+                  for name, flags in STRATEGIES.items() for m in ("full", "lora")})
+    return batched_runs(tmp_path_factory, common_args(tiny_model, data_files["chat"]), specs)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model, data_files):
-    """One process, micro-batch 8: both methods in one launch."""
-    return _outs(launch_layouts(tmp_path_factory.mktemp("ref"), _common(tiny_model, data_files["chat"]),
-                                {m: ["--method", m, "--micro-batch-size", "8"] for m in ("full", "lora")},
-                                launcher="python"))
+def reference(runs):
+    return {m: runs("ref", m) for m in ("full", "lora")}
 
 
 @pytest.fixture(scope="module")
-def strategy_runs(tmp_path_factory, tiny_model, data_files):
-    """Every (strategy, method) on 2 ranks, all in one torchrun launch (tests/layouts.py)."""
-    outs = _outs(launch_layouts(tmp_path_factory.mktemp("strategies"), _common(tiny_model, data_files["chat"])
-                                + ["--micro-batch-size", "2", "--grad-accum", "2"],
-                                {f"{name}_{m}": ["--method", m, *flags] for name, flags in STRATEGIES.items()
-                                 for m in ("full", "lora")}, nproc=2, launcher="torchrun"))
-    return lambda name, method: outs[f"{name}_{method}"]
+def strategy_runs(runs):
+    return runs
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
