@@ -5,7 +5,7 @@ Each (cp, sequence length) runs in fresh processes. A rank builds the model, tak
 warm-up step (gradients and AdamW state now exist), then one step at the full length with its
 S/cp slice of the sequence. Per rank it records:
 - saved: bytes autograd keeps for backward (`torch.autograd.graph.saved_tensors_hooks`, each
-  storage once): the activations the planner's `activation_bytes` predicts;
+  storage once): the activations the planner's terms (`toolkit.planner.saved`) predict;
 - peak rise: how far the process's resident memory rises over forward + backward (RSS sampled
   every 2 ms, against the RSS before them), and its activation part: that rise less the rise of the
   same step at 64 tokens per rank (the LM head's gradient and other buffers that do not grow with S);
@@ -153,11 +153,12 @@ def run(cp: int, layers: int, seq: int) -> dict:
 
 def predicted_activation_bytes(layers: int, seq: int, cp: int) -> int:
     """The planner's figure for the same run (toolkit.planner: cp rows use s/cp tokens per rank)."""
-    from toolkit.planner.memory import activation_bytes
+    from toolkit.planner import saved
 
+    h, d = SHAPES["hidden_size"], saved.dtypes("full", "no", device="cpu")
     kv = SHAPES["num_key_value_heads"] * SHAPES["head_dim"]
-    return activation_bytes(layers, SHAPES["hidden_size"], SHAPES["intermediate_size"], kv, 1, -(-seq // cp), 4, False,
-                            rope=2 * SHAPES["head_dim"])
+    block = saved.block(h, SHAPES["intermediate_size"], kv, SHAPES["num_attention_heads"], d)
+    return -(-seq // cp) * (layers * block + saved.outside_blocks(h, SHAPES["head_dim"], d))
 
 
 def longest_within(rows: list[dict], budget: int) -> tuple[int | None, int | None]:
@@ -180,7 +181,7 @@ def render(rows: list[dict], budget: int, layers: int) -> str:
              "micro-batch 1, targets on the last 1/8 of each sequence, one step after a warm-up; gloo ranks on a "
              "2-core CPU. Per rank (the worst): the RSS rise over forward + backward, its activation part (less the "
              "same step's rise at 64 tokens per rank), the bytes autograd saved (weights excluded), and the planner's "
-             "predicted activations (`toolkit.planner.memory.activation_bytes` at S/cp tokens).", "",
+             "predicted activations (`toolkit.planner.saved`'s terms at S/cp tokens).", "",
              "| S | cp | peak rise MiB | activation part MiB | vs cp1 | saved MiB | planner MiB | planner / saved | "
              "planner / activation part | tokens/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in seqs:

@@ -3,7 +3,10 @@
 
 Method. Every figure is a fresh `python` process, as a user runs it, with warm caches (the run's tokenized
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
-timed `--repeats` times and the median reported. The phases come from one more run of `finetune.main` in
+timed `--repeats` times and the median reported, beside the floor no toolkit change can go under:
+a process that only imports what the run needs (torch, the model's transformers class, peft,
+accelerate, pyarrow; bitsandbytes and DeepSpeed left out as `toolkit.startup` does), timed the same
+way, interleaved with the runs. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
 and "imports and config" is the time from the process's start to the first of them; `main()` is called
 with no argv, as the command line calls it. `-X importtime` of a
@@ -33,6 +36,10 @@ PHASES = [("toolkit.config", "parse_config"), ("toolkit.models", "check_model"),
           ("toolkit.parallel.strategy", "make_strategy"), ("toolkit.models", "load_model"),
           ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
           ("toolkit.train.integrity", "verify_saved"), ("toolkit.train.output", "summarize")]
+
+# what the run imports, with the packages toolkit.startup leaves unimported left out the same way
+FLOOR = ("import sys; sys.modules.update(bitsandbytes=None, deepspeed=None); "
+         "import torch, accelerate, peft, pyarrow; from transformers import LlamaForCausalLM")
 
 PHASE_RUN = """
 import importlib, json, sys, time
@@ -99,7 +106,11 @@ def main() -> None:
     run = [sys.executable, str(ROOT / "finetune.py"), *argv]
     timed(run, env)  # cold: tokenizes into the cache; not counted
     help_s = [timed([sys.executable, str(ROOT / "finetune.py"), "--help"], env) for _ in range(a.repeats)]
-    run_s = [timed(run, env) for _ in range(a.repeats)]
+    floor = [sys.executable, "-c", FLOOR]
+    run_s, floor_s = [], []
+    for _ in range(a.repeats):  # interleaved: the machine's drift falls on both alike
+        run_s.append(timed(run, env))
+        floor_s.append(timed(floor, env))
     script = PHASE_RUN.format(root=str(ROOT), phases=PHASES, argv=argv)
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -111,6 +122,7 @@ def main() -> None:
     out = {"device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__, "python": sys.version.split()[0],
            "repeats": a.repeats, "help_seconds": {"median": statistics.median(help_s), "all": help_s},
            "tiny_run_seconds": {"median": statistics.median(run_s), "all": run_s},
+           "import_floor_seconds": {"median": statistics.median(floor_s), "all": floor_s, "command": FLOOR},
            "phase_run": phases, "import_self_seconds_by_package": imports,
            "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
     (BENCH / "startup.json").write_text(json.dumps(out, indent=2))
@@ -121,7 +133,10 @@ def main() -> None:
              f"| `finetune.py --help` | {out['help_seconds']['median']:.2f} | "
              f"{', '.join(f'{x:.2f}' for x in help_s)} | < 0.5 |",
              f"| tiny run, wall | {out['tiny_run_seconds']['median']:.2f} | "
-             f"{', '.join(f'{x:.2f}' for x in run_s)} | < 6 |", "",
+             f"{', '.join(f'{x:.2f}' for x in run_s)} | < 6 |",
+             f"| floor: `python -c \"{FLOOR}\"` | {out['import_floor_seconds']['median']:.2f} | "
+             f"{', '.join(f'{x:.2f}' for x in floor_s)} | |",
+             f"| tiny run above the floor | {statistics.median(run_s) - statistics.median(floor_s):.2f} | | |", "",
              "One more run, by phase (seconds; `finetune.main`'s calls, each wrapped with a timer):", "",
              "| phase | seconds |", "|---|---|",
              f"| interpreter start, imports, `finetune.main` up to its first call | {phases['to_first_phase']:.2f} |"]

@@ -6,10 +6,11 @@ Parts (`--parts`, comma-separated, default all; each under 9 minutes on one H100
         alternating rounds, the same batches), full and LoRA, on a SmolLM2-135M-shaped and a
         Llama-3.2-1B-shaped model; MFU against the measured bf16 matmul peak.
         Targets: toolkit / raw >= 1.0 and toolkit / Trainer >= 1.0; MFU >= 0.40 on the 1B full run.
-  memory        the planner's per-GPU bytes (toolkit.planner.plan.estimate, DDP row, without the CUDA
-        context and allocator slack it adds) against torch.cuda.max_memory_allocated over training
-        steps: full, LoRA and QLoRA (when bitsandbytes imports), with and without gradient
-        checkpointing, at three sequence lengths. Target: within 10%.
+  memory        the planner's allocator peak (toolkit.planner.plan.estimate's bytes.allocated, DDP row:
+        no CUDA context or allocator reserve) against torch.cuda.max_memory_allocated over training
+        steps: full, LoRA and QLoRA (when bitsandbytes imports) of the 135M shape, with and without
+        gradient checkpointing, at three sequence lengths; LoRA of the 1B and 8B Llama shapes at 2048
+        tokens. Target: within 10%.
   chunked_loss  `--loss chunked` against `--loss full` with a Llama-3 head (vocab 128,256): peak
         memory, median step time, and the same losses (bf16 tolerance).
   packing       packed rows give the unpacked loss (bf16 tolerance) under SDPA, and FlashAttention-2
@@ -73,9 +74,13 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
                 max_position_embeddings=8192)
 LLAMA3_HEAD = {**LLAMA_1B, "num_hidden_layers": 2}  # the head dominates: what the loss choice changes
+# meta-llama/Meta-Llama-3-8B's config.json
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                max_position_embeddings=8192)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, tie_word_embeddings=False, max_position_embeddings=512)
-SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B, "llama3-head": LLAMA3_HEAD}
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B, "llama3-head": LLAMA3_HEAD, "llama-8b": LLAMA_8B}
 SMOKE_SHAPES = {"smollm2-135m": TINY, "llama-1b": {**TINY, "num_hidden_layers": 3},
                 "llama3-head": {**TINY, "vocab_size": 4096}}
 TOL = {"bf16": 2e-2, "no": 1e-4}  # relative loss agreement: bf16 autocast orders sums differently; fp32 to rounding
@@ -384,33 +389,39 @@ def part_throughput(run: Run, model: str) -> dict:
 
 
 def part_memory(run: Run) -> dict:
+    """The planner's allocator peak (`bytes.allocated` of the run's one-GPU layout) against
+    torch.cuda.max_memory_allocated from after the model load: the 18 SmolLM2-135M cases (full, LoRA,
+    QLoRA x 512-4096 tokens x checkpointing, micro batch 4), then LoRA of the 1B and 8B Llama shapes
+    at 2048 tokens with and without checkpointing (micro batch 4 and 1)."""
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.plan import PlanInput, estimate
 
-    model = "smollm2-135m"
-    shape = json.loads((Path(run.model(model)) / "config.json").read_text())
-    seqs, mb = ((32, 64), 2) if run.smoke else ((512, 2048, 4096), 4)
     methods = ["full", "lora"] + (["qlora"] if run.device == "cuda" and importable("bitsandbytes") else [])
     skipped = [] if "qlora" in methods else ["qlora: needs a CUDA GPU and bitsandbytes"]
-    cases, checks = [], []
+    grid = []  # (model, method, checkpointing, seq, micro batch)
+    seqs, mb = ((32, 64), 2) if run.smoke else ((512, 2048, 4096), 4)
     for method in methods:
         for gc in (False, True):
-            for seq in (seqs if not run.smoke else seqs[:1] if gc else seqs[1:]):
-                flags = ["--method", method] + (["--gradient-checkpointing"] if gc else [])
-                c = run.case(f"{method}{'_gc' if gc else ''}_s{seq}", model, flags, seq, mb, 3)
-                inp = PlanInput(model=shape, gpu_memory=80 * 2**30, gpus_per_node=1, method=method, seq_len=seq,
-                                micro_batch=mb, precision="bf16" if run.precision == "bf16" else "fp32",
-                                checkpointing=gc)
-                b = estimate(inp, STRATEGIES["ddp"], gc, mb).bytes
-                # what the allocator holds: everything but the CUDA context, DDP's buckets (one process
-                # has no DDP) and the allocator slack the planner adds for the reserved pool
-                c["predicted"] = {k: b[k] for k in ("weights", "grads", "optimizer", "activations", "logits")}
-                c["predicted_bytes"] = sum(c["predicted"].values())
-                cases.append(c)
-                if "error" not in c:
-                    ratio = c["predicted_bytes"] / c["peak"]["allocated"]
-                    checks.append(check(f"{c['name']} predicted / measured peak", ratio, "within", 0.10,
-                                        judged=run.device == "cuda"))
+            grid += [("smollm2-135m", method, gc, seq, mb) for seq in (seqs if not run.smoke else seqs[:1] if gc else seqs[1:])]
+    for model, big_mb in () if run.smoke else (("llama-1b", 4), ("llama-8b", 1)):  # the smoke run's path is the same
+        grid += [(model, "lora", gc, 2048, big_mb) for gc in (False, True)]
+    cases, checks = [], []
+    for model, method, gc, seq, mb in grid:
+        flags = ["--method", method] + (["--gradient-checkpointing"] if gc else [])
+        prefix = "" if model == "smollm2-135m" else model.replace("llama-", "l") + "_"
+        c = run.case(f"{prefix}{method}{'_gc' if gc else ''}_s{seq}", model, flags, seq, mb, 3)
+        shape = json.loads((Path(run.model(model)) / "config.json").read_text())
+        inp = PlanInput(model=shape, gpu_memory=80 * 2**30, gpus_per_node=1, method=method, seq_len=seq,
+                        micro_batch=mb, precision="bf16" if run.precision == "bf16" else "fp32", checkpointing=gc)
+        b = estimate(inp, STRATEGIES["ddp"], gc, mb).bytes
+        c["predicted"] = {k: b[k] for k in ("weights", "grads", "optimizer", "autocast_copies", "activations",
+                                            "logits")}
+        c["predicted_bytes"] = b["allocated"]  # the allocator's peak (saved.allocated_peak)
+        cases.append(c)
+        if "error" not in c:
+            ratio = c["predicted_bytes"] / c["peak"]["allocated"]
+            checks.append(check(f"{c['name']} predicted / measured peak", ratio, "within", 0.10,
+                                judged=run.device == "cuda"))
     return {"cases": cases, "checks": checks, "skipped": skipped}
 
 

@@ -209,7 +209,7 @@ def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, mon
     again, cached = tokenize_examples(convs, tokenizer, cfg)
     assert list(again) == list(rows) and cached.cached and not stats.cached
     two, hit = tokenized_table(convs * 30, tokenizer, 48, False, tmp_path / "two", workers=2)
-    assert not hit and two["input_ids"][:40] == [w.input_ids for w in want] and len(two) == 1200
+    assert not hit and two.column("input_ids").to_pylist()[:40] == [w.input_ids for w in want] and two.num_rows == 1200
 
 
 def test_no_examples_tokenize_to_no_rows(tokenizer, tmp_path, monkeypatch):
@@ -274,3 +274,33 @@ def test_bad_record_in_a_worker_is_one_line_naming_its_index(tokenizer, tmp_path
     with pytest.raises(UserError, match="record 1057 has no assistant turn"):
         prepare_data(cfg, tokenizer)
     assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]  # nothing half-built is kept
+
+
+def test_rows_read_the_mapped_table_as_pyarrow_does_across_chunks_and_slices():
+    """`Rows` reads list columns through numpy views of Arrow's buffers (not pyarrow's to_numpy, which
+    imports pandas): the same rows as pyarrow's own `to_pylist`, over several chunks and sliced ones."""
+    import numpy as np
+    import pyarrow as pa
+
+    from toolkit.data.table import Rows, column, table_stats
+
+    def part(seed, n):
+        rng = np.random.default_rng(seed)
+        ids = [rng.integers(0, 100, rng.integers(1, 9)).tolist() for _ in range(n)]
+        return pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())),
+                         "labels": pa.array([[-100] + x[1:] for x in ids], pa.list_(pa.int32())),
+                         "length": pa.array([len(x) for x in ids], pa.int32()),
+                         "targets": pa.array([len(x) - 1 for x in ids], pa.int32()),
+                         "truncated": pa.array([i % 3 == 0 for i in range(n)])})
+
+    table = pa.concat_tables([part(0, 7), part(1, 12).slice(3, 6), part(2, 5)])
+    assert table.column("input_ids").num_chunks == 3
+    want = table.to_pylist()
+    keep = np.array([0, 2, 8, 9, 17])
+    for rows, idx in ((Rows(table), range(len(want))), (Rows(table, keep), keep)):
+        assert [dict(r) for r in rows] == [{"input_ids": want[i]["input_ids"], "labels": want[i]["labels"]} for i in idx]
+        assert rows[-1] == rows[len(rows) - 1] and list(rows.lengths) == [want[i]["length"] for i in idx]
+    assert column(table, "truncated").tolist() == [int(r["truncated"]) for r in want]
+    stats, kept = table_stats(table)
+    assert stats.examples == 18 and stats.tokens == sum(r["length"] for r in want if r["targets"] > 0)
+    assert kept is None or list(kept) == [i for i, r in enumerate(want) if r["targets"] > 0]

@@ -146,12 +146,31 @@ def test_mfu_above_one_comes_with_a_warning(tmp_path, tiny_model, data_files, mo
     import finetune
 
     monkeypatch.setattr("toolkit.train.flops.measure_peak_flops", lambda device, dtype: 1e3)
-    out = tmp_path / "out"
-    finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
-    recs = [r for r in records(out) if "loss" in r]
-    assert all(r["mfu"] > 1 and r["peak_source"] == "measured" for r in recs)
-    said = [ln for ln in capsys.readouterr().out.splitlines() if "> 1: the peak was measured low" in ln]
-    assert len(said) == 1
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))  # no figure probed by an earlier run
+    for run in ("probed", "cached"):
+        out = tmp_path / run
+        finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
+        recs = [r for r in records(out) if "loss" in r]
+        assert all(r["mfu"] > 1 and r["peak_source"] == "measured" for r in recs)
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "> 1: the peak was measured low" in ln]
+        assert len(said) == 1 and ("peaks.json to measure it again" in said[0]) == (run == "cached")
+
+
+def test_peak_probe_runs_once_per_device_and_a_damaged_cache_is_probed_over(tmp_path, monkeypatch):
+    """The probe's figure is kept per device key; a second call reads it; a file that does not parse,
+    or holds no figure for this key, is probed again and rewritten."""
+    from toolkit.train.flops import cached_peak
+
+    calls = []
+    monkeypatch.setattr("toolkit.train.flops.measure_peak_flops", lambda d, t: calls.append(t) or 5e10)
+    path, cpu = tmp_path / "peaks.json", torch.device("cpu")
+    assert cached_peak(cpu, torch.float32, path) == (5e10, False)
+    assert cached_peak(cpu, torch.float32, path) == (5e10, True) and len(calls) == 1
+    assert cached_peak(cpu, torch.bfloat16, path) == (5e10, False) and len(calls) == 2  # another key
+    assert len(json.loads(path.read_text())) == 2
+    path.write_text("{not json")
+    assert cached_peak(cpu, torch.float32, path) == (5e10, False) and len(calls) == 3
+    assert cached_peak(cpu, torch.float32, path)[1]
 
 
 def test_mfu_is_in_every_training_record(runs):

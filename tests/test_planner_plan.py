@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +22,11 @@ def test_json_schema(capsys):
     assert {"ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_param",
             "fsdp_full", "fsdp_grad_op"} <= names
     for s in out["strategies"]:
-        assert set(s["bytes"]) == {"weights", "grads", "optimizer", "activations", "logits", "buffers", "total"}
-        assert s["bytes"]["total"] == sum(v for k, v in s["bytes"].items() if k != "total")
+        b = s["bytes"]
+        assert set(b) == {"weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers",
+                          "allocated", "total"}
+        assert b["buffers"] <= b["allocated"] <= sum(v for k, v in b.items() if k not in ("allocated", "total"))
+        assert b["allocated"] < b["total"] <= b["allocated"] * 1.1 + 2**30  # + the allocator's reserve and the context
         assert isinstance(s["fits"], bool) and isinstance(s["runnable"], bool) and s["step_seconds"] > 0
         assert s["dims"] is None or (set(s["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
                                      and s["dims"]["pp"] * s["dims"]["dp_replicate"] * s["dims"]["dp_shard"]
@@ -72,7 +76,7 @@ def test_offload_loses_to_what_fits_without_it_70b_lora_on_one_node(capsys):
     out = plan_json(capsys, "--model", "llama-3-70b", "--gpus-per-node", "8", "--nodes", "1", "--gpu-memory", "80GB",
                     "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1")
     rows = {(s["name"], s["checkpointing"]): s for s in out["strategies"]}
-    assert rows[("zero3_offload_param", False)]["fits"] and rows[("zero3", True)]["fits"]
+    assert rows[("zero3_offload", True)]["fits"] and rows[("zero3", True)]["fits"]
     assert not rows[("zero3", False)]["fits"]  # 1-D, only checkpointing or offload make room
     chosen = out["chosen_detail"]
     assert "offload" not in out["chosen"] and "--offload" not in out["flags"] and chosen["runnable"]
@@ -267,3 +271,26 @@ def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
     assert auto.parallel.__dict__ | {"strategy": "manual"} == printed.parallel.__dict__
     for k in ("gradient_checkpointing", "micro_batch_size", "grad_accum"):
         assert getattr(auto.train, k) == getattr(printed.train, k)
+
+
+def test_memory_model_within_10_percent_of_the_h100_cases():
+    """The 18 cases measured on one H100 (tests/data/h100_memory_cases.json, copied from
+    ../shared/gpu/h100-2026-11-24/memory.json): full, LoRA and QLoRA of the SmolLM2-135M shape at 512,
+    2048 and 4096 tokens x micro batch 4, with and without checkpointing. The planner's allocator peak
+    for the run's one-GPU layout against torch.cuda.max_memory_allocated; no term is fitted to them
+    (each is checked on its own in test_planner_activations.py)."""
+    import json
+
+    from toolkit.planner.memory import STRATEGIES
+    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.presets import PRESETS
+
+    data = json.loads((Path(__file__).parent / "data" / "h100_memory_cases.json").read_text())
+    ratios = {}
+    for c in data["cases"]:
+        method, gc = c["flags"][1], "--gradient-checkpointing" in c["flags"]
+        inp = PlanInput(model=PRESETS["smollm2-135m"], gpu_memory=80 * 2**30, gpus_per_node=1, method=method,
+                        seq_len=c["seq_len"], micro_batch=c["micro_batch"], precision="bf16", checkpointing=gc)
+        predicted = estimate(inp, STRATEGIES["ddp"], gc, c["micro_batch"]).bytes["allocated"]
+        ratios[c["name"]] = round(predicted / c["max_memory_allocated"], 3)
+    assert len(ratios) == 18 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

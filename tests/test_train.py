@@ -272,3 +272,76 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
     saved[key] = saved[key] + 1
     save_file(saved, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert any(key in p and "differs" in p for p in check_files(tmp_path, saved_state(model, state))[1])
+
+
+def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_files):
+    """A LoRA run from the command line, its data already cached, imports peft but not datasets or
+    pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only) or DeepSpeed (no ZeRO
+    layout): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md)."""
+    import subprocess
+    import sys
+
+    from toolkit.data.prepare import prepare_data
+    from toolkit.models import load_tokenizer
+
+    argv = ["--model", str(tiny_model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(tmp_path / "o"),
+            "--seq-len", "64", "--max-steps", "1", "--method", "lora"]
+    tokenizer = load_tokenizer(str(tiny_model), False)
+    ensure_chat_template(tokenizer)
+    prepare_data(parse_config(argv), tokenizer)  # the cache the run reads, as finetune.main builds it
+    script = ("import json, sys; sys.argv = ['finetune.py', *sys.argv[1:]]; import finetune; finetune.main(); "
+              "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None and '.' not in m)))")
+    p = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
+                       cwd=Path(finetune.__file__).parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    imported = set(json.loads(p.stdout.strip().splitlines()[-1]))  # main() as the command line calls it (no argv)
+    assert "peft" in imported and "pyarrow" in imported
+    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed"}
+
+
+def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model, data_files, monkeypatch, capsys):
+    """A CUDA out-of-memory (simulated: torch.OutOfMemoryError from the step, as the allocator raises
+    it) at step 3 becomes one line naming the step, the layout, the planner's figures and a layout
+    that fits, with exit status 2 and no traceback; checkpoint-2 stays complete and resumable."""
+    from toolkit.parallel.strategy import AccelerateStrategy
+    from toolkit.train.checkpoint import complete_checkpoints
+
+    real, calls = AccelerateStrategy.forward_backward, []
+
+    def forward_backward(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(AccelerateStrategy, "forward_backward", forward_backward)
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, tiny_model, data_files["alpaca"], "--save-every", "2", "--method", "lora")
+    assert e.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%|" not in ln]
+    assert len(err) == 1 and err[0].startswith("finetune.py: error: out of memory at step 3 ("), err
+    assert "(layout ddp on 1 process(es), micro-batch 4, seq-len 64" in err[0] and "a layout that fits: " in err[0] and "Traceback" not in err[0]
+    assert f"The last checkpoint, {tmp_path / 'out' / 'checkpoint-2'}, is intact" in err[0]
+    assert [p.name for p in complete_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
+
+
+def test_first_step_peak_is_logged_beside_the_prediction_and_a_high_one_warns(tmp_path, tiny_model, data_files,
+                                                                              monkeypatch, capsys):
+    """On a GPU (its allocator statistic stood in for here: `device_peak`, the one CUDA-only read),
+    step 1's record holds the measured peak and the planner's prediction for the layout; a peak over
+    1.1x the prediction is one warning line. On the CPU neither field is written."""
+    from toolkit.planner.auto import predicted_peak
+
+    monkeypatch.setattr("toolkit.train.loop.device_peak", lambda device: 10 * 2**30)
+    result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "2")
+    first = [r for r in records(out) if "loss" in r][0]
+    cfg = parse_config(["--model", str(tiny_model), "--dataset", str(data_files["alpaca"]), "--output-dir",
+                        str(out), "--overwrite-output-dir", "--seq-len", "64", "--micro-batch-size", "4", "--method", "lora"])
+    assert first["peak_allocated_bytes"] == 10 * 2**30
+    assert first["predicted_peak_bytes"] == predicted_peak(cfg, json.loads((tiny_model / "config.json").read_text()),
+                                                           "no") > 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "of device memory" in ln]
+    assert len(said) == 1 and said[0].startswith("warning: step 1 peaked at 10.00 GiB")
+    monkeypatch.undo()
+    _, cpu = run(tmp_path / "cpu", tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "1")
+    assert "peak_allocated_bytes" not in [r for r in records(cpu) if "loss" in r][0]

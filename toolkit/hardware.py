@@ -12,6 +12,11 @@ import re
 from dataclasses import dataclass
 
 
+# The MFU probe's square matmul on a GPU (`toolkit.train.flops.measure_peak_flops`): its two inputs and
+# output are allocated at start-up, which the planner's allocator peak counts.
+PROBE_MATMUL_GPU = 8192
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from toolkit.config import Config
 from toolkit.data import DataStats, as_example, check_trainable, source_format, split_indices
-from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, table_stats, \
+from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, open_table, table_stats, \
     token_columns, tokenizer_digest
 from toolkit.dataset_spec import Source, dataset_digest, is_mixture, parse_sources
 
@@ -67,8 +67,6 @@ def data_key(cfg: Config, tokenizer) -> str:
 def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedData:
     """The run's training and eval rows, from the cache or built into it (with --streaming, the
     record stream, read as training goes)."""
-    import datasets
-
     if cfg.data.streaming:
         from toolkit.data.stream import RecordStream
 
@@ -80,17 +78,16 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
 
     cache = cache or cache_dir() / "data"
     path = cache / data_key(cfg, tokenizer)
-    datasets.disable_progress_bars()
     hit = built_once(path, lambda tmp: _build(cfg, tokenizer, tmp, cache))
     meta = json.loads((path / "meta.json").read_text())
-    train = datasets.load_from_disk(str(path / "train"))  # memory-mapped
+    train = open_table(path / "train")  # memory-mapped
     stats, keep = table_stats(train)
     stats.cached = hit
     check_trainable(stats, cfg, "training")
     eval_rows: Rows | list = []
     held_stats = DataStats()
     if (path / "eval").is_dir():
-        held = datasets.load_from_disk(str(path / "eval"))
+        held = open_table(path / "eval")
         held_stats, held_keep = table_stats(held)
         check_trainable(held_stats, cfg, "eval")
         eval_rows = Rows(held, held_keep)
@@ -139,6 +136,8 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
     import datasets
 
     from toolkit.data.mixture import mixture_order
+
+    datasets.disable_progress_bars()
 
     spec = cfg.data.dataset
     mixed = is_mixture(spec)

@@ -61,6 +61,70 @@ def apply_plan(cfg: Config, result: Plan) -> None:
     t.gradient_checkpointing, t.micro_batch_size, t.grad_accum = d.checkpointing, d.micro_batch, result.grad_accum
 
 
+def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memory: int, nodes: int,
+               what: str) -> PlanInput:
+    """The planner's question for this run on this hardware (`detect_hardware`)."""
+    t = cfg.train
+    return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
+                     cpu_memory=host_memory_bytes(), method=cfg.model.method, lora_r=cfg.model.lora_r,
+                     lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
+                     micro_batch=t.micro_batch_size, precision=precision,
+                     checkpointing=True if t.gradient_checkpointing else None,
+                     global_batch=t.micro_batch_size * t.grad_accum * per_node * nodes, loss=t.loss,
+                     hardware=time_model(what))
+
+
+def strategy_name(cfg: Config) -> str | None:
+    """The planner's name for the 1-D layout `cfg` runs (None for a tp/pp/cp/dp-shard mesh)."""
+    p = cfg.parallel
+    if max(p.tp, p.pp, p.cp, p.dp_shard or 1) > 1:
+        return None
+    if p.fsdp:
+        return "fsdp_grad_op" if p.fsdp_sharding == "grad_op" else "fsdp_full"
+    if p.zero_stage:
+        return f"zero{p.zero_stage}" + {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[p.offload]
+    return "ddp"
+
+
+def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:
+    """The planner's allocator peak (`bytes.allocated`) for the 1-D layout `cfg` runs on this hardware;
+    None for a mesh layout or a model the planner cannot count."""
+    from toolkit.planner.memory import STRATEGIES
+    from toolkit.planner.plan import estimate
+
+    name, t = strategy_name(cfg), cfg.train
+    if name not in STRATEGIES:
+        return None
+    try:
+        inp = plan_input(cfg, model_cfg, precision, *detect_hardware())
+        return estimate(inp, STRATEGIES[name], t.gradient_checkpointing, t.micro_batch_size).bytes["allocated"]
+    except (KeyError, ValueError, UserError):
+        return None
+
+
+def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
+    """For an out-of-memory line: the planner's peak for the layout that ran against the device's
+    memory, and the flags of a layout that fits (or why none does)."""
+    from toolkit.planner.memory import STRATEGIES
+    from toolkit.planner.plan import GiB, estimate
+
+    per_node, memory, nodes, what = detect_hardware()
+    inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
+    name, t = strategy_name(cfg), cfg.train
+    parts = []
+    try:
+        if name in STRATEGIES:
+            ran = estimate(inp, STRATEGIES[name], t.gradient_checkpointing, t.micro_batch_size)
+            parts.append(f"the planner puts this layout's peak at {ran.bytes['total'] / GiB:.1f} GiB per device, "
+                         f"against {memory / GiB:.1f} GiB")
+        inp.checkpointing = None  # let it choose
+        result = plan(inp)
+    except (KeyError, ValueError, UserError) as e:
+        return f"the planner cannot say more for this model ({e})"
+    parts.append(f"a layout that fits: {' '.join(result.flags)}" if result.chosen else result.advice)
+    return "; ".join(parts)
+
+
 def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[Plan, str]:
     per_node, memory, nodes, what = detect_hardware()
     model_cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else None
@@ -68,13 +132,7 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[P
         from transformers import AutoConfig
 
         model_cfg = AutoConfig.from_pretrained(model_path).to_dict()
-    t = cfg.train
-    inp = PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes, cpu_memory=host_memory_bytes(),
-                    method=cfg.model.method, lora_r=cfg.model.lora_r, lora_targets=cfg.model.lora_targets,
-                    seq_len=cfg.data.seq_len, micro_batch=t.micro_batch_size, precision=precision,
-                    checkpointing=True if t.gradient_checkpointing else None,
-                    global_batch=t.micro_batch_size * t.grad_accum * per_node * nodes, loss=t.loss,
-                    hardware=time_model(what))
+    inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
     try:
         result = plan(inp)
     except (KeyError, ValueError) as e:

@@ -21,6 +21,7 @@ from typing import Any
 from toolkit.parallel.dims import MESH_DIMS, ParallelDims
 from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_seconds
 from toolkit.planner.memory import ADAM_BYTES, frozen_bytes_per_param, ulysses_comm_bytes
+from toolkit.planner import saved
 from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
 
@@ -151,7 +152,9 @@ def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, 
 def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_batch: int) -> dict[str, int]:
     """Per-rank bytes of pipeline stage `stage` (`inp` is a `plan.PlanInput`): weights, gradients,
     Adam state (sharded over dp_shard x cp by FSDP2), activations of the examples in flight, the
-    loss buffers on the last stage. Buffers and fragmentation are added by the caller."""
+    loss buffers on the last stage, all resident at once (gradients included: FSDP2's sharded
+    gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s terms, the
+    blocks split by tp, s/cp tokens per rank. Buffers and fragmentation are added by the caller."""
     from toolkit.planner.plan import loss_bytes  # the loss path's bytes, shared with the 1-D rows
 
     cfg = inp.model
@@ -164,15 +167,21 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     blocks = stage_blocks(cfg, d.pp)[stage]
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
-    block = 4 * h + (4 * h + 2 * kv + 4 * i) // d.tp  # Korthikanti et al. 2022 eq. 2, as memory.tp_activation_...
-    per_token = blocks * (h if checkpointing else block) + (block if checkpointing else 0) \
-        + (h if first else 0) + (2 * h if last else 0) + 2 * head_dim(cfg)  # + the stage's rotary cos/sin
+    dt = saved.dtypes(inp.method, inp.precision)
+    shapes = linear_shapes(cfg)
+    targets = list(shapes) if inp.lora_targets == "all-linear" else [t.strip() for t in inp.lora_targets.split(",")]
+    adapted = None if inp.method == "full" else {t: shapes[t][0] for t in targets if t in shapes}
+    block = saved.block(h, i, kv, cfg["num_attention_heads"], dt, adapted, inp.lora_r, inp.lora_dropout, d.tp)
+    outside = (8 if first else 0) + (saved.rmsnorm(h, dt) if last else 0) + 2 * head_dim(cfg) * dt.residual
+    per_token = blocks * (saved.checkpointed_block(h, dt) if checkpointing else block) \
+        + (block if checkpointing else 0) + outside + saved.backward_transient(h, i // d.tp, dt)
     schedule, m = pipeline_schedule(d, micro_batch)
     in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
     logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
                         pipeline=d.pp > 1, seq_len=tokens) if last else 0
+    casts = saved.autocast_copies(trainable, 4, dt)  # each gathered fp32 weight cast for its matmul, saved for backward
     return {"weights": weights // shard, "grads": 4 * trainable // shard, "optimizer": ADAM_BYTES * trainable // shard,
-            "activations": act * in_flight * tokens * per_token, "logits": logits}
+            "autocast_copies": casts, "activations": in_flight * tokens * per_token, "logits": logits}
 
 
 def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> list[Traffic]:

@@ -10,6 +10,8 @@ gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit r
   2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
 - DeepSpeed keeps that fp32 master partition in fp32 runs too (measured: `master_bytes`);
 - only trainable parameters (LoRA: the adapters) have gradients and optimizer state.
+Activations are `toolkit.planner.saved`'s terms; the allocator's peak over a step's phases is
+`saved.allocated_peak`.
 """
 
 from __future__ import annotations
@@ -97,34 +99,6 @@ def cpu_bytes(s: Strategy, params: int, trainable: int, n: int, precision: str) 
     return out
 
 
-def activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, checkpointing: bool, rope: int = 0) -> int:
-    """Tensors autograd saves for backward, in elements per token, for a Llama-family decoder.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    eq. 1) give sbh(34 + 5as/h) bytes per GPT layer in 16-bit. Adapted here to what a Llama block
-    saves under SDPA (no s x s score matrix, so no 5as/h term): two RMSNorms' inputs and outputs,
-    q and the attention output (h each), k and v at the grouped-query width (2 x kv_dim), and the
-    SwiGLU MLP's gate, up, silu(gate) and product (4 x i): 8h + 2kv + 4i per layer, plus 3h outside
-    the blocks (embedding output, final norm input and output). With full activation checkpointing
-    each block keeps only its input (h). `rope`: the rotary cos and sin tables (2 x head_dim per
-    token), computed once per model (or pipeline stage) and saved by every block's rotary multiply
-    (a few % of a 1-block stage; noise over a whole model). Fitted against `torch.autograd.graph.saved_tensors_hooks`
-    on real HF Llama blocks (tests/test_planner_activations.py: within 15% over a grid).
-    """
-    per_layer = h if checkpointing else 8 * h + 2 * kv_dim + 4 * i
-    return layers * per_layer + 3 * h + rope
-
-
-def activation_bytes(layers: int, h: int, i: int, kv_dim: int, micro_batch: int, seq_len: int,
-                     act_bytes: int, checkpointing: bool, rope: int = 0) -> int:
-    """Saved activations per GPU for one micro-batch; with checkpointing, plus one block's worth
-    that exists while that block is recomputed in backward."""
-    saved = activation_elements_per_token(layers, h, i, kv_dim, checkpointing, rope)
-    if checkpointing:
-        saved += 8 * h + 2 * kv_dim + 4 * i
-    return act_bytes * micro_batch * seq_len * saved
-
-
 def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> int:
     """The LM head's logits (compute dtype), the toolkit's fp32 copy for the loss, and
     cross-entropy's saved fp32 log-softmax: (act_bytes + 4 + 4) x b x s x V."""
@@ -138,13 +112,6 @@ def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_b
     2 x b x s x h x act_bytes), and the head's fp32 gradient (4 x V x h) when the head trains."""
     return (act_bytes + 4) * chunk * vocab + 2 * act_bytes * micro_batch * seq_len * h \
         + (4 * vocab * h if head_trainable else 0)
-
-
-def tp_activation_elements_per_token(layers: int, h: int, i: int, kv_dim: int, t: int) -> int:
-    """Megatron tensor parallelism of degree t (Korthikanti et al. 2022, eq. 2: sbh(10 + 24/t +
-    5as/(ht))): tensors inside the column/row-parallel region (q, attention output, o_proj input,
-    k/v, the SwiGLU tensors) are split by t; the two norms' inputs and outputs (4h) are replicated."""
-    return layers * (4 * h + (4 * h + 2 * kv_dim + 4 * i) // t) + 3 * h
 
 
 def ulysses_comm_bytes(layers: int, h: int, kv_dim: int, micro_batch: int, seq_len: int, cp: int, act_bytes: int) -> int:

@@ -21,10 +21,12 @@ from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, flops_per_token, lo
 from toolkit.planner.layouts import (cp_divisibility_problems, layout_name, mesh_layouts, mesh_step_seconds,
                                      not_runnable, stage_bytes, tp_divisibility_problems, traffic)
 from toolkit.planner.layouts import flags as mesh_flags
-from toolkit.planner.memory import (STRATEGIES, Strategy, activation_bytes, chunked_loss_bytes, cpu_bytes,
+from toolkit.planner.memory import (STRATEGIES, Strategy, chunked_loss_bytes, cpu_bytes,
                                     frozen_bytes_per_param, grads_bytes, logits_bytes, optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
-from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
+from toolkit.hardware import PROBE_MATMUL_GPU
+from toolkit.planner import saved
+from toolkit.planner.params import LINEARS, count_params, head_dim, linear_shapes, lora_params
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
@@ -59,6 +61,7 @@ class PlanInput:
     method: str = "lora"
     lora_r: int = 16
     lora_targets: str = "all-linear"
+    lora_dropout: float = 0.05  # finetune.py's default; > 0 saves a mask per adapted input
     seq_len: int = 2048
     micro_batch: int = 1
     precision: str = "bf16"
@@ -83,6 +86,33 @@ def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, p
     if inp.loss == "full" or pipeline:
         return logits_bytes(micro_batch, s, vocab, act)
     return chunked_loss_bytes(micro_batch, s, vocab, h, act, head_trainable=inp.method == "full")
+
+
+def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weight_bytes: int,
+                     trainable: int) -> tuple[int, int, int]:
+    """`toolkit.planner.saved`'s terms for one micro-batch: (what the forward saves: every block, or
+    with checkpointing each block's input, plus what lies outside the blocks; what backward adds: one
+    block's recomputed activations under checkpointing, and the gradients alive in one block's
+    backward; the autocast copies of trainable fp32 weights)."""
+    cfg = inp.model
+    layers, h, i, kv, _ = _dims(cfg)
+    d = saved.dtypes(inp.method, inp.precision)
+    shapes = linear_shapes(cfg)
+    targets = list(LINEARS) if inp.lora_targets == "all-linear" else [t.strip() for t in inp.lora_targets.split(",")]
+    adapted = None if inp.method == "full" else {t: shapes[t][0] for t in targets if t in shapes}  # in-features
+    one = saved.block(h, i, kv, cfg["num_attention_heads"], d, adapted, inp.lora_r, inp.lora_dropout)
+    tokens = micro_batch * inp.seq_len
+    kept = layers * (saved.checkpointed_block(h, d) if checkpointing else one) + saved.outside_blocks(h, head_dim(cfg), d)
+    matmul = (layers * sum(a * b for a, b in shapes.values()) + cfg["vocab_size"] * h) if inp.method == "full" \
+        else trainable
+    backward = tokens * ((one if checkpointing else 0) + saved.backward_transient(h, i, d))
+    return tokens * kept, backward, saved.autocast_copies(matmul, weight_bytes, d)
+
+
+def total_bytes(allocated: int) -> int:
+    """What nvidia-smi shows: the allocator's peak, the allocator's reserve over it (fragmentation and
+    rounding of cached blocks) and the CUDA context."""
+    return allocated + int(FRAGMENTATION * allocated) + FRAMEWORK_CONTEXT
 
 
 def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
@@ -177,27 +207,33 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
         weights = int(linear * QLORA_BITS / 8) + 4 * (params - linear) + 4 * trainable
     else:
         weights = weights_bytes(s, frozen, trainable, n, inp.precision)
+    wb = weight_bytes_per_param(s, inp.precision)
+    forward, backward, casts = activation_terms(inp, micro_batch, checkpointing, wb, trainable)
     b = {
         "weights": weights,
         "grads": grads_bytes(s, trainable, n, inp.precision),
         "optimizer": optimizer_bytes(s, trainable, n),
-        "activations": activation_bytes(layers, h, i, kv, micro_batch, inp.seq_len, act, checkpointing,
-                                        rope=2 * head_dim(cfg)),
+        "autocast_copies": casts,
+        "activations": forward + backward,
         "logits": loss_bytes(inp, micro_batch, vocab, h, act),
     }
-    wb = weight_bytes_per_param(s, inp.precision)
     model_bytes = frozen_bytes_per_param(inp.precision) * frozen + wb * trainable  # the whole model, once
     block = model_bytes * counts.per_block // max(params, 1)
-    buckets = DDP_BUCKET * 2 if not s.deepspeed and not s.shard_params else 0
+    buckets = DDP_BUCKET * 2 if not s.deepspeed and not s.shard_params and n > 1 else 0  # one process: no DDP
     if s.deepspeed:
         buckets += 2 * 4 * h * h  # reduce bucket (h*h, fp32) double-buffered
     if s.name == "fsdp_grad_op":  # every block stays gathered from its forward until its backward
         buckets += model_bytes - model_bytes // n
     elif s.shard_params:
         buckets += 2 * block  # the gathered block in use + the next one prefetched
-    b["buffers"] = FRAMEWORK_CONTEXT + buckets
-    b["buffers"] += int(FRAGMENTATION * sum(b.values()))
-    b["total"] = sum(b.values())
+    # one process (no DDP buckets) frees its gradients after each step; DDP's buckets and DeepSpeed's
+    # partitions keep gradient-sized buffers through the next forward
+    resident = s.deepspeed or n > 1
+    embedding_grad = 4 * vocab * h if inp.method == "full" else 0
+    b["buffers"] = buckets
+    b["allocated"] = saved.allocated_peak(b["weights"], b["grads"], b["optimizer"], casts, forward, backward, b["logits"],
+                                          checkpointing, resident, embedding_grad, 3 * PROBE_MATMUL_GPU ** 2 * act) + buckets
+    b["total"] = total_bytes(b["allocated"])
     cpu = cpu_bytes(s, params, trainable, n, inp.precision) * inp.gpus_per_node
     # ZeRO-3 / FSDP full gather the parameters in forward and backward, and once more to recompute
     # a checkpointed forward; FSDP grad_op keeps them gathered from forward to the end of backward.
@@ -241,9 +277,9 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
         buffers = 2 * wb * (counts.per_block // d.tp)
     else:
         buffers = 2 * DDP_BUCKET
-    b["buffers"] = FRAMEWORK_CONTEXT + buffers
-    b["buffers"] += int(FRAGMENTATION * sum(b.values()))
-    b["total"] = sum(b.values())
+    b["buffers"] = buffers
+    b["allocated"] = sum(b.values())
+    b["total"] = total_bytes(b["allocated"])
     hw = inp.hw
     comm = int(sum(t[0] for t in traffic(inp, d, checkpointing, micro_batch, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss)
@@ -442,7 +478,7 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
 def render_table(p: Plan) -> str:
     """The 1-D strategies' memory breakdown, the mesh layouts among the top 5, then the top 5 by
     predicted time per example with why each lost, then the choice and its flags."""
-    cols = ["weights", "grads", "optimizer", "activations", "logits", "buffers", "total"]
+    cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
     ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
     top = {(r["name"], r["checkpointing"]) for r in p.ranking}
     shown = [c for c in p.strategies if c.dims is None or (c.name, c.checkpointing) in top]

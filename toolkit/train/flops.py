@@ -10,18 +10,24 @@ The chunked loss runs the LM head on target tokens only: the head's 6 N_head the
 them (`step_flops`), as the logits of prompt and padding tokens are not model work the loss needs.
 The peak is the datasheet's dense rate for the run's compute dtype where the device is known
 (`toolkit.hardware`, the convention of PaLM, Megatron-LM and torchtitan), and otherwise (CPUs,
-unknown GPUs) a matmul probe on the same device and dtype at start-up, every rank probing at once so
-shared cores are shared. The probe's figure is logged either way (`measured_peak_flops`).
+unknown GPUs) a matmul probe on the same device and dtype, every rank probing at once so shared cores
+are shared. The probe's figure is logged either way (`measured_peak_flops`). It is measured once per
+device, dtype, thread count and ranks per node, and kept in the toolkit cache (`peaks.json`; 0.5-0.7 s
+of a tiny run's start-up on the 2-core CPU); deleting that file measures again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from toolkit.hardware import datasheet_peak
+from toolkit.hardware import PROBE_MATMUL_GPU, datasheet_peak
 
 
 def flops_per_token(matmul_params: int, layers: int, hidden: int, context: float) -> float:
@@ -84,7 +90,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
     at 100-150 GFLOP/s against 165-190 later, and a low peak inflates MFU (a LoRA row read 1.3).
     The best call is the estimator because interference only ever slows a call down.
     """
-    n = n or (8192 if device.type == "cuda" else 1024)
+    n = n or (PROBE_MATMUL_GPU if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
 
@@ -114,26 +120,57 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def probe_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a probe's figure depends on: the device (the CPU's model), dtype, threads, the ranks sharing
+    the node (they probe at once) and torch."""
+    where = device_name(device) if device.type == "cuda" else f"cpu {platform.processor() or platform.machine()}"
+    return (f"{where}|{dtype}|threads {torch.get_num_threads()}|local ranks {os.environ.get('LOCAL_WORLD_SIZE', '1')}"
+            f"|torch {torch.__version__}")
+
+
+def cached_peak(device: torch.device, dtype: torch.dtype, path: Path) -> tuple[float, bool]:
+    """(this device's probe figure, whether it was read from `path`): probed and added there the first
+    time. An unreadable file is probed over; an unwritable one probes again next run."""
+    key = probe_key(device, dtype)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    if isinstance(known.get(key), (int, float)) and known[key] > 0:
+        return float(known[key]), True
+    measured = measure_peak_flops(device, dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: measured}, indent=1))
+        os.replace(tmp, path)  # ranks writing at once: one whole file wins
+    except OSError:
+        pass
+    return measured, False
+
+
 @dataclass
 class Peak:
     flops: float  # the MFU denominator, summed over ranks
     measured: float  # the probes' sum, logged beside it
     source: str  # "datasheet: ..." or "measured"
+    cache: Path | None = None  # where a measured figure was read from
 
 
-def run_peak(accelerator, dtype: torch.dtype) -> Peak:
-    """Every rank probes its device and looks up its datasheet; the datasheet sum is the peak when
-    every rank's device is known, else the probes' sum."""
+def run_peak(accelerator, dtype: torch.dtype, cache: Path) -> Peak:
+    """Every rank probes its device (or reads its figure from `cache`) and looks up its datasheet; the
+    datasheet sum is the peak when every rank's device is known, else the probes' sum."""
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     sheet = datasheet_peak(device_name(accelerator.device), name)
     accelerator.wait_for_everyone()
-    measured = measure_peak_flops(accelerator.device, dtype)
-    local = torch.tensor([measured, sheet[0] if sheet else 0.0, float(sheet is not None)], dtype=torch.float64,
-                         device=accelerator.device)
-    measured_sum, sheet_sum, known = accelerator.reduce(local, "sum").tolist()
+    measured, cached = cached_peak(accelerator.device, dtype, cache)
+    local = torch.tensor([measured, sheet[0] if sheet else 0.0, float(sheet is not None), float(cached)],
+                         dtype=torch.float64, device=accelerator.device)
+    measured_sum, sheet_sum, known, n_cached = accelerator.reduce(local, "sum").tolist()
     if sheet is not None and round(known) == accelerator.num_processes:
         return Peak(sheet_sum, measured_sum, "datasheet: " + sheet[1])
-    return Peak(measured_sum, measured_sum, "measured")
+    return Peak(measured_sum, measured_sum, "measured", cache if n_cached else None)
 
 
 def mfu_warning(mfu: float, peak: Peak) -> str | None:
@@ -141,6 +178,7 @@ def mfu_warning(mfu: float, peak: Peak) -> str | None:
     if mfu <= 1.0:
         return None
     if peak.source == "measured":
-        return (f"warning: mfu {mfu:.2f} > 1: the peak was measured low at start-up ({peak.flops / 1e9:.0f} GFLOP/s; "
-                "another job on the device?), so mfu is not meaningful for this run")
+        again = f" (delete {peak.cache} to measure it again)" if peak.cache else ""
+        return (f"warning: mfu {mfu:.2f} > 1: the peak was measured low ({peak.flops / 1e9:.0f} GFLOP/s; "
+                f"another job on the device?){again}, so mfu is not meaningful for this run")
     return f"warning: mfu {mfu:.2f} > 1 against the datasheet peak: the model FLOP count over-credits this model"

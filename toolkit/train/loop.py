@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from toolkit.config import Config
 from toolkit.errors import UserError
+from toolkit.models import cache_dir
 from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
 from toolkit.train.evaluate import eval_loss
@@ -62,6 +63,50 @@ class TrainResult:
     @property
     def steps_run(self) -> int:
         return self.steps - self.first_step + 1
+
+
+def device_peak(device: torch.device) -> int | None:
+    """The allocator's peak since `reset_device_peak` (torch.cuda.max_memory_allocated); None on the CPU,
+    which has no allocator statistics."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def preflight(cfg: Config, accelerator, model_cfg: dict, warn) -> dict:
+    """After the first step on a GPU: the measured allocator peak beside the planner's prediction for
+    this layout (metrics.jsonl), and one warning line when it is more than 1.1x the prediction."""
+    measured = device_peak(accelerator.device)
+    if measured is None:
+        return {}
+    from toolkit.models import resolved_precision
+    from toolkit.planner.auto import predicted_peak
+
+    predicted = predicted_peak(cfg, model_cfg, resolved_precision(cfg))
+    if predicted and measured > 1.1 * predicted and accelerator.is_main_process:
+        warn(f"warning: step 1 peaked at {measured / 2**30:.2f} GiB of device memory, {measured / predicted:.2f}x the "
+             f"planner's {predicted / 2**30:.2f} GiB for this layout; memory plans (--strategy auto, plan) may not fit")
+    return {"peak_allocated_bytes": measured, "predicted_peak_bytes": predicted}
+
+
+def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Path) -> str:
+    """One line for an out-of-memory at `step`: where, the planner's figures and a layout that fits,
+    and what was kept (the checkpoints on disk are complete: a save is renamed into place whole)."""
+    from toolkit.models import resolved_precision
+    from toolkit.planner.auto import memory_advice, strategy_name
+    from toolkit.train.checkpoint import complete_checkpoints
+
+    t, p = cfg.train, cfg.parallel
+    kept = complete_checkpoints(out_dir)
+    layout = strategy_name(cfg) or f"tp {p.tp} x pp {p.pp} x cp {p.cp} x dp-shard {p.dp_shard or 1}"
+    where = (f"layout {layout} on {strategy.accelerator.num_processes} process(es), micro-batch {t.micro_batch_size}, seq-len {cfg.data.seq_len}, "
+             f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}")
+    return (f"out of memory at step {step} ({where}): {memory_advice(cfg, model_cfg, resolved_precision(cfg))}. "
+            + (f"The last checkpoint, {kept[-1]}, is intact (--resume auto continues from it)" if kept
+               else "No checkpoint had been written (--save-every N keeps some)"))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -189,7 +234,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     model_cfg, n_matmul, n_head = unwrapped.config, matmul_params(unwrapped), head_params(unwrapped)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    peak = run_peak(accelerator, dtype)
+    reset_device_peak(accelerator.device)  # step 1's peak (preflight) counts what is loaded, then the run's own
+    peak = run_peak(accelerator, dtype, cache_dir() / "peaks.json")
     mfu_warned = False
     first_step, tokens_seen = 1, 0
     if resume is not None:  # weights, optimizer, scheduler, data position (global: examples consumed), RNG
@@ -261,8 +307,9 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                 bad_steps += 1
             optimizer.zero_grad(set_to_none=True)
             if step == first_step:
-                memory = {**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
-                          "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None}
+                memory = preflight(cfg, accelerator, unwrapped.config.to_dict(), metrics.write)
+                memory.update({**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
+                          "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None})
             if bad_steps:
                 metrics.log({"step": step, "skipped_update": True, "loss_sum": step_loss,
                              "grad_norm": float(grad_norm) if grad_norm is not None else None})
@@ -317,6 +364,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                 metrics.close()  # the bar ends before the exit
                 accelerator.end_training()
                 raise SystemExit(EXIT_PREEMPTED)
+    except torch.OutOfMemoryError:
+        raise UserError(out_of_memory(cfg, step, strategy, unwrapped.config.to_dict(), out_dir)) from None
     finally:
         preempt.restore()
         metrics.close()
