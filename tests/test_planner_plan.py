@@ -54,7 +54,7 @@ def test_gradient_traffic_decides_only_where_it_costs_time(capsys):
     one = plan_json(capsys, *argv, "--nodes", "1")
     comm = {s["name"]: s["comm_bytes"] for s in one["strategies"]}
     assert comm["zero1"] * 2 == comm["ddp"] and one["chosen"] == "ddp"
-    many = plan_json(capsys, *argv, "--nodes", "16", "--global-batch", "128")
+    many = plan_json(capsys, *argv, "--nodes", "16", "--global-batch", "128", "--micro-batch-size", "1")
     assert many["chosen_detail"]["micro_batch"] == 1 and many["chosen"] == "zero1"
 
 
@@ -164,6 +164,7 @@ def test_nothing_fits_says_by_how_much(capsys):
     (["--gpu-memory", "80XB"], "--gpu-memory '80XB' is not a size"),
     (["--gpu-memory", "-8GB"], "--gpu-memory must be positive, got '-8GB'"),
     (["--gpu-memory", "0"], "--gpu-memory must be positive"),
+    (["--gpu-memory", "80"], "--gpu-memory 80 has no unit; write 80GB"),
     (["--lora-targets", "qkv"], "LoRA targets ['qkv'] are not linears"),
 ])
 def test_bad_input_is_one_clear_error(capsys, argv, message):
@@ -294,3 +295,21 @@ def test_memory_model_within_10_percent_of_the_h100_cases():
         predicted = estimate(inp, STRATEGIES["ddp"], gc, c["micro_batch"]).bytes["allocated"]
         ratios[c["name"]] = round(predicted / c["max_memory_allocated"], 3)
     assert len(ratios) == 18 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+def test_plan_speaks_as_finetune_does(capsys):
+    """plan's defaults are finetune.py's (sequence, micro batch, method, LoRA settings); --gpu names a
+    card and says which time model its step times use; with nothing fitting, no row is marked chosen."""
+    from toolkit.__main__ import build_parser
+    from toolkit.config import DataConfig, ModelConfig, TrainConfig
+
+    args = build_parser().parse_args(["plan"])
+    assert (args.seq_len, args.micro_batch_size) == (DataConfig().seq_len, TrainConfig().micro_batch_size)
+    assert (args.method, args.lora_r, args.lora_dropout) == (ModelConfig().method, ModelConfig().lora_r,
+                                                             ModelConfig().lora_dropout)
+    out = plan_json(capsys, "--model", "llama-3-8b", "--gpu", "l4", "--gpus-per-node", "1")
+    assert out["gpu_memory"] == 24 * 2**30 and any("--gpu l4: 24 GB" in n and "h100-sxm" in n for n in out["notes"])
+    assert plan_json(capsys, "--gpu", "a100-40gb")["hardware"] == "a100-80gb"
+    none = plan_json(capsys, "--model", "llama-3-70b", "--method", "full", "--gpus-per-node", "1", "--gpu", "rtx4090",
+                     "--cpu-memory", "16GB")
+    assert none["chosen"] is None and all(r["reason"] != "chosen" for r in none["ranking"])

@@ -128,6 +128,16 @@ def cmd_plan(args) -> None:
         return
     if args.output:
         raise UserError("--output is where --calibrate writes; plan prints to stdout (use --json > FILE)")
+    notes = []
+    if args.gpu:
+        from toolkit.planner.presets import GPU_PRESETS
+
+        memory, timing = GPU_PRESETS[args.gpu]
+        args.gpu_memory = f"{memory}GB"
+        if args.hardware is None and timing:
+            args.hardware = timing
+        notes.append(f"--gpu {args.gpu}: {memory} GB per GPU; step times from the {args.hardware or 'h100-sxm'} time "
+                     "model" + ("" if timing else f" (none for {args.gpu}: measure one with --calibrate)"))
     hardware = load_hardware(args.hardware)
 
     cfg = load_model_config(args.model_config or args.model)
@@ -149,7 +159,8 @@ def cmd_plan(args) -> None:
         cpu_memory = parse_size(args.cpu_memory, "cpu-memory")
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
                     nodes=args.nodes, cpu_memory=cpu_memory,
-                    method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets, seq_len=args.seq_len,
+                    method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
+                    lora_dropout=args.lora_dropout, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
                     global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss,
@@ -158,8 +169,7 @@ def cmd_plan(args) -> None:
         result = plan(inp)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if note:
-        result.notes.insert(0, note)
+    result.notes[:0] = notes + ([note] if note else [])
     print(json.dumps(result.to_json(), indent=2) if args.json else render_table(result))
 
 
@@ -212,21 +222,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--main-process-port", type=int, default=29500)
     s.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     s.set_defaults(fn=cmd_accelerate_config)
-    s = sub.add_parser("plan", help="predict per-GPU memory and step time of each strategy and pick one that fits")
-    s.add_argument("--model", default="smollm2-135m", help="preset, model folder or config.json")
+    from toolkit.config import DataConfig, ModelConfig, TrainConfig
+    from toolkit.planner.presets import GPU_PRESETS, PRESETS
+
+    m, d, t = ModelConfig(), DataConfig(), TrainConfig()  # the same defaults as finetune.py
+    s = sub.add_parser("plan", help="predict per-GPU memory and step time of each strategy and pick one that fits",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default="smollm2-135m", help=f"a preset ({', '.join(PRESETS)}), a model folder or "
+                                                          "its config.json")
     s.add_argument("--model-config", help="a config JSON file (overrides --model)")
-    s.add_argument("--gpus-per-node", type=int, default=8)
-    s.add_argument("--nodes", type=int, default=1)
-    s.add_argument("--gpu-memory", default="80GB")
+    s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in each node")
+    s.add_argument("--nodes", type=int, default=1, help="nodes")
+    s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "
+                                                             "the time model (--hardware)")
+    s.add_argument("--gpu-memory", default="80GB", help="memory per GPU, with a unit (80GB)")
     s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's; "
                                         "'unlimited' not to check it)")
-    s.add_argument("--method", default="lora", choices=("full", "lora", "qlora"))
-    s.add_argument("--lora-r", type=int, default=16)
-    s.add_argument("--lora-targets", default="all-linear")
-    s.add_argument("--seq-len", type=int, default=2048)
-    s.add_argument("--micro-batch-size", type=int, default=1)
-    s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"))
-    s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    s.add_argument("--method", default=m.method, choices=("full", "lora", "qlora"), help="what to train")
+    s.add_argument("--lora-r", type=int, default=m.lora_r, help="LoRA rank")
+    s.add_argument("--lora-targets", default=m.lora_targets, help="comma-separated module names, or all-linear")
+    s.add_argument("--lora-dropout", type=float, default=m.lora_dropout,
+                   help="> 0 keeps a mask of each adapted layer's input for backward")
+    s.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per example")
+    s.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="examples per GPU per forward")
+    s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"), help="compute dtype")
+    s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
+                   help="auto: plan with and without it")
     s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked"),
                    help="the run's --loss: full logits, or one chunk's (auto/chunked; pipeline stages use full)")
     s.add_argument("--global-batch", type=int, help="target examples per optimizer step")

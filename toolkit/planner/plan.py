@@ -48,6 +48,8 @@ def parse_size(text: str, what: str) -> int:
     value = float(m.group(1)) * 1024 ** {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[(m.group(2) or "")[:1].upper()]
     if value <= 0:
         raise UserError(f"--{what} must be positive, got {text!r}")
+    if not m.group(2):  # "--gpu-memory 80" was once read as 80 bytes
+        raise UserError(f"--{what} {text.strip()} has no unit; write {text.strip()}GB (or MB, TB)")
     return int(value)
 
 
@@ -356,8 +358,8 @@ def largest_micro_batch(inp: PlanInput, c: Candidate, global_batch: int | None) 
 
 
 def reason_lost(c: Candidate, chosen: Candidate, inp: PlanInput) -> str:
-    """Why `c` is not the chosen one, in a few words."""
-    if c is chosen:
+    """Why `c` is not the chosen one, in a few words (a layout that does not fit is never "chosen")."""
+    if c is chosen and c.fits and c.runnable:
         return "chosen"
     if not c.runnable:
         return f"not runnable yet: {c.why_not}"

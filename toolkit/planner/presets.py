@@ -28,3 +28,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                         num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
                         max_position_embeddings=32768),
 }
+
+
+# GPUs people have: (memory as the vendor quotes it, in GB; the time model's preset, None where there is
+# none: the step times then assume the default h100-sxm and say so)
+GPU_PRESETS: dict[str, tuple[int, str | None]] = {
+    "l4": (24, None), "a10g": (24, None), "rtx3090": (24, None), "rtx4090": (24, None),
+    "a100-40gb": (40, "a100-80gb"), "a100-80gb": (80, "a100-80gb"), "l40s": (48, "l40s"),
+    "h100": (80, "h100-sxm"), "h200": (141, "h100-sxm"),
+}

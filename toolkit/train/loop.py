@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.models import cache_dir
+from toolkit.parallel import any_rank
 from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
 from toolkit.train.evaluate import eval_loss
@@ -336,6 +337,9 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                                    window["tokens"] / window["examples"])  # context: mean example length
                 per_token = flops / window["tokens"]
                 mfu = per_token * tokens_per_sec / peak.flops
+                if peak.cache is not None and any_rank(accelerator, mfu > 1):  # cached under load: probe again
+                    peak = run_peak(accelerator, dtype, peak.cache, fresh=True)
+                    mfu = per_token * tokens_per_sec / peak.flops
                 warning = None if mfu_warned else mfu_warning(mfu, peak)
                 if warning:
                     metrics.write(warning)
