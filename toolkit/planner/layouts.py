@@ -22,7 +22,7 @@ from toolkit.parallel.dims import MESH_DIMS, ParallelDims
 from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_seconds
 from toolkit.planner.memory import ADAM_BYTES, frozen_bytes_per_param, ulysses_comm_bytes
 from toolkit.planner import saved
-from toolkit.planner.params import count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.params import adapted_inputs, count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
 
 
@@ -168,9 +168,7 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
     dt = saved.dtypes(inp.method, inp.precision)
-    shapes = linear_shapes(cfg)
-    targets = list(shapes) if inp.lora_targets == "all-linear" else [t.strip() for t in inp.lora_targets.split(",")]
-    adapted = None if inp.method == "full" else {t: shapes[t][0] for t in targets if t in shapes}
+    adapted = None if inp.method == "full" else adapted_inputs(cfg, inp.lora_targets)
     block = saved.block(h, i, kv, cfg["num_attention_heads"], dt, adapted, inp.lora_r, inp.lora_dropout, d.tp)
     outside = (8 if first else 0) + (saved.rmsnorm(h, dt) if last else 0) + 2 * head_dim(cfg) * dt.residual
     per_token = blocks * (saved.checkpointed_block(h, dt) if checkpointing else block) \

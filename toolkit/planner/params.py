@@ -63,13 +63,25 @@ def count_params(cfg: dict[str, Any]) -> ParamCounts:
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest are row-parallel
 
 
+def lora_targets(targets: str | list[str]) -> list[str]:
+    """The linears LoRA adapts: `all-linear` (peft) is every linear of the blocks, not the lm_head."""
+    if targets == "all-linear":
+        return list(LINEARS)
+    return [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+
+
+def adapted_inputs(cfg: dict[str, Any], targets: str | list[str]) -> dict[str, int]:
+    """Each adapted linear's in-features (what its adapter saves per token scales with)."""
+    shapes = linear_shapes(cfg)
+    return {t: shapes[t][0] for t in lora_targets(targets) if t in shapes}
+
+
 def lora_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear", tp: int = 1) -> int:
     """LoRA adds A (r x in) and B (out x r) per targeted linear; `all-linear` (peft) is every linear
     of the blocks, not the lm_head. Per rank under tensor parallel degree `tp` (the toolkit's plan):
     a column-parallel layer keeps A whole and 1/tp of B's rows, a row-parallel one 1/tp of A's
     columns and B whole."""
-    names = list(LINEARS) if targets == "all-linear" else [t.strip() for t in (
-        targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    names = lora_targets(targets)
     shapes = linear_shapes(cfg)
     unknown = [n for n in names if n not in shapes]
     if unknown:

@@ -26,7 +26,7 @@ from toolkit.planner.memory import (STRATEGIES, Strategy, chunked_loss_bytes, cp
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
-from toolkit.planner.params import LINEARS, count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.params import adapted_inputs, count_params, head_dim, linear_shapes, lora_params
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
@@ -100,8 +100,7 @@ def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weig
     layers, h, i, kv, _ = _dims(cfg)
     d = saved.dtypes(inp.method, inp.precision)
     shapes = linear_shapes(cfg)
-    targets = list(LINEARS) if inp.lora_targets == "all-linear" else [t.strip() for t in inp.lora_targets.split(",")]
-    adapted = None if inp.method == "full" else {t: shapes[t][0] for t in targets if t in shapes}  # in-features
+    adapted = None if inp.method == "full" else adapted_inputs(cfg, inp.lora_targets)
     one = saved.block(h, i, kv, cfg["num_attention_heads"], d, adapted, inp.lora_r, inp.lora_dropout)
     tokens = micro_batch * inp.seq_len
     kept = layers * (saved.checkpointed_block(h, d) if checkpointing else one) + saved.outside_blocks(h, head_dim(cfg), d)
