@@ -271,7 +271,7 @@ def test_bad_record_in_a_worker_is_one_line_naming_its_index(tokenizer, tmp_path
     records = make_records("chat", n=1100)
     records[1057] = {"messages": [{"role": "user", "content": "no answer here"}]}
     cfg = _cfg(tmp_path, _jsonl(tmp_path / "bad.jsonl", records), "--data-workers", "2")
-    with pytest.raises(UserError, match="record 1057 has no assistant turn"):
+    with pytest.raises(UserError, match=r"bad.jsonl: record 1057 \(line 1058\) has no assistant turn"):
         prepare_data(cfg, tokenizer)
     assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]  # nothing half-built is kept
 

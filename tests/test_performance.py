@@ -68,6 +68,15 @@ def test_peak_probe_is_positive_finite_and_warmed_up():
     assert time.perf_counter() - t0 >= 0.1  # warm-up and timing are time-bounded, not a fixed few calls
 
 
+def test_peak_probe_leaves_the_run_s_random_stream_alone():
+    """Whether the probe runs depends on a cache (and a re-probe on load): it must not draw from the
+    global generator, or dropout masks, and so a resumed run's losses, would depend on it (seen: a
+    resume test failed only when the suite ran beside other tests)."""
+    before = torch.get_rng_state()
+    measure_peak_flops(torch.device("cpu"), torch.float32, n=64, seconds=0.01)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 MB8, SHARDED = ["--micro-batch-size", "8"], ["--micro-batch-size", "2", "--grad-accum", "2"]
 WHOLE = ["--micro-batch-size", "64", "--max-steps", "3"]  # the whole dataset in one step
 # (name, method, loss) -> (ranks, flags)

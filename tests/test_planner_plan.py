@@ -164,7 +164,7 @@ def test_nothing_fits_says_by_how_much(capsys):
     (["--gpu-memory", "80XB"], "--gpu-memory '80XB' is not a size"),
     (["--gpu-memory", "-8GB"], "--gpu-memory must be positive, got '-8GB'"),
     (["--gpu-memory", "0"], "--gpu-memory must be positive"),
-    (["--gpu-memory", "80"], "--gpu-memory 80 has no unit; write 80GB"),
+    (["--gpu-memory", "512MB"], "--gpu-memory 512MB is under 1 GB, smaller than any GPU"),
     (["--lora-targets", "qkv"], "LoRA targets ['qkv'] are not linears"),
 ])
 def test_bad_input_is_one_clear_error(capsys, argv, message):
@@ -176,9 +176,12 @@ def test_bad_input_is_one_clear_error(capsys, argv, message):
 
 
 def test_parse_size():
-    assert parse_size("80GB", "x") == 80 * 1024**3 and parse_size("1.5TiB", "x") == int(1.5 * 1024**4)
-    with pytest.raises(UserError):
-        parse_size("lots", "x")
+    """A bare number is GB (issue 36: `--gpu-memory 80` was once read as 80 bytes); under 1 GB is refused."""
+    assert parse_size("80GB", "x") == parse_size("80", "x") == parse_size("80 GiB", "x") == 80 * 1024**3
+    assert parse_size("1.5TiB", "x") == int(1.5 * 1024**4) and parse_size("2048MB", "x") == 2 * 1024**3
+    for bad, said in [("lots", "is not a size"), ("0.5", "under 1 GB"), ("80MB", "under 1 GB"), ("-5", "positive")]:
+        with pytest.raises(UserError, match=said):
+            parse_size(bad, "x")
 
 
 def test_mesh_rows_follow_divisibility(capsys):

@@ -21,33 +21,64 @@ def cmd_prepare_model(args) -> None:
     print(prepare_default_model(force=args.force))
 
 
+def _checkpoint_as_folder(path: str, work: str) -> str:
+    """A step checkpoint (`checkpoint-N`) written out as a standard folder in `work` (what
+    `convert-checkpoint` does); any other path as it is."""
+    from toolkit.train.checkpoint import TRAINER_STATE, convert_checkpoint
+
+    if not (Path(path) / TRAINER_STATE).is_file():
+        return path
+    folder = Path(work) / "model"
+    convert_checkpoint(Path(path), folder)
+    print(f"{path}: a step checkpoint, read as a standard folder (`python -m toolkit convert-checkpoint` writes "
+          "one to keep)", file=sys.stderr)
+    return str(folder)
+
+
 def cmd_merge(args) -> None:
     """Fold a LoRA adapter into its base model and write a plain transformers folder."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
     from toolkit.models import is_adapter_dir, load_for_inference
 
-    if not is_adapter_dir(args.adapter):
-        raise UserError(f"--adapter {args.adapter}: no adapter_config.json there (is it a LoRA output folder?)")
     out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; choose a folder")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"--output {out} is not empty; pass --overwrite or choose another folder")
-    model = load_for_inference(args.adapter, base=args.base).merge_and_unload()
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(args.adapter).save_pretrained(out)
+    with tempfile.TemporaryDirectory() as work:
+        adapter = _checkpoint_as_folder(args.adapter, work)
+        if not is_adapter_dir(adapter):
+            raise UserError(f"--adapter {args.adapter}: no adapter_config.json there (is it a LoRA output folder?)")
+        model = load_for_inference(adapter, base=args.base, trust_remote_code=args.trust_remote_code,
+                                   flag="--adapter").merge_and_unload()
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
     print(f"merged model written to {out}")
 
 
 def cmd_generate(args) -> None:
+    import tempfile
+
     import torch
     from transformers import AutoTokenizer
 
     from toolkit.data.tokenize import ensure_chat_template, prompt_text
     from toolkit.models import load_for_inference, resolve_model
 
-    src = args.model if Path(args.model).exists() else resolve_model(args.model)
-    model = load_for_inference(src).eval()
-    tok = AutoTokenizer.from_pretrained(src)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be 0 (greedy) or more (got {args.temperature:g})")
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty; give the text to continue or answer")
+    with tempfile.TemporaryDirectory() as work:
+        src = args.model if Path(args.model).exists() else resolve_model(args.model)
+        src = _checkpoint_as_folder(src, work)
+        model = load_for_inference(src, trust_remote_code=args.trust_remote_code).eval()
+        tok = AutoTokenizer.from_pretrained(src)
     ensure_chat_template(tok)
     text = args.prompt if args.raw else prompt_text(tok, [{"role": "user", "content": args.prompt}])
     enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
@@ -197,17 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("flags", nargs=argparse.REMAINDER, help="finetune.py flags, e.g. --config run.yaml")
     s.set_defaults(fn=cmd_prepare_data)
     s = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
-    s.add_argument("--adapter", required=True, help="adapter folder (OUTPUT_DIR/final of a LoRA run)")
+    s.add_argument("--adapter", required=True,
+                   help="adapter folder (OUTPUT_DIR/final of a LoRA run, or a step checkpoint OUTPUT_DIR/checkpoint-N)")
     s.add_argument("--output", required=True, help="folder for the merged model")
     s.add_argument("--base", help="base model (default: the one recorded in the adapter)")
     s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
     s.set_defaults(fn=cmd_merge)
     s = sub.add_parser("generate", help="print a completion from a model or adapter folder")
-    s.add_argument("--model", required=True, help="model folder, adapter folder, or the default name")
+    s.add_argument("--model", required=True,
+                   help="model folder, adapter folder, step checkpoint (checkpoint-N), or the default name")
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    s.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     s.set_defaults(fn=cmd_generate)
     s = sub.add_parser("accelerate-config", help="write an accelerate YAML for `accelerate launch --config_file`")
     s.add_argument("--output", required=True, help="YAML file to write")
@@ -235,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nodes", type=int, default=1, help="nodes")
     s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "
                                                              "the time model (--hardware)")
-    s.add_argument("--gpu-memory", default="80GB", help="memory per GPU, with a unit (80GB)")
+    s.add_argument("--gpu-memory", default="80GB", help="memory per GPU in GB: 80 or 80GB (GB = GiB, as GPUs are sold), or 1.5TB")
     s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's; "
                                         "'unlimited' not to check it)")
     s.add_argument("--method", default=m.method, choices=("full", "lora", "qlora"), help="what to train")

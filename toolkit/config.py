@@ -184,6 +184,11 @@ def _field_type(section: str, f: dataclasses.Field) -> tuple[type, bool]:
     return tp, optional
 
 
+# keys whose YAML value may take more than one shape: what to say when it has another
+SHAPES = {"columns": "a mapping of ours: yours (instruction: prompt) or a string OURS=YOURS,...",
+          "lora_targets": "a list of module names, a comma-separated string, or all-linear"}
+
+
 def _coerce(key: str, value: Any, origin: str) -> Any:
     """Turn a flag string or a YAML value into the field's type, or raise naming the key."""
     section, f = _fields()[key]
@@ -220,8 +225,9 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
                 raise ValueError
             out = str(value)
     except (TypeError, ValueError):
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a string")
-        raise UserError(f"{where} must be {kind}, got {value!r}") from None
+        kind = SHAPES.get(key) or {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a string")
+        shape = {list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value))
+        raise UserError(f"{where} must be {kind}, got " + (f"{shape} ({value!r})" if shape else repr(value))) from None
     choices = f.metadata.get("choices")
     if choices and out is not None and out not in choices:
         names = [str(c) for c in choices]
@@ -741,14 +747,41 @@ def _check_output_dir(o: OutputConfig) -> list[str]:
     out = Path(o.output_dir)
     if out.exists() and not out.is_dir():
         return [f"--output-dir {o.output_dir} is a file, not a folder"]
+    unwritable = _unwritable(out)
+    if unwritable:
+        return [f"--output-dir {o.output_dir}: {unwritable}; choose a folder you can write to"]
     if out.is_dir() and any(out.iterdir()) and not o.overwrite_output_dir and not o.resume:
         return [f"--output-dir {o.output_dir} is not empty; pass --resume auto to continue its run, "
                 "--overwrite-output-dir to replace it, or choose another folder"]
     return []
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why `out` cannot be created or written (None: it can): a file is made and removed in it, or
+    in the nearest folder above it that exists, so root on a read-only mount is caught too."""
+    import errno
+    import tempfile
+
+    here = out.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        return f"{here} is a file, so no folder can be made under it"
+    try:
+        fd, probe = tempfile.mkstemp(dir=here, prefix=".toolkit-probe-")
+    except OSError as e:
+        why = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e)).lower()
+        return f"{here} cannot be written ({why})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as flat YAML that `--config` reads back to the same run."""
     flat = cfg.flat()
     flat["lr"] = cfg.lr
-    path.write_text(yaml.safe_dump(flat, sort_keys=False))
+    try:
+        path.write_text(yaml.safe_dump(flat, sort_keys=False))
+    except OSError as e:  # a write names no file: this one is said with its path (toolkit.errors)
+        raise OSError(e.errno, e.strerror, str(path)) from None

@@ -161,7 +161,14 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, TypeError, KeyError) as e:  # a damaged tokenizer file raises any of these
+        if "trust_remote_code" in str(e):
+            raise UserError(f"--model {path}: its tokenizer needs its own code to run; pass --trust-remote-code "
+                            "if you trust its author") from None
+        raise UserError(f"--model {path}: the tokenizer could not be loaded ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]}); its tokenizer files are damaged or incomplete") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -241,9 +248,39 @@ def check_lora_targets(model, targets: list[str]) -> None:
                         f"linear modules are: {', '.join(sorted(present))}")
 
 
+def weight_file_problem(path: str) -> str | None:
+    """A truncated or missing weight file of a local folder, found from the safetensors headers and
+    the shard index alone (no tensor is read): safetensors checks that a header covers its file."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return None  # a hub id: transformers reads it from the cache and checks it
+    index = next(folder.glob("*.safetensors.index.json"), None)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{index} is unreadable ({e})"
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            return f"{index} names {', '.join(missing[:3])}, which {'is' if len(missing) == 1 else 'are'} not there"
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError is not importable by name across versions
+            return f"{f} is damaged or incomplete ({' '.join(str(e).split())[:160]})"
+    return None
+
+
 def check_model(cfg: Config, path: str) -> None:
-    """What the architecture alone can refuse (code it needs from the hub, LoRA targets), found on a
-    weightless meta-device skeleton: before any weights are read or the output dir is touched."""
+    """What the architecture alone can refuse (code it needs from the hub, LoRA targets, a weight
+    file cut short), found on a weightless meta-device skeleton and the files' headers: before any
+    weights are read or the output dir is touched."""
+    damaged = weight_file_problem(path)
+    if damaged:
+        raise UserError(f"--model {path}: {damaged}; copy or download the model again")
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -309,14 +346,26 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = torch.float32):
-    """A full model folder or an adapter folder (base from `base` or from the adapter's config)."""
+def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = torch.float32,
+                       trust_remote_code: bool = False, flag: str = "--model"):
+    """A full model folder or an adapter folder (base from `base` or from the adapter's config). A
+    model that asks to run its own code is refused unless `trust_remote_code`, naming `flag`."""
     from transformers import AutoModelForCausalLM
 
-    if is_adapter_dir(path):
-        from peft import PeftModel
+    where = f"{flag} {path}"
+    try:
+        if is_adapter_dir(path):
+            from peft import PeftModel
 
-        base = base or json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
-        base_model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=dtype)
-        return PeftModel.from_pretrained(base_model, path)
-    return AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype)
+            base = base or json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+            where = f"the base model {base}"
+            base_model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=dtype,
+                                                              trust_remote_code=trust_remote_code)
+            return PeftModel.from_pretrained(base_model, path)
+        return AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype,
+                                                    trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"{where} needs its own code to run; pass --trust-remote-code if you trust its "
+                            "author") from None
+        raise

@@ -14,7 +14,7 @@ import torch
 
 from toolkit.config import Config
 from toolkit.dataset_spec import is_mixture, parse_sources
-from toolkit.data.formats import detect_format, load_records, map_columns, to_conversation
+from toolkit.data.formats import detect_format, load_records, map_columns, record_place, to_conversation
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
 
@@ -53,12 +53,15 @@ def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
 def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple[list[dict] | str, bool]:
     """(one record as a conversation or text, whether --system-prompt was added to it); a record
     with nothing to train on is an error naming its index."""
-    conv = to_conversation(row, fmt, index)
+    try:
+        conv = to_conversation(row, fmt)
+    except UserError as e:
+        raise UserError(f"--dataset {record_place(spec, index)}: {e}") from None
     if fmt == "text":
         return conv, False
     given = with_system_prompt(conv, cfg.data.system_prompt)
     if not cfg.data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
-        raise UserError(f"--dataset {spec}: record {index} has no assistant turn, so it has nothing to "
+        raise UserError(f"--dataset {record_place(spec, index)} has no assistant turn, so it has nothing to "
                         "train on (pass --train-on-prompt to train on whole conversations)")
     return given, given is not conv
 

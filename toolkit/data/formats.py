@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from toolkit.config import DATA_SUFFIXES, parse_columns
 from toolkit.errors import UserError
@@ -39,17 +40,17 @@ def load_records(spec: str):
     if local:
         kind, files = local
         datasets.disable_progress_bars()  # a bar per small file is noise in front of our own report
-        library_log = logging.getLogger("datasets")
-        level, library_log.level = library_log.level, logging.CRITICAL  # its parse error is ours to word
         try:
-            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+            with datasets_log_silenced():
+                ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
-            if kind == "json":  # our own parse names the line (not done up front: a large file is GBs as Python)
+            not_utf8 = utf8_problem(files)  # our own reading names the line (not done up front: GBs as Python)
+            if not_utf8:
+                raise UserError(f"--dataset {not_utf8}") from None
+            if kind == "json":
                 for f in files:
                     _check_json_file(f)
             raise UserError(f"--dataset {spec}: could not be read as {kind} ({_short(e)})") from None
-        finally:
-            library_log.setLevel(level)
         if len(ds) == 0 and kind == "json":
             for f in files:
                 _check_json_file(f)
@@ -62,6 +63,17 @@ def load_records(spec: str):
     if len(ds) == 0:
         raise UserError(f"--dataset {spec}: holds no records")
     return ds
+
+
+@contextmanager
+def datasets_log_silenced() -> Iterator[None]:
+    """datasets logs a parse error (with its traceback) before raising it: the error is ours to word."""
+    library_log = logging.getLogger("datasets")
+    level, library_log.level = library_log.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        library_log.setLevel(level)
 
 
 def data_files(spec: str) -> tuple[str, list[Path]] | None:
@@ -103,6 +115,78 @@ def column_renames(cols: list[str], spec: str, source: str) -> dict[str, str]:
 
 def _short(e: Exception) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def record_place(spec: str, index: int) -> str:
+    """Where record `index` of `--dataset spec` is, for an error: its file and, in JSON Lines, its
+    line (blank lines skipped as the readers skip them). Scans the files: for error paths only."""
+    local = data_files(spec) if not spec.startswith("builtin:") else None
+    if not local:
+        return f"{spec}: record {index}"
+    kind, files = local
+    if kind != "json" or not all(_is_json_lines(f) for f in files):
+        return f"{files[0] if len(files) == 1 else spec}: record {index}"
+    left = index
+    for f in files:
+        with open(f, "rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    if left == 0:
+                        return f"{f}: record {index} (line {lineno})"
+                    left -= 1
+    return f"{spec}: record {index}"
+
+
+def _is_json_lines(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return not f.read(4096).lstrip().startswith(b"[")
+
+
+def utf8_problem(files: list[Path]) -> str | None:
+    """The first place in `files` that is not UTF-8, as `FILE: line N ...` (None: all of it is)."""
+    import codecs
+
+    for path in files:
+        decoder, lineno = codecs.getincrementaldecoder("utf-8")(), 1
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    line = lineno + chunk[:max(e.start, 0)].count(b"\n")
+                    return f"{path}: line {line} is not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the file as UTF-8"
+                lineno += chunk.count(b"\n")
+    return None
+
+
+def json_lines_problem(path: Path) -> str | None:
+    """The first line of a JSON Lines file that is not one JSON object (read line by line: the
+    file may be larger than RAM)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path}: invalid JSON on line {lineno} ({e.msg}); each line of a .jsonl file must be one JSON object"
+            if not isinstance(row, dict):
+                return f"{path}: line {lineno} is a {type(row).__name__}, expected an object"
+    return None
+
+
+def read_problem(spec: str, e: Exception) -> UserError:
+    """One line for a failure while reading `--dataset spec`: the file and line where it is found
+    (bytes that are not UTF-8, a JSON line that does not parse), else the reader's own words."""
+    local = data_files(spec) if not spec.startswith("builtin:") else None
+    if local:
+        kind, files = local
+        problem = utf8_problem(files)
+        if problem is None and kind == "json":
+            problem = next((p for f in files if _is_json_lines(f) and (p := json_lines_problem(f))), None)
+        if problem:
+            return UserError(f"--dataset {problem}")
+    return UserError(f"--dataset {spec}: could not be read ({_short(e)})")
 
 
 def _check_json_file(path: Path) -> None:
@@ -154,15 +238,15 @@ def detect_format(columns: list[str], requested: str, source: str) -> str:
 
 def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict[str, str]] | str:
     """One record as chat messages (alpaca, chat, sharegpt) or as plain text (text)."""
-    where = f"record {index}" if index >= 0 else "a record"
+    where = f"record {index}: " if index >= 0 else ""
     if fmt == "text":
         if not isinstance(row["text"], str):
-            raise UserError(f"{where}: 'text' must be a string")
+            raise UserError(f"{where}'text' must be a string")
         return row["text"]
     if fmt == "alpaca":
         instruction, inp, output = row.get("instruction"), row.get("input") or "", row.get("output")
         if not isinstance(instruction, str) or not isinstance(output, str):
-            raise UserError(f"{where}: alpaca 'instruction' and 'output' must be strings")
+            raise UserError(f"{where}alpaca 'instruction' and 'output' must be strings")
         prompt = f"{instruction}\n\n{inp}" if str(inp).strip() else instruction
         msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
         if isinstance(row.get("system"), str) and row["system"].strip():
@@ -171,17 +255,17 @@ def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict
     if fmt == "chat":
         msgs = row["messages"]
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise UserError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+            raise UserError(f"{where}'messages' must be a list of {{role, content}} objects")
         return [{"role": str(m["role"]), "content": str(m["content"] or "")} for m in msgs]
     if fmt == "sharegpt":
         turns = row["conversations"]
         if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
-            raise UserError(f"{where}: 'conversations' must be a list of {{from, value}} objects")
+            raise UserError(f"{where}'conversations' must be a list of {{from, value}} objects")
         out = []
         for t in turns:
             role = SHAREGPT_ROLES.get(str(t["from"]).lower())
             if role is None:
-                raise UserError(f"{where}: unknown ShareGPT speaker '{t['from']}' "
+                raise UserError(f"{where}unknown ShareGPT speaker '{t['from']}' "
                                 f"(expected one of {', '.join(sorted(SHAREGPT_ROLES))})")
             out.append({"role": role, "content": str(t["value"] or "")})
         return out

@@ -118,16 +118,19 @@ def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, spec
 
 def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
     """(format, the source's records tokenized in their order, with a `system_added` column)."""
-    from toolkit.data.formats import load_records, map_columns
+    from toolkit.data.formats import load_records, map_columns, read_problem
 
     records = map_columns(load_records(spec), cfg.data.columns, spec)
     fmt = source_format(records.column_names, cfg, spec)
-    table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
-                        remove_columns=records.column_names, features=features({"system_added": "bool"}),
-                        num_proc=map_processes(len(records), cfg.data.data_workers),
-                        fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
-                        cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
-                        new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])
+    try:
+        table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
+                            remove_columns=records.column_names, features=features({"system_added": "bool"}),
+                            num_proc=map_processes(len(records), cfg.data.data_workers),
+                            fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
+                            cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
+                            new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])
+    except UnicodeDecodeError as e:  # pyarrow keeps bytes that are not UTF-8 until a row is read
+        raise read_problem(spec, e) from None
     return fmt, table
 
 

@@ -41,16 +41,17 @@ class RecordStream(torch.utils.data.IterableDataset):
     def __init__(self, cfg: Config, tokenizer):
         from datasets import load_dataset
 
-        from toolkit.data.formats import column_renames, data_files
+        from toolkit.data.formats import column_renames, data_files, datasets_log_silenced, read_problem
 
         spec = cfg.data.dataset
         local = data_files(spec)  # the map-style reader's files and checks
         try:
-            records = load_dataset(local[0], data_files=[str(f) for f in local[1]], split="train", streaming=True) \
-                if local else load_dataset(spec, split="train", streaming=True)
-            first = next(iter(records), None)
+            with datasets_log_silenced():
+                records = load_dataset(local[0], data_files=[str(f) for f in local[1]], split="train",
+                                       streaming=True) if local else load_dataset(spec, split="train", streaming=True)
+                first = next(iter(records), None)
         except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
-            raise UserError(f"--dataset {spec}: could not be streamed ({' '.join(str(e).split())[:300]})") from None
+            raise read_problem(spec, e) from None
         if first is None:
             raise UserError(f"--dataset {spec}: holds no records")
         self.renames = column_renames(list(first), cfg.data.columns, spec)
@@ -60,7 +61,7 @@ class RecordStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, dict]]:
         skip = self.start
         while True:  # epoch after epoch, the same order
-            for i, row in enumerate(self.records):
+            for i, row in self._records():
                 if skip:
                     skip -= 1
                     continue
@@ -77,11 +78,22 @@ class RecordStream(torch.utils.data.IterableDataset):
         if not isinstance(part, slice) or part.start or part.stop is None:
             raise TypeError("a stream is read from its start: stream[:n]")
         first = []
-        for i, row in enumerate(self.records):
+        for i, row in self._records():
             if i == part.stop:
                 break
             first.append((i, self._renamed(row)))
         return self.tokenize(first)
+
+    def _records(self) -> Iterator[tuple[int, dict]]:
+        """The records with their index; a file that breaks mid-stream is one line naming the file
+        and line (the run stops: see docs/data.md, bad records)."""
+        from toolkit.data.formats import datasets_log_silenced, read_problem
+
+        try:
+            with datasets_log_silenced():
+                yield from enumerate(self.records)
+        except Exception as e:  # noqa: BLE001 - pyarrow and datasets raise many types
+            raise read_problem(self.spec, e) from None
 
     def _renamed(self, row: dict) -> dict:
         return {self.renames.get(k, k): v for k, v in row.items()} if self.renames else row

@@ -92,7 +92,20 @@ def built_once(path: Path, build) -> bool:
             import shutil
 
             shutil.rmtree(tmp)
-        build(tmp)
+        try:
+            build(tmp)
+        except Exception as e:
+            from toolkit.errors import UserError, disk_error
+
+            disk = disk_error(e)
+            if disk is None:
+                raise
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"could not write the tokenized data cache in {path.parent}: "
+                            f"{(disk.strerror or str(disk)).lower()}; free space there, or set TOOLKIT_CACHE to a "
+                            "folder on a roomier disk") from None
         os.replace(tmp, path)
     return False
 

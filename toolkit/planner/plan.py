@@ -40,16 +40,19 @@ ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_o
 
 
 def parse_size(text: str, what: str) -> int:
-    """'80GB', '80GiB', '512MB', '1.5TB' or a plain number of bytes -> bytes (GB = GiB here, as
-    vendors quote GPU memory)."""
+    """'80', '80GB', '80GiB', '512MB', '1.5TB' -> bytes. A bare number is GB, and GB = GiB here, as
+    vendors quote GPU memory ("80GB" H100: 80 GiB). Under 1 GB is no GPU or host this plans for:
+    refused, most likely a unit slip."""
     m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([KMGT]i?B|[KMGT])?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise UserError(f"--{what} {text!r} is not a size; use a number with KB/MB/GB/TB, e.g. 80GB")
-    value = float(m.group(1)) * 1024 ** {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[(m.group(2) or "")[:1].upper()]
+        raise UserError(f"--{what} {text!r} is not a size; use a number of GB, or one with MB/GB/TB, e.g. 80GB")
+    unit = (m.group(2) or "G")[:1].upper()
+    value = float(m.group(1)) * 1024 ** {"K": 1, "M": 2, "G": 3, "T": 4}[unit]
     if value <= 0:
         raise UserError(f"--{what} must be positive, got {text!r}")
-    if not m.group(2):  # "--gpu-memory 80" was once read as 80 bytes
-        raise UserError(f"--{what} {text.strip()} has no unit; write {text.strip()}GB (or MB, TB)")
+    if value < GiB:
+        raise UserError(f"--{what} {text.strip()} is under 1 GB, smaller than any GPU or host this plans for; "
+                        f"give the memory in GB, e.g. 80GB")
     return int(value)
 
 

@@ -22,8 +22,11 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.strategy import load_full_state_dict
+from toolkit.train.manifest import MANIFEST, damage, write_manifest
 TRAINER_STATE = "trainer_state.json"
 # the DCP folder inside checkpoint-N (toolkit.train.sharded_state, imported only where a checkpoint is
 # written or read: torch.distributed.checkpoint costs ~0.8 s of a run's start-up on 2 cores)
@@ -67,13 +71,21 @@ def _publish(accelerator, tmp: Path, path: Path) -> None:
 def save_final(strategy, model, tokenizer, path: Path) -> dict[str, torch.Tensor]:
     """Every rank must call this: sharded strategies gather the state dict collectively. Returns the
     tensors written, by the names they were written under (main process; empty elsewhere), for the
-    integrity check to compare the files with."""
+    integrity check to compare the files with. A full disk is one line on every rank, the
+    checkpoints beside it intact."""
     from toolkit.train.integrity import saved_state
 
     accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
     unwrapped, state = strategy.unwrap(model), strategy.state_dict(model)
-    _write_model(accelerator, unwrapped, tokenizer, tmp, state)
+    failed = None
+    try:
+        _write_model(accelerator, unwrapped, tokenizer, tmp, state)
+    except Exception as e:
+        failed = write_failure(e, tmp)
+        if failed is None:
+            raise
+    _stop_if_failed(accelerator, failed, tmp, path, lambda: sum(_local_bytes(v) for v in state.values()))
     _publish(accelerator, tmp, path)
     return saved_state(unwrapped, state) if accelerator.is_main_process else {}
 
@@ -112,13 +124,28 @@ def _write_model_files(accelerator, model, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _disk_full(e: Exception) -> bool:
-    """ENOSPC, also when DCP wrapped it (a `CheckpointException` holds each rank's failure)."""
+NO_SPACE = "no space left on the device"
+
+
+def write_failure(e: BaseException, where: Path) -> str | None:
+    """Why a write under `where` failed, for a person (None: `e` is not a write failure). safetensors
+    reports the OS error in its message; torch.save only as a zip-writer position mismatch, which is
+    taken for a full disk when `where` has under 64 MB free; DCP wraps each rank's failure."""
     if isinstance(e, OSError):
-        return e.errno == errno.ENOSPC
-    failures = getattr(e, "failures", {}) or {}
-    return any(isinstance(f[0] if isinstance(f, tuple) else f, OSError)
-               and (f[0] if isinstance(f, tuple) else f).errno == errno.ENOSPC for f in failures.values())
+        return NO_SPACE if e.errno == errno.ENOSPC else (e.strerror or str(e)).lower()
+    text = str(e)
+    match = re.search(r"os error (\d+)", text)
+    if type(e).__name__ == "SafetensorError" and match:
+        code = int(match.group(1))
+        return NO_SPACE if code == errno.ENOSPC else os.strerror(code).lower()
+    if isinstance(e, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text):
+        free = shutil.disk_usage(where).free if where.exists() else 0
+        return NO_SPACE if free < 64 << 20 else "the write failed (an I/O error)"
+    for f in (getattr(e, "failures", None) or {}).values():  # CheckpointException: {rank: (exception, traceback)}
+        reason = write_failure(f[0] if isinstance(f, tuple) else f, where)
+        if reason:
+            return reason
+    return None
 
 
 def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
@@ -147,7 +174,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
                   "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]}
     if not sharded:
         rank_state["optimizer"] = strategy.optimizer_state(model, optimizer)
-    full = False
+    failed = None
     try:
         if sharded:
             save_sharded(tmp / STATE_DIR, strategy.named_trainable(model), inner, *strategy.tp_coordinates())
@@ -159,20 +186,74 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
         torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
         if accelerator.is_main_process:  # <name>.tmp is never read: the rename below is what publishes
             record = {**state, "format": "sharded" if sharded else "hf", "world_size": accelerator.num_processes,
-                      "layout": strategy.dims.describe(), "data_ranks": strategy.data_ranks}
+                      "layout": strategy.dims.describe(), "data_ranks": strategy.data_ranks, "manifest": MANIFEST}
             (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=2))
-    except (OSError, CheckpointException) as e:
-        if not _disk_full(e):
+    except (Exception, CheckpointException) as e:  # a write that failed (full disk, I/O error): one line
+        failed = write_failure(e, tmp)
+        if failed is None:
             raise
-        full = True
-    if any_rank(accelerator, full):
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        earlier = [p.name for p in complete_checkpoints(path.parent)]
-        raise UserError(f"no space left on the device while writing {path}; it was not saved"
-                        + (f" ({', '.join(earlier)} intact)" if earlier else "")
-                        + ". Free space (or use --keep-last), then continue with --resume auto")
+    needed = partial(_checkpoint_bytes, accelerator, path.parent, inner)
+    _stop_if_failed(accelerator, failed, tmp, path, needed)  # an all-reduce: past it, every rank's files are written
+    if accelerator.is_main_process:
+        try:
+            write_manifest(tmp)
+        except OSError as e:
+            failed = write_failure(e, tmp)
+    _stop_if_failed(accelerator, failed, tmp, path, needed)
     _publish(accelerator, tmp, path)
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
+    return t.numel() * t.element_size()
+
+
+def _checkpoint_bytes(accelerator, out_dir: Path, optimizer) -> int:
+    """About what one more checkpoint takes: the last complete one's size, else every rank's
+    trainable weights and optimizer state (collective)."""
+    earlier = complete_checkpoints(out_dir)
+    if earlier:
+        return sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file())
+    mine = sum(_local_bytes(p) for g in optimizer.param_groups for p in g["params"])
+    mine += sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    if accelerator.num_processes == 1:
+        return mine
+    return int(accelerator.reduce(torch.tensor([mine], dtype=torch.float64, device=accelerator.device), "sum").item())
+
+
+def _stop_if_failed(accelerator, failed: str | None, tmp: Path, path: Path, needed: Callable[[], int]) -> None:
+    """One error on every rank when any rank's write failed (collective): the half-written `.tmp`
+    removed, the space needed (`needed()`, called on every rank) and free said, the earlier
+    checkpoints named as intact. Every rank raises the main process's line, so it is printed once."""
+    if not any_rank(accelerator, failed is not None):
+        return
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        every: list = [None] * accelerator.num_processes
+        dist.all_gather_object(every, failed)
+        failed = next(f for f in every if f is not None)
+    size = needed()
+    line = [""]
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = [p.name for p in complete_checkpoints(path.parent)]
+        fix = "Free space (or keep fewer with --keep-last)" if failed == NO_SPACE else "Check the disk"
+        line = [f"could not write {path}: {failed} (it needs about {_size(size)}, "
+                f"{_size(shutil.disk_usage(path.parent).free)} free there); it was not saved"
+                + (f" ({', '.join(earlier)} intact). {fix}, then continue with --resume auto" if earlier
+                   else f". {fix}, then run again")]
+    if accelerator.num_processes > 1:
+        dist.broadcast_object_list(line, src=0)
+    raise UserError(line[0])
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:
@@ -194,8 +275,29 @@ def torch_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def load_rank_state(path: Path, rank: int) -> dict:
-    return torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+RANK_KEYS = ("scheduler", "rng", "param_groups")
+
+
+def load_rank_state(accelerator, path: Path, rank: int) -> dict:
+    """`rank{rank}.pt` (collective: a rank whose file cannot be read stops every rank). Read with
+    `weights_only=True`: a file holding anything but tensors and plain values is refused unread."""
+    import pickle
+
+    f = path / f"rank{rank}.pt"
+    problem, state = None, {}
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        problem = (f"{f} holds objects other than tensors and plain values, which this toolkit never writes "
+                   "(the file was replaced or altered); it was refused unread")
+    except (RuntimeError, EOFError, OSError) as e:
+        problem = f"{f} is damaged ({str(e).splitlines()[0][:120]})"
+    if problem is None and not (isinstance(state, dict) and all(k in state for k in RANK_KEYS)):
+        problem = f"{f} is not a rank file of this toolkit (it lacks {', '.join(RANK_KEYS)})"
+    if any_rank(accelerator, problem is not None):
+        raise UserError(f"--resume {path}: {problem or 'a rank file is damaged on another rank'}; resume from an "
+                        "earlier checkpoint")
+    return state
 
 
 def restore_sharded(strategy, model, optimizer, folder: Path) -> None:
@@ -223,12 +325,15 @@ def convert_checkpoint(ckpt: Path, output: Path) -> str:
     ckpt, output = Path(ckpt), Path(output)
     if not (ckpt / TRAINER_STATE).is_file():
         raise UserError(f"{ckpt}: not a complete checkpoint (no {TRAINER_STATE}); pick a checkpoint-N folder")
+    problem = damage(ckpt)
+    if problem:
+        raise UserError(f"{ckpt}: the checkpoint is damaged: {problem}; pick an earlier checkpoint-N folder")
     if output.exists() and any(output.iterdir()):
         raise UserError(f"--output {output} is not empty; choose another folder")
     output.mkdir(parents=True, exist_ok=True)
     sharded = json.loads((ckpt / TRAINER_STATE).read_text()).get("format") == "sharded"
     for f in ckpt.iterdir():  # config, tokenizer (and, for a DeepSpeed checkpoint, the weights themselves)
-        if f.is_file() and f.name != TRAINER_STATE and not (f.name.startswith("rank") and f.suffix == ".pt"):
+        if f.is_file() and f.name not in (TRAINER_STATE, MANIFEST) and not (f.name.startswith("rank") and f.suffix == ".pt"):
             shutil.copy2(f, output / f.name)
     if not sharded:
         return f"{ckpt} holds an HF folder already (DeepSpeed format): copied to {output}"

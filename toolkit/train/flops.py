@@ -92,8 +92,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
     The best call is the estimator because interference only ever slows a call down.
     """
     n = n or (PROBE_MATMUL_GPU if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # its own generator: whether the probe runs (the figure is cached) must not move the run's random
+    # streams (dropout), or a resumed run would differ from the uninterrupted one
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
 
     def timed() -> float:
         if device.type == "cuda":

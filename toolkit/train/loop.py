@@ -241,7 +241,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     first_step, tokens_seen = 1, 0
     if resume is not None:  # weights, optimizer, scheduler, data position (global: examples consumed), RNG
         # another layout reads rank 0's scheduler and hyperparameters (the same on every rank)
-        saved = load_rank_state(resume.path, accelerator.process_index if resume.same_layout else 0)
+        saved = load_rank_state(accelerator, resume.path, accelerator.process_index if resume.same_layout else 0)
         if resume.sharded:  # this layout's pieces, whatever layout wrote them
             restore_sharded(strategy, model, optimizer, resume.path)
             for group, hyper in zip(torch_optimizer(optimizer).param_groups, saved["param_groups"]):

@@ -17,6 +17,7 @@ class MetricsLogger:
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         self._tb = self._bar = None
+        self._writing = enabled  # False once a write failed
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -31,7 +32,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        if self._writing:
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as e:  # a full disk: said once, training goes on (the next checkpoint stops it cleanly)
+                self._writing = False
+                self.write(f"{self.path}: could not write ({(e.strerror or str(e)).lower()}); metrics are not "
+                           f"recorded from step {record['step']} on")
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, record["step"])
@@ -51,9 +58,12 @@ class MetricsLogger:
         if not self.enabled or self._file.closed:
             return
         self._bar.close()
-        self._tb.close()
-        self._file.close()
-        plot_loss(self.records, self.path.parent / "loss.png")
+        try:  # a full disk was said when it was met (or is said by the save that met it): not again here
+            self._tb.close()
+            self._file.close()
+            plot_loss(self.records, self.path.parent / "loss.png")
+        except OSError:
+            pass
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
@@ -64,6 +74,8 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not (train or evals):  # stopped before the first logged step: nothing to draw
+        return
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

@@ -13,14 +13,17 @@ rank. DeepSpeed's per-rank ZeRO checkpoints resume on the same world size and la
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from toolkit.config import Config
 from toolkit.dataset_spec import dataset_digest
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import TRAINER_STATE, complete_checkpoints
+from toolkit.train.manifest import damage
 
 # Settings that change what a run computes (not how fast or where it logs).
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
@@ -54,9 +57,57 @@ def global_batch(cfg: Config, data_ranks: int) -> int:
     return cfg.train.micro_batch_size * cfg.train.grad_accum * data_ranks
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def model_identity(name: str) -> dict | None:
+    """What `--model` holds, beyond its name: config.json's SHA-256 and each weight file's size and
+    the SHA-256 of its first and last MiB (hashing whole files would read an 8B model at every
+    checkpoint; the ends hold the header and tensors at both ends). None: a hub id that is not in
+    the local cache."""
+    from toolkit.config import DEFAULT_MODEL
+    from toolkit.models import default_model_dir
+
+    folder = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(name, "config.json")
+        except ValueError:  # not a hub id either
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    weights = {f.name: _ends(f) for f in sorted(folder.iterdir()) if f.name.endswith(WEIGHT_SUFFIXES)}
+    return {"config": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(), "weights": weights}
+
+
+def _ends(path: Path, span: int = 1 << 20) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        f.seek(max(size - span, 0))
+        h.update(f.read(span))
+    return f"{size} bytes, sha256 of the ends {h.hexdigest()[:16]}"
+
+
+def model_changes(saved: dict, now: dict | None) -> list[str]:
+    """How the model behind `--model` differs from the one the checkpoint was trained from."""
+    if now is None:
+        return []
+    changes = ["its config.json differs"] if saved.get("config") != now["config"] else []
+    before, after = saved.get("weights", {}), now["weights"]
+    for name in sorted(before.keys() | after.keys()):
+        if before.get(name) != after.get(name):
+            changes.append(f"{name} was {before.get(name, 'absent')}, now {after.get(name, 'absent')}")
+    return changes
+
+
 def fingerprint(cfg: Config, data_ranks: int) -> dict:
     flat = cfg.flat()
-    return {"dataset": dataset_digest(cfg.data.dataset),
+    return {"dataset": dataset_digest(cfg.data.dataset), "model_files": model_identity(cfg.model.model),
             "settings": {**{k: flat[k] for k in RESULT_KEYS}, "global_batch": global_batch(cfg, data_ranks)},
             "layout": fingerprint_layout(cfg)}
 
@@ -72,26 +123,44 @@ def resplit(total: int, micro: int, data_ranks: int) -> tuple[int, int] | None:
     return micro, share // micro
 
 
-def find_checkpoint(cfg: Config) -> ResumePoint | None:
-    """The checkpoint --resume names (None without --resume, or for 'auto' in a folder without one)."""
+def find_checkpoint(cfg: Config, damaged: Callable[[Path], str | None] = damage) -> ResumePoint | None:
+    """The checkpoint --resume names (None without --resume, or for 'auto' in a folder without one),
+    checked against its manifest: `--resume auto` passes over damaged ones to the newest intact one
+    (saying which file was damaged), a named damaged one is refused in one line."""
     spec = cfg.output.resume
     if not spec:
         return None
-    if spec == "auto":
-        found = complete_checkpoints(Path(cfg.output.output_dir))
-        if not found:
-            return None  # nothing to resume: start from step 0 (what an elastic restart before the first save needs)
-        path = found[-1]
-    else:
+    if spec != "auto":
         path = Path(spec)
         if not path.is_dir():
             raise UserError(f"--resume {spec}: folder not found")
-    state_file = path / TRAINER_STATE
-    if not state_file.is_file():
-        raise UserError(f"--resume {path}: not a complete checkpoint (no {TRAINER_STATE}); "
-                        f"use --resume auto to pick the newest complete one")
+        if not (path / TRAINER_STATE).is_file():
+            raise UserError(f"--resume {path}: not a complete checkpoint (no {TRAINER_STATE}); "
+                            f"use --resume auto to pick the newest complete one")
+        problem = damaged(path)
+        if problem:
+            raise UserError(f"--resume {path}: the checkpoint is damaged: {problem}; resume from an earlier one "
+                            "(--resume auto picks the newest intact one)")
+        return _read_point(path)
+    found = complete_checkpoints(Path(cfg.output.output_dir))
+    skipped = []
+    for path in reversed(found):
+        problem = damaged(path)
+        if problem is None:
+            point = _read_point(path)
+            notes = tuple(f"--resume auto: skipped {name}, damaged: {why}" for name, why in skipped)
+            return ResumePoint(point.path, point.step, point.state, notes=notes)
+        skipped.append((path.name, problem))
+    if skipped:
+        raise UserError(f"--resume auto: every checkpoint in {cfg.output.output_dir} is damaged "
+                        f"({'; '.join(f'{n}: {why}' for n, why in skipped)}); restore one, or start again "
+                        "without --resume in another --output-dir")
+    return None  # nothing to resume: start from step 0 (what an elastic restart before the first save needs)
+
+
+def _read_point(path: Path) -> ResumePoint:
     try:
-        state = json.loads(state_file.read_text())
+        state = json.loads((path / TRAINER_STATE).read_text())
         step = int(state["step"])
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--resume {path}: {TRAINER_STATE} is unreadable ({e}); the checkpoint is damaged, "
@@ -106,6 +175,9 @@ def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
     problems = []
     if saved.get("dataset") != now["dataset"]:
         problems.append(f"the dataset changed ({cfg.data.dataset} hashes differently)")
+    changes = model_changes(saved["model_files"], now["model_files"]) if saved.get("model_files") else []
+    if changes:
+        problems.append(f"the model at {cfg.model.model} changed since the checkpoint ({', '.join(changes[:4])})")
     keys = [k for k in now["settings"] if k != "global_batch"]
     if "global_batch" not in settings:  # an older checkpoint: same layout, so the same split
         now["settings"].update({k: getattr(cfg.train, k) for k in BATCH_KEYS})
@@ -186,13 +258,30 @@ def check_resume(point: ResumePoint | None, cfg: Config, world: int, data_ranks:
         raise UserError(f"--resume {point.path}: this is not the run that wrote it: {'; '.join(changed)}. "
                         "Restore them, or pass --resume-ignore-mismatch to continue anyway")
     same = same_layout(point, cfg, world)
-    notes = [] if same else [f"resharding: the checkpoint was written by {point.state.get('world_size')} processes "
+    notes = list(point.notes)
+    notes += [] if same else [f"resharding: the checkpoint was written by {point.state.get('world_size')} processes "
                              f"({point.state.get('layout', '?')}); random streams reseeded to seed + step per rank"]
     notes += keep_global_batch(point, cfg, data_ranks)
     return ResumePoint(point.path, point.step, point.state, same, tuple(notes))
 
 
 def resume_point(cfg: Config, strategy) -> ResumePoint | None:
-    """The checkpoint to resume from, checked against this run's layout (None: start from step 0)."""
-    return check_resume(find_checkpoint(cfg), cfg, strategy.accelerator.num_processes, strategy.data_ranks,
-                        strategy.deepspeed)
+    """The checkpoint to resume from, checked against this run's layout (None: start from step 0).
+    The main process reads and verifies it and tells the others (each would read every file again)."""
+    accelerator = strategy.accelerator
+    if accelerator.num_processes == 1:
+        found = find_checkpoint(cfg)
+    else:
+        import torch.distributed as dist
+
+        verdict: list = [None]
+        if accelerator.is_main_process:
+            try:
+                verdict = [("found", find_checkpoint(cfg))]
+            except UserError as e:
+                verdict = [("error", str(e))]
+        dist.broadcast_object_list(verdict, src=0)
+        kind, found = verdict[0]
+        if kind == "error":
+            raise UserError(found)
+    return check_resume(found, cfg, accelerator.num_processes, strategy.data_ranks, strategy.deepspeed)
