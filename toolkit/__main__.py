@@ -72,6 +72,12 @@ def cmd_generate(args) -> None:
         raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     if args.temperature < 0:
         raise UserError(f"--temperature must be 0 (greedy) or more (got {args.temperature:g})")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p:g})")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be 0 (off) or more (got {args.top_k})")
+    if args.repetition_penalty <= 0:
+        raise UserError(f"--repetition-penalty must be > 0 (1 = off; got {args.repetition_penalty:g})")
     if not args.prompt.strip():
         raise UserError("--prompt is empty; give the text to continue or answer")
     with tempfile.TemporaryDirectory() as work:
@@ -82,9 +88,13 @@ def cmd_generate(args) -> None:
     ensure_chat_template(tok)
     text = args.prompt if args.raw else prompt_text(tok, [{"role": "user", "content": args.prompt}])
     enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
+    sampled = args.do_sample or args.temperature > 0
+    options = {"do_sample": sampled, "repetition_penalty": args.repetition_penalty}
+    if sampled:  # what greedy decoding ignores (transformers warns when given them)
+        options.update(temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                             temperature=args.temperature or None, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id,
+                             **options)
     print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
@@ -128,9 +138,9 @@ def load_model_config(spec: str) -> dict:
     import difflib
     import json
 
-    from toolkit.planner.presets import PRESETS
+    from toolkit.planner.presets import HUB_IDS, PRESETS
 
-    key = spec.lower().removesuffix("-instruct")
+    key = HUB_IDS.get(spec, spec.lower().removesuffix("-instruct"))
     if key in PRESETS:
         return dict(PRESETS[key])
     path = Path(spec)
@@ -144,6 +154,28 @@ def load_model_config(spec: str) -> dict:
     hint = difflib.get_close_matches(key, list(PRESETS), n=1)
     raise UserError(f"--model {spec}: not a preset, model folder or config file"
                     + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; presets: {', '.join(PRESETS)}")
+
+
+def from_run_config(args, parser: argparse.ArgumentParser) -> str:
+    """`plan --config RUN.yaml`: the settings of a finetune.py YAML that the plan reads (model, method,
+    LoRA, sequence, micro-batch, precision, checkpointing, loss, tp/pp/cp), where the command line left
+    the plan's default. The machine comes from the command line."""
+    from toolkit.config import ALIASES, load_yaml
+
+    raw = {ALIASES.get(k, k): v for k, v in load_yaml(args.config).items()}
+    defaults = vars(parser.parse_args(["plan"]))
+    taken = []
+    for key, value in raw.items():
+        if key == "mixed_precision":
+            value = "bf16" if value in ("auto", None) else value
+        elif key == "gradient_checkpointing":
+            value = "on" if value else "off"
+        elif key in ("tp", "pp", "cp"):
+            value = [int(value)] if int(value) > 1 else None
+        if key in defaults and key not in ("config", "command", "fn", "json") and getattr(args, key) == defaults[key]:
+            setattr(args, key, value)
+            taken.append(key)
+    return f"--config {args.config}: {', '.join(taken) or 'nothing the plan reads'} from the run's YAML"
 
 
 def cmd_plan(args) -> None:
@@ -160,6 +192,8 @@ def cmd_plan(args) -> None:
     if args.output:
         raise UserError("--output is where --calibrate writes; plan prints to stdout (use --json > FILE)")
     notes = []
+    if args.config:
+        notes.append(from_run_config(args, build_parser()))
     if args.gpu:
         from toolkit.planner.presets import GPU_PRESETS
 
@@ -240,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder, adapter folder, step checkpoint (checkpoint-N), or the default name")
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy unless --do-sample (then 1.0)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="sampling: keep the k likeliest tokens (0 = off)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages repeating tokens already in the text (1 = off); greedy too")
     s.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     s.set_defaults(fn=cmd_generate)
@@ -266,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2-135m", help=f"a preset ({', '.join(PRESETS)}), a model folder or "
                                                           "its config.json")
     s.add_argument("--model-config", help="a config JSON file (overrides --model)")
+    s.add_argument("--config", help="a finetune.py YAML: its model, method, sequence, batch, precision and "
+                                    "parallel settings (flags given here win)")
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in each node")
     s.add_argument("--nodes", type=int, default=1, help="nodes")
     s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from toolkit.errors import UserError
+from toolkit.tracker_spec import spec_problems as tracker_problems
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DATASET = "builtin:dates"
@@ -124,8 +125,18 @@ class ParallelConfig:
 class OutputConfig:
     output_dir: str = _f("output", "where metrics, checkpoints and the final model go")
     overwrite_output_dir: bool = _f(False, "allow writing into a non-empty output dir")
-    log_every: int = _f(10, "optimizer steps between metrics records")
+    log_every: int = _f(0, "optimizer steps between metrics records (0 = about 50 records per run: every step "
+                           "in runs under 50 steps)")
     eval_every: int = _f(0, "steps between eval-loss records (0 = only at the end)")
+    eval_on_start: bool = _f(False, "an eval loss at step 0, before the first update (needs --eval-split)")
+    report_to: str = _f("tensorboard", "trackers besides metrics.jsonl: none, all, or tensorboard, wandb, mlflow, "
+                                      "trackio (comma-separated); wandb runs offline without network, mlflow "
+                                      "writes to OUTPUT_DIR/mlruns unless MLFLOW_TRACKING_URI is set")
+    sample_prompts: str = _f("", "prompts the model completes during training (greedy, the run's chat template) "
+                                 "into samples.jsonl and the trackers: a file (a prompt per line, or .jsonl "
+                                 "of {\"prompt\": ...}) or \"p1;p2\"")
+    sample_every: int = _f(0, "steps between sample generations (0 = at each eval and at the end)")
+    sample_max_new_tokens: int = _f(64, "tokens generated per sample prompt")
     save_every: int = _f(0, "steps between resumable checkpoints (0 = only the final model)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: str = _f("", "resume from 'auto' (the newest complete checkpoint in --output-dir) or a checkpoint folder")
@@ -242,7 +253,32 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs", "max_seq_length": "seq_len",
            "max_length": "seq_len", "model_name_or_path": "model", "lora_rank": "lora_r", "warmup": "warmup_steps",
            "bf16": "mixed_precision", "fp16": "mixed_precision", "save_steps": "save_every",
-           "logging_steps": "log_every", "resume_from_checkpoint": "resume"}
+           "logging_steps": "log_every", "resume_from_checkpoint": "resume", "eval_steps": "eval_every",
+           "save_total_limit": "keep_last"}
+HINT_ONLY = {"batch_size", "warmup"}  # ambiguous (global or per device? steps or a ratio?): suggested, not taken
+PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
+
+
+def translate_aliases(argv: list[str]) -> list[str]:
+    """The flag names people bring from transformers' Trainer and TRL, as ours: `--learning_rate`
+    -> `--lr`, `--output_dir` -> `--output-dir` (underscores for any of ours), `--bf16` [true|false] ->
+    `--mixed-precision bf16`. Only names that are no flag of ours are translated; --help shows ours."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = name.replace("-", "_")
+        if name in PRECISION_ALIASES or key in PRECISION_ALIASES:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no"):
+                value, i = argv[i + 1], i + 1
+            if (value or "true").lower() in ("true", "1", "yes"):
+                out += ["--mixed-precision", key]
+        elif name and (key in ALIASES and key not in HINT_ONLY or ("_" in name and key in _fields())):
+            out.append(f"--{ALIASES.get(key, key).replace('_', '-')}{eq}{value}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
 
 
 def closest_key(name: str) -> str | None:
@@ -332,19 +368,27 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
     if problem:
         raise UserError(problem)
     parser = build_parser(prog)
-    ns, extra = parser.parse_known_args(argv)
+    ns, extra = parser.parse_known_args(translate_aliases(argv))
+    flags = [a.split("=")[0] for a in extra if a.startswith("-")]
+    if flags:  # every unknown flag in one line, not the first of several runs
+        raise UserError("; ".join(str(_unknown(f, "flag")) for f in dict.fromkeys(flags)))
     if extra:
-        first = next((a for a in extra if a.startswith("-")), extra[0])
-        raise _unknown(first.split("=")[0], "flag") if first.startswith("-") else UserError(
-            f"unexpected argument '{first}' (flags take the form --name value)")
+        raise UserError(f"unexpected argument '{extra[0]}' (flags take the form --name value)")
     given = vars(ns)
     values: dict[str, Any] = {}
     if "config" in given:
         path = given.pop("config")
-        for k, v in load_yaml(path).items():
-            if k not in _fields():
-                raise _unknown(k, path)
-            values[k] = _coerce(k, v, path)
+        loaded = load_yaml(path)
+        unknown = [k for k in loaded if k not in _fields() and (k not in ALIASES or k in HINT_ONLY)
+                   and k not in PRECISION_ALIASES]
+        if unknown:
+            raise UserError("; ".join(str(_unknown(k, path)) for k in unknown))
+        for k, v in loaded.items():
+            if k in PRECISION_ALIASES:  # Trainer's bf16: true
+                if _coerce("overwrite_output_dir", v, path):  # a boolean, read as our booleans are
+                    values["mixed_precision"] = k
+                continue
+            values[ALIASES.get(k, k)] = _coerce(ALIASES.get(k, k), v, path)
     for k, v in given.items():
         values[k] = _coerce(k, v, "flag")
     cfg = Config()
@@ -386,7 +430,13 @@ def validate(cfg: Config, given: set[str] | None = None) -> list[str]:
     need(t.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {t.max_grad_norm})")
     need(t.epochs >= 1 or t.max_steps > 0, f"--epochs must be >= 1 (got {t.epochs})")
     need(t.max_steps != 0, "--max-steps must be > 0, or -1 to use --epochs")
-    need(o.log_every >= 1, f"--log-every must be >= 1 (got {o.log_every})")
+    need(o.log_every >= 0, f"--log-every must be >= 0 (got {o.log_every}; 0 = about 50 records per run)")
+    need(o.sample_every >= 0, f"--sample-every must be >= 0 (got {o.sample_every})")
+    need(o.sample_max_new_tokens >= 1, f"--sample-max-new-tokens must be >= 1 (got {o.sample_max_new_tokens})")
+    need(not (o.eval_on_start and d.eval_split == 0),
+         "--eval-on-start needs held-out data: set --eval-split (for example 0.05)")
+    p.extend(tracker_problems(o.report_to))
+    p.extend(_sample_problems(cfg))
     need(o.eval_every >= 0, f"--eval-every must be >= 0 (got {o.eval_every})")
     need(o.save_every >= 0, f"--save-every must be >= 0 (got {o.save_every})")
     need(o.keep_last >= 0, f"--keep-last must be >= 0 (got {o.keep_last})")
@@ -735,6 +785,38 @@ def _check_dataset_path(spec: str) -> list[str]:
             return [f"--dataset {spec}: file not found"]
         if path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
             return [f"--dataset {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
+    return []
+
+
+def sample_prompts(spec: str) -> list[str]:
+    """`--sample-prompts`: a file (a prompt per line, or JSON Lines of {"prompt": ...}) or "p1;p2"."""
+    import json
+
+    path = Path(spec)
+    if not path.is_file():
+        return [p.strip() for p in spec.split(";") if p.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(lines, 1):
+            try:
+                out.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"--sample-prompts {spec}: line {n} is not a JSON object with a \"prompt\"") from None
+        return out
+    return [line.strip() for line in lines]
+
+
+def _sample_problems(cfg: Config) -> list[str]:
+    o, par = cfg.output, cfg.parallel
+    if not o.sample_prompts:
+        return []
+    if not sample_prompts(o.sample_prompts):
+        return [f"--sample-prompts {o.sample_prompts!r} holds no prompt"]
+    if par.pp > 1 or par.cp > 1:
+        return [f"--sample-prompts does not run under {'--pp' if par.pp > 1 else '--cp'} (generation needs the whole "
+                "model on each rank, or its TP/ZeRO/FSDP shards); leave it out, or sample from the saved folder "
+                "with python -m toolkit generate"]
     return []
 
 

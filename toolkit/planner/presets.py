@@ -18,6 +18,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-405b": dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                            num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                            max_position_embeddings=131072),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                         max_position_embeddings=131072),
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                          max_position_embeddings=131072),
     "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
                        max_position_embeddings=32768),
@@ -29,6 +35,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                         max_position_embeddings=32768),
 }
 
+
+# hub ids (base and instruct: the same shapes) -> preset, so a run's YAML plans without a download
+HUB_IDS: dict[str, str] = {
+    **{f"HuggingFaceTB/SmolLM2-135M{s}": "smollm2-135m" for s in ("", "-Instruct")},
+    **{f"meta-llama/Meta-Llama-3-8B{s}": "llama-3-8b" for s in ("", "-Instruct")},
+    **{f"meta-llama/Meta-Llama-3-70B{s}": "llama-3-70b" for s in ("", "-Instruct")},
+    **{f"meta-llama/Llama-3.1-8B{s}": "llama-3.1-8b" for s in ("", "-Instruct")},
+    **{f"meta-llama/Llama-3.1-70B{s}": "llama-3.1-70b" for s in ("", "-Instruct")},
+    **{f"meta-llama/Llama-3.1-405B{s}": "llama-3.1-405b" for s in ("", "-Instruct")},
+    **{f"mistralai/Mistral-7B-{s}": "mistral-7b" for s in ("v0.1", "v0.3", "Instruct-v0.3")},
+    **{f"Qwen/Qwen2.5-7B{s}": "qwen2.5-7b" for s in ("", "-Instruct")},
+    **{f"Qwen/Qwen2.5-72B{s}": "qwen2.5-72b" for s in ("", "-Instruct")},
+}
 
 # GPUs people have: (memory as the vendor quotes it, in GB; the time model's preset, None where there is
 # none: the step times then assume the default h100-sxm and say so)

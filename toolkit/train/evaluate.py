@@ -73,3 +73,27 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
     total = accelerator.reduce(torch.tensor([correct], device=accelerator.device), "sum").item() // replicas
     model.train()
     return int(total), len(prompts), samples
+
+
+@torch.no_grad()
+def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions of `prompts` (each a user turn, rendered with the run's chat template) by
+    the model being trained: one batch, left-padded, one forward per new token (KV cache). Every
+    rank runs them in lock-step: ZeRO-3 and FSDP gather and the TP layers exchange inside the
+    forward, and `synced_gpus` keeps a rank stepping until every rank is done."""
+    accelerator = strategy.accelerator
+    gen_model = strategy.unwrap(model)
+    device = next(gen_model.parameters()).device
+    texts = [prompt_text(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    model.eval()
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with accelerator.autocast():
+            out = gen_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                     synced_gpus=accelerator.num_processes > 1)
+    finally:
+        tokenizer.padding_side = old_side
+        model.train()
+    return [t.strip() for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]

@@ -19,17 +19,18 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from toolkit.config import Config
+from toolkit.config import Config, sample_prompts
 from toolkit.errors import UserError
 from toolkit.models import cache_dir
 from toolkit.parallel import any_rank
 from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
-from toolkit.train.evaluate import eval_loss
+from toolkit.train.evaluate import eval_loss, sample_completions
 from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss import count_targets
 from toolkit.train.memory import held_bytes
-from toolkit.train.metrics import MetricsLogger
+from toolkit.train.metrics import MetricsLogger, log_interval
+from toolkit.tracker_spec import requested
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -262,8 +263,25 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
         train_rows.start, step_in_epoch = (first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
     batches = global_batches(loader, t.grad_accum, sampler,
                              (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
-    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=first_step - 1)
     pad_id = tokenizer.pad_token_id
+    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=first_step - 1,
+                            report_to=requested(cfg.output.report_to), config=cfg.flat())
+    log_every = log_interval(cfg.output.log_every, total_steps)
+    prompts = sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else []
+
+    def evaluate(step: int) -> None:
+        t_eval = time.perf_counter()
+        el = eval_loss(strategy, model, eval_rows, t.micro_batch_size, pad_id)
+        metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
+        metrics.write(f"step {step}: eval_loss {el:.4f}")
+        window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
+
+    def sample(step: int) -> None:
+        t_sample = time.perf_counter()
+        metrics.samples(step, prompts, sample_completions(strategy, model, tokenizer, prompts,
+                                                          cfg.output.sample_max_new_tokens))
+        window["t0"] += time.perf_counter() - t_sample
+
     fault, preempt, bad_steps = fault_hook(), Preemption(), 0
 
     def checkpoint(step: int, epoch: int) -> Path:
@@ -287,6 +305,11 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
 
             set_seed(cfg.train.seed + resume.step, device_specific=True)
     try:  # the progress bar closes before any error line, and the signal handlers are put back
+        if first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
+            if eval_rows:
+                evaluate(0)
+            if prompts:
+                sample(0)
         for step in range(first_step, total_steps + 1):
             epoch, micro = next(batches)
             counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
@@ -328,7 +351,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             window["examples"] += examples_global
             tokens_seen += int(tokens_global)
             metrics.advance()
-            if step % cfg.output.log_every == 0 or step == total_steps:
+            if step % log_every == 0 or step == total_steps:
                 now = time.perf_counter()
                 last_loss = window["loss"] / window["targets"]
                 tokens_per_sec = window["tokens"] / (now - window["t0"])
@@ -352,12 +375,12 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                              "elapsed_s": now - start, **memory})
                 memory = {}
                 window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
-            if eval_rows and ((cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps):
-                t_eval = time.perf_counter()
-                el = eval_loss(strategy, model, eval_rows, t.micro_batch_size, pad_id)
-                metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
-                metrics.write(f"step {step}: eval_loss {el:.4f}")
-                window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
+            at_eval = (cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps
+            if eval_rows and at_eval:
+                evaluate(step)
+            every = cfg.output.sample_every
+            if prompts and (step == total_steps or (step % every == 0 if every else at_eval)):
+                sample(step)
             if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
                 checkpoint(step, epoch)
             if fault is not None:

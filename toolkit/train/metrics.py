@@ -1,34 +1,45 @@
-"""Run metrics: one JSON object per logged step in metrics.jsonl, TensorBoard events, a progress
-bar on rank 0 and loss.png at the end. Only the main process writes."""
+"""Run metrics: one JSON object per logged step in metrics.jsonl, the `--report-to` trackers
+(`toolkit.train.trackers`), a progress bar on rank 0 and loss.png at the end. Only the main process
+writes."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 
+RECORDS_PER_RUN = 50  # --log-every 0: about this many records, whatever the run's length
+
+
+def log_interval(log_every: int, total_steps: int) -> int:
+    """Steps between metrics records: --log-every, or for 0 about `RECORDS_PER_RUN` per run (every step
+    in a run shorter than that)."""
+    return log_every or max(1, total_steps // RECORDS_PER_RUN)
+
+
 class MetricsLogger:
-    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, done: int = 0):
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, done: int = 0, report_to: list[str] = (),
+                 config: dict[str, Any] | None = None):
         """`done`: steps a resumed run starts past; the bar starts there and its rate counts only
-        the steps this run takes."""
+        the steps this run takes. `report_to`: tracker names, given `config` as hyperparameters."""
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
-        self._tb = self._bar = None
+        self._bar = self.trackers = None
         self._writing = enabled  # False once a write failed
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
         from tqdm.auto import tqdm
 
+        from toolkit.train.trackers import Trackers
+
         self._file = self.path.open("a", buffering=1)
-        self._tb = SummaryWriter(str(out_dir / "tensorboard"))
         self._bar = tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
+        self.trackers = Trackers(list(report_to), out_dir, config or {}, self.write)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append a record (must hold `step`); numbers also go to TensorBoard under their key."""
+        """Append a record (must hold `step`); its numbers also go to the trackers under their keys."""
         if not self.enabled:
             return
         self.records.append(record)
@@ -39,11 +50,19 @@ class MetricsLogger:
                 self._writing = False
                 self.write(f"{self.path}: could not write ({(e.strerror or str(e)).lower()}); metrics are not "
                            f"recorded from step {record['step']} on")
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(k, v, record["step"])
+        self.trackers.log(record, record["step"])
         if "loss" in record:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}")
+
+    def samples(self, step: int, prompts: list[str], completions: list[str]) -> None:
+        """Sample generations: samples.jsonl (step, prompt, completion) and a table in the trackers."""
+        if not self.enabled:
+            return
+        with open(self.path.parent / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, "prompt": p, "completion": c}) + "\n"
+                         for p, c in zip(prompts, completions))
+        self.trackers.table("samples", ["step", "prompt", "completion"],
+                            [[step, p, c] for p, c in zip(prompts, completions)], step)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -58,8 +77,8 @@ class MetricsLogger:
         if not self.enabled or self._file.closed:
             return
         self._bar.close()
+        self.trackers.finish()
         try:  # a full disk was said when it was met (or is said by the save that met it): not again here
-            self._tb.close()
             self._file.close()
             plot_loss(self.records, self.path.parent / "loss.png")
         except OSError:

@@ -11,7 +11,7 @@ from typing import Any
 from toolkit.config import Config, parse_columns
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
-             "integrity.json", "ds_config.json", "plan.json")
+             "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb")
 
 
 def prepare_output_dir(cfg: Config, accelerator) -> Path:

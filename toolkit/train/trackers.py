@@ -1,0 +1,103 @@
+"""`--report-to`: experiment trackers beside metrics.jsonl, through accelerate's tracker classes
+(`accelerate.tracking`: `start`, `store_init_configuration`, `log`, `finish`), on the main process.
+
+- tensorboard: `OUTPUT_DIR/tensorboard` (the default).
+- mlflow: a file store under `OUTPUT_DIR/mlruns` unless `MLFLOW_TRACKING_URI` is set.
+- wandb: offline (files under `OUTPUT_DIR/wandb`) when `WANDB_MODE=offline` or api.wandb.ai cannot be
+  reached; `wandb sync` uploads such a run later.
+- trackio: its local store.
+
+A tracker whose package is missing is refused at start (config validation,
+`toolkit.tracker_spec.spec_problems`).
+One that fails while the run goes on is said once and dropped: a dashboard never stops training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
+    import socket
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy")):
+        return True  # behind a proxy a direct probe proves nothing
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _make(name: str, out_dir: Path, run_name: str):
+    from accelerate import tracking
+
+    if name == "tensorboard":
+        return tracking.TensorBoardTracker("tensorboard", out_dir)
+    if name == "mlflow":
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (out_dir / "mlruns").absolute().as_uri())
+        return tracking.MLflowTracker(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "toolkit"),
+                                      run_name=run_name)
+    if name == "wandb":
+        if os.environ.get("WANDB_MODE") != "offline" and not _reachable("api.wandb.ai"):
+            os.environ["WANDB_MODE"] = "offline"
+        os.environ.setdefault("WANDB_DIR", str(out_dir))
+        return tracking.WandBTracker(os.environ.get("WANDB_PROJECT", "toolkit"), name=run_name)
+    return tracking.TrackioTracker(os.environ.get("TRACKIO_PROJECT", "toolkit"), name=run_name)
+
+
+class Trackers:
+    """The run's trackers on the main process (none elsewhere). `say` prints one line (the progress
+    bar's write)."""
+
+    def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], say: Callable[[str], None]):
+        self.say, self.live = say, []
+        hparams = {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in config.items()}
+        for name in names:
+            try:
+                tracker = _make(name, out_dir, out_dir.absolute().name)
+                tracker.start()
+                tracker.store_init_configuration(hparams)
+            except Exception as e:  # noqa: BLE001 - any tracker failure: said once, the run goes on
+                self._drop(name, e)
+                continue
+            self.live.append((name, tracker))
+
+    def _drop(self, name: str, e: Exception) -> None:
+        self.live = [(n, t) for n, t in self.live if n != name]
+        self.say(f"--report-to {name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}; "
+                 f"{name} is left out for the rest of the run")
+
+    def _each(self, fn: Callable[[str, Any], None]) -> None:
+        for name, tracker in list(self.live):
+            try:
+                fn(name, tracker)
+            except Exception as e:  # noqa: BLE001
+                self._drop(name, e)
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        numbers = {k: v for k, v in values.items() if k != "step" and isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
+        self._each(lambda name, t: t.log(numbers, step=step))
+
+    def table(self, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """Samples as a table where the tracker has tables (wandb, mlflow), else as text (tensorboard)."""
+        def one(name: str, t) -> None:
+            if name == "tensorboard":
+                t.writer.add_text(key, "\n\n".join(" | ".join(str(c) for c in row) for row in rows), step)
+            elif name == "mlflow":
+                import mlflow
+
+                mlflow.log_table({c: [row[i] for row in rows] for i, c in enumerate(columns)},
+                                 f"{key}/step_{step}.json")
+            elif name == "wandb":
+                t.log_table(key, columns=columns, data=rows, step=step)
+
+        self._each(one)
+
+    def finish(self) -> None:
+        self._each(lambda name, t: t.finish())
+        self.live = []
