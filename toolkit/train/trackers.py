@@ -38,7 +38,13 @@ def _make(name: str, out_dir: Path, run_name: str):
     if name == "tensorboard":
         return tracking.TensorBoardTracker("tensorboard", out_dir)
     if name == "mlflow":
-        os.environ.setdefault("MLFLOW_TRACKING_URI", (out_dir / "mlruns").absolute().as_uri())
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # this run's folder (set per run, not in the environment)
+            import mlflow
+
+            mlflow.set_tracking_uri((out_dir / "mlruns").absolute().as_uri())
+            # mlflow 3 keeps the file store in maintenance and refuses it unless asked: a file store in the
+            # run's folder is what an offline machine has (sqlite needs SQLAlchemy, not in mlflow-skinny)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         return tracking.MLflowTracker(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "toolkit"),
                                       run_name=run_name)
     if name == "wandb":
