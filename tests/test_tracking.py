@@ -76,7 +76,7 @@ def test_tensorboard_and_mlflow_get_the_metrics_and_the_config(tracked):
 
     events = EventAccumulator(str(tracked / "tensorboard"))
     events.Reload()
-    assert {"loss", "eval_loss", "lr", "tokens_per_sec"} <= set(events.Tags()["scalars"])
+    assert {"loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes/rank0"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert [round(e.value, 4) for e in events.Scalars("loss")] == [round(r["loss"], 4) for r in records(tracked)
                                                                     if "loss" in r]

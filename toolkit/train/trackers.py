@@ -85,8 +85,12 @@ class Trackers:
                 self._drop(name, e)
 
     def log(self, values: dict[str, Any], step: int) -> None:
-        numbers = {k: v for k, v in values.items() if k != "step" and isinstance(v, (int, float))
-                   and not isinstance(v, bool) and math.isfinite(v)}
+        """A metrics record's numbers; a per-rank list (the memory figures) as `key/rankN`."""
+        numbers = {}
+        for k, v in values.items():
+            for key, x in ([(f"{k}/rank{i}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
+                if k != "step" and isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+                    numbers[key] = x
         self._each(lambda name, t: t.log(numbers, step=step))
 
     def table(self, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
