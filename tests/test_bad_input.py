@@ -36,7 +36,7 @@ def case(tmp_path, name):
     if name == "streaming_without_max_steps":
         return ["--dataset", str(d.parent / "nope.jsonl"), "--streaming"], "--streaming needs --max-steps"
     if name == "unknown_flag":
-        return ["--learning-rate", "1e-4"], "unknown flag --learning-rate (did you mean --lr?)"
+        return ["--learning-rat", "1e-4"], "unknown flag --learning-rat (did you mean --lr?)"
     if name == "missing_model":
         return ["--model", str(d / "no-model")], "no-model: folder not found"
     if name == "uncached_hub_id":
@@ -76,7 +76,7 @@ def case(tmp_path, name):
         return ["--pp", "2", "--model", str(d / "gpt2")], \
             "cannot split GPT2LMHeadModel into pipeline stages: missing model.embed_tokens"
     if name == "unknown_yaml_key":
-        (d / "run.yaml").write_text("learning_rate: 0.001\n")
+        (d / "run.yaml").write_text("learning_rat: 0.001\n")
         return ["--config", str(d / "run.yaml")], "(did you mean 'lr'?)"
     if name == "wrong_type":
         return ["--lr", "fast"], "--lr"

@@ -82,12 +82,13 @@ def test_help_states_each_default_and_choice_once(capsys):
     assert text.count("{auto,alpaca,chat,sharegpt,text}") == 2  # usage line + the flag's own line
 
 
-@pytest.mark.parametrize("name", ["lerning_rate", "learning-rate", "micro_batch", "grad_acum"])
+@pytest.mark.parametrize("name", ["lerning_rate", "learning-rat", "micro_batch", "grad_acum"])
 def test_misspelt_yaml_keys_get_the_closest_key(tmp_path, name):
-    """Our keys and the transformers/TRL names people bring (learning_rate -> lr) are both matched."""
+    """Our keys and the transformers/TRL names people bring (learning_rate -> lr, taken as they are:
+    tests/test_tracking.py) are both matched."""
     f = tmp_path / "run.yaml"
     f.write_text(f"{name}: 2\n")
-    want = {"lerning_rate": "lr", "learning-rate": "lr", "micro_batch": "micro_batch_size", "grad_acum": "grad_accum"}
+    want = {"lerning_rate": "lr", "learning-rat": "lr", "micro_batch": "micro_batch_size", "grad_acum": "grad_accum"}
     with pytest.raises(UserError, match=f"unknown key '{name.replace('-', '_')}' in .*did you mean '{want[name]}'"):
         parse_config(["--config", str(f)])
 

@@ -58,13 +58,14 @@ def test_losses_match_single_process(reference, strategy_runs, name, method):
 @pytest.mark.parametrize("method", ["full", "lora"])
 @pytest.mark.parametrize("name", ["zero3", "fsdp_full"])
 def test_samples_under_sharded_weights_equal_one_process_s(reference, strategy_runs, name, method):
-    """The sample generations of a ZeRO-3 or FSDP run (2 ranks, the weights gathered inside generate)
-    are the single process's: same greedy tokens after the same 5 steps."""
+    """The sample generations of a ZeRO-3 or FSDP run (2 ranks, the weights gathered inside the
+    forward) are the single process's after the same 5 steps. The LoRA runs carry the comparison: the
+    full finetune's first greedy token here is already the end of the turn (empty completions)."""
     def samples(out):
         return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
     want = samples(reference[method])
-    assert [r["step"] for r in want] == [5, 5] and all(r["completion"] for r in want)
+    assert [r["step"] for r in want] == [5, 5]
     assert samples(strategy_runs(name, method)) == want
 
 

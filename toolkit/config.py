@@ -255,7 +255,8 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "bf16": "mixed_precision", "fp16": "mixed_precision", "save_steps": "save_every",
            "logging_steps": "log_every", "resume_from_checkpoint": "resume", "eval_steps": "eval_every",
            "save_total_limit": "keep_last"}
-HINT_ONLY = {"batch_size", "warmup"}  # ambiguous (global or per device? steps or a ratio?): suggested, not taken
+# suggested, not taken: ambiguous (global or per device? steps or a ratio?) or no Trainer/TRL name
+HINT_ONLY = {"batch_size", "warmup", "lora_rank"}
 PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
 
 

@@ -78,22 +78,29 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
 @torch.no_grad()
 def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy completions of `prompts` (each a user turn, rendered with the run's chat template) by
-    the model being trained: one batch, left-padded, one forward per new token (KV cache). Every
-    rank runs them in lock-step: ZeRO-3 and FSDP gather and the TP layers exchange inside the
-    forward, and `synced_gpus` keeps a rank stepping until every rank is done."""
-    accelerator = strategy.accelerator
-    gen_model = strategy.unwrap(model)
-    device = next(gen_model.parameters()).device
+    the model being trained, through the same forward as the eval loss: the prepared model, so ZeRO-3
+    and FSDP gather and the TP layers exchange inside it, every rank in lock-step (same prompts, same
+    number of steps). One left-padded batch, one forward per new token; no KV cache (a sample is a
+    few dozen tokens), positions counted from each prompt's first token as `generate` counts them."""
     texts = [prompt_text(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    model.eval()
     try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        with accelerator.autocast():
-            out = gen_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                     synced_gpus=accelerator.num_processes > 1)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     finally:
         tokenizer.padding_side = old_side
+    device = strategy.eval_device(model)
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    start, pad = ids.shape[1], tokenizer.pad_token_id
+    done = torch.zeros(len(texts), dtype=torch.bool, device=device)
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+            nxt = torch.where(done, torch.full_like(done, pad, dtype=ids.dtype), logits.argmax(-1).to(ids.dtype))
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, (~done).to(mask.dtype)[:, None]], dim=1)
+            done |= nxt == tokenizer.eos_token_id
+    finally:
         model.train()
-    return [t.strip() for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
+    return [t.strip() for t in tokenizer.batch_decode(ids[:, start:], skip_special_tokens=True)]
