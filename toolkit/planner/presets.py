@@ -18,12 +18,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-405b": dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                            num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                            max_position_embeddings=131072),
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                         max_position_embeddings=131072),
-    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                          max_position_embeddings=131072),
     "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
                        max_position_embeddings=32768),
@@ -35,6 +29,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                         max_position_embeddings=32768),
 }
 
+# Llama 3.1: Llama 3's shapes, trained to 131072 positions
+PRESETS["llama-3.1-8b"] = {**PRESETS["llama-3-8b"], "max_position_embeddings": 131072}
+PRESETS["llama-3.1-70b"] = {**PRESETS["llama-3-70b"], "max_position_embeddings": 131072}
 
 # hub ids (base and instruct: the same shapes) -> preset, so a run's YAML plans without a download
 HUB_IDS: dict[str, str] = {
