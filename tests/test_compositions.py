@@ -121,7 +121,7 @@ def test_planner_predicts_every_ranks_model_state(runs, tiny_model, mha_model, l
     """The planner's bytes for the layout that ran (`toolkit.planner.layouts.stage_bytes`, for the
     rank's pipeline stage) against each rank's weights, gradients and Adam state measured at step 1
     (`metrics.jsonl`): within 5%. The runs are the parity test's, not launched again."""
-    from toolkit.parallel.dims import infer_dims
+    from toolkit.layout.dims import infer_dims
     from toolkit.planner.layouts import stage_bytes
     from toolkit.planner.plan import PlanInput
 

@@ -10,7 +10,7 @@ from distributed import run_distributed
 
 from toolkit.config import Config, validate
 from toolkit.parallel.cp import cp_problems
-from toolkit.parallel.dims import infer_dims
+from toolkit.layout.dims import infer_dims
 
 DOCS = (5, 6, 4)  # a packed row of three documents: 15 tokens, odd, so cp2 pads it to 16
 
@@ -41,7 +41,7 @@ def batches() -> dict[str, dict]:
 
 def one_process(attn: str, name: str) -> tuple[float, dict]:
     from toolkit.data.packing import model_inputs
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
     model, batch = tiny(attn), batches()[name]
     loss = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
@@ -51,7 +51,7 @@ def one_process(attn: str, name: str) -> tuple[float, dict]:
 
 def unpacked_loss(attn: str) -> float:
     """The packed row's documents, each run on its own."""
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
     model, batch, total, start = tiny(attn), batches()["packed"], 0.0, 0
     with torch.no_grad():
@@ -69,7 +69,7 @@ def cp_ranks(cases: list[tuple[str, str]]) -> list[tuple[float, dict]]:
     import torch.distributed as dist
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
-    from toolkit.train.loss import target_loss_sum
+    from toolkit.loss import target_loss_sum
 
     dist.init_process_group("gloo")
     out = []

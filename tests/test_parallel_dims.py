@@ -4,7 +4,7 @@ them puts TP innermost and PP outermost (Megatron's rank order)."""
 import pytest
 from distributed import run_distributed
 
-from toolkit.parallel.dims import ParallelDims, infer_dims
+from toolkit.layout.dims import ParallelDims, infer_dims
 
 
 @pytest.mark.parametrize("world,tp,pp,sharded,expected", [

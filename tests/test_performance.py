@@ -12,7 +12,7 @@ import torch
 from distributed import batched_runs, common_args, parity_args, records, run_stdout
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
-from toolkit.train.loss import chunked_loss_sum, token_loss_sum
+from toolkit.loss import chunked_loss_sum, token_loss_sum
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -276,7 +276,7 @@ def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):
 def test_chunked_loss_refuses_a_second_backward():
     """Backward hands over (and scales in place) the gradients formed in forward: a second backward
     through the same graph would reuse scaled buffers, so it is an error, not a silent wrong value."""
-    from toolkit.train.loss import chunked_loss_sum
+    from toolkit.loss import chunked_loss_sum
 
     head = torch.nn.Linear(8, 32, bias=False)
     hidden = torch.randn(2, 5, 8, requires_grad=True)
@@ -289,7 +289,7 @@ def test_chunked_loss_refuses_a_second_backward():
 def test_chunked_loss_runs_the_head_on_target_tokens_only(monkeypatch):
     """Prompt and padding rows contribute nothing, so the head's matmul sees only the target rows
     (the speed-up in benchmarks/throughput.md); the masked rows' input gradient is exactly zero."""
-    import toolkit.train.loss as loss_mod
+    import toolkit.loss as loss_mod
 
     rows = []
     real = loss_mod.F.linear
@@ -325,7 +325,7 @@ def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
 
     from toolkit.config import Config
     from toolkit.errors import UserError
-    from toolkit.train.loss import ChunkedHead, chunked_head_for
+    from toolkit.loss import ChunkedHead, chunked_head_for
 
     assert Config().train.loss == "auto"
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,

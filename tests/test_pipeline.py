@@ -144,7 +144,7 @@ def _train(model_dir, method: str, stages: int, microbatches: int, gc: bool = Fa
 
     from toolkit.models import enable_checkpointing
     from toolkit.parallel.pp import NaivePipeline
-    from toolkit.train.loss import count_targets, token_loss_sum
+    from toolkit.loss import count_targets, token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -280,7 +280,7 @@ def test_planner_pp_row_matches_measured_bytes(runs, tied_model, layout, method)
     bytes measured at step 1: weights (the tied embedding on both ends), gradients, Adam states, 5%."""
     import json
 
-    from toolkit.parallel.dims import ParallelDims
+    from toolkit.layout.dims import ParallelDims
     from toolkit.planner.plan import PlanInput, estimate_layout
 
     cfg = json.loads((tied_model / "config.json").read_text())

@@ -124,7 +124,7 @@ def _mesh_saved(batch: int, seq: int) -> dict[str, int]:
     import torch.distributed as dist
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
-    from toolkit.parallel.dims import ParallelDims
+    from toolkit.layout.dims import ParallelDims
     from toolkit.parallel.mesh import build_mesh
     from toolkit.parallel.pp.split import DecoderStage, decoder_parts
     from toolkit.parallel.tp import apply_tensor_parallel
@@ -173,7 +173,7 @@ def test_mesh_layout_activations_within_15_percent():
     flight). The runtime's TP plan, Ulysses attention and pipeline stage modules."""
     from distributed import run_distributed
 
-    from toolkit.parallel.dims import ParallelDims
+    from toolkit.layout.dims import ParallelDims
 
     batch, seq = 2, 128
     layouts = {"tp2": ParallelDims(4, tp=2, dp_replicate=2), "cp2": ParallelDims(4, cp=2, dp_replicate=2),

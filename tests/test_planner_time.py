@@ -8,7 +8,7 @@ import pytest
 from distributed import ROOT, free_port
 
 from toolkit.__main__ import main as cli
-from toolkit.parallel.dims import ParallelDims
+from toolkit.layout.dims import ParallelDims
 from toolkit.planner.cost import HARDWARE, Hardware, optimizer_step_seconds
 from toolkit.planner.memory import STRATEGIES
 from toolkit.planner.plan import PlanInput, estimate, estimate_layout

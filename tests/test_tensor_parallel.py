@@ -157,7 +157,7 @@ def _logits_and_grads(dirs: dict, tp: int) -> dict:
 
     from toolkit.parallel.tp import apply_tensor_parallel, gather_state_dict, make_layout
     from toolkit.parallel.tp.comm import TRAFFIC
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
     layout = make_layout(tp)
     out = {}
@@ -371,7 +371,7 @@ def test_tp_halves_the_sharded_parameters(runs):
 def test_planner_tp_row_matches_measured_bytes(runs, tiny_model, method):
     """The planner's tp2 row (same divisibility and split rules as the runtime plan) against the
     per-rank bytes measured at step 1: weights (adapters included), gradients, Adam states, 5%."""
-    from toolkit.parallel.dims import ParallelDims
+    from toolkit.layout.dims import ParallelDims
     from toolkit.planner.plan import PlanInput, estimate_layout
 
     cfg = json.loads((tiny_model / "config.json").read_text())

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from toolkit.data.tokenize import IGNORE_INDEX
-from toolkit.train.loss import shift_labels
+from toolkit.loss import shift_labels
 
 INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
 _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}
@@ -39,7 +39,7 @@ _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole 
 
 def cp_problems(config, tp: int, cp: int) -> list[str]:
     """The heads each rank keeps after TP must split again over cp (the planner's rule, shared)."""
-    from toolkit.planner.layouts import cp_divisibility_problems
+    from toolkit.layout.rules import cp_divisibility_problems
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = {"num_attention_heads": text.num_attention_heads,

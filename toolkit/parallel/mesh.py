@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from toolkit.parallel.dims import MESH_DIMS, ParallelDims
+from toolkit.layout.dims import MESH_DIMS, ParallelDims
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -36,7 +36,7 @@ def grad_dim(dims: ParallelDims, sharded: bool = False) -> str:
 def local_mesh(tp: int = 1, pp: int = 1) -> DeviceMesh:
     """A mesh over the running world with the given model-parallel degrees, the rest data parallel
     (for tests and benchmarks that build layouts without the CLI)."""
-    from toolkit.parallel.dims import infer_dims
+    from toolkit.layout.dims import infer_dims
     from toolkit.errors import UserError
 
     dims, problems = infer_dims(dist.get_world_size(), tp=tp, pp=pp)

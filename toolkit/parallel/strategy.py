@@ -24,8 +24,8 @@ import torch
 
 from toolkit.config import Config
 from toolkit.errors import UserError
-from toolkit.parallel.dims import ParallelDims, infer_dims
-from toolkit.train.loss import token_loss_sum
+from toolkit.layout.dims import ParallelDims, infer_dims
+from toolkit.loss import token_loss_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
 
@@ -39,7 +39,7 @@ class AccelerateStrategy:
         n = accelerator.num_processes
         self.dims = dims or ParallelDims(n, dp_replicate=n)
         self.deepspeed = accelerator.distributed_type == "DEEPSPEED"
-        self.chunked = None  # the LM head that returns the loss sum itself (toolkit.train.loss)
+        self.chunked = None  # the LM head that returns the loss sum itself (toolkit.loss)
         # context parallel: each rank of a cp group holds a slice of every sequence (toolkit.parallel.cp)
         self.cp_group = mesh.get_group("cp") if mesh is not None and self.dims.cp > 1 else None
         self.context = None  # its ContextParallel, once the model is known
@@ -114,7 +114,7 @@ class AccelerateStrategy:
         return scheduler
 
     def _choose_loss(self, model) -> None:
-        from toolkit.train.loss import chunked_head_for
+        from toolkit.loss import chunked_head_for
 
         if self.loss_fn is token_loss_sum:  # the chunked head computes exactly this loss
             self.chunked = chunked_head_for(self.unwrap(model), self.cfg.train.loss if self.cfg else "auto")
@@ -144,7 +144,7 @@ class AccelerateStrategy:
     # --- one optimizer step
     def _loss(self, model, batch: dict) -> torch.Tensor:
         from toolkit.data.packing import model_inputs
-        from toolkit.train.loss import target_loss_sum
+        from toolkit.loss import target_loss_sum
 
         if "targets" in batch:  # context parallel: this rank's slice, labels shifted before the split
             inputs, labels, shifted = batch["inputs"], batch["targets"], True

@@ -11,8 +11,8 @@ from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.hardware import host_memory_bytes
 from toolkit.planner.cost import HARDWARE, Hardware, load_hardware
-from toolkit.planner.layouts import pipeline_schedule
-from toolkit.parallel.dims import ParallelDims
+from toolkit.layout.dims import ParallelDims
+from toolkit.layout.rules import pipeline_schedule
 from toolkit.planner.plan import Plan, PlanInput, plan, render_table
 
 DEVICE_PRESETS = {"H100": "h100-sxm", "H200": "h100-sxm", "A100": "a100-80gb", "L40S": "l40s"}

@@ -107,7 +107,7 @@ def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> 
 
 def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_bytes: int, head_trainable: bool,
                        chunk: int = 256) -> int:
-    """`--loss chunked` (toolkit.train.loss): one chunk's logits in the compute dtype and in fp32
+    """`--loss chunked` (toolkit.loss): one chunk's logits in the compute dtype and in fp32
     ((act_bytes + 4) x chunk x V), the target rows of the hidden states and their gradient (at most
     2 x b x s x h x act_bytes), and the head's fp32 gradient (4 x V x h) when the head trains."""
     return (act_bytes + 4) * chunk * vocab + 2 * act_bytes * micro_batch * seq_len * h \

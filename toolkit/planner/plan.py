@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.parallel.dims import MESH_DIMS, ParallelDims
+from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
+from toolkit.layout.rules import cp_divisibility_problems, not_runnable, tp_divisibility_problems
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, flops_per_token, load_hardware, optimizer_step_seconds,
                                   ring_factor, step_seconds)
-from toolkit.planner.layouts import (cp_divisibility_problems, layout_name, mesh_layouts, mesh_step_seconds,
-                                     not_runnable, stage_bytes, tp_divisibility_problems, traffic)
+from toolkit.planner.layouts import mesh_layouts, mesh_step_seconds, stage_bytes, traffic
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import (STRATEGIES, Strategy, chunked_loss_bytes, cpu_bytes,
                                     frozen_bytes_per_param, grads_bytes, logits_bytes, optimizer_bytes,
@@ -126,7 +126,7 @@ def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
 
 
 def check_cp(cfg: dict[str, Any], c: int, world: int) -> None:
-    """The runtime's rule (`layouts.cp_divisibility_problems`), and cp must divide the world."""
+    """The runtime's rule (`toolkit.layout.rules.cp_divisibility_problems`), and cp must divide the world."""
     problems = cp_divisibility_problems(cfg, 1, c) if c > 1 else [f"--cp {c}: must be >= 2"]
     if problems:
         raise UserError(problems[0])

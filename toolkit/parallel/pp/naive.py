@@ -15,7 +15,7 @@ from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm
 from toolkit.parallel.pp.split import DecoderStage, balance, decoder_parts, param_costs, stage_bounds, time_costs
-from toolkit.train.loss import token_loss_sum
+from toolkit.loss import token_loss_sum
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -23,7 +23,7 @@ from torch import nn
 from toolkit.parallel.grad_norm import clip_grad_norm, full, local
 from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
 from toolkit.parallel.pp.split import DecoderStage, decoder_parts, stage_bounds
-from toolkit.train.loss import token_loss_sum
+from toolkit.loss import token_loss_sum
 
 PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
 

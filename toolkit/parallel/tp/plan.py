@@ -59,7 +59,7 @@ def block_plan(config) -> dict[str, dict[str, str]]:
 
 def tp_problems(config, t: int, world: int) -> list[str]:
     """Everything wrong with tensor parallel degree t for this HF config and world size (pure)."""
-    from toolkit.planner.layouts import tp_divisibility_problems
+    from toolkit.layout.rules import tp_divisibility_problems
 
     problems = []
     model_type = getattr(config, "model_type", "?")

@@ -81,3 +81,10 @@ def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False,
             f"processes or change the degrees"]
     dims = ParallelDims(world_size, pp=pp, tp=tp, cp=cp, dp_shard=dp_shard, dp_replicate=dp_replicate)
     return dims, dims.problems()
+
+
+def layout_name(d: ParallelDims) -> str:
+    """'tp2_dp4', 'pp2_tp2_dp_shard2', 'dp2_dp_shard4' (HSDP): model-parallel degrees, then data."""
+    parts = [f"{k}{getattr(d, k)}" for k in ("pp", "cp", "tp") if getattr(d, k) > 1]
+    parts += [f"dp{d.dp_replicate}"] * (d.dp_replicate > 1) + [f"dp_shard{d.dp_shard}"] * (d.dp_shard > 1)
+    return "_".join(parts) or "one_rank"
