@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None):
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
-    from toolkit.train.resume import resume_point
+    from toolkit.train.resume import resume_point, resumed_config
 
     model_path = resolve_model(cfg.model.model)
     check_model(cfg, model_path)  # LoRA targets, on a weightless skeleton
@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None):
     train_rows, eval_rows = data.train, data.eval
 
     planned = None
-    if cfg.parallel.strategy == "auto":  # sets ZeRO/FSDP/offload, checkpointing and batch sizes
-        planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
-
-    strategy = make_strategy(cfg, make_accelerator(cfg, model_path), model_path)  # the layout, decided once
-    accelerator = strategy.accelerator
-    resume = resume_point(cfg, strategy)  # refuses a checkpoint of another run, before loading
+    if cfg.parallel.strategy == "auto":  # the planner's layout, checkpointing and batch sizes
+        cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
+    accelerator = make_accelerator(cfg, model_path)
+    resume = resume_point(cfg, accelerator)  # refuses a checkpoint of another run, before loading
+    cfg = resumed_config(cfg, resume)  # its global batch, re-split for this launch: the config is final here
+    strategy = make_strategy(cfg, accelerator, model_path)  # the layout, decided once
     log = accelerator.print
     for note in cfg.notes:  # where the layout came from when not from our flags (a launcher, a DeepSpeed file)
         log(note)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate ds_configs/ from toolkit.parallel.deepspeed (never edit those files by hand).
+"""Regenerate ds_configs/ from toolkit.layout.deepspeed (never edit those files by hand).
 
     python scripts/gen_ds_configs.py           # write
     python scripts/gen_ds_configs.py --check   # exit 1 if the files drifted from the generator
@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.parallel.deepspeed import standard_variants  # noqa: E402
+from toolkit.layout.deepspeed import standard_variants  # noqa: E402
 
 OUT = ROOT / "ds_configs"
 

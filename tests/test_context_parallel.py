@@ -9,7 +9,6 @@ import torch
 from distributed import run_distributed
 
 from toolkit.config import Config, validate
-from toolkit.parallel.cp import cp_problems
 from toolkit.layout.dims import infer_dims
 
 DOCS = (5, 6, 4)  # a packed row of three documents: 15 tokens, odd, so cp2 pads it to 16
@@ -118,6 +117,11 @@ def test_ulysses_attention_matches_one_process(cp_results, attn, name):
 def test_heads_must_divide_by_tp_times_cp():
     from transformers import LlamaConfig
 
+    from toolkit.layout.rules import model_problems
+
+    def cp_problems(config, tp, cp):  # what the runtime asks of a model's config (world: tp x cp ranks)
+        return model_problems(config.to_dict(), tp=tp, pp=1, cp=cp, world=tp * cp)
+
     gqa = LlamaConfig(num_attention_heads=8, num_key_value_heads=2)
     assert cp_problems(gqa, tp=1, cp=2) == []
     (line,) = cp_problems(gqa, tp=2, cp=2)
@@ -141,7 +145,5 @@ def test_cp_takes_its_share_of_the_world():
     ({"cp": 2, "pp": 2}, "--cp 2 with --pp 2 is not supported"),
 ])
 def test_cp_flag_conflicts_are_named(flags, message):
-    cfg = Config()
-    for k, v in flags.items():
-        setattr(cfg.parallel, k, v)
+    cfg = Config().replace(**flags)
     assert any(p.startswith(message) for p in validate(cfg)), validate(cfg)

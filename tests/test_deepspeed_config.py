@@ -6,7 +6,7 @@ import pytest
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.parallel.deepspeed import deepspeed_config
+from toolkit.layout.deepspeed import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

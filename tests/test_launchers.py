@@ -22,9 +22,10 @@ from distributed import common_args, launch, launch_layouts, records
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.parallel import launch as L
-from toolkit.parallel.deepspeed import fill_auto, file_settings, read_user_config, user_config_problems
-from toolkit.parallel.launch_config import accelerate_yaml
+from toolkit.layout import launcher as L
+from toolkit.layout.launcher import accelerate_yaml
+from toolkit.parallel.launch import RANK_VARS, rank_env
+from toolkit.layout.deepspeed import fill_auto, file_settings, read_user_config, user_config_problems
 
 Z2, Z3, FSDP = ["--zero-stage", "2"], ["--zero-stage", "3"], ["--fsdp"]
 SHARDED = {"zero2": Z2, "zero3": Z3, "fsdp": FSDP}
@@ -54,22 +55,22 @@ DS_OWN = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", 
 def test_rank_env_completes_every_launchers_environment(name):
     """DeepSpeed and FSDP get a complete env:// rendezvous from every launcher, with no device branch."""
     env = ENVS[name]
-    added = L.rank_env(env, needs_group=True, port=lambda: 12345)
+    added = rank_env(env, needs_group=True, port=lambda: 12345)
     full = {**env, **added}
-    assert all(k in full for k in (*L.RANK_VARS, "LOCAL_WORLD_SIZE")), full
+    assert all(k in full for k in (*RANK_VARS, "LOCAL_WORLD_SIZE")), full
     if "WORLD_SIZE" not in env:  # nobody launched it: rank 0 of 1 on a free port
         assert added == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12345"}
     else:  # a launcher's values are kept; DeepSpeed's LOCAL_SIZE becomes LOCAL_WORLD_SIZE
         assert all(full[k] == v for k, v in env.items()) and full["LOCAL_WORLD_SIZE"] == "2"
-    assert L.rank_env(env, needs_group=False, port=lambda: 1) == ({} if "WORLD_SIZE" not in env else added)
+    assert rank_env(env, needs_group=False, port=lambda: 1) == ({} if "WORLD_SIZE" not in env else added)
 
 
 def test_local_rank_flag_from_deepspeeds_launcher(monkeypatch, tmp_path):
     assert L.pop_local_rank(["--local_rank=1", "--seq-len", "64"]) == (["--seq-len", "64"], 1, None)
     assert L.pop_local_rank(["--seq-len", "64", "--local-rank", "0"]) == (["--seq-len", "64"], 0, None)
     assert L.pop_local_rank(["--local_rank=x"])[2] == "--local_rank must be an integer (got 'x')"
-    for k in L.RANK_VARS:
+    for k in RANK_VARS:
         monkeypatch.delenv(k, raising=False)
     out = ["--output-dir", str(tmp_path / "o")]
     with pytest.raises(UserError, match="--local_rank 0 was given, but no launcher set LOCAL_RANK and WORLD_SIZE"):
@@ -110,7 +111,7 @@ def test_accelerate_settings_are_adopted_and_said(monkeypatch, tmp_path):
                             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_MIXED_PRECISION": "bf16"},
               [], tmp_path)
     assert (ds.parallel.zero_stage, ds.parallel.offload, ds.train.mixed_precision) == (3, "optimizer", "bf16")
-    assert ds.notes == ["layout: ZeRO-3 with optimizer offload from accelerate config /x/acc.yaml; bf16 from it too"]
+    assert ds.notes == ("layout: ZeRO-3 with optimizer offload from accelerate config /x/acc.yaml; bf16 from it too",)
     # what accelerate exports for the toolkit's own FSDP2 grad_op config (FSDP_SHARDING_STRATEGY is always
     # exported, FULL_SHARD by default), and for FSDP1 configs by name, by number, or in the reshard field
     for env, want in (({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_SHARDING_STRATEGY": "FULL_SHARD"},
@@ -120,7 +121,7 @@ def test_accelerate_settings_are_adopted_and_said(monkeypatch, tmp_path):
                       ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}, "hybrid")):
         fsdp = _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", **env}, [], tmp_path)
         assert (fsdp.parallel.fsdp, fsdp.parallel.fsdp_sharding) == (True, want), env
-        assert fsdp.notes == [f"layout: FSDP2, {want} sharding, from accelerate config /x/acc.yaml"]
+        assert fsdp.notes == (f"layout: FSDP2, {want} sharding, from accelerate config /x/acc.yaml",)
     with pytest.raises(UserError, match="says FSDP NO_SHARD, which the toolkit does not run"):
         _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "3"}, [], tmp_path)
 
@@ -131,10 +132,10 @@ def test_a_deepspeed_file_beside_a_launcher_that_says_deepspeed(monkeypatch, tmp
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     cfg = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true"}, ["--deepspeed", str(path)], tmp_path)
-    assert cfg.parallel.zero_stage == 3 and cfg.notes == [f"layout: ZeRO-3 from --deepspeed {path}"]
+    assert cfg.parallel.zero_stage == 3 and cfg.notes == (f"layout: ZeRO-3 from --deepspeed {path}",)
     cfg = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}, [],
                tmp_path)
-    assert cfg.notes == [f"layout: ZeRO-3 from DeepSpeed config {path}, named by accelerate config /x/acc.yaml"]
+    assert cfg.notes == (f"layout: ZeRO-3 from DeepSpeed config {path}, named by accelerate config /x/acc.yaml",)
     with pytest.raises(UserError, match=f"accelerate config /x/acc.yaml says ZeRO-2, --deepspeed {path} says stage 3"):
         _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
              ["--deepspeed", str(path)], tmp_path)
@@ -160,8 +161,8 @@ def test_deepspeed_file_autos_are_filled_and_its_values_win(tmp_path, monkeypatc
     cfg = _cfg(monkeypatch, {}, ["--deepspeed", str(path)], tmp_path)
     # the file's values win over the defaults: stage 3, micro batch 2, clipping 0.5
     assert (cfg.parallel.zero_stage, cfg.train.micro_batch_size, cfg.train.max_grad_norm) == (3, 2, 0.5)
-    assert cfg.notes == [f"layout: ZeRO-3 from --deepspeed {path}; also from the file: micro batch size 2, "
-                         "max grad norm 0.5"]
+    assert cfg.notes == (f"layout: ZeRO-3 from --deepspeed {path}; also from the file: micro batch size 2, "
+                         "max grad norm 0.5",)
     filled = fill_auto(read_user_config(str(path)), micro_batch=2, grad_accum=3, data_ranks=4, mixed_precision="bf16",
                        max_grad_norm=0.5, lr=1e-4, weight_decay=0.1, warmup_steps=10, total_steps=5, hidden_size=64)
     assert (filled["train_batch_size"], filled["gradient_accumulation_steps"]) == (24, 3)
@@ -214,7 +215,7 @@ def test_bad_deepspeed_files_are_one_line(tmp_path, monkeypatch, content, flags,
 
 
 def test_user_config_problems_accepts_the_shipped_variants():
-    from toolkit.parallel.deepspeed import standard_variants
+    from toolkit.layout.deepspeed import standard_variants
 
     assert all(user_config_problems(ds, name) == [] for name, ds in standard_variants().items())
 

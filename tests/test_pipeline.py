@@ -95,20 +95,21 @@ def test_architecture_without_the_layout_names_what_it_found(tmp_path):
 
     with pytest.raises(UserError, match=r"missing model\.embed_tokens.*found transformer \(GPT2Model\), lm_head"):
         decoder_parts(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)))
-    problems = pipeline_problems(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64), 2, 1)
+    problems = pipeline_problems(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64))
     assert len(problems) == 1 and "GPT2LMHeadModel" in problems[0]
 
 
 def test_problems_for_too_many_stages_and_a_bad_world(tied_model):
     from transformers import AutoConfig
 
-    from toolkit.parallel.pp import pipeline_problems
+    from toolkit.layout.rules import model_problems
 
-    problems = pipeline_problems(AutoConfig.from_pretrained(tied_model), 5, 3)
+    config = AutoConfig.from_pretrained(tied_model).to_dict()
+    problems = model_problems(config, tp=1, pp=5, cp=1, world=3)
     assert problems == ["--pp 5: more stages than the model's 4 decoder blocks; use --pp 4 or fewer",
                         "--pp 5 across processes needs a world size that is a multiple of 5 (got 3); launch with "
                         "torchrun --nproc_per_node 5 (x data-parallel groups), or one process for the naive pipeline"]
-    assert pipeline_problems(AutoConfig.from_pretrained(tied_model), 2, 4) == []
+    assert model_problems(config, tp=1, pp=2, cp=1, world=4) == []
 
 
 def test_bubble_fraction():

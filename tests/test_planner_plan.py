@@ -270,7 +270,7 @@ def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
     result = plan(PlanInput(model=model, gpu_memory=80 * 1024**3, cpu_memory=2 * 1024**4, method=argv[3], global_batch=gb))
     assert result.chosen
     auto = parse_config(["--strategy", "auto", "--output-dir", str(tmp_path / "a"), "--method", argv[3]])
-    apply_plan(auto, result)
+    auto = apply_plan(auto, result)
     printed = parse_config([*result.flags, "--output-dir", str(tmp_path / "b")])
     assert auto.parallel.__dict__ | {"strategy": "manual"} == printed.parallel.__dict__
     for k in ("gradient_checkpointing", "micro_batch_size", "grad_accum"):

@@ -248,7 +248,10 @@ def test_tp_plan_comes_from_the_config():
 def test_tp_problems_name_the_fix(model_dirs):
     from transformers import AutoConfig, GPT2Config
 
-    from toolkit.parallel.tp import tp_problems
+    from toolkit.layout.rules import model_problems
+
+    def tp_problems(config, t, world):
+        return model_problems(config.to_dict(), tp=t, pp=1, cp=1, world=world)
 
     llama = AutoConfig.from_pretrained(model_dirs["llama_gqa"])  # 4 heads, 2 kv heads, intermediate 128
     assert tp_problems(llama, 2, 4) == []

@@ -121,7 +121,7 @@ def cmd_prepare_data(args) -> None:
 
 def cmd_accelerate_config(args) -> None:
     from toolkit.config import parse_config
-    from toolkit.parallel.launch_config import accelerate_yaml, write_accelerate_yaml
+    from toolkit.layout.launcher import accelerate_yaml, write_accelerate_yaml
 
     flags = ["--offload", args.offload, "--fsdp-sharding", args.fsdp_sharding, "--output-dir", "/nonexistent"]
     flags += (["--zero-stage", str(args.zero_stage)] if args.zero_stage is not None else []) + (["--fsdp"] if args.fsdp else [])

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from toolkit.errors import UserError
+from toolkit.layout.rules import layout_problems
 from toolkit.tracker_spec import spec_problems as tracker_problems
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -37,7 +38,7 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
     return field(default=default, metadata=meta, **kw)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model: str = _f(DEFAULT_MODEL, f"local HF folder, hub id, or '{DEFAULT_MODEL}' (embedded default)")
     method: str = _f("lora", "what to train", ("full", "lora", "qlora"))
@@ -48,7 +49,7 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     dataset: str = _f(DEFAULT_DATASET, "json/jsonl/csv/parquet file, hub id, or builtin:NAME; a mixture: "
                                        "a.jsonl:0.7,b.json:0.3 (sampled by weight with --seed)")
@@ -68,7 +69,7 @@ class DataConfig:
                                 "(data larger than disk or RAM); needs --max-steps")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = _f(4, "examples per rank per forward pass")
     grad_accum: int = _f(1, "micro-batches per optimizer step")
@@ -90,7 +91,7 @@ class TrainConfig:
                    ("auto", "full", "chunked"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = _f("manual", "auto: let the planner pick the layout (DDP/ZeRO/FSDP/offload or a tp/pp/cp/dp-shard mesh), "
                                    "checkpointing and batch sizes",
@@ -121,7 +122,7 @@ class ParallelConfig:
                             "disagrees with it is an error")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutputConfig:
     output_dir: str = _f("output", "where metrics, checkpoints and the final model go")
     overwrite_output_dir: bool = _f(False, "allow writing into a non-empty output dir")
@@ -148,20 +149,39 @@ class OutputConfig:
     debug: bool = _f(False, "show full tracebacks for errors")
 
 
-@dataclass
+SECTIONS = ("model", "data", "train", "parallel", "output")
+
+
+@dataclass(frozen=True)
 class Config:
+    """A run's settings, resolved once and frozen: defaults < YAML < flags, with what a launcher or a
+    --deepspeed file fixes (`parse_config`); the planner's choices under --strategy auto and a resume's
+    re-split of the global batch make a new one (`replace`), never change this one."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    # Where settings came from when not from the flags (an accelerate config, a launcher's flags, a
+    # --deepspeed file, the planner): one line each, printed at start. Not config keys.
+    notes: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        # Where settings came from when not from the flags (an accelerate config, a launcher's flags,
-        # a --deepspeed file): one line each, printed at start. Not config keys.
-        self.notes: list[str] = []
-        self.deepspeed_named_by: str | None = None  # the accelerate config that named the --deepspeed file
-        self.deepspeed_launcher_stage: tuple[int, str] | None = None  # (stage, launcher) beside --deepspeed
+    @classmethod
+    def from_values(cls, values: dict[str, Any], notes: tuple[str, ...] = ()) -> Config:
+        """The config with `values` (flat keys, already of the fields' types) over the defaults."""
+        by_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for k, v in values.items():
+            by_section[_fields()[k][0]][k] = v
+        return cls(**{s: cls.__dataclass_fields__[s].default_factory(**kw) for s, kw in by_section.items()},
+                   notes=tuple(notes))
+
+    def replace(self, notes: tuple[str, ...] = (), **values: Any) -> Config:
+        """A new config with `values` (flat keys) changed and `notes` added; this one stays as it is."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for k, v in values.items():
+            by_section.setdefault(_fields()[k][0], {})[k] = v
+        return dataclasses.replace(self, notes=self.notes + tuple(notes),
+                                   **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in by_section.items()})
 
     def flat(self) -> dict[str, Any]:
         """Every key with its value, in declaration order: the YAML `config.yaml` holds."""
@@ -178,10 +198,10 @@ class Config:
 def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
     """key -> (section name, field) for every configurable value."""
     out: dict[str, tuple[str, dataclasses.Field]] = {}
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+    for section in SECTIONS:
+        for f in dataclasses.fields(Config.__dataclass_fields__[section].default_factory):  # type: ignore[arg-type]
             assert f.name not in out, f"duplicate config key {f.name}"
-            out[f.name] = (section.name, f)
+            out[f.name] = (section, f)
     return out
 
 
@@ -361,7 +381,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Config:
     """defaults < --config YAML < flags; raises `UserError` for any problem, collected once."""
-    from toolkit.parallel.launch import local_rank_problem, pop_local_rank
+    from toolkit.layout.launcher import local_rank_problem, pop_local_rank
 
     argv = sys.argv[1:] if argv is None else argv
     argv, local_rank, problem = pop_local_rank(argv)  # DeepSpeed's launcher appends --local_rank=K
@@ -392,24 +412,20 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
             values[ALIASES.get(k, k)] = _coerce(ALIASES.get(k, k), v, path)
     for k, v in given.items():
         values[k] = _coerce(k, v, "flag")
-    cfg = Config()
-    for k, v in values.items():
-        section, _ = _fields()[k]
-        setattr(getattr(cfg, section), k, v)
-    problems = validate(cfg, given=set(values))
+    settings, notes = _Settings(values), []
+    problems = _adopt_launcher(settings, set(values), notes) or _adopt_deepspeed_file(settings, set(values), notes)
+    if problems:
+        raise UserError("; ".join(problems))
+    cfg = Config.from_values({k: v for k, v in settings.items() if k in _fields()}, tuple(notes))
+    problems = validate(cfg)
     if problems:
         raise UserError("; ".join(problems))
     return cfg
 
 
-def validate(cfg: Config, given: set[str] | None = None) -> list[str]:
-    """Cross-field and range checks; returns every problem found (empty list = fine). First the
-    settings a launcher or a --deepspeed file fixes are adopted where the user (`given`: the keys set
-    by flag or YAML) did not set them, and refused where they disagree."""
-    given = set() if given is None else given
-    adopted = _check_launcher(cfg, given) or _check_deepspeed_file(cfg, given)
-    if adopted:
-        return adopted
+def validate(cfg: Config) -> list[str]:
+    """Cross-field and range checks; returns every problem found (empty list = fine). Which layouts
+    may run is `toolkit.layout.rules`' to say."""
     p: list[str] = []
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.output
 
@@ -446,31 +462,7 @@ def validate(cfg: Config, given: set[str] | None = None) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
-    par = cfg.parallel
-    need(not (par.strategy == "auto" and (par.fsdp or par.zero_stage is not None or par.offload != "none")),
-         "--strategy auto picks the sharding itself; drop --zero-stage/--fsdp/--offload or use --strategy manual")
-    need(not (par.fsdp and par.zero_stage is not None),
-         f"--fsdp and --zero-stage {par.zero_stage} both shard the model; choose one")
-    need(not (par.offload != "none" and par.zero_stage in (None, 0)),
-         f"--offload {par.offload} needs --zero-stage 1, 2 or 3")
-    need(not (par.offload == "optimizer+param" and par.zero_stage in (1, 2)),
-         f"--offload optimizer+param needs --zero-stage 3 (got {par.zero_stage}); use --offload optimizer")
-    need(not (m.method == "qlora" and par.offload == "optimizer+param"),
-         "--method qlora cannot offload its 4-bit base weights (--offload optimizer+param); use --offload optimizer")
-    need(not (m.method == "qlora" and (par.zero_stage == 3 or par.fsdp)),
-         "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
-    need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
-    p.extend(_mesh_problems(cfg))
-    if par.tp > 1:
-        other = off_mesh_layout(par)
-        need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
-                            "with DDP, or with FSDP2 on the device mesh: use --dp-shard N (drop one of them)")
-        need(m.method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
-                                  "cannot be sliced); use --method lora")
-        need(t.mixed_precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
-                                          "(no loss scaling across TP shards); use bf16")
-    p.extend(_pipeline_problems(cfg))
-    p.extend(_cp_problems(cfg))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:
@@ -481,111 +473,24 @@ def validate(cfg: Config, given: set[str] | None = None) -> list[str]:
     return p
 
 
-def mesh_sharded(par: ParallelConfig) -> bool:
-    """Sharded data parallel on the toolkit's device mesh (FSDP2 with TP inside, HSDP), not through
-    accelerate's FSDP plugin: asked for with --dp-shard / --dp-replicate, or --fsdp-sharding hybrid."""
-    return par.dp_shard > 0 or par.dp_replicate > 0 or (par.fsdp and par.fsdp_sharding == "hybrid")
+class _Settings(dict):
+    """The flat key -> value settings being resolved (flags and YAML so far); a key not set reads
+    as its default. What a launcher or a --deepspeed file fixes is written here before the frozen
+    `Config` is built from it."""
+
+    def __missing__(self, key: str) -> Any:
+        section, f = _fields()[key]
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
-def off_mesh_layout(par: ParallelConfig) -> str | None:
-    """The flag that asks for a layout outside the device mesh (the planner's, accelerate's FSDP
-    plugin, DeepSpeed), which --tp, --pp and --cp do not compose with; None if there is none."""
-    if par.strategy == "auto":
-        return "--strategy auto"
-    if par.fsdp and not mesh_sharded(par):
-        return "--fsdp"
-    return f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None
-
-
-def _mesh_problems(cfg: Config) -> list[str]:
-    """--dp-shard / --dp-replicate checks that need no world size (ParallelDims checks the product)."""
-    par, p = cfg.parallel, []
-    for name in ("dp_shard", "dp_replicate"):
-        if getattr(par, name) < 0:
-            p.append(f"--{name.replace('_', '-')} must be >= 1, or 0 to infer it (got {getattr(par, name)})")
-    if not mesh_sharded(par):
-        return p
-    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n)) \
-        or "--fsdp-sharding hybrid"
-    if par.zero_stage is not None:
-        p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
-                 "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
-    if par.strategy == "auto":
-        p.append(f"{flags} with --strategy auto: the planner picks the whole layout itself; drop {flags} or use "
-                 "--strategy manual")
-    if cfg.model.method == "qlora":
-        p.append(f"{flags} with --method qlora is not supported (4-bit weights are not sharded); use --method lora")
-    if cfg.train.mixed_precision == "fp16":
-        p.append(f"{flags} with --mixed-precision fp16 is not supported (no loss scaling across shards); use bf16")
-    return p
-
-
-def _cp_problems(cfg: Config) -> list[str]:
-    """--cp checks that need no model (heads vs tp x cp are checked once the config is read)."""
-    par, t, m = cfg.parallel, cfg.train, cfg.model
-    if par.cp < 1:
-        return [f"--cp must be >= 1 (got {par.cp})"]
-    if par.cp == 1:
-        return []
-    other = f"--pp {par.pp}" if par.pp > 1 else off_mesh_layout(par)
-    p = []
-    if other:
-        p.append(f"--cp {par.cp} with {other} is not supported; context parallel composes with DDP, "
-                 "--dp-shard N (FSDP2 on the mesh) and --tp (drop one of them)")
-    if m.method == "qlora":
-        p.append(f"--cp {par.cp} with --method qlora is not supported; use --method lora")
-    if t.mixed_precision == "fp16":
-        p.append(f"--cp {par.cp} with --mixed-precision fp16 is not supported; use bf16")
-    return p
-
-
-def _pipeline_problems(cfg: Config) -> list[str]:
-    """--pp checks that need no model (stage count vs blocks is checked once the config is read)."""
-    par, t, m = cfg.parallel, cfg.train, cfg.model
-    if par.pp < 1:
-        return [f"--pp must be >= 1 (got {par.pp})"]
-    p = []
-    if par.pp_microbatches < 1:
-        p.append(f"--pp-microbatches must be >= 1 (got {par.pp_microbatches})")
-    elif t.micro_batch_size % par.pp_microbatches:
-        p.append(f"--pp-microbatches {par.pp_microbatches} does not divide --micro-batch-size "
-                 f"{t.micro_batch_size}; use a divisor of it or change the batch size")
-    if par.pp == 1:
-        if par.pp_devices:
-            p.append("--pp-devices needs --pp N with N > 1")
-        return p
-    other = off_mesh_layout(par)
-    if other:
-        p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with --tp and with "
-                 "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")
-    if m.method == "qlora":
-        p.append(f"--pp {par.pp} with --method qlora is not supported; use --method lora")
-    if t.mixed_precision == "fp16":
-        p.append(f"--pp {par.pp} with --mixed-precision fp16 is not supported (no loss scaling across stages); use bf16")
-    if t.loss == "chunked":
-        p.append(f"--pp {par.pp} with --loss chunked is not supported; the last stage computes full logits (use --loss full)")
-    if par.pp_schedule == "1f1b" and par.pp_microbatches < par.pp:
-        p.append(f"--pp-schedule 1f1b needs --pp-microbatches >= --pp ({par.pp_microbatches} < {par.pp})")
-    if par.pp_devices and len([x for x in par.pp_devices.split(",") if x.strip()]) != par.pp:
-        p.append(f"--pp-devices lists {len([x for x in par.pp_devices.split(',') if x.strip()])} devices "
-                 f"for --pp {par.pp}; give one per stage (for example cuda:0,cuda:1)")
-    return p
-
-
-def single_process_launch(env) -> bool:
-    """accelerate's simple launcher (`--num_processes N > 1` without `--multi_gpu`, which is what a
-    machine without a GPU gets) sets the rendezvous address for N processes but starts one, with no
-    WORLD_SIZE: it would train alone, silently, with 1/N of the global batch asked for."""
-    return "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
-
-
-def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
+def _adopt_launcher(values: _Settings, given: set[str], notes: list[str]) -> list[str]:
     """`accelerate launch --use_deepspeed/--use_fsdp`, or an accelerate config naming DeepSpeed or FSDP,
     must agree with our flags. What only the launcher says is adopted (an accelerate config alone
-    works) and said in one line (`cfg.notes`); a flag the user gave that disagrees is refused."""
-    from toolkit.parallel.launch import launch_source
+    works) and said in one line (`notes`); a flag the user gave that disagrees is refused. Returns the
+    refusals; (stage, launcher) beside a --deepspeed file is left in `values` for `_adopt_deepspeed_file`."""
+    from toolkit.layout.launcher import accelerate_fsdp_sharding, launch_source, single_process_launch
 
-    env, par = os.environ, cfg.parallel
+    env = os.environ
     if single_process_launch(env):
         return ["accelerate launch --num_processes N started one process, not N (without a GPU it needs "
                 "--multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
@@ -595,76 +500,61 @@ def _check_launcher(cfg: Config, given: set[str]) -> list[str]:
         return []
     source = launch_source(env)
     says = "DeepSpeed" if deepspeed else "FSDP"
-    if par.strategy == "auto":
+    if values["strategy"] == "auto":
         return [f"{source} says {says}, and --strategy auto picks the layout itself; drop one of them"]
     adopted: list[str] = []
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision in ("bf16", "fp16") and "mixed_precision" not in given:
-        cfg.train.mixed_precision = precision  # "no" is also what accelerate says when nobody chose
+        values["mixed_precision"] = precision  # "no" is also what accelerate says when nobody chose
         adopted.append(precision)
     if fsdp:
-        if par.zero_stage is not None or par.deepspeed:
-            asked = f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else f"--deepspeed {par.deepspeed}"
+        if values["zero_stage"] is not None or values["deepspeed"]:
+            asked = f"--zero-stage {values['zero_stage']}" if values["zero_stage"] is not None \
+                else f"--deepspeed {values['deepspeed']}"
             return [f"{source} says FSDP, {asked} asks for DeepSpeed; drop one of them"]
-        par.fsdp = True
+        values["fsdp"] = True
         sharding, problem = accelerate_fsdp_sharding(env)
         if problem:
             return [f"{source} {problem}"]
-        if "fsdp_sharding" in given and par.fsdp_sharding != sharding:
-            return [f"{source} says FSDP with {sharding} sharding, --fsdp-sharding {par.fsdp_sharding} disagrees; "
-                    "drop one of them"]
-        par.fsdp_sharding = sharding
-        cfg.notes.append(f"layout: FSDP2, {sharding} sharding, from {source}"
-                         + (f"; {', '.join(adopted)} from it too" if adopted else ""))
+        if "fsdp_sharding" in given and values["fsdp_sharding"] != sharding:
+            return [f"{source} says FSDP with {sharding} sharding, --fsdp-sharding {values['fsdp_sharding']} "
+                    "disagrees; drop one of them"]
+        values["fsdp_sharding"] = sharding
+        notes.append(f"layout: FSDP2, {sharding} sharding, from {source}"
+                     + (f"; {', '.join(adopted)} from it too" if adopted else ""))
         return []
-    if "fsdp" in given and par.fsdp:
+    if "fsdp" in given and values["fsdp"]:
         return [f"{source} says DeepSpeed, --fsdp asks for FSDP; drop one of them"]
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if ds_file not in ("", "none"):  # the config names a DeepSpeed JSON: read as --deepspeed FILE
-        if par.deepspeed and Path(par.deepspeed).resolve() != Path(ds_file).resolve():
-            return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {par.deepspeed}; drop one of them"]
-        par.deepspeed = ds_file
-        cfg.deepspeed_named_by = source
+        if values["deepspeed"] and Path(values["deepspeed"]).resolve() != Path(ds_file).resolve():
+            return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {values['deepspeed']}; "
+                    "drop one of them"]
+        values["deepspeed"] = ds_file
+        values[_NAMED_BY] = source
         return []
-    if par.deepspeed:  # the file decides the stage; a stage the launcher was given must agree with it
+    if values["deepspeed"]:  # the file decides the stage; a stage the launcher was given must agree with it
         named = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        cfg.deepspeed_launcher_stage = (int(named), source) if named not in (None, "") else None
+        values[_LAUNCHER_STAGE] = (int(named), source) if named not in (None, "") else None
         return []
     stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's default stage
-    if par.zero_stage is not None and par.zero_stage != stage:
-        return [f"{source} says ZeRO-{stage}, --zero-stage {par.zero_stage} disagrees; drop one of them"]
-    par.zero_stage = stage
+    if values["zero_stage"] is not None and values["zero_stage"] != stage:
+        return [f"{source} says ZeRO-{stage}, --zero-stage {values['zero_stage']} disagrees; drop one of them"]
+    values["zero_stage"] = stage
     optim = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
     offload = "optimizer+param" if env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "") \
         else "optimizer" if optim not in ("none", "") else "none"
-    if "offload" in given and par.offload != offload:
-        return [f"{source} says offload {offload}, --offload {par.offload} disagrees; drop one of them"]
-    par.offload = offload
+    if "offload" in given and values["offload"] != offload:
+        return [f"{source} says offload {offload}, --offload {values['offload']} disagrees; drop one of them"]
+    values["offload"] = offload
     what = f"ZeRO-{stage}" + ("" if offload == "none" else f" with {offload} offload")
-    cfg.notes.append(f"layout: {what} from {source}" + (f"; {', '.join(adopted)} from it too" if adopted else ""))
+    notes.append(f"layout: {what} from {source}" + (f"; {', '.join(adopted)} from it too" if adopted else ""))
     return []
 
 
-FSDP1_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
-                    "5": "HYBRID_SHARD_ZERO2"}
-
-
-def accelerate_fsdp_sharding(env) -> tuple[str, str | None]:
-    """(--fsdp-sharding, a problem) from what `accelerate launch` exports for FSDP. FSDP2 configs say
-    it with FSDP_RESHARD_AFTER_FORWARD true/false (accelerate always exports FSDP_SHARDING_STRATEGY,
-    FULL_SHARD by default); FSDP1 ones with a strategy name or number, in FSDP_RESHARD_AFTER_FORWARD
-    (newer accelerate) or FSDP_SHARDING_STRATEGY. The toolkit runs FSDP2 either way."""
-    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "")
-    if env.get("FSDP_VERSION") == "2":
-        return ("grad_op" if reshard.lower() == "false" else "full"), None
-    name = reshard if reshard.upper() in FSDP1_STRATEGIES.values() else env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
-    name = FSDP1_STRATEGIES.get(name, name.upper())
-    ours = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid"}.get(name)
-    if ours is None:
-        return "full", (f"says FSDP {name}, which the toolkit does not run (it runs FSDP2 with FULL_SHARD, "
-                        "SHARD_GRAD_OP or HYBRID_SHARD); change the config, or drop FSDP for plain DDP")
-    return ours, None
-
+# set by `_adopt_launcher` for `_adopt_deepspeed_file`, not config keys: the accelerate config that named
+# the --deepspeed file, and the (stage, launcher) a launcher gave beside one
+_NAMED_BY, _LAUNCHER_STAGE = "_deepspeed_named_by", "_deepspeed_launcher_stage"
 
 # a --deepspeed file's settings -> the DeepSpeed key that sets them (for messages)
 DS_KEYS = {"zero_stage": "zero_optimization.stage", "offload": "zero_optimization.offload_optimizer/offload_param",
@@ -673,15 +563,14 @@ DS_KEYS = {"zero_stage": "zero_optimization.stage", "offload": "zero_optimizatio
            "weight_decay": "optimizer.params.weight_decay"}
 
 
-def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
+def _adopt_deepspeed_file(values: _Settings, given: set[str], notes: list[str]) -> list[str]:
     """`--deepspeed FILE`: DeepSpeed's own checks on the file first; then every setting it fixes is
     adopted where no flag set it, and a flag that disagrees is refused (one line each)."""
-    par = cfg.parallel
-    if not par.deepspeed:
+    path = values["deepspeed"]
+    if not path:
         return []
-    from toolkit.parallel.deepspeed import file_settings, read_user_config, user_config_problems
+    from toolkit.layout.deepspeed import file_settings, read_user_config, user_config_problems
 
-    path = par.deepspeed
     try:
         ds = read_user_config(path)
     except UserError as e:
@@ -689,20 +578,19 @@ def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
     problems = user_config_problems(ds, path)
     if problems:
         return problems
-    if par.fsdp:
+    if values["fsdp"]:
         return [f"--deepspeed {path} with --fsdp: both shard the model; choose one"]
-    if par.strategy == "auto":
+    if values["strategy"] == "auto":
         return [f"--deepspeed {path} with --strategy auto: the planner picks the sharding itself; drop one of them"]
     settings = file_settings(ds)
-    launcher = cfg.deepspeed_launcher_stage
+    launcher = values.get(_LAUNCHER_STAGE)
     if launcher and launcher[0] != settings["zero_stage"]:
         return [f"{launcher[1]} says ZeRO-{launcher[0]}, --deepspeed {path} says stage {settings['zero_stage']}; "
                 "drop one of them"]
     adopted = []
     for key, value in settings.items():
-        section, f = _fields()[key]
         value = _coerce(key, value, f"--deepspeed {path} ({DS_KEYS[key]})")
-        current = getattr(getattr(cfg, section), key)
+        current = values[key]
         if key in given or (key == "zero_stage" and current is not None):
             if current != value:
                 problems.append(f"--deepspeed {path} sets {DS_KEYS[key]} to {value}, --{key.replace('_', '-')} "
@@ -710,19 +598,19 @@ def _check_deepspeed_file(cfg: Config, given: set[str]) -> list[str]:
             continue
         if current != value:
             adopted.append(f"{key.replace('_', ' ')} {value}")
-        setattr(getattr(cfg, section), key, value)
-    t, ranks = cfg.train, int(os.environ.get("WORLD_SIZE", "1"))
-    want = t.micro_batch_size * t.grad_accum * ranks
+        values[key] = value
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    want = values["micro_batch_size"] * values["grad_accum"] * ranks
     if isinstance(ds.get("train_batch_size"), int) and ds["train_batch_size"] != want:
         problems.append(f"--deepspeed {path}: train_batch_size {ds['train_batch_size']} is not micro batch "
-                        f"{t.micro_batch_size} x accumulation {t.grad_accum} x {ranks} ranks = {want}; set it to "
-                        "\"auto\" or make them agree")
+                        f"{values['micro_batch_size']} x accumulation {values['grad_accum']} x {ranks} ranks = {want}; "
+                        "set it to \"auto\" or make them agree")
     if not problems:
-        named_by = cfg.deepspeed_named_by
+        named_by = values.get(_NAMED_BY)
         where = f"DeepSpeed config {path}, named by {named_by}" if named_by else f"--deepspeed {path}"
         also = [a for a in adopted if not a.startswith("zero")]
-        cfg.notes.append(f"layout: ZeRO-{par.zero_stage} from {where}" + (f"; also from the file: {', '.join(also)}"
-                                                                          if also else ""))
+        notes.append(f"layout: ZeRO-{values['zero_stage']} from {where}" + (f"; also from the file: {', '.join(also)}"
+                                                                            if also else ""))
     return problems
 
 

@@ -1,20 +1,269 @@
 """Which layouts may run: the one place that says which parallel dimensions compose, what must divide
-what, what each method and precision allows, and the words of each refusal. Config validation, the
-planner, the strategy builders and the command line all ask here.
+what, what each method and precision allows, which runtime builds a layout, and the words of each
+refusal. Config validation, the planner, the strategy builders, resuming and the command line all
+ask here.
 
 Pure Python: no torch, no torch.distributed, no model loading (a model is its config as a dict).
+The flags are read through `ParallelFlags`, which the config's parallel section and the planner's
+`Flags` both satisfy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from toolkit.layout.dims import ParallelDims
+from toolkit.layout.dims import ParallelDims, infer_dims
 
+# The tensor-parallel plan (`toolkit.parallel.tp.plan`) is the Llama family's
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
+FUSED_LOSSES = ("chunked", "liger", "cce")
+
+
+class ParallelFlags(Protocol):
+    """The parallel flags a rule reads (`toolkit.config.ParallelConfig` has them all)."""
+    strategy: str
+    zero_stage: int | None
+    offload: str
+    fsdp: bool
+    fsdp_sharding: str
+    dp_shard: int
+    dp_replicate: int
+    tp: int
+    cp: int
+    pp: int
+    pp_microbatches: int
+    pp_schedule: str
+    pp_devices: str
+
+
+@dataclass(frozen=True)
+class Flags:
+    """A layout as its flags, with finetune.py's defaults: what the planner asks the rules about."""
+    strategy: str = "manual"
+    zero_stage: int | None = None
+    offload: str = "none"
+    fsdp: bool = False
+    fsdp_sharding: str = "full"
+    dp_shard: int = 0
+    dp_replicate: int = 0
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    pp_microbatches: int = 1
+    pp_schedule: str = "gpipe"
+    pp_devices: str = ""
+
+
+# ----------------------------------------------------------------------------- what the flags ask for
+
+def mesh_sharded(par: ParallelFlags) -> bool:
+    """Sharded data parallel on the toolkit's device mesh (FSDP2 with TP inside, HSDP), not through
+    accelerate's FSDP plugin: asked for with --dp-shard / --dp-replicate, or --fsdp-sharding hybrid."""
+    return par.dp_shard > 0 or par.dp_replicate > 0 or (par.fsdp and par.fsdp_sharding == "hybrid")
+
+
+def off_mesh_layout(par: ParallelFlags) -> str | None:
+    """The flag that asks for a layout outside the device mesh (the planner's, accelerate's FSDP
+    plugin, DeepSpeed), which --tp, --pp and --cp do not compose with; None if there is none."""
+    if par.strategy == "auto":
+        return "--strategy auto"
+    if par.fsdp and not mesh_sharded(par):
+        return "--fsdp"
+    return f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None
+
+
+def accelerate_plugin(par: ParallelFlags) -> str | None:
+    """The accelerate plugin to build: 'deepspeed', 'fsdp', or None (DDP, and the mesh layouts,
+    which shard with FSDP2 themselves)."""
+    if mesh_sharded(par):
+        return None
+    return "fsdp" if par.fsdp else "deepspeed" if par.zero_stage is not None else None
+
+
+def strategy_name(par: ParallelFlags) -> str | None:
+    """The planner's name for a 1-D layout (ddp, zero{0-3}[_offload|_offload_param], fsdp_full,
+    fsdp_grad_op); None for a tp/pp/cp/dp-shard mesh."""
+    if max(par.tp, par.pp, par.cp, par.dp_shard or 1) > 1:
+        return None
+    if par.fsdp:
+        return "fsdp_grad_op" if par.fsdp_sharding == "grad_op" else "fsdp_full"
+    if par.zero_stage:
+        return f"zero{par.zero_stage}" + {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[par.offload]
+    return "ddp"
+
+
+def flags_of(name: str) -> Flags:
+    """`strategy_name`'s inverse: the flags of a planner's 1-D strategy."""
+    if name.startswith("zero"):
+        return Flags(zero_stage=int(name[4]), offload="optimizer+param" if name.endswith("offload_param")
+                     else "optimizer" if "offload" in name else "none")
+    if name.startswith("fsdp"):
+        return Flags(fsdp=True, fsdp_sharding=name.split("_", 1)[1])
+    return Flags()
+
+
+def mesh_flags(d: ParallelDims, micro_batch: int) -> Flags:
+    """The flags that lay the mesh out as `d` (the data-parallel degrees given where they shard)."""
+    schedule, m = pipeline_schedule(d, micro_batch)
+    return Flags(tp=d.tp, pp=d.pp, cp=d.cp, dp_shard=d.dp_shard if d.dp_shard > 1 else 0,
+                 dp_replicate=d.dp_replicate if d.dp_shard > 1 and d.dp_replicate > 1 else 0,
+                 pp_microbatches=m if d.pp > 1 else 1, pp_schedule=schedule if d.pp > 1 else "gpipe")
+
+
+def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
+    """(schedule, pipeline micro-batches): one example each; 1F1B where there are >= pp of them."""
+    return ("1f1b" if micro_batch >= d.pp else "gpipe"), micro_batch
+
+
+def runtime(par: ParallelFlags, dims: ParallelDims) -> str:
+    """Which strategy builds the layout (`toolkit.parallel.strategy.make_strategy`): 'accelerate'
+    (DDP or the FSDP plugin over every rank), 'deepspeed', 'naive_pipeline' (--pp in one process),
+    'pipeline', 'mesh_sharded' (FSDP2 on the mesh, TP inside when tp > 1), 'tensor_parallel' (TP and
+    DDP over dp), or 'context_parallel' (cp x DDP through accelerate)."""
+    on_mesh = dims.world_size > 1 and (dims.pp > 1 or dims.tp > 1 or dims.cp > 1
+                                       or (mesh_sharded(par) and dims.dp_shard > 1))
+    if not on_mesh:
+        if par.pp > 1:
+            return "naive_pipeline"
+        return "deepspeed" if accelerate_plugin(par) == "deepspeed" else "accelerate"
+    if dims.pp > 1:
+        return "pipeline"
+    if dims.dp_shard > 1 and mesh_sharded(par):
+        return "mesh_sharded"
+    return "tensor_parallel" if dims.tp > 1 else "context_parallel"
+
+
+def checkpoint_format(par: ParallelFlags) -> str:
+    """'hf' for DeepSpeed ZeRO, which keeps its own per-rank partitioning (resumed on the same layout
+    only), else 'sharded' (torch.distributed.checkpoint, readable by any other layout)."""
+    return "hf" if accelerate_plugin(par) == "deepspeed" else "sharded"
+
+
+# ----------------------------------------------------------------------------- what may run
+
+def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
+    """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
+    precision ("fp16" is the one that matters), --loss and micro-batch, that needs neither the
+    model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
+    p: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            p.append(msg)
+
+    need(not (par.strategy == "auto" and (par.fsdp or par.zero_stage is not None or par.offload != "none")),
+         "--strategy auto picks the sharding itself; drop --zero-stage/--fsdp/--offload or use --strategy manual")
+    need(not (par.fsdp and par.zero_stage is not None),
+         f"--fsdp and --zero-stage {par.zero_stage} both shard the model; choose one")
+    need(not (par.offload != "none" and par.zero_stage in (None, 0)),
+         f"--offload {par.offload} needs --zero-stage 1, 2 or 3")
+    need(not (par.offload == "optimizer+param" and par.zero_stage in (1, 2)),
+         f"--offload optimizer+param needs --zero-stage 3 (got {par.zero_stage}); use --offload optimizer")
+    need(not (method == "qlora" and par.offload == "optimizer+param"),
+         "--method qlora cannot offload its 4-bit base weights (--offload optimizer+param); use --offload optimizer")
+    need(not (method == "qlora" and (par.zero_stage == 3 or par.fsdp)),
+         "--method qlora with ZeRO-3/FSDP sharding is not supported; use --zero-stage 2 or DDP")
+    need(par.tp >= 1, f"--tp must be >= 1 (got {par.tp})")
+    p += _mesh_problems(par, method, precision)
+    if par.tp > 1:
+        other = off_mesh_layout(par)
+        need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
+                            "with DDP, or with FSDP2 on the device mesh: use --dp-shard N (drop one of them)")
+        need(method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
+                                "cannot be sliced); use --method lora")
+        need(precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
+                                  "(no loss scaling across TP shards); use bf16")
+    p += _pipeline_problems(par, method, precision, loss, micro_batch)
+    p += _cp_problems(par, method, precision)
+    return p
+
+
+def _mesh_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
+    """--dp-shard / --dp-replicate checks that need no world size (ParallelDims checks the product)."""
+    p = [f"--{name.replace('_', '-')} must be >= 1, or 0 to infer it (got {getattr(par, name)})"
+         for name in ("dp_shard", "dp_replicate") if getattr(par, name) < 0]
+    if not mesh_sharded(par):
+        return p
+    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n)) \
+        or "--fsdp-sharding hybrid"
+    if par.zero_stage is not None:
+        p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
+                 "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
+    if par.strategy == "auto":
+        p.append(f"{flags} with --strategy auto: the planner picks the whole layout itself; drop {flags} or use "
+                 "--strategy manual")
+    if method == "qlora":
+        p.append(f"{flags} with --method qlora is not supported (4-bit weights are not sharded); use --method lora")
+    if precision == "fp16":
+        p.append(f"{flags} with --mixed-precision fp16 is not supported (no loss scaling across shards); use bf16")
+    return p
+
+
+def _cp_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
+    """--cp checks that need no model (heads vs tp x cp: `model_problems`)."""
+    if par.cp < 1:
+        return [f"--cp must be >= 1 (got {par.cp})"]
+    if par.cp == 1:
+        return []
+    other = f"--pp {par.pp}" if par.pp > 1 else off_mesh_layout(par)
+    p = []
+    if other:
+        p.append(f"--cp {par.cp} with {other} is not supported; context parallel composes with DDP, "
+                 "--dp-shard N (FSDP2 on the mesh) and --tp (drop one of them)")
+    if method == "qlora":
+        p.append(f"--cp {par.cp} with --method qlora is not supported; use --method lora")
+    if precision == "fp16":
+        p.append(f"--cp {par.cp} with --mixed-precision fp16 is not supported; use bf16")
+    return p
+
+
+def _pipeline_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
+    """--pp checks that need no model (stages vs blocks: `model_problems`)."""
+    if par.pp < 1:
+        return [f"--pp must be >= 1 (got {par.pp})"]
+    p = []
+    if par.pp_microbatches < 1:
+        p.append(f"--pp-microbatches must be >= 1 (got {par.pp_microbatches})")
+    elif micro_batch % par.pp_microbatches:
+        p.append(f"--pp-microbatches {par.pp_microbatches} does not divide --micro-batch-size "
+                 f"{micro_batch}; use a divisor of it or change the batch size")
+    if par.pp == 1:
+        if par.pp_devices:
+            p.append("--pp-devices needs --pp N with N > 1")
+        return p
+    other = off_mesh_layout(par)
+    if other:
+        p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with --tp and with "
+                 "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")
+    if method == "qlora":
+        p.append(f"--pp {par.pp} with --method qlora is not supported; use --method lora")
+    if precision == "fp16":
+        p.append(f"--pp {par.pp} with --mixed-precision fp16 is not supported (no loss scaling across stages); use bf16")
+    if loss in FUSED_LOSSES:
+        p.append(f"--pp {par.pp} with --loss {loss} is not supported; the last stage computes full logits (use --loss full)")
+    if par.pp_schedule == "1f1b" and par.pp_microbatches < par.pp:
+        p.append(f"--pp-schedule 1f1b needs --pp-microbatches >= --pp ({par.pp_microbatches} < {par.pp})")
+    devices = [x for x in par.pp_devices.split(",") if x.strip()]
+    if par.pp_devices and len(devices) != par.pp:
+        p.append(f"--pp-devices lists {len(devices)} devices for --pp {par.pp}; give one per stage (for example "
+                 "cuda:0,cuda:1)")
+    return p
+
+
+def not_runnable(d: ParallelDims, method: str, precision: str, loss: str, micro_batch: int = 1) -> str:
+    """Why the runtime refuses the mesh layout `d` ('' when it runs): `layout_problems`' first line for
+    the flags that ask for it."""
+    problems = layout_problems(mesh_flags(d, micro_batch), method, precision, loss, micro_batch)
+    return problems[0] if problems else ""
+
+
+# ----------------------------------------------------------------------------- the model and the world
 
 def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
     """Each rank keeps whole query and kv heads and an equal slice of the MLP: t must divide the
-    attention heads, the kv heads and the intermediate size. The runtime (`--tp`) uses this too."""
+    attention heads, the kv heads and the intermediate size."""
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if t < 1:
         return [f"--tp {t}: must be >= 1"]
@@ -24,8 +273,7 @@ def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
 
 
 def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]:
-    """The heads each rank keeps after TP must split again over cp (Ulysses exchanges whole heads).
-    The runtime (`toolkit.parallel.cp.cp_problems`) uses this too."""
+    """The heads each rank keeps after TP must split again over cp (Ulysses exchanges whole heads)."""
     if cp == 1:
         return []
     q, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -35,19 +283,64 @@ def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]
     return []
 
 
-def not_runnable(d: ParallelDims, method: str, precision: str, loss: str) -> str:
-    """Why the runtime refuses this layout today ('' when it runs): the rules of `toolkit.config`."""
-    if method == "qlora":
-        return "QLoRA's 4-bit base is not sharded or split on the mesh"
-    if precision == "fp16":
-        return "fp16 has no loss scaling across mesh ranks (use bf16)"
-    if d.cp > 1 and d.pp > 1:
-        return "context parallel does not compose with pipeline stages yet"
-    if d.pp > 1 and loss == "chunked":
-        return "pipeline stages compute full logits (--loss chunked is refused with --pp)"
-    return ""
+def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int) -> list[str]:
+    """What the model's config (a text config's `to_dict()`) and the launched world refuse for
+    --tp / --pp / --cp. The pipeline's block structure is checked on the model itself
+    (`toolkit.parallel.pp.pipeline_problems`)."""
+    problems = []
+    if tp > 1:
+        model_type = cfg.get("model_type", "?")
+        if model_type not in TP_MODEL_TYPES:
+            arch = ", ".join(cfg.get("architectures") or []) or model_type
+            problems.append(f"--tp {tp}: no tensor-parallel plan for model type '{model_type}' ({arch}); "
+                            f"supported: {', '.join(TP_MODEL_TYPES)}")
+        else:
+            problems += tp_divisibility_problems(cfg, tp)
+        if tp > world or world % tp:
+            problems.append(f"--tp {tp} needs a world size that is a multiple of {tp} (got {world} process"
+                            f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {tp} "
+                            "(x data-parallel groups)")
+    if pp > 1:
+        if pp > cfg.get("num_hidden_layers", pp):
+            problems.append(f"--pp {pp}: more stages than the model's {cfg['num_hidden_layers']} decoder blocks; "
+                            f"use --pp {cfg['num_hidden_layers']} or fewer")
+        if world > 1 and world % pp:
+            problems.append(f"--pp {pp} across processes needs a world size that is a multiple of {pp} (got {world}); "
+                            f"launch with torchrun --nproc_per_node {pp} (x data-parallel groups), or one process for "
+                            "the naive pipeline")
+    if cp > 1:
+        problems += cp_divisibility_problems(cfg, tp, cp)
+    return problems
 
 
-def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
-    """(schedule, pipeline micro-batches): one example each; 1F1B where there are >= pp of them."""
-    return ("1f1b" if micro_batch >= d.pp else "gpipe"), micro_batch
+def dims_for(par: ParallelFlags, world: int, local_world: int) -> tuple[ParallelDims, list[str]]:
+    """The degrees the flags give `world` ranks (`local_world` per node), and every problem: one
+    process runs the naive pipeline (pp 1 on the mesh); ZeRO/FSDP shard the inferred data-parallel
+    degree; `--fsdp-sharding hybrid` alone replicates across nodes (HSDP)."""
+    replicate = par.dp_replicate
+    if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
+        replicate = world // local_world
+    return infer_dims(world, tp=par.tp, pp=par.pp if world > 1 else 1, sharded=par.fsdp or par.zero_stage is not None,
+                      dp_shard=par.dp_shard, dp_replicate=replicate, cp=par.cp)
+
+
+def world_problems(par: ParallelFlags, world: int) -> list[str]:
+    """What the launched world refuses that the flags alone cannot tell."""
+    if world > 1 and par.pp_devices and par.pp > 1:
+        return ["--pp-devices is for the single-process pipeline; launched with several processes each rank runs "
+                "its stage on its own device (drop --pp-devices)"]
+    return []
+
+
+def resume_problems(fmt: str, saved_world: int | None, world: int, saved_layout: dict, layout: dict,
+                    deepspeed: bool) -> list[str]:
+    """Whether a checkpoint of format `fmt` ('sharded' or 'hf', `checkpoint_format`) written by
+    `saved_world` ranks with the layout keys `saved_layout` resumes on this one: a sharded checkpoint
+    on any layout but DeepSpeed's; DeepSpeed's per-rank ZeRO state on the same world and layout only."""
+    if fmt == "sharded":
+        return ["it is a sharded checkpoint, which DeepSpeed ZeRO cannot read; resume it without --zero-stage "
+                "(--fsdp shards the same state)"] if deepspeed else []
+    problems = [] if saved_world == world else [f"it was saved by {saved_world} processes and this run has {world}"]
+    problems += [f"--{k.replace('_', '-')} was {saved_layout.get(k)!r}, now {v!r}" for k, v in layout.items()
+                 if saved_layout.get(k) != v]
+    return problems

@@ -5,18 +5,8 @@ from __future__ import annotations
 
 import os
 
-from toolkit.config import Config, mesh_sharded
-
-
-def strategy_name(cfg: Config) -> str:
-    """ddp | zero{0-3}[_offload|_offload_param] | fsdp_{full,grad_op,hybrid}: the planner's names."""
-    p = cfg.parallel
-    if p.fsdp:
-        return f"fsdp_{p.fsdp_sharding}"
-    if p.zero_stage is None:
-        return "ddp"
-    suffix = {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[p.offload]
-    return f"zero{p.zero_stage}{suffix}"
+from toolkit.config import Config
+from toolkit.layout.rules import accelerate_plugin
 
 
 def any_rank(accelerator, flag: bool) -> bool:
@@ -26,13 +16,6 @@ def any_rank(accelerator, flag: bool) -> bool:
     import torch
 
     return accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item() > 0
-
-
-def sharding_kind(cfg: Config) -> str | None:
-    """The accelerate plugin to build: none for the mesh layouts, which shard with FSDP2 themselves."""
-    if mesh_sharded(cfg.parallel):
-        return None
-    return "fsdp" if cfg.parallel.fsdp else "deepspeed" if cfg.parallel.zero_stage is not None else None
 
 
 def make_accelerator(cfg: Config, model_path: str | None = None):
@@ -48,7 +31,7 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from toolkit.parallel import launch
 
     join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
-    kind = sharding_kind(cfg)
+    kind = accelerate_plugin(cfg.parallel)
     # DeepSpeed and FSDP need a process group, also for one process that no launcher started: the same
     # variables on a GPU and a CPU (toolkit.parallel.launch).
     launch.ensure_rank_env(needs_group=kind is not None)
@@ -98,7 +81,7 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     `save_run_config` writes it back. `model_path` gives the hidden size the ZeRO buckets scale with."""
     from toolkit.models import resolved_precision
     from toolkit.parallel import launch
-    from toolkit.parallel.deepspeed import deepspeed_config, fill_auto, read_user_config
+    from toolkit.layout.deepspeed import deepspeed_config, fill_auto, read_user_config
 
     hidden = None
     if model_path:

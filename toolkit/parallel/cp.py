@@ -37,16 +37,6 @@ INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checke
 _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}
 
 
-def cp_problems(config, tp: int, cp: int) -> list[str]:
-    """The heads each rank keeps after TP must split again over cp (the planner's rule, shared)."""
-    from toolkit.layout.rules import cp_divisibility_problems
-
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = {"num_attention_heads": text.num_attention_heads,
-             "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
-    return cp_divisibility_problems(heads, tp, cp)
-
-
 class _AllToAll(torch.autograd.Function):
     """Split `x` into cp parts along `scatter`, send part j to rank j, concatenate what arrives along
     `gather` (in rank order). Backward: the same exchange with the two dimensions swapped."""

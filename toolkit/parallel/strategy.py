@@ -24,7 +24,7 @@ import torch
 
 from toolkit.config import Config
 from toolkit.errors import UserError
-from toolkit.layout.dims import ParallelDims, infer_dims
+from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
@@ -108,7 +108,7 @@ class AccelerateStrategy:
         it), or None for the toolkit's (--lr-schedule)."""
         if not (self.deepspeed and self.cfg is not None and self.cfg.parallel.deepspeed):
             return None
-        from toolkit.parallel.deepspeed import file_scheduler
+        from toolkit.parallel.zero import file_scheduler
 
         self.file_schedule, scheduler = file_scheduler(self.cfg, optimizer, total_steps)
         return scheduler
@@ -254,13 +254,13 @@ class AccelerateStrategy:
     def optimizer_state(self, model, optimizer) -> dict:
         """DeepSpeed's checkpoints (the others are sharded): the ZeRO optimizer's own per-rank state
         (fp32 master partition, Adam moments) as weights_only-loadable values."""
-        from toolkit.train.optimizer_state import plain
+        from toolkit.parallel.zero import plain
 
         return plain(optimizer.optimizer.state_dict())
 
     def load_optimizer_state(self, model, optimizer, saved: dict) -> None:
         """Undo `optimizer_state`. The model weights are already restored."""
-        from toolkit.train.optimizer_state import load_partitioned, restore_loss_scaler
+        from toolkit.parallel.zero import load_partitioned, restore_loss_scaler
 
         zero = optimizer.optimizer
         load_partitioned(zero, restore_loss_scaler(zero, saved), self.accelerator.process_index,
@@ -375,7 +375,6 @@ class MeshShardedStrategy(TensorParallelStrategy):
         return gathered_state_dict(self.unwrap(model), self.tp_split, self.layout.tp_group)
 
 
-
 class PipelineStrategy(AccelerateStrategy):
     """Stages over the mesh's `pp` groups (`layout`), or every stage in this process (no layout)."""
 
@@ -482,7 +481,6 @@ class PipelineStrategy(AccelerateStrategy):
         return gathered_state_dict(model, self.tp_split, self.tp_group)
 
 
-
 # --- what the mesh layouts share: TP slices and FSDP2 shards, by parameter name (FSDP2 replaces
 # the parameters, and with them the attributes and gradient hooks the TP plan put on them)
 
@@ -528,82 +526,52 @@ def gathered_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
 
 
 def make_strategy(cfg: Config, accelerator, model_path: str | None = None, loss_fn: LossFn = token_loss_sum):
-    """Decide the layout once from the flags and the launched world, check it against the model's
-    config (one line for every problem, before any weights are read), build the mesh it needs."""
+    """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
+    against the model's config (one line for every problem, before any weights are read), build the
+    mesh it needs."""
     import os
 
-    from toolkit.config import mesh_sharded
+    from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
-    problems = _model_problems(cfg, model_path, world)
-    if world > 1 and par.pp_devices and par.pp > 1:
-        problems.append("--pp-devices is for the single-process pipeline; launched with several processes "
-                        "each rank runs its stage on its own device (drop --pp-devices)")
-    pp = par.pp if world > 1 else 1  # one process: the naive pipeline holds every stage
-    replicate = par.dp_replicate
-    if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
-        replicate = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # HSDP: replicate across nodes
-    dims, dim_problems = infer_dims(world, tp=par.tp, pp=pp, sharded=par.fsdp or par.zero_stage is not None,
-                                    dp_shard=par.dp_shard, dp_replicate=replicate, cp=par.cp)
+    problems = _model_problems(cfg, model_path, world) + rules.world_problems(par, world)
+    dims, dim_problems = rules.dims_for(par, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     problems += [p for p in dim_problems if not problems]  # the model checks above name the world size already
     if problems:
         raise UserError("; ".join(problems))
-    mesh_layout = world > 1 and (pp > 1 or par.tp > 1 or dims.cp > 1 or (mesh_sharded(par) and dims.dp_shard > 1))
-    if not mesh_layout:
-        if par.pp > 1:  # one process: the naive pipeline
-            return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
+    kind = rules.runtime(par, dims)
+    if kind in ("accelerate", "deepspeed"):
         return AccelerateStrategy(accelerator, dims, cfg, loss_fn)
+    if kind == "naive_pipeline":
+        return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
     from toolkit.parallel.mesh import build_mesh
 
     mesh = build_mesh(dims, accelerator.device.type)
-    if pp > 1:
+    if kind == "pipeline":
         return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
-    if dims.dp_shard > 1 and mesh_sharded(par):
+    if kind == "mesh_sharded":
         return MeshShardedStrategy(accelerator, dims, mesh, cfg, loss_fn)
-    if par.tp > 1:
+    if kind == "tensor_parallel":
         return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
     return AccelerateStrategy(accelerator, dims, cfg, loss_fn, mesh)  # cp x DDP: accelerate's DDP over every rank
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
-    """What the model's architecture refuses for --tp / --pp (read from its config, no weights)."""
+    """What the model's architecture refuses for --tp / --pp / --cp (read from its config, no weights)."""
     par = cfg.parallel
     if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1):
         return []
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    problems = []
-    if par.tp > 1:
-        from toolkit.parallel.tp import tp_problems
+    from toolkit.layout.rules import model_problems
 
-        problems += tp_problems(config, par.tp, world)
-    if par.pp > 1:
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problems = model_problems(text.to_dict(), par.tp, par.pp, par.cp, world)
+    if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 
-        problems += pipeline_problems(config, par.pp, world, cfg.model.trust_remote_code)
-    if par.cp > 1:
-        from toolkit.parallel.cp import cp_problems
-
-        problems += cp_problems(config, par.tp, par.cp)
+        problems += pipeline_problems(config, cfg.model.trust_remote_code)
     return problems
 
 
-def load_full_state_dict(model, state: dict):
-    """`model.load_state_dict(state, strict=False)`, also for a model that ZeRO-3 partitioned while
-    loading (transformers loads under `deepspeed.zero.Init` when accelerate's plugin is stage 3): there
-    one parameter is gathered at a time, written and re-partitioned (collective; rank 0's copy is kept)."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        return model.load_state_dict(state, strict=False)
-    from types import SimpleNamespace
-
-    import deepspeed
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in params.items():
-            if name in state:
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.copy_(state[name])
-    return SimpleNamespace(missing_keys=[k for k in params if k not in state],
-                           unexpected_keys=[k for k in state if k not in params])

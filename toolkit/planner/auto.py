@@ -12,7 +12,7 @@ from toolkit.errors import UserError
 from toolkit.hardware import host_memory_bytes
 from toolkit.planner.cost import HARDWARE, Hardware, load_hardware
 from toolkit.layout.dims import ParallelDims
-from toolkit.layout.rules import pipeline_schedule
+from toolkit.layout.rules import flags_of, mesh_flags, strategy_name
 from toolkit.planner.plan import Plan, PlanInput, plan, render_table
 
 DEVICE_PRESETS = {"H100": "h100-sxm", "H200": "h100-sxm", "A100": "a100-80gb", "L40S": "l40s"}
@@ -42,23 +42,19 @@ def time_model(device: str) -> Hardware:
     return HARDWARE["cpu" if device.startswith("CPU") else "h100-sxm"]
 
 
-def apply_plan(cfg: Config, result: Plan) -> None:
-    """Write the chosen layout, checkpointing and batch sizes into `cfg` (the flags `plan` prints)."""
-    d, p, t = result.chosen_detail, cfg.parallel, cfg.train
-    name = result.chosen
+def apply_plan(cfg: Config, result: Plan) -> Config:
+    """The config with the chosen layout, checkpointing and batch sizes (the flags `plan` prints)."""
+    d = result.chosen_detail
     if d.dims is not None:
-        dims = ParallelDims(result.world, **d.dims)
-        p.tp, p.pp, p.cp = dims.tp, dims.pp, dims.cp
-        p.dp_shard = dims.dp_shard if dims.dp_shard > 1 else 0
-        p.dp_replicate = dims.dp_replicate if dims.dp_shard > 1 and dims.dp_replicate > 1 else 0
-        if dims.pp > 1:
-            p.pp_schedule, p.pp_microbatches = pipeline_schedule(dims, d.micro_batch)
-    elif name.startswith("zero"):
-        p.zero_stage = int(name[4])
-        p.offload = "optimizer+param" if name.endswith("offload_param") else "optimizer" if "offload" in name else "none"
-    elif name.startswith("fsdp"):
-        p.fsdp, p.fsdp_sharding = True, name.split("_", 1)[1]
-    t.gradient_checkpointing, t.micro_batch_size, t.grad_accum = d.checkpointing, d.micro_batch, result.grad_accum
+        flags = mesh_flags(ParallelDims(result.world, **d.dims), d.micro_batch)
+    else:
+        flags = flags_of(result.chosen)
+    layout = {k: getattr(flags, k) for k in ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard",
+                                            "dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_schedule")}
+    if d.dims is None or ParallelDims(result.world, **d.dims).pp == 1:  # the pipeline settings stay the user's
+        del layout["pp_microbatches"], layout["pp_schedule"]
+    return cfg.replace(**layout, gradient_checkpointing=d.checkpointing, micro_batch_size=d.micro_batch,
+                       grad_accum=result.grad_accum)
 
 
 def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memory: int, nodes: int,
@@ -74,25 +70,13 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
                      hardware=time_model(what))
 
 
-def strategy_name(cfg: Config) -> str | None:
-    """The planner's name for the 1-D layout `cfg` runs (None for a tp/pp/cp/dp-shard mesh)."""
-    p = cfg.parallel
-    if max(p.tp, p.pp, p.cp, p.dp_shard or 1) > 1:
-        return None
-    if p.fsdp:
-        return "fsdp_grad_op" if p.fsdp_sharding == "grad_op" else "fsdp_full"
-    if p.zero_stage:
-        return f"zero{p.zero_stage}" + {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[p.offload]
-    return "ddp"
-
-
 def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:
     """The planner's allocator peak (`bytes.allocated`) for the 1-D layout `cfg` runs on this hardware;
     None for a mesh layout or a model the planner cannot count."""
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.plan import estimate
 
-    name, t = strategy_name(cfg), cfg.train
+    name, t = strategy_name(cfg.parallel), cfg.train
     if name not in STRATEGIES:
         return None
     try:
@@ -110,7 +94,7 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
 
     per_node, memory, nodes, what = detect_hardware()
     inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
-    name, t = strategy_name(cfg), cfg.train
+    name, t = strategy_name(cfg.parallel), cfg.train
     parts = []
     try:
         if name in STRATEGIES:
@@ -125,7 +109,8 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
     return "; ".join(parts)
 
 
-def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[Plan, str]:
+def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[Config, Plan, str]:
+    """(the config with the plan's choices, the plan, its table for the log)."""
     per_node, memory, nodes, what = detect_hardware()
     model_cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else None
     if model_cfg is None:
@@ -139,6 +124,5 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[P
         raise UserError(f"--strategy auto: cannot plan for {model_path} ({e}); pass --zero-stage/--fsdp yourself") from None
     if not result.chosen:
         raise UserError(f"--strategy auto: {result.advice}")
-    apply_plan(cfg, result)
-    return result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine, "
+    return apply_plan(cfg, result), result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine, "
                     f"time model {inp.hw.name}\n" + render_table(result))

@@ -33,7 +33,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank
-from toolkit.parallel.strategy import load_full_state_dict
+from toolkit.parallel.zero import load_full_state_dict
 from toolkit.train.manifest import MANIFEST, damage, write_manifest
 TRAINER_STATE = "trainer_state.json"
 # the DCP folder inside checkpoint-N (toolkit.train.sharded_state, imported only where a checkpoint is

@@ -47,6 +47,7 @@ class ResumePoint:
     state: dict
     same_layout: bool = True  # the world size and layout that wrote it: each rank reads its own file
     notes: tuple[str, ...] = ()  # what resuming changed (the batch re-split), for the log
+    split: tuple[int, int] | None = None  # (micro-batch, accumulation) that keep the checkpoint's global batch
 
     @property
     def sharded(self) -> bool:
@@ -188,21 +189,26 @@ def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
     return problems
 
 
-def keep_global_batch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
-    """Re-split the checkpoint's global batch over this run's data-parallel ranks (sets
-    `cfg.train`); returns the line that says how, or raises where it cannot be split evenly."""
+def keep_global_batch(point: ResumePoint, cfg: Config, data_ranks: int,
+                      deepspeed: bool) -> tuple[tuple[int, int] | None, list[str]]:
+    """((micro-batch, accumulation) that re-split the checkpoint's global batch over this run's
+    data-parallel ranks, the line that says how), or (None, []) when this run's flags keep it; raises
+    where it cannot be split evenly, or under DeepSpeed, whose engine is configured with the flags'."""
     total = point.state.get("fingerprint", {}).get("settings", {}).get("global_batch")
     if total is None or total == global_batch(cfg, data_ranks):
-        return []
+        return None, []
     t = cfg.train
     split = resplit(total, t.micro_batch_size, data_ranks)
     if split is None:
         raise UserError(f"--resume {point.path}: its global batch of {total} examples cannot be shared evenly by "
                         f"{data_ranks} data-parallel ranks; launch a layout whose data-parallel size divides {total}")
+    if deepspeed:
+        raise UserError(f"--resume {point.path}: its global batch is {total} examples, this launch asks for "
+                        f"{global_batch(cfg, data_ranks)}; DeepSpeed resumes with the batch it saved: pass "
+                        f"--micro-batch-size {split[0]} --grad-accum {split[1]}")
     asked = f"{t.micro_batch_size} x {t.grad_accum} x {data_ranks} = {global_batch(cfg, data_ranks)}"
-    t.micro_batch_size, t.grad_accum = split
-    return [f"global batch {total} kept: micro-batch {split[0]} x accumulation {split[1]} x {data_ranks} "
-            f"data-parallel ranks (this launch asked for {asked})"]
+    return split, [f"global batch {total} kept: micro-batch {split[0]} x accumulation {split[1]} x {data_ranks} "
+                   f"data-parallel ranks (this launch asked for {asked})"]
 
 
 def same_layout(point: ResumePoint, cfg: Config, world: int) -> bool:
@@ -217,23 +223,19 @@ def fingerprint_layout(cfg: Config) -> dict:
 
 
 def layout_problems(point: ResumePoint, cfg: Config, world: int, deepspeed: bool) -> list[str]:
-    """A sharded checkpoint resumes on any non-DeepSpeed layout; DeepSpeed's per-rank ZeRO state
-    (and checkpoints of older versions) on the same world size and layout only."""
+    """Whether the checkpoint resumes on this layout (`toolkit.layout.rules.resume_problems`), and
+    whether the files that layout reads are there."""
+    from toolkit.layout.rules import resume_problems
+
     if point.state.get("resumable") is False:
         return ["it holds the model weights only (written by an older version that did not save ZeRO/FSDP "
                 "optimizer states); start a new run from it instead"]
+    saved = point.state.get("fingerprint", {}).get("layout", {})
+    saved = {k: saved.get(k, NEWER_LAYOUT_KEYS.get(k)) for k in LAYOUT_KEYS}  # from before a key: its old meaning
+    problems = resume_problems("sharded" if point.sharded else "hf", point.state.get("world_size"), world, saved,
+                               fingerprint_layout(cfg), deepspeed)
     if point.sharded:
-        if deepspeed:
-            return ["it is a sharded checkpoint, which DeepSpeed ZeRO cannot read; resume it without --zero-stage "
-                    "(--fsdp shards the same state)"]
-        return [] if (point.path / "rank0.pt").is_file() else ["rank0.pt is missing"]
-    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(cfg)
-    problems = []
-    if point.state.get("world_size") != world:
-        problems.append(f"it was saved by {point.state.get('world_size')} processes and this run has {world}")
-    for k, v in now.items():
-        if saved.get(k, NEWER_LAYOUT_KEYS.get(k)) != v:  # a checkpoint from before the key: its old meaning
-            problems.append(f"--{k.replace('_', '-')} was {saved.get(k)!r}, now {v!r}")
+        return problems or ([] if (point.path / "rank0.pt").is_file() else ["rank0.pt is missing"])
     missing = [r for r in range(world) if not (point.path / f"rank{r}.pt").is_file()]
     if missing and not problems:
         problems.append(f"rank files {', '.join(f'rank{r}.pt' for r in missing)} are missing")
@@ -261,15 +263,21 @@ def check_resume(point: ResumePoint | None, cfg: Config, world: int, data_ranks:
     notes = list(point.notes)
     notes += [] if same else [f"resharding: the checkpoint was written by {point.state.get('world_size')} processes "
                              f"({point.state.get('layout', '?')}); random streams reseeded to seed + step per rank"]
-    notes += keep_global_batch(point, cfg, data_ranks)
-    return ResumePoint(point.path, point.step, point.state, same, tuple(notes))
+    split, said = keep_global_batch(point, cfg, data_ranks, deepspeed)
+    return ResumePoint(point.path, point.step, point.state, same, tuple(notes + said), split)
 
 
-def resume_point(cfg: Config, strategy) -> ResumePoint | None:
-    """The checkpoint to resume from, checked against this run's layout (None: start from step 0).
-    The main process reads and verifies it and tells the others (each would read every file again)."""
-    accelerator = strategy.accelerator
-    if accelerator.num_processes == 1:
+def resume_point(cfg: Config, accelerator) -> ResumePoint | None:
+    """The checkpoint to resume from, checked against the layout this config gives the launched world
+    (None: start from step 0). The main process reads and verifies it and tells the others (each
+    would read every file again). Its `split`, when set, is the batch this run must take
+    (`resumed_config`)."""
+    import os
+
+    from toolkit.layout.rules import accelerate_plugin, dims_for
+
+    world = accelerator.num_processes
+    if world == 1:
         found = find_checkpoint(cfg)
     else:
         import torch.distributed as dist
@@ -284,4 +292,12 @@ def resume_point(cfg: Config, strategy) -> ResumePoint | None:
         kind, found = verdict[0]
         if kind == "error":
             raise UserError(found)
-    return check_resume(found, cfg, accelerator.num_processes, strategy.data_ranks, strategy.deepspeed)
+    dims, _ = dims_for(cfg.parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return check_resume(found, cfg, world, dims.dp, accelerate_plugin(cfg.parallel) == "deepspeed")
+
+
+def resumed_config(cfg: Config, point: ResumePoint | None) -> Config:
+    """The run's config, with the checkpoint's global batch re-split when this launch's flags do not keep it."""
+    if point is None or point.split is None:
+        return cfg
+    return cfg.replace(micro_batch_size=point.split[0], grad_accum=point.split[1])

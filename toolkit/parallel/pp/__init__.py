@@ -24,25 +24,20 @@ __all__ = ["NaivePipeline", "StagePipeline", "PipelineLayout", "bubble_fraction"
            "pipeline_problems", "pipeline_devices", "build_pipeline", "make_pipeline_layout"]
 
 
-def pipeline_problems(model_config, pp: int, world: int, trust_remote_code: bool = False) -> list[str]:
-    """Everything wrong with `--pp pp` for this model and world size, found on a meta-device copy
-    of the architecture (no weights are read)."""
+def pipeline_problems(model_config, trust_remote_code: bool = False) -> list[str]:
+    """Whether the model's structure can be cut into stages (embedding, decoder blocks, norm, head;
+    `split.decoder_parts`), found on a meta-device copy of the architecture (no weights are read).
+    Stages against blocks and the world size: `toolkit.layout.rules.model_problems`."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    problems = []
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
     try:
-        n_blocks = len(decoder_parts(skeleton).layers)
-        if pp > n_blocks:
-            problems.append(f"--pp {pp}: more stages than the model's {n_blocks} decoder blocks; use --pp {n_blocks} or fewer")
+        decoder_parts(skeleton)
     except UserError as e:
-        problems.append(str(e))
-    if world > 1 and world % pp:
-        problems.append(f"--pp {pp} across processes needs a world size that is a multiple of {pp} (got {world}); "
-                        f"launch with torchrun --nproc_per_node {pp} (x data-parallel groups), or one process for the naive pipeline")
-    return problems
+        return [str(e)]
+    return []
 
 
 def pipeline_devices(cfg: Config) -> list[torch.device]:

@@ -14,9 +14,9 @@ from typing import Any, Iterable
 import torch
 
 from toolkit.parallel import grad_norm
-from toolkit.parallel.tp.plan import apply_tensor_parallel, gather_state_dict, tp_problems
+from toolkit.parallel.tp.plan import apply_tensor_parallel, gather_state_dict
 
-__all__ = ["Layout", "make_layout", "apply_tensor_parallel", "gather_state_dict", "tp_problems",
+__all__ = ["Layout", "make_layout", "apply_tensor_parallel", "gather_state_dict",
            "prepare_tensor_parallel", "clip_grad_norm"]
 
 

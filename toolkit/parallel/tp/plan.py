@@ -28,7 +28,6 @@ from toolkit.errors import UserError
 from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, reduce_from_tp
 from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The hand-written plan: the fallback for a config that declares no `base_model_tp_plan` we can run
 ATTENTION = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"}
 MLP = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
@@ -55,24 +54,6 @@ def block_plan(config) -> dict[str, dict[str, str]]:
     if not plan or any(list(kinds.values()).count("row") != 1 for kinds in plan.values()):
         return FALLBACK_PLAN
     return plan
-
-
-def tp_problems(config, t: int, world: int) -> list[str]:
-    """Everything wrong with tensor parallel degree t for this HF config and world size (pure)."""
-    from toolkit.layout.rules import tp_divisibility_problems
-
-    problems = []
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = ", ".join(getattr(config, "architectures", None) or []) or model_type
-        problems.append(f"--tp {t}: no tensor-parallel plan for model type '{model_type}' ({arch}); "
-                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    else:
-        problems += tp_divisibility_problems(config.to_dict(), t)
-    if t > world or world % t:
-        problems.append(f"--tp {t} needs a world size that is a multiple of {t} (got {world} process"
-                        f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {t} (x data-parallel groups)")
-    return problems
 
 
 def decoder_blocks(model) -> list[nn.Module]:

@@ -1,4 +1,7 @@
-"""DeepSpeed JSON and FSDP plugin built from the run's config.
+"""The DeepSpeed JSON a layout runs with: built from the run's settings, or read from the user's
+`--deepspeed` file with its "auto"s filled in, and checked by DeepSpeed's own config schema (imported
+only when a file is given). No engine and no process group: the engine is accelerate's business
+(`toolkit.parallel`).
 
 `deepspeed_config` is a pure function: the files in `ds_configs/` are its output for the standard
 variants (`scripts/gen_ds_configs.py`), and each run writes the one it used to
@@ -222,16 +225,3 @@ SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "
             "CommsConfig": "comms_logger", "DeepSpeedAIOConfig": "aio"}
 
 
-def file_scheduler(cfg, optimizer, total_steps: int) -> tuple[dict[str, Any] | None, Any]:
-    """(the file's "scheduler" section as it runs, DeepSpeed's scheduler on `optimizer`), or (None, None)
-    when the file names none. Its "auto"s: warm-up from 0 to --lr over --warmup-steps, `total_steps`."""
-    section = read_user_config(cfg.parallel.deepspeed).get("scheduler")
-    if not section:
-        return None, None
-    from deepspeed.runtime import lr_schedules
-
-    t = cfg.train
-    filled = fill_auto({"scheduler": section}, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=1,
-                       mixed_precision="no", max_grad_norm=t.max_grad_norm, lr=cfg.lr, weight_decay=t.weight_decay,
-                       warmup_steps=t.warmup_steps, total_steps=total_steps)["scheduler"]
-    return filled, getattr(lr_schedules, filled["type"])(optimizer, **filled.get("params", {}))

@@ -1,0 +1,108 @@
+"""The DeepSpeed runtime pieces the strategies use: a `--deepspeed` file's learning-rate schedule
+(built here, stepped by the loop), full weights written into a model ZeRO-3 partitioned while
+loading, and ZeRO's optimizer state for its resumable checkpoints (every other layout writes
+sharded state: `toolkit.train.sharded_state`).
+
+The optimizer state is the ZeRO optimizer's own per-rank `state_dict()` (this rank's fp32 master
+partition and Adam moments), with the few Python objects in it (the loss scaler, enums, dataclasses,
+named tuples) turned into plain, `weights_only`-loadable values, since DeepSpeed's own
+`load_checkpoint` unpickles with `weights_only=False`. It is loaded back through the ZeRO optimizer's
+`load_state_dict` with `load_from_fp32_weights=True`, so the fp32 masters come back exactly (not
+rounded from bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+from typing import Any
+
+import torch
+
+from toolkit.layout.deepspeed import fill_auto, read_user_config
+
+LOSS_SCALER_KEY = "__loss_scaler__"
+
+
+def _plain(value, where: str = "optimizer state"):
+    """A copy of `value` built from tensors, numbers, strings, lists, tuples and dicts only."""
+    if isinstance(value, enum.Enum):  # before the numbers: an IntEnum is an int too
+        return _plain(value.value, where)
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, tuple):  # named tuples and torch.Size become plain tuples
+        return tuple(_plain(v, where) for v in value)
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if dataclasses.is_dataclass(value):  # e.g. DeepSpeed's fragment_address (where a parameter sits in a partition)
+        return _plain(dataclasses.asdict(value), where)
+    if type(value).__name__.endswith("LossScaler"):  # DeepSpeed's (Dynamic)LossScaler: its numbers
+        return {LOSS_SCALER_KEY: {k: _plain(v, where) for k, v in vars(value).items()}}
+    raise TypeError(f"{where}: cannot store a {type(value).__name__} in a weights_only checkpoint")
+
+
+def plain(value) -> dict:
+    """`value` (an optimizer's state_dict) as weights_only-loadable values."""
+    return _plain(value)
+
+
+def restore_loss_scaler(optimizer, saved: dict) -> dict:
+    """`saved` with its stored loss-scaler numbers put back into the optimizer's live scaler object."""
+    saved = dict(saved)
+    for key, value in list(saved.items()):
+        if isinstance(value, dict) and LOSS_SCALER_KEY in value:
+            scaler = getattr(optimizer, "loss_scaler", None)
+            if scaler is not None:
+                vars(scaler).update(value[LOSS_SCALER_KEY])
+            saved[key] = scaler
+    return saved
+
+
+def load_partitioned(optimizer, saved: dict, rank: int, ranks: int) -> None:
+    """Load this rank's partition into a partitioned (ZeRO-1/2/3) optimizer, whose `load_state_dict`
+    takes one entry per data-parallel rank, with the fp32 masters restored exactly
+    (`load_from_fp32_weights`, not rounded from bf16); a stage-0 client optimizer takes it as is."""
+    if "state_dict_list" in inspect.signature(optimizer.load_state_dict).parameters:
+        states = [None] * ranks
+        states[rank] = saved
+        optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+    else:
+        optimizer.load_state_dict(saved)
+
+
+def file_scheduler(cfg, optimizer, total_steps: int) -> tuple[dict[str, Any] | None, Any]:
+    """(the file's "scheduler" section as it runs, DeepSpeed's scheduler on `optimizer`), or (None, None)
+    when the file names none. Its "auto"s: warm-up from 0 to --lr over --warmup-steps, `total_steps`."""
+    section = read_user_config(cfg.parallel.deepspeed).get("scheduler")
+    if not section:
+        return None, None
+    from deepspeed.runtime import lr_schedules
+
+    t = cfg.train
+    filled = fill_auto({"scheduler": section}, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=1,
+                       mixed_precision="no", max_grad_norm=t.max_grad_norm, lr=cfg.lr, weight_decay=t.weight_decay,
+                       warmup_steps=t.warmup_steps, total_steps=total_steps)["scheduler"]
+    return filled, getattr(lr_schedules, filled["type"])(optimizer, **filled.get("params", {}))
+
+
+def load_full_state_dict(model, state: dict):
+    """`model.load_state_dict(state, strict=False)`, also for a model that ZeRO-3 partitioned while
+    loading (transformers loads under `deepspeed.zero.Init` when accelerate's plugin is stage 3): there
+    one parameter is gathered at a time, written and re-partitioned (collective; rank 0's copy is kept)."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return model.load_state_dict(state, strict=False)
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in state:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.copy_(state[name])
+    return SimpleNamespace(missing_keys=[k for k in params if k not in state],
+                           unexpected_keys=[k for k in state if k not in params])
