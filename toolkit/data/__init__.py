@@ -14,6 +14,7 @@ import torch
 
 from toolkit.config import Config
 from toolkit.dataset_spec import is_mixture, parse_sources
+from toolkit.data.table import DataStats
 from toolkit.data.formats import detect_format, load_records, map_columns, record_place, to_conversation
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
@@ -31,16 +32,6 @@ class Examples:
     answers: list[str] | None = None  # ... and their expected answers
     system_added: int = 0  # training conversations given --system-prompt
     sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
-
-
-@dataclass
-class DataStats:
-    examples: int = 0
-    truncated: int = 0
-    dropped: int = 0  # nothing left to train after truncation
-    tokens: int = 0
-    target_tokens: int = 0
-    cached: bool = False  # read from the tokenized-data cache (toolkit.data.table)
 
 
 def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
@@ -147,7 +138,7 @@ def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training
     (`toolkit.data.table`), the rows left with a target token as a list-like `Rows`. A run's own
     data goes through `toolkit.data.prepare`, which starts from the files."""
     from toolkit.data.table import Rows, table_stats, tokenized_table
-    from toolkit.models import cache_dir
+    from toolkit.cache import cache_dir
 
     if not convs:  # no eval split: nothing to tokenize or cache
         return [], DataStats()

@@ -74,7 +74,7 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
         return PreparedData(stream.format, cfg.data.format == "auto", stream, [], DataStats(), DataStats(),
                             streamed=True)
 
-    from toolkit.models import cache_dir
+    from toolkit.cache import cache_dir
 
     cache = cache or cache_dir() / "data"
     path = cache / data_key(cfg, tokenizer)

@@ -17,9 +17,20 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_VERSION = "2"  # bump when encode() or the tables' layout changes
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0  # nothing left to train after truncation
+    tokens: int = 0
+    target_tokens: int = 0
+    cached: bool = False  # read from the tokenized-data cache (this module)
 
 
 def _encode_batch(batch: dict, tokenizer, seq_len: int, train_on_prompt: bool) -> dict:
@@ -143,8 +154,6 @@ def open_table(path: Path):
 def table_stats(table):
     """(DataStats, the indices of the rows with a target token, or None when that is every row),
     from whole columns."""
-    from toolkit.data import DataStats
-
     targets, lengths, truncated = (column(table, c) for c in ("targets", "length", "truncated"))
     kept = (targets > 0).nonzero()[0]
     stats = DataStats(examples=table.num_rows, truncated=int(truncated.sum()), dropped=table.num_rows - len(kept),

@@ -201,7 +201,7 @@ class AccelerateStrategy:
 
     def grads_held(self, model) -> int | None:
         """Gradient bytes this rank holds after backward (None: DeepSpeed freed them in backward)."""
-        from toolkit.train.memory import grad_bytes
+        from toolkit.parallel.memory import grad_bytes
 
         return None if self.deepspeed else grad_bytes(model)
 

@@ -21,14 +21,14 @@ from torch.utils.data import DataLoader, Sampler
 
 from toolkit.config import Config, sample_prompts
 from toolkit.errors import UserError
-from toolkit.models import cache_dir
+from toolkit.cache import cache_dir
 from toolkit.parallel import any_rank
 from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
 from toolkit.train.evaluate import eval_loss, sample_completions
 from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.loss import count_targets
-from toolkit.train.memory import held_bytes
+from toolkit.parallel.memory import held_bytes
 from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.tracker_spec import requested
 

@@ -301,3 +301,13 @@ def resumed_config(cfg: Config, point: ResumePoint | None) -> Config:
     if point is None or point.split is None:
         return cfg
     return cfg.replace(micro_batch_size=point.split[0], grad_accum=point.split[1])
+
+
+def resumed_weights(model, point: ResumePoint | None, method: str):
+    """`model` with a DeepSpeed-format checkpoint's weights written in, before any sharding (a sharded
+    checkpoint is read into each layout's own pieces after `prepare`: `checkpoint.restore_sharded`)."""
+    if point is not None and not point.sharded:
+        from toolkit.train.checkpoint import restore_weights
+
+        restore_weights(model, point.path, method)
+    return model

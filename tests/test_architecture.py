@@ -1,0 +1,112 @@
+"""The package's import graph points one way (docs/architecture.md): each module imports only its own
+layer and the layers below it, and no set of modules imports itself in a circle. Imports inside
+functions count: a lazy import is still a dependency, only a later one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "toolkit"
+
+# Lowest first; a module imports only modules of its own layer or of the layers before it.
+LAYERS = [
+    ("leaves", ["errors", "hardware", "console", "cache", "dataset_spec", "tracker_spec"]),
+    ("layout", ["layout"]),
+    ("config", ["config"]),
+    ("models", ["models", "attention"]),
+    ("data", ["data"]),
+    ("planner", ["planner"]),
+    ("loss", ["loss"]),
+    ("parallel", ["parallel"]),
+    ("train", ["train"]),
+    ("command line", ["__main__", "startup", "calibrate", "synthetic"]),
+]
+
+
+def modules() -> dict[str, Path]:
+    """'toolkit.parallel.tp.plan' -> its file, for every module of the package."""
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = ["toolkit", *f.relative_to(PACKAGE).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The toolkit modules `path` imports, anywhere in the file. `from a.b import c` is a.b.c when c
+    is a module, else a.b; a package's own __init__ run on the way is not counted."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith("toolkit"))
+    return found
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    for i, (_, tops) in enumerate(LAYERS):
+        if top in tops:
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS here and to docs/architecture.md")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: {d for d in imports(f, known) if d != m} for m, f in known.items()}
+
+
+def test_every_module_has_a_layer_and_imports_only_downward():
+    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+              for m, deps in sorted(graph().items()) for d in sorted(deps) if layer(d) > layer(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circles():
+    g = graph()
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+@pytest.mark.parametrize("lower, upper", [("parallel", "train"), ("layout", "torch")])
+def test_named_boundaries(lower, upper):
+    """The two the issue names: parallel/ never imports train/; the layout rules never import torch."""
+    for f in (PACKAGE / lower).rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        bad = [n for n in names if n == upper or n.startswith((f"toolkit.{upper}", f"{upper}."))]
+        assert not bad, f"{f.relative_to(PACKAGE)} imports {bad}"
