@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None):
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolve_model,
                                 resolved_precision)
-    from toolkit.parallel import make_accelerator
-    from toolkit.parallel.strategy import make_strategy
+    from toolkit.parallel.build import make_accelerator
+    from toolkit.parallel.build import make_strategy
     from toolkit.planner.auto import apply_auto_strategy
     from toolkit.train.checkpoint import save_final
     from toolkit.train.evaluate import exact_match

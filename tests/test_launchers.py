@@ -178,7 +178,7 @@ def test_deepspeed_file_autos_are_filled_and_its_values_win(tmp_path, monkeypatc
 def test_keys_a_deepspeed_file_leaves_out_are_the_runs(tmp_path, monkeypatch):
     """No accumulation, clipping or zero section in the file: DeepSpeed gets the run's (accelerate would
     put accumulation 1 while the loop scales the loss by --grad-accum, and DeepSpeed would not clip)."""
-    from toolkit.parallel import run_deepspeed_config
+    from toolkit.parallel.build import run_deepspeed_config
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"bf16": {"enabled": False}}))

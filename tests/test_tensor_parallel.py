@@ -155,7 +155,7 @@ def _logits_and_grads(dirs: dict, tp: int) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from toolkit.parallel.tp import apply_tensor_parallel, gather_state_dict, make_layout
+    from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
     from toolkit.parallel.tp.comm import TRAFFIC
     from toolkit.loss import token_loss_sum
 
@@ -203,7 +203,9 @@ def _logits_and_grads(dirs: dict, tp: int) -> dict:
             out[key + "/grads"] = worst
             out[key + "/n_grads"] = n
             assert n == sum(p.requires_grad for p in ref.parameters()), key
-            gathered = gather_state_dict(tpm, layout.tp_group)
+            shards = TPShards(layout.tp_group)
+            shards.read(tpm)
+            gathered = shards.state_dict(tpm)
             ref_state = ref.state_dict()
             assert gathered.keys() == ref_state.keys()
             out[key + "/gathered"] = max((gathered[k] - ref_state[k]).abs().max().item() for k in ref_state)

@@ -159,8 +159,8 @@ def load_model_config(spec: str) -> dict:
 
 def from_run_config(args, parser: argparse.ArgumentParser) -> str:
     """`plan --config RUN.yaml`: the settings of a finetune.py YAML that the plan reads (model, method,
-    LoRA, sequence, micro-batch, precision, checkpointing, loss, tp/pp/cp), where the command line left
-    the plan's default. The machine comes from the command line."""
+    LoRA, sequence, micro-batch, accumulation, precision, checkpointing, loss, tp/pp/cp), where the
+    command line left the plan's default. The machine comes from the command line."""
     from toolkit.config import ALIASES, load_yaml
 
     raw = {ALIASES.get(k, k): v for k, v in load_yaml(args.config).items()}
@@ -227,7 +227,7 @@ def cmd_plan(args) -> None:
                     nodes=args.nodes, cpu_memory=cpu_memory,
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
                     lora_dropout=args.lora_dropout, seq_len=args.seq_len,
-                    micro_batch=args.micro_batch_size, precision=args.mixed_precision,
+                    micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
                     global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss,
                     hardware=hardware)
@@ -322,12 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="> 0 keeps a mask of each adapted layer's input for backward")
     s.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per example")
     s.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="examples per GPU per forward")
+    s.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimizer step")
     s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"), help="compute dtype")
     s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
                    help="auto: plan with and without it")
     s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked"),
                    help="the run's --loss: full logits, or one chunk's (auto/chunked; pipeline stages use full)")
-    s.add_argument("--global-batch", type=int, help="target examples per optimizer step")
+    s.add_argument("--global-batch", type=int,
+                   help="examples per optimizer step (default: --micro-batch-size x --grad-accum x GPUs, what plain "
+                        "data parallelism runs); each layout keeps it, re-split between micro-batch and accumulation")
     s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
     s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")
     s.add_argument("--cp", type=int, action="append", help="context-parallel degree to predict (repeatable)")

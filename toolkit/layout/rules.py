@@ -118,7 +118,7 @@ def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
 
 
 def runtime(par: ParallelFlags, dims: ParallelDims) -> str:
-    """Which strategy builds the layout (`toolkit.parallel.strategy.make_strategy`): 'accelerate'
+    """Which strategy builds the layout (`toolkit.parallel.build.make_strategy`): 'accelerate'
     (DDP or the FSDP plugin over every rank), 'deepspeed', 'naive_pipeline' (--pp in one process),
     'pipeline', 'mesh_sharded' (FSDP2 on the mesh, TP inside when tp > 1), 'tensor_parallel' (TP and
     DDP over dp), or 'context_parallel' (cp x DDP through accelerate)."""

@@ -59,14 +59,14 @@ def apply_plan(cfg: Config, result: Plan) -> Config:
 
 def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memory: int, nodes: int,
                what: str) -> PlanInput:
-    """The planner's question for this run on this hardware (`detect_hardware`)."""
+    """The planner's question for this run on this hardware (`detect_hardware`). The global batch is
+    the run's micro-batch x accumulation x ranks; the plan keeps it and may re-split it."""
     t = cfg.train
     return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
                      cpu_memory=host_memory_bytes(), method=cfg.model.method, lora_r=cfg.model.lora_r,
                      lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
-                     micro_batch=t.micro_batch_size, precision=precision,
-                     checkpointing=True if t.gradient_checkpointing else None,
-                     global_batch=t.micro_batch_size * t.grad_accum * per_node * nodes, loss=t.loss,
+                     micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,
+                     checkpointing=True if t.gradient_checkpointing else None, loss=t.loss,
                      hardware=time_model(what))
 
 

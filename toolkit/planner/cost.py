@@ -1,6 +1,8 @@
 """Predicted seconds per step: compute at an achieved fraction of the device's peak, plus the bytes
 each collective moves over the link it crosses (data-parallel traffic hidden behind compute up to
 the compute time, the rest on the critical path), plus offload's PCIe traffic and host optimizer step.
+A step is kept term by term (`TERMS`: compute, recompute, the pipeline bubble, each kind of traffic,
+the optimizer), so a plan can say which term decided between two layouts.
 
 The figures come from a `Hardware` description:
 a datasheet preset (`HARDWARE`, each figure with its source) or a file written by
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from toolkit.errors import UserError
 
@@ -117,34 +120,72 @@ def ring_factor(n: int) -> float:
     return 2 * (n - 1) / n if n > 1 else 0.0
 
 
-Traffic = tuple[float, float, int, str]  # (bytes a rank sends, link bytes/s, collective calls, kind: KINDS)
+class Traffic(NamedTuple):
+    """One exchange of a micro-batch step: what a rank sends, over which link, in how many calls,
+    whether it blocks or runs behind compute (`KINDS`), and which term of the step it is (`TERMS`:
+    a blocking exchange adds to its own, tp, cp or pp; overlapped traffic is dp, or dp_sync once per
+    optimizer step)."""
+    bytes: float
+    bandwidth: float  # link bytes/s
+    calls: int  # collective calls (each pays `Hardware.collective_latency`)
+    kind: str
+    term: str
+
+
 KINDS = ("blocking", "overlapped", "overlapped_once")
+# The terms a predicted step is the sum of, each a line of `step_terms`; the last two are paid once
+# per optimizer step, the rest every micro-batch step.
+TERMS = ("compute", "recompute", "pp_bubble", "tp", "cp", "pp", "dp", "offload", "dp_sync", "optimizer")
+ONCE_TERMS = ("dp_sync", "optimizer")
 
 
-def step_seconds(flops: float, precision: str, traffic: list[Traffic], hw: Hardware, pcie_bytes: float = 0,
-                 host_bytes: float = 0, bubble: float = 0.0, optimizer_bytes: float = 0) -> tuple[float, float]:
-    """(seconds of one micro-batch step that ends an optimizer step, the part of it paid once per
-    optimizer step) on one device.
+def step_terms(flops: float, precision: str, traffic: list[Traffic], hw: Hardware, pcie_bytes: float = 0,
+               host_bytes: float = 0, bubble: float = 0.0, optimizer_bytes: float = 0,
+               recompute_flops: float = 0.0) -> dict[str, float]:
+    """Seconds of one micro-batch step that ends an optimizer step on one device, term by term
+    (`TERMS`; they sum to the step, and `ONCE_TERMS` are its part paid once per optimizer step).
 
-    compute: FLOPs at `hw.efficiency` of the peak, stretched by the pipeline bubble. Exchanges the
-    next layer waits for ("blocking": TP all-reduces, Ulysses all-to-alls, pipeline sends) and PCIe
-    traffic (offload) add to it. Data-parallel traffic that runs behind the backward pass
-    ("overlapped": bucketed all-reduces, FSDP/ZeRO gathers and reduce-scatters) is hidden up to
-    `hw.overlap` of the compute time. Once per optimizer step: "overlapped_once" traffic (DDP skips
-    the all-reduce while accumulating), the optimizer's pass over its state (`optimizer_bytes` at
-    device memory bandwidth) and the host's optimizer step (offload, `host_bytes`)."""
-    compute = flops / (hw.peak(precision) * hw.efficiency) / (1 - bubble)
+    compute: FLOPs at `hw.efficiency` of the peak; recompute: the forward that gradient checkpointing
+    runs again (`recompute_flops`), at the same rate; pp_bubble: both stretched by the pipeline's
+    idle fraction, c / (1 - bubble) - c. Exchanges the next layer waits for ("blocking": TP
+    all-reduces, Ulysses all-to-alls, pipeline sends) add under their own term, and so does PCIe
+    traffic (offload). Data-parallel traffic that runs behind the backward pass ("overlapped":
+    bucketed all-reduces, FSDP/ZeRO gathers and reduce-scatters) is hidden up to `hw.overlap` of the
+    compute time: `dp` is what is left. Once per optimizer step: `dp_sync`, the part of
+    "overlapped_once" traffic (DDP skips the all-reduce while accumulating) not hidden, and
+    `optimizer`, the optimizer's pass over its state (`optimizer_bytes` at device memory bandwidth)
+    and the host's optimizer step (offload, `host_bytes`)."""
+    rate = hw.peak(precision) * hw.efficiency
+    busy = (flops + recompute_flops) / rate
+    compute = busy / (1 - bubble)
 
-    def seconds(kind: str) -> float:
-        return sum(b / bw + calls * hw.collective_latency for b, bw, calls, k in traffic if k == kind)
+    def seconds(select) -> float:
+        return sum(t.bytes / t.bandwidth + t.calls * hw.collective_latency for t in traffic if select(t))
 
     def exposed(comm: float) -> float:
         return comm - hw.overlap * min(comm, compute)
 
-    micro = compute + seconds("blocking") + pcie_bytes / hw.pcie_bw + exposed(seconds("overlapped"))
-    once = exposed(seconds("overlapped") + seconds("overlapped_once")) - exposed(seconds("overlapped")) \
-        + host_bytes / hw.host_bw + (optimizer_bytes / hw.memory_bw if hw.memory_bw else 0.0)
-    return micro + once, once
+    terms = dict.fromkeys(TERMS, 0.0)
+    for t in traffic:
+        if t.kind == "blocking":
+            terms[t.term] += seconds(lambda x: x is t)
+    overlapped = seconds(lambda t: t.kind == "overlapped")
+    terms |= {"compute": flops / rate, "recompute": recompute_flops / rate, "pp_bubble": compute - busy,
+              "dp": exposed(overlapped), "offload": pcie_bytes / hw.pcie_bw,
+              "dp_sync": exposed(overlapped + seconds(lambda t: t.kind == "overlapped_once")) - exposed(overlapped),
+              "optimizer": host_bytes / hw.host_bw + (optimizer_bytes / hw.memory_bw if hw.memory_bw else 0.0)}
+    return terms
+
+
+def step_seconds(terms: dict[str, float]) -> tuple[float, float]:
+    """(seconds of the micro-batch step `terms` describes, the part of it paid once per optimizer step)."""
+    return sum(terms.values()), sum(terms[k] for k in ONCE_TERMS)
+
+
+def optimizer_step_terms(terms: dict[str, float], accumulation: int) -> dict[str, float]:
+    """`terms` of an optimizer step of `accumulation` micro-batch steps: the per-micro-batch terms
+    each time, `ONCE_TERMS` once. They sum to `optimizer_step_seconds`."""
+    return {k: v if k in ONCE_TERMS else accumulation * v for k, v in terms.items()}
 
 
 def optimizer_step_seconds(step: float, once: float, accumulation: int) -> float:

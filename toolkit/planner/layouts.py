@@ -20,8 +20,9 @@ from typing import Any
 
 from toolkit.layout.dims import MESH_DIMS, ParallelDims
 from toolkit.layout.rules import cp_divisibility_problems, pipeline_schedule, tp_divisibility_problems
-from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_seconds
-from toolkit.planner.memory import ADAM_BYTES, frozen_bytes_per_param, ulysses_comm_bytes
+from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_terms
+from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, logits_bytes,
+                                    ulysses_comm_bytes)
 from toolkit.planner import saved
 from toolkit.planner.params import adapted_inputs, count_params, head_dim, linear_shapes, lora_params
 from toolkit.planner.stages import balance
@@ -112,14 +113,23 @@ def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, 
     return params, lora_params(cfg, lora_r, lora_targets, tp=d.tp) * blocks // layers
 
 
+def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
+               seq_len: int | None = None) -> int:
+    """The loss step's buffers (`inp` is a `plan.PlanInput`; shared with the 1-D rows): full logits,
+    or one chunk's under `--loss chunked`/`auto` (the pipeline's last stage always computes full
+    logits), for `seq_len` tokens (default: the whole)."""
+    s = seq_len or inp.seq_len
+    if inp.loss == "full" or pipeline:
+        return logits_bytes(micro_batch, s, vocab, act)
+    return chunked_loss_bytes(micro_batch, s, vocab, h, act, head_trainable=inp.method == "full")
+
+
 def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_batch: int) -> dict[str, int]:
     """Per-rank bytes of pipeline stage `stage` (`inp` is a `plan.PlanInput`): weights, gradients,
     Adam state (sharded over dp_shard x cp by FSDP2), activations of the examples in flight, the
     loss buffers on the last stage, all resident at once (gradients included: FSDP2's sharded
     gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s terms, the
     blocks split by tp, s/cp tokens per rank. Buffers and fragmentation are added by the caller."""
-    from toolkit.planner.plan import loss_bytes  # the loss path's bytes, shared with the 1-D rows
-
     cfg = inp.model
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim(cfg)
@@ -146,11 +156,12 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
 
 
 def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> list[Traffic]:
-    """(bytes a rank sends, link bandwidth, collective calls, kind) for each exchange of a micro-batch
-    step (`cost.step_seconds` for the kinds): TP all-reduces, Ulysses all-to-alls and pipeline sends
-    block; data-parallel gradient sync overlaps the backward (DDP's once per optimizer step, FSDP2's
-    reduce-scatters and gathers every micro-batch). Ranks are laid out tp innermost, pp outermost (`dims.MESH_DIMS`), so a group of
-    degree g whose stride is the product of the inner degrees spans stride x g ranks."""
+    """Each exchange of a micro-batch step (`cost.Traffic`: bytes a rank sends, link bandwidth,
+    collective calls, kind, term; `cost.step_terms` for the kinds): TP all-reduces, Ulysses
+    all-to-alls and pipeline sends block; data-parallel gradient sync overlaps the backward (DDP's
+    once per optimizer step, FSDP2's reduce-scatters and gathers every micro-batch). Ranks are laid
+    out tp innermost, pp outermost (`dims.MESH_DIMS`), so a group of degree g whose stride is the
+    product of the inner degrees spans stride x g ranks."""
     cfg, G = inp.model, inp.gpus_per_node
     h = cfg["hidden_size"]
     kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim(cfg)
@@ -160,10 +171,12 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
     out = []
     if d.tp > 1:  # 2 all-reduces of b x s x h per block forward, 2 backward, 2 more to recompute
         calls = (4 + 2 * checkpointing) * blocks
-        out.append((calls * micro_batch * tokens * h * act * ring_factor(d.tp), hw.link(d.tp, G), calls, "blocking"))
+        out.append(Traffic(calls * micro_batch * tokens * h * act * ring_factor(d.tp), hw.link(d.tp, G), calls,
+                           "blocking", "tp"))
     if d.cp > 1:  # q, k, v, out exchanged forward and backward (+ forward again to recompute), heads / tp
         sent = ulysses_comm_bytes(blocks, h, kv, micro_batch, inp.seq_len, d.cp, act) / d.tp
-        out.append((sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks, "blocking"))
+        out.append(Traffic(sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks,
+                           "blocking", "cp"))
     params, trainable = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     dp = d.dp_replicate * d.dp_shard * d.cp
     if dp > 1:
@@ -174,27 +187,30 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
             model = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params
             sent = ring_factor(shard) / 2 * (grads + (2 + checkpointing) * model)
             sent += ring_factor(d.dp_replicate) * grads / shard  # HSDP: all-reduce of the shards
-            out.append((sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped"))
+            out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped", "dp"))
         else:
-            out.append((ring_factor(dp) * grads, hw.link(span, G), 1 + -(-grads // (25 * 1024**2)), "overlapped_once"))
+            out.append(Traffic(ring_factor(dp) * grads, hw.link(span, G), 1 + -(-grads // (25 * 1024**2)),
+                               "overlapped_once", "dp_sync"))
     if d.pp > 1:  # each stage boundary: activations forward, their gradients backward, per example
-        out.append((2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch, "blocking"))
+        out.append(Traffic(2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch, "blocking", "pp"))
     return out
 
 
-def mesh_step_seconds(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> tuple[float, float]:
-    """Seconds per micro-batch step of the slowest rank: its share of the FLOPs (1/tp of each block,
-    s/cp tokens, its stage's blocks) stretched by the pipeline bubble, plus `traffic`; and the part
-    of it paid once per optimizer step (`cost.step_seconds`)."""
+def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> dict[str, float]:
+    """Seconds per micro-batch step of the slowest rank, term by term (`cost.step_terms`): its share
+    of the FLOPs (1/tp of each block, s/cp tokens, its stage's blocks) and of the recomputed forward,
+    the pipeline bubble, `traffic`, and the optimizer's pass over the rank's shard of the state."""
     cfg = inp.model
     counts = count_params(cfg)
-    layers = cfg["num_hidden_layers"]
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     trainable = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
-    per_token = flops_per_token(counts.total, trainable, layers, cfg["hidden_size"], inp.seq_len, checkpointing)
+    per_token = flops_per_token(counts.total, trainable, layers, h, inp.seq_len, False)
+    recompute = flops_per_token(counts.total, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
-    flops = micro_batch * inp.seq_len * per_token * share / (d.tp * d.cp)
+    rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0
     _, trainable_rank = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
-    return step_seconds(flops, inp.precision, traffic(inp, d, checkpointing, micro_batch, hw), hw, bubble=bubble,
-                        optimizer_bytes=ADAM_STEP_BYTES * trainable_rank / shard)
+    return step_terms(rank * per_token, inp.precision, traffic(inp, d, checkpointing, micro_batch, hw), hw,
+                      bubble=bubble, optimizer_bytes=ADAM_STEP_BYTES * trainable_rank / shard,
+                      recompute_flops=rank * recompute)

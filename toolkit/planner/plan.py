@@ -3,9 +3,12 @@
 The candidates: the 1-D strategies (DDP, ZeRO-1/2/3 and offloads, FSDP; `memory.STRATEGIES`, this
 module's `estimate`) and every device-mesh layout pp x dp_replicate x dp_shard x cp x tp
 (`layouts.mesh_layouts`, `estimate_layout`), each with and without gradient checkpointing, each
-grown to the largest micro-batch that fits. Order (docs/planner.md): runnable and fits (GPU memory
-and host RAM) > no CPU offload > the least predicted time per example (`cost.step_seconds`) > the
-simpler layout. On one GPU nothing is sharded: only DDP and the offload variants are planned.
+at the split of the global batch it runs best (`split_batch`: the batch the user asked for is kept,
+only its division into micro-batch x accumulation x data-parallel ranks changes). Order
+(docs/planner.md): runnable and fits (GPU memory and host RAM) > keeps the global batch > no CPU
+offload > the least predicted time per example (`cost.step_terms`) > the simpler layout. Each choice
+names the term of the time or memory model that decided it (`decision`). On one GPU nothing is
+sharded: only DDP and the offload variants are planned.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
 from toolkit.layout.rules import cp_divisibility_problems, not_runnable, tp_divisibility_problems
-from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, flops_per_token, load_hardware, optimizer_step_seconds,
-                                  ring_factor, step_seconds)
-from toolkit.planner.layouts import mesh_layouts, mesh_step_seconds, stage_bytes, traffic
+from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, load_hardware,
+                                  optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds, step_terms)
+from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
 from toolkit.planner.layouts import flags as mesh_flags
-from toolkit.planner.memory import (STRATEGIES, Strategy, chunked_loss_bytes, cpu_bytes,
-                                    frozen_bytes_per_param, grads_bytes, logits_bytes, optimizer_bytes,
+from toolkit.planner.memory import (STRATEGIES, Strategy, cpu_bytes,
+                                    frozen_bytes_per_param, grads_bytes, optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
@@ -32,7 +35,6 @@ GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
 DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
-DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step when no target is given (at most this many examples)
 TIE = 0.05  # predicted times closer than this are treated as equal
 QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
 ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
@@ -69,9 +71,10 @@ class PlanInput:
     lora_dropout: float = 0.05  # finetune.py's default; > 0 saves a mask per adapted input
     seq_len: int = 2048
     micro_batch: int = 1
+    grad_accum: int = 1  # with micro_batch and the GPUs, the global batch asked for (`target_batch`)
     precision: str = "bf16"
     checkpointing: bool | None = None  # None: try without first
-    global_batch: int | None = None
+    global_batch: int | None = None  # examples per optimizer step (None: micro_batch x grad_accum x GPUs)
     tp: list[int] | None = None  # TP degrees to predict (default: every valid one)
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
     cp: list[int] | None = None  # context-parallel degrees to predict (default: none)
@@ -81,16 +84,6 @@ class PlanInput:
     @property
     def hw(self) -> Hardware:
         return self.hardware or load_hardware(None)
-
-
-def loss_bytes(inp: PlanInput, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
-               seq_len: int | None = None) -> int:
-    """The loss step's buffers: full logits, or one chunk's under `--loss chunked`/`auto` (the
-    pipeline's last stage always computes full logits), for `seq_len` tokens (default: the whole)."""
-    s = seq_len or inp.seq_len
-    if inp.loss == "full" or pipeline:
-        return logits_bytes(micro_batch, s, vocab, act)
-    return chunked_loss_bytes(micro_batch, s, vocab, h, act, head_trainable=inp.method == "full")
 
 
 def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weight_bytes: int,
@@ -151,20 +144,39 @@ class Candidate:
     cpu_bytes_per_node: int
     comm_bytes: int
     fits: bool
-    step_seconds: float  # predicted seconds per micro-batch step (as an optimizer step of one micro-batch)
+    terms: dict[str, float]  # seconds of one micro-batch step that ends an optimizer step, by `cost.TERMS`
     examples_per_step: int  # examples one micro-batch step processes over the whole world
-    once_seconds: float = 0.0  # the part of step_seconds paid once per optimizer step, not per micro-batch
-    grad_accum: int = 1  # micro-batch steps per optimizer step (set by `plan` from the target global batch)
+    grad_accum: int = 1  # micro-batch steps per optimizer step (set by `split_batch`)
     dims: dict[str, int] | None = None  # the mesh degrees of a composed layout (None: a 1-D strategy)
     runnable: bool = True
-    why_not: str = ""  # why the runtime refuses it, or why it lost (set by `plan`)
-    step_time_s: float | None = None  # predicted seconds per optimizer step (set by `plan`: x accumulation)
+    why_not: str = ""  # why the runtime refuses it
+    step_seconds: float = field(init=False)  # the sum of `terms`
+    once_seconds: float = field(init=False)  # its part paid once per optimizer step (`cost.ONCE_TERMS`)
+    global_batch: int = field(init=False)  # examples per optimizer step: examples_per_step x grad_accum
+    step_time_s: float = field(init=False)  # predicted seconds per optimizer step at grad_accum
+    seconds: dict[str, float] = field(init=False)  # step_time_s term by term (`cost.optimizer_step_terms`)
+
+    def __post_init__(self) -> None:
+        self.step_seconds, self.once_seconds = step_seconds(self.terms)
+        self.set_accumulation(self.grad_accum)
+
+    def set_accumulation(self, grad_accum: int) -> None:
+        """Run `grad_accum` micro-batch steps per optimizer step: the global batch and the optimizer
+        step's predicted seconds follow."""
+        self.grad_accum = grad_accum
+        self.global_batch = self.examples_per_step * grad_accum
+        self.seconds = optimizer_step_terms(self.terms, grad_accum)
+        self.step_time_s = optimizer_step_seconds(self.step_seconds, self.once_seconds, grad_accum)
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different examples (cp, tp and pp ranks share theirs)."""
+        return self.examples_per_step // self.micro_batch
 
     @property
     def seconds_per_example(self) -> float:
         """Predicted time per example at `grad_accum`: the quantity candidates are ranked by."""
-        step = optimizer_step_seconds(self.step_seconds, self.once_seconds, self.grad_accum)
-        return step / (self.examples_per_step * self.grad_accum)
+        return self.step_time_s / self.global_batch
 
 
 @dataclass
@@ -183,9 +195,17 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     ranking: list[dict[str, Any]] = field(default_factory=list)  # the chosen and the next 4, each with why it lost
     hardware: str = ""  # the time model's figures (`cost.Hardware.name`)
+    global_batch: int = 0  # examples per optimizer step asked for (`target_batch`)
+    batch: str = ""  # how the chosen layout splits the global batch, in one line (`batch_line`)
+    why: list[dict[str, Any]] = field(default_factory=list)  # what decided the choice (`decision`), against whom
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field; a row's `terms` (one micro-batch step) is left out: `seconds` gives the same
+        terms for an optimizer step."""
+        out = asdict(self)
+        for row in [*out["strategies"], out["chosen_detail"] or {}]:
+            row.pop("terms", None)
+        return out
 
 
 def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
@@ -249,7 +269,8 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     pcie = 2 * wb * trainable // n if s.offload_optimizer else 0  # gradients down, updated weights up
     if s.offload_params:  # each rank fetches its partition before every gather
         pcie += (2 + checkpointing) * model_bytes // n
-    flops = micro_batch * inp.seq_len * flops_per_token(params, trainable, layers, h, inp.seq_len, checkpointing)
+    per_token = flops_per_token(params, trainable, layers, h, inp.seq_len, False)
+    recompute = flops_per_token(params, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
     host = ADAM_STEP_BYTES * trainable // n if s.offload_optimizer else 0
     on_device = 0 if s.offload_optimizer else ADAM_STEP_BYTES * trainable // (n if s.shard_optimizer else 1)
     hw, link = inp.hw, inp.hw.link(n, inp.gpus_per_node)
@@ -262,11 +283,14 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     else:
         grad_calls = 1 + -(-grads_sent // DDP_BUCKET)
     traffic = [  # DDP's all-reduce waits for the last accumulated micro-batch; DeepSpeed reduces every one
-               (grads_sent, link, grad_calls if n > 1 else 0, "overlapped_once" if s.name == "ddp" else "overlapped"),
-               (comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped")]
-    seconds, once = step_seconds(flops, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device)
+        Traffic(grads_sent, link, grad_calls if n > 1 else 0, *(("overlapped_once", "dp_sync") if s.name == "ddp"
+                                                                else ("overlapped", "dp"))),
+        Traffic(comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped", "dp")]
+    tokens = micro_batch * inp.seq_len
+    terms = step_terms(tokens * per_token, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device,
+                       recompute_flops=tokens * recompute)
     fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
-    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, seconds, micro_batch * n, once_seconds=once)
+    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, terms, micro_batch * n)
 
 
 def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_batch: int) -> Candidate:
@@ -285,12 +309,11 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     b["allocated"] = sum(b.values())
     b["total"] = total_bytes(b["allocated"])
     hw = inp.hw
-    comm = int(sum(t[0] for t in traffic(inp, d, checkpointing, micro_batch, hw)))
+    comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, micro_batch, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss)
-    seconds, once = mesh_step_seconds(inp, d, checkpointing, micro_batch, hw)
-    return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, seconds,
-                     micro_batch * d.dp, once_seconds=once, dims={k: getattr(d, k) for k in MESH_DIMS},
-                     runnable=not why, why_not=why)
+    terms = mesh_step_terms(inp, d, checkpointing, micro_batch, hw)
+    return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
+                     micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
 
 
 def planned_strategies(inp: PlanInput) -> list[str]:
@@ -321,18 +344,19 @@ def offloads_row(c: Candidate) -> bool:
     return c.dims is None and offloads(STRATEGIES[c.name])
 
 
-def rank_key(c: Candidate) -> tuple:
-    """Runnable and fits first, then no CPU offload, then the least predicted time per example;
-    ties go to the simpler layout (`simplicity`)."""
-    return (not (c.fits and c.runnable), offloads_row(c), c.seconds_per_example, simplicity(c))
+def rank_key(c: Candidate, target: int) -> tuple:
+    """Runnable and fits first, then the global batch asked for (`target`), then no CPU offload, then
+    the least predicted time per example; ties go to the simpler layout (`simplicity`)."""
+    return (not (c.fits and c.runnable), c.global_batch != target, offloads_row(c), c.seconds_per_example,
+            simplicity(c))
 
 
-def choose(rows: list[Candidate]) -> Candidate:
+def choose(rows: list[Candidate], target: int) -> Candidate:
     """The first by `rank_key`, except that predictions within `TIE` of the fastest count as equal
     (the time model is not that accurate) and the simpler layout among them wins (no checkpointing
     first)."""
-    best = min(rows, key=rank_key)
-    near = [c for c in rows if rank_key(c)[:2] == rank_key(best)[:2]
+    best = min(rows, key=lambda c: rank_key(c, target))
+    near = [c for c in rows if rank_key(c, target)[:3] == rank_key(best, target)[:3]
             and c.seconds_per_example <= (1 + TIE) * best.seconds_per_example]
     return min(near, key=lambda c: (simplicity(c), c.checkpointing))
 
@@ -343,46 +367,167 @@ def reestimate(inp: PlanInput, c: Candidate, micro_batch: int) -> Candidate:
     return estimate_layout(inp, ParallelDims(inp.gpus_per_node * inp.nodes, **c.dims), c.checkpointing, micro_batch)
 
 
-def largest_micro_batch(inp: PlanInput, c: Candidate, global_batch: int | None) -> Candidate:
-    """The candidate at the largest micro-batch that still fits (doubling, never past what the
-    target global batch, or `DEFAULT_GLOBAL_BATCH`, gives each data-parallel rank): per-step costs (gradient reduction,
-    ZeRO-3 gathers, offload traffic, the host's Adam step, the pipeline bubble) are then shared by
-    more examples, which is how sharding, offload and pipelining pay for themselves."""
-    replicas = c.examples_per_step // c.micro_batch
-    cap = -(-(global_batch or DEFAULT_GLOBAL_BATCH) // replicas)
-    best = c
-    while best.micro_batch * 2 <= cap:
-        bigger = reestimate(inp, c, best.micro_batch * 2)
-        if not bigger.fits:
-            break
-        best = bigger
-    return best
+def target_batch(inp: PlanInput) -> int:
+    """Examples per optimizer step the user asked for: `--global-batch`, else what their flags give
+    under plain data parallelism over every GPU (micro-batch x accumulation x GPUs), which is what
+    finetune.py runs with those flags and no layout flags. Always set (the flags have defaults), so
+    the plan never invents a batch size."""
+    return inp.global_batch or inp.micro_batch * inp.grad_accum * inp.gpus_per_node * inp.nodes
 
 
-def reason_lost(c: Candidate, chosen: Candidate, inp: PlanInput) -> str:
-    """Why `c` is not the chosen one, in a few words (a layout that does not fit is never "chosen")."""
-    if c is chosen and c.fits and c.runnable:
-        return "chosen"
+def rank_share(target: int, ranks: int) -> int:
+    """Examples each of `ranks` data-parallel ranks takes per optimizer step: target / ranks, or,
+    where the ranks do not divide the target (only a `--global-batch` can do that), the share of the
+    nearest multiple of `ranks` (halfway rounds up), and at least one example each."""
+    return max(1, (2 * target + ranks) // (2 * ranks))
+
+
+def split_batch(inp: PlanInput, c: Candidate, target: int) -> Candidate:
+    """`c` at the split of the global batch it runs best: micro-batch m x accumulation share / m on
+    each of its data-parallel ranks (`rank_share`), m a divisor of the share, so the examples per
+    optimizer step stay the target. A layout with fewer data-parallel ranks (tp, pp, cp) gets a
+    larger share. It starts from the micro-batch asked for (the largest divisor of the share not
+    above it); a larger m is taken where it fits and is predicted more than `TIE` faster per example
+    (per-micro-batch costs shared by more examples: DeepSpeed's reductions, ZeRO-3/FSDP gathers,
+    offload traffic, the pipeline bubble), a smaller one where the one asked for does not fit. A
+    pipeline runs one pipeline micro-batch per example (`layouts.pipeline_schedule`), so
+    `--pp-microbatches` always divides the micro-batch. A layout that fits at no split is returned at
+    micro-batch 1, where it is smallest; one the runtime refuses, at the micro-batch asked for."""
+    share = rank_share(target, c.data_ranks)
+    options = divisors(share)
+    asked = max(m for m in options if m <= inp.micro_batch)
+
+    def at(m: int) -> Candidate:
+        x = c if m == c.micro_batch else reestimate(inp, c, m)
+        x.set_accumulation(share // m)
+        return x
+
     if not c.runnable:
-        return f"not runnable yet: {c.why_not}"
+        return at(asked)
+    fitting = []
+    for m in options:  # memory grows with the micro-batch
+        x = at(m)
+        if not x.fits:
+            if not fitting:
+                return x  # micro-batch 1
+            break
+        fitting.append(x)
+    start = next((x for x in fitting if x.micro_batch == asked), fitting[-1])
+    fastest = min(fitting, key=lambda x: x.seconds_per_example)
+    return fastest if fastest.seconds_per_example * (1 + TIE) < start.seconds_per_example else start
+
+
+MEMORY_TERMS = ("weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers")
+TERM_TEXT = {  # `cost.TERMS`, as a user reads them
+    "compute": "compute (under pp, the largest stage's)",
+    "recompute": "recomputing the forward under gradient checkpointing",
+    "pp_bubble": "the pipeline bubble",
+    "tp": "tensor-parallel all-reduces",
+    "cp": "context-parallel all-to-alls",
+    "pp": "sends between pipeline stages",
+    "dp": "data-parallel traffic not hidden behind compute (gradient reduction, parameter gathers)",
+    "dp_sync": "the gradient all-reduce at the optimizer step",
+    "offload": "PCIe traffic to and from the host (offload)",
+    "optimizer": "the optimizer step",
+}
+
+
+def label(c: Candidate) -> str:
+    return c.name + (" +gc" if c.checkpointing else "")
+
+
+def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
+    """Why a mesh layout's activations (`term`) are smaller per rank, in its degrees' words ('' otherwise)."""
+    if term != "activations" or c.dims is None:
+        return ""
+    d = c.dims
+    parts = [f"cp {d['cp']} gives each rank {-(-inp.seq_len // d['cp']):,} of the {inp.seq_len:,} tokens"] * (d["cp"] > 1)
+    parts += [f"tp {d['tp']} splits each block's attention and MLP"] * (d["tp"] > 1)
+    parts += [f"each of pp {d['pp']} stages holds 1/{d['pp']} of the blocks"] * (d["pp"] > 1)
+    return "; ".join(parts)
+
+
+def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candidate]) -> tuple[str, str | None]:
+    """Why `chosen` ranks before `c`, in a few words, and the term that decided it: a key of `bytes`
+    where `c` does not fit, of `seconds` (`cost.TERMS`) where `chosen` is faster; None where a rule
+    decided (runnable, host RAM, the global batch, offload, a tie within `TIE`)."""
+    ok = chosen.fits and chosen.runnable
+    target = target_batch(inp)
+    if c is chosen and ok:
+        return "chosen", None
+    if not c.runnable:
+        return f"not runnable yet: {c.why_not}", None
     if c.bytes["total"] > inp.gpu_memory:
-        return f"does not fit: {c.bytes['total'] / GiB:.1f} GiB per GPU"
+        text = f"does not fit: {c.bytes['total'] / GiB:.1f} GiB per GPU at micro-batch {c.micro_batch}"
+        if not ok:
+            return text, None
+        term = max(MEMORY_TERMS, key=lambda k: c.bytes[k] - chosen.bytes[k])
+        because = smaller_because(chosen, term, inp)
+        return (f"{text}, {term} {c.bytes[term] / GiB:.1f} GiB where the chosen holds {chosen.bytes[term] / GiB:.1f}"
+                + (f" ({because})" if because else "")), term
     if not c.fits:
-        return f"needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node"
+        return f"needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node", None
+    if c.global_batch != target and chosen.global_batch == target:
+        return (f"its {c.data_ranks} data-parallel ranks cannot share the global batch of {target} evenly "
+                f"(nearest: {c.global_batch})"), None
     if offloads_row(c) and not offloads_row(chosen):
-        return "CPU offload: host RAM and PCIe traffic, only when nothing else fits"
+        return "CPU offload: host RAM and PCIe traffic, only when nothing else fits", None
     ratio = c.seconds_per_example / chosen.seconds_per_example
     if ratio <= 1 + TIE:
-        return f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); the simpler layout wins"
-    return f"{ratio - 1:+.0%} predicted time per example"
+        return f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); the simpler layout wins", None
+    scale = chosen.global_batch / c.global_batch  # per optimizer step of the chosen's global batch
+    diff = {k: c.seconds[k] * scale - chosen.seconds[k] for k in chosen.seconds}
+    term = max(diff, key=diff.get)
+    text = (f"{ratio - 1:+.0%} predicted time per example: {c.step_time_s * scale:.3g} s per optimizer step of "
+            f"{chosen.global_batch} examples against {chosen.step_time_s:.3g} s, mostly {TERM_TEXT[term]} "
+            f"(+{diff[term]:.2g} s)")
+    twin = next((x for x in rows if x.name == c.name and not x.checkpointing), None)
+    if term == "recompute" and not chosen.checkpointing and twin is not None and not twin.fits:
+        because = smaller_because(chosen, "activations", inp)
+        text += (f", which {c.name} needs to fit ({twin.bytes['total'] / GiB:.1f} GiB per GPU without it at "
+                 f"micro-batch {twin.micro_batch}, activations {twin.bytes['activations'] / GiB:.1f} GiB) and the "
+                 f"chosen does not (activations {chosen.bytes['activations'] / GiB:.1f} GiB"
+                 + (f": {because})" if because else ")"))
+    return text, term
+
+
+def batch_line(inp: PlanInput, c: Candidate) -> str:
+    """How `c` splits the global batch, against what was asked, in one line."""
+    target, world = target_batch(inp), inp.gpus_per_node * inp.nodes
+    asked = f"--global-batch {inp.global_batch}" if inp.global_batch else \
+        f"{inp.micro_batch} x {inp.grad_accum} x {world}"
+    split = (f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} x {c.data_ranks} data-parallel "
+             f"rank{'s' if c.data_ranks != 1 else ''}")
+    if c.global_batch == target:
+        same = (c.micro_batch, c.grad_accum, c.data_ranks) == (inp.micro_batch, inp.grad_accum, world)
+        return f"global batch {target} kept: {split} ({'as asked' if same and not inp.global_batch else f'asked: {asked}'})"
+    return (f"global batch {c.global_batch}, not the {target} asked ({asked}): no layout that fits shares {target} "
+            f"evenly over its data-parallel ranks, this is the nearest multiple of its {c.data_ranks}: {split}")
+
+
+def why_chosen(chosen: Candidate, ranked: list[Candidate], inp: PlanInput) -> list[dict[str, Any]]:
+    """What decided the choice: against the runner-up and, for a mesh layout, against the best plain
+    data-parallel strategy (the 1-D one finetune.py would otherwise run), each with its deciding term."""
+    others = [c for c in ranked if c is not chosen]
+    against = others[:1]
+    plain = next((c for c in others if c.dims is None), None)
+    if chosen.dims is not None and plain is not None and plain is not others[0]:
+        against.append(plain)
+    out = []
+    for c, role in zip(against, ("the runner-up", "the best 1-D strategy")):
+        text, term = decision(c, chosen, inp, ranked)
+        out.append({"against": c.name, "checkpointing": c.checkpointing, "role": role, "term": term, "text": text})
+    return out
 
 
 def plan(inp: PlanInput) -> Plan:
     problems = []
     if inp.gpus_per_node < 1 or inp.nodes < 1:
         problems.append("--gpus-per-node and --nodes must be >= 1")
-    if inp.seq_len < 1 or inp.micro_batch < 1:
-        problems.append("--seq-len and --micro-batch-size must be >= 1")
+    if inp.seq_len < 1 or inp.micro_batch < 1 or inp.grad_accum < 1:
+        problems.append("--seq-len, --micro-batch-size and --grad-accum must be >= 1")
+    if inp.global_batch is not None and inp.global_batch < 1:
+        problems.append(f"--global-batch must be >= 1 (got {inp.global_batch})")
     if inp.method not in ("full", "lora", "qlora"):
         problems.append(f"--method must be full, lora or qlora (got {inp.method})")
     if problems:
@@ -401,30 +546,33 @@ def plan(inp: PlanInput) -> Plan:
     rows = [estimate(inp, STRATEGIES[n], gc, inp.micro_batch) for gc in gc_options for n in names]
     layouts = [] if inp.method == "qlora" else mesh_layouts(inp.model, world, inp.gpus_per_node, inp.tp, inp.pp, inp.cp)
     rows += [estimate_layout(inp, d, gc, inp.micro_batch) for gc in gc_options for d in layouts]
+    target = target_batch(inp)
+    rows = [split_batch(inp, r, target) for r in rows]
     counts = count_params(inp.model)
     trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
     result = Plan(counts.total, trainable, world, rows, None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory,
-                  hardware=inp.hw.name)
+                  hardware=inp.hw.name, global_batch=target)
     if world == 1:
         result.notes.append("one GPU: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
                             "CPU-offload variants are planned")
     if inp.method == "qlora":
         result.notes.append("QLoRA: mesh layouts (--tp/--pp/--cp/--dp-shard) are not planned; its 4-bit base is "
                             "neither sharded nor split")
-    grown = [largest_micro_batch(inp, r, inp.global_batch) if r.fits and r.runnable else r for r in rows]
-    for c in grown:  # no target: one micro-batch per optimizer step, as the table's step s
-        c.grad_accum = max(1, -(-inp.global_batch // c.examples_per_step)) if inp.global_batch else 1
-    best = choose(grown)
-    ranked = sorted(grown, key=rank_key)
-    result.ranking = [{"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-                       "gib_per_gpu": round(c.bytes["total"] / GiB, 2), "seconds_per_example": c.seconds_per_example,
-                       "reason": reason_lost(c, best, inp)} for c in [best] + [c for c in ranked if c is not best][:4]]
+    best = choose(rows, target)
+    ranked = sorted(rows, key=lambda c: rank_key(c, target))
+    top = [best] + [c for c in ranked if c is not best][:4]
+    result.ranking = []
+    for c in top:
+        reason, term = decision(c, best, inp, rows)
+        result.ranking.append({"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+                               "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2),
+                               "seconds_per_example": c.seconds_per_example, "reason": reason, "term": term})
     if not (best.fits and best.runnable):
         result.advice = nothing_fits(inp, names)
         return result
     result.chosen, result.chosen_detail, result.grad_accum = best.name, best, best.grad_accum
-    for c in [*rows, best]:
-        c.step_time_s = optimizer_step_seconds(c.step_seconds, c.once_seconds, c.grad_accum)
+    result.batch = batch_line(inp, best)
+    result.why = why_chosen(best, [best] + [c for c in ranked if c is not best], inp)
     if best.dims is None:
         result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
     else:
@@ -436,15 +584,11 @@ def plan(inp: PlanInput) -> Plan:
 
 def nothing_fits(inp: PlanInput, names: list[str]) -> str:
     """Name the resource that is short: GPU memory for the smallest plan that fits in host RAM, and
-    host RAM for the plans (CPU offload) that would fit on the GPU."""
+    host RAM for the plans (CPU offload) that would fit on the GPU. (Every layout was tried down to
+    micro-batch 1, so a smaller micro-batch is no way out.)"""
     gc = inp.checkpointing is not False
     how = "gradient checkpointing" if gc else "no checkpointing"
     smallest = [estimate(inp, STRATEGIES[n], gc, 1) for n in names]
-    fitting = sorted((c for c in smallest if c.fits), key=rank_key)
-    if fitting:  # only the requested micro-batch is too large
-        return (f"nothing fits at --micro-batch-size {inp.micro_batch}; at micro-batch 1 {fitting[0].name} ({how}) "
-                f"fits in {fitting[0].bytes['total'] / GiB:.1f} GiB per GPU: lower --micro-batch-size and raise "
-                "--grad-accum")
     gpu, cpu = inp.gpu_memory, inp.cpu_memory
     in_ram = [c for c in smallest if cpu is None or c.cpu_bytes_per_node <= cpu]
     parts = []
@@ -481,7 +625,8 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
 
 def render_table(p: Plan) -> str:
     """The 1-D strategies' memory breakdown, the mesh layouts among the top 5, then the top 5 by
-    predicted time per example with why each lost, then the choice and its flags."""
+    predicted time per example with why each lost, then the choice: its split of the global batch,
+    its predicted step term by term, what decided it, and its flags."""
     cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
     ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
     top = {(r["name"], r["checkpointing"]) for r in p.ranking}
@@ -489,23 +634,32 @@ def render_table(p: Plan) -> str:
     mesh = len([c for c in p.strategies if c.dims is not None])
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {p.world} GPUs  "
              f"GPU memory {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  (GiB per GPU below)", *p.notes,
-             f"{'layout':<26}" + "".join(f"{c:>12}" for c in cols) + f"{'cpu/node':>10}{'step s':>8}{'fits':>6}"]
+             f"{'layout':<26}" + "".join(f"{c:>{max(12, len(c) + 1)}}" for c in cols)
+             + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}{'fits':>6}"]
     for c in shown:
-        lines.append(f"{c.name + (' +gc' if c.checkpointing else ''):<26}"
-                     + "".join(f"{c.bytes[k] / GiB:>12.2f}" for k in cols)
-                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{c.step_seconds:>8.2f}{'yes' if c.fits else 'no':>6}")
-    lines.append(f"step s: predicted seconds per micro-batch step at the requested micro-batch ({p.hardware}); {mesh} mesh layouts "
-                 "(pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
-    lines.append("top 5 by predicted time per example (each at the largest micro-batch that fits):")
+        lines.append(f"{label(c):<26}" + "".join(f"{c.bytes[k] / GiB:>{max(12, len(k) + 1)}.2f}" for k in cols)
+                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{f'{c.micro_batch} x {c.grad_accum}':>10}"
+                     f"{c.step_time_s:>8.2f}{'yes' if c.fits else 'no':>6}")
+    lines.append(f"each row at its split of the global batch of {p.global_batch} (mb x acc: micro-batch x accumulation "
+                 f"per data-parallel rank; micro-batch 1 where none fits); step s: predicted seconds per optimizer "
+                 f"step ({p.hardware}); {mesh} mesh layouts (pp x dp x cp x tp) predicted, those in the top 5 shown "
+                 "(all in --json)")
+    lines.append("top 5 by predicted time per example, each with what decided it against the chosen:")
     for r in p.ranking:
-        lines.append(f"  {r['name'] + (' +gc' if r['checkpointing'] else ''):<26} mb {r['micro_batch']:<4} "
+        split = f"{r['micro_batch']} x {r['grad_accum']}"
+        lines.append(f"  {r['name'] + (' +gc' if r['checkpointing'] else ''):<26} mb {split:<8} "
                      f"{r['gib_per_gpu']:>7.1f} GiB  {r['seconds_per_example'] * 1e3:>9.2f} ms/example  {r['reason']}")
     if p.chosen:
         d = p.chosen_detail
-        lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}, micro-batch "
-                     f"{d.micro_batch}, grad-accum {p.grad_accum}: {d.bytes['total'] / GiB:.1f} GiB per GPU"
+        lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}: "
+                     f"{d.bytes['total'] / GiB:.1f} GiB per GPU"
                      + (f", {d.cpu_bytes_per_node / GiB:.1f} GiB host RAM per node" if d.cpu_bytes_per_node else "")
-                     + f", {d.step_time_s:.2f} s per optimizer step predicted")
+                     + f", {d.step_time_s:.3g} s per optimizer step predicted")
+        lines.append("batch: " + p.batch)
+        terms = [f"{k} {v:.3g}" for k, v in d.seconds.items() if v > 1e-3 * d.step_time_s]
+        lines.append(f"time: {' + '.join(terms)} = {d.step_time_s:.3g} s per optimizer step (--json: seconds)")
+        lines += [f"why: against {w['against']}{' +gc' if w['checkpointing'] else ''} ({w['role']}): {w['text']}"
+                  for w in p.why]
         lines.append("flags: " + " ".join(p.flags))
     else:
         lines.append(p.advice)

@@ -163,7 +163,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
 
     accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
-    sharded = strategy.sharded_checkpoints
+    sharded = strategy.checkpoint_format == "sharded"
     if not sharded:  # DeepSpeed: the HF folder, gathered
         saved = strategy.export(model, final=False)  # a model split across ranks, gathered into one HF model
         model_state = strategy.state_dict(saved)  # the collectives first: every rank takes part
@@ -186,7 +186,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
         torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
         if accelerator.is_main_process:  # <name>.tmp is never read: the rename below is what publishes
             record = {**state, "format": "sharded" if sharded else "hf", "world_size": accelerator.num_processes,
-                      "layout": strategy.dims.describe(), "data_ranks": strategy.data_ranks, "manifest": MANIFEST}
+                      "layout": strategy.dims.describe(), "data_ranks": strategy.data.ranks, "manifest": MANIFEST}
             (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=2))
     except (Exception, CheckpointException) as e:  # a write that failed (full disk, I/O error): one line
         failed = write_failure(e, tmp)

@@ -18,7 +18,7 @@ def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -
     """Mean token loss over `rows`; `strategy` (toolkit.parallel.strategy) runs the forward."""
     accelerator = strategy.accelerator
     model.eval()
-    rank, ranks = strategy.data_rank, strategy.data_ranks  # model-parallel peers take the same shard
+    rank, ranks = strategy.data.rank, strategy.data.ranks  # model-parallel peers take the same shard
     shard = rows[rank::ranks]  # (and count both sums as often: the ratio is unchanged)
     n_batches = -(-len(rows) // (batch_size * ranks))  # same count on every rank
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
@@ -47,7 +47,7 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
     # Before prepare() the model is still where it was loaded (CPU, or its device_map for QLoRA).
     device = next(gen_model.parameters()).device
     prompts = [prompt_text(tokenizer, [m for m in c if m["role"] != "assistant"]) for c in conversations]
-    rank, ranks, replicas = strategy.data_rank, strategy.data_ranks, strategy.replicas
+    rank, ranks, replicas = strategy.data.rank, strategy.data.ranks, strategy.data.replicas
     idx = list(range(rank, len(prompts), ranks))
     per_rank = -(-len(prompts) // ranks)
     idx += [idx[0] if idx else 0] * (per_rank - len(idx))  # equal work on every rank; padding not scored

@@ -39,10 +39,18 @@ class Preemption:
         self.signal = signum
 
     def requested(self, accelerator) -> bool:
-        """True on every rank once any rank got the signal (collective when there are several)."""
-        from toolkit.parallel import any_rank
+        """True on every rank once any rank got the signal (collective when there are several). The ranks
+        agree over a CPU group (`host_group`), so asking every step never waits for the GPU."""
+        if accelerator.num_processes == 1:
+            return self.signal is not None
+        import torch
+        import torch.distributed as dist
 
-        return any_rank(accelerator, self.signal is not None)
+        from toolkit.parallel import host_group
+
+        flag = torch.tensor([float(self.signal is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+        return flag.item() > 0
 
     def restore(self) -> None:
         for sig, old in self._old.items():

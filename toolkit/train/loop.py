@@ -28,7 +28,7 @@ from toolkit.data.packing import PackedRows, collate_packed, count_examples, pac
 from toolkit.train.evaluate import eval_loss, sample_completions
 from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.loss import count_targets
-from toolkit.parallel.memory import held_bytes
+from toolkit.parallel.memory import grad_bytes, held_bytes
 from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.tracker_spec import requested
 
@@ -228,7 +228,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
         t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
-    world, replicas = strategy.data_ranks, strategy.replicas  # model-parallel peers read the same data
+    world, replicas = strategy.data.ranks, strategy.data.replicas  # model-parallel peers read the same data
     strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
@@ -320,7 +320,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             # each micro-batch's summed loss over the global batch's target count; x world: data-parallel
             # ranks average their gradients
             loss_sum = strategy.forward_backward(model, micro, scale=world / n_global)
-            grads_held = strategy.grads_held(model) if step == first_step else None
+            grads_held = grad_bytes(model) if step == first_step and not strategy.frees_grads else None
             grad_norm = strategy.clip_grad_norm(model, t.max_grad_norm or float("inf"))
             step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
             if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or strategy.always_steps:
@@ -356,7 +356,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                 now = time.perf_counter()
                 last_loss = window["loss"] / window["targets"]
                 tokens_per_sec = window["tokens"] / (now - window["t0"])
-                flops = step_flops(window["tokens"], window["targets"] if strategy.chunked else window["tokens"], n_matmul, n_head,
+                flops = step_flops(window["tokens"], window["targets"] if strategy.loss.fused else window["tokens"], n_matmul, n_head,
                                    model_cfg.num_hidden_layers, model_cfg.hidden_size,
                                    window["tokens"] / window["examples"])  # context: mean example length
                 per_token = flops / window["tokens"]

@@ -14,9 +14,9 @@ from typing import Any, Iterable
 import torch
 
 from toolkit.parallel import grad_norm
-from toolkit.parallel.tp.plan import apply_tensor_parallel, gather_state_dict
+from toolkit.parallel.tp.plan import apply_tensor_parallel
 
-__all__ = ["Layout", "make_layout", "apply_tensor_parallel", "gather_state_dict",
+__all__ = ["Layout", "make_layout", "apply_tensor_parallel", "TPShards", "full_state_dict",
            "prepare_tensor_parallel", "clip_grad_norm"]
 
 
@@ -79,3 +79,56 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, la
     sharded = [p for p in params if hasattr(p, "tp_split_dim")]
     replicated = [p for p in params if not hasattr(p, "tp_split_dim")]
     return grad_norm.clip_grad_norm(params, max_norm, [(sharded, (layout.tp_group,)), (replicated, ())])
+
+
+class TPShards:
+    """Which parameters the TP plan split (and along which dim) and which TP-replicated ones get a
+    per-rank partial gradient, by name: FSDP2 replaces the parameters, and with them the attributes
+    and gradient hooks the plan put on them, so the names are read once, right after the split."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
+        self.partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
+
+    def read(self, model) -> None:
+        self.split = {n: p.tp_split_dim for n, p in model.named_parameters() if hasattr(p, "tp_split_dim")}
+        self.partial = [n for n, p in model.named_parameters() if getattr(p, "tp_partial_grad", False)]
+
+    def coordinates(self) -> tuple[int, int]:
+        """(this rank's TP rank, TP degree): where its slices sit in the full tensors."""
+        import torch.distributed as dist
+
+        return (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.group is not None else (0, 1)
+
+    def reduce_partial_grads(self, model) -> None:
+        """What the TP plan's gradient hooks do, on FSDP2's reduced shards: the sum over the TP group
+        commutes with the mean over data-parallel ranks, and TP peers hold the same shard of these."""
+        if not self.partial or self.group is None:
+            return
+        import torch.distributed as dist
+
+        params = dict(model.named_parameters())
+        for name in self.partial:
+            if name in params and params[name].grad is not None:
+                dist.all_reduce(grad_norm.local(params[name].grad), group=self.group)
+
+    def state_dict(self, model) -> dict:
+        return full_state_dict(model, self.split, self.group)
+
+
+def full_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
+    """The full state dict on every rank (collective): FSDP2 shards all-gathered, then TP slices
+    concatenated along the dim each was cut (the one TP gather path: plain TP, TP under FSDP2, stages)."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    out = {}
+    for key, v in model.state_dict().items():
+        v = grad_norm.full(v)
+        if key in tp_split and tp > 1:
+            parts = [torch.empty_like(v) for _ in range(tp)]
+            dist.all_gather(parts, v.contiguous(), group=tp_group)
+            v = torch.cat(parts, dim=tp_split[key])
+        out[key] = v.detach()
+    return out

@@ -136,22 +136,3 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
         attn.tp_degree = t
     model.toolkit_tp_degree = t  # not `tp_size`: transformers reserves that for its own TP
     return model
-
-
-def gather_state_dict(model: nn.Module, group) -> dict:
-    """The full (unsharded) state dict, on every rank: each `tp_split_dim` shard is all-gathered
-    and concatenated back. Collective: every rank of the group must call it."""
-    import torch
-    import torch.distributed as dist
-
-    t = group_size(group)
-    out = {}
-    for key, v in model.state_dict(keep_vars=True).items():
-        dim = getattr(v, "tp_split_dim", None)
-        v = v.detach()
-        if dim is not None and t > 1:
-            parts = [torch.empty_like(v) for _ in range(t)]
-            dist.all_gather(parts, v.contiguous(), group=group)
-            v = torch.cat(parts, dim=dim)
-        out[key] = v
-    return out

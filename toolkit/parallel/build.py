@@ -1,0 +1,184 @@
+"""What a run is built on, decided once: the `Accelerator` (DDP, DeepSpeed ZeRO or FSDP2 plugins,
+gloo on CPU) and the strategy for the layout the flags and the launched world give
+(`toolkit.layout.rules.runtime`), checked against the model's config before any weights are read."""
+
+from __future__ import annotations
+
+import os
+
+from toolkit.config import Config
+from toolkit.errors import UserError
+from toolkit.layout.rules import accelerate_plugin
+from toolkit.loss import token_loss_sum
+from toolkit.parallel.strategy import LossFn, Strategy
+
+
+def make_accelerator(cfg: Config, model_path: str | None = None):
+    """DDP (gloo on CPU, NCCL on GPU) by default; DeepSpeed or FSDP2 plugins from the flags.
+    `model_path` gives the hidden size that DeepSpeed's bucket sizes scale with."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from toolkit.models import resolved_precision  # imports torch: not at package import (the planner reads dims)
+    from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
+    from toolkit.parallel.elastic import join_restarted_group
+    from toolkit.parallel import launch
+
+    join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
+    kind = accelerate_plugin(cfg.parallel)
+    # DeepSpeed and FSDP need a process group, also for one process that no launcher started: the same
+    # variables on a GPU and a CPU (toolkit.parallel.launch).
+    launch.ensure_rank_env(needs_group=kind is not None)
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+    # The loop fetches a step's micro-batches before running them, so the loader reaches its end
+    # early; syncing "with the dataloader" would then step mid-accumulation. The loop sets the
+    # count per step instead. DeepSpeed keeps its own count (and loss scaling): give it --grad-accum.
+    ga = cfg.train.grad_accum if kind == "deepspeed" else 1
+    # each rank reads its own micro-batches (a stream included: rank 0 would otherwise read and
+    # tokenize every rank's and send them)
+    kwargs: dict = {"mixed_precision": resolved_precision(cfg),
+                    "dataloader_config": DataLoaderConfiguration(dispatch_batches=False),
+                    "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga, sync_with_dataloader=False)}
+    if kind == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        # An accelerate config file's DeepSpeed fields were adopted (or refused as conflicting) by
+        # config validation; accelerate would reject them next to an explicit JSON config.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=run_deepspeed_config(cfg, model_path))
+    elif kind == "fsdp":
+        kwargs["fsdp_plugin"] = fsdp_plugin(cfg)
+    with cpu_rehearsal(kind) as rehearsing:
+        # Without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no accelerator
+        # and every rank trains alone; with it, ranks join one gloo group (see cpu_rehearsal).
+        accelerator = Accelerator(cpu=not launch.on_cuda() and not rehearsing, **kwargs)
+    if accelerator.num_processes == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("launched with WORLD_SIZE > 1 but accelerate started a single process")
+    set_seed(cfg.train.seed)
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))))
+    return accelerator
+
+
+# The toolkit's values for keys a --deepspeed file leaves out: no per-step prints (accelerate would
+# write an infinite steps_per_print, which is not JSON), and its own torch AdamW allowed under ZeRO.
+QUIET_DEFAULTS = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+                  "zero_force_ds_cpu_optimizer": False}
+
+
+def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
+    """The DeepSpeed JSON this run hands to accelerate: the user's `--deepspeed` file with its "auto"s
+    filled from the run's settings, else the toolkit's own for --zero-stage/--offload. A file's
+    "scheduler" is left out here: the loop builds and steps it (`AccelerateStrategy.scheduler`), and
+    `save_run_config` writes it back. `model_path` gives the hidden size the ZeRO buckets scale with."""
+    from toolkit.models import resolved_precision
+    from toolkit.parallel import launch
+    from toolkit.layout.deepspeed import deepspeed_config, fill_auto, read_user_config
+
+    hidden = None
+    if model_path:
+        from transformers import AutoConfig
+
+        hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
+                         "hidden_size", None)
+    t = cfg.train
+    if not cfg.parallel.deepspeed:
+        ds = deepspeed_config(cfg.parallel.zero_stage, cfg.parallel.offload, resolved_precision(cfg), hidden,
+                              overlap_comm=launch.on_cuda())
+        ds["gradient_clipping"] = t.max_grad_norm
+        return ds
+    ds = read_user_config(cfg.parallel.deepspeed)
+    # Keys the file leaves out are the run's, as "auto" would be: accelerate would otherwise put 1 for a
+    # missing accumulation (the loop scales the loss by --grad-accum for DeepSpeed to divide by) and
+    # DeepSpeed would not clip; no zero_optimization section is stage 0 (accelerate refuses none).
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
+        ds.setdefault(key, "auto")
+    ds.setdefault("zero_optimization", {"stage": 0})
+    ds = fill_auto(ds, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=int(os.environ.get(
+        "WORLD_SIZE", "1")), mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm, lr=cfg.lr,
+        weight_decay=t.weight_decay, hidden_size=hidden)
+    ds.pop("scheduler", None)
+    for key, value in QUIET_DEFAULTS.items():  # what the file does not say
+        ds.setdefault(key, value)
+    return ds
+
+
+def fsdp_plugin(cfg: Config):
+    """FSDP2 over every rank: `full` reshards parameters after forward (ZeRO-3-like), `grad_op` keeps
+    them gathered until backward (ZeRO-2-like). Blocks are wrapped by the model's `_no_split_modules`.
+    (`hybrid` is HSDP on the device mesh: `toolkit.parallel.strategy.MeshShardedStrategy`.)"""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=cfg.parallel.fsdp_sharding != "grad_op",
+        auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
+        cpu_ram_efficient_loading=False, activation_checkpointing=False)
+
+
+def cpu_threads_per_rank(local_ranks: int) -> int:
+    """Cores available to this process split evenly over the ranks of this node.
+
+    Launchers default OMP_NUM_THREADS to 1 (accelerate without --cpu, torchrun with several ranks),
+    which leaves cores idle for a single CPU process; `TOOLKIT_NUM_THREADS` overrides.
+    """
+    if os.environ.get("TOOLKIT_NUM_THREADS"):
+        return max(1, int(os.environ["TOOLKIT_NUM_THREADS"]))
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
+
+
+def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
+                  loss_fn: LossFn = token_loss_sum) -> Strategy:
+    """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
+    against the model's config (one line for every problem, before any weights are read), build the
+    mesh it needs."""
+    from toolkit.layout import rules
+
+    par, world = cfg.parallel, accelerator.num_processes
+    problems = _model_problems(cfg, model_path, world) + rules.world_problems(par, world)
+    dims, dim_problems = rules.dims_for(par, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    problems += [p for p in dim_problems if not problems]  # the model checks above name the world size already
+    if problems:
+        raise UserError("; ".join(problems))
+    kind = rules.runtime(par, dims)
+    from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
+    from toolkit.parallel.pp.strategy import PipelineStrategy
+
+    if kind == "accelerate":
+        return AccelerateStrategy(accelerator, dims, cfg, loss_fn)
+    if kind == "deepspeed":
+        return DeepSpeedStrategy(accelerator, dims, cfg, loss_fn)
+    if kind == "naive_pipeline":
+        return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
+    from toolkit.parallel.mesh import build_mesh
+    from toolkit.parallel.sharded import MeshShardedStrategy, TensorParallelStrategy
+
+    mesh = build_mesh(dims, accelerator.device.type)
+    if kind == "pipeline":
+        return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    if kind == "mesh_sharded":
+        return MeshShardedStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    if kind == "tensor_parallel":
+        return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
+    return AccelerateStrategy(accelerator, dims, cfg, loss_fn, mesh)  # cp x DDP: accelerate's DDP over every rank
+
+
+def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
+    """What the model's architecture refuses for --tp / --pp / --cp (read from its config, no weights)."""
+    par = cfg.parallel
+    if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1):
+        return []
+    from transformers import AutoConfig
+
+    from toolkit.layout.rules import model_problems
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problems = model_problems(text.to_dict(), par.tp, par.pp, par.cp, world)
+    if par.pp > 1 and not problems:
+        from toolkit.parallel.pp import pipeline_problems
+
+        problems += pipeline_problems(config, cfg.model.trust_remote_code)
+    return problems

@@ -1,0 +1,116 @@
+"""The pipeline layout as a strategy: one stage per rank over the mesh's `pp` groups (each stage
+TP-split over `tp` and/or FSDP2-sharded over `dp_shard`, data parallel over `dp`), or, in one
+process, the naive pipeline with every stage on its own device. The stages run forward and backward
+themselves (`train_step`); the loop sees one strategy like any other."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from toolkit.config import Config
+from toolkit.layout.dims import ParallelDims
+from toolkit.loss import token_loss_sum
+from toolkit.parallel.strategy import DataShard, LossFn, LossHead, Strategy
+from toolkit.parallel.tp import TPShards
+
+
+class PipelineStrategy(Strategy):
+    """Stages over the mesh's `pp` groups (`layout`), or every stage in this process (no mesh)."""
+
+    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
+        from toolkit.parallel.pp import make_pipeline_layout, pipeline_devices
+
+        self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
+        self.layout = make_pipeline_layout(dims.pp, mesh) if mesh is not None else None
+        if self.layout is None:
+            pipeline_devices(cfg)  # a missing GPU fails now, before any weights are read
+        self.tp_layout = None
+        if dims.tp > 1:  # pp x tp: every stage holds TP layers over the mesh's tp groups
+            from toolkit.parallel.tp import make_layout
+
+            self.tp_layout = make_layout(dims.tp, mesh)
+        self.tp = TPShards(self.tp_layout.tp_group if self.tp_layout else None)
+        self.shard_mesh = self.shard_group = None
+        if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
+            from toolkit.parallel.mesh import fsdp_mesh
+
+            self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
+        self.data = DataShard(accelerator, dims, self.layout.dp_rank if self.layout else 0)
+        self.loss = LossHead(loss_fn, accelerator.device.type)  # full logits on the last stage: never a fused head
+        self.pipe = None  # built in prepare(); None again once exported
+
+    def shard_model(self, model):
+        if self.tp_layout is not None:
+            from toolkit.parallel.tp import apply_tensor_parallel
+
+            model = apply_tensor_parallel(model, self.tp_layout.tp_group)
+        self.tp.read(model)
+        return model
+
+    def prepare(self, model, optimizer_fn: Callable, loader):
+        from toolkit.data import longest_row
+        from toolkit.parallel.pp import build_pipeline
+
+        # the stage split may be timed on a real micro-batch's shape; padding as the loader pads
+        sample = (loader.batch_size, longest_row(loader.dataset, self.cfg.data.seq_len))
+        fn = loader.collate_fn  # a partial of collate, or a stream's StreamCollate
+        pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
+        self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss.loss_fn,
+                                   self.shard_mesh)
+        return self.pipe, optimizer_fn(self.pipe), self.data.loader(loader)
+
+    def describe(self) -> str:
+        mesh = f"device mesh: {self.dims.describe()}\n" if self.layout is not None else ""
+        return f"{mesh}{self.pipe.describe()}\nloss: full logits + cross-entropy on the last stage"
+
+    def unwrap(self, model):
+        return self.pipe.model if self.pipe is not None else model
+
+    def forward_backward(self, model, micro: list[dict], scale) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        for batch in micro:  # the stages run forward and backward themselves
+            total += self.pipe.train_step(batch, scale=scale).to(total.device)
+        self.pipe.finish_grads()  # tied embedding halves summed; gradients averaged over dp
+        if self.shard_mesh is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
+            self.tp.reduce_partial_grads(self.pipe.model)
+        return total
+
+    def clip_grad_norm(self, model, max_norm: float):
+        if self.layout is None:  # the naive pipeline: every stage in this process
+            return self.pipe.clip_grad_norm(max_norm)
+        return self.pipe.clip_grad_norm(max_norm, self.tp.group, self.tp.split, self.shard_group)
+
+    def eval_device(self, model) -> torch.device:
+        return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
+
+    def eval_loss_sum(self, model, batch: dict) -> torch.Tensor:
+        if self.pipe is not None:  # logits exist on the last stage only
+            return self.pipe.loss_sum(batch)
+        return Strategy.eval_loss_sum(self, model, batch)
+
+    def named_trainable(self, model) -> list[tuple[str, torch.nn.Parameter, int | None]]:
+        """This stage's trainable parameters under the full model's names; a tied LM head is saved
+        under its embedding's name, as a model without stages names it."""
+        if self.layout is None:  # the naive pipeline: every stage in this process
+            return Strategy.named_trainable(self, model)
+        embed = self.pipe.model.get_input_embeddings().weight
+        embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
+        out = []
+        for n, p in self.pipe.names.items():
+            if p.requires_grad:
+                name = embed_name if self.pipe.tied is not None and p is self.pipe.tied and embed_name else n
+                out.append((name, p, self.tp.split.get(n, self.tp.split.get(name))))
+        return out
+
+    def export(self, model, final: bool = True):
+        """Every stage's weights back in one HF model on every rank (collective). After training it
+        moves to CPU and the pipeline is done; a mid-run save leaves it in place."""
+        exported = self.pipe.gather(to_cpu=final)
+        if final:
+            self.pipe = None
+        return exported
+
+    def state_dict(self, model) -> dict:
+        return self.tp.state_dict(model)
