@@ -12,15 +12,9 @@ Writes benchmarks/adamw.json and benchmarks/adamw.md.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import time
-from pathlib import Path
-
 import torch
+from _bench_common import BENCH, cpu_device, md_table, median_seconds, write_pair
 
-ROOT = Path(__file__).resolve().parents[1]
 H, I, KV, L, V = 576, 1536, 192, 30, 49152
 SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I), (H,), (H,)] * L + [(H,)]
 KINDS = {"per-tensor loop (torch CPU default)": {"foreach": False}, "multi-tensor (foreach)": {"foreach": True},
@@ -33,31 +27,21 @@ def step_seconds(kwargs: dict, steps: int = 7) -> float:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
-    for _ in range(2):
-        opt.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(opt.step, steps, warmup=2)
 
 
 def main() -> None:
     n = sum(torch.Size(s).numel() for s in SHAPES)
     seconds = {name: step_seconds(kw) for name, kw in KINDS.items()}
     base = seconds["per-tensor loop (torch CPU default)"]
-    out = {"params": n, "device": f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads", "dtype": "float32",
+    out = {"params": n, "device": f"{cpu_device()}, {torch.get_num_threads()} threads", "dtype": "float32",
            "torch": torch.__version__, "step_seconds": seconds, "speedup_over_default": {k: base / v for k, v in seconds.items()}}
-    bench = ROOT / "benchmarks"
-    (bench / "adamw.json").write_text(json.dumps(out, indent=2))
     lines = [f"# One AdamW step, {n / 1e6:.1f}M fp32 parameters (SmolLM2-135M shapes)", "",
-             "Reproduce: `python scripts/bench_adamw.py` (method in its docstring).", "",
-             "| implementation | step seconds (median of 7) | speed-up over the default |", "|---|---|---|"]
-    lines += [f"| {k} | {v:.3f} | {base / v:.2f}x |" for k, v in seconds.items()]
+             "Reproduce: `python scripts/bench_adamw.py` (method in its docstring).", ""]
+    lines += md_table(["implementation", "step seconds (median of 7)", "speed-up over the default"],
+                      [[k, f"{v:.3f}", f"{base / v:.2f}x"] for k, v in seconds.items()])
     lines += ["", f"Device: {out['device']}, torch {out['torch']}."]
-    (bench / "adamw.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(BENCH / "adamw", out, lines)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench_common import BENCH, ROOT, PeakSampler, peak_rss_mib, reset_peak_rss, status_kib, write_pair
+
 RANKS = (1, 2, 4)
 FORMATS = ("sharded", "gathered")
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _phase(fn) -> tuple[float, float, float]:
@@ -47,29 +41,16 @@ def _phase(fn) -> tuple[float, float, float]:
     `fn()`, ending at a barrier. RSS counts the pages of memory-mapped files read (safetensors maps
     its files), which the kernel can drop; anonymous RSS is the process's own memory, sampled every
     millisecond by a thread."""
-    import threading
-
     import torch.distributed as dist
 
     dist.barrier()
-    before, anon0 = _kib("VmRSS"), _kib("RssAnon")
-    peak_anon, stop = [anon0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak_anon[0] = max(peak_anon[0], _kib("RssAnon"))
-            stop.wait(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    Path("/proc/self/clear_refs").write_text("5")
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
-    return seconds, (_kib("VmHWM") - before) / 1024, (peak_anon[0] - anon0) / 1024
+    with PeakSampler(lambda: status_kib("RssAnon"), every=0.001) as anon:
+        before = reset_peak_rss()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+    return seconds, peak_rss_mib(before), (anon.peak - anon.start) / 1024
 
 
 def _checksum(model, optimizer) -> float:
@@ -89,7 +70,6 @@ def child(fmt: str, folder: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT))
     from toolkit.models import prepare_default_model
     from toolkit.train.sharded_state import load_sharded, save_sharded
 
@@ -211,8 +191,6 @@ def main() -> None:
                             "load_anon_mib_max": max(r["load_peak_anon_mib"] for r in rows),
                             "disk_mib": rows[0]["disk_mib"]})
             print(json.dumps(results[-1] | {"per_rank": None}))
-    out = ROOT / "benchmarks"
-    (out / "checkpoint_io.json").write_text(json.dumps(results, indent=2))
     lines = ["# Step-checkpoint save and load: sharded vs gathered",
              "",
              "SmolLM2-135M full finetune (134.5M parameters, fp32, AdamW state after one step: 1.6 GiB in all), gloo on the",
@@ -237,8 +215,7 @@ def main() -> None:
                      f"{g['load_s'] / s['load_s']:.2f}x, rank-0 save peak RSS "
                      f"{g['save_peak_mib_rank0'] / max(s['save_peak_mib_rank0'], 1):.1f}x, load peak anonymous RSS "
                      f"{g['load_anon_mib_max'] / max(s['load_anon_mib_max'], 1):.1f}x")
-    (out / "checkpoint_io.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(BENCH / "checkpoint_io", results, lines)
 
 
 if __name__ == "__main__":

@@ -13,22 +13,10 @@ median step. Checkpointing is transformers' `gradient_checkpointing_enable` (non
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
+from _bench_common import (BENCH, child_result, median_seconds, peak_rss_mib, print_result, reset_peak_rss,
+                           write_pair)
 
 
 def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
@@ -36,7 +24,7 @@ def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
 
     from toolkit.config import parse_config
     from toolkit.models import load_model, resolve_model
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
     argv = ["--method", method, "--mixed-precision", "no", "--output-dir", "/nonexistent-bench-dir"]
     cfg = parse_config(argv + (["--gradient-checkpointing"] if gc else []))
@@ -45,18 +33,15 @@ def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> None:
         token_loss_sum(model(input_ids=ids).logits, ids).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
 
     step()
-    before = _kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    times = [step() for _ in range(steps)]
-    return {"peak_mib": (_kib("VmHWM") - before) / 1024, "step_s": statistics.median(times)}
+    before = reset_peak_rss()
+    step_s = median_seconds(step, steps)
+    return {"peak_mib": peak_rss_mib(before), "step_s": step_s}
 
 
 def main() -> None:
@@ -69,20 +54,13 @@ def main() -> None:
     for method in ("lora", "full"):
         row = {"method": method, "batch": a.batch, "seq": a.seq}
         for gc in (False, True):
-            p = subprocess.run([sys.executable, __file__, "--child", method, str(int(gc)), str(a.batch), str(a.seq),
-                                str(a.steps)], capture_output=True, text=True, cwd=ROOT)
-            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise SystemExit(p.stderr[-3000:])
-            got = json.loads(line[7:])
+            got = child_result([__file__, "--child", method, str(int(gc)), str(a.batch), str(a.seq), str(a.steps)],
+                               what=f"{method}, gc {gc}")
             row["gc" if gc else "no_gc"] = got
             print(method, "gc" if gc else "no gc", got, flush=True)
         row["memory_saved"] = 1 - row["gc"]["peak_mib"] / row["no_gc"]["peak_mib"]
         row["time_cost"] = row["gc"]["step_s"] / row["no_gc"]["step_s"] - 1
         rows.append(row)
-    out = ROOT / "benchmarks"
-    out.mkdir(exist_ok=True)
-    (out / "checkpointing.json").write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "dtype": "float32", "rows": rows}, indent=2))
     md = ["# Gradient checkpointing: step peak memory vs step time (SmolLM2-135M-Instruct, fp32, CPU)", "",
           "Reproduce: `python scripts/bench_checkpointing.py` (method in its docstring).", "",
           "| method | batch x seq | peak MiB no gc | peak MiB gc | memory saved | step s no gc | step s gc | time added |",
@@ -90,13 +68,12 @@ def main() -> None:
     for r in rows:
         md.append(f"| {r['method']} | {r['batch']} x {r['seq']} | {r['no_gc']['peak_mib']:.0f} | {r['gc']['peak_mib']:.0f} | "
                   f"{r['memory_saved']:.0%} | {r['no_gc']['step_s']:.2f} | {r['gc']['step_s']:.2f} | {r['time_cost']:+.0%} |")
-    (out / "checkpointing.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_pair(BENCH / "checkpointing", {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "rows": rows}, md)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         m, g, b, s, n = sys.argv[2:7]
-        print("RESULT " + json.dumps(child(m, bool(int(g)), int(b), int(s), int(n))))
+        print_result(child(m, bool(int(g)), int(b), int(s), int(n)))
     else:
         main()

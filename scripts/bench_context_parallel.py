@@ -27,17 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, PeakSampler, llama, spawn_ranks, write_pair
 
 SHAPES = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=72,
               vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
@@ -49,26 +43,6 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-class PeakRSS:
-    """The highest RSS seen while the block runs, sampled from a thread."""
-
-    def __enter__(self):
-        self.peak, self.stop = rss(), False
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while not self.stop:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self.stop = True
-        self.thread.join()
-        self.peak = max(self.peak, rss())
-
-
 def batch(seq: int, vocab: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
@@ -76,23 +50,18 @@ def batch(seq: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def _worker(rank: int, world: int, port: int, layers: int, seq: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(rank: int, world: int, layers: int, seq: int) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import gc
 
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
-    from toolkit.train.loss import ChunkedHead
+    from toolkit.loss import FusedLossHead
 
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPES, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048),
-                                         attn_implementation="sdpa"))
+    model = llama(**SHAPES, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048), attn_implementation="sdpa")
     use_ulysses(model)
-    head = ChunkedHead(model)
+    head = FusedLossHead(model)  # the chunked loss
     cp = ContextParallel(dist.group.WORLD, model.config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -112,7 +81,7 @@ def _worker(rank: int, world: int, port: int, layers: int, seq: int, queue) -> N
         before = rss()
         dist.barrier()
         t0 = time.perf_counter()
-        with PeakRSS() as peak, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with PeakSampler(rss, every=0.002) as peak, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with cp.shard(b) as local, head.labels(local["targets"], shifted=True):
                 model(**local["inputs"]).logits.backward()
         dist.barrier()
@@ -126,26 +95,15 @@ def _worker(rank: int, world: int, port: int, layers: int, seq: int, queue) -> N
     fixed, _ = step(small)  # what a step's buffers take at a negligible length (the LM head's gradient, ...)
     held = rss()
     rise, seconds = step(batch(seq, SHAPES["vocab_size"]))
-    queue.put((rank, {"saved_bytes": sum(saved.values()), "peak_rise_bytes": rise, "fixed_rise_bytes": fixed,
-                      "activation_peak_bytes": rise - fixed, "held_bytes": held, "step_s": seconds}))
-    dist.destroy_process_group()
+    return {"saved_bytes": sum(saved.values()), "peak_rise_bytes": rise, "fixed_rise_bytes": fixed,
+            "activation_peak_bytes": rise - fixed, "held_bytes": held, "step_s": seconds}
 
 
 def run(cp: int, layers: int, seq: int) -> dict:
     # Every allocation over 128 KiB gets its own mapping, returned to the OS when freed: RSS then
     # follows the live tensors instead of glibc's cached heap (glibc reads this when a rank starts).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, cp, port, layers, seq, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    ranks = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    ranks = spawn_ranks(_worker, cp, layers, seq, timeout=3600)
     worst = max(ranks.values(), key=lambda r: r["activation_peak_bytes"])
     return {"cp": cp, "seq": seq, "layers": layers, **worst, "tokens_per_s": seq / worst["step_s"],
             "per_rank_saved_bytes": [ranks[r]["saved_bytes"] for r in sorted(ranks)]}
@@ -214,7 +172,7 @@ def main() -> None:
     ap.add_argument("--cps", default="1,2,4")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--budget-gib", type=float, default=2.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "context_parallel"))
+    ap.add_argument("--out", default=str(BENCH / "context_parallel"))
     ap.add_argument("--render", action="store_true", help="rewrite the .md from the .json without running")
     args = ap.parse_args()
     if args.render:
@@ -229,10 +187,8 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
     budget = int(args.budget_gib * 1024 ** 3)
-    Path(args.out + ".json").write_text(json.dumps({"shapes": SHAPES, "layers": args.layers, "budget_bytes": budget,
-                                                    "rows": rows}, indent=2))
-    Path(args.out + ".md").write_text(render(rows, budget, args.layers))
-    print(render(rows, budget, args.layers))
+    write_pair(args.out, {"shapes": SHAPES, "layers": args.layers, "budget_bytes": budget, "rows": rows},
+               render(rows, budget, args.layers))
 
 
 if __name__ == "__main__":

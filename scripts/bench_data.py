@@ -34,9 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench_common import BENCH, ROOT, child_result, save_llama, write_pair
+
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json"
-sys.path.insert(0, str(ROOT))
 BASELINE_REF = "84353c7"  # main before the tokenized table (a21ce99): records -> Python lists, every run
 
 # Run in a fresh interpreter so getrusage(RUSAGE_CHILDREN) sees this launch only.
@@ -51,8 +51,8 @@ with open(log, "w") as out:
         if first is None and os.path.exists(metrics) and '"step": 1' in open(metrics).read():
             first = time.perf_counter() - t0
         time.sleep(0.05)
-print(json.dumps({"rc": p.returncode, "first_step_s": first, "wall_s": time.perf_counter() - t0,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+print("RESULT " + json.dumps({"rc": p.returncode, "first_step_s": first, "wall_s": time.perf_counter() - t0,
+                              "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
 
@@ -67,17 +67,12 @@ def write_data(n: int, path: Path, source: Path = GSM8K) -> Path:
 
 def build_model(path: Path) -> Path:
     """A 2-block Llama (hidden 64) with SmolLM2's tokenizer: real tokens, a model that costs nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.models import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("smollm2-135m-instruct"), False)
-    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                 bos_token_id=tok.bos_token_id)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_llama(path, tok, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
 
 
 def run(code: Path, ranks: int, model: Path, data: Path, work: Path, env: dict) -> dict:
@@ -90,9 +85,8 @@ def run(code: Path, ranks: int, model: Path, data: Path, work: Path, env: dict) 
                       "--method", "full", "--micro-batch-size", "4", "--output-dir", str(out),
                       "--overwrite-output-dir"]
     log = work / "run.log"
-    p = subprocess.run([sys.executable, "-c", WRAPPER, json.dumps(cmd), str(out / "metrics.jsonl"), str(log)],
-                       capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(code)})
-    result = json.loads(p.stdout.strip().splitlines()[-1])
+    result = child_result(["-c", WRAPPER, json.dumps(cmd), str(out / "metrics.jsonl"), str(log)],
+                          env={**os.environ, **env, "PYTHONPATH": str(code)}, what="the launch wrapper")
     if result["rc"] != 0 or result["first_step_s"] is None:
         raise SystemExit(f"run failed ({code}, {ranks} ranks, {data.name}):\n" + log.read_text()[-3000:])
     return result
@@ -108,7 +102,7 @@ def main() -> None:
     ap.add_argument("--baseline-max-2ranks", type=int, default=100_000,
                     help="largest N today's path runs at with 2 ranks (two copies of its lists must fit in RAM)")
     ap.add_argument("--gsm8k", type=Path, default=GSM8K, help="GSM8K as alpaca JSON (shared/data)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--out", default=str(BENCH))
     a = ap.parse_args()
     sizes, rank_counts = [int(x) for x in a.sizes.split(",")], [int(x) for x in a.ranks.split(",")]
     if not a.gsm8k.is_file():
@@ -149,9 +143,6 @@ def main() -> None:
 
 
 def write_results(out: Path, rows: list[dict], floor: dict, ref: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "data.json").write_text(json.dumps({"baseline_ref": ref, "model_floor_rss_mib": floor, "runs": rows},
-                                              indent=1))
     by = {(r["examples"], r["ranks"], r["path"]): r for r in rows}
     lines = ["# Data at scale: time to the first step and peak RSS", "",
              f"`python scripts/bench_data.py`; today's path is `finetune.py` at {ref}. GSM8K alpaca rows repeated "
@@ -169,7 +160,8 @@ def write_results(out: Path, rows: list[dict], floor: dict, ref: str) -> None:
             path != "today" else ""
         lines.append(f"| {n:,} | {ranks} | {path} | {r['first_step_s']:.1f} | {ratio} | {r['peak_rss_mib']:.0f} | "
                      f"{r['rss_beyond_model_mib']:.0f} |")
-    (out / "data.md").write_text("\n".join(lines) + "\n")
+    write_pair(out / "data", {"baseline_ref": ref, "model_floor_rss_mib": floor, "runs": rows}, lines, indent=1,
+               echo=False)
 
 
 if __name__ == "__main__":

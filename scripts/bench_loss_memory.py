@@ -12,41 +12,28 @@ live tensors. Head trainable (full finetune: its gradient, 113 MB, is part of bo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench_common import BENCH, child_result, peak_rss_mib, print_result, reset_peak_rss, write_pair
+
 H, V = 576, 49152  # SmolLM2-135M hidden size and vocabulary
 CASES = [(1, 1024, True), (4, 1024, True), (1, 1024, False), (4, 1024, False)]
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def child(b: int, s: int, trainable: bool, loss: str) -> dict:
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from toolkit.train.loss import chunked_loss_sum, token_loss_sum
+    from toolkit.loss import chunked_loss_sum, token_loss_sum
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
     head = torch.nn.Linear(H, V, bias=False).requires_grad_(trainable)
     hidden = torch.randn(b, s, H, requires_grad=True)
     labels = torch.randint(0, V, (b, s))
-    before = _kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = reset_peak_rss()
     value = chunked_loss_sum(hidden, head, labels) if loss == "chunked" else token_loss_sum(head(hidden), labels)
     value.backward()
-    peak = _kib("VmHWM")
-    return {"peak_mib": (peak - before) / 1024, "loss": value.item()}
+    return {"peak_mib": peak_rss_mib(before), "loss": value.item()}
 
 
 def main() -> None:
@@ -55,16 +42,11 @@ def main() -> None:
         row = {"batch": b, "seq": s, "head_trainable": trainable,
                "full_logits_mib": b * s * V * 4 / 2**20}
         for loss in ("full", "chunked"):
-            out = subprocess.run([sys.executable, __file__, "--child", str(b), str(s), str(int(trainable)), loss],
-                                 capture_output=True, text=True, check=True)
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            got = child_result([__file__, "--child", str(b), str(s), str(int(trainable)), loss], what=f"{b} x {s} {loss}")
             row[f"{loss}_peak_mib"], row[f"{loss}_loss"] = got["peak_mib"], got["loss"]
         row["reduction"] = row["full_peak_mib"] / row["chunked_peak_mib"]
         rows.append(row)
         print(row)
-    out = ROOT / "benchmarks"
-    out.mkdir(exist_ok=True)
-    (out / "loss_memory.json").write_text(json.dumps({"hidden": H, "vocab": V, "dtype": "float32", "rows": rows}, indent=2))
     lines = ["# Loss-step peak memory: full logits vs `--loss chunked` (SmolLM2-135M head: h 576, vocab 49,152, fp32, CPU)",
              "", "Reproduce: `python scripts/bench_loss_memory.py`. Method (peak RSS per fresh process) in its docstring.", "",
              "| batch x seq | LM head | fp32 logits alone | full peak MiB | chunked peak MiB | reduction | loss (full / chunked) |",
@@ -73,12 +55,11 @@ def main() -> None:
         lines.append(f"| {r['batch']} x {r['seq']} | {'trainable' if r['head_trainable'] else 'frozen (LoRA)'} | "
                      f"{r['full_logits_mib']:.0f} MiB | {r['full_peak_mib']:.0f} | {r['chunked_peak_mib']:.0f} | "
                      f"{r['reduction']:.1f}x | {r['full_loss']:.2f} / {r['chunked_loss']:.2f} |")
-    (out / "loss_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(BENCH / "loss_memory", {"hidden": H, "vocab": V, "dtype": "float32", "rows": rows}, lines)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])), sys.argv[5])))
+        print_result(child(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])), sys.argv[5]))
     else:
         main()

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, ROOT, sync, write_pair
 
 
 def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int, rounds: int,
@@ -31,16 +28,13 @@ def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int
     """Timed passes (forward + backward + optimizer step over every micro-batch of a variant), one
     warm-up micro-batch each, then `rounds` rounds alternating the variants: `real` tokens / the
     median seconds per variant, and every round's seconds. Batches are already on the model's device."""
-    import torch
-
     from toolkit.data.packing import model_inputs
-    from toolkit.train.loss import count_targets, token_loss_sum
+    from toolkit.loss import count_targets, token_loss_sum
 
     model.train()
 
     def one_pass(batches) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for b in batches:
             with autocast():
@@ -49,8 +43,7 @@ def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     for batches in variants.values():
@@ -107,9 +100,6 @@ def main() -> None:
               "micro_batches": {"padded": len(padded), "packed": len(packed)},
               "packed_rows": len(packed_rows), "seconds": times, "useful_tokens_per_sec": tps,
               "packed_over_padded": tps["packed"] / tps["padded"], "torch": torch.__version__}
-    out = ROOT / "benchmarks"
-    out.mkdir(exist_ok=True)
-    (out / "packing.json").write_text(json.dumps(result, indent=2))
     md = ["# Packing vs padded micro-batches: useful tokens/s (GSM8K lengths)", "",
           "Reproduce: `python scripts/bench_packing.py` (method in its docstring). SmolLM2-135M-Instruct, LoRA, fp32, CPU.", "",
           "| variant | micro-batches | token slots | padding | useful tokens/s (median of rounds) |", "|---|---|---|---|---|"]
@@ -120,8 +110,7 @@ def main() -> None:
     md += ["", f"packed / padded: **{result['packed_over_padded']:.2f}x** on {a.examples} examples ({real:,} real tokens), "
            f"{a.rounds} rounds. Packed attention runs over whole {a.seq_len}-token rows with a block-diagonal mask "
            "(SDPA on CPU does not skip the masked blocks), which the ratio includes."]
-    (out / "packing.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_pair(BENCH / "packing", result, md)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,13 @@ gives. With GPUs (`--devices cuda:0,cuda:1`) the same numbers measure the naive 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, llama, median_seconds, spawn_ranks, sync, write_pair
 
 SHAPES = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=2048, tie_word_embeddings=False)
@@ -39,10 +33,7 @@ MICROBATCHES = [int(x) for x in os.environ.get("BENCH_PP_M", "1,2,4,8,16").split
 
 
 def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SHAPES, max_position_embeddings=SEQ)).float()
+    return llama(**SHAPES, max_position_embeddings=SEQ).float()
 
 
 def make_batch() -> dict[str, torch.Tensor]:
@@ -54,7 +45,7 @@ def make_batch() -> dict[str, torch.Tensor]:
 def stage_busy_seconds(stage, batch, m: int, first: bool, last: bool) -> float:
     """This stage's forward + backward over m micro-batches, alone: no sends, no waits."""
     from toolkit.parallel.pp.naive import split_microbatches
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
     t0 = time.perf_counter()
     for mb in split_microbatches(batch, m):
@@ -65,18 +56,7 @@ def stage_busy_seconds(stage, batch, m: int, first: bool, last: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, port: int, schedule: str, by: str, queue) -> None:
-    try:
-        queue.put((rank, _measure(rank, world, port, schedule, by)))
-    except BaseException:
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-        raise
-
-
-def _measure(rank: int, world: int, port: int, schedule: str, by: str) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _measure(rank: int, world: int, schedule: str, by: str) -> dict:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -84,7 +64,6 @@ def _measure(rank: int, world: int, port: int, schedule: str, by: str) -> dict:
     from toolkit.parallel.pp.split import param_costs, time_costs
     from toolkit.parallel.pp.stages import StagePipeline
 
-    dist.init_process_group("gloo")
     layout = make_pipeline_layout(world)
     model = build_model()
     if by == "time":  # measured on rank 0, as finetune.py --pp-balance time does
@@ -114,26 +93,11 @@ def _measure(rank: int, world: int, port: int, schedule: str, by: str) -> dict:
             pipe.stage.zero_grad(set_to_none=True)
         busy = statistics.median(stage_busy_seconds(pipe.stage, batch, m, pipe.first, pipe.last) for _ in range(3))
         out[m] = {"step_s": statistics.median(steps), "busy_s": busy}
-    out = {"sizes": sizes, **out}
-    dist.destroy_process_group()
-    return out
+    return {"sizes": sizes, **out}
 
 
 def multi_process(world: int, schedule: str, by: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, schedule, by, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for r, v in results.items():
-        if isinstance(v, str):
-            raise RuntimeError(f"rank {r} failed:\n{v}")
-    for p in procs:
-        p.join()
+    results = spawn_ranks(_measure, world, schedule, by)
     rows = []
     for m in [k for k in results[0] if k != "sizes"]:
         step = max(results[r][m]["step_s"] for r in range(world))
@@ -147,42 +111,37 @@ def multi_process(world: int, schedule: str, by: str) -> list[dict]:
 
 def naive(devices: list[str]) -> list[dict]:
     from toolkit.parallel.pp import NaivePipeline
+    from toolkit.loss import token_loss_sum
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     batch = make_batch()
     n_targets = (batch["labels"][:, 1:] != -100).sum().item()
     rows = []
     unsplit = build_model()
-    ref = []
-    for _ in range(STEPS + 1):
-        t0 = time.perf_counter()
-        from toolkit.train.loss import token_loss_sum
 
+    def unsplit_step() -> None:
         (token_loss_sum(unsplit(input_ids=batch["input_ids"]).logits, batch["labels"]) / n_targets).backward()
         unsplit.zero_grad(set_to_none=True)
-        ref.append(time.perf_counter() - t0)
-    unsplit_s = statistics.median(ref[1:])
+
+    unsplit_s = median_seconds(unsplit_step, STEPS, warmup=1)
     for m in MICROBATCHES:
         pipe = NaivePipeline(build_model(), [torch.device(d) for d in devices], m)
-        times = []
-        for _ in range(STEPS + 1):
-            t0 = time.perf_counter()
+
+        def pipe_step() -> None:
             pipe.train_step({k: v.to(devices[0]) for k, v in batch.items()}, 1.0 / n_targets)
-            if devices[0].startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            sync()
             pipe.zero_grad(set_to_none=True)
+
         p = len(devices)
-        rows.append({"runtime": f"naive, {','.join(devices)}", "p": p, "m": m, "blocks_per_stage": pipe.sizes, "step_s": statistics.median(times[1:]),
+        rows.append({"runtime": f"naive, {','.join(devices)}", "p": p, "m": m, "blocks_per_stage": pipe.sizes,
+                     "step_s": median_seconds(pipe_step, STEPS, warmup=1),
                      "unsplit_step_s": unsplit_s, "idle_gpipe": (p - 1) / (m + p - 1)})
     return rows
 
 
 def write(rows: list[dict], out: Path) -> None:
-    out.mkdir(exist_ok=True)
     meta = {"model": SHAPES, "batch": BATCH, "seq": SEQ, "steps": STEPS, "torch": torch.__version__,
             "cores": len(os.sched_getaffinity(0)), "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
-    (out / "pipeline.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"# Pipeline step time vs micro-batches (`scripts/bench_pipeline.py`)", "",
              f"Llama {SHAPES['num_hidden_layers']} blocks, h {SHAPES['hidden_size']}, batch {BATCH} x seq {SEQ}, "
              f"fp32, {meta['cores']} CPU cores, torch {meta['torch']}; median of {STEPS} steps.", "",
@@ -191,7 +150,7 @@ def write(rows: list[dict], out: Path) -> None:
         idle = ", ".join(f"{x:.0%}" for x in r["idle_measured"]) if "idle_measured" in r else \
             f"n/a (unsplit model: {r['unsplit_step_s']:.3f} s)"
         lines.append(f"| {r['runtime']} | {'+'.join(map(str, r['blocks_per_stage']))} | {r['m']} | {r['step_s']:.3f} | {idle} | {r['idle_gpipe']:.0%} |")
-    (out / "pipeline.md").write_text("\n".join(lines) + "\n")
+    write_pair(out / "pipeline", {"meta": meta, "rows": rows}, lines)
     try:
         import matplotlib
 
@@ -221,12 +180,11 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--devices", default="cpu,cpu", help="naive pipeline stage devices")
     ap.add_argument("--balance", default="params", choices=["params", "time"], help="how blocks are split")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--out", default=str(BENCH))
     args = ap.parse_args()
     rows = (multi_process(args.stages, "gpipe", args.balance) + multi_process(args.stages, "1f1b", args.balance)
             + naive(args.devices.split(",")))
     write(rows, Path(args.out))
-    print((Path(args.out) / "pipeline.md").read_text())
 
 
 if __name__ == "__main__":

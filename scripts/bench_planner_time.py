@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, ROOT, read_metrics, write_pair
 
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -49,17 +48,11 @@ LAYOUTS = [
 ]
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, args: list[str], log) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-           *args]
+    from toolkit.parallel.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
@@ -77,13 +70,13 @@ def write_data(path: Path, n: int = 600) -> None:
 
 def measured_step(out: Path) -> float:
     """Median seconds between consecutive logged steps, after the first two."""
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(out)
     t = [r["elapsed_s"] for r in recs if "loss" in r]
     return statistics.median(b - a for a, b in zip(t[2:], t[3:]))
 
 
 def predicted_step(model_cfg: dict, world: int, row, gc: bool, hw_file: Path) -> float:
-    from toolkit.parallel.dims import ParallelDims
+    from toolkit.layout.dims import ParallelDims
     from toolkit.planner.cost import load_hardware
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.plan import PlanInput, estimate, estimate_layout
@@ -135,7 +128,7 @@ def render(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    ap.add_argument("--out", default=str(BENCH))
     ap.add_argument("--work", default="/tmp/bench_planner_time")
     ap.add_argument("--only", help="comma-separated layout names (a quick look; the table is not written)")
     a = ap.parse_args()
@@ -176,8 +169,7 @@ def main() -> None:
     if a.only:
         return
     out = Path(a.out)
-    (out / "planner_time.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "planner_time.md").write_text(render(result))
+    write_pair(out / "planner_time", result, render(result), echo=False)
     log(f"wrote {out / 'planner_time.md'}")
 
 

@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+from _bench_common import BENCH, ROOT, child_result, cpu_device, md_table, write_pair
+
 # (module, function) finetune.main calls, in order; each is wrapped with a timer in the phase run
 PHASES = [("toolkit.config", "parse_config"), ("toolkit.models", "check_model"), ("toolkit.models", "load_tokenizer"),
-          ("toolkit.data.prepare", "prepare_data"), ("toolkit.parallel", "make_accelerator"),
-          ("toolkit.parallel.strategy", "make_strategy"), ("toolkit.models", "load_model"),
+          ("toolkit.data.prepare", "prepare_data"), ("toolkit.parallel.build", "make_accelerator"),
+          ("toolkit.parallel.build", "make_strategy"), ("toolkit.models", "load_model"),
           ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
           ("toolkit.train.integrity", "verify_saved"), ("toolkit.train.output", "summarize")]
 
@@ -61,7 +61,7 @@ for mod, name in {phases!r}:  # parse_config is imported into finetune at module
     wrap(finetune if mod == "toolkit.config" else importlib.import_module(mod), name)
 sys.argv = ["finetune.py", *{argv!r}]
 finetune.main()  # as the command line calls it (no argv: the process is the run's own)
-print(json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() - t0}}))
+print("RESULT " + json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() - t0}}))
 """
 
 
@@ -91,7 +91,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from toolkit.synthetic import build_model_dir, corpus
 
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
@@ -112,42 +111,34 @@ def main() -> None:
         run_s.append(timed(run, env))
         floor_s.append(timed(floor, env))
     script = PHASE_RUN.format(root=str(ROOT), phases=PHASES, argv=argv)
-    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(p.stderr[-3000:])
-    phases = json.loads(p.stdout.strip().splitlines()[-1])
+    phases = child_result(["-c", script], env=env, what="the phase run")
     imports = import_self_times(run, env)
     import torch
 
-    out = {"device": f"CPU, {os.cpu_count()} cores", "torch": torch.__version__, "python": sys.version.split()[0],
+    out = {"device": cpu_device(), "torch": torch.__version__, "python": sys.version.split()[0],
            "repeats": a.repeats, "help_seconds": {"median": statistics.median(help_s), "all": help_s},
            "tiny_run_seconds": {"median": statistics.median(run_s), "all": run_s},
            "import_floor_seconds": {"median": statistics.median(floor_s), "all": floor_s, "command": FLOOR},
            "phase_run": phases, "import_self_seconds_by_package": imports,
            "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
-    (BENCH / "startup.json").write_text(json.dumps(out, indent=2))
     lines = ["# Start-up: `finetune.py --help` and a 1-step tiny run", "",
              "Reproduce: `python scripts/bench_startup.py` (method in its docstring). A 156k-parameter Llama, LoRA, "
-             "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each time.", "",
-             "| what | median seconds | all | target |", "|---|---|---|---|",
-             f"| `finetune.py --help` | {out['help_seconds']['median']:.2f} | "
-             f"{', '.join(f'{x:.2f}' for x in help_s)} | < 0.5 |",
-             f"| tiny run, wall | {out['tiny_run_seconds']['median']:.2f} | "
-             f"{', '.join(f'{x:.2f}' for x in run_s)} | < 6 |",
-             f"| floor: `python -c \"{FLOOR}\"` | {out['import_floor_seconds']['median']:.2f} | "
-             f"{', '.join(f'{x:.2f}' for x in floor_s)} | |",
-             f"| tiny run above the floor | {statistics.median(run_s) - statistics.median(floor_s):.2f} | | |", "",
-             "One more run, by phase (seconds; `finetune.main`'s calls, each wrapped with a timer):", "",
-             "| phase | seconds |", "|---|---|",
-             f"| interpreter start, imports, `finetune.main` up to its first call | {phases['to_first_phase']:.2f} |"]
-    lines += [f"| `{name}` | {phases['phases'].get(name, 0.0):.2f} |" for _, name in PHASES]
-    lines += [f"| total | {phases['total']:.2f} |", "",
-              "Import self time by top-level package (`python -X importtime`, one run):", "",
-              "| package | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in imports.items()]
+             "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each time.", ""]
+    every = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    lines += md_table(["what", "median seconds", "all", "target"], [
+        ["`finetune.py --help`", f"{out['help_seconds']['median']:.2f}", every(help_s), "< 0.5"],
+        ["tiny run, wall", f"{out['tiny_run_seconds']['median']:.2f}", every(run_s), "< 6"],
+        [f"floor: `python -c \"{FLOOR}\"`", f"{out['import_floor_seconds']['median']:.2f}", every(floor_s), ""],
+        ["tiny run above the floor", f"{statistics.median(run_s) - statistics.median(floor_s):.2f}", "", ""]])
+    lines += ["", "One more run, by phase (seconds; `finetune.main`'s calls, each wrapped with a timer):", ""]
+    lines += md_table(["phase", "seconds"], [
+        ["interpreter start, imports, `finetune.main` up to its first call", f"{phases['to_first_phase']:.2f}"],
+        *[[f"`{name}`", f"{phases['phases'].get(name, 0.0):.2f}"] for _, name in PHASES],
+        ["total", f"{phases['total']:.2f}"]])
+    lines += ["", "Import self time by top-level package (`python -X importtime`, one run):", ""]
+    lines += md_table(["package", "seconds"], [[k, f"{v:.2f}"] for k, v in imports.items()])
     lines += ["", f"Device: {out['device']}, torch {out['torch']}, Python {out['python']}."]
-    (BENCH / "startup.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(BENCH / "startup", out, lines)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, child_result, cpu_device, print_result, read_metrics, save_llama, sync
+
 VARIANTS = ("raw", "toolkit", "full", "trainer", "sft")  # full: the toolkit with --loss full (logits like raw/Trainer)
 LABELS = {"raw": "raw loop", "toolkit": "toolkit", "full": "toolkit --loss full", "trainer": "Trainer",
           "sft": "SFTTrainer"}
@@ -44,17 +43,12 @@ TINY = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_att
 
 def tiny_model_dir(path: Path) -> str:
     """A Llama of TINY shape with SmolLM2's tokenizer, saved and loaded through from_pretrained."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from toolkit.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
-    import torch
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TINY, vocab_size=len(tok))).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return str(save_llama(path, tok, **TINY, vocab_size=len(tok)))
 
 
 def setup(args, loss: str = "auto"):
@@ -91,19 +85,11 @@ def precision(args) -> str:
     return getattr(args, "precision", "no")
 
 
-def sync() -> None:
-    """Wait for queued GPU work, so that a clock read after it counts it."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_raw(args) -> dict:
     import torch
 
     from toolkit.data import collate
-    from toolkit.train.loss import count_targets, token_loss_sum
+    from toolkit.loss import count_targets, token_loss_sum
 
     cfg, model, tok, ordered, _, _ = setup(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,13 +117,13 @@ def run_raw(args) -> dict:
 
 
 def run_toolkit(args, loss: str = "auto") -> dict:
-    from toolkit.parallel import make_accelerator
-    from toolkit.parallel.strategy import make_strategy
+    from toolkit.parallel.build import make_accelerator
+    from toolkit.parallel.build import make_strategy
     from toolkit.train.loop import train
 
     cfg, model, tok, _, rows, out = setup(args, loss)
     train(cfg, make_strategy(cfg, make_accelerator(cfg)), model, tok, rows, [], Path(out), log=lambda *a, **k: None)
-    recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(out)
     first, last = recs[0], recs[-1]  # the first record closes the warm-up window
     assert first["step"] == args.warmup and last["step"] == args.warmup + args.steps
     return {"tokens": last["tokens"] - first["tokens"], "seconds": last["elapsed_s"] - first["elapsed_s"],
@@ -214,7 +200,7 @@ def child_main(argv: list[str]) -> None:
     from toolkit.train.flops import measure_peak_flops
 
     result["peak_flops"] = measure_peak_flops(device, compute_dtype(args))  # after the timed steps
-    print("RESULT " + json.dumps(result))
+    print_result(result)
 
 
 def compute_dtype(args):
@@ -244,12 +230,8 @@ def measure(a: argparse.Namespace, path: str, log=print) -> dict:
     for rep in range(a.repeats):
         for v in variants:
             spec = {**vars(a), "variant": v, "model_path": path}
-            p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                               cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise RuntimeError(f"{v} failed:\n{p.stderr[-3000:]}")
-            r = json.loads(line[7:])
+            r = child_result([__file__, "--child", json.dumps(spec)], env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                             what=v)
             r["tokens_per_sec"] = r["tokens"] / r["seconds"]
             results[v].append(r)
             log(f"round {rep + 1} {v}: {r['tokens_per_sec']:.1f} tokens/s")
@@ -268,7 +250,7 @@ def measure(a: argparse.Namespace, path: str, log=print) -> dict:
     pairs = [(x, y) for x in ("toolkit", "full") for y in ("raw", "trainer", "sft") if x in med and y in med]
     return {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
             "repeats": a.repeats, "dtype": str(compute_dtype(a)).removeprefix("torch."),
-            "device": torch.cuda.get_device_name(0) if cuda else f"CPU, {os.cpu_count()} cores",
+            "device": torch.cuda.get_device_name(0) if cuda else cpu_device(),
             "torch": torch.__version__,
             "peak_flops": peak, "peak_probes": [min(probes), statistics.median(probes), max(probes), len(probes)],
             "flops_per_token": per_token,
@@ -305,13 +287,12 @@ def main() -> None:
         entry = measure(a, path, log=lambda m: print(m, flush=True))
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
-    bench = ROOT / "benchmarks"
-    bench.mkdir(exist_ok=True)
-    store = bench / "throughput.json"
+    BENCH.mkdir(exist_ok=True)
+    store = BENCH / "throughput.json"
     data = json.loads(store.read_text()) if store.exists() else []
     data = [d for d in data if (d["model"], d["method"]) != (a.model, a.method)] + [entry]
     store.write_text(json.dumps(data, indent=2))
-    render(data, bench)
+    render(data, BENCH)
     print(json.dumps({k: entry[k] for k in ("median_tokens_per_sec", "ratios", "round_ratios", "mfu")}, indent=2))
 
 

@@ -15,19 +15,11 @@ ratio says little about GPUs; it is recorded, not claimed.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bench_common import BENCH, median_seconds, save_llama, spawn_ranks, write_pair
 
 SHAPES = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=1024)
@@ -64,8 +56,7 @@ def expected_bytes(layers: int, b: int, s: int, h: int, method: str, checkpointi
             "param": 5 * layers * r * h * elem if lora else 0}
 
 
-def _worker(rank: int, world: int, port: int, folder: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(rank: int, world: int, folder: str) -> list[dict]:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
@@ -74,9 +65,8 @@ def _worker(rank: int, world: int, port: int, folder: str, queue) -> None:
     from toolkit.models import enable_checkpointing
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.tp.comm import TRAFFIC
-    from toolkit.train.loss import token_loss_sum
+    from toolkit.loss import token_loss_sum
 
-    dist.init_process_group("gloo")
     layout = make_layout(world)
     rows = []
     for name, b, s, method, gc in CASES:
@@ -89,45 +79,26 @@ def _worker(rank: int, world: int, port: int, folder: str, queue) -> None:
         model = apply_tensor_parallel(model, layout.tp_group)
         model.train()
         ids = torch.randint(0, SHAPES["vocab_size"], (b, s), generator=torch.Generator().manual_seed(1))
-        times = []
-        for step in range(STEPS + 1):  # the first step warms up and is not counted
-            if step == 1:
-                TRAFFIC.clear()
-            t0 = time.perf_counter()
+
+        def step() -> None:
             token_loss_sum(model(input_ids=ids).logits, ids).backward()
             dist.barrier()
-            times.append(time.perf_counter() - t0)
+
+        step()  # warms up; neither its time nor its traffic is counted
+        TRAFFIC.clear()
+        step_s = median_seconds(step, STEPS)
         rows.append({"case": name, "micro_batch": b, "seq": s, "method": method, "checkpointing": gc,
                      "forward_bytes": TRAFFIC["forward"] // STEPS, "backward_bytes": TRAFFIC["backward"] // STEPS,
                      "backward_param_bytes": TRAFFIC["backward_param"] // STEPS,
                      "forward_calls": TRAFFIC["forward_calls"] // STEPS, "backward_calls": TRAFFIC["backward_calls"] // STEPS,
-                     "step_s": sorted(times[1:])[len(times[1:]) // 2]})
-    queue.put((rank, rows))
-    dist.destroy_process_group()
-
-
-def run(world: int, folder: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, folder, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return out[0]
+                     "step_s": step_s})
+    return rows
 
 
 def main() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**SHAPES, max_position_embeddings=512)).save_pretrained(tmp)
-        single, tp2 = run(1, tmp), run(2, tmp)
+        save_llama(tmp, **SHAPES, max_position_embeddings=512)
+        single, tp2 = spawn_ranks(_worker, 1, tmp)[0], spawn_ranks(_worker, 2, tmp)[0]
     L, h = SHAPES["num_hidden_layers"], SHAPES["hidden_size"]
     rows = []
     for one, two in zip(single, tp2):
@@ -138,11 +109,8 @@ def main() -> None:
                      "backward_ratio": two["backward_bytes"] / exp["backward"],
                      "tp1_step_s": one["step_s"], "tp1_bytes": one["forward_bytes"] + one["backward_bytes"],
                      "tp2_over_tp1_time": two["step_s"] / one["step_s"]})
-    out = ROOT / "benchmarks"
-    out.mkdir(exist_ok=True)
     meta = {"model": SHAPES, "dtype": "float32", "tp": 2, "backend": "gloo", "steps": STEPS,
             "machine": f"{os.cpu_count()} CPU cores", "torch": torch.__version__}
-    (out / "tp_comm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["# Tensor-parallel all-reduce bytes per step (tp=2, fp32, gloo)", "",
              f"Model: Llama {SHAPES}. Reproduce: `python scripts/bench_tp_comm.py`. Megatron's count is "
              "2 x L x b x s x h x 4 bytes per direction (Megatron-LM section 3); `expected` adds the terms in "
@@ -159,8 +127,7 @@ def main() -> None:
               f"torch {meta['torch']}. Step time = median of {STEPS} forward+backward passes after one warm-up; on "
               "2 CPU cores with gloo, tp2 is slower than tp1 (two ranks share the cores and add all-reduces): "
               "recorded, not a claim about GPUs."]
-    (out / "tp_comm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(BENCH / "tp_comm", {"meta": meta, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

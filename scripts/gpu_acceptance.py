@@ -59,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
@@ -173,8 +174,7 @@ class Peak:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            self.base = _status_kib("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")
+            self.base = reset_peak_rss()
 
     def read(self) -> dict:
         import torch
@@ -183,15 +183,8 @@ class Peak:
             torch.cuda.synchronize()
             return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
                     "measure": "torch.cuda.max_memory_allocated"}
-        return {"allocated": (_status_kib("VmHWM") - self.base) * 1024, "reserved": None,
+        return {"allocated": (status_kib("VmHWM") - self.base) * 1024, "reserved": None,
                 "measure": "CPU peak RSS above the RSS at the start of training (not comparable)"}
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def train_case(c: dict) -> dict:
@@ -202,8 +195,8 @@ def train_case(c: dict) -> dict:
 
     from toolkit.config import parse_config
     from toolkit.models import load_model, load_tokenizer
-    from toolkit.parallel import make_accelerator
-    from toolkit.parallel.strategy import make_strategy
+    from toolkit.parallel.build import make_accelerator
+    from toolkit.parallel.build import make_strategy
     from toolkit.synthetic import token_rows
     from toolkit.train.checkpoint import save_final
     from toolkit.train.integrity import verify_saved
@@ -225,7 +218,7 @@ def train_case(c: dict) -> dict:
     peak.reset()
     model, result = train(cfg, strategy, model, tok, rows, [], out, log=lambda *a, **k: None)
     got = {"peak": peak.read()}
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(out)
     got["losses"] = [r["loss"] for r in recs if "loss" in r]
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(recs, recs[1:])]
     got["step_seconds"] = statistics.median(times[1:] or times) if times else None  # the first steps warm up
@@ -282,7 +275,7 @@ def packing_under(impl: str, c: dict, device, padded: list, packed: list, real: 
 
     from bench_packing import useful_tokens_per_sec
     from toolkit.data.packing import model_inputs
-    from toolkit.train.loss import count_targets, token_loss_sum
+    from toolkit.loss import count_targets, token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(c["model_dir"], dtype=torch.float32, attn_implementation=impl)
@@ -507,8 +500,8 @@ def launch_forms(run: Run, work: Path) -> list[tuple[str, list[str], list[str]]]
     """(what, the command up to the script, finetune.py flags choosing the layout) for each form."""
     import yaml
 
-    from toolkit.parallel.deepspeed import deepspeed_config
-    from toolkit.parallel.launch_config import accelerate_yaml
+    from toolkit.layout.deepspeed import deepspeed_config
+    from toolkit.layout.launcher import accelerate_yaml
 
     py, script = sys.executable, str(ROOT / "finetune.py")
     z3, fsdp = ["--zero-stage", "3"], ["--fsdp"]
@@ -686,7 +679,7 @@ def main() -> None:
         quiet()
         START = a.start or ("spawn" if a.device == "cuda" else "fork")
         if START == "fork":
-            for warm in ("torch", "transformers", "peft", "toolkit.train.loop", "toolkit.parallel.strategy"):
+            for warm in ("torch", "transformers", "peft", "toolkit.train.loop", "toolkit.parallel.build"):
                 importlib.import_module(warm)  # imported once here, so each forked case starts warm
 
         got = in_child(environment, a.device)
