@@ -10,6 +10,7 @@ Every flag is also a YAML key for --config; see `python finetune.py --help`.
 import json
 import os
 import sys
+from functools import partial
 
 from toolkit.config import parse_config, save_config
 from toolkit.console import quiet
@@ -30,9 +31,8 @@ def main(argv: list[str] | None = None):
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolve_model,
                                 resolved_precision)
-    from toolkit.parallel.build import make_accelerator
-    from toolkit.parallel.build import make_strategy
-    from toolkit.planner.auto import apply_auto_strategy
+    from toolkit.parallel.build import make_accelerator, make_strategy
+    from toolkit.planner.auto import apply_auto_strategy, restart_after_oom
     from toolkit.train.checkpoint import save_final
     from toolkit.train.evaluate import exact_match
     from toolkit.train.integrity import verify_saved
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None):
         scores["before"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
-    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
+    restart = None  # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
+    if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:
+        restart = partial(restart_after_oom, planned, say=log)
+    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, restart)
     written = save_final(strategy, model, tokenizer, out_dir / "final")  # the tensors saved, for the check
     verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)

@@ -205,6 +205,41 @@ def test_strategy_auto_plans_writes_plan_json_and_trains(tmp_path, tiny_model, d
     assert result.summary["steps"] == 6
 
 
+def test_strategy_auto_falls_back_after_an_out_of_memory(tmp_path, tiny_model, data_files):
+    """--strategy auto on one process: an out-of-memory at step 1 (simulated: torch.OutOfMemoryError,
+    as the allocator raises it, once) is one line naming the plan's first fallback, and the same
+    command runs again on it (exec) and finishes; the config it ran with is that fallback's, said in
+    one line at its start. plan.json lists the fallbacks in order: checkpointing on, then smaller
+    micro-batches with the global batch kept, then layouts that hold less per GPU."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    out, fired = tmp_path / "out", tmp_path / "fired"
+    argv = [sys.executable, str(Path(finetune.__file__)), "--model", str(tiny_model), "--dataset",
+            str(data_files["alpaca"]), "--output-dir", str(out), "--seq-len", "64", "--max-steps", "2",
+            "--method", "lora", "--strategy", "auto", "--verify", "files", "--report-to", "none"]
+    env = {**os.environ, "TOOLKIT_FAULT": f"step:1:error=oom:once={fired}"}
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=Path(finetune.__file__).parent, timeout=300)
+    assert p.returncode == 0 and fired.exists(), p.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    first = plan["fallbacks"][0]
+    said = [ln for ln in p.stdout.splitlines() if "under --strategy auto: falling back to" in ln]
+    assert len(said) == 1 and said[0].startswith("out of memory at step 1 under --strategy auto: falling back to "
+                                                 f"{first['what']}"), p.stdout[-3000:]
+    assert f"layout: fallback 1 of the plan after an out-of-memory: {first['what']}" in p.stdout
+    assert "Traceback" not in p.stderr
+    ran = yaml.safe_load((out / "config.yaml").read_text())
+    assert (ran["gradient_checkpointing"], ran["micro_batch_size"], ran["grad_accum"]) == \
+        (True, first["micro_batch"], first["grad_accum"])
+    assert not plan["chosen_detail"]["checkpointing"] and first["what"] == "gradient checkpointing on"
+    whats = [f["what"] for f in plan["fallbacks"]]
+    assert any(w.startswith("micro-batch 1 x accumulation") for w in whats[1:])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
 def test_strategy_auto_refuses_manual_sharding_flags(tmp_path):
     from toolkit.errors import UserError
 
@@ -346,3 +381,82 @@ def test_first_step_peak_is_logged_beside_the_prediction_and_a_high_one_warns(tm
     monkeypatch.undo()
     _, cpu = run(tmp_path / "cpu", tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "1")
     assert "peak_allocated_bytes" not in [r for r in records(cpu) if "loss" in r][0]
+
+
+def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, data_files, monkeypatch):
+    """On a GPU every read-back (`.item()`, `float(t)`, `.tolist()`, `nonzero`) waits for all the work
+    queued before it. Counted around each step through two seams: the loop's own reads
+    (`toolkit.train.step.host`) and torch's scalar reads (aten._local_scalar_dense and nonzero, seen by
+    a dispatch mode, with `Tensor.tolist`) inside `one_step`. With a record every 3rd step, steps 2,
+    4 and 5 read nothing; 3 and 6 read once, in `log_window`. (Step 1 also records the run's memory
+    figures, once per run; transformers' mask preparation inside the forward is counted apart.) The
+    records are the window's: the losses of a run logged every step, averaged."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import toolkit.train.loop as loop
+    import toolkit.train.step as step_module
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero"):
+                # transformers' own mask preparation reads the padding mask back once or twice per forward
+                # (masking_utils: `fast_all` of the mask for SDPA's causal shortcut, packed-sequence
+                # detection): the model's, not the loop's, and counted apart
+                where = "model" if any("transformers/masking_utils" in f.filename for f in traceback.extract_stack()) else current[0]
+                counts[where] = counts.get(where, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    counts, current, inside = {}, [0], [False]
+    real_step, real_host, real_tolist = loop.one_step, step_module.host, torch.Tensor.tolist
+
+    def one_step(run, micro, first=False):
+        current[0] += 1
+        with Reads():
+            return real_step(run, micro, first)
+
+    def host(t):
+        counts[current[0]] = counts.get(current[0], 0) + 100  # the loop's own read-back: counted apart
+        inside[0] = True
+        try:
+            return real_host(t)
+        finally:
+            inside[0] = False
+
+    def tolist(t):
+        if not inside[0]:
+            counts[current[0]] = counts.get(current[0], 0) + 1
+        return real_tolist(t)
+
+    monkeypatch.setattr(loop, "one_step", one_step)
+    monkeypatch.setattr(loop, "host", host, raising=False)
+    monkeypatch.setattr(step_module, "host", host)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", tolist)
+        _, out = run(tmp_path, tiny_model, data_files["alpaca"], "--log-every", "3", "--method", "full")
+    assert {s: counts.get(s, 0) for s in range(2, 7)} == {2: 0, 3: 100, 4: 0, 5: 0, 6: 100}, counts
+    every = records(run(tmp_path / "every", tiny_model, data_files["alpaca"], "--method", "full")[1])
+    logged = {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+    assert sorted(logged) == [3, 6]
+    by_step = {r["step"]: r["loss"] for r in every if "loss" in r}
+    assert logged[6] == pytest.approx((by_step[4] + by_step[5] + by_step[6]) / 3, rel=0.05)
+
+
+@pytest.mark.parametrize("extra", [["--method", "lora", "--gradient-checkpointing", "--packing"], ["--method", "full"]],
+                         ids=["lora-gc-packing", "full"])
+def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, monkeypatch, extra):
+    """--compile compiles each decoder block (regional); LoRA with checkpointing and packing, and a full
+    finetune, give the eager run's losses (1e-4 relative) and the first step's record says it was the
+    compile warm-up. Compiled with the aot_eager backend (dynamo + AOTAutograd, the graphs a GPU run
+    compiles, without inductor's C++ build: minutes on 2 cores); the block is really compiled (its
+    compiled call is set)."""
+    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    eager = [r["loss"] for r in records(run(tmp_path / "eager", tiny_model, data_files["chat"], *extra)[1]) if "loss" in r]
+    result, out = run(tmp_path / "compiled", tiny_model, data_files["chat"], *extra, "--compile")
+    compiled = [r for r in records(out) if "loss" in r]
+    assert [r["loss"] for r in compiled] == pytest.approx(eager, rel=1e-4)
+    assert compiled[0].get("compile_warmup") and not any(r.get("compile_warmup") for r in compiled[1:])
+    assert all(b._compiled_call_impl is not None for b in decoder_layers(result.model))

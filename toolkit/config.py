@@ -89,6 +89,10 @@ class TrainConfig:
                            "tokens only, 256 at a time, so batch x seq x vocab fp32 logits never exist (same loss "
                            "and gradients); auto: chunked, except under --pp or with a non-linear LM head",
                    ("auto", "full", "chunked"))
+    compile: bool = _f(False, "compile each decoder block with torch.compile (regional); the first step compiles, "
+                              "and its metrics record says so (warmup)")
+    kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "
+                              "(CUDA; pip install 'toolkit[gpu]')", ("none", "liger"))
 
 
 @dataclass(frozen=True)
@@ -462,7 +466,7 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
-    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:

@@ -215,11 +215,61 @@ def load_model(cfg: Config, path: str):
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
+    if cfg.train.kernels == "liger":
+        apply_liger(model)
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg)
+    if cfg.train.compile:
+        compile_blocks(model)
     return model
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder blocks (`model.model.layers` of a causal LM, under a peft wrapper too); [] where the
+    model keeps them elsewhere."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(getattr(getattr(base, "model", None), "layers", None) or [])
+
+
+# torch.compile's backend for --compile; a test seam: the suite compiles with "aot_eager" (dynamo and
+# AOTAutograd, without inductor's C++ build on a 2-core CPU)
+COMPILE_BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
+
+
+def compile_blocks(model) -> None:
+    """--compile: each decoder block compiled in place (`nn.Module.compile`: regional compilation, as
+    torchtitan compiles per block), so one compiled graph serves every block, the parameters and
+    state-dict keys stay the module's own, and a layout's later changes to the blocks (TP's split
+    projections, context parallel's attention, FSDP2's hooks) are traced at the first step. Shapes
+    that change (a new sequence length) compile again; the first step's record says it was warm-up."""
+    blocks = decoder_layers(model)
+    if not blocks:
+        raise UserError(f"--compile: no decoder blocks at model.layers in {type(model).__name__}; leave --compile out")
+    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
+    for block in blocks:
+        block.compile(backend=backend, dynamic=None)
+
+
+def apply_liger(model) -> None:
+    """--kernels liger: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (Triton) patched into this model's
+    modules; its fused linear cross-entropy is --loss liger. One line where it cannot run."""
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        raise UserError("--kernels liger runs Triton kernels, which need a CUDA GPU; leave --kernels out on this machine")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("--kernels liger needs the liger-kernel package, which is not installed: "
+                        "pip install 'toolkit[gpu]' (or leave --kernels out)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    try:
+        _apply_liger_kernel_to_instance(model=model, rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"--kernels liger: Liger-Kernel has no kernels for this model ({model.config.model_type}: "
+                        f"{e}); leave --kernels out") from None
 
 
 def enable_checkpointing(model) -> None:

@@ -143,10 +143,11 @@ def checkpoint_format(par: ParallelFlags) -> str:
 
 # ----------------------------------------------------------------------------- what may run
 
-def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
+def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int,
+                    compiled: bool = False) -> list[str]:
     """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
-    precision ("fp16" is the one that matters), --loss and micro-batch, that needs neither the
-    model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
+    precision ("fp16" is the one that matters), --loss, micro-batch and --compile, that needs neither
+    the model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
     p: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
@@ -177,6 +178,11 @@ def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, 
                                   "(no loss scaling across TP shards); use bf16")
     p += _pipeline_problems(par, method, precision, loss, micro_batch)
     p += _cp_problems(par, method, precision)
+    if compiled and par.zero_stage == 3:
+        p.append("--compile with --zero-stage 3 is not supported (ZeRO-3's parameter hooks break the compiled "
+                 "blocks' graphs); use --fsdp or --dp-shard N, which compile, or drop --compile")
+    if compiled and par.pp > 1:
+        p.append(f"--compile with --pp {par.pp} is not supported yet; drop one of them")
     return p
 
 

@@ -45,16 +45,45 @@ def time_model(device: str) -> Hardware:
 def apply_plan(cfg: Config, result: Plan) -> Config:
     """The config with the chosen layout, checkpointing and batch sizes (the flags `plan` prints)."""
     d = result.chosen_detail
-    if d.dims is not None:
-        flags = mesh_flags(ParallelDims(result.world, **d.dims), d.micro_batch)
-    else:
-        flags = flags_of(result.chosen)
+    return apply_layout(cfg, result.world, d.name, d.dims, d.checkpointing, d.micro_batch, result.grad_accum)
+
+
+def apply_layout(cfg: Config, world: int, name: str, dims: dict | None, checkpointing: bool, micro_batch: int,
+                 grad_accum: int) -> Config:
+    """The config with a planned layout (a 1-D strategy `name`, or mesh `dims`) and its batch split."""
+    flags = mesh_flags(ParallelDims(world, **dims), micro_batch) if dims is not None else flags_of(name)
     layout = {k: getattr(flags, k) for k in ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard",
                                             "dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_schedule")}
-    if d.dims is None or ParallelDims(result.world, **d.dims).pp == 1:  # the pipeline settings stay the user's
+    if dims is None or ParallelDims(world, **dims).pp == 1:  # the pipeline settings stay the user's
         del layout["pp_microbatches"], layout["pp_schedule"]
-    return cfg.replace(**layout, gradient_checkpointing=d.checkpointing, micro_batch_size=d.micro_batch,
-                       grad_accum=result.grad_accum)
+    return cfg.replace(**layout, gradient_checkpointing=checkpointing, micro_batch_size=micro_batch,
+                       grad_accum=grad_accum)
+
+
+# --strategy auto after an out-of-memory: how many of the plan's fallbacks this process is past
+FALLBACK_ENV = "TOOLKIT_AUTO_FALLBACK"
+FALLBACK_STEPS = 3  # an out-of-memory in these first steps falls back; a later one is the layout's to report
+
+
+def restart_after_oom(result: Plan, step: int, say) -> None:
+    """--strategy auto, one process, an out-of-memory in the first steps: say the plan's next fallback
+    in one line and run the same command again on it, in this process (exec: every byte it held on
+    the device is given back; the run's output folder, which holds no checkpoint yet, is written
+    again). Returns only where the step is past the first ones or no fallback is left."""
+    import sys
+
+    taken = int(os.environ.get(FALLBACK_ENV, "0"))
+    if step > FALLBACK_STEPS or taken >= len(result.fallbacks):
+        return
+    nxt = result.fallbacks[taken]
+    say(f"out of memory at step {step} under --strategy auto: falling back to {nxt['what']} "
+        f"({' '.join(nxt['flags'])}; fallback {taken + 1} of {len(result.fallbacks)}), starting again")
+    os.environ[FALLBACK_ENV] = str(taken + 1)
+    argv = list(sys.orig_argv)
+    if "--overwrite-output-dir" not in argv:
+        argv.append("--overwrite-output-dir")
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execv(sys.executable, argv)
 
 
 def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memory: int, nodes: int,
@@ -124,5 +153,14 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[C
         raise UserError(f"--strategy auto: cannot plan for {model_path} ({e}); pass --zero-stage/--fsdp yourself") from None
     if not result.chosen:
         raise UserError(f"--strategy auto: {result.advice}")
+    taken = int(os.environ.get(FALLBACK_ENV, "0"))
+    if taken:  # a restart after an out-of-memory: the plan's fallback, not its choice
+        if taken > len(result.fallbacks):
+            raise UserError(f"--strategy auto: out of memory on every fallback of the plan ({len(result.fallbacks)}); "
+                            "use more GPUs, --method qlora or a shorter --seq-len")
+        f = result.fallbacks[taken - 1]
+        cfg = apply_layout(cfg, result.world, f["name"], f["dims"], True, f["micro_batch"], f["grad_accum"])
+        return cfg.replace(notes=(f"layout: fallback {taken} of the plan after an out-of-memory: {f['what']} "
+                                  f"({' '.join(f['flags'])})",)), result, render_table(result)
     return apply_plan(cfg, result), result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine, "
                     f"time model {inp.hw.name}\n" + render_table(result))

@@ -198,6 +198,7 @@ class Plan:
     global_batch: int = 0  # examples per optimizer step asked for (`target_batch`)
     batch: str = ""  # how the chosen layout splits the global batch, in one line (`batch_line`)
     why: list[dict[str, Any]] = field(default_factory=list)  # what decided the choice (`decision`), against whom
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # `--strategy auto` after an out-of-memory (`fallbacks`)
 
     def to_json(self) -> dict[str, Any]:
         """Every field; a row's `terms` (one micro-batch step) is left out: `seconds` gives the same
@@ -432,6 +433,47 @@ TERM_TEXT = {  # `cost.TERMS`, as a user reads them
 }
 
 
+def fallbacks(inp: PlanInput, chosen: Candidate, rows: list[Candidate], target: int) -> list[Candidate]:
+    """What `--strategy auto` runs after an out-of-memory in its first steps, in order (issue 34): the
+    chosen layout with gradient checkpointing on; then its micro-batch made smaller, the accumulation
+    larger (the global batch kept), down to 1; then the layouts of the plan that hold less per GPU in
+    weights, gradients and optimizer state (sharded or offloaded), at their smallest (checkpointing,
+    micro-batch 1), best first."""
+    world = inp.gpus_per_node * inp.nodes
+
+    def at(c: Candidate, m: int) -> Candidate:
+        x = estimate(inp, STRATEGIES[c.name], True, m) if c.dims is None else \
+            estimate_layout(inp, ParallelDims(world, **c.dims), True, m)
+        x.set_accumulation(rank_share(target, c.data_ranks) // m)
+        return x
+
+    out = [] if chosen.checkpointing else [at(chosen, chosen.micro_batch)]
+    share = rank_share(target, chosen.data_ranks)
+    out += [at(chosen, m) for m in sorted(divisors(share), reverse=True) if m < chosen.micro_batch]
+
+    def states(c: Candidate) -> int:
+        return c.bytes["weights"] + c.bytes["grads"] + c.bytes["optimizer"]
+
+    smaller = [at(r, 1) for r in rows if r.checkpointing and r.runnable and states(r) < states(chosen)]
+    return out + sorted(smaller, key=lambda c: rank_key(c, target))
+
+
+def fallback_record(c: Candidate, chosen: Candidate, inp: PlanInput) -> dict[str, Any]:
+    """A fallback as plan.json keeps it: what changes, in words and as finetune.py's flags."""
+    world = inp.gpus_per_node * inp.nodes
+    if (c.name, c.dims) != (chosen.name, chosen.dims):
+        what = f"{c.name} with gradient checkpointing (less held per GPU)"
+    elif not chosen.checkpointing and c.micro_batch == chosen.micro_batch:
+        what = "gradient checkpointing on"
+    else:
+        what = f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} with gradient checkpointing (the global batch kept)"
+    flags = flags_for(c.name, True, c.micro_batch, c.grad_accum, inp.method) if c.dims is None else \
+        (["--method", inp.method] + mesh_flags(ParallelDims(world, **c.dims), c.micro_batch)
+         + ["--gradient-checkpointing", "--micro-batch-size", str(c.micro_batch), "--grad-accum", str(c.grad_accum)])
+    return {"what": what, "name": c.name, "dims": c.dims, "checkpointing": True, "micro_batch": c.micro_batch,
+            "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2), "flags": flags}
+
+
 def label(c: Candidate) -> str:
     return c.name + (" +gc" if c.checkpointing else "")
 
@@ -573,6 +615,7 @@ def plan(inp: PlanInput) -> Plan:
     result.chosen, result.chosen_detail, result.grad_accum = best.name, best, best.grad_accum
     result.batch = batch_line(inp, best)
     result.why = why_chosen(best, [best] + [c for c in ranked if c is not best], inp)
+    result.fallbacks = [fallback_record(c, best, inp) for c in fallbacks(inp, best, rows, target)]
     if best.dims is None:
         result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
     else:

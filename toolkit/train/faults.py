@@ -10,6 +10,7 @@ one all-reduce), so the run saves a checkpoint and exits instead of dying mid-st
     TOOLKIT_FAULT="step:5:rank=1:once=F"   only on rank 1, and only if file F does not exist yet
                                            (created just before the kill: an elastic restart survives)
     TOOLKIT_FAULT="save:4:error=enospc"    raise "No space left on device" in that write instead
+    TOOLKIT_FAULT="step:1:error=oom"       raise torch.OutOfMemoryError after step 1, as the CUDA allocator would
     TOOLKIT_FAULT="step:3:signal=term"     SIGTERM instead of SIGKILL: a preemption after step 3 (the run
                                            saves checkpoint-3 and exits 143), to stop a run at a chosen step
 """
@@ -75,6 +76,10 @@ def fault_hook() -> Callable[[str, int], None] | None:
             Path(once).touch()
         if options.get("error") == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if options.get("error") == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory (TOOLKIT_FAULT={spec})")
         os.kill(os.getpid(), signal.SIGTERM if options.get("signal") == "term" else signal.SIGKILL)
 
     return fire

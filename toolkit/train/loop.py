@@ -4,6 +4,11 @@ One optimizer step consumes `grad_accum` micro-batches on each of `world` ranks.
 of a step are fetched first so the number of target tokens in the whole global batch (`n_global`)
 is known before any backward: each micro-batch's summed loss is divided by it, which makes the
 update independent of how the global batch is split over ranks and accumulation steps.
+
+`train` reads top to bottom as a run goes: `set_up` (loader, strategy, schedule, resume), then per
+step `one_step` (forward, backward, clip, update: no host sync, `toolkit.train.step`),
+`log_window` (the one read-back per metrics record), `after_step` (eval, samples, checkpoints,
+faults, preemption), and `finish`.
 """
 
 from __future__ import annotations
@@ -11,26 +16,26 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from toolkit.config import Config, sample_prompts
-from toolkit.errors import UserError
 from toolkit.cache import cache_dir
-from toolkit.parallel import any_rank
+from toolkit.config import Config, sample_prompts
 from toolkit.data import collate
-from toolkit.data.packing import PackedRows, collate_packed, count_examples, pack_bins
-from toolkit.train.evaluate import eval_loss, sample_completions
-from toolkit.train.flops import head_params, matmul_params, mfu_warning, run_peak, step_flops
-from toolkit.loss import count_targets
+from toolkit.data.packing import PackedRows, collate_packed, pack_bins
+from toolkit.errors import UserError
+from toolkit.parallel import any_rank
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.tracker_spec import requested
+from toolkit.train.evaluate import eval_loss, sample_completions
+from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
+from toolkit.train.metrics import MetricsLogger, log_interval
+from toolkit.train.step import Step, Window, batch_counts, host, sync_free
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -97,8 +102,8 @@ def preflight(cfg: Config, accelerator, model_cfg: dict, warn) -> dict:
 def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Path) -> str:
     """One line for an out-of-memory at `step`: where, the planner's figures and a layout that fits,
     and what was kept (the checkpoints on disk are complete: a save is renamed into place whole)."""
-    from toolkit.models import resolved_precision
     from toolkit.layout.rules import strategy_name
+    from toolkit.models import resolved_precision
     from toolkit.planner.auto import memory_advice
     from toolkit.train.checkpoint import complete_checkpoints
 
@@ -117,8 +122,9 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
 
     The fused kernel (one pass over each parameter's memory; transformers.Trainer's default on
     torch >= 2.8) where the parameters' device and dtype have it: a step over SmolLM2-135M's weights
-    is 9x faster than torch's default per-tensor loop on a 2-core CPU (benchmarks/adamw.md). The
-    update is the same AdamW; ZeRO and FSDP step it on their own partitions."""
+    is 9x faster than torch's default per-tensor loop on a 2-core CPU (benchmarks/adamw.md), and it
+    skips a non-finite step on the device (`toolkit.train.step`). The update is the same AdamW;
+    ZeRO and FSDP step it on their own partitions."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -141,13 +147,14 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
     return True
 
 
-def make_loader(rows: list[dict], cfg: Config, pad_id: int) -> DataLoader:
+def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
-    With --packing the rows are packed once (deterministically) and the packed rows shuffled."""
+    With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
+    page-locked batches, so their copy to a GPU does not wait for the work queued before it."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
-    return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler,
+    return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
                       collate_fn=partial(collate_packed if cfg.data.packing else collate, pad_id=pad_id),
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
@@ -196,205 +203,318 @@ def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
     return {k: every[:, i].tolist() for i, k in enumerate(keys)}
 
 
+@dataclass
+class Run:
+    """One training run between its steps: what `set_up` built and what the steps carry forward."""
+    cfg: Config
+    strategy: Any  # toolkit.parallel.strategy.Strategy
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    eval_rows: list
+    out_dir: Path
+    batches: Iterator[tuple[int, list[dict]]]
+    metrics: MetricsLogger
+    total_steps: int
+    first_step: int
+    tokens_seen: int
+    peak: Peak
+    dtype: torch.dtype
+    log_every: int
+    prompts: list[str]
+    fault: Any
+    preempt: Any
+    start: float
+    window: Window
+    sync_free: bool
+    memory: dict = field(default_factory=dict)  # step 1's memory figures, for its record
+    bad_in_a_row: int = 0
+    mfu_warned: bool = False
+    last_loss: float = float("nan")
+
+    @property
+    def world(self) -> int:
+        return self.strategy.data.ranks
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.data.replicas  # model-parallel peers read the same data
+
+
 def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
-          out_dir: Path, log=print, resume=None) -> tuple[torch.nn.Module, TrainResult]:
+          out_dir: Path, log=print, resume=None, restart=None) -> tuple[torch.nn.Module, TrainResult]:
     """Train `model` with `strategy` (a `toolkit.parallel.strategy.Strategy`: it prepares the model,
-    runs each step's forward and backward, clips and saves); returns the model to save."""
+    runs each step's forward and backward, clips and saves); returns the model to save. `restart(step)`:
+    what --strategy auto does about an out-of-memory (`planner.auto.restart_after_oom`) before it is
+    reported."""
+    run = set_up(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
+    step = run.first_step - 1
+    try:  # the progress bar closes before any error line, and the signal handlers are put back
+        if run.first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
+            evaluate(run, 0)
+        for step in range(run.first_step, run.total_steps + 1):
+            epoch, micro = next(run.batches)
+            run.window.add(step, one_step(run, micro, first=step == run.first_step))
+            run.metrics.advance()
+            warmup = step == run.first_step and run.cfg.train.compile  # its own record: compile time kept apart
+            if step % run.log_every == 0 or step == run.total_steps or warmup:
+                log_window(run, step, epoch)
+            after_step(run, step, epoch)
+    except torch.OutOfMemoryError:
+        if restart is not None:
+            run.metrics.close()
+            restart(step)  # runs the command again on the plan's next fallback, or returns: none left
+        raise UserError(out_of_memory(cfg, step, strategy, run.strategy.unwrap(run.model).config.to_dict(),
+                                      out_dir)) from None
+    finally:
+        run.preempt.restore()
+        run.metrics.close()
+    return finish(run)
+
+
+def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_dir: Path, log, resume) -> Run:
+    """The loader, the prepared model and optimizer, the schedule, the MFU peak; a resumed run's state."""
     from transformers import get_scheduler
 
-    from toolkit.train.checkpoint import (load_rank_state, prune_checkpoints, restore_sharded, save_checkpoint,
-                                          set_rng_state, torch_optimizer)
-    from toolkit.train.faults import EXIT_PREEMPTED, Preemption, fault_hook
-    from toolkit.train.resume import fingerprint
+    from toolkit.train.faults import Preemption, fault_hook
 
-    t = cfg.train
-    streamed = cfg.data.streaming  # train_rows is a RecordStream: tokenized per micro-batch as it is read
-    if cfg.data.packing and not streamed:  # from the lengths column of a table: no row is read to pack
+    t, streamed = cfg.train, cfg.data.streaming
+    loader = training_loader(cfg, train_rows, tokenizer, log, pin=strategy.accelerator.device.type == "cuda")
+    sampler = None if streamed else loader.sampler
+    model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
+    log(strategy.describe())
+    world = strategy.data.ranks
+    steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    # Not passed to prepare(): accelerate would step it once per process.
+    scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
+        t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
+    strategy.save_run_config(out_dir)
+    log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
+        f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
+        f"{t.micro_batch_size * t.grad_accum * world} examples")
+    accelerator = strategy.accelerator
+    # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    reset_device_peak(accelerator.device)  # step 1's peak (preflight) counts what is loaded, then the run's own
+    peak = run_peak(accelerator, dtype, cache_dir() / "peaks.json")
+    run = Run(cfg, strategy, model, optimizer, scheduler, tokenizer, eval_rows, out_dir, iter(()),
+              None, total_steps, 1, 0, peak, dtype, log_interval(cfg.output.log_every, total_steps),
+              sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
+              Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps))
+    saved = restore(run, resume, log) if resume is not None else None
+    if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
+        keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
+    epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
+    if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
+        train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
+    run.batches = global_batches(loader, t.grad_accum, sampler,
+                                 (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
+    run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
+                                report_to=requested(cfg.output.report_to), config=cfg.flat())
+    run.start = time.perf_counter()
+    run.window = Window(run.start)
+    model.train()
+    if resume is not None:  # last: model set-up above may draw random numbers
+        reseed(run, resume, saved)
+    return run
+
+
+def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool) -> DataLoader:
+    """The map-style loader (packed from the lengths column of a table with --packing: no row is read
+    to pack), or the stream's: tokenized per micro-batch as it is read."""
+    if cfg.data.streaming:
+        return stream_loader(train_rows, cfg, tokenizer)
+    if cfg.data.packing:
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
         lengths = [len(r["input_ids"]) for r in train_rows] if lengths is None else lengths
         train_rows = PackedRows(train_rows, pack_bins(lengths, cfg.data.seq_len), lengths)
         fill = sum(lengths) / (len(train_rows) * cfg.data.seq_len)
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
-    loader = stream_loader(train_rows, cfg, tokenizer) if streamed else make_loader(train_rows, cfg,
-                                                                                     tokenizer.pad_token_id)
-    sampler = None if streamed else loader.sampler
-    accelerator = strategy.accelerator
-    model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
-    unwrapped = strategy.unwrap(model)
-    log(strategy.describe())
-    steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
-    # Not passed to prepare(): accelerate would step it once per process.
-    scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
-        t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
-    world, replicas = strategy.data.ranks, strategy.data.replicas  # model-parallel peers read the same data
-    strategy.save_run_config(out_dir)
-    log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
-        f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
-        f"{t.micro_batch_size * t.grad_accum * world} examples")
+    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin)
 
-    # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
-    model_cfg, n_matmul, n_head = unwrapped.config, matmul_params(unwrapped), head_params(unwrapped)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    reset_device_peak(accelerator.device)  # step 1's peak (preflight) counts what is loaded, then the run's own
-    peak = run_peak(accelerator, dtype, cache_dir() / "peaks.json")
-    mfu_warned = False
-    first_step, tokens_seen = 1, 0
-    if resume is not None:  # weights, optimizer, scheduler, data position (global: examples consumed), RNG
-        # another layout reads rank 0's scheduler and hyperparameters (the same on every rank)
-        saved = load_rank_state(accelerator, resume.path, accelerator.process_index if resume.same_layout else 0)
-        if resume.sharded:  # this layout's pieces, whatever layout wrote them
-            restore_sharded(strategy, model, optimizer, resume.path)
-            for group, hyper in zip(torch_optimizer(optimizer).param_groups, saved["param_groups"]):
-                group.update(hyper)
-        else:  # weights were restored at load (DeepSpeed's format)
-            strategy.load_optimizer_state(model, optimizer, saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if saved.get("scaler") is not None and accelerator.scaler is not None:
-            accelerator.scaler.load_state_dict(saved["scaler"])
-        first_step, tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
-        for note in resume.notes:
-            log(note)
-        log(f"resumed from {resume.path}: continuing at step {first_step} of {total_steps}")
-    if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
-        keep_records_through(out_dir / "metrics.jsonl", first_step - 1)  # none was found) are of lost steps
-    epoch0, step_in_epoch = divmod(first_step - 1, steps_per_epoch)
-    if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
-        train_rows.start, step_in_epoch = (first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
-    batches = global_batches(loader, t.grad_accum, sampler,
-                             (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
-    pad_id = tokenizer.pad_token_id
-    metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=first_step - 1,
-                            report_to=requested(cfg.output.report_to), config=cfg.flat())
-    log_every = log_interval(cfg.output.log_every, total_steps)
-    prompts = sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else []
 
-    def evaluate(step: int) -> None:
-        t_eval = time.perf_counter()
-        el = eval_loss(strategy, model, eval_rows, t.micro_batch_size, pad_id)
-        metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - start})
-        metrics.write(f"step {step}: eval_loss {el:.4f}")
-        window["t0"] += time.perf_counter() - t_eval  # keep eval time out of tokens_per_sec
+def restore(run: Run, resume, log) -> dict:
+    """Weights, optimizer, scheduler and scaler of a checkpoint (the data position is global: examples
+    consumed); returns this rank's saved state (its RNG is set last, by `reseed`)."""
+    from toolkit.train.checkpoint import load_rank_state, restore_sharded, torch_optimizer
 
-    def sample(step: int) -> None:
-        t_sample = time.perf_counter()
-        metrics.samples(step, prompts, sample_completions(strategy, model, tokenizer, prompts,
-                                                          cfg.output.sample_max_new_tokens))
-        window["t0"] += time.perf_counter() - t_sample
+    strategy, accelerator = run.strategy, run.strategy.accelerator
+    # another layout reads rank 0's scheduler and hyperparameters (the same on every rank)
+    saved = load_rank_state(accelerator, resume.path, accelerator.process_index if resume.same_layout else 0)
+    if resume.sharded:  # this layout's pieces, whatever layout wrote them
+        restore_sharded(strategy, run.model, run.optimizer, resume.path)
+        for group, hyper in zip(torch_optimizer(run.optimizer).param_groups, saved["param_groups"]):
+            group.update(hyper)
+    else:  # weights were restored at load (DeepSpeed's format)
+        strategy.load_optimizer_state(run.model, run.optimizer, saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    if saved.get("scaler") is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(saved["scaler"])
+    run.first_step, run.tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
+    for note in resume.notes:
+        log(note)
+    log(f"resumed from {resume.path}: continuing at step {run.first_step} of {run.total_steps}")
+    return saved
 
-    fault, preempt, bad_steps = fault_hook(), Preemption(), 0
 
-    def checkpoint(step: int, epoch: int) -> Path:
-        path = out_dir / f"checkpoint-{step}"
-        state = {"step": step, "epoch": epoch, "tokens": tokens_seen, "fingerprint": fingerprint(cfg, world),
-                 "config": cfg.flat()}
-        save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path, state, fault)
-        prune_checkpoints(accelerator, out_dir, cfg.output.keep_last)
-        return path
+def reseed(run: Run, resume, saved: dict) -> None:
+    """The random streams where the checkpoint left them; per-rank streams (dropout) cannot carry over
+    to other ranks, so another layout reseeds deterministically."""
+    if resume.same_layout:
+        from toolkit.train.checkpoint import set_rng_state
 
-    start = time.perf_counter()
-    window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": start}
-    last_loss = float("nan")
-    memory: dict[str, list[int]] = {}
-    model.train()
-    if resume is not None:  # last: model set-up above may draw random numbers
-        if resume.same_layout:
-            set_rng_state(saved["rng"])
-        else:  # per-rank streams (dropout) cannot carry over to other ranks: reseeded deterministically
-            from accelerate.utils import set_seed
+        set_rng_state(saved["rng"])
+    else:
+        from accelerate.utils import set_seed
 
-            set_seed(cfg.train.seed + resume.step, device_specific=True)
-    try:  # the progress bar closes before any error line, and the signal handlers are put back
-        if first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
-            if eval_rows:
-                evaluate(0)
-            if prompts:
-                sample(0)
-        for step in range(first_step, total_steps + 1):
-            epoch, micro = next(batches)
-            counts = torch.stack([sum(count_targets(b["labels"]) for b in micro),
-                                  sum(b["attention_mask"].sum() for b in micro),
-                                  sum(count_examples(b) for b in micro)]).to(torch.float64)
-            n_global, tokens_global, examples_global = (accelerator.reduce(counts, "sum") / replicas).tolist()
-            # each micro-batch's summed loss over the global batch's target count; x world: data-parallel
-            # ranks average their gradients
-            loss_sum = strategy.forward_backward(model, micro, scale=world / n_global)
-            grads_held = grad_bytes(model) if step == first_step and not strategy.frees_grads else None
-            grad_norm = strategy.clip_grad_norm(model, t.max_grad_norm or float("inf"))
-            step_loss = accelerator.reduce(loss_sum, "sum").item() / replicas
-            if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(float(grad_norm))) or strategy.always_steps:
-                optimizer.step()
-                if strategy.step_applied(model):  # DeepSpeed skips fp16 overflow steps; so does the schedule
-                    scheduler.step()
-                bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
-            else:  # skip the update: the weights, optimizer and schedule stay where they were
-                bad_steps += 1
-            optimizer.zero_grad(set_to_none=True)
-            if step == first_step:
-                memory = preflight(cfg, accelerator, unwrapped.config.to_dict(), metrics.write)
-                memory.update({**per_rank_bytes(accelerator, held_bytes(model, optimizer)),
-                          "grad_bytes": per_rank_bytes(accelerator, {"g": grads_held})["g"] if grads_held is not None else None})
-            if bad_steps:
-                metrics.log({"step": step, "skipped_update": True, "loss_sum": step_loss,
-                             "grad_norm": float(grad_norm) if grad_norm is not None else None})
-                metrics.write(f"step {step}: non-finite loss or gradient norm; update skipped ({bad_steps} in a row)")
-                if bad_steps >= t.max_bad_steps:
-                    path = checkpoint(step, epoch)
-                    raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {bad_steps} "
-                                    f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
-                                    "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")
-                continue
+        set_seed(run.cfg.train.seed + resume.step, device_specific=True)
 
-            window["loss"] += step_loss
-            window["targets"] += n_global
-            window["tokens"] += tokens_global
-            window["examples"] += examples_global
-            tokens_seen += int(tokens_global)
-            metrics.advance()
-            if step % log_every == 0 or step == total_steps:
-                now = time.perf_counter()
-                last_loss = window["loss"] / window["targets"]
-                tokens_per_sec = window["tokens"] / (now - window["t0"])
-                flops = step_flops(window["tokens"], window["targets"] if strategy.loss.fused else window["tokens"], n_matmul, n_head,
-                                   model_cfg.num_hidden_layers, model_cfg.hidden_size,
-                                   window["tokens"] / window["examples"])  # context: mean example length
-                per_token = flops / window["tokens"]
-                mfu = per_token * tokens_per_sec / peak.flops
-                if peak.cache is not None and any_rank(accelerator, mfu > 1):  # cached under load: probe again
-                    peak = run_peak(accelerator, dtype, peak.cache, fresh=True)
-                    mfu = per_token * tokens_per_sec / peak.flops
-                warning = None if mfu_warned else mfu_warning(mfu, peak)
-                if warning:
-                    metrics.write(warning)
-                    mfu_warned = True
-                metrics.log({"step": step, "epoch": epoch, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
-                             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                             "tokens": tokens_seen, "tokens_per_sec": tokens_per_sec,
-                             "mfu": mfu, "flops_per_token": per_token, "peak_flops": peak.flops,
-                             "peak_source": peak.source, "measured_peak_flops": peak.measured,
-                             "elapsed_s": now - start, **memory})
-                memory = {}
-                window = {"loss": 0.0, "targets": 0.0, "tokens": 0.0, "examples": 0.0, "t0": now}
-            at_eval = (cfg.output.eval_every and step % cfg.output.eval_every == 0) or step == total_steps
-            if eval_rows and at_eval:
-                evaluate(step)
-            every = cfg.output.sample_every
-            if prompts and (step == total_steps or (step % every == 0 if every else at_eval)):
-                sample(step)
-            if cfg.output.save_every and step % cfg.output.save_every == 0 and step != total_steps:
-                checkpoint(step, epoch)
-            if fault is not None:
-                fault("step", step)
-            if step != total_steps and preempt.requested(accelerator):
-                path = checkpoint(step, epoch)
-                metrics.write(f"preempted at step {step}: checkpoint saved to {path}; continue with --resume auto")
-                metrics.close()  # the bar ends before the exit
-                accelerator.end_training()
-                raise SystemExit(EXIT_PREEMPTED)
-    except torch.OutOfMemoryError:
-        raise UserError(out_of_memory(cfg, step, strategy, unwrapped.config.to_dict(), out_dir)) from None
-    finally:
-        preempt.restore()
-        metrics.close()
-    return strategy.export(model), TrainResult(total_steps, last_loss, tokens_seen, time.perf_counter() - start, first_step)
+
+def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
+    """Forward and backward of the global batch, the clip and the update; its numbers stay on the
+    device (`toolkit.train.step`). Each micro-batch's summed loss is scaled by world / n_global:
+    divided by the global batch's target count, x world because data-parallel ranks average their
+    gradients."""
+    from toolkit.train.checkpoint import torch_optimizer
+
+    strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
+    counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
+    loss = strategy.forward_backward(run.model, micro, scale=run.world / counts[0])
+    held = grad_bytes(run.model) if first and not strategy.frees_grads else None
+    grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
+    loss = accelerator.reduce(loss, "sum") / run.replicas
+    finite = torch.isfinite(loss)
+    if grad_norm is not None:
+        finite = finite & torch.isfinite(torch.as_tensor(grad_norm, device=finite.device))
+    if run.sync_free:  # a non-finite step is skipped inside the fused kernel; the schedule goes on
+        torch_optimizer(run.optimizer).found_inf = (~finite).float()
+        run.optimizer.step()
+        run.scheduler.step()
+    elif strategy.always_steps or host(finite)[0]:
+        run.optimizer.step()
+        if strategy.step_applied(run.model):  # DeepSpeed skips fp16 overflow steps; so does the schedule
+            run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if first:
+        run.memory = preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(), run.metrics.write)
+        run.memory.update({**per_rank_bytes(accelerator, held_bytes(run.model, run.optimizer)),
+                           "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
+    return Step(loss, counts, grad_norm, finite)
+
+
+def log_window(run: Run, step: int, epoch: int) -> None:
+    """The metrics record of the steps since the last one: the one read-back of their numbers, the
+    skipped updates among them, and the stop after --max-bad-steps non-finite steps in a row."""
+    w, t = run.window.read(), run.cfg.train
+    for s, finite, loss, grad_norm in w["steps"]:
+        run.bad_in_a_row = 0 if finite else run.bad_in_a_row + 1
+        if not finite:
+            run.metrics.log({"step": s, "skipped_update": True, "loss_sum": loss, "grad_norm": grad_norm})
+            run.metrics.write(f"step {s}: non-finite loss or gradient norm; update skipped ({run.bad_in_a_row} in a row)")
+    if run.bad_in_a_row >= t.max_bad_steps:
+        path = checkpoint(run, step, epoch)
+        raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {run.bad_in_a_row} "
+                        f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
+                        "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")
+    run.tokens_seen += int(w["tokens"])
+    now = time.perf_counter()
+    if w["targets"]:  # some step of the window was finite
+        record_step(run, step, epoch, w, now)
+    run.window = Window(now)
+
+
+def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
+    """Loss, throughput and MFU of the window's finite steps, into metrics.jsonl and the trackers."""
+    strategy = run.strategy
+    unwrapped = strategy.unwrap(run.model)
+    model_cfg = unwrapped.config
+    run.last_loss = w["loss"] / w["targets"]
+    tokens_per_sec = w["tokens"] / (now - run.window.t0)
+    flops = step_flops(w["tokens"], w["targets"] if strategy.loss.fused else w["tokens"], matmul_params(unwrapped),
+                       head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
+                       w["tokens"] / w["examples"])  # context: mean example length
+    per_token = flops / w["tokens"]
+    mfu = per_token * tokens_per_sec / run.peak.flops
+    if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):  # cached under load: probe again
+        run.peak = run_peak(strategy.accelerator, run.dtype, run.peak.cache, fresh=True)
+        mfu = per_token * tokens_per_sec / run.peak.flops
+    warning = None if run.mfu_warned else mfu_warning(mfu, run.peak)
+    if warning:
+        run.metrics.write(warning)
+        run.mfu_warned = True
+    grad_norm = w["steps"][-1][3]
+    warmup = {}
+    if run.cfg.train.compile and step == run.first_step:  # left out of every later record's tokens/s
+        warmup = {"compile_warmup": True}
+        run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
+                          "and mfu count from step " f"{step + 1} on")
+    run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, "lr": run.scheduler.get_last_lr()[0],
+                     "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
+                     "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
+                     "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured,
+                     "elapsed_s": now - run.start, **warmup, **run.memory})
+    run.memory = {}
+
+
+def after_step(run: Run, step: int, epoch: int) -> None:
+    """Eval loss and samples at their cadence, a checkpoint every --save-every, the fault-injection
+    hook, and a preemption: checkpoint and exit."""
+    from toolkit.train.faults import EXIT_PREEMPTED
+
+    o, last = run.cfg.output, step == run.total_steps
+    at_eval = (o.eval_every and step % o.eval_every == 0) or last
+    if run.eval_rows and at_eval:
+        evaluate(run, step, samples=False)
+    if run.prompts and (last or (step % o.sample_every == 0 if o.sample_every else at_eval)):
+        sample(run, step)
+    if o.save_every and step % o.save_every == 0 and not last:
+        checkpoint(run, step, epoch)
+    if run.fault is not None:
+        run.fault("step", step)
+    if not last and run.preempt.requested(run.strategy.accelerator):
+        path = checkpoint(run, step, epoch)
+        run.metrics.write(f"preempted at step {step}: checkpoint saved to {path}; continue with --resume auto")
+        run.metrics.close()  # the bar ends before the exit
+        run.strategy.accelerator.end_training()
+        raise SystemExit(EXIT_PREEMPTED)
+
+
+def evaluate(run: Run, step: int, samples: bool = True) -> None:
+    """The eval loss (and, at step 0, the samples); their time is kept out of tokens_per_sec."""
+    t0 = time.perf_counter()
+    if run.eval_rows:
+        el = eval_loss(run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
+        run.metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - run.start})
+        run.metrics.write(f"step {step}: eval_loss {el:.4f}")
+    run.window.t0 += time.perf_counter() - t0
+    if samples and run.prompts:
+        sample(run, step)
+
+
+def sample(run: Run, step: int) -> None:
+    t0 = time.perf_counter()
+    completions = sample_completions(run.strategy, run.model, run.tokenizer, run.prompts,
+                                     run.cfg.output.sample_max_new_tokens)
+    run.metrics.samples(step, run.prompts, completions)
+    run.window.t0 += time.perf_counter() - t0
+
+
+def checkpoint(run: Run, step: int, epoch: int) -> Path:
+    from toolkit.train.checkpoint import prune_checkpoints, save_checkpoint
+    from toolkit.train.resume import fingerprint
+
+    path = run.out_dir / f"checkpoint-{step}"
+    tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
+    state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.world),
+             "config": run.cfg.flat()}
+    save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault)
+    prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)
+    return path
+
+
+def finish(run: Run) -> tuple[torch.nn.Module, TrainResult]:
+    return run.strategy.export(run.model), TrainResult(run.total_steps, run.last_loss, run.tokens_seen,
+                                                       time.perf_counter() - run.start, run.first_step)

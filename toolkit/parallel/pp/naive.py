@@ -89,12 +89,12 @@ class NaivePipeline(nn.Module):
                     acts[i] = self.stages[s](acts[i], **stage_inputs(mbs[i]))
         return acts
 
-    def train_step(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch; gradients accumulate. Returns the summed token loss."""
         mbs = split_microbatches(batch, self.microbatches)
         logits = self.forward_microbatches(batch)
         total = sum(self.loss_fn(lg, mb["labels"].to(lg.device)) for lg, mb in zip(logits, mbs))
-        (total * scale).backward()
+        (total * (scale.to(total.device) if torch.is_tensor(scale) else scale)).backward()
         return total.detach().double()
 
     @torch.no_grad()

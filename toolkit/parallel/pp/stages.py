@@ -117,7 +117,7 @@ class StagePipeline(nn.Module):
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels)
         self._losses.append(loss.detach().double())
-        return loss * self._scale
+        return loss * (self._scale.to(loss.device) if torch.is_tensor(self._scale) else self._scale)
 
     def _schedule(self, shape: tuple[int, int], m: int, keys: tuple[str, ...]):
         """One PipelineStage + schedule per (batch shape, micro-batches, inputs): the stage infers
@@ -152,8 +152,9 @@ class StagePipeline(nn.Module):
         dist.broadcast(total, group=self.layout.pp_group, group_src=self.layout.pp - 1)
         return total
 
-    def train_step(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
-        """Forward and backward of one batch in m micro-batches; gradients accumulate."""
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch in m micro-batches; gradients accumulate. `scale` may be a
+        tensor (the loop's global target count stays on the device)."""
         self._scale = scale
         return self._run(batch, self.microbatches, train=True)
 

@@ -1,0 +1,84 @@
+"""One optimizer step with no host sync, and the window of steps between two metrics records.
+
+A GPU runs ahead of the Python that launches its work only while nothing reads a value back: each
+`.item()`, `.tolist()` or `float(tensor)` waits for every kernel queued before it. So a step keeps
+its numbers on the device: the global batch's target count (all-reduced) scales the loss as a
+tensor, the loss sum and the gradient norm stay tensors, and a non-finite step is skipped inside the
+fused AdamW kernel (its `found_inf`, which is how torch's GradScaler skips a step without a sync).
+`Window` keeps the steps since the last metrics record; `host` reads them back once per record, and
+a CPU test counts its calls (tests/test_train.py).
+
+Where the skip cannot happen on the device (an optimizer without the fused kernel, or fp16's
+GradScaler, which sets `found_inf` itself), the step reads its finiteness back (`sync_free` False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.data.packing import count_examples
+from toolkit.loss import count_targets
+
+
+def host(t: torch.Tensor) -> list[float]:
+    """The one way the loop reads device values back (a sync on a GPU): a flat list of numbers."""
+    return t.detach().to(torch.float64).cpu().reshape(-1).tolist()
+
+
+def sync_free(optimizer, accelerator, always_steps: bool) -> bool:
+    """Whether a non-finite step can be skipped on the device: AdamW's fused kernel takes `found_inf`
+    (an optimizer without it, or fp16's GradScaler, which owns that attribute, cannot)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    fused = all(g.get("fused") for g in inner.param_groups)
+    return fused and getattr(accelerator, "scaler", None) is None and not always_steps
+
+
+def batch_counts(micro: list[dict], device: torch.device) -> torch.Tensor:
+    """(target tokens, real tokens, examples) of this rank's micro-batches, float64 on the device."""
+    return torch.stack([sum(count_targets(b["labels"]) for b in micro),
+                        sum(b["attention_mask"].sum() for b in micro),
+                        sum(count_examples(b) for b in micro)]).to(device, torch.float64)
+
+
+@dataclass
+class Step:
+    """One step's numbers, on the device."""
+    loss: torch.Tensor  # the global batch's summed token loss
+    counts: torch.Tensor  # its (target tokens, real tokens, examples)
+    grad_norm: torch.Tensor | None
+    finite: torch.Tensor  # loss and gradient norm finite: the update was applied
+
+
+@dataclass
+class Window:
+    """The steps since the last metrics record, kept on the device until `read`."""
+    t0: float  # when it began (eval and sample time is added, to keep it out of tokens/s)
+    steps: list[tuple[int, Step]] = field(default_factory=list)
+
+    def add(self, step: int, s: Step) -> None:
+        self.steps.append((step, s))
+
+    def tokens(self) -> int:
+        """Real tokens of the finite steps so far (a read-back: for checkpoints, not every step)."""
+        if not self.steps:
+            return 0
+        return int(host(sum(s.counts[1] * s.finite for _, s in self.steps))[0])
+
+    def read(self) -> dict:
+        """The window's sums over its finite steps, and each step's (step, finite, loss, grad norm),
+        read back in one transfer: the one sync of a logged step."""
+        rows = []
+        for _, s in self.steps:
+            norm = s.grad_norm if s.grad_norm is not None else torch.full((), float("nan"))
+            rows.append(torch.cat([s.counts.to(torch.float64),
+                                   torch.stack([s.finite.to(torch.float64), s.loss.to(torch.float64),
+                                                torch.as_tensor(norm).to(s.loss.device, torch.float64)])]))
+        values = host(torch.stack(rows))
+        per = [values[i * 6:(i + 1) * 6] for i in range(len(self.steps))]
+        good = [v for v in per if v[3]]
+        return {"loss": sum(v[4] for v in good), "targets": sum(v[0] for v in good),
+                "tokens": sum(v[1] for v in good), "examples": sum(v[2] for v in good),
+                "steps": [(step, bool(v[3]), v[4], v[5] if s.grad_norm is not None else None)
+                          for (step, s), v in zip(self.steps, per)]}
