@@ -286,21 +286,24 @@ def test_chunked_loss_refuses_a_second_backward():
         loss.backward()
 
 
-def test_chunked_loss_runs_the_head_on_target_tokens_only(monkeypatch):
-    """Prompt and padding rows contribute nothing, so the head's matmul sees only the target rows
-    (the speed-up in benchmarks/throughput.md); the masked rows' input gradient is exactly zero."""
+@pytest.mark.parametrize("given", [True, False], ids=["target_rows", "all_rows"])
+def test_chunked_loss_runs_the_head_on_target_tokens_only(monkeypatch, given):
+    """Prompt and padding rows contribute nothing: given their indices (`target_rows`, made on the CPU
+    labels in the collate) the head's matmuls see only the target rows (the speed-up in
+    benchmarks/throughput.md); without them every row goes through, weighted 0. Either way the masked
+    rows' input gradient is exactly zero."""
     import toolkit.loss as loss_mod
 
     rows = []
-    real = loss_mod.F.linear
-    monkeypatch.setattr(loss_mod.F, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    real = loss_mod.linear_cross_entropy_sum
+    monkeypatch.setattr(loss_mod, "linear_cross_entropy_sum", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
     head = torch.nn.Linear(8, 32, bias=False)
     hidden = torch.randn(2, 6, 8, requires_grad=True)
     labels = torch.full((2, 6), -100)
     labels[0, 4:], labels[1, 2:4] = 3, 5  # targets at positions (0, 4), (0, 5), (1, 2), (1, 3)
-    chunked_loss_sum(hidden, head, labels, chunk=3).backward()
+    chunked_loss_sum(hidden, head, labels, chunk=3, rows=loss_mod.target_rows(labels) if given else None).backward()
     # position t predicts label t + 1, so rows (0, 3), (0, 4), (1, 1), (1, 2) go through the head
-    assert sum(rows) == 4 and max(rows) <= 3
+    assert rows == ([4] if given else [12])
     used = torch.zeros(2, 6, dtype=torch.bool)
     used[0, 3:5] = used[1, 1:3] = True
     assert hidden.grad[~used].abs().sum() == 0 and (hidden.grad[used].abs().sum(-1) > 0).all()
@@ -325,15 +328,15 @@ def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
 
     from toolkit.config import Config
     from toolkit.errors import UserError
-    from toolkit.loss import ChunkedHead, chunked_head_for
+    from toolkit.loss import FusedLossHead, loss_head_for
 
     assert Config().train.loss == "auto"
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=64))
-    assert chunked_head_for(model, "full") is None
-    head = chunked_head_for(model, "auto")
-    assert isinstance(head, ChunkedHead) and head.head is model.lm_head
+    assert loss_head_for(model, "full", "cpu") is None
+    head = loss_head_for(model, "auto", "cpu")
+    assert isinstance(head, FusedLossHead) and head.kind == "chunked" and head.head is model.lm_head
     model.lm_head = torch.nn.Sequential(torch.nn.Linear(16, 64))  # some other head
-    assert chunked_head_for(model, "auto") is None
+    assert loss_head_for(model, "auto", "cpu") is None
     with pytest.raises(UserError, match="--loss chunked needs a linear LM head"):
-        chunked_head_for(model, "chunked")
+        loss_head_for(model, "chunked", "cpu")

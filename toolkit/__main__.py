@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"), help="compute dtype")
     s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
                    help="auto: plan with and without it")
-    s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked"),
-                   help="the run's --loss: full logits, or one chunk's (auto/chunked; pipeline stages use full)")
+    s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked", "liger", "cce"),
+                   help="the run's --loss: full logits, or one chunk's (auto, chunked, liger, cce; pipeline stages use full)")
     s.add_argument("--global-batch", type=int,
                    help="examples per optimizer step (default: --micro-batch-size x --grad-accum x GPUs, what plain "
                         "data parallelism runs); each layout keeps it, re-split between micro-batch and accumulation")

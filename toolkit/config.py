@@ -85,10 +85,13 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     max_bad_steps: int = _f(3, "non-finite loss or gradient norm: skip the update; after this many in a row, "
                                "save a checkpoint and stop")
-    loss: str = _f("auto", "full: logits then cross-entropy; chunked: LM head + cross-entropy on the target "
-                           "tokens only, 256 at a time, so batch x seq x vocab fp32 logits never exist (same loss "
-                           "and gradients); auto: chunked, except under --pp or with a non-linear LM head",
-                   ("auto", "full", "chunked"))
+    loss: str = _f("auto", "full: logits then cross-entropy; chunked: LM head + cross-entropy 256 tokens at a time "
+                           "inside the head's forward, so batch x seq x vocab fp32 logits never exist (same loss and "
+                           "gradients; its softmax compiled on CUDA); liger / cce: the same through Liger-Kernel's / "
+                           "Apple's Cut Cross-Entropy's Triton kernels (CUDA only; pip install 'toolkit[gpu]'); auto: "
+                           "on a GPU full logits where the planner says they fit, else cce if installed, else chunked; "
+                           "on CPU chunked; full under --pp or with a non-linear LM head",
+                   ("auto", "full", "chunked", "liger", "cce"))
     compile: bool = _f(False, "compile each decoder block with torch.compile (regional); the first step compiles, "
                               "and its metrics record says so (warmup)")
     kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "

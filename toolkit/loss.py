@@ -4,17 +4,28 @@ Normalising per micro-batch (the mean) weights short batches more than long ones
 update depend on how a global batch is cut into micro-batches and ranks. Summing here and dividing
 by the number of target tokens in the whole global batch (all ranks, all accumulation steps) makes
 1 process x micro-batch 8 and 2 processes x micro-batch 2 x accumulation 2 the same update.
+
+`--loss` (`loss_head_for`): `full` computes (B, T, V) logits, then the cross-entropy; `chunked` runs
+the LM head and the cross-entropy a chunk of rows at a time inside the head's forward, so the logits
+never exist whole; `liger` and `cce` do that with Liger-Kernel's or Apple's Cut Cross-Entropy's
+Triton kernels (CUDA, the `[gpu]` extra); `auto` picks one (`choose_loss`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import inspect
+import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from toolkit.data.tokenize import IGNORE_INDEX
+from toolkit.errors import UserError
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -39,49 +50,123 @@ def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def target_rows(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Flat indices into (B x T) of the positions that have a target, for `FusedLossHead.labels(rows=)`.
+    Made where the labels are still on the CPU (the collate): their count is then a shape the host
+    knows, and the head runs on target rows only without a device-to-host sync (`nonzero` of a CUDA
+    tensor waits for the GPU to finish the forward so far, every micro-batch)."""
+    targets = labels if shifted else shift_labels(labels)
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def flat_targets(hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (B, T, h), labels (B, T) -> (N, h) rows and their (N,) next-token targets: every position
+    (ignored ones keep IGNORE_INDEX and still cost the head's FLOPs), or only `rows` (`target_rows`)."""
+    h = hidden.reshape(-1, hidden.size(-1))
+    y = (labels if shifted else shift_labels(labels)).reshape(-1).to(hidden.device, non_blocking=True)
+    if rows is None:
+        return h, y
+    rows = rows.to(hidden.device, non_blocking=True)
+    return h.index_select(0, rows), y.index_select(0, rows)
+
+
+def matmul_dtype(device_type: str, hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """What `F.linear(hidden, weight)` multiplies in: autocast's dtype where autocast is on."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def softmax_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed cross-entropy; `logits` is overwritten with its gradient.
+
+    logits (c, V) in the matmul dtype, targets (c,) -> fp32 scalar. d CE / d z = softmax(z) - onehot(y),
+    the gradient of log-sum-exp(z) minus the target logit; rows whose target is IGNORE_INDEX get 0. The
+    softmax and the one-hot subtraction run in fp32 (a bf16 p - 1 near p = 1 would lose the gradient),
+    as `target_loss_sum`'s. Static shapes and no host reads: torch.compile fuses it into one kernel
+    (measured on CPU inductor), eagerly every in-place op is one pass over the chunk."""
+    valid = (targets != IGNORE_INDEX).unsqueeze(1)
+    y = torch.where(valid, targets.unsqueeze(1), 0)  # any column will do on an ignored row
+    z = logits.float()  # the same buffer when the logits are fp32
+    target = z.gather(1, y)
+    top = z.amax(1, keepdim=True)
+    z.sub_(top).exp_()
+    norm = z.sum(1, keepdim=True)
+    loss = torch.where(valid, top + norm.log() - target, 0.0).sum()
+    z.div_(norm)
+    if torch.compiler.is_compiling():  # a column compare fuses into the pass; a scatter would split it
+        z = torch.where(torch.arange(z.size(1), device=z.device) == y, z - 1.0, z)
+    else:  # c elements, where the compare would allocate a (c, V) mask
+        z.scatter_add_(1, y, torch.full_like(target, -1.0))
+    z.mul_(valid)
+    if z is not logits:
+        logits.copy_(z)
+    return loss
+
+
+@functools.cache
+def compiled_softmax_grad() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`softmax_grad_` under torch.compile; every chunk is full, so one graph per (chunk, V, dtype)."""
+    return torch.compile(softmax_grad_, dynamic=False, fullgraph=True)
+
+
+def add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc fp32 and a, b perhaps bf16: on CUDA one bf16 GEMM with an fp32 output (as
+    Liger-Kernel sums its weight gradient), elsewhere through a product in a's dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
 # Rows of logits alive at once: 256 x 49,152 (SmolLM2's vocab) fp32 = 50 MB instead of 201 MB per
 # 1,024 tokens, and still large enough matmuls to keep a GPU busy.
 LOSS_CHUNK_TOKENS = 256
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(h_t W^T + b, y_t) computed `chunk` rows at a time; full logits never exist. Every row
-    is a target (the caller drops ignored positions first).
+    """sum_t CE(h_t W^T + b, y_t) computed `chunk` rows at a time; full logits never exist. Rows whose
+    target is IGNORE_INDEX add nothing and get a zero gradient.
 
     The gradient is formed in forward, chunk by chunk, while each chunk's logits are alive
-    (dlogits = softmax - onehot): dH is kept (N x h, the size of the input) and dW, db summed; backward
-    only scales them by the incoming scalar. All the work happens inside the LM head's forward, where
-    ZeRO-3/FSDP have the weight gathered; nothing is recomputed later (the fused linear cross-entropy
-    of Liger-Kernel and Apple's Cut Cross-Entropy, without their custom kernels)."""
+    (dlogits = softmax - onehot): dH is kept (N x h, the size of the input) and dW, db summed in fp32;
+    backward only scales them by the incoming scalar. All the work happens inside the LM head's forward,
+    where ZeRO-3/FSDP have the weight gathered; nothing is recomputed later (the fused linear
+    cross-entropy of Liger-Kernel and Apple's Cut Cross-Entropy, without their custom kernels). The
+    matmuls run in the dtype F.linear would (autocast's), the weight cast once rather than per chunk,
+    and the last chunk is padded with ignored targets, so `step` always sees one shape."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk):
+    def forward(ctx, hidden, weight, bias, targets, chunk, step):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        d_hidden = torch.zeros_like(hidden) if need_h else None
+        dtype = matmul_dtype(hidden.device.type, hidden, weight)
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        n = len(targets)
+        targets = F.pad(targets, (0, -n % chunk), value=IGNORE_INDEX)
+        logits = h.new_zeros(chunk, weight.size(0))  # reused by every chunk; zeros: a short tail stays finite
+        total = h.new_zeros((), dtype=torch.float32)
+        d_hidden = torch.empty_like(h) if need_h else None
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        for start in range(0, hidden.size(0), chunk):
-            logits = g = None  # drop the previous chunk's (chunk, V) buffer before the next one is made
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = F.linear(h, weight, bias).float()  # (chunk, V): the only (chunk, V) buffer alive
-            target = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            # log-sum-exp and softmax in place (torch.logsumexp would allocate a second (chunk, V))
-            top = logits.amax(1, keepdim=True)
-            g = logits.sub_(top).exp_()
-            norm = g.sum(1, keepdim=True)
-            lse = (top + norm.log()).squeeze(1)
-            total += (lse - target).sum()  # = cross_entropy(..., reduction="sum")
-            if not (need_h or need_w or need_b):
-                continue
-            g.div_(norm)  # softmax
-            g[torch.arange(len(y), device=y.device), y] -= 1.0
-            if need_h:
-                d_hidden[start:start + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                d_weight.addmm_(g.t(), h.float())
-            if need_b:
-                d_bias += g.sum(0)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, chunk):
+                rows = slice(start, min(start + chunk, n))
+                z = logits[:rows.stop - start]  # (r, V)
+                if b is None:
+                    torch.mm(h[rows], w.t(), out=z)
+                else:
+                    torch.addmm(b, h[rows], w.t(), out=z)
+                total += step(logits, targets[start:start + chunk])  # z now holds dlogits
+                if need_h:
+                    torch.mm(z, w, out=d_hidden[rows])
+                if need_w:
+                    add_matmul_(d_weight, z.t(), h[rows])
+                if need_b:
+                    d_bias += z.sum(0, dtype=torch.float32)
         # Kept on ctx, not saved for backward: backward scales them in place and hands them over, so
         # no second weight-sized buffer appears (a second backward through this graph is an error).
         ctx.grads = d_hidden, d_weight, d_bias
@@ -94,60 +179,167 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked loss: backward ran twice through the same graph")
         grads, ctx.grads = ctx.grads, None
         return (*(g.mul_(grad).to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes)),
-                None, None)
+                None, None, None)
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, head: torch.nn.Linear, y: torch.Tensor,
+                             chunk: int = LOSS_CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
+    """sum of CE(head(h), y) over the rows whose target is not IGNORE_INDEX: h (N, h), y (N,) -> fp32."""
+    step = compiled_softmax_grad() if compiled else softmax_grad_
+    return _ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk, step)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                     chunk: int = LOSS_CHUNK_TOKENS, shifted: bool = False) -> torch.Tensor:
+                     chunk: int = LOSS_CHUNK_TOKENS, shifted: bool = False, rows: torch.Tensor | None = None,
+                     compiled: bool = False) -> torch.Tensor:
     """`token_loss_sum(head(hidden), labels)` (`target_loss_sum` when `shifted`) without materialising
-    (B, T, V) logits. hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over targets."""
-    if shifted:
-        h, y = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1).to(hidden.device)
-    else:
-        h, y = hidden[:, :-1].reshape(-1, hidden.size(-1)), labels[:, 1:].reshape(-1).to(hidden.device)
-    # Only target rows go through the head: prompt and padding rows add nothing to the loss and get a zero
-    # gradient, so the head's matmuls run on the targets alone (17% of the tokens of the built-in data).
-    keep = (y != IGNORE_INDEX).nonzero(as_tuple=True)[0]
-    return _ChunkedLinearCrossEntropy.apply(h.index_select(0, keep), head.weight, head.bias, y[keep], chunk)
+    (B, T, V) logits. hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over targets.
+    `rows` (`target_rows`): only those positions go through the head."""
+    h, y = flat_targets(hidden, labels, shifted, rows)
+    return linear_cross_entropy_sum(h, head, y, chunk, compiled)
 
 
-class ChunkedHead:
-    """Turns the model's LM head into a chunked loss for the forward passes run inside `labels(...)`.
+# --loss name -> (PyPI package, module, function): fused linear cross-entropies in Triton kernels
+FUSED = {"liger": ("liger-kernel", "liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
+         "cce": ("cut-cross-entropy", "cut_cross_entropy", "linear_cross_entropy")}
+
+
+def installed_fused() -> frozenset[str]:
+    """The `FUSED` losses whose package is installed (found, not imported: importing loads Triton)."""
+    return frozenset(k for k, (_, module, _) in FUSED.items() if importlib.util.find_spec(module.split(".")[0]))
+
+
+def choose_loss(choice: str, device_type: str, head_is_linear: bool, logits_fit: bool | None,
+                installed: frozenset[str]) -> str:
+    """`--loss` resolved to full | chunked | liger | cce; a name other than `auto` is kept as asked.
+
+    auto: full logits where the head is not a plain Linear (nothing else applies). On CPU chunked,
+    eager: measured on 2 cores (fp32, 2 x 1024 tokens, h 576, vocab 49,152 and 128,256, half of each
+    row prompt) it peaks at 0.14x full's memory in 0.46-0.50x its time on the target rows, which a CPU
+    head finds itself (0.90-0.97x over every row); the matmuls dominate, so compiling gains nothing.
+    On CUDA full logits where the planner says they fit (`logits_fit`; None: not asked, so perhaps not):
+    then no chunk loop can be faster. Else Cut Cross-Entropy when installed (the least memory, at about
+    torch.compile's time, in Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
+    Models", Table 1), else ours, compiled. Liger only when asked: compiled chunked losses ran 2-3x
+    faster than it (linkedin/Liger-Kernel#227, pytorch/pytorch#124480). Both packages read back from
+    the GPU once a call; ours does not. This GPU order is provisional until measured on a GPU."""
+    if choice != "auto":
+        return choice
+    if not head_is_linear:
+        return "full"
+    if device_type != "cuda":
+        return "chunked"
+    if logits_fit:
+        return "full"
+    return "cce" if "cce" in installed else "chunked"
+
+
+def fused_kernel(kind: str, device_type: str, bias: bool) -> Callable:
+    """The package's fused linear cross-entropy for `--loss liger|cce`, or one UserError saying why not."""
+    package, module, name = FUSED[kind]
+    if device_type != "cuda":
+        raise UserError(f"--loss {kind} runs {package}'s Triton kernels, which need a CUDA GPU; this run is on "
+                        f"{device_type}: use --loss chunked (the same loss in PyTorch)")
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise UserError(f"--loss {kind} needs the {package} package, which is not installed: "
+                        "pip install 'toolkit[gpu]' (or use --loss chunked)")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise UserError(f"--loss {kind}: {package} is installed but does not import ({e}); "
+                        "reinstall it with pip install 'toolkit[gpu]'") from e
+    if bias and "bias" not in inspect.signature(fn).parameters:
+        raise UserError(f"--loss {kind}: this model's LM head has a bias, which the installed {package} does "
+                        "not take; use --loss chunked")
+    return fn
+
+
+def fused_loss_sum(kind: str, kernel: Callable, h: torch.Tensor, head: torch.nn.Linear,
+                   y: torch.Tensor) -> torch.Tensor:
+    """`linear_cross_entropy_sum` through Liger-Kernel or Cut Cross-Entropy: h (N, h), y (N,) -> fp32.
+    Each reads back from the GPU once per call inside the package (Liger: the target count's
+    `.item()`; CCE: `nonzero` of the target rows). Liger casts under autocast itself and sums dW in
+    the weight's dtype (fp32 master weights: fp32); CCE multiplies in its inputs' dtype, so it gets
+    autocast's, as F.linear would."""
+    if kind == "liger":
+        return kernel(h, head.weight, y, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum").float()
+    dtype = matmul_dtype(h.device.type, h, head.weight)
+    bias = {} if head.bias is None else {"bias": head.bias.to(dtype)}
+    return kernel(h.to(dtype), head.weight.to(dtype), y, ignore_index=IGNORE_INDEX, reduction="sum", **bias).float()
+
+
+class FusedLossHead:
+    """Turns the model's LM head into a loss for the forward passes run inside `labels(...)`.
 
     The head's `forward` is replaced on the instance (parameters and state-dict keys untouched), so
     the loss is computed inside the model's own forward: DDP, ZeRO and FSDP see an ordinary module
     call with its weight gathered. Outside `labels(...)` the head computes logits as before
-    (generation, eval). Inside it the model's `.logits` output is the scalar loss sum."""
+    (generation, eval). Inside it the model's `.logits` output is the scalar loss sum. The head runs
+    on the target rows only where it knows them without a device sync: `rows` given (`target_rows`),
+    or a CPU model; elsewhere on every row, the ignored ones weighted 0."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int = LOSS_CHUNK_TOKENS):
+    def __init__(self, model: torch.nn.Module, kind: str = "chunked", chunk: int = LOSS_CHUNK_TOKENS,
+                 compiled: bool = False, kernel: Callable | None = None):
         self.head = model.get_output_embeddings()
         if not isinstance(self.head, torch.nn.Linear):
-            from toolkit.errors import UserError
-
-            raise UserError(f"--loss chunked needs a linear LM head; this model has {type(self.head).__name__}")
-        self.chunk, self._labels, self._shifted = chunk, None, False
+            raise UserError(f"--loss {kind} needs a linear LM head; this model has {type(self.head).__name__}")
+        self.kind, self.chunk, self.compiled, self.kernel = kind, chunk, compiled, kernel
+        self.compile_error: str | None = None
+        self._labels, self._shifted, self._rows = None, False, None
         original = self.head.forward
 
         def forward(hidden):
             if self._labels is None:
                 return original(hidden)
-            return chunked_loss_sum(hidden, self.head, self._labels, self.chunk, self._shifted)
+            return self.loss_sum(hidden, self._labels, self._shifted, self._rows)
 
         self.head.forward = forward
 
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is None and hidden.device.type == "cpu":  # host memory: finding the targets waits for nothing
+            rows = target_rows(labels, shifted)
+        h, y = flat_targets(hidden, labels, shifted, rows)
+        if self.kind != "chunked":
+            return fused_loss_sum(self.kind, self.kernel, h, self.head, y)
+        try:
+            return linear_cross_entropy_sum(h, self.head, y, self.chunk, self.compiled)
+        except torch._dynamo.exc.TorchDynamoException as e:  # no working compiler (C++ on CPU, Triton on CUDA)
+            if not self.compiled:
+                raise
+            self.compiled, self.compile_error = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            warnings.warn(f"--loss chunked: torch.compile failed ({self.compile_error}); the loss runs eagerly "
+                          "(same values, more passes over each chunk)", RuntimeWarning, stacklevel=2)
+            return linear_cross_entropy_sum(h, self.head, y, self.chunk, False)
+
+    def describe(self) -> str:
+        """What the strategy logs after `loss: `."""
+        if self.kind in FUSED:
+            return f"{FUSED[self.kind][0]} fused linear cross-entropy"
+        how = "compiled" if self.compiled else "eager" + (f"; torch.compile failed: {self.compile_error}"
+                                                           if self.compile_error else "")
+        return f"chunked LM head + cross-entropy, {self.chunk} rows at a time ({how})"
+
     @contextmanager
-    def labels(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[None]:
-        """`shifted`: `labels` are already the targets of each position (`shift_labels`)."""
-        self._labels, self._shifted = labels, shifted
+    def labels(self, labels: torch.Tensor, shifted: bool = False, rows: torch.Tensor | None = None) -> Iterator[None]:
+        """`shifted`: `labels` are already the targets of each position (`shift_labels`); `rows`: the
+        positions with a target (`target_rows`, made on the CPU), so the head skips the others."""
+        self._labels, self._shifted, self._rows = labels, shifted, rows
         try:
             yield
         finally:
-            self._labels = None
+            self._labels = self._rows = None
 
 
-def chunked_head_for(model: torch.nn.Module, loss: str) -> ChunkedHead | None:
-    """`--loss` resolved: `auto` is chunked wherever the head is a plain linear layer (fewer FLOPs and
-    no (B, T, V) buffer for the same loss and gradients), else the full-logits path."""
-    if loss == "full" or (loss == "auto" and not isinstance(model.get_output_embeddings(), torch.nn.Linear)):
+def loss_head_for(model: torch.nn.Module, choice: str, device_type: str, logits_fit: bool | None = None,
+                  compiled: bool | None = None) -> FusedLossHead | None:
+    """`--loss` resolved for this model and device (`choose_loss`); None: the full-logits path.
+    `compiled`: the chunked loss's per-chunk softmax under torch.compile; default on CUDA only (on CPU
+    the matmuls dominate, and the first call compiles for ~15 s)."""
+    head = model.get_output_embeddings()
+    linear = isinstance(head, torch.nn.Linear)
+    kind = choose_loss(choice, device_type, linear, logits_fit, installed_fused())
+    if kind == "full":
         return None
-    return ChunkedHead(model)
+    kernel = fused_kernel(kind, device_type, head.bias is not None) if kind in FUSED and linear else None
+    return FusedLossHead(model, kind, compiled=device_type == "cuda" if compiled is None else compiled, kernel=kernel)

@@ -13,7 +13,7 @@ from toolkit.hardware import host_memory_bytes
 from toolkit.planner.cost import HARDWARE, Hardware, load_hardware
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import flags_of, mesh_flags, strategy_name
-from toolkit.planner.plan import Plan, PlanInput, plan, render_table
+from toolkit.planner.plan import Plan, PlanInput, full_logits_fit, plan, render_table
 
 DEVICE_PRESETS = {"H100": "h100-sxm", "H200": "h100-sxm", "A100": "a100-80gb", "L40S": "l40s"}
 
@@ -162,5 +162,9 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[C
         cfg = apply_layout(cfg, result.world, f["name"], f["dims"], True, f["micro_batch"], f["grad_accum"])
         return cfg.replace(notes=(f"layout: fallback {taken} of the plan after an out-of-memory: {f['what']} "
                                   f"({' '.join(f['flags'])})",)), result, render_table(result)
-    return apply_plan(cfg, result), result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine, "
+    cfg = apply_plan(cfg, result)
+    if cfg.train.loss == "auto" and "CPU" not in what and full_logits_fit(inp, result.chosen_detail):
+        cfg = cfg.replace(loss="full", notes=("loss: full logits (--loss auto: the plan says they fit; no chunked "
+                                              "loop is faster then)",))
+    return cfg, result, (f"planned for {per_node} x {what}, {nodes} node(s), host RAM per node from this machine, "
                     f"time model {inp.hw.name}\n" + render_table(result))

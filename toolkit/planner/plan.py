@@ -433,6 +433,15 @@ TERM_TEXT = {  # `cost.TERMS`, as a user reads them
 }
 
 
+def full_logits_fit(inp: PlanInput, c: Candidate) -> bool:
+    """Whether `c` still fits with the loss on full (B, T, V) fp32 logits instead of a chunk's: then no
+    chunk loop can be faster on a GPU (`toolkit.loss.choose_loss`). Estimated again, because the loss
+    buffers do not add linearly into the allocator peak (`saved.allocated_peak`)."""
+    import dataclasses
+
+    return reestimate(dataclasses.replace(inp, loss="full"), c, c.micro_batch).fits
+
+
 def fallbacks(inp: PlanInput, chosen: Candidate, rows: list[Candidate], target: int) -> list[Candidate]:
     """What `--strategy auto` runs after an out-of-memory in its first steps, in order (issue 34): the
     chosen layout with gradient checkpointing on; then its micro-batch made smaller, the accumulation

@@ -30,6 +30,7 @@ from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, pack_bins
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank
+from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
 from toolkit.tracker_spec import requested
 from toolkit.train.evaluate import eval_loss, sample_completions
@@ -385,10 +386,12 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     loss = strategy.forward_backward(run.model, micro, scale=run.world / counts[0])
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
+    if grad_norm is not None:  # FSDP2's is a DTensor (replicated): its local value, every rank alike
+        grad_norm = full(torch.as_tensor(grad_norm)).to(accelerator.device)
     loss = accelerator.reduce(loss, "sum") / run.replicas
     finite = torch.isfinite(loss)
     if grad_norm is not None:
-        finite = finite & torch.isfinite(torch.as_tensor(grad_norm, device=finite.device))
+        finite = finite & torch.isfinite(grad_norm)
     if run.sync_free:  # a non-finite step is skipped inside the fused kernel; the schedule goes on
         torch_optimizer(run.optimizer).found_inf = (~finite).float()
         run.optimizer.step()
