@@ -19,7 +19,8 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
-from toolkit.layout.rules import cp_divisibility_problems, not_runnable, tp_divisibility_problems
+from toolkit.layout.rules import (cp_divisibility_problems, flags_of, layout_problems, not_runnable,
+                                  tp_divisibility_problems)
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, load_hardware,
                                   optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds, step_terms)
 from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
@@ -318,14 +319,15 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
 
 
 def planned_strategies(inp: PlanInput) -> list[str]:
-    """The strategies worth predicting: QLoRA's 4-bit base can be neither sharded by parameter nor
-    offloaded; on one GPU ZeRO and FSDP shard over a single rank (nothing saved, DeepSpeed's or
-    FSDP's overhead paid), so only DDP and the CPU-offload variants remain."""
+    """The strategies worth predicting: those the runtime runs with this method and precision
+    (`toolkit.layout.rules`: QLoRA's 4-bit base can be neither sharded by parameter nor offloaded);
+    on one GPU ZeRO and FSDP shard over a single rank (nothing saved, DeepSpeed's or FSDP's overhead
+    paid), so only DDP and the CPU-offload variants remain."""
     world = inp.gpus_per_node * inp.nodes
     out = []
     for name in ORDER:
         s = STRATEGIES[name]
-        if inp.method == "qlora" and (s.shard_params or s.offload_params):
+        if layout_problems(flags_of(name), inp.method, inp.precision, inp.loss, inp.micro_batch):
             continue
         if world == 1 and s.shard_optimizer and not offloads(s):
             continue
