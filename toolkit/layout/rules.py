@@ -172,10 +172,7 @@ def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, 
         other = off_mesh_layout(par)
         need(other is None, f"--tp {par.tp} with {other} is not supported; tensor parallelism composes "
                             "with DDP, or with FSDP2 on the device mesh: use --dp-shard N (drop one of them)")
-        need(method != "qlora", f"--tp {par.tp} with --method qlora is not supported (4-bit weights "
-                                "cannot be sliced); use --method lora")
-        need(precision != "fp16", f"--tp {par.tp} with --mixed-precision fp16 is not supported "
-                                  "(no loss scaling across TP shards); use bf16")
+        p += _method_problems(f"--tp {par.tp}", "tp", method, precision)
     p += _pipeline_problems(par, method, precision, loss, micro_batch)
     p += _cp_problems(par, method, precision)
     if compiled and par.zero_stage == 3:
@@ -184,6 +181,22 @@ def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, 
     if compiled and par.pp > 1:
         p.append(f"--compile with --pp {par.pp} is not supported yet; drop one of them")
     return p
+
+
+# What the mesh dimensions allow of a method and a precision: QLoRA's 4-bit base and fp16's loss scaling
+# stay off every one of them; why, where there is more to say than "not supported"
+MESH_REFUSALS = {  # dimension -> (why not QLoRA, why not fp16)
+    "tp": (" (4-bit weights cannot be sliced)", " (no loss scaling across TP shards)"),
+    "shard": (" (4-bit weights are not sharded)", " (no loss scaling across shards)"),
+    "cp": ("", ""),
+    "pp": ("", " (no loss scaling across stages)"),
+}
+
+
+def _method_problems(flag: str, dimension: str, method: str, precision: str) -> list[str]:
+    qlora, fp16 = MESH_REFUSALS[dimension]
+    return ([f"{flag} with --method qlora is not supported{qlora}; use --method lora"] if method == "qlora" else []) \
+        + ([f"{flag} with --mixed-precision fp16 is not supported{fp16}; use bf16"] if precision == "fp16" else [])
 
 
 def _mesh_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
@@ -200,11 +213,7 @@ def _mesh_problems(par: ParallelFlags, method: str, precision: str) -> list[str]
     if par.strategy == "auto":
         p.append(f"{flags} with --strategy auto: the planner picks the whole layout itself; drop {flags} or use "
                  "--strategy manual")
-    if method == "qlora":
-        p.append(f"{flags} with --method qlora is not supported (4-bit weights are not sharded); use --method lora")
-    if precision == "fp16":
-        p.append(f"{flags} with --mixed-precision fp16 is not supported (no loss scaling across shards); use bf16")
-    return p
+    return p + _method_problems(flags, "shard", method, precision)
 
 
 def _cp_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
@@ -218,11 +227,7 @@ def _cp_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
     if other:
         p.append(f"--cp {par.cp} with {other} is not supported; context parallel composes with DDP, "
                  "--dp-shard N (FSDP2 on the mesh) and --tp (drop one of them)")
-    if method == "qlora":
-        p.append(f"--cp {par.cp} with --method qlora is not supported; use --method lora")
-    if precision == "fp16":
-        p.append(f"--cp {par.cp} with --mixed-precision fp16 is not supported; use bf16")
-    return p
+    return p + _method_problems(f"--cp {par.cp}", "cp", method, precision)
 
 
 def _pipeline_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
@@ -243,10 +248,7 @@ def _pipeline_problems(par: ParallelFlags, method: str, precision: str, loss: st
     if other:
         p.append(f"--pp {par.pp} with {other} is not supported; pipeline stages compose with --tp and with "
                  "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")
-    if method == "qlora":
-        p.append(f"--pp {par.pp} with --method qlora is not supported; use --method lora")
-    if precision == "fp16":
-        p.append(f"--pp {par.pp} with --mixed-precision fp16 is not supported (no loss scaling across stages); use bf16")
+    p += _method_problems(f"--pp {par.pp}", "pp", method, precision)
     if loss in FUSED_LOSSES:
         p.append(f"--pp {par.pp} with --loss {loss} is not supported; the last stage computes full logits (use --loss full)")
     if par.pp_schedule == "1f1b" and par.pp_microbatches < par.pp:
