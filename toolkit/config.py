@@ -47,6 +47,11 @@ class ModelConfig:
     lora_dropout: float = _f(0.05, "dropout on the LoRA input")
     lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
+    attn: str = _f("auto", "attention kernel: sdpa (transformers'; a dense block-diagonal mask for packed rows); "
+                           "varlen (torch's varlen_attn on CUDA, per document on CPU), flex (flex_attention with a "
+                           "document mask), flash (flash-attn): packed rows without padding or a dense mask; auto: "
+                           "sdpa for padded batches, for packed ones the first of varlen, flash, flex available on "
+                           "the device (on CPU varlen)", ("auto", "sdpa", "flex", "varlen", "flash"))
 
 
 @dataclass(frozen=True)
@@ -469,7 +474,7 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
-    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile, m.attn))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:

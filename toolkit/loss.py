@@ -24,19 +24,9 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.labels import count_targets, shift_labels, target_rows
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
-
-
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens that contribute to the loss: label set and not the first position (nothing predicts it)."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """targets[:, t] = labels[:, t + 1], what position t predicts (the last position predicts nothing).
-    Shift the labels, not the logits: slicing (B, T, V) logits and flattening them copies them all."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,15 +38,6 @@ def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """`token_loss_sum` on labels already shifted (context parallel shifts before it splits a sequence)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def target_rows(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """Flat indices into (B x T) of the positions that have a target, for `FusedLossHead.labels(rows=)`.
-    Made where the labels are still on the CPU (the collate): their count is then a shape the host
-    knows, and the head runs on target rows only without a device-to-host sync (`nonzero` of a CUDA
-    tensor waits for the GPU to finish the forward so far, every micro-batch)."""
-    targets = labels if shifted else shift_labels(labels)
-    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def flat_targets(hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,

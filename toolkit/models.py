@@ -198,7 +198,13 @@ def load_model(cfg: Config, path: str):
     adapter init."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg)}
+    from toolkit.attention import attn_implementation
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # packed rows under --cp go through the Ulysses wrapper of sdpa (toolkit.layout.rules): auto takes sdpa
+    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg),
+                    "attn_implementation": attn_implementation(cfg.model.attn, device,
+                                                               cfg.data.packing and cfg.parallel.cp == 1)}
     if cfg.model.method == "qlora":
         from transformers import BitsAndBytesConfig
 

@@ -167,8 +167,11 @@ def longest_row(rows, seq_len: int) -> int:
     return max(len(r["input_ids"]) for r in rows)
 
 
-def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example; padding gets attention 0 and label -100."""
+def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding gets attention 0 and label -100. `whole`: the batch
+    reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
+    so `target_rows` are added, the positions with a target found here on the CPU: the loss head
+    then needs no read-back from the GPU to skip the others (`toolkit.loss.target_rows`)."""
     width = max(len(x["input_ids"]) for x in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
@@ -178,4 +181,8 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(x["input_ids"])
         labels[i, :n] = torch.tensor(x["labels"])
         mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if not whole:
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    from toolkit.data.labels import target_rows
+
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "target_rows": target_rows(labels)}

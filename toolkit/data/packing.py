@@ -6,7 +6,9 @@ first token's label is dropped (it would be "predicted" from the previous exampl
 unpacked example never trains its first token either). The model gets `position_ids` and no 2-D
 attention mask, from which transformers builds a block-diagonal causal mask (`masking_utils.
 find_packed_sequence_indices`: a new block wherever positions do not step by 1) for eager and SDPA
-attention, and varlen attention for FlashAttention: attention never crosses examples.
+attention, and the padding-free kernels of `toolkit.attention` find the documents' boundaries:
+attention never crosses examples. (transformers' own `flash_attention_2` does so only for a batch of
+one row, unless given the boundaries: `collate_packed(..., bounds=True)`.)
 """
 
 from __future__ import annotations
@@ -71,28 +73,45 @@ def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
     return [packed[k] for k in range(len(packed))]
 
 
-def collate_packed(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False) -> dict[str, torch.Tensor | int]:
     """`collate` plus position_ids: the padding is a block of its own (positions restart at 0) with
-    label -100. `attention_mask` marks real tokens for counting; it is not given to the model."""
-    out = collate(batch, pad_id)
+    label -100. `attention_mask` marks real tokens for counting; it is not given to the model.
+    `bounds`: also the documents' boundaries for padding-free attention, computed here on the CPU so
+    the forward needs no device-to-host copy (`toolkit.attention.document_bounds`): `cu_seq_lens`,
+    over the rows laid end to end, and `max_length` (an int). Only for a batch that reaches the model
+    whole: splitting its rows (pipeline micro-batches) would leave them describing the whole."""
+    out = collate(batch, pad_id, bounds)
     width = out["input_ids"].shape[1]
     positions = torch.zeros_like(out["input_ids"])
     for i, x in enumerate(batch):
         n = len(x["input_ids"])
         positions[i, :n] = torch.tensor(x["position_ids"])
         positions[i, n:] = torch.arange(width - n)
-    return {**out, "position_ids": positions}
+    if not bounds:
+        return {**out, "position_ids": positions}
+    from toolkit.attention import document_bounds
+
+    docs = document_bounds(positions)
+    return {**out, "position_ids": positions, "cu_seq_lens": docs["cu_seq_lens_q"], "max_length": docs["max_length_q"]}
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the model is called with: packed batches give position_ids instead of the 2-D mask."""
-    if "position_ids" in batch:  # no KV cache either: transformers only looks for packing without one
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+def model_inputs(batch: dict[str, torch.Tensor | int]) -> dict[str, torch.Tensor | int | bool]:
+    """What the model is called with: packed batches give position_ids instead of the 2-D mask, and
+    the documents' boundaries where the collate computed them (transformers' FlashAttentionKwargs,
+    which every attention function is handed and only the varlen ones read)."""
+    if "position_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    # no KV cache either: transformers only looks for packing without one
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if "cu_seq_lens" in batch:
+        cu, longest = batch["cu_seq_lens"], batch["max_length"]
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return inputs
 
 
 def count_examples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Examples in a (packed or padded) batch: real tokens at position 0."""
     if "position_ids" in batch:
         return ((batch["position_ids"] == 0) & (batch["attention_mask"] == 1)).sum()
-    return torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+    ids = batch["input_ids"]  # a fill, not a copy from the host: no sync on a GPU
+    return torch.full((), ids.shape[0], dtype=torch.long, device=ids.device)

@@ -103,14 +103,14 @@ class StreamCollate:
     """The loader's collate_fn: this rank's micro-batch of records -> tokens -> a padded (or, with
     --packing, packed) batch."""
 
-    def __init__(self, stream: RecordStream, pad_id: int, packing: bool):
-        self.stream, self.pad_id, self.packing = stream, pad_id, packing
+    def __init__(self, stream: RecordStream, pad_id: int, packing: bool, whole: bool = False):
+        self.stream, self.pad_id, self.packing, self.whole = stream, pad_id, packing, whole
 
     def __call__(self, batch: list[tuple[int, dict]]) -> dict[str, torch.Tensor]:
         rows = self.stream.tokenize(batch)
         if not self.packing:
-            return collate(rows, self.pad_id)
+            return collate(rows, self.pad_id, self.whole)
         from toolkit.data.packing import PackedRows, collate_packed, pack_bins
 
         packed = PackedRows(rows, pack_bins([len(r["input_ids"]) for r in rows], self.stream.cfg.data.seq_len))
-        return collate_packed([packed[k] for k in range(len(packed))], self.pad_id)
+        return collate_packed([packed[k] for k in range(len(packed))], self.pad_id, self.whole)

@@ -144,7 +144,7 @@ def checkpoint_format(par: ParallelFlags) -> str:
 # ----------------------------------------------------------------------------- what may run
 
 def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int,
-                    compiled: bool = False) -> list[str]:
+                    compiled: bool = False, attn: str = "auto") -> list[str]:
     """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
     precision ("fp16" is the one that matters), --loss, micro-batch and --compile, that needs neither
     the model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
@@ -180,6 +180,9 @@ def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, 
                  "blocks' graphs); use --fsdp or --dp-shard N, which compile, or drop --compile")
     if compiled and par.pp > 1:
         p.append(f"--compile with --pp {par.pp} is not supported yet; drop one of them")
+    if par.cp > 1 and attn not in ("auto", "sdpa"):
+        p.append(f"--attn {attn} with --cp {par.cp} is not supported: context parallel's Ulysses attention wraps "
+                 "sdpa (and --attn auto takes sdpa under --cp); drop --attn")
     return p
 
 

@@ -28,6 +28,10 @@ class AccelerateStrategy(Strategy):
         self.context = ContextSlices(mesh, self.dims)
         self.loss, self.tp = LossHead(loss_fn, accelerator.device.type), TPShards()
 
+    @property
+    def whole_batches(self) -> bool:
+        return self.dims.cp == 1
+
     def shard_model(self, model):
         return self.context.attach(model)
 

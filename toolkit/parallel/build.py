@@ -37,9 +37,12 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     # count per step instead. DeepSpeed keeps its own count (and loss scaling): give it --grad-accum.
     ga = cfg.train.grad_accum if kind == "deepspeed" else 1
     # each rank reads its own micro-batches (a stream included: rank 0 would otherwise read and
-    # tokenize every rank's and send them)
-    kwargs: dict = {"mixed_precision": resolved_precision(cfg),
-                    "dataloader_config": DataLoaderConfiguration(dispatch_batches=False),
+    # tokenize every rank's and send them), copied to a GPU without waiting for its queued work (the
+    # loop pins them); no generator broadcast at each epoch's start (`rng_types`: every rank seeds
+    # the loader's generator alike and the sampler draws from (seed, epoch), so it would change no
+    # value, only add a collective and a read-back at the epoch boundary)
+    kwargs: dict = {"mixed_precision": resolved_precision(cfg), "rng_types": [],
+                    "dataloader_config": DataLoaderConfiguration(dispatch_batches=False, non_blocking=launch.on_cuda()),
                     "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga, sync_with_dataloader=False)}
     if kind == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from toolkit.data.tokenize import IGNORE_INDEX
-from toolkit.loss import shift_labels
+from toolkit.data.labels import shift_labels
 
 INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
 _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}

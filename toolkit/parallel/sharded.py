@@ -26,6 +26,7 @@ class TensorParallelStrategy(Strategy):
         self.data = DataShard(accelerator, dims, mesh["dp"].get_local_rank())
         self.context = ContextSlices(mesh, dims)
         self.loss = LossHead(loss_fn, accelerator.device.type)
+        self.whole_batches = dims.cp == 1
 
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its slice (LoRA adapters are created first, so
@@ -73,6 +74,7 @@ class MeshShardedStrategy(Strategy):
         self.data = DataShard(accelerator, dims, mesh["dp"].get_local_rank())
         self.context = ContextSlices(mesh, dims)
         self.loss = LossHead(loss_fn, accelerator.device.type)
+        self.whole_batches = dims.cp == 1
 
     def shard_model(self, model):
         model = self.context.attach(model)

@@ -43,6 +43,7 @@ class Strategy(Protocol):
     loss: "LossHead"  # the loss of one micro-batch (full logits, or a head that returns the loss sum)
     tp: TPShards  # the parameters TP split, by name (none where the layout has no TP)
     checkpoint_format: str = "sharded"  # toolkit.layout.rules.checkpoint_format
+    whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
     always_steps: bool = False  # the optimizer must step even on a non-finite loss (DeepSpeed's engine)
     frees_grads: bool = False  # gradients are freed inside backward, so none can be measured after it
 
@@ -138,7 +139,8 @@ class DataShard:
 
         a = self.accelerator
         return prepare_data_loader(loader, a.device, num_processes=self.ranks, process_index=self.rank,
-                                   put_on_device=True, even_batches=a.even_batches, dispatch_batches=False)
+                                   put_on_device=True, even_batches=a.even_batches, dispatch_batches=False,
+                                   non_blocking=a.non_blocking)
 
 
 class ContextSlices:
@@ -181,7 +183,7 @@ class LossHead:
     never exist. Context parallel batches carry labels already shifted (`targets`)."""
 
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu"):
-        self.loss_fn, self.device_type, self.head = loss_fn, device_type, None
+        self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
@@ -193,8 +195,9 @@ class LossHead:
 
     @property
     def fused(self) -> bool:
-        """The head computes the loss on target tokens only (fewer LM-head FLOPs: the MFU count)."""
-        return self.head is not None
+        """The head computes the loss on target tokens only (fewer LM-head FLOPs: the MFU count): on a CPU it
+        finds them itself, on a GPU it is handed them (`target_rows`, whole batches only)."""
+        return self.head is not None and (self.device_type != "cuda" or self.rows_given)
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
         from toolkit.data.packing import model_inputs
@@ -204,7 +207,9 @@ class LossHead:
         else:
             inputs, labels, shifted = model_inputs(batch), batch["labels"], False
         if self.head is not None:  # the head returns the loss sum in place of logits
-            with self.head.labels(labels, shifted):
+            rows = batch.get("target_rows")  # found by the collate on the CPU: no read-back to skip the others
+            self.rows_given = rows is not None
+            with self.head.labels(labels, shifted, rows=rows):
                 return model(**inputs).logits
         return (target_loss_sum if shifted else self.loss_fn)(model(**inputs).logits, labels)
 

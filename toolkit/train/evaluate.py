@@ -10,7 +10,7 @@ import torch
 
 from toolkit.data import collate
 from toolkit.data.tokenize import prompt_text
-from toolkit.loss import count_targets
+from toolkit.data.labels import count_targets
 
 
 @torch.no_grad()

@@ -269,7 +269,8 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
     a JSON file of them)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from toolkit.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.loss import token_loss_sum
 
     kwargs: dict = {"dtype": torch.float32}
     if load_4bit:

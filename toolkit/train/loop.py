@@ -148,25 +148,28 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
     return True
 
 
-def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False) -> DataLoader:
+def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
     With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
-    page-locked batches, so their copy to a GPU does not wait for the work queued before it."""
+    page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
+    the batches reach the model uncut, so the collate adds what it finds on the CPU (target rows, packed
+    documents' boundaries) for the forward to skip its read-backs."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
-                      collate_fn=partial(collate_packed if cfg.data.packing else collate, pad_id=pad_id),
+                      collate_fn=partial(collate_packed, pad_id=pad_id, bounds=whole) if cfg.data.packing
+                      else partial(collate, pad_id=pad_id, whole=whole),
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
-def stream_loader(stream, cfg: Config, tokenizer) -> DataLoader:
+def stream_loader(stream, cfg: Config, tokenizer, whole: bool = False) -> DataLoader:
     """Micro-batches of records in stream order, tokenized (and packed) by the collate_fn on the rank
     that trains them; accelerate.prepare shards it (`toolkit.data.stream`)."""
     from toolkit.data.stream import StreamCollate
 
     return DataLoader(stream, batch_size=cfg.train.micro_batch_size,
-                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing))
+                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing, whole))
 
 
 def global_batches(loader, grad_accum: int, sampler: EpochShuffleSampler | None = None, start: tuple[int, int] = (0, 0),
@@ -281,7 +284,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     from toolkit.train.faults import Preemption, fault_hook
 
     t, streamed = cfg.train, cfg.data.streaming
-    loader = training_loader(cfg, train_rows, tokenizer, log, pin=strategy.accelerator.device.type == "cuda")
+    loader = training_loader(cfg, train_rows, tokenizer, log, pin=strategy.accelerator.device.type == "cuda",
+                             whole=strategy.whole_batches)
     sampler = None if streamed else loader.sampler
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
@@ -322,11 +326,11 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     return run
 
 
-def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool) -> DataLoader:
+def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool) -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
     to pack), or the stream's: tokenized per micro-batch as it is read."""
     if cfg.data.streaming:
-        return stream_loader(train_rows, cfg, tokenizer)
+        return stream_loader(train_rows, cfg, tokenizer, whole)
     if cfg.data.packing:
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
@@ -334,7 +338,7 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool) -> DataL
         train_rows = PackedRows(train_rows, pack_bins(lengths, cfg.data.seq_len), lengths)
         fill = sum(lengths) / (len(train_rows) * cfg.data.seq_len)
         log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
-    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin)
+    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole)
 
 
 def restore(run: Run, resume, log) -> dict:

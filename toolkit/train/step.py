@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit.data.packing import count_examples
-from toolkit.loss import count_targets
+from toolkit.data.labels import count_targets
 
 
 def host(t: torch.Tensor) -> list[float]:

@@ -19,6 +19,8 @@ from toolkit.parallel.tp import TPShards
 class PipelineStrategy(Strategy):
     """Stages over the mesh's `pp` groups (`layout`), or every stage in this process (no mesh)."""
 
+    whole_batches = False  # cut into pipeline micro-batches
+
     def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
         from toolkit.parallel.pp import make_pipeline_layout, pipeline_devices
 
