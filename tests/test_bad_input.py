@@ -119,6 +119,10 @@ def case(tmp_path, name):
         return ["--model", str(m)], "--trust-remote-code"
     if name == "pp_devices_missing_gpu":
         return ["--pp", "2", "--pp-devices", "cuda:0,cuda:7"], "cuda:7 not present"
+    if name == "kernels_without_a_gpu":
+        return ["--kernels", "liger"], "--kernels liger runs Triton kernels, which need a CUDA GPU"
+    if name == "attention_kernel_not_here":
+        return ["--attn", "flash", "--packing"], "--attn flash"
     raise KeyError(name)
 
 
@@ -132,7 +136,8 @@ def case(tmp_path, name):
                                   "pp_unknown_architecture", "pp_devices_missing_gpu", "unknown_yaml_key", "wrong_type",
                                   "out_of_range", "lora_targets_match_nothing", "every_example_too_long",
                                   "output_dir_would_be_clobbered", "resume_truncated_checkpoint",
-                                  "resume_checkpoint_of_another_run", "resume_with_overwrite", "model_needs_remote_code"])
+                                  "resume_checkpoint_of_another_run", "resume_with_overwrite", "model_needs_remote_code",
+                                  "kernels_without_a_gpu", "attention_kernel_not_here"])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
     out = tmp_path / "out"
     out.mkdir()

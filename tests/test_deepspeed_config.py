@@ -39,6 +39,10 @@ def test_builder_keeps_auto_where_accelerate_fills_in_and_follows_precision():
     (["--method", "qlora", "--zero-stage", "3", "--offload", "optimizer+param"],
      "--method qlora cannot offload its 4-bit base weights"),
     (["--offload", "optimizer"], "--offload optimizer needs --zero-stage 1, 2 or 3"),
+    (["--compile", "--zero-stage", "3"], "--compile with --zero-stage 3 is not supported"),
+    (["--compile", "--pp", "2"], "--compile with --pp 2 is not supported yet"),
+    (["--attn", "varlen", "--cp", "2"], "--attn varlen with --cp 2 is not supported"),
+    (["--pp", "2", "--loss", "cce"], "--pp 2 with --loss cce is not supported"),
 ])
 def test_invalid_parallel_combinations(tmp_path, argv, message):
     with pytest.raises(UserError) as e:

@@ -198,13 +198,7 @@ def load_model(cfg: Config, path: str):
     adapter init."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.attention import attn_implementation
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # packed rows under --cp go through the Ulysses wrapper of sdpa (toolkit.layout.rules): auto takes sdpa
-    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg),
-                    "attn_implementation": attn_implementation(cfg.model.attn, device,
-                                                               cfg.data.packing and cfg.parallel.cp == 1)}
+    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg), **attn_kwargs(cfg)}
     if cfg.model.method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -230,6 +224,27 @@ def load_model(cfg: Config, path: str):
     if cfg.train.compile:
         compile_blocks(model)
     return model
+
+
+def attn_kwargs(cfg: Config) -> dict:
+    """`from_pretrained`'s attention for --attn on this machine (`toolkit.attention`); packed rows under
+    --cp go through the Ulysses wrapper of sdpa (`toolkit.layout.rules`), so auto takes sdpa there."""
+    from toolkit.attention import attn_implementation
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"attn_implementation": attn_implementation(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1)}
+
+
+def kernels_problem() -> str | None:
+    """Why --kernels liger cannot run here, or None."""
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        return "--kernels liger runs Triton kernels, which need a CUDA GPU; leave --kernels out on this machine"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ("--kernels liger needs the liger-kernel package, which is not installed: pip install 'toolkit[gpu]' "
+                "(or leave --kernels out)")
+    return None
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -261,13 +276,9 @@ def compile_blocks(model) -> None:
 def apply_liger(model) -> None:
     """--kernels liger: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (Triton) patched into this model's
     modules; its fused linear cross-entropy is --loss liger. One line where it cannot run."""
-    import importlib.util
-
-    if not torch.cuda.is_available():
-        raise UserError("--kernels liger runs Triton kernels, which need a CUDA GPU; leave --kernels out on this machine")
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise UserError("--kernels liger needs the liger-kernel package, which is not installed: "
-                        "pip install 'toolkit[gpu]' (or leave --kernels out)")
+    problem = kernels_problem()
+    if problem:
+        raise UserError(problem)
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     try:
@@ -330,6 +341,11 @@ def check_model(cfg: Config, path: str) -> None:
     damaged = weight_file_problem(path)
     if damaged:
         raise UserError(f"--model {path}: {damaged}; copy or download the model again")
+    attn_kwargs(cfg)  # an attention kernel or fused kernels this machine cannot run: one line now
+    if cfg.train.kernels == "liger":
+        liger_problem = kernels_problem()
+        if liger_problem:
+            raise UserError(liger_problem)
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
