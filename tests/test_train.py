@@ -332,7 +332,7 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
     assert p.returncode == 0, p.stderr[-3000:]
     imported = set(json.loads(p.stdout.strip().splitlines()[-1]))  # main() as the command line calls it (no argv)
     assert "peft" in imported and "pyarrow" in imported
-    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed"}
+    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed", "scipy"}
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model, data_files, monkeypatch, capsys):
