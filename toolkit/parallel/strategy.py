@@ -20,6 +20,7 @@ shards in `toolkit.parallel.tp`), and the few defaults most of them keep are `St
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -34,8 +35,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels
 
 
 class Strategy(Protocol):
-    """What a parallel layout does for a run. Required: the attributes and the methods without a body
-    here; the rest are defaults that layouts keep unless they differ."""
+    """What a parallel layout does for a run. Required: the attributes and the abstract methods (a class
+    that leaves one out cannot be built); the rest are defaults that layouts keep unless they differ."""
 
     accelerator: Any
     dims: ParallelDims
@@ -48,9 +49,11 @@ class Strategy(Protocol):
     frees_grads: bool = False  # gradients are freed inside backward, so none can be measured after it
 
     # --- model and optimizer
+    @abstractmethod
     def shard_model(self, model):
         """Applied right after loading, before `prepare` (splits, attention swaps)."""
 
+    @abstractmethod
     def prepare(self, model, optimizer_fn: Callable, loader) -> tuple[Any, Any, Any]:
         """(model, optimizer, this rank's loader), ready to train."""
 
@@ -58,15 +61,18 @@ class Strategy(Protocol):
         """The learning-rate schedule the layout brings (a --deepspeed file's), or None for --lr-schedule."""
         return None
 
+    @abstractmethod
     def describe(self) -> str:
         """The log lines that say how this layout runs (after `prepare`)."""
 
     # --- one optimizer step
+    @abstractmethod
     def forward_backward(self, model, micro: list[dict], scale: float | torch.Tensor) -> torch.Tensor:
         """Forward and backward of one global batch's micro-batches on this rank, each micro-batch's
         summed loss times `scale`; returns the summed loss (float64, on the device, no host sync).
         Gradients are synchronised."""
 
+    @abstractmethod
     def clip_grad_norm(self, model, max_norm: float) -> torch.Tensor | None:
         """The whole model's gradient norm, clipped to `max_norm` (a tensor on the device)."""
 
@@ -91,6 +97,7 @@ class Strategy(Protocol):
         """The model to save (and, when `final`, to evaluate and return after training)."""
         return model
 
+    @abstractmethod
     def state_dict(self, model) -> dict:
         """The full state dict (collective where the layout is sharded); complete on the main process."""
 
