@@ -1,16 +1,20 @@
 """scripts/gpu_acceptance.py end to end on this CPU (`--smoke`: tiny shapes), so the GPU run cannot rot
-before a GPU is lent: every part runs, the correctness checks it can judge here hold in fp32, and
-nothing is written to benchmarks/gpu/."""
+before a GPU is lent: every part runs, the correctness checks it can judge here hold in fp32, what
+needs CUDA is listed as skipped with its reason, and nothing is written to benchmarks/gpu/. Beside it,
+the throughput measurement's bookkeeping (time budget, a failing arm) and the rendering of a figure
+that falls short, on stand-ins that take seconds."""
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("throughput_135m", "throughput_1b", "memory", "chunked_loss", "packing", "pipeline", "deepspeed", "launchers")
+PARTS = ("throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory", "pipeline",
+         "deepspeed", "launchers")
 
 
 def snapshot() -> dict[str, bytes]:
@@ -26,21 +30,78 @@ def test_smoke_runs_every_part(tmp_path):
     parts = {name: json.loads((tmp_path / "out" / f"{name}.json").read_text()) for name in PARTS}
     for name, d in parts.items():
         assert d["smoke"] and d["env"]["device"] == "cpu"
+        assert {"torch", "transformers", "accelerate", "peft", "liger_kernel", "flash_attn"} <= set(d["env"])
         assert not [c for c in d["cases"] if "error" in c], name
         # on the CPU only correctness is judged (fp32: losses agree to 1e-4); speed and memory are not
         assert all(c["passed"] is not False for c in d["checks"]), (name, d["checks"])
     judged = {c["what"] for d in parts.values() for c in d["checks"] if c["passed"]}
-    assert {"sdpa: packed vs unpacked loss (relative diff)", "pp2 vs one stage, per-step losses (max relative diff)",
-            "losses, chunked vs full (max relative diff)", "zero2: saved model passes the integrity gate",
+    assert {"sdpa: packed vs unpacked loss (relative diff)", "varlen: packed vs unpacked loss (relative diff)",
+            "pp2 vs one stage, per-step losses (max relative diff)", "losses, chunked vs full (max relative diff)",
+            "losses, auto vs full (max relative diff)", "zero2: saved model passes the integrity gate",
             "zero3_offload: saved model passes the integrity gate",
             "python finetune.py --zero-stage 3: trains, saved folder passes the integrity gate",
             "accelerate launch --use_fsdp: trains, saved folder passes the integrity gate"} <= judged
     assert all(c["passed"] is None for c in parts["memory"]["checks"]) and len(parts["memory"]["checks"]) == 4
-    assert parts["memory"]["skipped"] and parts["packing"]["skipped"]  # qlora and flash-attn need a GPU: said so
-    for d in (parts["throughput_135m"], parts["throughput_1b"]):
-        assert {"toolkit/raw", "toolkit/trainer"} <= set(d["cases"][0]["ratios"]) and d["cases"][0]["mfu"]["toolkit"] > 0
+    assert parts["memory"]["skipped"]  # qlora needs a GPU: said so
+    skipped = {name: " ".join(d.get("skipped", [])) for name, d in parts.items()}
+    assert "flash:" in skipped["packing"] and "loss_liger:" in skipped["chunked_loss"]
+    for d in (parts["throughput_full"], parts["throughput_lora"]):
+        e = d["cases"][0]
+        assert {"toolkit/raw", "toolkit/trainer"} <= set(e["ratios"]) and e["mfu"]["toolkit"] > 0
+        assert d["shapes"]["llama-1b"]["num_hidden_layers"] == 3 and e["seq_len"] == 64 and e["micro_batch"] == 4
+    full = parts["throughput_full"]["cases"][0]
+    assert full["rounds"] == {arm: 1 for arm in ("raw", "trainer", "toolkit", "compile", "best", "trainer_best")}
+    assert full["arms"]["compile"]["flags"] == ["--compile"] and full["arms"]["trainer_best"]["trainer_args"]["torch_compile"]
+    assert "use_liger_kernel left out" in skipped["throughput_full"]  # liger needs CUDA: the arm runs without it
+    boundary = parts["epoch_boundary"]["cases"][0]
+    assert boundary["figures"]["boundaries"] and len(parts["epoch_boundary"]["checks"]) == 2
     readme = (tmp_path / "out" / "README.md").read_text()
-    assert all(f"| {name} |" in readme for name in PARTS) and "(smoke)" in readme
+    assert all(f"| {name} |" in readme for name in PARTS) and "(smoke)" in readme and "| trainer_best |" in readme
+
+
+def test_measure_keeps_to_the_budget_and_records_a_failing_arm(tmp_path):
+    """bench_throughput.measure with a stand-in for the runs: a round-2 run that would end past the
+    deadline is left out and listed, an arm that fails is recorded and not run again, the others go on."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+
+    import toolkit.config  # noqa: F401 - imported before the clock starts
+    from bench_throughput import measure
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=384).save_pretrained(tmp_path)
+    calls = []
+
+    def runner(spec):
+        calls.append(spec["variant"])
+        if spec["variant"] == "trainer_best":
+            raise RuntimeError("trainer_best failed:\nRuntimeError: no compiler")
+        time.sleep(0.5)  # round 1: 1.5 s; round 2: raw ends at 2.0 s, trainer would end at 2.5
+        return {"tokens": 64, "seconds": 0.5, "peak_flops": 1e9, "peak_bytes": None, "toolkit_mfu": 0.1,
+                "flops_per_token": 1e4}
+
+    a = argparse.Namespace(model="stand-in", method="full", micro_batch=1, warmup=1, steps=1, repeats=2,
+                           variants="raw,trainer,toolkit,trainer_best")
+    entry = measure(a, str(tmp_path), log=lambda m: None, runner=runner, deadline=time.time() + 2.25)
+    assert calls[:4] == ["raw", "trainer", "toolkit", "trainer_best"] and calls.count("trainer_best") == 1
+    assert entry["rounds"]["raw"] == 2 and entry["rounds"]["toolkit"] == 1  # round 2 ran out of budget
+    assert any(s.startswith("toolkit round 2") for s in entry["left_out"])
+    assert "no compiler" in entry["errors"]["trainer_best"] and "trainer_best" not in entry["median_tokens_per_sec"]
+    assert entry["ratios"]["toolkit/raw"] == 1.0
+
+
+def test_render_puts_each_figure_beside_its_target(tmp_path):
+    check = {"what": "full: toolkit / Trainer tokens/s", "value": 0.99, "op": ">=", "target": 1.1, "passed": False,
+             "short_by": 0.1}
+    env = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "transformers": "5.17.0"}
+    (tmp_path / "throughput_full.json").write_text(json.dumps({"part": "throughput_full", "smoke": False, "env": env,
+                                                                "cases": [], "checks": [check], "seconds": 400}))
+    p = subprocess.run([sys.executable, str(SCRIPT), "--render", "--out", str(tmp_path)], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "| throughput_full | full: toolkit / Trainer tokens/s | 0.99 | >= 1.1 | **no** (short by 10.0%) |" in \
+        (tmp_path / "README.md").read_text()
 
 
 def test_smoke_refuses_the_benchmarks_folder_and_cpu_without_smoke():

@@ -263,14 +263,16 @@ def compile_blocks(model) -> None:
     """--compile: each decoder block compiled in place (`nn.Module.compile`: regional compilation, as
     torchtitan compiles per block), so one compiled graph serves every block, the parameters and
     state-dict keys stay the module's own, and a layout's later changes to the blocks (TP's split
-    projections, context parallel's attention, FSDP2's hooks) are traced at the first step. Shapes
-    that change (a new sequence length) compile again; the first step's record says it was warm-up."""
+    projections, context parallel's attention, FSDP2's hooks) are traced at the first step. Padded and
+    packed batches change width from step to step: the second width compiles again, with dynamic
+    shapes (dynamo's automatic dynamic), and later widths reuse it. The first step's record says it
+    was the warm-up."""
     blocks = decoder_layers(model)
     if not blocks:
         raise UserError(f"--compile: no decoder blocks at model.layers in {type(model).__name__}; leave --compile out")
     backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
     for block in blocks:
-        block.compile(backend=backend, dynamic=None)
+        block.compile(backend=backend)
 
 
 def apply_liger(model) -> None:
