@@ -98,6 +98,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
     ra, rb = ranks(a), ranks(b)
     n = len(a)
+    if n < 2:  # one layout (--only): no ranking to correlate
+        return float("nan")
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 

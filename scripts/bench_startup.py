@@ -5,7 +5,7 @@ Method. Every figure is a fresh `python` process, as a user runs it, with warm c
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
 timed `--repeats` times and the median reported, beside the floor no toolkit change can go under:
 a process that only imports what the run needs (torch, the model's transformers class, peft,
-accelerate, pyarrow; bitsandbytes and DeepSpeed left out as `toolkit.startup` does), timed the same
+accelerate, pyarrow; the packages `toolkit.startup` leaves unimported for the run left out the same way), timed the same
 way, interleaved with the runs. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
 and "imports and config" is the time from the process's start to the first of them; `main()` is called
@@ -37,9 +37,17 @@ PHASES = [("toolkit.config", "parse_config"), ("toolkit.models", "check_model"),
           ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
           ("toolkit.train.integrity", "verify_saved"), ("toolkit.train.output", "summarize")]
 
-# what the run imports, with the packages toolkit.startup leaves unimported left out the same way
-FLOOR = ("import sys; sys.modules.update(bitsandbytes=None, deepspeed=None); "
-         "import torch, accelerate, peft, pyarrow; from transformers import LlamaForCausalLM")
+
+def floor_command(argv: list[str]) -> str:
+    """What the run imports, with the packages toolkit.startup leaves unimported for this run left out
+    the same way."""
+    from toolkit.config import parse_config
+    from toolkit.startup import unused_packages
+
+    left_out = ", ".join(f"{name}=None" for name in unused_packages(parse_config(argv)))
+    return (f"import sys; sys.modules.update({left_out}); "
+            "import torch, accelerate, peft, pyarrow; from transformers import LlamaForCausalLM")
+
 
 PHASE_RUN = """
 import importlib, json, sys, time
@@ -105,7 +113,8 @@ def main() -> None:
     run = [sys.executable, str(ROOT / "finetune.py"), *argv]
     timed(run, env)  # cold: tokenizes into the cache; not counted
     help_s = [timed([sys.executable, str(ROOT / "finetune.py"), "--help"], env) for _ in range(a.repeats)]
-    floor = [sys.executable, "-c", FLOOR]
+    floor_cmd = floor_command(argv)
+    floor = [sys.executable, "-c", floor_cmd]
     run_s, floor_s = [], []
     for _ in range(a.repeats):  # interleaved: the machine's drift falls on both alike
         run_s.append(timed(run, env))
@@ -118,7 +127,7 @@ def main() -> None:
     out = {"device": cpu_device(), "torch": torch.__version__, "python": sys.version.split()[0],
            "repeats": a.repeats, "help_seconds": {"median": statistics.median(help_s), "all": help_s},
            "tiny_run_seconds": {"median": statistics.median(run_s), "all": run_s},
-           "import_floor_seconds": {"median": statistics.median(floor_s), "all": floor_s, "command": FLOOR},
+           "import_floor_seconds": {"median": statistics.median(floor_s), "all": floor_s, "command": floor_cmd},
            "phase_run": phases, "import_self_seconds_by_package": imports,
            "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
     lines = ["# Start-up: `finetune.py --help` and a 1-step tiny run", "",
@@ -128,7 +137,7 @@ def main() -> None:
     lines += md_table(["what", "median seconds", "all", "target"], [
         ["`finetune.py --help`", f"{out['help_seconds']['median']:.2f}", every(help_s), "< 0.5"],
         ["tiny run, wall", f"{out['tiny_run_seconds']['median']:.2f}", every(run_s), "< 6"],
-        [f"floor: `python -c \"{FLOOR}\"`", f"{out['import_floor_seconds']['median']:.2f}", every(floor_s), ""],
+        [f"floor: `python -c \"{floor_cmd}\"`", f"{out['import_floor_seconds']['median']:.2f}", every(floor_s), ""],
         ["tiny run above the floor", f"{statistics.median(run_s) - statistics.median(floor_s):.2f}", "", ""]])
     lines += ["", "One more run, by phase (seconds; `finetune.main`'s calls, each wrapped with a timer):", ""]
     lines += md_table(["phase", "seconds"], [

@@ -304,7 +304,8 @@ def test_memory_model_within_10_percent_of_the_h100_cases():
     for c in data["cases"]:
         method, gc = c["flags"][1], "--gradient-checkpointing" in c["flags"]
         inp = PlanInput(model=PRESETS["smollm2-135m"], gpu_memory=80 * 2**30, gpus_per_node=1, method=method,
-                        seq_len=c["seq_len"], micro_batch=c["micro_batch"], precision="bf16", checkpointing=gc)
+                        seq_len=c["seq_len"], micro_batch=c["micro_batch"], precision="bf16", checkpointing=gc,
+                        lora_dropout=0.05)  # the cases ran at 0.05, finetune.py's default then (data["source"])
         predicted = estimate(inp, STRATEGIES["ddp"], gc, c["micro_batch"]).bytes["allocated"]
         ratios[c["name"]] = round(predicted / c["max_memory_allocated"], 3)
     assert len(ratios) == 18 and all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

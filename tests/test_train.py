@@ -312,8 +312,8 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
 
 def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_files):
     """A LoRA run from the command line, its data already cached, imports peft but not datasets or
-    pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only) or DeepSpeed (no ZeRO
-    layout): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md)."""
+    pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only), DeepSpeed (no ZeRO
+    layout), scipy or boto3 (toolkit.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md)."""
     import subprocess
     import sys
 
@@ -332,7 +332,7 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
     assert p.returncode == 0, p.stderr[-3000:]
     imported = set(json.loads(p.stdout.strip().splitlines()[-1]))  # main() as the command line calls it (no argv)
     assert "peft" in imported and "pyarrow" in imported
-    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed", "scipy"}
+    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed", "scipy", "boto3"}
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model, data_files, monkeypatch, capsys):

@@ -44,7 +44,8 @@ class ModelConfig:
     method: str = _f("lora", "what to train", ("full", "lora", "qlora"))
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha (scale = alpha / r)")
-    lora_dropout: float = _f(0.05, "dropout on the LoRA input")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input; above 0 it keeps a mask of "
+                                         "each adapted layer's input (benchmarks/lora_dropout.md)")
     lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
     attn: str = _f("auto", "attention kernel: sdpa (transformers'; a dense block-diagonal mask for packed rows); "

@@ -9,6 +9,10 @@ are needed, which this run's layout never uses.
   Only a DeepSpeed layout uses it.
 - transformers imports scipy.optimize with its model code (`loss.loss_for_object_detection`, for
   DETR's matching): 0.28 s of the import on 2 cores (`-X importtime`, 2026-11-25). No causal LM uses it.
+- accelerate imports boto3 for its SageMaker launcher config when it is installed
+  (`accelerate/commands/config/sagemaker.py`, reached from `accelerate.utils.other`): 0.28 s of a tiny
+  run's start on 2 cores (`-X importtime`, 2026-11-25). Training never uses it; mlflow's and wandb's
+  S3 artifact stores may, so it stays importable when either is asked for.
 
 A package set to None in `sys.modules` fails to import and `importlib.util.find_spec` answers None for
 it, which is how peft, transformers and accelerate ask whether it is installed, so each takes its "not
@@ -21,6 +25,7 @@ from __future__ import annotations
 import sys
 
 from toolkit.config import Config
+from toolkit.tracker_spec import requested
 
 
 def unused_packages(cfg: Config) -> list[str]:
@@ -30,6 +35,8 @@ def unused_packages(cfg: Config) -> list[str]:
         out.append("bitsandbytes")
     if par.zero_stage is None and not par.deepspeed and par.strategy != "auto":
         out.append("deepspeed")
+    if not {"mlflow", "wandb"} & set(requested(cfg.output.report_to)):
+        out.append("boto3")
     return out
 
 

@@ -52,8 +52,8 @@ class Hardware:
 
 PALM = "PaLM (Chowdhery et al. 2022, table 3) reports 30-46% MFU for the large models of its time"
 OVERLAP = ("torchtitan's Llama 3.1 8B FSDP runs keep 97% of their 8-GPU tokens/s per GPU on 128 GPUs "
-           "(benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3) where unhidden inter-node traffic "
-           "would cost about 30%: 0.9 of it hidden")
+           "(pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3) where unhidden "
+           "inter-node traffic would cost about 30%: 0.9 of it hidden")
 HARDWARE: dict[str, Hardware] = {h.name: h for h in [
     Hardware("h100-sxm", {"fp32": 67e12, "bf16": 989.5e12, "fp16": 989.5e12}, 0.40, 450e9, 50e9, 64e9, 77e9, 0.0,
              3.35e12, 0.9, {

@@ -69,7 +69,7 @@ class PlanInput:
     method: str = "lora"
     lora_r: int = 16
     lora_targets: str = "all-linear"
-    lora_dropout: float = 0.05  # finetune.py's default; > 0 saves a mask per adapted input
+    lora_dropout: float = 0.0  # finetune.py's default; > 0 saves a mask per adapted input
     seq_len: int = 2048
     micro_batch: int = 1
     grad_accum: int = 1  # with micro_batch and the GPUs, the global batch asked for (`target_batch`)
