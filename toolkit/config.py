@@ -22,6 +22,8 @@ from typing import Any, Optional
 import yaml
 
 from toolkit.errors import UserError
+from toolkit.inputs import (column_problems, dataset_problems, output_dir_problems, sample_problems,
+                            streaming_problems)
 from toolkit.layout.rules import layout_problems
 from toolkit.tracker_spec import spec_problems as tracker_problems
 
@@ -466,7 +468,7 @@ def validate(cfg: Config) -> list[str]:
     need(not (o.eval_on_start and d.eval_split == 0),
          "--eval-on-start needs held-out data: set --eval-split (for example 0.05)")
     p.extend(tracker_problems(o.report_to))
-    p.extend(_sample_problems(cfg))
+    p.extend(sample_problems(o.sample_prompts, cfg.parallel.pp, cfg.parallel.cp))
     need(o.eval_every >= 0, f"--eval-every must be >= 0 (got {o.eval_every})")
     need(o.save_every >= 0, f"--save-every must be >= 0 (got {o.save_every})")
     need(o.keep_last >= 0, f"--keep-last must be >= 0 (got {o.keep_last})")
@@ -479,10 +481,10 @@ def validate(cfg: Config) -> list[str]:
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:
-        p.extend(_streaming_problems(cfg))
+        p.extend(streaming_problems(d.dataset, d.eval_split, t.max_steps))
     p.extend(column_problems(d.columns))
-    p.extend(_check_dataset(d.dataset))
-    p.extend(_check_output_dir(o))
+    p.extend(dataset_problems(d.dataset))
+    p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume))
     return p
 
 
@@ -625,140 +627,6 @@ def _adopt_deepspeed_file(values: _Settings, given: set[str], notes: list[str]) 
         notes.append(f"layout: ZeRO-{values['zero_stage']} from {where}" + (f"; also from the file: {', '.join(also)}"
                                                                             if also else ""))
     return problems
-
-
-# the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
-DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text")
-
-
-def parse_columns(spec: str) -> dict[str, str]:
-    """'instruction=prompt,output=response' -> {'instruction': 'prompt', 'output': 'response'}."""
-    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
-    return {ours.strip(): yours.strip() for ours, *rest in pairs for yours in rest}
-
-
-def column_problems(spec: str) -> list[str]:
-    problems, seen = [], []
-    for item in (i for i in spec.split(",") if i.strip()):
-        ours, sep, yours = (x.strip() for x in item.partition("="))
-        seen.append(ours)
-        if not sep or not ours or not yours:
-            problems.append(f"--columns {item.strip()!r}: write OURS=YOURS, e.g. --columns instruction=prompt,output=response")
-        elif ours not in DATA_FIELDS:
-            hint = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
-            problems.append(f"--columns {item.strip()}: '{ours}' is not a field the formats read"
-                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; use one of {', '.join(DATA_FIELDS)}")
-    twice = sorted({k for k in seen if seen.count(k) > 1})
-    if twice:
-        problems.append(f"--columns maps {', '.join(twice)} more than once; give one column for each")
-    return problems
-
-
-DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def _streaming_problems(cfg: Config) -> list[str]:
-    from toolkit.dataset_spec import is_mixture
-
-    d, why = cfg.data, "a stream has no length to count epochs by"
-    p = [] if cfg.train.max_steps > 0 else [f"--streaming needs --max-steps ({why})"]
-    if d.eval_split > 0:
-        p.append("--streaming with --eval-split is not supported (a stream holds nothing out); drop one")
-    if is_mixture(d.dataset) or d.dataset.startswith("builtin:"):
-        p.append(f"--streaming reads one dataset file, folder or hub id (got --dataset {d.dataset}); "
-                 "drop --streaming for mixtures and built-in data")
-    return p
-
-
-def _check_dataset(spec: str) -> list[str]:
-    """One source, or each source of a mixture (`toolkit.dataset_spec`)."""
-    from toolkit.dataset_spec import parse_sources, spec_problems
-
-    problems = spec_problems(spec)
-    return problems or [p for s in parse_sources(spec) for p in _check_dataset_path(s.spec)]
-
-
-def _check_dataset_path(spec: str) -> list[str]:
-    if spec.startswith("builtin:"):
-        return []
-    path = Path(spec)
-    if path.suffix.lower() in DATA_SUFFIXES or os.sep in spec and not _looks_like_hub_id(spec):
-        if not path.exists():
-            return [f"--dataset {spec}: file not found"]
-        if path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
-            return [f"--dataset {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
-    return []
-
-
-def sample_prompts(spec: str) -> list[str]:
-    """`--sample-prompts`: a file (a prompt per line, or JSON Lines of {"prompt": ...}) or "p1;p2"."""
-    import json
-
-    path = Path(spec)
-    if not path.is_file():
-        return [p.strip() for p in spec.split(";") if p.strip()]
-    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        out = []
-        for n, line in enumerate(lines, 1):
-            try:
-                out.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError):
-                raise UserError(f"--sample-prompts {spec}: line {n} is not a JSON object with a \"prompt\"") from None
-        return out
-    return [line.strip() for line in lines]
-
-
-def _sample_problems(cfg: Config) -> list[str]:
-    o, par = cfg.output, cfg.parallel
-    if not o.sample_prompts:
-        return []
-    if not sample_prompts(o.sample_prompts):
-        return [f"--sample-prompts {o.sample_prompts!r} holds no prompt"]
-    if par.pp > 1 or par.cp > 1:
-        return [f"--sample-prompts does not run under {'--pp' if par.pp > 1 else '--cp'} (generation needs the whole "
-                "model on each rank, or its TP/ZeRO/FSDP shards); leave it out, or sample from the saved folder "
-                "with python -m toolkit generate"]
-    return []
-
-
-def _looks_like_hub_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
-
-
-def _check_output_dir(o: OutputConfig) -> list[str]:
-    out = Path(o.output_dir)
-    if out.exists() and not out.is_dir():
-        return [f"--output-dir {o.output_dir} is a file, not a folder"]
-    unwritable = _unwritable(out)
-    if unwritable:
-        return [f"--output-dir {o.output_dir}: {unwritable}; choose a folder you can write to"]
-    if out.is_dir() and any(out.iterdir()) and not o.overwrite_output_dir and not o.resume:
-        return [f"--output-dir {o.output_dir} is not empty; pass --resume auto to continue its run, "
-                "--overwrite-output-dir to replace it, or choose another folder"]
-    return []
-
-
-def _unwritable(out: Path) -> str | None:
-    """Why `out` cannot be created or written (None: it can): a file is made and removed in it, or
-    in the nearest folder above it that exists, so root on a read-only mount is caught too."""
-    import errno
-    import tempfile
-
-    here = out.absolute()
-    while not here.exists():
-        here = here.parent
-    if not here.is_dir():
-        return f"{here} is a file, so no folder can be made under it"
-    try:
-        fd, probe = tempfile.mkstemp(dir=here, prefix=".toolkit-probe-")
-    except OSError as e:
-        why = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e)).lower()
-        return f"{here} cannot be written ({why})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def save_config(cfg: Config, path: Path) -> None:

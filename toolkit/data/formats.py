@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from toolkit.config import DATA_SUFFIXES, parse_columns
 from toolkit.errors import UserError
+from toolkit.inputs import DATA_SUFFIXES, parse_columns
 
 # format -> the columns that identify it, in detection order.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {

@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from toolkit.cache import cache_dir
-from toolkit.config import Config, sample_prompts
+from toolkit.config import Config
+from toolkit.inputs import sample_prompts
 from toolkit.data import collate
 from toolkit.data.packing import PackedRows, collate_packed, pack_bins
 from toolkit.errors import UserError

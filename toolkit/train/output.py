@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.config import Config, parse_columns
+from toolkit.config import Config
+from toolkit.inputs import parse_columns
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
              "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb")

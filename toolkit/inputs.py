@@ -1,0 +1,142 @@
+"""What a run reads and writes, checked before anything heavy loads: the dataset's path or mixture,
+`--columns`, what `--streaming` allows, `--sample-prompts`, the output folder. Standard library only:
+config validation calls these, and the data and train layers read `--columns` and the prompts here."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from toolkit.dataset_spec import is_mixture, parse_sources, spec_problems
+from toolkit.errors import UserError
+
+# the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
+DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text")
+
+
+def parse_columns(spec: str) -> dict[str, str]:
+    """'instruction=prompt,output=response' -> {'instruction': 'prompt', 'output': 'response'}."""
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    return {ours.strip(): yours.strip() for ours, *rest in pairs for yours in rest}
+
+
+def column_problems(spec: str) -> list[str]:
+    problems, seen = [], []
+    for item in (i for i in spec.split(",") if i.strip()):
+        ours, sep, yours = (x.strip() for x in item.partition("="))
+        seen.append(ours)
+        if not sep or not ours or not yours:
+            problems.append(f"--columns {item.strip()!r}: write OURS=YOURS, e.g. --columns instruction=prompt,output=response")
+        elif ours not in DATA_FIELDS:
+            hint = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
+            problems.append(f"--columns {item.strip()}: '{ours}' is not a field the formats read"
+                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; use one of {', '.join(DATA_FIELDS)}")
+    twice = sorted({k for k in seen if seen.count(k) > 1})
+    if twice:
+        problems.append(f"--columns maps {', '.join(twice)} more than once; give one column for each")
+    return problems
+
+
+DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def streaming_problems(dataset: str, eval_split: float, max_steps: int) -> list[str]:
+    """What `--streaming` cannot do: count epochs, hold data out, or read a mixture or built-in data."""
+    why = "a stream has no length to count epochs by"
+    p = [] if max_steps > 0 else [f"--streaming needs --max-steps ({why})"]
+    if eval_split > 0:
+        p.append("--streaming with --eval-split is not supported (a stream holds nothing out); drop one")
+    if is_mixture(dataset) or dataset.startswith("builtin:"):
+        p.append(f"--streaming reads one dataset file, folder or hub id (got --dataset {dataset}); "
+                 "drop --streaming for mixtures and built-in data")
+    return p
+
+
+def dataset_problems(spec: str) -> list[str]:
+    """One source, or each source of a mixture (`toolkit.dataset_spec`)."""
+    problems = spec_problems(spec)
+    return problems or [p for s in parse_sources(spec) for p in _dataset_path_problems(s.spec)]
+
+
+def _dataset_path_problems(spec: str) -> list[str]:
+    if spec.startswith("builtin:"):
+        return []
+    path = Path(spec)
+    if path.suffix.lower() in DATA_SUFFIXES or os.sep in spec and not _looks_like_hub_id(spec):
+        if not path.exists():
+            return [f"--dataset {spec}: file not found"]
+        if path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+            return [f"--dataset {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
+    return []
+
+
+def sample_prompts(spec: str) -> list[str]:
+    """`--sample-prompts`: a file (a prompt per line, or JSON Lines of {"prompt": ...}) or "p1;p2"."""
+    import json
+
+    path = Path(spec)
+    if not path.is_file():
+        return [p.strip() for p in spec.split(";") if p.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(lines, 1):
+            try:
+                out.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"--sample-prompts {spec}: line {n} is not a JSON object with a \"prompt\"") from None
+        return out
+    return [line.strip() for line in lines]
+
+
+def sample_problems(spec: str, pp: int, cp: int) -> list[str]:
+    if not spec:
+        return []
+    if not sample_prompts(spec):
+        return [f"--sample-prompts {spec!r} holds no prompt"]
+    if pp > 1 or cp > 1:
+        return [f"--sample-prompts does not run under {'--pp' if pp > 1 else '--cp'} (generation needs the whole "
+                "model on each rank, or its TP/ZeRO/FSDP shards); leave it out, or sample from the saved folder "
+                "with python -m toolkit generate"]
+    return []
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def output_dir_problems(output_dir: str, overwrite: bool, resume: str) -> list[str]:
+    """A file in the way, a folder that cannot be written, or a run's folder that is not empty."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        return [f"--output-dir {output_dir} is a file, not a folder"]
+    unwritable = _unwritable(out)
+    if unwritable:
+        return [f"--output-dir {output_dir}: {unwritable}; choose a folder you can write to"]
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not resume:
+        return [f"--output-dir {output_dir} is not empty; pass --resume auto to continue its run, "
+                "--overwrite-output-dir to replace it, or choose another folder"]
+    return []
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why `out` cannot be created or written (None: it can): a file is made and removed in it, or
+    in the nearest folder above it that exists, so root on a read-only mount is caught too."""
+    import errno
+    import tempfile
+
+    here = out.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        return f"{here} is a file, so no folder can be made under it"
+    try:
+        fd, probe = tempfile.mkstemp(dir=here, prefix=".toolkit-probe-")
+    except OSError as e:
+        why = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e)).lower()
+        return f"{here} cannot be written ({why})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
