@@ -74,3 +74,51 @@ def token_rows(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0, prom
         cut = int(length * prompt)
         rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * cut + ids[cut:]})
     return rows
+
+
+# Tiny random configs of the architectures people finetune (issue 46's zoo): each keeps what makes it
+# differ from Llama (logit transforms, softcapping, sliding windows, fused projections, MoE routers,
+# MLA, attention sinks, GPT-2/NeoX attribute names) at hidden 64, 2 blocks. `model_type` -> overrides
+# of transformers' own config defaults (`AutoConfig.for_model`).
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+_WINDOWS = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+ZOO: dict[str, dict] = {
+    "llama": dict(_SMALL),
+    "qwen3": dict(_SMALL, head_dim=16),
+    "gemma2": dict(_SMALL, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=5.0,
+                   attn_logit_softcapping=10.0, **_WINDOWS),
+    "gemma3_text": dict(_SMALL, head_dim=16, query_pre_attn_scalar=16, **_WINDOWS),
+    "phi3": dict(_SMALL),  # fused qkv_proj and gate_up_proj
+    "cohere": dict(_SMALL, logit_scale=0.25),
+    "granite": dict(_SMALL, logits_scaling=8.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                    attention_multiplier=0.25),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256, rotary_pct=0.5),
+    "mixtral": dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                    router_aux_loss_coef=0.5),
+    "qwen3_moe": dict(_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
+    "deepseek_v3": dict(_SMALL, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "gpt_oss": dict(_SMALL, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                    output_router_logits=True, router_aux_loss_coef=0.5, **_WINDOWS),
+}
+
+
+def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None = None, **overrides) -> Path:
+    """`ZOO[model_type]`'s tiny random model, saved with the tokenizer like `build_model_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_tokenizer(chat_template)
+    kw = dict(ZOO[model_type], vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+              bos_token_id=tok.bos_token_id, tie_word_embeddings=False)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return Path(path)
