@@ -80,6 +80,12 @@ def case(tmp_path, name):
         return ["--config", str(d / "run.yaml")], "(did you mean 'lr'?)"
     if name == "wrong_type":
         return ["--lr", "fast"], "--lr"
+    if name == "yaml_column_list":  # once: --columns "'b']": write OURS=YOURS
+        (d / "run.yaml").write_text("columns:\n  instruction: [a, b]\n")
+        return ["--config", str(d / "run.yaml")], ("'columns' in " + str(d / "run.yaml") + ": 'instruction' maps to a "
+                                                   "list (['a', 'b']); a column name must be a string")
+    if name == "trainer_flag_out_of_range":  # said under the name typed, not as --micro-batch-size
+        return ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1 (got 0)"
     if name == "out_of_range":
         return ["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1) (got 1.5)"
     if name == "lora_targets_match_nothing":
@@ -134,6 +140,7 @@ def case(tmp_path, name):
                                   "tp_with_zero3", "dp_shard_with_zero", "dp_shard_not_fitting",
                                   "pp_more_stages_than_blocks", "pp_microbatches_not_dividing",
                                   "pp_unknown_architecture", "pp_devices_missing_gpu", "unknown_yaml_key", "wrong_type",
+                                  "yaml_column_list", "trainer_flag_out_of_range",
                                   "out_of_range", "lora_targets_match_nothing", "every_example_too_long",
                                   "output_dir_would_be_clobbered", "resume_truncated_checkpoint",
                                   "resume_checkpoint_of_another_run", "resume_with_overwrite", "model_needs_remote_code",
@@ -171,3 +178,30 @@ def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp
     assert errors == ["finetune.py: error: accelerate launch --num_processes N started one process, not N (without "
                       "a GPU it needs --multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
     assert "returned non-zero exit status 2" in p.stderr and "model:" not in p.stdout and not out.exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--model", "m", "--prompt", "hi", "--temperature", "0.7"],
+     "--temperature sets sampling, and decoding is greedy without --do-sample; add --do-sample to sample, or leave it out"),
+    (["generate", "--model", "m", "--prompt", "hi", "--top-p", "0.5", "--top-k", "5"],
+     "--top-p and --top-k set sampling, and decoding is greedy without --do-sample; add --do-sample"),
+    (["generate", "--model", "m", "--prompt", "hi", "--seed", "3"], "--seed sets sampling"),
+    (["generate", "--model", "m", "--prompt", "hi", "--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+    (["convert-checkpoint", "CKPT", "--output", "FILE"], "--output FILE: it is a file; choose a folder"),
+    (["convert-checkpoint", "CKPT", "--output", "FILE/sub"], "is a file; choose a folder"),
+])
+def test_toolkit_commands_say_bad_input_in_one_line(tmp_path, monkeypatch, capsys, argv, expected):
+    """Issue 45: `generate --temperature 0.7` sampled and `--top-p 0.5` alone was ignored although the
+    docs say sampling needs --do-sample; `convert-checkpoint --output FILE` ended in a
+    NotADirectoryError traceback. Each is now one line, exit 2, before any model loads."""
+    from toolkit.__main__ import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("keep me")
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("python -m toolkit: error: "), said.err
+    assert expected in lines[0] and "Traceback" not in said.err
+    assert (tmp_path / "FILE").read_text() == "keep me"

@@ -113,3 +113,61 @@ def test_bad_column_mapping_is_named(tmp_path, spec, message):
     with pytest.raises(UserError) as e:
         parse_config(["--columns", spec, "--output-dir", str(tmp_path / "o")])
     assert message in str(e.value)
+
+
+def test_a_recipe_names_its_machine_for_the_planner_and_the_run_ignores_it(tmp_path):
+    """Issue 45: `plan_gpu`, `plan_gpus_per_node`, `plan_nodes`, ... (flat, or a `plan:` section
+    without the prefix) are read into `Config.plan` for `python -m toolkit plan --config`; nothing the
+    run does reads them (they change neither the resume fingerprint's settings nor the layout)."""
+    from toolkit.train.resume import LAYOUT_KEYS, RESULT_KEYS
+
+    section, flat = tmp_path / "section.yaml", tmp_path / "flat.yaml"
+    section.write_text("plan:\n  gpu: h100\n  gpus_per_node: 8\n  nodes: 2\nlr: 0.001\n")
+    flat.write_text("plan_gpu: h100\nplan_gpus_per_node: 8\nplan_nodes: 2\nlr: 0.001\n")
+    a = parse_config(["--config", str(section), "--output-dir", str(tmp_path / "o")])
+    b = parse_config(["--config", str(flat), "--output-dir", str(tmp_path / "o")])
+    assert a == b and (a.plan.plan_gpu, a.plan.plan_gpus_per_node, a.plan.plan_nodes) == ("h100", 8, 2)
+    assert a.replace(plan_gpu="", plan_gpus_per_node=None, plan_nodes=None) == parse_config(
+        ["--lr", "0.001", "--output-dir", str(tmp_path / "o")])
+    assert not {k for k in a.flat() if k.startswith("plan_")} & (set(RESULT_KEYS) | set(LAYOUT_KEYS))
+    save_config(a, tmp_path / "config.yaml")  # the run's config.yaml keeps the machine, and reads back
+    assert parse_config(["--config", str(tmp_path / "config.yaml")]).plan == a.plan
+    with pytest.raises(UserError, match="'plan_nodes' in .* must be an integer, got 'two'"):
+        (tmp_path / "bad.yaml").write_text("plan: {nodes: two}\n")
+        parse_config(["--config", str(tmp_path / "bad.yaml")])
+
+
+@pytest.mark.parametrize("argv, yaml_text, message", [
+    (["--per_device_train_batch_size", "0"], "", "--per_device_train_batch_size must be >= 1 (got 0)"),
+    (["--per-device-train-batch-size=0"], "", "--per-device-train-batch-size must be >= 1 (got 0)"),
+    (["--output_dir", "IN_A_FILE"], "", "--output_dir IN_A_FILE is a file, not a folder"),
+    ([], "per_device_train_batch_size: 0\n", "'per_device_train_batch_size' in RUN must be >= 1 (got 0)"),
+    ([], "gradient_accumulation_steps: 1.5\n", "'gradient_accumulation_steps' in RUN must be an integer, got 1.5"),
+    ([], "bf16: maybe\n", "'bf16' in RUN must be true or false"),
+    (["--per_device_train_batch_size", "0", "--micro-batch-size", "0"], "", "--micro-batch-size must be >= 1"),
+    (["--micro-batch-size", "0"], "per_device_train_batch_size: 2\n", "--micro-batch-size must be >= 1 (got 0)"),
+])
+def test_a_problem_is_said_under_the_name_the_user_typed(tmp_path, argv, yaml_text, message):
+    """Issue 45: `--per_device_train_batch_size 0` (a Trainer name, translated) was reported as
+    --micro-batch-size. A problem is now said in the user's words, flag or YAML key; where they also
+    typed our own name last, that is the one read and said."""
+    (tmp_path / "IN_A_FILE").write_text("x")
+    argv = [a.replace("IN_A_FILE", str(tmp_path / "IN_A_FILE")) for a in argv]
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml_text or "lr: 0.001\n")
+    with pytest.raises(UserError) as e:
+        parse_config(["--config", str(run), "--output-dir", str(tmp_path / "o"), *argv])
+    said = str(e.value)
+    assert message.replace("RUN", str(run)).replace("IN_A_FILE", str(tmp_path / "IN_A_FILE")) in said, said
+    assert "--micro-batch-size" not in said or "--micro-batch-size" in argv
+
+
+def test_yaml_columns_name_one_column_each(tmp_path):
+    """Issue 45: `columns: {instruction: [a, b]}` said `--columns "'b']": write OURS=YOURS`."""
+    for value, shape in [("[a, b]", "a list (['a', 'b'])"), ("{x: y}", "a mapping ({'x': 'y'})"), ("'a,b'", "'a,b'")]:
+        f = tmp_path / "run.yaml"
+        f.write_text(f"columns:\n  instruction: {value}\n")
+        with pytest.raises(UserError) as e:
+            parse_config(["--config", str(f), "--output-dir", str(tmp_path / "o")])
+        assert str(e.value) == (f"'columns' in {f}: 'instruction' maps to {shape}; a column name must be a string "
+                                "without ',' or '=' (one column for each of ours, e.g. instruction: prompt)")

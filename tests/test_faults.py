@@ -283,7 +283,7 @@ def test_remote_code_is_refused_in_generate_and_merge(trained, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("argv, said", [(["--max-new-tokens", "0"], "--max-new-tokens must be at least 1 (got 0)"),
-                                        (["--temperature", "-1"], "--temperature must be 0 (greedy) or more (got -1)"),
+                                        (["--temperature", "-1"], "--temperature must be > 0 (got -1)"),
                                         (["--prompt", " "], "--prompt is empty")])
 def test_generate_refuses_impossible_numbers(trained, capsys, argv, said):
     from toolkit.__main__ import main as cli

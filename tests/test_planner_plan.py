@@ -144,7 +144,7 @@ def test_nothing_fits_names_the_short_resource(capsys):
     out = capsys.readouterr().out
     assert "nothing fits" in out and "GiB more than the 24 GiB GPU" in out
     assert "zero2_offload (gradient checkpointing, micro-batch 1) would fit the GPU" in out
-    assert "120 GiB of host RAM per node, 56 GiB more than the 64 GiB there" in out
+    assert "119.66 GiB of host RAM per node, 55.66 GiB more than the 64 GiB there" in out
 
 
 def test_lora_base_is_counted_in_the_half_dtype(capsys):
@@ -428,3 +428,151 @@ def test_the_choice_names_the_term_that_decided_it(capsys):
         else:
             assert r["term"] is None
     assert any(r["term"] in MEMORY_TERMS for r in big["ranking"]) and any(r["term"] in TERMS for r in big["ranking"])
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+def recipe_layout(raw: dict) -> tuple[str, list[str]]:
+    """The planner's name for the layout a recipe's keys ask for, and the flags that say it."""
+    if raw.get("fsdp"):
+        return "fsdp_full", ["--fsdp", "--fsdp-sharding", raw.get("fsdp_sharding", "full")]
+    if raw.get("zero_stage") is not None:
+        return f"zero{raw['zero_stage']}", ["--zero-stage", str(raw["zero_stage"])]
+    if raw.get("cp", 1) > 1:
+        return f"cp{raw['cp']}", ["--cp", str(raw["cp"])]
+    return "ddp", []
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_each_example_is_planned_for_the_machine_it_names(path, capsys, tmp_path):
+    """Issue 45: a recipe names its machine in keys (`plan: {gpu, gpus_per_node, nodes}`), which
+    finetune.py reads and ignores; `plan --config` plans on that machine, with every setting the run
+    reads, and predicts the recipe's own layout at its own batch split: it fits and is the choice."""
+    from toolkit.config import _fields, load_yaml, parse_config
+    from toolkit.planner.presets import GPU_PRESETS
+
+    raw = load_yaml(str(path))
+    assert set(raw) <= set(_fields()), set(raw) - set(_fields())
+    assert raw["plan_gpu"] in GPU_PRESETS and raw["plan_gpus_per_node"] >= 1
+    assert not any(line.startswith("# plan:") for line in path.read_text().splitlines())  # keys, not a comment
+    cfg = parse_config(["--config", str(path), "--output-dir", str(tmp_path / "o")], check_dataset=False)
+    assert (cfg.plan.plan_gpu, cfg.plan.plan_gpus_per_node) == (raw["plan_gpu"], raw["plan_gpus_per_node"])
+    cli(["plan", "--config", str(path), "--json"])  # no machine flags: the recipe's
+    out = json.loads(capsys.readouterr().out)
+    world = raw["plan_gpus_per_node"] * raw.get("plan_nodes", 1)
+    assert out["gpu_memory"] == GPU_PRESETS[raw["plan_gpu"]][0] * 2**30 and out["world"] == world
+    name, flags = recipe_layout(raw)
+    asked = out["asked"]
+    assert asked["asked"] and asked["name"] == name and asked["checkpointing"] == raw["gradient_checkpointing"]
+    assert (asked["micro_batch"], asked["grad_accum"]) == (raw["micro_batch_size"], raw["grad_accum"])
+    assert asked["fits"] and out["chosen_detail"]["asked"] and out["asked_verdict"] == "fits: chosen"
+    assert " ".join(flags) in " ".join(out["flags"])
+    assert out["notes"][0].startswith(f"--config {path}: model {raw['model']}, method {raw['method']}")
+    assert f"the machine from its plan_gpu {raw['plan_gpu']}, plan_gpus_per_node {raw['plan_gpus_per_node']}" \
+        in out["notes"][0]
+
+
+RECIPE = """model: meta-llama/Llama-3.1-8B-Instruct
+method: full
+dataset: data/not-on-this-machine.jsonl
+seq_len: 4096
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 4
+gradient_checkpointing: true
+output_dir: runs/somewhere
+"""
+
+
+def test_plan_config_predicts_the_layout_the_run_asks_for(capsys, tmp_path):
+    """Issue 45: `zero_stage: 3` was not among the settings `plan --config` read, and it recommended
+    ZeRO-1. The recipe's layout is now predicted as it is (read as finetune.py reads it, Trainer's
+    key names included; its data need not be here): chosen
+    where it fits, with the others ranked against it; where it does not fit, or cannot run on the
+    machine, the plan says so in one line and chooses among the rest. Flags given here win."""
+    zero3 = tmp_path / "zero3.yaml"
+    zero3.write_text(RECIPE + "zero_stage: 3\nplan:\n  gpu: h100\n  gpus_per_node: 8\n")
+    out = plan_json(capsys, "--config", str(zero3))
+    assert out["chosen"] == "zero3" and out["chosen_detail"]["asked"] and out["global_batch"] == 2 * 4 * 8
+    assert out["flags"] == ["--method", "full", "--zero-stage", "3", "--gradient-checkpointing", "--micro-batch-size",
+                            "2", "--grad-accum", "4"]
+    assert out["ranking"][0]["reason"] == "chosen, the layout asked for"
+    assert any(r["name"] == "zero1" and r["reason"].startswith("within 5% of the chosen (-") for r in out["ranking"])
+
+    offload = tmp_path / "offload.yaml"
+    offload.write_text(RECIPE + "zero_stage: 3\noffload: optimizer\nplan: {gpu: h100, gpus_per_node: 8}\n")
+    out = plan_json(capsys, "--config", str(offload))
+    assert out["chosen"] == "zero3_offload" and "layout zero3_offload" in out["notes"][0]
+    faster = [r for r in out["ranking"] if r["reason"].startswith("-")]  # others faster than the asked: by how much
+    assert faster and all(r["term"] in out["chosen_detail"]["seconds"] for r in faster)
+
+    small = plan_json(capsys, "--config", str(zero3), "--gpu", "a100-40gb", "--gpus-per-node", "4")
+    assert small["world"] == 4 and small["gpu_memory"] == 40 * 2**30  # the command line wins
+    assert small["asked"]["name"] == "zero3" and not small["asked"]["fits"] and small["chosen"] != "zero3"
+    assert small["asked_verdict"].startswith("does not fit: ")
+    cli(["plan", "--config", str(zero3), "--gpu", "a100-40gb", "--gpus-per-node", "4", "--cpu-memory", "2TB"])
+    assert any(line.startswith("asked: zero3 +gc: does not fit: ") for line in capsys.readouterr().out.splitlines())
+
+    tp = tmp_path / "tp.yaml"
+    tp.write_text(RECIPE + "method: lora\ntp: 2\nplan: {gpu: rtx4090, gpus_per_node: 1}\n")
+    out = plan_json(capsys, "--config", str(tp))
+    assert out["asked"] is None and out["chosen"] == "ddp"
+    assert out["asked_verdict"].startswith("not predicted: cannot run on 1 GPU: --tp 2 needs a world size")
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("plan: {gpu: h10}\n", "plan_gpu 'h10' is not a card the planner knows (did you mean 'h100'?)"),
+    ("plan_gpus_per_node: 0\n", "plan_gpus_per_node must be >= 1 (got 0)"),
+    ("plan: {gpu: h100, gpu_memory: 80GB}\n", "plan_gpu and plan_gpu_memory both give the GPU's memory; keep one"),
+    ("plan: {gpu_memory: 80XB}\n", "plan_gpu_memory: --gpu-memory '80XB' is not a size"),
+    ("plan: {gpus: 8}\n", "unknown key 'gpus'"),
+    ("zero_stage: 3\nfsdp: true\n", "--fsdp and --zero-stage 3 both shard the model"),  # finetune.py's own checks
+])
+def test_a_recipe_s_bad_machine_keys_are_one_line(capsys, tmp_path, yaml_text, message):
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(SystemExit) as e:
+        cli(["plan", "--config", str(f)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_each_figure_is_printed_once_and_rounded_once(capsys):
+    """Issue 45: one memory figure read 2.45, 2.5 and 2.4 GiB in the same plan (the table, the ranking,
+    the chosen line). Every GiB figure is now rounded from the bytes to two decimals, the chosen's
+    memory and step time are in its table row only, and the ranking holds what the table does not."""
+    import re
+
+    from toolkit.planner.plan import GiB
+
+    argv = ["--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1"]
+    out = plan_json(capsys, *argv)
+    cli(["plan", *argv, "--cpu-memory", "2TB"])
+    text = capsys.readouterr().out
+    figures = re.findall(r"(\d+(?:\.\d+)?) GiB", text)
+    assert figures and all(re.fullmatch(r"\d+\.\d\d", f) for f in figures if f not in ("80", "2048")), figures
+    d = out["chosen_detail"]
+    total, step = f"{d['bytes']['total'] / GiB:.2f}", f"{d['step_time_s']:.3g}"
+    table, rest = text.split("\neach row at its split")
+    row = next(line for line in table.splitlines() if line.startswith(d["name"] + " "))
+    assert row.split()[-7] == total and row.split()[-2] == step
+    assert total not in rest and f" {step} " not in rest, rest  # the chosen line and the time line repeat neither
+    ranking = rest.split("top 5 by predicted time per example")[1].split("\nchosen:")[0]
+    assert all("GiB" not in line.split("ms/example")[0] for line in ranking.splitlines()[1:])
+
+
+def test_a_cpu_run_s_plan_says_cpu_processes(monkeypatch):
+    """Issue 45: on a CPU run (--strategy auto without a GPU) the plan said "world 2 GPUs"."""
+    from toolkit.config import parse_config
+    from toolkit.planner.auto import detect_hardware, plan_input
+    from toolkit.planner.plan import plan, render_table
+    from toolkit.planner.presets import PRESETS
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    cfg = parse_config(["--strategy", "auto", "--output-dir", "/nonexistent/o"])
+    text = render_table(plan(plan_input(cfg, PRESETS["smollm2-135m"], "no", *detect_hardware())))
+    assert "world 2 CPU processes" in text and "memory per process" in text and "(GiB per process below)" in text
+    assert "GPU" not in text, [line for line in text.splitlines() if "GPU" in line]

@@ -6,13 +6,27 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError, exit_on_user_error
+
+if TYPE_CHECKING:
+    from toolkit.planner.plan import Asked
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UserError(message)
+
+
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in --help, where it has one to show (not None, not an off switch; a help
+    that says its default already is left as it is)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def cmd_prepare_model(args) -> None:
@@ -59,6 +73,34 @@ def cmd_merge(args) -> None:
     print(f"merged model written to {out}")
 
 
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 42}  # generate's defaults under --do-sample
+
+
+def sampling_options(args) -> dict:
+    """`generate`'s decoding settings for transformers' `generate`, checked: greedy unless --do-sample;
+    a sampling setting given without it is refused (greedy decoding would ignore it)."""
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
+    if args.temperature is not None and args.temperature <= 0:
+        raise UserError(f"--temperature must be > 0 (got {args.temperature:g}); leave out --do-sample and "
+                        "--temperature to decode greedily")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p:g})")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be 0 (off) or more (got {args.top_k})")
+    if args.repetition_penalty <= 0:
+        raise UserError(f"--repetition-penalty must be > 0 (1 = off; got {args.repetition_penalty:g})")
+    given = [f"--{k.replace('_', '-')}" for k in SAMPLING if getattr(args, k) is not None]
+    if given and not args.do_sample:
+        raise UserError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} sampling, and decoding is greedy "
+                        f"without --do-sample; add --do-sample to sample, or leave {'them' if len(given) > 1 else 'it'} "
+                        "out")
+    options = {"do_sample": args.do_sample, "repetition_penalty": args.repetition_penalty}
+    if args.do_sample:  # what greedy decoding ignores (transformers warns when given them)
+        options.update({k: default if getattr(args, k) is None else getattr(args, k) for k, default in SAMPLING.items()})
+    return options
+
+
 def cmd_generate(args) -> None:
     import tempfile
 
@@ -68,16 +110,7 @@ def cmd_generate(args) -> None:
     from toolkit.data.tokenize import ensure_chat_template, prompt_text
     from toolkit.models import load_for_inference, resolve_model
 
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be 0 (greedy) or more (got {args.temperature:g})")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p:g})")
-    if args.top_k < 0:
-        raise UserError(f"--top-k must be 0 (off) or more (got {args.top_k})")
-    if args.repetition_penalty <= 0:
-        raise UserError(f"--repetition-penalty must be > 0 (1 = off; got {args.repetition_penalty:g})")
+    options = sampling_options(args)
     if not args.prompt.strip():
         raise UserError("--prompt is empty; give the text to continue or answer")
     with tempfile.TemporaryDirectory() as work:
@@ -88,10 +121,10 @@ def cmd_generate(args) -> None:
     ensure_chat_template(tok)
     text = args.prompt if args.raw else prompt_text(tok, [{"role": "user", "content": args.prompt}])
     enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
-    sampled = args.do_sample or args.temperature > 0
-    options = {"do_sample": sampled, "repetition_penalty": args.repetition_penalty}
-    if sampled:  # what greedy decoding ignores (transformers warns when given them)
-        options.update(temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k)
+    if args.do_sample:
+        from transformers import set_seed
+
+        set_seed(options.pop("seed"))
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id,
                              **options)
@@ -157,26 +190,101 @@ def load_model_config(spec: str) -> dict:
                     + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; presets: {', '.join(PRESETS)}")
 
 
-def from_run_config(args, parser: argparse.ArgumentParser) -> str:
-    """`plan --config RUN.yaml`: the settings of a finetune.py YAML that the plan reads (model, method,
-    LoRA, sequence, micro-batch, accumulation, precision, checkpointing, loss, tp/pp/cp), where the
-    command line left the plan's default. The machine comes from the command line."""
-    from toolkit.config import ALIASES, load_yaml
+def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
+    """`plan --config RUN.yaml`: the run's settings as finetune.py reads them (`config.parse_config`:
+    the same keys, aliases, checks and --deepspeed file) and the machine its plan keys name
+    (`config.PlanConfig`), where no flag given here says otherwise. Sets them on `args`; returns the
+    line that says what was read, and the layout the run asks for (`planner.plan.Asked`; None under
+    --strategy auto, where the plan's choice is the run's)."""
+    import difflib
+    import tempfile
 
-    raw = {ALIASES.get(k, k): v for k, v in load_yaml(args.config).items()}
-    defaults = vars(parser.parse_args(["plan"]))
-    taken = []
-    for key, value in raw.items():
-        if key == "mixed_precision":
-            value = "bf16" if value in ("auto", None) else value
-        elif key == "gradient_checkpointing":
-            value = "on" if value else "off"
-        elif key in ("tp", "pp", "cp"):
-            value = [int(value)] if int(value) > 1 else None
-        if key in defaults and key not in ("config", "command", "fn", "json") and getattr(args, key) == defaults[key]:
-            setattr(args, key, value)
-            taken.append(key)
-    return f"--config {args.config}: {', '.join(taken) or 'nothing the plan reads'} from the run's YAML"
+    from toolkit.config import parse_config
+    from toolkit.planner.plan import Asked, parse_size
+    from toolkit.planner.presets import GPU_PRESETS
+
+    with tempfile.TemporaryDirectory() as out:  # the run's output folder is not the plan's to check
+        cfg = parse_config(["--config", args.config, "--output-dir", out], prog="python -m toolkit plan --config",
+                           check_dataset=False)
+    m, t, par, machine = cfg.model, cfg.train, cfg.parallel, cfg.plan
+    typed, read = getattr(args, "typed", set()), []
+
+    def take(dest: str, value, shown=None) -> None:
+        if dest not in typed:
+            setattr(args, dest, value)
+            read.append(f"{dest} {value if shown is None else shown}")
+
+    take("model", m.model)
+    take("method", m.method)
+    for key in ("lora_r", "lora_targets", "lora_dropout") if m.method != "full" else ():
+        take(key, getattr(m, key))
+    take("seq_len", cfg.data.seq_len)
+    take("micro_batch_size", t.micro_batch_size)
+    take("grad_accum", t.grad_accum)
+    take("mixed_precision", "bf16" if t.mixed_precision == "auto" else t.mixed_precision,
+         "auto (bf16 on the GPU)" if t.mixed_precision == "auto" else None)
+    take("gradient_checkpointing", "on" if t.gradient_checkpointing else "auto",
+         "on" if t.gradient_checkpointing else "off (the plan also tries it on)")
+    take("loss", t.loss)
+    asked = None
+    if par.strategy == "auto":
+        read.append("strategy auto (the plan's choice is the run's)")
+    else:
+        gc = {"on": True, "off": False}.get(args.gradient_checkpointing, t.gradient_checkpointing)
+        asked = Asked(par, gc)
+        read.append(f"layout {layout_words(par)}")
+
+    where = f"--config {args.config}"
+    if machine.plan_gpu and machine.plan_gpu_memory:
+        raise UserError(f"{where}: plan_gpu and plan_gpu_memory both give the GPU's memory; keep one")
+    if machine.plan_gpu and machine.plan_gpu not in GPU_PRESETS:
+        hint = difflib.get_close_matches(machine.plan_gpu, list(GPU_PRESETS), n=1)
+        raise UserError(f"{where}: plan_gpu '{machine.plan_gpu}' is not a card the planner knows"
+                        + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; use one of {', '.join(GPU_PRESETS)}, "
+                        "or plan_gpu_memory: SIZE")
+    for key in ("plan_gpus_per_node", "plan_nodes"):
+        if getattr(machine, key) is not None and getattr(machine, key) < 1:
+            raise UserError(f"{where}: {key} must be >= 1 (got {getattr(machine, key)})")
+    for key in ("plan_gpu_memory", "plan_cpu_memory"):
+        value = getattr(machine, key)
+        if value and not (key == "plan_cpu_memory" and value.strip().lower() in ("unlimited", "none")):
+            try:
+                parse_size(value, key.removeprefix("plan_").replace("_", "-"))
+            except UserError as e:
+                raise UserError(f"{where}: {key}: {e}") from None
+    named = []
+    if not {"gpu", "gpu_memory"} & typed and (machine.plan_gpu or machine.plan_gpu_memory):
+        args.gpu, args.gpu_memory = machine.plan_gpu or None, machine.plan_gpu_memory or args.gpu_memory
+        named.append(f"plan_gpu {machine.plan_gpu}" if machine.plan_gpu else f"plan_gpu_memory {machine.plan_gpu_memory}")
+    for dest in ("gpus_per_node", "nodes", "cpu_memory"):
+        value = getattr(machine, f"plan_{dest}")
+        if value not in (None, "") and dest not in typed:
+            setattr(args, dest, value)
+            named.append(f"plan_{dest} {value}")
+    machine_line = (f"the machine from its {', '.join(named)}" if named else
+                    "no machine named in it (plan_gpu, plan_gpus_per_node, plan_nodes): the plan's defaults")
+    return f"{where}: {', '.join(read)}, as finetune.py reads them; {machine_line}", asked
+
+
+def layout_words(par) -> str:
+    """The layout a run's parallel settings (a `layout.rules.ParallelFlags`) ask for, in the planner's
+    names or the mesh degrees."""
+    from toolkit.layout.rules import strategy_name
+
+    name = strategy_name(par)
+    if name is not None:
+        return name
+    degrees = [f"{k} {getattr(par, k)}" for k in ("tp", "pp", "cp", "dp_shard", "dp_replicate") if getattr(par, k) > 1]
+    return " x ".join(degrees)
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The plan flags given on the command line (as dests): they win over a run's YAML (`--config`)."""
+    parser = build_parser()
+    plan_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+    for action in plan_parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(plan_parser.parse_args(argv))) - {"fn"}
 
 
 def cmd_plan(args) -> None:
@@ -192,9 +300,10 @@ def cmd_plan(args) -> None:
         return
     if args.output:
         raise UserError("--output is where --calibrate writes; plan prints to stdout (use --json > FILE)")
-    notes = []
+    notes, asked = [], None
     if args.config:
-        notes.append(from_run_config(args, build_parser()))
+        note, asked = from_run_config(args)
+        notes.append(note)
     if args.gpu:
         from toolkit.planner.presets import GPU_PRESETS
 
@@ -202,7 +311,8 @@ def cmd_plan(args) -> None:
         args.gpu_memory = f"{memory}GB"
         if args.hardware is None and timing:
             args.hardware = timing
-        notes.append(f"--gpu {args.gpu}: {memory} GB per GPU; step times from the {args.hardware or 'h100-sxm'} time "
+        given = "--gpu" if not args.config or "gpu" in getattr(args, "typed", set()) else "plan_gpu"
+        notes.append(f"{given} {args.gpu}: {memory} GB per GPU; step times from the {args.hardware or 'h100-sxm'} time "
                      "model" + ("" if timing else f" (none for {args.gpu}: measure one with --calibrate)"))
     hardware = load_hardware(args.hardware)
 
@@ -230,7 +340,7 @@ def cmd_plan(args) -> None:
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
                     global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss,
-                    hardware=hardware)
+                    hardware=hardware, asked=asked)
     try:
         result = plan(inp)
     except ValueError as e:
@@ -242,7 +352,12 @@ def cmd_plan(args) -> None:
 def cmd_convert_checkpoint(args) -> None:
     from toolkit.train.checkpoint import convert_checkpoint
 
-    print(convert_checkpoint(Path(args.checkpoint), Path(args.output)))
+    out = Path(args.output)
+    above = next((a for a in [out, *out.parents] if a.exists()), None)  # the nearest that exists
+    if above is not None and not above.is_dir():
+        raise UserError(f"--output {args.output}: {'it' if above == out else above} is a file; choose a folder "
+                        "(empty or absent)")
+    print(convert_checkpoint(Path(args.checkpoint), out))
 
 
 def cmd_verify(args) -> None:
@@ -270,18 +385,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true")
     s.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
     s.set_defaults(fn=cmd_merge)
-    s = sub.add_parser("generate", help="print a completion from a model or adapter folder")
+    s = sub.add_parser("generate", help="print a completion from a model or adapter folder",
+                       description="Greedy decoding unless --do-sample; --temperature, --top-p, --top-k and --seed "
+                                   "shape sampling and need --do-sample.", formatter_class=_DefaultsShown)
     s.add_argument("--model", required=True,
                    help="model folder, adapter folder, step checkpoint (checkpoint-N), or the default name")
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy unless --do-sample (then 1.0)")
-    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    s.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass (1 = off)")
-    s.add_argument("--top-k", type=int, default=0, help="sampling: keep the k likeliest tokens (0 = off)")
+    s.add_argument("--prompt", required=True, help="the text to answer (or, with --raw, to continue)")
+    s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    s.add_argument("--temperature", type=float, help=f"with --do-sample: softmax temperature, > 0 (default: "
+                                                     f"{SAMPLING['temperature']})")
+    s.add_argument("--top-p", type=float, help=f"with --do-sample: nucleus probability mass, in (0, 1] (default: "
+                                               f"{SAMPLING['top_p']}, off)")
+    s.add_argument("--top-k", type=int, help=f"with --do-sample: keep the k likeliest tokens (default: "
+                                             f"{SAMPLING['top_k']}, off)")
+    s.add_argument("--seed", type=int, help=f"with --do-sample: the sampling seed; the same seed gives the same text "
+                                            f"(default: {SAMPLING['seed']})")
     s.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 1 discourages repeating tokens already in the text (1 = off); greedy too")
-    s.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    s.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text (default: the "
+                                                      "model's chat template)")
     s.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     s.set_defaults(fn=cmd_generate)
     s = sub.add_parser("accelerate-config", help="write an accelerate YAML for `accelerate launch --config_file`")
@@ -302,12 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     m, d, t = ModelConfig(), DataConfig(), TrainConfig()  # the same defaults as finetune.py
     s = sub.add_parser("plan", help="predict per-GPU memory and step time of each strategy and pick one that fits",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsShown)
     s.add_argument("--model", default="smollm2-135m", help=f"a preset ({', '.join(PRESETS)}), a model folder or "
                                                           "its config.json")
     s.add_argument("--model-config", help="a config JSON file (overrides --model)")
-    s.add_argument("--config", help="a finetune.py YAML: its model, method, sequence, batch, precision and "
-                                    "parallel settings (flags given here win)")
+    s.add_argument("--config", help="a finetune.py YAML, read as finetune.py reads it: its model, method, sequence, "
+                                    "batch, precision and layout (predicted as it is, and chosen where it fits), and "
+                                    "the machine its plan_gpu, plan_gpu_memory, plan_gpus_per_node, plan_nodes, "
+                                    "plan_cpu_memory keys (or plan: section) name; flags given here win")
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in each node")
     s.add_argument("--nodes", type=int, default=1, help="nodes")
     s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "
@@ -381,6 +506,8 @@ def main(argv: list[str] | None = None) -> None:
         args = argparse.Namespace(command="prepare-data", flags=argv[1:], fn=cmd_prepare_data)
     else:
         args = build_parser().parse_args(_join_negative_values(argv))
+        if args.command == "plan":
+            args.typed = typed_flags(_join_negative_values(argv)[1:])
     if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint", "prepare-data"):  # these load models: keep it quiet
         from toolkit.console import quiet
 

@@ -164,7 +164,20 @@ class OutputConfig:
     debug: bool = _f(False, "show full tracebacks for errors")
 
 
-SECTIONS = ("model", "data", "train", "parallel", "output")
+@dataclass(frozen=True)
+class PlanConfig:
+    """The machine a recipe is for, which `python -m toolkit plan --config RECIPE.yaml` plans on (its
+    flags win). The run itself uses the machine it runs on and ignores these. In YAML also a section:
+    `plan: {gpu: h100, gpus_per_node: 8}`."""
+    plan_gpu: str = _f("", "plan --config: the card (as plan --gpu: h100, a100-80gb, rtx4090, ...); the run ignores it")
+    plan_gpu_memory: str = _f("", "plan --config: memory per GPU (as plan --gpu-memory: 80GB) for a card plan_gpu "
+                                  "does not name; the run ignores it")
+    plan_gpus_per_node: Optional[int] = _f(None, "plan --config: GPUs in each node; the run ignores it")
+    plan_nodes: Optional[int] = _f(None, "plan --config: nodes; the run ignores it")
+    plan_cpu_memory: str = _f("", "plan --config: host RAM per node (as plan --cpu-memory: 2TB); the run ignores it")
+
+
+SECTIONS = ("model", "data", "train", "parallel", "output", "plan")
 
 
 @dataclass(frozen=True)
@@ -177,6 +190,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # Where settings came from when not from the flags (an accelerate config, a launcher's flags, a
     # --deepspeed file, the planner): one line each, printed at start. Not config keys.
     notes: tuple[str, ...] = ()
@@ -235,11 +249,12 @@ SHAPES = {"columns": "a mapping of ours: yours (instruction: prompt) or a string
           "lora_targets": "a list of module names, a comma-separated string, or all-linear"}
 
 
-def _coerce(key: str, value: Any, origin: str) -> Any:
-    """Turn a flag string or a YAML value into the field's type, or raise naming the key."""
+def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
+    """Turn a flag string or a YAML value into the field's type, or raise naming the key (as `name`
+    where the user wrote another: a YAML key of transformers' Trainer, `ALIASES`)."""
     section, f = _fields()[key]
     tp, optional = _field_type(section, f)
-    where = f"--{key.replace('_', '-')}" if origin == "flag" else f"'{key}' in {origin}"
+    where = f"--{key.replace('_', '-')}" if origin == "flag" else f"'{name or key}' in {origin}"
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
@@ -266,6 +281,13 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             if isinstance(value, (list, tuple)) and key == "lora_targets":
                 value = ",".join(map(str, value))
             if isinstance(value, dict) and key == "columns":
+                for ours, yours in value.items():
+                    if not isinstance(yours, (str, int, float)) or isinstance(yours, bool) or any(
+                            c in str(yours) for c in ",="):
+                        shape = {list: "a list", dict: "a mapping"}.get(type(yours))
+                        got = f"{shape} ({yours!r})" if shape else repr(yours)
+                        raise UserError(f"{where}: '{ours}' maps to {got}; a column name must be a string without "
+                                        f"',' or '=' (one column for each of ours, e.g. {ours}: prompt)")
                 value = ",".join(f"{k}={v}" for k, v in value.items())
             if not isinstance(value, (str, int, float)):
                 raise ValueError
@@ -295,11 +317,13 @@ HINT_ONLY = {"batch_size", "warmup", "lora_rank"}
 PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
 
 
-def translate_aliases(argv: list[str]) -> list[str]:
+def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> list[str]:
     """The flag names people bring from transformers' Trainer and TRL, as ours: `--learning_rate`
     -> `--lr`, `--output_dir` -> `--output-dir` (underscores for any of ours), `--bf16` [true|false] ->
-    `--mixed-precision bf16`. Only names that are no flag of ours are translated; --help shows ours."""
+    `--mixed-precision bf16`. Only names that are no flag of ours are translated; --help shows ours.
+    `typed` gets our flag -> the name typed for it, so a problem is said in the user's words."""
     out, i = [], 0
+    typed = {} if typed is None else typed
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
@@ -309,9 +333,14 @@ def translate_aliases(argv: list[str]) -> list[str]:
                 value, i = argv[i + 1], i + 1
             if (value or "true").lower() in ("true", "1", "yes"):
                 out += ["--mixed-precision", key]
+                typed["--mixed-precision"] = f"--{name}"
         elif name and (key in ALIASES and key not in HINT_ONLY or ("_" in name and key in _fields())):
-            out.append(f"--{ALIASES.get(key, key).replace('_', '-')}{eq}{value}")
+            ours = f"--{ALIASES.get(key, key).replace('_', '-')}"
+            out.append(f"{ours}{eq}{value}")
+            typed[ours] = f"--{name}"
         else:
+            if name and typed.get(f"--{name}"):  # our own name typed after the other: ours is the one read
+                del typed[f"--{name}"]
             out.append(arg)
         i += 1
     return out
@@ -371,7 +400,8 @@ def _default_note(f: dataclasses.Field) -> str:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    """Flat `key: value` YAML; section-nested YAML (`train: {lr: ...}`) is accepted too."""
+    """Flat `key: value` YAML; section-nested YAML (`train: {lr: ...}`) is accepted too, where a key
+    may leave out its section's prefix (`plan: {gpu: h100}` is `plan_gpu: h100`)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: file not found")
@@ -388,14 +418,18 @@ def load_yaml(path: str) -> dict[str, Any]:
     for k, v in data.items():
         k = str(k).replace("-", "_")
         if k in sections and isinstance(v, dict):
-            flat.update({str(kk).replace("-", "_"): vv for kk, vv in v.items()})
+            for kk, vv in v.items():
+                kk = str(kk).replace("-", "_")
+                flat[f"{k}_{kk}" if kk not in _fields() and f"{k}_{kk}" in _fields() else kk] = vv
         else:
             flat[k] = v
     return flat
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Config:
-    """defaults < --config YAML < flags; raises `UserError` for any problem, collected once."""
+def parse_config(argv: list[str] | None = None, prog: str = "finetune.py", check_dataset: bool = True) -> Config:
+    """defaults < --config YAML < flags; raises `UserError` for any problem, collected once, naming
+    each setting as the user wrote it. `check_dataset=False` leaves the dataset's files unlooked-for
+    (`plan --config` reads a recipe on a machine that need not hold its data)."""
     from toolkit.layout.launcher import local_rank_problem, pop_local_rank
 
     argv = sys.argv[1:] if argv is None else argv
@@ -403,8 +437,24 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
     problem = problem or local_rank_problem(local_rank, os.environ)
     if problem:
         raise UserError(problem)
+    typed: dict[str, str] = {}  # our flag -> what the user wrote for it, where that was another name
+    try:
+        return _parse(argv, prog, typed, check_dataset)
+    except UserError as e:  # said in the user's words: --per_device_train_batch_size, not --micro-batch-size
+        raise UserError(_in_typed_words(str(e), typed)) from None
+
+
+def _in_typed_words(message: str, typed: dict[str, str]) -> str:
+    import re
+
+    for ours, theirs in typed.items():
+        message = re.sub(re.escape(ours) + r"(?![\w-])", lambda _: theirs, message)
+    return message
+
+
+def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: bool) -> Config:
     parser = build_parser(prog)
-    ns, extra = parser.parse_known_args(translate_aliases(argv))
+    ns, extra = parser.parse_known_args(translate_aliases(argv, typed))
     flags = [a.split("=")[0] for a in extra if a.startswith("-")]
     if flags:  # every unknown flag in one line, not the first of several runs
         raise UserError("; ".join(str(_unknown(f, "flag")) for f in dict.fromkeys(flags)))
@@ -420,11 +470,14 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
         if unknown:
             raise UserError("; ".join(str(_unknown(k, path)) for k in unknown))
         for k, v in loaded.items():
+            ours = "mixed_precision" if k in PRECISION_ALIASES else ALIASES.get(k, k)
+            if ours != k and ours not in given:  # a flag, if given, is what the run reads
+                typed.setdefault(f"--{ours.replace('_', '-')}", f"'{k}' in {path}")
             if k in PRECISION_ALIASES:  # Trainer's bf16: true
-                if _coerce("overwrite_output_dir", v, path):  # a boolean, read as our booleans are
+                if _coerce("overwrite_output_dir", v, path, name=k):  # a boolean, read as our booleans are
                     values["mixed_precision"] = k
                 continue
-            values[ALIASES.get(k, k)] = _coerce(ALIASES.get(k, k), v, path)
+            values[ours] = _coerce(ours, v, path, name=k)
     for k, v in given.items():
         values[k] = _coerce(k, v, "flag")
     settings, notes = _Settings(values), []
@@ -433,6 +486,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py") -> Co
         raise UserError("; ".join(problems))
     cfg = Config.from_values({k: v for k, v in settings.items() if k in _fields()}, tuple(notes))
     problems = validate(cfg)
+    if not check_dataset:
+        problems = [p for p in problems if p not in dataset_problems(cfg.data.dataset)]
     if problems:
         raise UserError("; ".join(problems))
     return cfg

@@ -96,7 +96,7 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
                      lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
                      micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,
                      checkpointing=True if t.gradient_checkpointing else None, loss=t.loss,
-                     hardware=time_model(what))
+                     hardware=time_model(what), device="CPU" if what.startswith("CPU") else "GPU")
 
 
 def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:

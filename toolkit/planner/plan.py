@@ -19,8 +19,8 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
-from toolkit.layout.rules import (cp_divisibility_problems, flags_of, layout_problems, not_runnable,
-                                  tp_divisibility_problems)
+from toolkit.layout.rules import (cp_divisibility_problems, dims_for, flags_of, layout_problems, model_problems,
+                                  not_runnable, strategy_name, tp_divisibility_problems)
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, load_hardware,
                                   optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds, step_terms)
 from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
@@ -59,6 +59,16 @@ def parse_size(text: str, what: str) -> int:
     return int(value)
 
 
+@dataclass(frozen=True)
+class Asked:
+    """The layout a run's settings ask for (`plan --config RUN.yaml`): its parallel flags (a
+    `toolkit.layout.rules.ParallelFlags`, such as a Config's parallel section) and its gradient
+    checkpointing. It is predicted as it is, at the run's micro-batch and accumulation, beside the
+    search, and chosen where it fits and runs: the plan says what the run will meet."""
+    layout: Any
+    checkpointing: bool
+
+
 @dataclass
 class PlanInput:
     model: dict[str, Any]
@@ -81,10 +91,17 @@ class PlanInput:
     cp: list[int] | None = None  # context-parallel degrees to predict (default: none)
     loss: str = "auto"  # the runtime's --loss: auto and chunked never hold (b, s, V) logits, except under pp
     hardware: Hardware | None = None  # the time model's figures (None: the H100 SXM preset)
+    asked: Asked | None = None  # the run's own layout (plan --config), evaluated as it is
+    device: str = "GPU"  # what each rank runs on: "GPU", or "CPU" (a run without one: memory per process)
 
     @property
     def hw(self) -> Hardware:
         return self.hardware or load_hardware(None)
+
+    @property
+    def per(self) -> str:
+        """What a per-rank figure is per, in words."""
+        return "GPU" if self.device == "GPU" else "process"
 
 
 def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weight_bytes: int,
@@ -151,6 +168,7 @@ class Candidate:
     dims: dict[str, int] | None = None  # the mesh degrees of a composed layout (None: a 1-D strategy)
     runnable: bool = True
     why_not: str = ""  # why the runtime refuses it
+    asked: bool = False  # the layout the run's settings ask for (`Asked`), at their batch split
     step_seconds: float = field(init=False)  # the sum of `terms`
     once_seconds: float = field(init=False)  # its part paid once per optimizer step (`cost.ONCE_TERMS`)
     global_batch: int = field(init=False)  # examples per optimizer step: examples_per_step x grad_accum
@@ -200,12 +218,15 @@ class Plan:
     batch: str = ""  # how the chosen layout splits the global batch, in one line (`batch_line`)
     why: list[dict[str, Any]] = field(default_factory=list)  # what decided the choice (`decision`), against whom
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # `--strategy auto` after an out-of-memory (`fallbacks`)
+    asked: Candidate | None = None  # the run's own layout (`Asked`) as predicted; None: none asked, or not predictable
+    asked_verdict: str = ""  # one line on it: chosen, does not fit (and why), or cannot run on this machine
+    device: str = "GPU"  # `PlanInput.device`
 
     def to_json(self) -> dict[str, Any]:
         """Every field; a row's `terms` (one micro-batch step) is left out: `seconds` gives the same
         terms for an optimizer step."""
         out = asdict(self)
-        for row in [*out["strategies"], out["chosen_detail"] or {}]:
+        for row in [*out["strategies"], out["chosen_detail"] or {}, out["asked"] or {}]:
             row.pop("terms", None)
         return out
 
@@ -318,6 +339,40 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
 
 
+def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
+    """The layout the run asks for (`inp.asked`) at its own micro-batch and accumulation, not re-split;
+    or None and why it cannot be predicted on this machine (the degrees do not fit its GPUs, the model
+    refuses them, or the planner has no model of it)."""
+    par, world, gc = inp.asked.layout, inp.gpus_per_node * inp.nodes, inp.asked.checkpointing
+    name = strategy_name(par)
+    if name is not None:
+        if name not in STRATEGIES:
+            return None, f"the planner has no memory model for {name} (--zero-stage {par.zero_stage} --offload {par.offload})"
+        c = estimate(inp, STRATEGIES[name], gc, inp.micro_batch)
+    elif world == 1 and par.pp > 1:
+        return None, (f"--pp {par.pp} in one process (the naive pipeline over --pp-devices) is not predicted; "
+                      f"plan it as {par.pp} GPUs with --gpus-per-node {par.pp}")
+    else:
+        dims, problems = dims_for(par, world, inp.gpus_per_node)
+        problems = problems or model_problems(inp.model, dims.tp, dims.pp, dims.cp, world)
+        if problems:
+            return None, f"cannot run on {world} {inp.per}{'s' if world > 1 else ''}: {problems[0]}"
+        c = estimate_layout(inp, dims, gc, inp.micro_batch)
+    c.set_accumulation(inp.grad_accum)
+    c.asked = True
+    return c, ""
+
+
+def asked_data_ranks(inp: PlanInput) -> int:
+    """The ranks that read different examples under the layout asked for: every GPU where none is
+    asked or it is a 1-D one, the mesh's data-parallel degree otherwise."""
+    world = inp.gpus_per_node * inp.nodes
+    if inp.asked is None or strategy_name(inp.asked.layout) is not None:
+        return world
+    dims, problems = dims_for(inp.asked.layout, world, inp.gpus_per_node)
+    return world if problems else dims.dp
+
+
 def planned_strategies(inp: PlanInput) -> list[str]:
     """The strategies worth predicting: those the runtime runs with this method and precision
     (`toolkit.layout.rules`: QLoRA's 4-bit base can be neither sharded by parameter nor offloaded);
@@ -373,9 +428,10 @@ def reestimate(inp: PlanInput, c: Candidate, micro_batch: int) -> Candidate:
 def target_batch(inp: PlanInput) -> int:
     """Examples per optimizer step the user asked for: `--global-batch`, else what their flags give
     under plain data parallelism over every GPU (micro-batch x accumulation x GPUs), which is what
-    finetune.py runs with those flags and no layout flags. Always set (the flags have defaults), so
-    the plan never invents a batch size."""
-    return inp.global_batch or inp.micro_batch * inp.grad_accum * inp.gpus_per_node * inp.nodes
+    finetune.py runs with those flags and no layout flags, or under the layout a run's settings ask
+    for (`asked_data_ranks`). Always set (the flags have defaults), so the plan never invents a batch
+    size."""
+    return inp.global_batch or inp.micro_batch * inp.grad_accum * asked_data_ranks(inp)
 
 
 def rank_share(target: int, ranks: int) -> int:
@@ -473,7 +529,7 @@ def fallback_record(c: Candidate, chosen: Candidate, inp: PlanInput) -> dict[str
     """A fallback as plan.json keeps it: what changes, in words and as finetune.py's flags."""
     world = inp.gpus_per_node * inp.nodes
     if (c.name, c.dims) != (chosen.name, chosen.dims):
-        what = f"{c.name} with gradient checkpointing (less held per GPU)"
+        what = f"{c.name} with gradient checkpointing (less held per {inp.per})"
     elif not chosen.checkpointing and c.micro_batch == chosen.micro_batch:
         what = "gradient checkpointing on"
     else:
@@ -486,7 +542,13 @@ def fallback_record(c: Candidate, chosen: Candidate, inp: PlanInput) -> dict[str
 
 
 def label(c: Candidate) -> str:
-    return c.name + (" +gc" if c.checkpointing else "")
+    return c.name + (" +gc" if c.checkpointing else "") + (" (asked)" if c.asked else "")
+
+
+def gib(n: int) -> str:
+    """Bytes as the plan prints them everywhere (table, reasons, advice): GiB to two decimals, so a
+    figure said twice reads the same."""
+    return f"{n / GiB:.2f}"
 
 
 def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
@@ -502,57 +564,59 @@ def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
 
 def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candidate]) -> tuple[str, str | None]:
     """Why `chosen` ranks before `c`, in a few words, and the term that decided it: a key of `bytes`
-    where `c` does not fit, of `seconds` (`cost.TERMS`) where `chosen` is faster; None where a rule
-    decided (runnable, host RAM, the global batch, offload, a tie within `TIE`)."""
+    where `c` does not fit, of `seconds` (`cost.TERMS`) where the two differ in time; None where a
+    rule decided (runnable, host RAM, the global batch, offload, a tie within `TIE`). `chosen` is
+    the fastest within `TIE` unless it is the layout a run asks for (`Candidate.asked`), which is
+    kept where it fits: then `c` may be the faster, and the text says by how much and why."""
     ok = chosen.fits and chosen.runnable
     target = target_batch(inp)
     if c is chosen and ok:
-        return "chosen", None
+        return "chosen" + (", the layout asked for" if c.asked else ""), None
     if not c.runnable:
         return f"not runnable yet: {c.why_not}", None
     if c.bytes["total"] > inp.gpu_memory:
-        text = f"does not fit: {c.bytes['total'] / GiB:.1f} GiB per GPU at micro-batch {c.micro_batch}"
+        text = f"does not fit: {gib(c.bytes['total'])} GiB per {inp.per} at micro-batch {c.micro_batch}"
         if not ok:
             return text, None
         term = max(MEMORY_TERMS, key=lambda k: c.bytes[k] - chosen.bytes[k])
         because = smaller_because(chosen, term, inp)
-        return (f"{text}, {term} {c.bytes[term] / GiB:.1f} GiB where the chosen holds {chosen.bytes[term] / GiB:.1f}"
+        return (f"{text}, {term} {gib(c.bytes[term])} GiB where the chosen holds {gib(chosen.bytes[term])}"
                 + (f" ({because})" if because else "")), term
     if not c.fits:
-        return f"needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node", None
+        return f"needs {gib(c.cpu_bytes_per_node)} GiB of host RAM per node", None
     if c.global_batch != target and chosen.global_batch == target:
         return (f"its {c.data_ranks} data-parallel ranks cannot share the global batch of {target} evenly "
                 f"(nearest: {c.global_batch})"), None
     if offloads_row(c) and not offloads_row(chosen):
         return "CPU offload: host RAM and PCIe traffic, only when nothing else fits", None
     ratio = c.seconds_per_example / chosen.seconds_per_example
-    if ratio <= 1 + TIE:
-        return f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); the simpler layout wins", None
+    if ratio <= 1 + TIE and (ratio >= 1 - TIE or not chosen.asked):
+        return (f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); "
+                + ("the layout asked for stays" if chosen.asked else "the simpler layout wins")), None
     scale = chosen.global_batch / c.global_batch  # per optimizer step of the chosen's global batch
     diff = {k: c.seconds[k] * scale - chosen.seconds[k] for k in chosen.seconds}
-    term = max(diff, key=diff.get)
-    text = (f"{ratio - 1:+.0%} predicted time per example: {c.step_time_s * scale:.3g} s per optimizer step of "
-            f"{chosen.global_batch} examples against {chosen.step_time_s:.3g} s, mostly {TERM_TEXT[term]} "
-            f"(+{diff[term]:.2g} s)")
+    term = (max if ratio > 1 else min)(diff, key=diff.get)  # what makes it slower, or faster
+    text = (f"{ratio - 1:+.0%} predicted time per example, mostly {TERM_TEXT[term]} ({diff[term]:+.2g} s per "
+            f"optimizer step of {chosen.global_batch} examples)")
     twin = next((x for x in rows if x.name == c.name and not x.checkpointing), None)
-    if term == "recompute" and not chosen.checkpointing and twin is not None and not twin.fits:
+    if ratio > 1 and term == "recompute" and not chosen.checkpointing and twin is not None and not twin.fits:
         because = smaller_because(chosen, "activations", inp)
-        text += (f", which {c.name} needs to fit ({twin.bytes['total'] / GiB:.1f} GiB per GPU without it at "
-                 f"micro-batch {twin.micro_batch}, activations {twin.bytes['activations'] / GiB:.1f} GiB) and the "
-                 f"chosen does not (activations {chosen.bytes['activations'] / GiB:.1f} GiB"
+        text += (f", which {c.name} needs to fit ({gib(twin.bytes['total'])} GiB per {inp.per} without it at "
+                 f"micro-batch {twin.micro_batch}, activations {gib(twin.bytes['activations'])} GiB) and the "
+                 f"chosen does not (activations {gib(chosen.bytes['activations'])} GiB"
                  + (f": {because})" if because else ")"))
     return text, term
 
 
 def batch_line(inp: PlanInput, c: Candidate) -> str:
     """How `c` splits the global batch, against what was asked, in one line."""
-    target, world = target_batch(inp), inp.gpus_per_node * inp.nodes
+    target, ranks = target_batch(inp), asked_data_ranks(inp)
     asked = f"--global-batch {inp.global_batch}" if inp.global_batch else \
-        f"{inp.micro_batch} x {inp.grad_accum} x {world}"
+        f"{inp.micro_batch} x {inp.grad_accum} x {ranks}"
     split = (f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} x {c.data_ranks} data-parallel "
              f"rank{'s' if c.data_ranks != 1 else ''}")
     if c.global_batch == target:
-        same = (c.micro_batch, c.grad_accum, c.data_ranks) == (inp.micro_batch, inp.grad_accum, world)
+        same = (c.micro_batch, c.grad_accum, c.data_ranks) == (inp.micro_batch, inp.grad_accum, ranks)
         return f"global batch {target} kept: {split} ({'as asked' if same and not inp.global_batch else f'asked: {asked}'})"
     return (f"global batch {c.global_batch}, not the {target} asked ({asked}): no layout that fits shares {target} "
             f"evenly over its data-parallel ranks, this is the nearest multiple of its {c.data_ranks}: {split}")
@@ -560,14 +624,19 @@ def batch_line(inp: PlanInput, c: Candidate) -> str:
 
 def why_chosen(chosen: Candidate, ranked: list[Candidate], inp: PlanInput) -> list[dict[str, Any]]:
     """What decided the choice: against the runner-up and, for a mesh layout, against the best plain
-    data-parallel strategy (the 1-D one finetune.py would otherwise run), each with its deciding term."""
+    data-parallel strategy (the 1-D one finetune.py would otherwise run), each with its deciding term.
+    For the layout a run asks for: against the plan's own pick, the best of the others."""
     others = [c for c in ranked if c is not chosen]
-    against = others[:1]
-    plain = next((c for c in others if c.dims is None), None)
-    if chosen.dims is not None and plain is not None and plain is not others[0]:
-        against.append(plain)
+    if chosen.asked:
+        target = target_batch(inp)
+        against, roles = ([choose(others, target)] if others else []), ("the plan's own pick",)
+    else:
+        against, roles = others[:1], ("the runner-up", "the best 1-D strategy")
+        plain = next((c for c in others if c.dims is None), None)
+        if chosen.dims is not None and plain is not None and plain is not others[0]:
+            against.append(plain)
     out = []
-    for c, role in zip(against, ("the runner-up", "the best 1-D strategy")):
+    for c, role in zip(against, roles):
         text, term = decision(c, chosen, inp, ranked)
         out.append({"against": c.name, "checkpointing": c.checkpointing, "role": role, "term": term, "text": text})
     return out
@@ -601,17 +670,23 @@ def plan(inp: PlanInput) -> Plan:
     rows += [estimate_layout(inp, d, gc, inp.micro_batch) for gc in gc_options for d in layouts]
     target = target_batch(inp)
     rows = [split_batch(inp, r, target) for r in rows]
+    asked, unpredicted = asked_candidate(inp) if inp.asked else (None, "")
+    if asked is not None:  # the search's row of the same layout at the same split is this one
+        same = (asked.name, asked.dims, asked.checkpointing, asked.micro_batch, asked.grad_accum)
+        rows = [r for r in rows if (r.name, r.dims, r.checkpointing, r.micro_batch, r.grad_accum) != same] + [asked]
     counts = count_params(inp.model)
     trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
     result = Plan(counts.total, trainable, world, rows, None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory,
-                  hardware=inp.hw.name, global_batch=target)
+                  hardware=inp.hw.name, global_batch=target, asked=asked, device=inp.device)
     if world == 1:
-        result.notes.append("one GPU: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
-                            "CPU-offload variants are planned")
+        result.notes.append(f"one {inp.per}: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
+                            "CPU-offload variants are planned" + (" besides the layout asked for" if asked else ""))
     if inp.method == "qlora":
         result.notes.append("QLoRA: mesh layouts (--tp/--pp/--cp/--dp-shard) are not planned; its 4-bit base is "
                             "neither sharded nor split")
-    best = choose(rows, target)
+    best = choose([r for r in rows if r is not asked], target)
+    if asked is not None and asked.fits and asked.runnable:
+        best = asked
     ranked = sorted(rows, key=lambda c: rank_key(c, target))
     top = [best] + [c for c in ranked if c is not best][:4]
     result.ranking = []
@@ -619,7 +694,11 @@ def plan(inp: PlanInput) -> Plan:
         reason, term = decision(c, best, inp, rows)
         result.ranking.append({"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
                                "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2),
-                               "seconds_per_example": c.seconds_per_example, "reason": reason, "term": term})
+                               "seconds_per_example": c.seconds_per_example, "reason": reason, "term": term,
+                               "asked": c.asked})
+    if inp.asked is not None:
+        result.asked_verdict = (f"not predicted: {unpredicted}" if asked is None else
+                                decision(asked, best, inp, rows)[0] if asked is not best else "fits: chosen")
     if not (best.fits and best.runnable):
         result.advice = nothing_fits(inp, names)
         return result
@@ -646,18 +725,20 @@ def nothing_fits(inp: PlanInput, names: list[str]) -> str:
     gpu, cpu = inp.gpu_memory, inp.cpu_memory
     in_ram = [c for c in smallest if cpu is None or c.cpu_bytes_per_node <= cpu]
     parts = []
+    per, where = inp.per, "GPU memory" if inp.device == "GPU" else "the memory of a process"
     if in_ram:
         c = min(in_ram, key=lambda c: c.bytes["total"])
-        parts.append(f"the smallest plan in GPU memory ({c.name}, {how}, micro-batch 1) needs "
-                     f"{c.bytes['total'] / GiB:.1f} GiB per GPU, {(c.bytes['total'] - gpu) / GiB:.1f} GiB more than "
-                     f"the {gpu / GiB:.0f} GiB GPU")
+        parts.append(f"the smallest plan in {where} ({c.name}, {how}, micro-batch 1) needs "
+                     f"{gib(c.bytes['total'])} GiB per {per}, {gib(c.bytes['total'] - gpu)} GiB more than "
+                     f"the {gpu / GiB:.0f} GiB " + ("GPU" if inp.device == "GPU" else "a process has"))
     on_gpu = [c for c in smallest if c.bytes["total"] <= gpu and cpu is not None and c.cpu_bytes_per_node > cpu]
     if on_gpu:
         c = min(on_gpu, key=lambda c: c.cpu_bytes_per_node)
-        parts.append(f"{c.name} ({how}, micro-batch 1) would fit the GPU ({c.bytes['total'] / GiB:.1f} of "
-                     f"{gpu / GiB:.0f} GiB) but needs {c.cpu_bytes_per_node / GiB:.0f} GiB of host RAM per node, "
-                     f"{(c.cpu_bytes_per_node - cpu) / GiB:.0f} GiB more than the {cpu / GiB:.0f} GiB there")
-    helps = ["more GPUs", "more host RAM for CPU offload", "--method qlora", "a shorter --seq-len"]
+        parts.append(f"{c.name} ({how}, micro-batch 1) would fit the {per} ({gib(c.bytes['total'])} of "
+                     f"{gpu / GiB:.0f} GiB) but needs {gib(c.cpu_bytes_per_node)} GiB of host RAM per node, "
+                     f"{gib(c.cpu_bytes_per_node - cpu)} GiB more than the {cpu / GiB:.0f} GiB there")
+    helps = [f"more {per}es" if per == "process" else f"more {per}s", "more host RAM for CPU offload",
+             "--method qlora", "a shorter --seq-len"]
     if not gc:
         helps.insert(0, "--gradient-checkpointing")
     return "nothing fits: " + "; ".join(parts) + "; " + ", ".join(helps[:-1]) + f" or {helps[-1]} would reduce it"
@@ -678,42 +759,50 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
 
 
 def render_table(p: Plan) -> str:
-    """The 1-D strategies' memory breakdown, the mesh layouts among the top 5, then the top 5 by
-    predicted time per example with why each lost, then the choice: its split of the global batch,
-    its predicted step term by term, what decided it, and its flags."""
+    """The 1-D strategies' memory breakdown, the mesh layouts among the top 5 (and the layout a run
+    asks for), then the top 5 by predicted time per example with why each lost, then the choice: its
+    split of the global batch, its predicted step term by term, what decided it, and its flags. Each
+    figure is printed once, and every GiB figure as `gib` rounds it."""
     cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
+    gpu = p.device == "GPU"
+    per = "GPU" if gpu else "process"
     ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
     top = {(r["name"], r["checkpointing"]) for r in p.ranking}
-    shown = [c for c in p.strategies if c.dims is None or (c.name, c.checkpointing) in top]
-    mesh = len([c for c in p.strategies if c.dims is not None])
-    lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {p.world} GPUs  "
-             f"GPU memory {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  (GiB per GPU below)", *p.notes,
+    shown = [c for c in p.strategies if c.dims is None or c.asked or (c.name, c.checkpointing) in top]
+    mesh = len([c for c in p.strategies if c.dims is not None and not c.asked])
+    world = f"{p.world} GPU{'s' * (p.world != 1)}" if gpu else f"{p.world} CPU process{'es' * (p.world != 1)}"
+    lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {world}  "
+             f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  "
+             f"(GiB per {per} below)", *p.notes,
              f"{'layout':<26}" + "".join(f"{c:>{max(12, len(c) + 1)}}" for c in cols)
              + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}{'fits':>6}"]
     for c in shown:
-        lines.append(f"{label(c):<26}" + "".join(f"{c.bytes[k] / GiB:>{max(12, len(k) + 1)}.2f}" for k in cols)
-                     + f"{c.cpu_bytes_per_node / GiB:>10.1f}{f'{c.micro_batch} x {c.grad_accum}':>10}"
-                     f"{c.step_time_s:>8.2f}{'yes' if c.fits else 'no':>6}")
+        lines.append(f"{label(c):<26}" + "".join(f"{gib(c.bytes[k]):>{max(12, len(k) + 1)}}" for k in cols)
+                     + f"{gib(c.cpu_bytes_per_node):>10}{f'{c.micro_batch} x {c.grad_accum}':>10}"
+                     f"{c.step_time_s:>8.3g}{'yes' if c.fits else 'no':>6}")
     lines.append(f"each row at its split of the global batch of {p.global_batch} (mb x acc: micro-batch x accumulation "
-                 f"per data-parallel rank; micro-batch 1 where none fits); step s: predicted seconds per optimizer "
-                 f"step ({p.hardware}); {mesh} mesh layouts (pp x dp x cp x tp) predicted, those in the top 5 shown "
-                 "(all in --json)")
+                 f"per data-parallel rank; micro-batch 1 where none fits"
+                 + ("; (asked): the run's own layout at its own split" if p.asked else "")
+                 + f"); step s: predicted seconds per optimizer step ({p.hardware}); {mesh} mesh layouts "
+                 "(pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
     lines.append("top 5 by predicted time per example, each with what decided it against the chosen:")
     for r in p.ranking:
+        name = r["name"] + (" +gc" if r["checkpointing"] else "") + (" (asked)" if r.get("asked") else "")
         split = f"{r['micro_batch']} x {r['grad_accum']}"
-        lines.append(f"  {r['name'] + (' +gc' if r['checkpointing'] else ''):<26} mb {split:<8} "
-                     f"{r['gib_per_gpu']:>7.1f} GiB  {r['seconds_per_example'] * 1e3:>9.2f} ms/example  {r['reason']}")
+        lines.append(f"  {name:<26} mb {split:<8} {r['seconds_per_example'] * 1e3:>9.2f} ms/example  {r['reason']}")
+    if p.asked_verdict and not (p.chosen_detail is not None and p.chosen_detail is p.asked):
+        name = p.asked.name + (" +gc" if p.asked.checkpointing else "") if p.asked else "the layout the run asks for"
+        lines.append(f"asked: {name}: {p.asked_verdict}")
     if p.chosen:
         d = p.chosen_detail
-        lines.append(f"chosen: {p.chosen}{' with gradient checkpointing' if d.checkpointing else ''}: "
-                     f"{d.bytes['total'] / GiB:.1f} GiB per GPU"
-                     + (f", {d.cpu_bytes_per_node / GiB:.1f} GiB host RAM per node" if d.cpu_bytes_per_node else "")
-                     + f", {d.step_time_s:.3g} s per optimizer step predicted")
+        lines.append(f"chosen: {label(d)}" + (", the layout the run asks for: it fits" if d.asked else "")
+                     + " (its memory and step time: its row above)")
         lines.append("batch: " + p.batch)
         terms = [f"{k} {v:.3g}" for k, v in d.seconds.items() if v > 1e-3 * d.step_time_s]
-        lines.append(f"time: {' + '.join(terms)} = {d.step_time_s:.3g} s per optimizer step (--json: seconds)")
+        lines.append(f"time: {' + '.join(terms)} (seconds of its optimizer step, whose sum is its step s; --json: "
+                     "seconds)")
         lines += [f"why: against {w['against']}{' +gc' if w['checkpointing'] else ''} ({w['role']}): {w['text']}"
-                  for w in p.why]
+                  for w in p.why if (w["against"], w["checkpointing"]) not in top]
         lines.append("flags: " + " ".join(p.flags))
     else:
         lines.append(p.advice)
