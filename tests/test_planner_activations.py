@@ -20,9 +20,8 @@ def shaped_model(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("saved") / "model", **SHAPE)
 
 
-def _run_saved(model_dir, method: str, precision: str, dropout: float, checkpointing: bool, batch: int, seq: int):
-    """Bytes autograd saves in a forward of the model as `toolkit.models.load_model` loads it for
-    `method`, under CPU autocast for bf16, parameters excluded."""
+def _load(model_dir, method: str, precision: str, dropout: float = 0.0, checkpointing: bool = False):
+    """The model as `toolkit.models.load_model` loads it for `method`."""
     from toolkit.config import parse_config
     from toolkit.models import enable_checkpointing, load_model
 
@@ -32,6 +31,12 @@ def _run_saved(model_dir, method: str, precision: str, dropout: float, checkpoin
     model = load_model(cfg, str(model_dir)).train()
     if checkpointing:
         enable_checkpointing(model)
+    return model
+
+
+def _forward_saved(model, precision: str, batch: int, seq: int) -> int:
+    """Bytes autograd saves in a forward of `model`'s decoder, under CPU autocast for bf16, parameters
+    excluded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids = torch.randint(10, 200, (batch, seq))
@@ -64,13 +69,66 @@ def test_saved_terms_equal_what_autograd_saves(shaped_model, method, precision, 
     slack, copies = (copies, 0) if method == "lora" else (0, copies)
     # the rotary tables reach checkpointed blocks as the checkpoint's stored inputs, not as saved tensors
     outside = saved.outside_blocks(h, hd, d) - (2 * hd * d.residual if checkpointing else 0)
+    model = _load(shaped_model, method, precision, dropout, checkpointing)
     for batch, seq in ((1, 64), (2, 96)):
         predicted = batch * seq * (layers * block + outside) + copies
-        got = _run_saved(shaped_model, method, precision, dropout, checkpointing, batch, seq)
+        got = _forward_saved(model, precision, batch, seq)
         # the first block's q, k and v adapters read the frozen embedding's output, which needs no
         # gradient: their dropout keeps no noise. The terms count it (over by this, once per model).
         first = 3 * d.mask * h * batch * seq if method == "lora" and dropout > 0 and not checkpointing else 0
         assert (predicted - first) * 0.97 <= got <= (predicted + slack) * 1.03, (batch, seq)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """Tiny Qwen3-MoE (block 0 dense: `mlp_only_layers`) and Mixtral models from the zoo, their router
+    aux loss off (this counts the blocks, not the loss)."""
+    from toolkit.synthetic import build_zoo_model_dir
+
+    root = tmp_path_factory.mktemp("moe")
+    return {t: build_zoo_model_dir(root / t, t, output_router_logits=False) for t in ("qwen3_moe", "mixtral")}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("method, precision", [("full", "bf16"), ("lora", "bf16"), ("full", "no")])
+def test_moe_saved_terms_equal_what_autograd_saves(moe_models, model_type, method, precision):
+    """`saved.layer` for MoE blocks (the router's fp32 probabilities and top-k indices, the dispatch's
+    index vectors, each token's top-k copies through gate_up, SiLU and down in the experts' dtype, the
+    routing weights; and a LoRA's per-forward merged expert and router weights, peft's ParamWrapper)
+    against the storages autograd keeps in a forward of the model as the toolkit loads it (transformers'
+    default grouped_mm experts kernel): full bf16 (fp32 weights, autocast copies of every weight but the
+    stacked experts, which run in fp32), LoRA bf16 (`all-linear`: peft adapts the stacked experts and the
+    router of these models) and fp32. Within 3%, at two token counts, so both the per-token and the
+    per-forward terms are held to it."""
+    import json
+
+    from toolkit.planner import saved
+    from toolkit.planner.params import adapters, cast_weights, head_dim
+
+    model_dir = moe_models[model_type]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d = saved.dtypes(method, precision, device="cpu")
+    targets = None if method == "full" else "all-linear"
+    per = saved.layers(cfg, d, targets, 16)
+    assert any(x.per_forward for x in per) == (method == "lora")  # the merged experts: LoRA only
+    outside = saved.outside_blocks(h, head_dim(cfg), d)
+    linear_adapters = sum(a.params() for i in range(layers) for a in adapters(cfg, i, 16, "all-linear")
+                          if not a.expert and a.name != "gate")
+    # autocast's copies: a full finetune's weights but the experts' (grouped_mm is not cast) and the LM
+    # head's (not run here); LoRA's nn.Linear adapters, a slack as in the dense test above
+    copies = saved.autocast_copies(cast_weights(cfg) - cfg["vocab_size"] * h if method == "full" else linear_adapters,
+                                   4, d)
+    slack, copies = (copies, 0) if method == "lora" else (0, copies)
+    model = _load(model_dir, method, precision)
+    for batch, seq in ((1, 64), (2, 96)):
+        tokens = batch * seq
+        predicted = tokens * (sum(x.per_token for x in per) + outside) + sum(x.per_forward for x in per) + copies
+        got = _forward_saved(model, precision, batch, seq)
+        # the first block's input norm reads the frozen embedding's output under LoRA: it keeps nothing.
+        # The terms count it (over by this, once per model).
+        first = tokens * saved.rmsnorm(h, d) if method == "lora" else 0
+        assert (predicted - first) * 0.97 <= got <= (predicted + slack) * 1.03, (batch, seq, got, predicted)
 
 
 def test_dropout_mask_on_cuda_is_one_byte_per_element():

@@ -1,13 +1,18 @@
-"""Planner parameter counts equal a meta-device instantiation; LoRA counts equal peft's."""
+"""Planner parameter counts equal a meta-device instantiation of transformers' own model (every preset,
+the zoo's architectures, tiny MoE variants); active counts equal that model's with top-k of each MoE
+layer's experts; LoRA counts equal peft's; the plan counts published MoE configs at their published
+totals and never picks a layout the run's rules refuse."""
+
+import json
 
 import pytest
 import torch
 
-from toolkit.planner.params import count_params, lora_params
-from toolkit.planner.presets import PRESETS
+from toolkit.planner.params import count_params, lora_params, matmul_params
+from toolkit.planner.presets import HUB_IDS, PRESETS
+from toolkit.synthetic import ZOO
 
-CONFIGS = {
-    **{name: PRESETS[name] for name in ("smollm2-135m", "llama-3-8b", "mistral-7b", "qwen2.5-7b")},
+TINY = {
     "tiny-mha-untied": dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=4, vocab_size=300, tie_word_embeddings=False),
     "tiny-gqa-tied-bias": dict(model_type="llama", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
@@ -16,34 +21,214 @@ CONFIGS = {
     "tiny-headdim": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=500,
                          tie_word_embeddings=True),
+    # MoE layers where the config says: Qwen-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's
+    # first_k_dense_replace, MLA without q_lora_rank, Qwen2-MoE's shared expert and its gate
+    "tiny-qwen3-moe-sparse-step": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96,
+                                       moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, vocab_size=100, num_experts=8,
+                                       num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=2),
+    "tiny-deepseek-v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=100,
+                             n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                             q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                             n_group=2, topk_group=1),
+    "tiny-deepseek-v3-no-q-lora": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96,
+                                       moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=4, vocab_size=100, n_routed_experts=4, n_shared_experts=1,
+                                       num_experts_per_tok=2, first_k_dense_replace=0, q_lora_rank=None,
+                                       kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                       n_group=1, topk_group=1),
+    "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=100, num_experts=8, num_experts_per_tok=2,
+                           mlp_only_layers=[1]),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
+                         num_local_experts=4, num_experts_per_tok=2),
+    "tiny-mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+                         num_experts_per_tok=2),
+    "tiny-gemma": dict(ZOO["gemma3_text"], model_type="gemma3_text", vocab_size=100),
 }
+COUNTED_ZOO = [t for t in ZOO if t not in ("gpt2", "gpt_neox")]  # other block shapes: refused in one line
+
+# Qwen/Qwen3-30B-A3B/config.json as published (copied in alibaba/InferSim, hf_configs/qwen3-30B-A3B_config.json)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
 
 
-def meta_model(cfg):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_config(cfg, model_type=None):
+    from transformers import AutoConfig
 
-    hf = AutoConfig.for_model(**cfg)
+    return AutoConfig.for_model(model_type, **cfg) if model_type else AutoConfig.for_model(**cfg)
+
+
+def meta_model(hf):
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf)
 
 
-def unique_numel(model) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def unique(model):
+    return {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=False)}.values()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+def meta_counts(model, top_k: int, experts: int) -> tuple[int, int]:
+    """(every parameter, those one token uses: each stacked expert tensor scaled by top_k / experts)."""
+    total = active = 0
+    for name, p in unique(model):
+        total += p.numel()
+        active += p.numel() * top_k // experts if ".mlp.experts." in name else p.numel()
+    return total, active
+
+
+def moe_of(hf) -> tuple[int, int]:
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 1
+    return (getattr(hf, "num_experts_per_tok", None) or 1), experts
+
+
+CASES = {**{f"preset:{k}": (v, None) for k, v in PRESETS.items()}, **{k: (v, None) for k, v in TINY.items()},
+         **{f"zoo:{t}": (ZOO[t], t) for t in COUNTED_ZOO}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_param_count_matches_meta_model(name):
-    cfg = CONFIGS[name]
-    assert count_params(cfg).total == unique_numel(meta_model(cfg))
+    """Total and active parameters of every preset (its published config) and architecture against
+    transformers' model built on the meta device from the same config; a zoo entry is counted from its
+    config's `to_dict()`, as a model folder's config.json reads."""
+    cfg, model_type = CASES[name]
+    hf = hf_config(cfg, model_type)
+    ours = count_params(cfg if model_type is None else hf.to_dict())
+    total, active = meta_counts(meta_model(hf), *moe_of(hf))
+    assert (ours.total, ours.active) == (total, active)
 
 
-@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj", "gate_proj,up_proj,down_proj"])
-@pytest.mark.parametrize("name", ["tiny-mha-untied", "tiny-gqa-tied-bias"])
+def test_other_block_shapes_are_refused_in_one_line():
+    from toolkit.errors import UserError
+
+    for t in ("gpt2", "gpt_neox"):
+        with pytest.raises(UserError, match=f"model type '{t}' has blocks of another shape"):
+            count_params(hf_config(ZOO[t], t).to_dict())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe-sparse-step", "tiny-deepseek-v3", "tiny-mixtral", "tiny-gpt-oss",
+                                  "preset:qwen3-30b-a3b"])
+def test_mfu_counts_the_active_matmul_weights(name):
+    """The run's MFU (`toolkit.train.flops.matmul_params_from_config`) counts the weights one token
+    multiplies: the meta model's, with top-k of each MoE layer's experts, less the input embedding
+    (a lookup)."""
+    from toolkit.train.flops import matmul_params_from_config
+
+    cfg, _ = CASES[name]
+    hf = hf_config(cfg)
+    model = meta_model(hf)
+    _, active = meta_counts(model, *moe_of(hf))
+    assert matmul_params_from_config(cfg) == active - model.get_input_embeddings().weight.numel()
+    assert matmul_params_from_config(cfg) < matmul_params(cfg, active=False)
+
+
+LORA = [(n, t) for n in ("tiny-mha-untied", "tiny-gqa-tied-bias") for t in ("all-linear", "q_proj,v_proj",
+                                                                             "gate_proj,up_proj,down_proj")]
+LORA += [(n, t) for n in ("tiny-qwen3-moe-sparse-step", "tiny-qwen2-moe", "tiny-gemma")
+         for t in ("all-linear", "q_proj,v_proj", "gate_proj,up_proj,down_proj", "o_proj,down_proj")]
+LORA += [("tiny-deepseek-v3", t) for t in ("all-linear", "q_b_proj,kv_b_proj", "gate_proj,up_proj,down_proj")]
+LORA += [(n, t) for n in ("tiny-mixtral", "tiny-gpt-oss") for t in ("all-linear", "q_proj,v_proj")]
+
+
+@pytest.mark.parametrize("name, targets", LORA)
 def test_lora_trainable_count_matches_peft(name, targets):
+    """peft's trainable parameters for `targets`, including its rewrite of the MoE models whose experts
+    transformers 5 stacks (qwen3_moe, deepseek_v3, mixtral): per-expert adapters of gate_up_proj (at twice
+    the rank) and down_proj, the router's, and no adapters on the dense layers' gate/up/down_proj."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = CONFIGS[name]
-    model = get_peft_model(meta_model(cfg), LoraConfig(
+    cfg = TINY[name]
+    model = get_peft_model(meta_model(hf_config(cfg)), LoraConfig(
         r=8, target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lora_params(cfg, 8, targets) == trainable
+
+
+def test_lora_of_half_a_fused_pair_is_refused_like_peft():
+    from peft import LoraConfig, get_peft_model
+
+    cfg = TINY["tiny-qwen3-moe-sparse-step"]
+    with pytest.raises(ValueError, match="gate_proj without also targeting up_proj"):
+        get_peft_model(meta_model(hf_config(cfg)), LoraConfig(r=8, target_modules=["gate_proj"], task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match="LoRA target gate_proj needs up_proj"):
+        lora_params(cfg, 8, "gate_proj")
+
+
+def test_plan_counts_published_moe_configs(capsys, tmp_path):
+    """`python -m toolkit plan` counts Qwen3-30B-A3B at 30.5B parameters (its published config.json, and
+    the preset) and gpt-oss-120b at 116.8B (by hub id): the figures their model cards publish."""
+    from toolkit.__main__ import main as cli
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    for spec, billions in ((str(tmp_path), 30.5), ("qwen3-30b-a3b", 30.5), ("openai/gpt-oss-120b", 116.8)):
+        cli(["plan", "--model", spec, "--method", "lora", "--cpu-memory", "2TB", "--json"])
+        assert round(json.loads(capsys.readouterr().out)["params"] / 1e9, 1) == billions, spec
+    assert HUB_IDS["openai/gpt-oss-120b"] == "gpt-oss-120b"
+
+
+def test_plan_asks_the_runs_model_rules(monkeypatch):
+    """Every mesh row of a plan for the MoE presets is runnable exactly when the run's own rules
+    (`rules.not_runnable`, `rules.model_problems` on the config with its class's TP plan, as
+    `parallel.build` gives it) accept it, and the chosen layout is one of those: Qwen3-30B-A3B's tp rows
+    are all refused (its experts) and the choice has no tp. The wiring, shown with one rule: a
+    model_problems that refuses every --tp leaves no runnable tp row, each one giving its words."""
+    from toolkit.layout import rules
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.planner import plan as planning
+    from toolkit.planner.params import with_tp_plan
+
+    def plan_for(name):
+        return planning.plan(planning.PlanInput(model=PRESETS[name], gpu_memory=80 * 2**30, gpus_per_node=8,
+                                                method="lora", cpu_memory=2**41))
+
+    for name in ("qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b"):
+        p = plan_for(name)
+        for c in p.strategies:
+            if c.dims is None:
+                continue
+            d = ParallelDims(8, **c.dims)
+            accepted = not rules.not_runnable(d, "lora", "bf16", "auto") and not rules.model_problems(
+                with_tp_plan(PRESETS[name]), d.tp, d.pp, d.cp, 8)
+            assert c.runnable == accepted, (name, c.name, c.why_not)
+        assert p.chosen_detail is None or p.chosen_detail.runnable
+        if name == "qwen3-30b-a3b":
+            assert not any(c.runnable for c in p.strategies if c.dims and c.dims["tp"] > 1)
+            assert (p.chosen_detail.dims or {}).get("tp", 1) == 1
+
+    def refuse_tp(cfg, tp, pp, cp, world):
+        return [f"--tp {tp}: refused for this test"] if tp > 1 else []
+
+    monkeypatch.setattr(planning, "model_problems", refuse_tp)
+    p = plan_for("qwen3-30b-a3b")
+    tp_rows = [c for c in p.strategies if c.dims and c.dims["tp"] > 1]
+    assert tp_rows and all(not c.runnable for c in tp_rows)
+    assert all(c.why_not == f"--tp {c.dims['tp']}: refused for this test" or c.why_not == rules.not_runnable(
+        ParallelDims(8, **c.dims), "lora", "bf16", "auto") for c in tp_rows)
+    assert not (p.chosen_detail.dims or {}).get("tp", 1) > 1
+
+
+def test_tp_plan_read_from_source_is_the_config_class_attribute():
+    """The planner reads a config class's `base_model_tp_plan` from transformers' source (no import of
+    transformers, which imports torch); it equals the class attribute for every preset's and zoo
+    architecture's model type."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from toolkit.planner.params import with_tp_plan
+
+    for model_type in sorted({c["model_type"] for c in PRESETS.values()} | set(ZOO)):
+        assert with_tp_plan({"model_type": model_type})["base_model_tp_plan"] == \
+            CONFIG_MAPPING[model_type].base_model_tp_plan, model_type

@@ -100,7 +100,9 @@ def load_hardware(spec: str | None) -> Hardware:
 
 def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq_len: int, checkpointing: bool) -> float:
     """Forward 2P + 4Lhs; backward 2P (activation gradients through every weight) + 2T (weight
-    gradients of the trainable ones) + 8Lhs; full checkpointing runs the forward once more.
+    gradients of the trainable ones) + 8Lhs; full checkpointing runs the forward once more. P and T
+    are the weights one token uses (`params.ParamCounts.active`): in an MoE layer its top-k routed
+    experts, not all of them (memory holds them all).
     For a full finetune (T = P) this is PaLM's 6N + 12LhT (appendix B) and checkpointing adds 1/3;
     for LoRA (T << P) it is ~4N and checkpointing adds 1/2."""
     forward = 2.0 * params + 4.0 * layers * hidden * seq_len

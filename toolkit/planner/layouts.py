@@ -24,7 +24,7 @@ from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipe
 from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, logits_bytes,
                                     ulysses_comm_bytes)
 from toolkit.planner import saved
-from toolkit.planner.params import adapted_inputs, count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.params import blocks as model_blocks, count_params, head_dim, lora_layer_params, lora_params
 from toolkit.planner.stages import balance
 
 
@@ -89,28 +89,32 @@ def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[
 def stage_blocks(cfg: dict[str, Any], pp: int) -> list[int]:
     """Blocks per pipeline stage, as the runtime splits them (`toolkit.parallel.pp.split`)."""
     counts = count_params(cfg)
-    return list(_split(cfg["num_hidden_layers"], counts.per_block, counts.embedding, counts.lm_head + counts.final_norm, pp))
+    return list(_split(counts.layers, counts.embedding, counts.lm_head + counts.final_norm, pp))
 
 
 @lru_cache(maxsize=None)
-def _split(layers: int, per_block: int, first: int, last: int, pp: int) -> tuple[int, ...]:
-    return (layers,) if pp == 1 else tuple(balance([per_block] * layers, pp, first, last))
+def _split(layers: tuple[int, ...], first: int, last: int, pp: int) -> tuple[int, ...]:
+    return (len(layers),) if pp == 1 else tuple(balance(list(layers), pp, first, last))
+
+
+def stage_range(cfg: dict[str, Any], pp: int, stage: int) -> tuple[int, int]:
+    """The blocks [start, stop) of pipeline stage `stage`."""
+    sizes = stage_blocks(cfg, pp)
+    return sum(sizes[:stage]), sum(sizes[:stage + 1])
 
 
 def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, lora_r: int,
                  lora_targets: str) -> tuple[int, int]:
     """(parameters, trainable parameters) one rank of pipeline stage `stage` holds, before sharding."""
     counts = count_params(cfg)
-    layers = cfg["num_hidden_layers"]
-    blocks = stage_blocks(cfg, d.pp)[stage]
-    linear = sum(a * b for a, b in linear_shapes(cfg).values())
+    start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     head = counts.lm_head or (counts.embedding if d.pp > 1 else 0)  # tied: the last stage holds a copy
-    params = blocks * (counts.per_block - linear + linear // d.tp) + (counts.embedding if first else 0) \
+    params = sum(b.per_rank(d.tp) for b in model_blocks(cfg)[start:stop]) + (counts.embedding if first else 0) \
         + (counts.final_norm + head if last else 0)
     if method == "full":
         return params, params
-    return params, lora_params(cfg, lora_r, lora_targets, tp=d.tp) * blocks // layers
+    return params, sum(lora_layer_params(cfg, lora_r, lora_targets, d.tp)[start:stop])
 
 
 def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
@@ -131,28 +135,26 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s terms, the
     blocks split by tp, s/cp tokens per rank. Buffers and fragmentation are added by the caller."""
     cfg = inp.model
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * head_dim(cfg)
+    h = cfg["hidden_size"]
     act = 2 if inp.precision in ("bf16", "fp16") else 4
     params, trainable = stage_params(cfg, d, stage, inp.method, inp.lora_r, inp.lora_targets)
     shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
     weights = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params + 4 * trainable
-    blocks = stage_blocks(cfg, d.pp)[stage]
+    start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
     dt = saved.dtypes(inp.method, inp.precision)
-    adapted = None if inp.method == "full" else adapted_inputs(cfg, inp.lora_targets)
-    block = saved.block(h, i, kv, cfg["num_attention_heads"], dt, adapted, inp.lora_r, inp.lora_dropout, d.tp)
+    per = saved.layers(cfg, dt, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout,
+                       d.tp, start, stop)
+    kept, backward = saved.stack(per, tokens, h, dt, checkpointing)
     outside = (8 if first else 0) + (saved.rmsnorm(h, dt) if last else 0) + 2 * head_dim(cfg) * dt.residual
-    per_token = blocks * (saved.checkpointed_block(h, dt) if checkpointing else block) \
-        + (block if checkpointing else 0) + outside + saved.backward_transient(h, i // d.tp, dt)
     schedule, m = pipeline_schedule(d, micro_batch)
     in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
     logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
                         pipeline=d.pp > 1, seq_len=tokens) if last else 0
     casts = saved.autocast_copies(trainable, 4, dt)  # each gathered fp32 weight cast for its matmul, saved for backward
     return {"weights": weights // shard, "grads": 4 * trainable // shard, "optimizer": ADAM_BYTES * trainable // shard,
-            "autocast_copies": casts, "activations": in_flight * tokens * per_token, "logits": logits}
+            "autocast_copies": casts, "activations": in_flight * (kept + backward + tokens * outside), "logits": logits}
 
 
 def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> list[Traffic]:
@@ -203,9 +205,10 @@ def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int,
     cfg = inp.model
     counts = count_params(cfg)
     layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    trainable = counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
-    per_token = flops_per_token(counts.total, trainable, layers, h, inp.seq_len, False)
-    recompute = flops_per_token(counts.total, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
+    active = counts.active  # a token's compute: an MoE layer's top-k experts
+    trainable = active if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
+    per_token = flops_per_token(active, trainable, layers, h, inp.seq_len, False)
+    recompute = flops_per_token(active, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
     rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0

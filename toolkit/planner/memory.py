@@ -9,7 +9,9 @@ gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit r
 - a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.models.load_model`),
   2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
 - DeepSpeed keeps that fp32 master partition in fp32 runs too (measured: `master_bytes`);
-- only trainable parameters (LoRA: the adapters) have gradients and optimizer state.
+- only trainable parameters (LoRA: the adapters) have gradients and optimizer state;
+- the counts are totals: an MoE model holds every expert (`params.ParamCounts.total`), though a
+  token's compute uses its top-k (`cost.flops_per_token`).
 Activations are `toolkit.planner.saved`'s terms; the allocator's peak over a step's phases is
 `saved.allocated_peak`.
 """

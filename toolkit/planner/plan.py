@@ -14,7 +14,7 @@ sharded: only DDP and the offload variants are planned.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from toolkit.errors import UserError
@@ -30,7 +30,7 @@ from toolkit.planner.memory import (STRATEGIES, Strategy, cpu_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
-from toolkit.planner.params import adapted_inputs, count_params, head_dim, linear_shapes, lora_params
+from toolkit.planner.params import cast_weights, count_params, head_dim, lora_params, with_tp_plan
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
@@ -110,18 +110,13 @@ def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weig
     with checkpointing each block's input, plus what lies outside the blocks; what backward adds: one
     block's recomputed activations under checkpointing, and the gradients alive in one block's
     backward; the autocast copies of trainable fp32 weights)."""
-    cfg = inp.model
-    layers, h, i, kv, _ = _dims(cfg)
+    cfg, h = inp.model, inp.model["hidden_size"]
     d = saved.dtypes(inp.method, inp.precision)
-    shapes = linear_shapes(cfg)
-    adapted = None if inp.method == "full" else adapted_inputs(cfg, inp.lora_targets)
-    one = saved.block(h, i, kv, cfg["num_attention_heads"], d, adapted, inp.lora_r, inp.lora_dropout)
+    per = saved.layers(cfg, d, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout)
     tokens = micro_batch * inp.seq_len
-    kept = layers * (saved.checkpointed_block(h, d) if checkpointing else one) + saved.outside_blocks(h, head_dim(cfg), d)
-    matmul = (layers * sum(a * b for a, b in shapes.values()) + cfg["vocab_size"] * h) if inp.method == "full" \
-        else trainable
-    backward = tokens * ((one if checkpointing else 0) + saved.backward_transient(h, i, d))
-    return tokens * kept, backward, saved.autocast_copies(matmul, weight_bytes, d)
+    kept, backward = saved.stack(per, tokens, h, d, checkpointing)
+    matmul = cast_weights(cfg) if inp.method == "full" else trainable
+    return kept + tokens * saved.outside_blocks(h, head_dim(cfg), d), backward, saved.autocast_copies(matmul, weight_bytes, d)
 
 
 def total_bytes(allocated: int) -> int:
@@ -250,7 +245,7 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     layers, h, i, kv, vocab = _dims(cfg)
     act = 2 if inp.precision in ("bf16", "fp16") else 4
     if inp.method == "qlora":  # peft's prepare_model_for_kbit_training keeps the unquantized rest in fp32
-        linear = layers * sum(a * b for a, b in linear_shapes(cfg).values())
+        linear = counts.linear  # bitsandbytes quantizes the nn.Linear weights, not stacked experts
         weights = int(linear * QLORA_BITS / 8) + 4 * (params - linear) + 4 * trainable
     else:
         weights = weights_bytes(s, frozen, trainable, n, inp.precision)
@@ -292,8 +287,10 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     pcie = 2 * wb * trainable // n if s.offload_optimizer else 0  # gradients down, updated weights up
     if s.offload_params:  # each rank fetches its partition before every gather
         pcie += (2 + checkpointing) * model_bytes // n
-    per_token = flops_per_token(params, trainable, layers, h, inp.seq_len, False)
-    recompute = flops_per_token(params, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
+    active = counts.active  # a token's compute: an MoE layer's top-k experts (memory holds them all)
+    per_token = flops_per_token(active, active if inp.method == "full" else trainable, layers, h, inp.seq_len, False)
+    recompute = flops_per_token(active, active if inp.method == "full" else trainable, layers, h, inp.seq_len,
+                                True) - per_token if checkpointing else 0
     host = ADAM_STEP_BYTES * trainable // n if s.offload_optimizer else 0
     on_device = 0 if s.offload_optimizer else ADAM_STEP_BYTES * trainable // (n if s.shard_optimizer else 1)
     hw, link = inp.hw, inp.hw.link(n, inp.gpus_per_node)
@@ -333,7 +330,8 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     b["total"] = total_bytes(b["allocated"])
     hw = inp.hw
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, micro_batch, hw)))
-    why = not_runnable(d, inp.method, inp.precision, inp.loss)
+    why = not_runnable(d, inp.method, inp.precision, inp.loss) \
+        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size)), "")  # the run's own rules
     terms = mesh_step_terms(inp, d, checkpointing, micro_batch, hw)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
@@ -655,6 +653,8 @@ def plan(inp: PlanInput) -> Plan:
     if problems:
         raise UserError("; ".join(problems))
     world = inp.gpus_per_node * inp.nodes
+    if world > 1:  # --tp may be planned: the run's rules read the config class's TP plan (`with_tp_plan`)
+        inp = replace(inp, model=with_tp_plan(inp.model))
     for t in inp.tp or []:
         check_tp(inp.model, t, inp.gpus_per_node, world)
     for p in inp.pp or []:

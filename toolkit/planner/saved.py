@@ -1,4 +1,5 @@
-"""What autograd saves for backward in a Llama-family decoder block, in bytes per token, term by term.
+"""What autograd saves for backward in a decoder block, in bytes per token, term by term: `block` for a
+Llama-family block, `layer` for any layer `toolkit.planner.params` describes (MoE, MLA, Gemma 3).
 
 Each term names the tensors it counts and the code that saves them (transformers' LlamaDecoderLayer,
 LlamaRMSNorm and SDPA attention; peft's lora.Linear; bitsandbytes' MatMul4Bit; torch autocast). The
@@ -12,13 +13,26 @@ and model, for full, LoRA (dropout on and off) and fp32 (tests/test_planner_acti
 and CUDA differ in one place: dropout. CUDA runs `native_dropout`, which saves a bool mask (1 byte per
 element); the CPU multiplies by a noise tensor of the input's dtype (`aten/src/ATen/native/Dropout.cpp`,
 `is_fused_kernel_acceptable`). `Dtypes.mask` carries that.
+
+A mixture-of-experts layer (`moe_*`, `layer`) follows transformers' default experts kernel,
+`grouped_mm_experts_forward` (integrations/moe.py): the router's fp32 probabilities and top-k
+indices; the tokens permuted to expert order (k copies per token, gathered by a sort's indices and
+put back by the inverse ones); each copy's gate_up and down outputs and the activation between them,
+in the experts' weights' dtype (the kernel casts its input to it; CPU autocast does not cast
+grouped_mm); the routing weights. A LoRA of the experts (peft's ParamWrapper) adds B A to the stacked
+weights in every forward, so each forward also saves the merged expert weights. Checked against
+`saved_tensors_hooks` on tiny Qwen3-MoE and Mixtral models (tests/test_planner_activations.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
-from toolkit.planner.params import COLUMN_PARALLEL
+from toolkit.planner import params
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # `block`'s; the rest are row-parallel
 
 
 @dataclass(frozen=True)
@@ -52,12 +66,32 @@ def rmsnorm(h: int, d: Dtypes) -> int:
     return 4 * h + 4 + (4 * h if d.trains_base else 0)
 
 
-def attention(h: int, kv_dim: int, heads: int, d: Dtypes) -> int:
+def attention(h: int, kv_dim: int, heads: int, d: Dtypes, q_dim: int | None = None, v_dim: int | None = None) -> int:
     """SDPA's flash / memory-efficient kernels: q, k and v in the compute dtype (autocast's casts of
     fp32 ones), the output (also o_proj's input: one storage) and the fp32 logsumexp per head. No
     seq x seq term: these kernels recompute the scores in backward. k and v at the grouped-query
-    width: transformers passes enable_gqa when there is no mask (no padding)."""
-    return d.compute * (2 * h + 2 * kv_dim) + 4 * heads
+    width: transformers passes enable_gqa when there is no mask (no padding). q and the output are h
+    wide unless `q_dim` (heads x head_dim, MLA's heads x qk_head_dim) and `v_dim` (MLA: heads x
+    v_head_dim, which the output also has) say otherwise."""
+    q, v = q_dim or h, v_dim or kv_dim
+    return d.compute * (q + kv_dim + v + (v_dim or q)) + 4 * heads
+
+
+def attention_inputs(h: int, d: Dtypes, readers: int = 3) -> int:
+    """The linears that read the attention norm's output (q, k, v; MLA's q_a and kv_a) save it only
+    for their weights' gradients, so only when the base trains: each its own cast to the compute
+    dtype, or one shared storage when no cast is needed."""
+    if not d.trains_base:
+        return 0
+    return d.compute * (readers if d.residual != d.compute else 1) * h
+
+
+def mlp_inputs(h: int, i: int, d: Dtypes, tp: int = 1) -> int:
+    """A SwiGLU's gate and up save the norm's output when the base trains (each its own cast, or one
+    shared storage), down the MLP product (1/tp of it under tensor parallelism)."""
+    if not d.trains_base:
+        return 0
+    return d.compute * (2 if d.residual != d.compute else 1) * h + d.mlp * i // tp
 
 
 def projection_inputs(h: int, i: int, d: Dtypes, tp: int = 1) -> int:
@@ -66,9 +100,7 @@ def projection_inputs(h: int, i: int, d: Dtypes, tp: int = 1) -> int:
     one input per norm when no cast is needed; down saves the MLP product (1/tp of it under tensor
     parallelism, whose column-parallel inputs stay whole). o_proj's input is the attention output,
     counted there."""
-    if not d.trains_base:
-        return 0
-    return d.compute * ((5 if d.residual != d.compute else 2) * h) + d.mlp * i // tp
+    return attention_inputs(h, d) + mlp_inputs(h, i, d, tp)
 
 
 def mlp(i: int, d: Dtypes) -> int:
@@ -96,10 +128,127 @@ def block(h: int, i: int, kv_dim: int, heads: int, d: Dtypes, adapted: dict[str,
             + mlp(i, d) // tp + lora(features, r, dropout, d))
 
 
+def moe_router(h: int, experts: int, top_k: int, d: Dtypes, trains: bool) -> int:
+    """Per token, the router (Qwen3MoeTopKRouter, MixtralTopKRouter): its input when its weight trains
+    (a full finetune, or a LoRA of it: the compute dtype), the fp32 softmax over the experts that its
+    backward keeps (DeepSeek's sigmoid alike; gpt-oss's softmax over the top-k only: counted alike), and
+    top-k's int64 indices."""
+    return (d.compute * h if trains else 0) + 4 * experts + 8 * top_k
+
+
+def moe_dispatch(top_k: int) -> int:
+    """Per token, the grouped_mm kernel's int64 index vectors of its k copies: the gather into expert
+    order, the sort's permutation and its inverse that puts them back."""
+    return 3 * 8 * top_k
+
+
+def moe_experts(h: int, i: int, top_k: int, d: Dtypes, trains: bool, tp: int = 1) -> int:
+    """Per token, each of its k copies through an expert, in the experts' weights' dtype (the
+    embedding's, `d.residual`): its permuted input and the activation's product (down's input) only
+    when the experts' weights need a gradient (trained, or merged with a LoRA); gate_up's output
+    (2 I: SiLU's input and the product's `up`), SiLU's output (I), down's output (h, which the
+    routing weight multiplies), and that routing weight in the compute dtype. Under tensor
+    parallelism each rank holds 1/tp of every expert's I."""
+    w, i = d.residual, i // tp
+    return top_k * (w * ((h + i if trains else 0) + 3 * i + h) + d.compute)
+
+
+def moe_merged(e: "params.Experts", adapters: list, d: Dtypes, tp: int = 1) -> int:
+    """Per forward (not per token): a LoRA of a stacked parameter (peft's ParamWrapper) adds B A to it
+    inside the forward (`torch.baddbmm(W, B, A)` for the experts, `W + B A` for the router), in the
+    weight's dtype: grouped_mm and the router's linear keep the merged weight, and the factors' casts
+    are kept for their gradients."""
+    w, out = d.residual, 0
+    for a in adapters:
+        if a.expert:
+            out += w * (a.count * a.fan_in * a.fan_out // tp + a.params(tp))
+        elif a.name == "gate":
+            out += w * (e.count * e.hidden + a.params())
+    return out
+
+
+class Layer(NamedTuple):
+    """What one decoder layer keeps for backward (`layer`)."""
+    per_token: int  # bytes it saves per token
+    per_forward: int  # bytes it saves per forward whatever the tokens (LoRA-merged expert weights)
+    transient: int  # bytes per token of the gradients alive at once inside its backward
+
+
+def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int = 0, dropout: float = 0.0,
+          tp: int = 1) -> Layer:
+    """Decoder layer `index` of the model `cfg` describes. `targets`: LoRA's (None for a full
+    finetune), of rank `r`. Norms (four in Gemma 3, MLA's q_a and kv_a norms, Qwen3's and Gemma 3's
+    per-head q/k norms), attention, its inputs, a dense MLP or an MoE layer (router, dispatch,
+    experts, shared experts), the nn.Linear adapters."""
+    b = params.blocks(cfg)[index]
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    ads = params.adapters(cfg, index, r, targets) if targets else []
+    features = [a.fan_in // tp if a.tp == "row" else a.fan_in for a in ads if not a.expert and a.name != "gate"]
+    norms = params.norms_per_block(cfg) * rmsnorm(h, d)
+    if cfg.get("kv_lora_rank"):  # MLA: q_a and kv_a read the norm's output; q_b and kv_b their latents
+        q_rank, kv_rank = cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"]
+        qk = heads * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        norms += (rmsnorm(q_rank, d) if q_rank else 0) + rmsnorm(kv_rank, d)
+        att = attention(h, qk, heads, d, q_dim=qk, v_dim=heads * cfg["v_head_dim"]) // tp \
+            + attention_inputs(h, d, 2 if q_rank else 1) + (d.compute * (q_rank + kv_rank) if d.trains_base else 0)
+    else:
+        hd, nkv = params.head_dim(cfg), params.kv_heads(cfg)
+        att = attention(h, nkv * hd, heads, d, q_dim=heads * hd) // tp + attention_inputs(h, d)
+        if cfg.get("model_type") in params.QK_NORM or cfg.get("use_qk_norm"):
+            norms += qk_norms((heads + nkv) * hd, heads + nkv, d) // tp
+    per_token = norms + att + lora(features, r, dropout, d)
+    e = b.experts
+    if e is None:
+        i = cfg["intermediate_size"]
+        return Layer(per_token + mlp_inputs(h, i, d, tp) + mlp(i, d) // tp, 0, backward_transient(h, i // tp, d))
+    shared = sum(x.fan_out for x in b.linears if x.name == "gate_proj")  # DeepSeek's / Qwen2-MoE's shared experts
+    router_trains = d.trains_base or any(a.name == "gate" for a in ads)
+    experts_train = d.trains_base or any(a.expert for a in ads)
+    per_token += moe_router(h, e.count, e.top_k, d, router_trains) + moe_dispatch(e.top_k) \
+        + moe_experts(h, e.intermediate, e.top_k, d, experts_train, tp)
+    if shared:
+        per_token += mlp_inputs(h, shared, d, tp) + mlp(shared, d) // tp
+    # backward: the residual's gradients, and each copy's through its expert (3 I, in the experts' dtype)
+    transient = 2 * d.residual * h + 3 * d.residual * e.top_k * e.intermediate // tp + 3 * d.mlp * shared // tp
+    return Layer(per_token, moe_merged(e, ads, d, tp), transient)
+
+
+def layers(cfg: dict, d: Dtypes, targets: str | None = None, r: int = 0, dropout: float = 0.0, tp: int = 1,
+           start: int = 0, stop: int | None = None) -> list[Layer]:
+    """`layer` for blocks start..stop-1 (a pipeline stage's; default: all)."""
+    stop = cfg["num_hidden_layers"] if stop is None else stop
+    targets = targets if targets is None or isinstance(targets, str) else ",".join(targets)
+    return list(_layers(params.frozen(cfg), d, targets, r, dropout, tp, start, stop))
+
+
+@lru_cache(maxsize=256)
+def _layers(key: tuple, d: Dtypes, targets: str | None, r: int, dropout: float, tp: int, start: int,
+            stop: int) -> tuple[Layer, ...]:
+    cfg = dict(key)
+    return tuple(layer(cfg, i, d, targets, r, dropout, tp) for i in range(start, stop))
+
+
+def stack(per: list[Layer], tokens: int, h: int, d: Dtypes, checkpointing: bool) -> tuple[int, int]:
+    """Bytes of a stack of layers for `tokens` tokens: (what its forward keeps: every layer's saved
+    tensors, or with activation checkpointing each block's input; what its backward adds at its
+    peak: under checkpointing the largest layer recomputed, and the gradients alive in one layer's
+    backward)."""
+    full = [tokens * x.per_token + x.per_forward for x in per]
+    kept = len(per) * tokens * checkpointed_block(h, d) if checkpointing else sum(full)
+    return kept, max((f if checkpointing else 0) + tokens * x.transient for f, x in zip(full, per))
+
+
 def outside_blocks(h: int, head_dim: int, d: Dtypes) -> int:
     """Per token, once per model: the embedding's int64 indices, the final norm, and the rotary cos
     and sin tables (in the stream's dtype) every block's rotary multiply saves."""
     return 8 + rmsnorm(h, d) + 2 * head_dim * d.residual
+
+
+def qk_norms(width: int, heads: int, d: Dtypes) -> int:
+    """Per-head RMSNorms of q and k (Qwen3, Gemma 3; `width` their q + k features): the projections'
+    outputs upcast to fp32 and an rsqrt per head; when the weights train, the normalized input, cast
+    back to the projections' (compute) dtype before the weight multiplies it."""
+    return 4 * width + 4 * heads + (d.compute * width if d.trains_base else 0)
 
 
 def checkpointed_block(h: int, d: Dtypes) -> int:

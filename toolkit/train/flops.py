@@ -4,7 +4,8 @@ Model FLOPs (not hardware FLOPs: recomputation and padding are not credited), af
 (Chowdhery et al. 2022, appendix B) and nanoGPT's `estimate_mfu`:
     per token = 6 N + 12 L h T
 6N: each weight does one multiply-add (2 FLOPs) per token in forward and two in backward; N counts
-the weights used in matmuls (the LM head, not a separate input-embedding lookup table).
+the weights used in matmuls (the LM head, not a separate input-embedding lookup table); in an MoE
+layer a token runs through its top-k routed experts only, so N counts those (active parameters).
 12 L h T: attention scores and weighted values, forward + backward, over a context of T tokens.
 The chunked loss runs the LM head on target tokens only: the head's 6 N_head then counts only for
 them (`step_flops`), as the logits of prompt and padding tokens are not model work the loss needs.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.errors import UserError
 from toolkit.hardware import PROBE_MATMUL_GPU, datasheet_peak
 
 
@@ -50,27 +52,29 @@ def head_params(model: torch.nn.Module) -> int:
 
         c = count_params(base.config.to_dict())
         return c.lm_head or c.embedding
-    except (KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError, UserError):  # a model the planner does not count
         head = base.get_output_embeddings()
         return 0 if head is None else getattr(head.weight, "ds_numel", head.weight.numel())
 
 
 def matmul_params_from_config(cfg: dict) -> int:
-    """Blocks + final norm + the LM head (the tied embedding when there is no separate head)."""
-    from toolkit.planner.params import count_params
+    """Blocks + final norm + the LM head (the tied embedding when there is no separate head), with
+    each MoE layer's top-k routed experts, not all of them: the weights one token's forward multiplies
+    (`toolkit.planner.params.matmul_params`)."""
+    from toolkit.planner.params import matmul_params as from_config
 
-    c = count_params(cfg)
-    return c.per_block * c.blocks + c.final_norm + (c.lm_head or c.embedding)
+    return from_config(cfg, active=True)
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Weights that take part in matmuls, for the *unsharded* model: counted from its config with the
-    planner's formulas (exact for the supported architectures; TP/ZeRO-3/FSDP shards do not matter),
-    else from the module's own parameters. An input embedding not tied to the LM head is a lookup."""
+    """Weights that take part in one token's matmuls, for the *unsharded* model: counted from its
+    config with the planner's formulas (exact for the supported architectures, an MoE layer's top-k
+    experts only; TP/ZeRO-3/FSDP shards do not matter), else from the module's own parameters. An
+    input embedding not tied to the LM head is a lookup."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
         return matmul_params_from_config(base.config.to_dict())
-    except (KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError, UserError):  # a model the planner does not count
         seen: set[int] = set()
         total = 0
         for p in base.parameters():
