@@ -1,5 +1,6 @@
-"""Tensor parallelism: the comm primitives, the parallel layers, the Llama-family plan and `--tp`
-runs, each against the single-process math on gloo (fp32, tolerance 1e-5 unless stated).
+"""Tensor parallelism: the comm primitives, the parallel layers, the plan read from each config's
+`base_model_tp_plan` (the zoo's architectures) and `--tp` runs, each against the single-process math
+on gloo (fp32, tolerance 1e-5 unless stated).
 
 Layout under test: 2 ranks = tp 2; 4 ranks = tp 2 x dp 2 (TP groups {0,1} {2,3}).
 """
@@ -7,6 +8,8 @@ Layout under test: 2 ranks = tp 2; 4 ranks = tp 2 x dp 2 (TP groups {0,1} {2,3})
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,14 +119,22 @@ def test_primitives_are_identity_on_one_rank():
         assert fn(x, None) is x
 
 
-# ---------------------------------------------------------------- the Llama-family plan
+# ---------------------------------------------------------------- the plan, from base_model_tp_plan
+
+# The zoo (toolkit.synthetic.ZOO) under --tp 2: what runs, and the plan entry each refusal names
+ZOO_TP_RUNS = ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "cohere", "granite", "gpt_neox")
+ZOO_TP_REFUSED = {"gpt2": "its config declares no base_model_tp_plan",
+                  "mixtral": "'layers.*.mlp.experts: moe_tp_experts'",
+                  "qwen3_moe": "'layers.*.mlp.experts: moe_tp_experts'",
+                  "deepseek_v3": "'layers.*.mlp.experts: moe_tp_experts'",
+                  "gpt_oss": "'embed_tokens: embedding_rowwise'"}
 
 
 def _model_dirs(root) -> dict:
     """Five block layouts, each split by its config's `base_model_tp_plan`: Llama GQA (4 q / 2 kv heads),
     Llama MHA with attention and MLP biases (row-parallel bias added once), Qwen3 (q/k RMSNorm inside
     the TP region, head_dim != h/heads, tied embeddings), Qwen2 (q/k/v biases), Mistral (GQA,
-    sliding-window config)."""
+    sliding-window config). Each: {"path", "methods"} (full and LoRA)."""
     from conftest import build_model_dir, build_tokenizer
     from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
@@ -146,26 +157,47 @@ def _model_dirs(root) -> dict:
         cls(config).save_pretrained(root / name)
         tok.save_pretrained(root / name)
         dirs[name] = root / name
-    return {k: str(v) for k, v in dirs.items()}
+    return {k: {"path": str(v), "methods": ("full", "lora")} for k, v in dirs.items()}
 
 
-def _logits_and_grads(dirs: dict, tp: int) -> dict:
-    """Unsharded vs TP model from the same folder: logits and every parameter's gradient."""
+def _zoo_models() -> dict:
+    """Every zoo architecture whose plan the layers express, full finetune, built from its config in
+    each rank (eager attention: Gemma 2 has no sdpa); LoRA too on the packed projections (Phi-3:
+    qkv_proj split by q/k/v heads, gate_up_proj by gate and up). And OLMo 2 (not in the zoo), whose
+    plan gathers q/k/v for a norm over every head: the gathered path, full and LoRA."""
+    from toolkit.synthetic import ZOO
+
+    ids = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    models = {f"zoo/{t}": {"config": (t, {**ZOO[t], **ids}), "methods": ("full", "lora") if t == "phi3" else ("full",)}
+              for t in ZOO_TP_RUNS}
+    models["zoo/olmo2"] = {"config": ("olmo2", {**ZOO["llama"], **ids}), "methods": ("full", "lora")}
+    return models
+
+
+def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
+    """Unsharded vs TP model from the same folder: logits and every parameter's gradient; the TP
+    shards gathered back; for Phi-3 (packed projections) an Adam step's weights and moments through
+    a sharded checkpoint (`scratch`), read back whole and loaded back into the shards."""
     dist = _init()
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from toolkit.loss import token_loss_sum
     from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
     from toolkit.parallel.tp.comm import TRAFFIC
-    from toolkit.loss import token_loss_sum
 
     layout = make_layout(tp)
     out = {}
-    for name, folder in dirs.items():
-        for method in ("full", "lora"):
+    for name, spec in dirs.items():
+        for method in spec["methods"]:
             def build():
                 torch.manual_seed(0)
-                m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                if "config" in spec:  # the same random init on every rank and for both copies
+                    model_type, kw = spec["config"]
+                    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32,
+                                                         attn_implementation="eager")
+                else:
+                    m = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32)
                 if method == "lora":  # B random too (init_lora_weights=False) so every LoRA gradient is non-zero
                     m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
                                                      init_lora_weights=False))
@@ -183,33 +215,82 @@ def _logits_and_grads(dirs: dict, tp: int) -> dict:
             logits = tpm(input_ids=ids, attention_mask=mask).logits
             token_loss_sum(logits, ids).backward()
             key = f"{name}/{method}"
-            if method == "full":  # Megatron's count: 2 all-reduces of b*s*h per block each way
+            if method == "full" and "gathered" not in tpm.toolkit_tp:  # Megatron's: 2 all-reduces of b*s*h per block each way
                 expected = 2 * tpm.config.num_hidden_layers * ids.numel() * tpm.config.hidden_size * 4
                 out[key + "/bytes_off"] = abs(TRAFFIC["forward"] - expected) + abs(TRAFFIC["backward"] - expected)
             out[key + "/logits"] = (logits - logits_ref).abs().max().item()
-            ref_params = dict(ref.named_parameters())
-            worst, n = 0.0, 0
-            for pname, p in tpm.named_parameters():
-                if p.grad is None:
-                    continue
-                full = ref_params[pname].grad
-                dim = getattr(p, "tp_split_dim", None)
-                expect = full if dim is None else full.chunk(tp, dim)[layout.tp_rank]
-                assert p.grad.shape == expect.shape, (pname, p.grad.shape, expect.shape)
-                # fp32 rounding of a split sum grows with the tensor's scale (gradients up to ~12 here):
-                # the difference is taken relative to the largest entry where that exceeds 1
-                diff = (p.grad - expect).abs().max() / expect.abs().max().clamp(min=1.0)
-                worst, n = max(worst, diff.item()), n + 1
-            out[key + "/grads"] = worst
-            out[key + "/n_grads"] = n
-            assert n == sum(p.requires_grad for p in ref.parameters()), key
+            out[key + "/grads"], out[key + "/n_grads"] = _grads_off(ref, tpm, layout)
+            assert out[key + "/n_grads"] == sum(p.requires_grad for p in ref.parameters()), key
             shards = TPShards(layout.tp_group)
             shards.read(tpm)
             gathered = shards.state_dict(tpm)
             ref_state = ref.state_dict()
             assert gathered.keys() == ref_state.keys()
             out[key + "/gathered"] = max((gathered[k] - ref_state[k]).abs().max().item() for k in ref_state)
+            if name == "zoo/phi3":
+                checked = _checkpoint_off(ref, tpm, shards, layout, f"{scratch}/{method}")
+                out.update({f"{key}/{k}": v for k, v in checked.items()})
     dist.destroy_process_group()
+    return out
+
+
+def _grads_off(ref, tpm, layout) -> tuple[float, int]:
+    """The largest difference of a TP parameter's gradient from its slice of the unsharded one, and
+    how many were compared. fp32 rounding of a split sum grows with the tensor's scale (gradients up
+    to ~12 here): the difference is taken relative to the largest entry where that exceeds 1."""
+    ref_params = dict(ref.named_parameters())
+    worst, n = 0.0, 0
+    for pname, p in tpm.named_parameters():
+        if p.grad is None:
+            continue
+        expect = _my_slice(ref_params[pname].grad, p, layout)
+        assert p.grad.shape == expect.shape, (pname, p.grad.shape, expect.shape)
+        worst, n = max(worst, ((p.grad - expect).abs().max() / expect.abs().max().clamp(min=1.0)).item()), n + 1
+    return worst, n
+
+
+def _my_slice(full: torch.Tensor, p, layout) -> torch.Tensor:
+    """This TP rank's part of `full` as the plan cut `p`: a slice along `tp_split_dim`, a packed
+    projection's slice of every part."""
+    dim = getattr(p, "tp_split_dim", None)
+    if dim is None:
+        return full
+    parts = p.tp_packed.parts if hasattr(p, "tp_packed") else (full.shape[dim],)
+    return torch.cat([part.chunk(layout.tp, dim)[layout.tp_rank] for part in full.split(list(parts), dim)], dim)
+
+
+def _checkpoint_off(ref, tpm, shards, layout, folder: str) -> dict:
+    """An Adam step on both; the TP run's weights and first moments through a sharded checkpoint
+    (packed projections written one box per part), read back whole against the unsharded run's, then
+    loaded back into zeroed shards."""
+    import torch.distributed as dist
+
+    from toolkit.parallel.tp.layers import Packed
+    from toolkit.train.sharded_state import full_tensors, load_sharded, save_sharded
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    # lr 0: Adam's first update is +-lr wherever a gradient is ~0, whatever its rounding; the moments carry it
+    opt_ref, opt_tp = torch.optim.Adam(ref.parameters(), lr=0.0), torch.optim.Adam(tpm.parameters(), lr=0.0)
+    opt_ref.step()
+    opt_tp.step()
+    named = [(n, p, shards.split.get(n)) for n, p in tpm.named_parameters() if p.requires_grad]
+    save_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp)
+    dist.barrier()
+    out = {}
+    whole = full_tensors(folder, prefix="")
+    ref_params = dict(ref.named_parameters())
+    pairs = {"weights": lambda n: (whole[f"model.{n}"], ref_params[n].detach()),
+             "moments": lambda n: (whole[f"optimizer.{n}.exp_avg"], opt_ref.state[ref_params[n]]["exp_avg"])}
+    for kind, pair in pairs.items():
+        out[kind] = max(((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+                        for got, want in (pair(n) for n, _, _ in named))
+    before = {n: p.detach().clone() for n, p, _ in named}
+    with torch.no_grad():
+        for _, p, _ in named:
+            p.zero_()
+    assert load_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp) == []
+    out["reloaded"] = max((p - before[n]).abs().max().item() for n, p, _ in named)
+    out["packed_params"] = float(sum(isinstance(s, Packed) for s in shards.split.values()))
     return out
 
 
@@ -219,49 +300,115 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_logits_and_every_gradient_match_unsharded(model_dirs, world):
-    results = run_distributed(_logits_and_grads, world, model_dirs, 2)
+def test_logits_and_every_gradient_match_unsharded(model_dirs, world, tmp_path):
+    """tp 2 (with the zoo) and tp 2 x dp 2: every checked difference within 1e-5."""
+    dirs = {**model_dirs, **_zoo_models()} if world == 2 else model_dirs
+    results = run_distributed(_logits_and_grads, world, dirs, 2, str(tmp_path))
     for rank, diff in enumerate(results):
-        bad = {k: v for k, v in diff.items() if not k.endswith("n_grads") and v > 1e-5}
+        bad = {k: v for k, v in diff.items() if not k.endswith(("n_grads", "packed_params")) and v > 1e-5}
         assert not bad, f"rank {rank}: {bad}"
-        assert len([k for k in diff if k.endswith("/grads")]) == 10
-        assert len([k for k in diff if k.endswith("/bytes_off")]) == 5  # checked (== 0) by `bad` above
+        assert len([k for k in diff if k.endswith("/grads")]) == sum(len(d["methods"]) for d in dirs.values())
+        local = 5 + (len(ZOO_TP_RUNS) if world == 2 else 0)  # full runs with no gathered region
+        assert len([k for k in diff if k.endswith("/bytes_off")]) == local  # checked (== 0) by `bad` above
+        if world == 2:  # the packed qkv_proj and gate_up_proj weights of 2 blocks (LoRA: and their lora_B)
+            assert diff["zoo/phi3/full/packed_params"] == 4 and diff["zoo/phi3/lora/packed_params"] == 8
+            assert {"zoo/phi3/full/weights", "zoo/phi3/full/moments", "zoo/phi3/lora/reloaded"} <= diff.keys()
 
 
-def test_tp_plan_comes_from_the_config():
-    """transformers' `base_model_tp_plan` decides which projections are column / row parallel; the
-    hand-written plan is the fallback for a plan these layers cannot run (or none)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+def test_zoo_tp_support_matrix(tmp_path):
+    """Which zoo architectures --tp 2 runs, and the one line each refusal is, from the config alone
+    (`make_strategy`'s check, before any weights load)."""
+    from types import SimpleNamespace
 
-    from toolkit.parallel.tp.plan import FALLBACK_PLAN, block_plan
+    from transformers import AutoConfig
 
-    assert block_plan(LlamaConfig()) == FALLBACK_PLAN  # the library's plan is Megatron's pairs
-    assert block_plan(Qwen3Config()) == FALLBACK_PLAN  # q/k norms: replicated with a gradient all-reduce
-    custom = LlamaConfig()
-    custom.base_model_tp_plan = {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
-    assert block_plan(custom) == {"mlp": {"up_proj": "column", "down_proj": "row"}}
-    custom.base_model_tp_plan = {"embed_tokens": "rowwise", "layers.*.mlp.down_proj": "rowwise"}  # vocab-parallel
-    assert block_plan(custom) is FALLBACK_PLAN
-    custom.base_model_tp_plan = {"layers.*.mlp.up_proj": "colwise"}  # no row layer closes the region
-    assert block_plan(custom) is FALLBACK_PLAN
-    assert block_plan(GPT2Config()) is FALLBACK_PLAN  # declares none
+    from toolkit.parallel.build import _model_problems
+    from toolkit.synthetic import ZOO
+
+    assert set(ZOO) == set(ZOO_TP_RUNS) | set(ZOO_TP_REFUSED)
+    cfg = SimpleNamespace(parallel=SimpleNamespace(tp=2, pp=1, cp=1),
+                          model=SimpleNamespace(trust_remote_code=False, router_aux_loss_coef=None))
+    for t in ZOO:
+        AutoConfig.for_model(t, **ZOO[t]).save_pretrained(tmp_path / t)
+        problems = _model_problems(cfg, str(tmp_path / t), world=2)
+        if t in ZOO_TP_RUNS:
+            assert problems == [], (t, problems)
+        else:
+            assert len(problems) == 1 and problems[0].startswith(f"--tp 2: {t}: "), (t, problems)
+            assert ZOO_TP_REFUSED[t] in problems[0] and "drop --tp" in problems[0], (t, problems)
+
+
+def test_reading_the_plan():
+    """What the TP layers make of transformers' styles, and the entry a refusal names."""
+    from toolkit.layout.tp_plan import NotExpressible, Region, packed_parts, read_tp_plan
+
+    plan = read_tp_plan({"embed_in": "embedding_rowwise", "layers.*.attention.query_key_value": "colwise",
+                         "layers.*.attention.dense": "rowwise",
+                         "layers.*.attention.q_norm": "replicated_with_grad_allreduce"})
+    assert plan.blocks == "layers" and plan.outside == ("embed_in: embedding_rowwise",)
+    assert plan.regions == (Region("attention", ("query_key_value",), "dense", replicated=("q_norm",)),)
+    gathered = read_tp_plan({"layers.*.mlp.gate_up_proj": "colwise_gather_output",
+                             "layers.*.mlp.down_proj": "rowwise_split_input"})
+    assert gathered.regions == (Region("mlp", ("gate_up_proj",), "down_proj", gathered=True),)
+    packed = read_tp_plan({"layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"})
+    assert packed.regions[0].packed == ("gate_up_proj",)
+    refusals = {  # plan -> the entry named
+        "layers.*.mlp.up_proj: colwise": {"layers.*.mlp.up_proj": "colwise"},  # no row layer closes the region
+        "layers.*.mlp.down_proj: rowwise_split_input": {"layers.*.mlp.up_proj": "colwise",
+                                                         "layers.*.mlp.down_proj": "rowwise_split_input"},
+        "layers.*.self_attn.q_norm: replicated_with_grad_allreduce": {
+            "layers.*.self_attn.q_proj": "colwise_gather_output", "layers.*.self_attn.o_proj": "rowwise_split_input",
+            "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"},  # its gradient is whole there
+        "layers.*.mlp.shared.up: colwise": {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
+                                            "layers.*.mlp.shared.up": "colwise", "layers.*.mlp.shared.down": "rowwise"},
+        "layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj": {
+            "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"},
+        "layers.*: sequence_parallel": {"layers.*": "sequence_parallel"},
+    }
+    for entry, bad in refusals.items():
+        with pytest.raises(NotExpressible, match=re.escape(f"'{entry}'")):
+            read_tp_plan(bad)
+    with pytest.raises(NotExpressible, match="declares no base_model_tp_plan"):
+        read_tp_plan(None)
+    # a fused projection's parts from the widths: q/k/v heads (Phi-3 with 4 q, 2 kv heads of 16), gate/up
+    assert packed_parts(128, 64, heads=4, kv_heads=2, head_dim=16, intermediate=128) == (64, 32, 32)
+    assert packed_parts(256, 128, heads=4, kv_heads=2, head_dim=16, intermediate=128) == (128, 128)
+    # gate_up of an MLP as wide as the q heads with kv = q/2: both readings fit, so neither is taken (gathered)
+    assert packed_parts(128, 64, heads=4, kv_heads=2, head_dim=16, intermediate=64) is None
+    assert packed_parts(96, 64, heads=4, kv_heads=2, head_dim=16, intermediate=128) is None  # no packing
+
+
+def test_packed_split_places_each_part():
+    """A packed projection's TP slices: rank r holds slice r of each part; `runs` places any range of
+    its rows (an FSDP2 shard inside the slice) in the full tensor, `assemble` inverts the split."""
+    from toolkit.parallel.tp.layers import Packed
+
+    full = torch.arange(16.0).view(8, 2)  # parts of 4, 2, 2 rows: q, k, v
+    split = Packed(0, (4, 2, 2))
+    mine = [torch.cat([part.chunk(2)[r] for part in full.split([4, 2, 2])]) for r in range(2)]
+    assert torch.equal(split.assemble(mine), full)
+    for r in range(2):
+        for start, length in ((0, 4), (1, 2), (2, 2), (3, 1)):
+            for at, full_at, n in split.runs(start, length, r, 2):
+                assert torch.equal(mine[r][at:at + n], full[full_at:full_at + n])
+            assert sum(n for *_, n in split.runs(start, length, r, 2)) == length
+    assert split.runs(0, 4, 1, 2) == [(0, 2, 2), (2, 5, 1), (3, 7, 1)]
 
 
 def test_tp_problems_name_the_fix(model_dirs):
-    from transformers import AutoConfig, GPT2Config
+    from transformers import AutoConfig
 
     from toolkit.layout.rules import model_problems
 
     def tp_problems(config, t, world):
-        return model_problems(config.to_dict(), tp=t, pp=1, cp=1, world=world)
+        return model_problems({**config.to_dict(), "base_model_tp_plan": config.base_model_tp_plan}, tp=t, pp=1, cp=1,
+                              world=world)
 
-    llama = AutoConfig.from_pretrained(model_dirs["llama_gqa"])  # 4 heads, 2 kv heads, intermediate 128
+    llama = AutoConfig.from_pretrained(model_dirs["llama_gqa"]["path"])  # 4 heads, 2 kv heads, intermediate 128
     assert tp_problems(llama, 2, 4) == []
     assert tp_problems(llama, 4, 4) == ["--tp 4: must divide the kv heads (2)"]
     assert any("world size that is a multiple of 2 (got 1 process)" in p for p in tp_problems(llama, 2, 1))
     assert any("multiple of 2 (got 3 processes)" in p for p in tp_problems(llama, 2, 3))
-    gpt2 = tp_problems(GPT2Config(), 2, 2)
-    assert gpt2 and "no tensor-parallel plan for model type 'gpt2'" in gpt2[0] and "llama, mistral" in gpt2[0]
 
 
 def test_unknown_block_layout_names_the_modules_found(model_dirs):
@@ -271,7 +418,7 @@ def test_unknown_block_layout_names_the_modules_found(model_dirs):
     from toolkit.errors import UserError
     from toolkit.parallel.tp import apply_tensor_parallel
 
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama_gqa"])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama_gqa"]["path"])
     model.model.layers[0].mlp = nn.Sequential(nn.Linear(64, 64))
 
     class TwoRanks:  # apply_tensor_parallel only asks the group for its size before checking blocks
@@ -283,7 +430,7 @@ def test_unknown_block_layout_names_the_modules_found(model_dirs):
     plan.group_size = lambda g: 2
     try:
         with pytest.raises(UserError, match=r"block 0 \(LlamaDecoderLayer\) has no mlp.gate_proj, mlp.up_proj, "
-                                            r"mlp.down_proj.*mlp: Sequential"):
+                                            r"mlp.down_proj.*layers.0.mlp.*0: Linear"):
             apply_tensor_parallel(model, TwoRanks())
     finally:
         plan.group_size = real

@@ -120,7 +120,8 @@ class ParallelConfig:
                           "with --tp and --dp-replicate")
     dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
-                    "(world = tp x data-parallel); Llama/Mistral/Qwen2/Qwen3, with DDP or --dp-shard")
+                    "(world = tp x data-parallel) as the config's base_model_tp_plan says; dense models (not MoE "
+                    "experts), with DDP or --dp-shard")
     cp: int = _f(1, "context-parallel degree: each of this many ranks holds 1/cp of every sequence "
                     "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "

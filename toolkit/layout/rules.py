@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from toolkit.layout.dims import ParallelDims, infer_dims
+from toolkit.layout.tp_plan import NotExpressible, read_tp_plan
 
-# The tensor-parallel plan (`toolkit.parallel.tp.plan`) is the Llama family's
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
 
@@ -274,13 +273,30 @@ def not_runnable(d: ParallelDims, method: str, precision: str, loss: str, micro_
 
 def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
     """Each rank keeps whole query and kv heads and an equal slice of the MLP: t must divide the
-    attention heads, the kv heads and the intermediate size."""
-    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    attention heads, the kv heads and the intermediate size (those the config has)."""
     if t < 1:
         return [f"--tp {t}: must be >= 1"]
-    bad = [f"{what} ({n})" for what, n in (("attention heads", nq), ("kv heads", nkv),
-                                           ("intermediate size", cfg["intermediate_size"])) if n % t]
+    nq = cfg.get("num_attention_heads")
+    sizes = (("attention heads", nq), ("kv heads", cfg.get("num_key_value_heads") or nq),
+             ("intermediate size", cfg.get("intermediate_size")))
+    bad = [f"{what} ({n})" for what, n in sizes if isinstance(n, int) and n % t]
     return [f"--tp {t}: must divide the {', '.join(bad)}"] if bad else []
+
+
+def tp_plan_problems(cfg: dict[str, Any], t: int) -> list[str]:
+    """--tp t against the config's `base_model_tp_plan` (the config class's attribute, which `to_dict()`
+    leaves out: the caller puts it under that key; where the key is absent it is not checked): the
+    TP layers must express it (`toolkit.layout.tp_plan`)."""
+    if "base_model_tp_plan" not in cfg:
+        return []
+    try:
+        read_tp_plan(cfg["base_model_tp_plan"])
+    except NotExpressible as e:
+        model = cfg.get("model_type", "?")
+        arch = ", ".join(cfg.get("architectures") or [])
+        return [f"--tp {t}: {model}{f' ({arch})' if arch else ''}: {e}; drop --tp (--dp-shard N or --zero-stage 3 "
+                "shard this model instead)"]
+    return []
 
 
 def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]:
@@ -295,18 +311,12 @@ def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]
 
 
 def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int) -> list[str]:
-    """What the model's config (a text config's `to_dict()`) and the launched world refuse for
-    --tp / --pp / --cp. The pipeline's block structure is checked on the model itself
-    (`toolkit.parallel.pp.pipeline_problems`)."""
+    """What the model's config (a text config's `to_dict()`, with `base_model_tp_plan` where --tp is
+    asked for) and the launched world refuse for --tp / --pp / --cp. The pipeline's block structure
+    is checked on the model itself (`toolkit.parallel.pp.pipeline_problems`)."""
     problems = []
     if tp > 1:
-        model_type = cfg.get("model_type", "?")
-        if model_type not in TP_MODEL_TYPES:
-            arch = ", ".join(cfg.get("architectures") or []) or model_type
-            problems.append(f"--tp {tp}: no tensor-parallel plan for model type '{model_type}' ({arch}); "
-                            f"supported: {', '.join(TP_MODEL_TYPES)}")
-        else:
-            problems += tp_divisibility_problems(cfg, tp)
+        problems += tp_plan_problems(cfg, tp) or tp_divisibility_problems(cfg, tp)
         if tp > world or world % tp:
             problems.append(f"--tp {tp} needs a world size that is a multiple of {tp} (got {world} process"
                             f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {tp} "

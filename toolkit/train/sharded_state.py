@@ -9,7 +9,8 @@ Where a rank's piece sits in the full tensor follows from the layout that cut it
   planner keeps one copy of identical chunks);
 - FSDP2: a DTensor, placed by DTensor's own `compute_local_shape_and_global_offset`;
 - the TP layers (`toolkit.parallel.tp`): slice `tp_rank` of `tp` along the parameter's
-  `tp_split_dim`, the FSDP2 shard (if any) inside that slice;
+  `tp_split_dim` (a packed projection's: that slice of each part, one box per part), the FSDP2
+  shard (if any) inside it;
 - pipeline stages: only the stage's own parameters, under the full model's names.
 
 Saved: the trainable parameters (all for a full finetune, the adapter for LoRA/QLoRA: the frozen
@@ -38,35 +39,36 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 @dataclass
 class Piece:
-    """A rank's box of a full tensor: `local` holds elements [offsets, offsets + local.shape) of a
-    tensor of `shape`. Implements the hooks DCP's planners call on DTensor (`__create_write_items__`,
+    """A rank's boxes of a full tensor of `shape`: each (offsets, view of `local`) holds the elements
+    [offsets, offsets + view.shape) (one box, but a packed TP projection's slice is one box per part).
+    Implements the hooks DCP's planners call on DTensor (`__create_write_items__`,
     `__create_chunk_list__`, `__get_tensor_shard__`)."""
 
     local: torch.Tensor
     shape: torch.Size
-    offsets: torch.Size
+    boxes: list[tuple[torch.Size, torch.Tensor]]
 
     def size(self) -> torch.Size:
         return self.shape
 
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.size())
-
     def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=self._chunk(), size=self.shape,
-                                                      properties=TensorProperties.create_from_tensor(self.local)))]
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
+                                                      size=self.shape,
+                                                      properties=TensorProperties.create_from_tensor(self.local)))
+                for offsets, view in self.boxes]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()]
+        return [ChunkStorageMetadata(offsets=offsets, sizes=view.size()) for offsets, view in self.boxes]
 
-    def __get_tensor_shard__(self, _index) -> torch.Tensor:
-        return self.local
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return next(view for offsets, view in self.boxes if offsets == index.offset)
 
 
-def piece(t: torch.Tensor, tp_dim: int | None = None, tp_rank: int = 0, tp: int = 1) -> Piece:
+def piece(t: torch.Tensor, tp_dim=None, tp_rank: int = 0, tp: int = 1) -> Piece:
     """Where this rank's `t` (a parameter or its optimizer state) sits in the full tensor. `tp_dim`:
-    the dim its TP slice was cut along (None: not TP-split)."""
+    the dim its TP slice was cut along, or a packed projection's split (`toolkit.parallel.tp.layers.
+    Packed`: a slice of each part); None: not TP-split."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):  # FSDP2: the shard within what the DTensor calls the full tensor
@@ -77,15 +79,23 @@ def piece(t: torch.Tensor, tp_dim: int | None = None, tp_rank: int = 0, tp: int 
         offsets, shape = list(offsets), list(t.shape)
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
-    if tp_dim is not None and tp > 1:  # the TP slice: contiguous, slice tp_rank of tp equal ones
+    if tp_dim is None or tp == 1:
+        return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
+    if isinstance(tp_dim, int):  # the TP slice: contiguous, slice tp_rank of tp equal ones
         offsets[tp_dim] += tp_rank * shape[tp_dim]
         shape[tp_dim] *= tp
-    return Piece(local, torch.Size(shape), torch.Size(offsets))
+        return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
+    d, boxes = tp_dim.dim, []  # packed: one run per part the local rows cross
+    for at, full_at, n in tp_dim.runs(offsets[d], local.shape[d], tp_rank, tp):
+        boxes.append((torch.Size(offsets[:d] + [full_at] + offsets[d + 1:]), local.narrow(d, at - offsets[d], n)))
+    shape[d] = sum(tp_dim.parts)
+    return Piece(local, torch.Size(shape), boxes)
 
 
 class _RankFileWriter(HuggingFaceStorageWriter):
-    """Each rank's pieces in one safetensors file (`shard-RRRRR.safetensors`), each piece's offsets
-    in the file's metadata: the layout `HuggingFaceStorageReader` reads back and reshards. Written
+    """Each rank's pieces in one safetensors file (`shard-RRRRR.safetensors`; a packed TP projection's
+    further boxes in `shard-RRRRR-K.safetensors`), each piece's offsets in the file's metadata: the
+    layout `HuggingFaceStorageReader` reads back and reshards. Written
     with `save_file` straight from the tensors; the parent writer serializes the whole rank's
     state into one bytes object first (measured: twice the state in host RAM)."""
 
@@ -97,17 +107,28 @@ class _RankFileWriter(HuggingFaceStorageWriter):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.storage import WriteResult
 
-        name = f"shard-{plan.storage_data.get('shard_index', 1):05d}.safetensors"
-        tensors, offsets, results = {}, {}, []
+        rank = plan.storage_data.get("shard_index", 1)
+
+        def names(k: int) -> str:
+            return f"shard-{rank:05d}.safetensors" if k == 0 else f"shard-{rank:05d}-{k}.safetensors"
+
+        # (tensors, offsets) per file, a name at most once in each (the reader takes one box per name and
+        # file): a packed TP projection's further boxes go to further files
+        files: list[tuple[dict, dict]] = []
+        results = []
         for item in plan.items:
+            fqn = item.index.fqn
+            k = next((i for i, (tensors, _) in enumerate(files) if fqn not in tensors), len(files))
+            if k == len(files):
+                files.append(({}, {}))
             t = planner.resolve_data(item).detach().cpu().contiguous()  # no copy when already so
-            tensors[item.index.fqn] = t
-            offsets[item.index.fqn] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
+            files[k][0][fqn] = t
+            files[k][1][fqn] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
             size = t.numel() * t.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=_StorageInfo(relative_path=name, offset=0, length=size)))
-        if tensors:
-            path = Path(str(self.path)) / name
+                                       storage_data=_StorageInfo(relative_path=names(k), offset=0, length=size)))
+        for k, (tensors, offsets) in enumerate(files):
+            path = Path(str(self.path)) / names(k)
             save_file(tensors, path, metadata={"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0",
                                                "format": "pt"})
             fd = os.open(path, os.O_RDONLY)
@@ -123,7 +144,7 @@ class _RankFileWriter(HuggingFaceStorageWriter):
 class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
-        return obj.local if isinstance(obj, Piece) else super().lookup_object(index)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_object(index)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -139,7 +160,7 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
-        return obj.local if isinstance(obj, Piece) else super().lookup_tensor(index)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:  # DCP would unpickle (weights_only=False)
         raise ValueError(f"{read_item.dest_index.fqn}: a sharded checkpoint holds tensors only")

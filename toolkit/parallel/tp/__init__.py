@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from toolkit.parallel import grad_norm
+from toolkit.parallel.tp.layers import Packed
 from toolkit.parallel.tp.plan import apply_tensor_parallel
 
 __all__ = ["Layout", "make_layout", "apply_tensor_parallel", "TPShards", "full_state_dict",
@@ -88,12 +89,20 @@ class TPShards:
 
     def __init__(self, group=None):
         self.group = group
-        self.split: dict[str, int] = {}  # parameter name -> the dim its TP slice was cut along
+        # parameter name -> the dim its TP slice was cut along, or how a packed projection's was (`Packed`)
+        self.split: dict[str, int | Packed] = {}
         self.partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
+        self.plan = ""  # what the plan split and what it kept whole
 
     def read(self, model) -> None:
-        self.split = {n: p.tp_split_dim for n, p in model.named_parameters() if hasattr(p, "tp_split_dim")}
+        self.split = {n: getattr(p, "tp_packed", p.tp_split_dim) for n, p in model.named_parameters()
+                      if hasattr(p, "tp_split_dim")}
         self.partial = [n for n, p in model.named_parameters() if getattr(p, "tp_partial_grad", False)]
+        self.plan = getattr(model, "toolkit_tp", "")
+
+    def describe(self) -> str:
+        """What TP split, per block, and what every rank keeps whole (a line of the strategy's describe)."""
+        return self.plan + "\n" if self.plan else ""
 
     def coordinates(self) -> tuple[int, int]:
         """(this rank's TP rank, TP degree): where its slices sit in the full tensors."""
@@ -117,9 +126,10 @@ class TPShards:
         return full_state_dict(model, self.split, self.group)
 
 
-def full_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
+def full_state_dict(model, tp_split: dict[str, int | Packed], tp_group) -> dict:
     """The full state dict on every rank (collective): FSDP2 shards all-gathered, then TP slices
-    concatenated along the dim each was cut (the one TP gather path: plain TP, TP under FSDP2, stages)."""
+    concatenated along the dim each was cut, a packed projection's part by part (the one TP gather
+    path: plain TP, TP under FSDP2, stages)."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -129,6 +139,7 @@ def full_state_dict(model, tp_split: dict[str, int], tp_group) -> dict:
         if key in tp_split and tp > 1:
             parts = [torch.empty_like(v) for _ in range(tp)]
             dist.all_gather(parts, v.contiguous(), group=tp_group)
-            v = torch.cat(parts, dim=tp_split[key])
+            split = tp_split[key]
+            v = split.assemble(parts) if isinstance(split, Packed) else torch.cat(parts, dim=split)
         out[key] = v.detach()
     return out

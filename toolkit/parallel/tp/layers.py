@@ -2,10 +2,13 @@
 TP=t start from identical weights. Shapes follow `nn.Linear`: weight A is (out, in), Y = X A^T + b.
 
 Each sharded parameter carries `tp_split_dim` (the dimension of the full tensor it is a slice of),
-which is all the saving code needs to gather a standard state dict back.
+and a packed projection's (a fused qkv or gate_up, split part by part) `tp_packed` too: what the
+saving code needs to gather a standard state dict back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,17 +17,49 @@ from torch import nn
 from toolkit.parallel.tp.comm import copy_to_tp, gather_from_tp, group_size, reduce_from_tp, split_to_tp
 
 
-def shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
-    """My contiguous 1/t slice of `full` along `dim`, as a new parameter marked with `tp_split_dim`."""
+@dataclass(frozen=True)
+class Packed:
+    """A packed projection's TP split: along `dim` the full tensor holds `parts` (sizes: q, k, v heads;
+    gate, up), each cut into t equal slices; rank r holds slice r of every part, in order. Its rows
+    are not one contiguous slice of the full tensor, so gathering and checkpoints place each run."""
+    dim: int
+    parts: tuple[int, ...]
+
+    def runs(self, start: int, length: int, rank: int, t: int) -> list[tuple[int, int, int]]:
+        """Indices [start, start + length) along `dim` of rank `rank`'s tensor, as (index there,
+        index in the full tensor, count) runs, one per part they cross."""
+        out, local_at, full_at = [], 0, 0
+        for size in self.parts:
+            piece = size // t
+            lo, hi = max(start, local_at), min(start + length, local_at + piece)
+            if lo < hi:
+                out.append((lo, full_at + rank * piece + lo - local_at, hi - lo))
+            local_at, full_at = local_at + piece, full_at + size
+        return out
+
+    def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's tensor, in rank order."""
+        t = len(slices)
+        cut = [s.split([size // t for size in self.parts], self.dim) for s in slices]
+        return torch.cat([cut[r][i] for i in range(len(self.parts)) for r in range(t)], self.dim)
+
+
+def shard(full: torch.Tensor, dim: int, group, parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    """My contiguous 1/t slice of `full` along `dim`, as a new parameter marked with `tp_split_dim`;
+    with `parts` (sizes along `dim` summing to it), my 1/t slice of each part, concatenated."""
     import torch.distributed as dist
 
     t = group_size(group)
     rank = dist.get_rank(group) if t > 1 else 0
-    if full.size(dim) % t:
-        raise ValueError(f"dimension {dim} of size {full.size(dim)} is not divisible by tensor-parallel size {t}")
-    piece = full.detach().chunk(t, dim=dim)[rank].clone().contiguous()
-    p = nn.Parameter(piece, requires_grad=full.requires_grad)
+    sizes = parts or (full.size(dim),)
+    if sum(sizes) != full.size(dim) or any(size % t for size in sizes):
+        raise ValueError(f"dimension {dim} of size {full.size(dim)} (parts {list(sizes)}) is not divisible by "
+                         f"tensor-parallel size {t}")
+    pieces = [part.chunk(t, dim=dim)[rank] for part in full.detach().split(list(sizes), dim)]
+    p = nn.Parameter(torch.cat(pieces, dim).clone().contiguous(), requires_grad=full.requires_grad)
     p.tp_split_dim = dim
+    if parts is not None and len(parts) > 1:
+        p.tp_packed = Packed(dim, tuple(parts))
     return p
 
 
@@ -42,16 +77,19 @@ class ColumnParallelLinear(nn.Linear):
         Y_i = X A_i^T + b_i       (rank i: its slice of the output features)
         gather_output:  Y = [Y_1, ..., Y_t] along the last dim
 
-    X is replicated. `copy_input` applies copy_to_tp so dX is all-reduced in backward; the Llama
-    plan turns it off and copies once at the entry of each attention / MLP block instead.
+    X is replicated. `copy_input` applies copy_to_tp so dX is all-reduced in backward; a plan region
+    turns it off and copies once at its entry (the attention, the MLP) instead.
+    A packed A (`parts`: [Q; K; V] or [G; U]) gives rank i the i-th slice of each part:
+    A_i = [Q_i; K_i; V_i], so its output holds whole q, k and v heads (its gate and up features).
     """
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, gather_output: bool = False, copy_input: bool = True):
+    def from_linear(cls, linear: nn.Linear, group, gather_output: bool = False, copy_input: bool = True,
+                    parts: tuple[int, ...] | None = None):
         t = group_size(group)
         layer = _empty_linear(cls, linear.in_features, linear.out_features // t)
-        layer.weight = shard(linear.weight, 0, group)
-        layer.bias = shard(linear.bias, 0, group) if linear.bias is not None else None
+        layer.weight = shard(linear.weight, 0, group, parts)
+        layer.bias = shard(linear.bias, 0, group, parts) if linear.bias is not None else None
         layer.group, layer.gather_output, layer.copy_input = group, gather_output, copy_input
         return layer
 

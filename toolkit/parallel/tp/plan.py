@@ -1,115 +1,236 @@
-"""The tensor-parallel plan for Llama-family HF models (Llama, Mistral, Qwen2, Qwen3), applied in
-place to a loaded model (full or peft-LoRA) by slicing its full weights. Which projections are
-column- and row-parallel comes from the config's `base_model_tp_plan` (transformers' own), with
-the hand-written Llama plan below as the fallback.
+"""The tensor-parallel plan applied in place to a loaded model (full or peft-LoRA) by slicing its full
+weights. What is split comes from the config's `base_model_tp_plan` (transformers' own), read by
+`toolkit.layout.tp_plan` into regions; the layout rules ask the same reading before the weights load,
+so a plan the layers cannot express never gets here.
 
-Per decoder block, with t ranks:
-    attention: q/k/v column-parallel (whole heads: rank i keeps heads i*n/t .. (i+1)*n/t - 1, and
-               the same for kv heads), o row-parallel; attention modules reshape with -1 heads, so
-               they run on n/t query and n_kv/t kv heads unchanged (the q/kv group ratio is kept).
-    MLP:       gate/up column-parallel, down row-parallel.
-The block input is copied into the TP region once per attention and once per MLP (one backward
-all-reduce each, as Megatron's fused QKV / gate-up do), and each row-parallel output is all-reduced
-once: 2 all-reduces of b*s*h per block in forward and 2 in backward.
+Per region of every decoder block, with t ranks:
+    local     columns keep their output split: rank i keeps q heads i*n/t .. (i+1)*n/t - 1 and the
+              same kv heads (the q/kv group ratio is kept), or its slice of the intermediate; a packed
+              projection (Phi-3's qkv_proj, gate_up_proj) its slice of every part. The region's input
+              is copied into it once and the row layer's output all-reduced once: 2 all-reduces of
+              b*s*h per block each way, as Megatron's fused QKV / gate-up. Attention modules reshape
+              with -1 heads; the head counts a region reads (its attributes, its config) become the
+              local ones.
+    gathered  each column all-gathers its output and the row splits its input (the plan's
+              colwise_gather_output / rowwise_split_input): what sits in between runs whole on every
+              rank (OLMo 2's norm over every head), with whole gradients.
 
-LoRA adapters follow their base layer: column -> lora_A replicated (its gradient is summed over
-ranks), lora_B split by output rows; row -> lora_A split by input columns (its r-dim output is
-all-reduced), lora_B replicated. Replicated parameters inside the region (column lora_A, Qwen3
-q/k norms) get a gradient all-reduce hook. A row layer's LoRA dropout draws the full-width mask and
-keeps its slice (ShardedDropout), so TP and non-TP runs drop the same features. Embeddings, norms
-and the LM head stay replicated.
+LoRA adapters follow their base layer in a local region: column -> lora_A replicated (its gradient
+summed over ranks), lora_B split by output rows (by parts where packed); row -> lora_A split by input
+columns (its r-dim output all-reduced), lora_B replicated. A row layer's LoRA dropout draws the
+full-width mask and keeps its slice (ShardedDropout), so TP and non-TP runs drop the same features.
+In a gathered region adapters stay whole: they see the whole input and add to the whole output.
+Replicated modules the plan names inside a local region (Qwen3's q/k norms) get a gradient
+all-reduce hook. Embeddings, norms, the LM head and plan entries outside the blocks stay whole.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.layout.tp_plan import NotExpressible, Region, TPPlan, packed_parts, read_tp_plan
 from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, reduce_from_tp
 from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
 
-# The hand-written plan: the fallback for a config that declares no `base_model_tp_plan` we can run
-ATTENTION = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"}
-MLP = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
-FALLBACK_PLAN = {"self_attn": ATTENTION, "mlp": MLP}
-STYLES = {"colwise": "column", "rowwise": "row"}  # transformers' TP styles these layers implement
+LOCAL_SIZES = ("num_attention_heads", "num_heads", "num_key_value_heads", "intermediate_size")
 
 
-def block_plan(config) -> dict[str, dict[str, str]]:
-    """{block submodule: {projection: column | row}}, read from the config's `base_model_tp_plan`
-    (transformers' own, e.g. 'layers.*.self_attn.q_proj': 'colwise'). Parameters it marks
-    'replicated_with_grad_allreduce' (Qwen3's q/k norms) are what every replicated parameter inside
-    the TP region gets here anyway. A plan beyond per-block column/row pairs (vocab-parallel
-    embeddings, packed or sequence-parallel styles) or none at all: the hand-written plan."""
-    declared = getattr(config, "base_model_tp_plan", None) or {}
-    plan: dict[str, dict[str, str]] = {}
-    for key, style in declared.items():
-        parts = key.split(".")
-        if style == "replicated_with_grad_allreduce" and parts[:2] == ["layers", "*"]:
-            continue
-        if len(parts) != 4 or parts[:2] != ["layers", "*"] or style not in STYLES:
-            return FALLBACK_PLAN
-        plan.setdefault(parts[2], {})[parts[3]] = STYLES[style]
-    # each region: columns in, exactly one row out (the all-reduce that closes it)
-    if not plan or any(list(kinds.values()).count("row") != 1 for kinds in plan.values()):
-        return FALLBACK_PLAN
-    return plan
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def decoder_blocks(model) -> list[nn.Module]:
-    """The decoder blocks of a Llama-family model (or a peft model around one)."""
+def tp_plan_of(config) -> TPPlan:
+    """The config's `base_model_tp_plan` (a class attribute, not in `to_dict()`), read; the layout
+    rules' words where the layers cannot express it."""
+    text = text_config(config)
+    try:
+        return read_tp_plan(getattr(text, "base_model_tp_plan", None))
+    except NotExpressible as e:
+        raise UserError(f"--tp: {getattr(text, 'model_type', '?')}: {e}") from None
+
+
+def _decoder(model) -> nn.Module:
+    """The module the plan's names start from: the text model (`get_decoder`), under peft too."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(base, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        found = sorted({type(m).__name__ for m in base.children()} | {type(m).__name__ for m in (inner or base).children()})
-        raise UserError(f"--tp: cannot find decoder blocks at model.model.layers in {type(base).__name__}; "
-                        f"found modules: {', '.join(found)}")
-    return list(layers)
+    return base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "base_model", base)
 
 
-def _check_block(i: int, block: nn.Module, plan: dict[str, dict[str, str]]) -> None:
-    missing = [f"{sub}.{n}" for sub, kinds in plan.items() for n in kinds
-               if getattr(block, sub, None) is None or not hasattr(getattr(block, sub), n)]
-    if missing:
-        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in block.named_children())
-        raise UserError(f"--tp: block {i} ({type(block).__name__}) has no {', '.join(missing)}; "
-                        f"the Llama-family plan does not fit (found {found})")
-
-
-def _shard_projection(parent: nn.Module, name: str, kind: str, group) -> None:
-    target = getattr(parent, name)
-    base = getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
-    if kind == "column":
-        sharded = ColumnParallelLinear.from_linear(base, group, gather_output=False, copy_input=False)
+def decoder_blocks(model, path: str | None = None) -> list[nn.Module]:
+    """The decoder blocks: the text model's module list at `path` (the TP plan's 'layers'), by default
+    its one list of blocks (`layers`, GPT-2's `h`)."""
+    decoder = _decoder(model)
+    if path is not None:
+        lists = [decoder.get_submodule(path)] if _has(decoder, path) else []
     else:
-        sharded = RowParallelLinear.from_linear(base, group, input_is_parallel=True)
+        lists = [m for m in decoder.children() if isinstance(m, nn.ModuleList)]
+        if len(lists) > 1:
+            n = getattr(text_config(model.config), "num_hidden_layers", None)
+            lists = [m for m in lists if len(m) == n]
+    if len(lists) != 1 or not isinstance(lists[0], nn.ModuleList):
+        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in decoder.named_children())
+        raise UserError(f"--tp: cannot find the decoder blocks{f' at {path}' if path else ''} in "
+                        f"{type(decoder).__name__}; found modules: {found}")
+    return list(lists[0])
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+class LocalConfig:
+    """The model's config as one TP rank's region reads it: its own head counts and intermediate
+    size (Phi-3's attention slices its fused qkv at `config.num_attention_heads * head_dim`), every
+    other value the shared config's, live (an attention implementation set later included)."""
+
+    def __init__(self, config, t: int):
+        self.__dict__["_config"] = config
+        for name in LOCAL_SIZES:
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                self.__dict__[name] = value // t
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["_config"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.__dict__["_config"], name, value)
+
+
+def _region_parts(module: nn.Module, region: Region, config, t: int) -> dict[str, tuple[int, ...]] | None:
+    """The parts of each column in a gathered region, where each is a packed projection the widths
+    name (`packed_parts`) and nothing else holds parameters in between: then the region runs local.
+    None: it runs gathered, as the plan says."""
+    others = [n for n, _ in module.named_parameters()
+              if not any(n.startswith(p + ".") for p in (*region.columns, region.row))]
+    if others:
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads else None)
+    row_in = _linear(module, region.row).in_features
+    parts = {}
+    for column in region.columns:
+        found = heads and head_dim and packed_parts(_linear(module, column).out_features, row_in, heads, kv,
+                                                    head_dim, getattr(config, "intermediate_size", None))
+        if not found or any(p % t for p in found):
+            return None
+        parts[column] = found
+    return parts
+
+
+def _linear(parent: nn.Module, name: str) -> nn.Module:
+    target = parent.get_submodule(name)
+    return getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
+
+
+def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str,
+                      parts: tuple[int, ...] | None = None, gathered: bool = False) -> None:
+    target, base = parent.get_submodule(name), _linear(parent, name)
+    if type(base) is not nn.Linear:
+        raise UserError(f"--tp: {where}.{name} is a {type(base).__name__}, not the linear layer the plan's "
+                        f"{kind} projection splits")
+    try:
+        if kind == "column":
+            sharded = ColumnParallelLinear.from_linear(base, group, gather_output=gathered, copy_input=gathered,
+                                                       parts=parts)
+        else:
+            sharded = RowParallelLinear.from_linear(base, group, input_is_parallel=not gathered)
+    except ValueError as e:
+        raise UserError(f"--tp {group_size(group)}: {where}.{name}: {e}") from None
     if target is base:
-        setattr(parent, name, sharded)
+        owner, _, leaf = name.rpartition(".")
+        setattr(parent.get_submodule(owner) if owner else parent, leaf, sharded)
         return
     target.base_layer = sharded
+    if gathered:  # adapters whole: they read the whole input and add to the whole output
+        return
     target.in_features, target.out_features = sharded.in_features, sharded.out_features
     for adapter in target.lora_A:
         lora_a, lora_b = target.lora_A[adapter], target.lora_B[adapter]
         if kind == "column":
-            lora_b.weight = shard(lora_b.weight, 0, group)
+            lora_b.weight = shard(lora_b.weight, 0, group, parts)
+            if lora_b.bias is not None:
+                lora_b.bias = shard(lora_b.bias, 0, group, parts)
             lora_b.out_features = lora_b.weight.shape[0]
+            for p in lora_a.parameters():  # replicated inside the region: each rank's gradient is partial
+                _sum_grad(p, group)
         else:
             lora_a.weight = shard(lora_a.weight, 1, group)
             lora_a.in_features = lora_a.weight.shape[1]
             lora_a.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
-            lora_b.weight.tp_full_grad = True
+            for p in lora_b.parameters():
+                p.tp_full_grad = True
             dropout = target.lora_dropout[adapter]
             if isinstance(dropout, nn.Dropout) and dropout.p > 0:
                 target.lora_dropout[adapter] = ShardedDropout(dropout.p, group)
 
 
-def _copy_hidden_states(group):
+def _sum_grad(p: nn.Parameter, group) -> None:
+    if p.requires_grad:
+        p.register_hook(all_reduce_grad(group))
+        p.tp_partial_grad = True  # for FSDP2, which replaces the parameter (and its hook)
+
+
+def _copy_input(module: nn.Module, group):
+    """A pre-hook copying the region's input (its forward's first argument) into the TP region."""
+    first = next(iter(inspect.signature(module.forward).parameters))
+
     def hook(_module, args, kwargs):
         if args:
             return (copy_to_tp(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], group)}
+        return args, {**kwargs, first: copy_to_tp(kwargs[first], group)}
     return hook
+
+
+def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None:
+    module = block.get_submodule(region.path)
+    missing = [f"{region.path}.{n}" for n in (*region.columns, region.row, *region.replicated) if not _has(module, n)]
+    if missing:
+        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in module.named_children())
+        raise UserError(f"--tp: block {i} ({type(block).__name__}) has no {', '.join(missing)}; its "
+                        f"base_model_tp_plan does not fit '{blocks}.{i}.{region.path}' (found {found})")
+
+
+def _split_region(module: nn.Module, region: Region, group, config, where: str) -> str:
+    """Split one block's `region` in place; returns how (for the describe line)."""
+    t = group_size(group)
+    parts = {c: (_linear(module, c).out_features // 2,) * 2 for c in region.packed}
+    if region.gathered:
+        found = _region_parts(module, region, config, t)
+        local, parts = found is not None, found or {}
+    else:
+        local = True
+        owned = (*region.columns, region.row, *region.replicated)
+        stray = [n for n, _ in module.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
+        if stray:  # a per-head weight (Cohere's qk norms) would not fit this rank's heads
+            raise UserError(f"--tp: {where}.{stray[0]} sits between the column and row projections but "
+                            "base_model_tp_plan gives it no style; drop --tp for this model")
+    for column in region.columns:
+        _shard_projection(module, column, "column", group, where, parts.get(column), gathered=not local)
+    _shard_projection(module, region.row, "row", group, where, gathered=not local)
+    if not local:
+        return f"{region.path} {' '.join(region.columns)} -> {region.row} (gathered in between)"
+    module.register_forward_pre_hook(_copy_input(module, group), with_kwargs=True)
+    for name in region.replicated:
+        for p in module.get_submodule(name).parameters():
+            _sum_grad(p, group)
+    for attr in LOCAL_SIZES:  # some modules keep their own head counts
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, getattr(module, attr) // t)
+    if hasattr(module, "config"):
+        module.config = LocalConfig(module.config, t)
+    columns = " ".join(c + (f" [{len(parts[c])} parts]" if c in parts else "") for c in region.columns)
+    return f"{region.path} {columns} -> {region.row}"
 
 
 def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
@@ -118,21 +239,21 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     t = group_size(group)
     if t == 1:
         return model
-    plan = block_plan(model.config)
-    for i, block in enumerate(decoder_blocks(model)):
-        _check_block(i, block, plan)
-        for sub, kinds in ((getattr(block, name), kinds) for name, kinds in plan.items()):
-            for name, kind in kinds.items():
-                _shard_projection(sub, name, kind, group)
-            sub.register_forward_pre_hook(_copy_hidden_states(group), with_kwargs=True)
-            for p in sub.parameters():
-                if p.requires_grad and not hasattr(p, "tp_split_dim") and not getattr(p, "tp_full_grad", False):
-                    p.register_hook(all_reduce_grad(group))
-                    p.tp_partial_grad = True  # for FSDP2, which replaces the parameter (and its hook)
-        attn = block.self_attn
-        for attr in ("num_heads", "num_key_value_heads"):  # some archs keep per-module head counts
-            if isinstance(getattr(attn, attr, None), int):
-                setattr(attn, attr, getattr(attn, attr) // t)
-        attn.tp_degree = t
-    model.toolkit_tp_degree = t  # not `tp_size`: transformers reserves that for its own TP
+    plan = tp_plan_of(model.config)
+    config = text_config(model.config)
+    blocks = decoder_blocks(model, plan.blocks)
+    how = {}
+    for region in plan.regions:
+        for i, block in enumerate(blocks):
+            if _has(block, region.path):  # a region the plan names where the block has it (dense layers of MoE)
+                _check_region(i, block, region, plan.blocks)
+                how[region.path] = _split_region(block.get_submodule(region.path), region, group, config,
+                                                 f"{plan.blocks}.{i}.{region.path}")
+        if region.path not in how:
+            raise UserError(f"--tp: base_model_tp_plan region '{plan.blocks}.*.{region.path}' matches no module in "
+                            f"{type(blocks[0]).__name__}")
+    outside = ", ".join(plan.outside + ("lm_head",))
+    # not `tp_size`: transformers reserves that for its own TP
+    model.toolkit_tp = (f"tensor parallel over {t} ranks from base_model_tp_plan, per block: "
+                        f"{'; '.join(how.values())}; whole on every rank (always correct): embeddings, norms, {outside}")
     return model
