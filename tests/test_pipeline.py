@@ -8,6 +8,7 @@ and the LM head, so the tied weight lives on the first and the last stage.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
@@ -86,17 +87,39 @@ def test_uneven_model_split_is_within_one_block_of_optimal(tmp_path):
     assert balance(blocks, 3, first, last)[0] <= 2  # the heavy blocks are not lumped with the embeddings
 
 
-def test_architecture_without_the_layout_names_what_it_found(tmp_path):
+def test_a_model_without_a_pipeline_plan_is_one_line():
+    """GPT-2's config declares no `base_model_pp_plan`: refused in one line, on the weightless skeleton
+    too (`pipeline_problems`, before the weights load)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from toolkit.errors import UserError
     from toolkit.parallel.pp import pipeline_problems
     from toolkit.parallel.pp.split import decoder_parts
 
-    with pytest.raises(UserError, match=r"missing model\.embed_tokens.*found transformer \(GPT2Model\), lm_head"):
-        decoder_parts(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)))
-    problems = pipeline_problems(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64))
-    assert len(problems) == 1 and "GPT2LMHeadModel" in problems[0]
+    config = GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64)
+    with pytest.raises(UserError, match=r"^--pp: GPT2LMHeadModel \(model type gpt2\) declares no base_model_pp_plan; "
+                                        r"--pp needs it$"):
+        decoder_parts(GPT2LMHeadModel(config))
+    assert pipeline_problems(config) == ["--pp: GPT2LMHeadModel (model type gpt2) declares no base_model_pp_plan; "
+                                         "--pp needs it"]
+
+
+def test_router_load_balancing_loss_is_refused_under_pp():
+    """The router loss is a product of means over every layer's router statistics, which no stage
+    holds: refused before the weights load, naming the flag that turns it off; off, it runs."""
+    from transformers import AutoConfig
+
+    from toolkit.layout.rules import model_problems
+    from toolkit.synthetic import ZOO
+
+    for model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
+        config = AutoConfig.for_model(model_type, **ZOO[model_type]).to_dict()
+        problems = model_problems(config, tp=1, pp=2, cp=1, world=2)
+        assert len(problems) == 1 and problems[0].startswith("--pp 2: this model's router load-balancing loss "
+                                                             "(output_router_logits, coefficient 0.5)"), problems
+        assert "--router-aux-loss-coef 0" in problems[0]
+        assert model_problems({**config, "router_aux_loss_coef": 0.0}, tp=1, pp=2, cp=1, world=2) == []
+        assert model_problems({**config, "output_router_logits": False}, tp=1, pp=2, cp=1, world=1) == []
 
 
 def test_problems_for_too_many_stages_and_a_bad_world(tied_model):
@@ -123,6 +146,18 @@ def test_bubble_fraction():
 # ---------------------------------------------------------------- the naive pipeline, in process
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """These models' tensors are tiny: torch's intra-op threads cost more than they save (6x the wall
+    time of the naive pipeline's tests on 2 busy cores), as on the gloo ranks (`distributed._entry`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _batches(vocab: int, pad_id: int, n: int = 3, batch: int = 4) -> list[dict[str, torch.Tensor]]:
     """Padded batches of random lengths with prompt tokens masked out of the labels."""
     from toolkit.data import collate
@@ -141,6 +176,11 @@ def _batches(vocab: int, pad_id: int, n: int = 3, batch: int = 4) -> list[dict[s
 
 def _train(model_dir, method: str, stages: int, microbatches: int, gc: bool = False):
     """([loss, grad norm] of each of 3 AdamW steps, final trainable weights); unsplit when stages == 1."""
+    with _one_thread():
+        return _train_steps(model_dir, method, stages, microbatches, gc)
+
+
+def _train_steps(model_dir, method: str, stages: int, microbatches: int, gc: bool):
     from transformers import AutoModelForCausalLM
 
     from toolkit.models import enable_checkpointing
@@ -203,18 +243,27 @@ def test_naive_pipeline_with_gradient_checkpointing_and_lora(tied_model):
 
 
 def test_stage_modules_come_from_the_config():
-    """transformers' `base_model_pp_plan` (embeddings, blocks, norm in forward order) and the model
-    class's `_pp_plan` (the LM head) name the modules the stages are cut from."""
-    from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+    """transformers' `base_model_pp_plan` names the decoder's modules in forward order (GPT-NeoX: four,
+    the dropout after the embedding among them) in the module the class's `base_model_prefix` names;
+    a plan naming what the model lacks is one line."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.parallel.pp.split import stage_names
+    from toolkit.errors import UserError
+    from toolkit.parallel.pp.split import decoder_parts
+    from toolkit.synthetic import ZOO
 
-    assert stage_names(LlamaConfig(), LlamaForCausalLM) == ("embed_tokens", "layers", "norm", "lm_head")
-    other = LlamaConfig()
-    other.base_model_pp_plan = {"wte": (["input_ids"], ["inputs_embeds"]), "h": (["hidden_states"], ["hidden_states"]),
-                                "ln_f": (["hidden_states"], ["hidden_states"])}
-    assert stage_names(other)[:3] == ("wte", "h", "ln_f")
-    assert stage_names(GPT2Config()) == ("embed_tokens", "layers", "norm", "lm_head")  # none declared: Llama's
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_neox", **ZOO["gpt_neox"]))
+    parts = decoder_parts(model)
+    assert list(parts.before) == ["embed_in", "emb_dropout"] and parts.embed is model.gpt_neox.embed_in
+    assert parts.blocks == "layers" and parts.layers == list(model.gpt_neox.layers)
+    assert list(parts.after) == ["final_layer_norm"] and parts.head is model.lm_head
+    assert parts.rotary is model.gpt_neox.rotary_emb
+    model.config.base_model_pp_plan = {"embed_in": None, "layers": None, "ln_f": None}
+    with pytest.raises(UserError, match=r"^--pp: cannot cut GPTNeoXForCausalLM \(model type gpt_neox\) into pipeline "
+                                        r"stages by its base_model_pp_plan \(embed_in, layers, ln_f\): gpt_neox.ln_f missing$"):
+        decoder_parts(model)
 
 
 def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
@@ -226,10 +275,148 @@ def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
     pipe = NaivePipeline(model, [torch.device("cpu")] * 3, 4)
     assert sum(pipe.sizes) == 4 and len(pipe.sizes) == 3
     assert pipe.stages[0].embed is model.model.embed_tokens and pipe.stages[0].head is None
-    assert pipe.stages[-1].head is model.lm_head and pipe.stages[-1].norm is model.model.norm
+    assert pipe.stages[-1].head is model.lm_head and list(pipe.stages[-1].after) == [model.model.norm]
     got = [layer for s in pipe.stages for layer in s.layers]
     assert got == list(model.model.layers)
     assert "3 stages" in pipe.describe() and "33.3%" in pipe.describe()
+
+
+# ---------------------------------------------------------------- every architecture with a plan
+
+# One process's reference and both pipelines train the zoo's tiny random models (toolkit.synthetic) for
+# 3 AdamW steps: two padded batches and one packed batch (positions restart per document). gpt-oss's
+# own forward builds its masks without the positions, so in one process its packed rows attend across
+# documents; the stages mask per document: it trains the padded batches only. Its router loss, and
+# Mixtral's and Qwen3-MoE's, is off (refused under --pp: test_router_load_balancing_loss_is_refused_under_pp).
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict[str, tuple[str, list[dict], list[float]]]:
+    """model type -> (model dir, batches, the model's own per-step losses in one process)."""
+    from toolkit.synthetic import ZOO, build_zoo_model_dir
+
+    out = {}
+    with _one_thread():
+        for model_type, config in ZOO.items():
+            if model_type == "gpt2":  # no base_model_pp_plan: test_a_model_without_a_pipeline_plan_is_one_line
+                continue
+            off = {"output_router_logits": False} if config.get("output_router_logits") else {}
+            path = build_zoo_model_dir(tmp_path_factory.mktemp("zoo") / model_type, model_type, **off)
+            model = _load(path)
+            batches = _zoo_batches(model.config, packed=model_type != "gpt_oss")
+            out[model_type] = (str(path), batches, _own_losses(model, batches))
+    return out
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").train()
+
+
+def _zoo_batches(config, packed: bool) -> list[dict[str, torch.Tensor]]:
+    """Two padded batches of 4 rows (6-29 tokens: longer than the zoo's 16-token sliding windows) and
+    a packed one of 2 rows."""
+    from toolkit.data.packing import collate_packed, pack_rows
+
+    batches = _batches(config.vocab_size, config.pad_token_id, n=2)
+    if packed:
+        g = torch.Generator().manual_seed(2)
+        rows = []
+        for length in (23, 16, 6, 17):
+            ids = torch.randint(5, config.vocab_size, (length,), generator=g).tolist()
+            rows.append({"input_ids": ids, "labels": [-100] * 3 + ids[3:]})
+        batches.append(collate_packed(pack_rows(rows, 40), config.pad_token_id))
+    return batches
+
+
+def _own_losses(model, batches) -> list[float]:
+    """The model's own loss (`model(..., labels=)`, the mean over target tokens) at each AdamW step."""
+    from toolkit.data.packing import model_inputs
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in batches:
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _pipeline_losses(pipe, params, batches) -> list[float]:
+    from toolkit.loss import count_targets
+
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    losses = []
+    for batch in batches:
+        n = count_targets(batch["labels"]).item()
+        losses.append(pipe.train_step(batch, scale=1.0 / n).item() / n)
+        pipe.finish_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def test_naive_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
+    """2 stages x 2 micro-batches in one process: per-step losses equal the model's own within 1e-5
+    (embedding transforms, per-layer-type masks and rotary, the head's logit transform), and the
+    loss check on the last stage equals the model's own head on the same hidden states (5e-6); the
+    check catches a last stage that drops Cohere's logit_scale (the bug --pp 2 had)."""
+    from toolkit.loss import LogitTransform
+    from toolkit.parallel.pp import NaivePipeline
+
+    with _one_thread():
+        for model_type, (path, batches, want) in zoo.items():
+            model = _load(path)
+            pipe = NaivePipeline(model, [torch.device("cpu")] * 2, 2)
+            ours, own = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
+            assert ours == pytest.approx(own, rel=5e-6), model_type
+            if model_type == "cohere":
+                pipe.stages[-1].parts.transform = LogitTransform()  # the model's logit_scale left out
+                wrong, own = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
+                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's bound (train/loop.py LOSS_CHECK_RTOL)
+                pipe.stages[-1].parts.transform = LogitTransform.of(model)
+            got = _pipeline_losses(pipe, [p for p in model.parameters() if p.requires_grad], batches)
+            assert got == pytest.approx(want, abs=1e-5, rel=1e-5), model_type
+
+
+def _stage_runs(zoo: dict) -> dict[str, tuple[list[float], tuple[float, float] | None]]:
+    """On each of 2 gloo ranks, per model type: (per-step losses, the loss check) of its pp 2 stage
+    under 1F1B with 2 micro-batches."""
+    import torch.distributed as dist
+
+    from toolkit.parallel.pp import StagePipeline, make_pipeline_layout
+
+    dist.init_process_group("gloo")
+    try:
+        layout = make_pipeline_layout(2)
+        out = {}
+        for model_type, (path, batches, _) in zoo.items():
+            model = _load(path)
+            pipe = StagePipeline(model, layout, [1, 1], 2, "1f1b", torch.device("cpu"), model.config.pad_token_id)
+            check = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
+            out[model_type] = (_pipeline_losses(pipe, list(pipe.parameters()), batches), check)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stage_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
+    """--pp 2 across 2 processes (torch.distributed.pipelining, one stage per rank), every zoo
+    architecture with a plan in one launch: per-step losses equal the model's own within 1e-5 on both
+    ranks; the loss check is the last stage's (None on stage 0) and equals the model's own head."""
+    from distributed import run_distributed
+
+    first, last = run_distributed(_stage_runs, 2, zoo)
+    for model_type, (_, _, want) in zoo.items():
+        assert first[model_type][0] == pytest.approx(want, abs=1e-5, rel=1e-5), model_type
+        assert last[model_type][0] == first[model_type][0]
+        assert first[model_type][1] is None
+        ours, own = last[model_type][1]
+        assert ours == pytest.approx(own, rel=5e-6), model_type
 
 
 # ---------------------------------------------------------------- finetune.py --pp

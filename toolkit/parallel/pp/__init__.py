@@ -25,9 +25,9 @@ __all__ = ["NaivePipeline", "StagePipeline", "PipelineLayout", "bubble_fraction"
 
 
 def pipeline_problems(model_config, trust_remote_code: bool = False) -> list[str]:
-    """Whether the model's structure can be cut into stages (embedding, decoder blocks, norm, head;
-    `split.decoder_parts`), found on a meta-device copy of the architecture (no weights are read).
-    Stages against blocks and the world size: `toolkit.layout.rules.model_problems`."""
+    """Whether the model can be cut into stages by its config's `base_model_pp_plan` (`split.decoder_parts`),
+    found on a meta-device copy of the architecture (no weights are read). Stages against blocks, the
+    world size and the router loss: `toolkit.layout.rules.model_problems`."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 

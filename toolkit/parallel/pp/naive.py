@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm
-from toolkit.parallel.pp.split import DecoderStage, balance, decoder_parts, param_costs, stage_bounds, time_costs
-from toolkit.loss import token_loss_sum
+from toolkit.parallel.pp.split import (DecoderStage, autocast, balance, decoder_parts, own_loss, param_costs,
+                                       stage_bounds, time_costs)
+from toolkit.loss import count_targets, token_loss_sum
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -68,7 +69,9 @@ class NaivePipeline(nn.Module):
             for name, child in stage.named_children():
                 if not (tied and name == "head"):  # a tied head stays with the embeddings on stage 0
                     child.to(device)
-        parts.rotary.to(devices[0])
+        if parts.rotary is not None:
+            parts.rotary.to(devices[0])
+        self.autocast_dtype = autocast_dtype
 
     def describe(self) -> str:
         bounds = stage_bounds(self.sizes)
@@ -101,6 +104,21 @@ class NaivePipeline(nn.Module):
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self.stages_forward(batch)
         return self.loss_fn(logits, batch["labels"].to(logits.device)).double()
+
+    @torch.no_grad()
+    def loss_check(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(the loss per target token as the last stage computes it, the model's own loss on the same
+        final hidden states: `split.own_loss`) on `batch`."""
+        last = self.stages[-1]
+        last.keep_hidden = True
+        try:
+            ours = self.loss_sum(batch) / count_targets(batch["labels"]).clamp(min=1)
+        finally:
+            last.keep_hidden = False
+        hidden, last.kept = last.kept, None
+        with autocast(hidden.device, self.autocast_dtype):
+            own = own_loss(self.model, hidden, batch["input_ids"], batch["labels"])
+        return ours.item(), own.item()
 
     def stages_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x = batch["input_ids"]

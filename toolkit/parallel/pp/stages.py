@@ -22,8 +22,8 @@ from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm, full, local
 from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
-from toolkit.parallel.pp.split import DecoderStage, decoder_parts, stage_bounds
-from toolkit.loss import token_loss_sum
+from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, stage_bounds
+from toolkit.loss import count_targets, token_loss_sum
 
 PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
 
@@ -161,6 +161,30 @@ class StagePipeline(nn.Module):
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._run(batch, 1, train=False)
+
+    @torch.no_grad()
+    def loss_check(self, batch: dict[str, torch.Tensor]) -> tuple[float, float] | None:
+        """(the loss per target token as the last stage computes it, the model's own loss on the same
+        final hidden states: `split.own_loss`) on `batch`, on the last stage; None on the others. One
+        pipeline forward: every rank of the pipeline group calls it."""
+        batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)  # as `_run` pads it: the kept states' length
+        self.stage.keep_hidden = self.last
+        try:
+            total = self._run(batch, 1, train=False)
+        finally:
+            self.stage.keep_hidden = False
+        if not self.last:
+            return None
+        hidden, self.stage.kept = self.stage.kept, None
+        if self.sharded:  # the LM head whole while the model's own forward runs it (collective over the shard group)
+            self.stage.unshard()
+        try:
+            with autocast(self.device, self.stage.autocast_dtype):
+                own = own_loss(self.model, hidden, batch["input_ids"], batch["labels"])
+        finally:
+            if self.sharded:
+                self.stage.reshard()
+        return (total / count_targets(batch["labels"]).clamp(min=1)).item(), own.item()
 
     def finish_grads(self) -> None:
         """Sum the tied embedding's two halves; average gradients over data-parallel replicas (FSDP2

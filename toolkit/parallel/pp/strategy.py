@@ -11,7 +11,7 @@ import torch
 
 from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
-from toolkit.loss import token_loss_sum
+from toolkit.loss import LogitTransform, token_loss_sum
 from toolkit.parallel.strategy import DataShard, LossFn, LossHead, Strategy
 from toolkit.parallel.tp import TPShards
 
@@ -64,8 +64,16 @@ class PipelineStrategy(Strategy):
         return self.pipe, optimizer_fn(self.pipe), self.data.loader(loader)
 
     def describe(self) -> str:
-        mesh = f"device mesh: {self.dims.describe()}\n" if self.layout is not None else ""
-        return f"{mesh}{self.pipe.describe()}\nloss: full logits + cross-entropy on the last stage"
+        mesh = f"layout: device mesh {self.dims.describe()}\n" if self.layout is not None else "layout: "
+        transform = LogitTransform.of(self.pipe.model)
+        how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
+        return f"{mesh}{self.pipe.describe()}\nloss: full logits{how} + cross-entropy on the last stage"
+
+    def loss_check(self, model, batch: dict, rows: int = 2) -> tuple[float, float] | None:
+        """On the first `rows` rows: the pipeline's loss as its last stage computes it against the model's
+        own head, transform and loss function on the same final hidden states; None on the other stages."""
+        few = {k: v[:rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        return self.pipe.loss_check(few)
 
     def unwrap(self, model):
         return self.pipe.model if self.pipe is not None else model
