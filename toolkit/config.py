@@ -640,7 +640,8 @@ def _adopt_deepspeed_file(values: _Settings, given: set[str], notes: list[str]) 
     path = values["deepspeed"]
     if not path:
         return []
-    from toolkit.layout.deepspeed import file_settings, read_user_config, user_config_problems
+    from toolkit.layout.deepspeed import (compiles_cpu_adam, deepspeed_accelerator, file_settings, fp16_problem,
+                                          read_user_config, torch_adam_note, user_config_problems)
 
     try:
         ds = read_user_config(path)
@@ -676,12 +677,17 @@ def _adopt_deepspeed_file(values: _Settings, given: set[str], notes: list[str]) 
         problems.append(f"--deepspeed {path}: train_batch_size {ds['train_batch_size']} is not micro batch "
                         f"{values['micro_batch_size']} x accumulation {values['grad_accum']} x {ranks} ranks = {want}; "
                         "set it to \"auto\" or make them agree")
+    device, runs_fp16 = deepspeed_accelerator()
+    if values["mixed_precision"] == "fp16" and not runs_fp16:
+        problems.append(fp16_problem(path, settings.get("mixed_precision") == "fp16", device))
     if not problems:
         named_by = values.get(_NAMED_BY)
         where = f"DeepSpeed config {path}, named by {named_by}" if named_by else f"--deepspeed {path}"
         also = [a for a in adopted if not a.startswith("zero")]
         notes.append(f"layout: ZeRO-{values['zero_stage']} from {where}" + (f"; also from the file: {', '.join(also)}"
                                                                             if also else ""))
+        if device == "cpu" and compiles_cpu_adam(ds):  # swapped in `parallel.build.run_deepspeed_config`
+            notes.append(torch_adam_note(path, ds))
     return problems
 
 

@@ -184,6 +184,57 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
     return out
 
 
+def deepspeed_accelerator() -> tuple[str, bool]:
+    """(DeepSpeed's accelerator name, whether it runs fp16): what decides which of its compiled ops it
+    builds and whether its engine accepts fp16 (`DeepSpeedEngine._do_sanity_check`). "cpu" on a
+    machine without a GPU."""
+    from toolkit.console import quiet
+
+    quiet()
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return accelerator.device_name(), bool(accelerator.is_fp16_supported())
+
+
+def compiles_cpu_adam(ds: dict[str, Any]) -> bool:
+    """Whether DeepSpeed would build the file's optimizer as its own compiled Adam: an "Adam"/"AdamW"
+    without "torch_adam" is DeepSpeedCPUAdam under optimizer offload and FusedAdam otherwise
+    (`DeepSpeedEngine.get_optimizer_configuration`), and on a CPU machine both are C++ extensions
+    compiled at first use (cpu_adam: 4 min 9 s on this 2-core machine, 2026-11-25, other work running). A file
+    that asks for DeepSpeed's CPU optimizer by name ("zero_force_ds_cpu_optimizer": true) keeps it."""
+    optimizer = ds.get("optimizer") or {}
+    params = optimizer.get("params") or {}
+    return (str(optimizer.get("type", "")).lower() in ("adam", "adamw") and "torch_adam" not in params
+            and ds.get("zero_force_ds_cpu_optimizer") is not True)
+
+
+def with_torch_adam(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `ds` whose Adam/AdamW is torch's (`"torch_adam": true`): the same update, no C++ build.
+    Used on a CPU machine only, where the toolkit says so in one line (`torch_adam_note`)."""
+    import copy
+
+    out = copy.deepcopy(ds)
+    out["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return out
+
+
+def torch_adam_note(path: str, ds: dict[str, Any]) -> str:
+    return (f"optimizer: the {ds['optimizer']['type']} of --deepspeed {path} runs as torch's on this CPU (DeepSpeed's "
+            "own is compiled at first use, minutes), the same update; \"torch_adam\": false in its params keeps "
+            "DeepSpeed's")
+
+
+def fp16_problem(path: str, from_file: bool, device: str) -> str:
+    """fp16 where DeepSpeed's accelerator has none: its engine would stop with a traceback after the
+    model is loaded."""
+    what = (f"--deepspeed {path} sets fp16.enabled true" if from_file
+            else f"--mixed-precision fp16 with --deepspeed {path}")
+    fix = ("set fp16.enabled to \"auto\" (fp32 here, bf16 on a GPU that has it) or false" if from_file
+           else "use --mixed-precision no or bf16")
+    return f"{what}, and DeepSpeed has no fp16 on this machine (accelerator: {device}); {fix}, or run on a GPU"
+
+
 def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
     """What DeepSpeed itself rejects in the file (unknown keys, bad values), one line each, checked
     before any data or weights are read: its own config parser on a copy with batch sizes of one rank."""

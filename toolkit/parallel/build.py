@@ -76,10 +76,12 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     """The DeepSpeed JSON this run hands to accelerate: the user's `--deepspeed` file with its "auto"s
     filled from the run's settings, else the toolkit's own for --zero-stage/--offload. A file's
     "scheduler" is left out here: the loop builds and steps it (`AccelerateStrategy.scheduler`), and
-    `save_run_config` writes it back. `model_path` gives the hidden size the ZeRO buckets scale with."""
+    `save_run_config` writes it back. On a CPU machine a file's Adam runs as torch's (`with_torch_adam`:
+    DeepSpeed's own would be compiled first). `model_path` gives the hidden size the ZeRO buckets scale with."""
     from toolkit.models import resolved_precision
     from toolkit.parallel import launch
-    from toolkit.layout.deepspeed import deepspeed_config, fill_auto, read_user_config
+    from toolkit.layout.deepspeed import (compiles_cpu_adam, deepspeed_accelerator, deepspeed_config, fill_auto,
+                                          read_user_config, with_torch_adam)
 
     hidden = None
     if model_path:
@@ -104,6 +106,8 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
         "WORLD_SIZE", "1")), mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm, lr=cfg.lr,
         weight_decay=t.weight_decay, hidden_size=hidden)
     ds.pop("scheduler", None)
+    if compiles_cpu_adam(ds) and deepspeed_accelerator()[0] == "cpu":  # said by config (torch_adam_note)
+        ds = with_torch_adam(ds)
     for key, value in QUIET_DEFAULTS.items():  # what the file does not say
         ds.setdefault(key, value)
     return ds
@@ -177,9 +181,18 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
     from toolkit.layout.rules import model_problems
 
+    from toolkit.models import config_values
+
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    problems = model_problems(text.to_dict(), par.tp, par.pp, par.cp, world)
+    values = config_values(config)
+    if cfg.model.router_aux_loss_coef is not None:  # what the model will be loaded with (models.router_kwargs)
+        values.update(router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                      output_router_logits=cfg.model.router_aux_loss_coef > 0)
+    if par.tp > 1:  # a class attribute of the config, which to_dict() leaves out
+        from toolkit.parallel.tp.plan import text_config
+
+        values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
+    problems = model_problems(values, par.tp, par.pp, par.cp, world)
     if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 

@@ -36,8 +36,21 @@ def cpu_rehearsal(kind: str | None) -> Iterator[bool]:
     from accelerate.utils import DistributedType
 
     state = PartialState(cpu=True)
+    if kind == "deepspeed":
+        join_deepspeed_comm(state.backend)
     if kind == "fsdp":
         state.distributed_type = DistributedType.MULTI_GPU
     yield True
     if kind == "fsdp" and state.distributed_type != DistributedType.FSDP:
         raise RuntimeError(f"CPU rehearsal: accelerate did not enable FSDP ({state.distributed_type})")
+
+
+def join_deepspeed_comm(backend: str) -> None:
+    """DeepSpeed's own comm layer joins the gloo group, as accelerate's GPU branch does
+    (`PartialState`: `deepspeed.comm.init_distributed` when ACCELERATE_USE_DEEPSPEED). Without it
+    `zero.Init` inside `from_pretrained` builds its DeepSpeedConfig before DeepSpeed knows the group,
+    reads a world size of 1 and rejects a train_batch_size filled for the real world (issue 45)."""
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
