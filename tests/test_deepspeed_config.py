@@ -93,3 +93,13 @@ def test_a_files_deepspeed_adam_runs_as_torchs_on_a_cpu_only():
                  {**adamw, "zero_force_ds_cpu_optimizer": True}, {"optimizer": {"type": "Lamb"}}, {}):
         assert not compiles_cpu_adam(kept), kept
 
+
+def test_zero3_says_why_its_step_2_is_slow_unless_the_walk_is_off():
+    from toolkit.layout.deepspeed import zero3_first_steps_note
+
+    note = zero3_first_steps_note(deepspeed_config(3))
+    assert note.startswith("zero-3: step 2 runs long once") and "stage3_max_reuse_distance 1,000,000,000" in note
+    assert zero3_first_steps_note(deepspeed_config(2)) is None
+    assert zero3_first_steps_note({"zero_optimization": {"stage": 3}}) is not None  # DeepSpeed's default 1e9
+    for off in ({"stage3_max_reuse_distance": 0}, {"max_reuse_distance": 0}):
+        assert zero3_first_steps_note({"zero_optimization": {"stage": 3, **off}}) is None

@@ -235,6 +235,23 @@ def fp16_problem(path: str, from_file: bool, device: str) -> str:
     return f"{what}, and DeepSpeed has no fp16 on this machine (accelerator: {device}); {fix}, or run on a GPU"
 
 
+def zero3_first_steps_note(ds: dict[str, Any]) -> str | None:
+    """The one line a ZeRO-3 run prints about its slow step 2 (issue 45; benchmarks/zero3_first_steps.md).
+    At the end of step 1 DeepSpeed has recorded the order its modules ran in; in step 2, for each module
+    it releases, it walks that order ahead until `stage3_max_reuse_distance` parameters (DeepSpeed's
+    default and the toolkit's 1e9: all of a model under 1B) to keep what is used again soon, and caches
+    the answer (`PartitionedParameterCoordinator.__params_to_release`): time that grows with the square
+    of the module calls a step makes (LoRA adds its adapters). Distance 0 skips the walk but gathers
+    every parameter again in backward, so the toolkit keeps DeepSpeed's default and says it here."""
+    zero = ds.get("zero_optimization") or {}
+    distance = zero.get("stage3_max_reuse_distance", zero.get("max_reuse_distance", 1e9))
+    if int(zero.get("stage", 0)) != 3 or not distance:
+        return None
+    return (f"zero-3: step 2 runs long once: DeepSpeed maps, over the module order step 1 recorded, which "
+            f"parameters are used again within stage3_max_reuse_distance {int(distance):,} (about 40 s of CPU for "
+            "SmolLM2-135M with LoRA on 2 ranks, where later steps take 5 s); docs/parallelism.md#zero-3s-first-steps")
+
+
 def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
     """What DeepSpeed itself rejects in the file (unknown keys, bad values), one line each, checked
     before any data or weights are read: its own config parser on a copy with batch sizes of one rank."""
