@@ -24,24 +24,24 @@ PACKED = ["--packing", "--seq-len", "160"]  # 16 rows of about two documents: 2 
 
 LAYOUTS = {
     "tp2_dp_shard2": (["--tp", "2", "--dp-shard", "2", "--micro-batch-size", "2", "--grad-accum", "2"],
-                      "device mesh: dp_shard 2 x tp 2 (FSDP2 over ('dp_shard',), TP layers inside)"),
+                      "layout: device mesh dp_shard 2 x tp 2 (FSDP2 over ('dp_shard',), TP layers inside)"),
     "hsdp": (["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch-size", "2"],
-             "device mesh: dp_replicate 2 x dp_shard 2 (FSDP2 over ('dp_replicate', 'dp_shard'))"),
+             "layout: device mesh dp_replicate 2 x dp_shard 2 (FSDP2 over ('dp_replicate', 'dp_shard'))"),
     "pp2_tp2": (["--pp", "2", "--tp", "2", "--pp-microbatches", "2", "--micro-batch-size", "8"],
-                "device mesh: pp 2 x tp 2\npipeline: 2 stages x 1 data-parallel"),
+                "layout: device mesh pp 2 x tp 2\npipeline: 2 stages x 1 data-parallel"),
     "pp2_dp_shard2": (["--pp", "2", "--dp-shard", "2", "--pp-microbatches", "2", "--micro-batch-size", "4"],
-                      "device mesh: pp 2 x dp_shard 2\npipeline: 2 stages x 2 data-parallel"),
+                      "layout: device mesh pp 2 x dp_shard 2\npipeline: 2 stages x 2 data-parallel"),
     "3d": (["--pp", "2", "--dp-shard", "2", "--tp", "2", "--pp-microbatches", "2", "--micro-batch-size", "4"],
-           "device mesh: pp 2 x dp_shard 2 x tp 2\npipeline: 2 stages x 2 data-parallel"),
+           "layout: device mesh pp 2 x dp_shard 2 x tp 2\npipeline: 2 stages x 2 data-parallel"),
 }
 CP = "context parallel: 2 ranks per sequence (Ulysses all-to-all attention)"
 LAYOUTS.update({  # context parallel, one method each (4-rank runs are dear on 2 cores)
     "cp2_dp2_packed": (["--cp", "2", "--micro-batch-size", "4", *PACKED],
-                       f"device mesh: dp_replicate 2 x cp 2 (DDP over dp x cp)\n{CP}"),
+                       f"layout: device mesh dp_replicate 2 x cp 2 (DDP over dp x cp)\n{CP}"),
     "cp2_dp_shard2": (["--cp", "2", "--dp-shard", "2", "--micro-batch-size", "4", "--gradient-checkpointing"],
-                      f"device mesh: dp_shard 2 x cp 2 (FSDP2 over ('dp_shard_cp',))\n{CP}"),
+                      f"layout: device mesh dp_shard 2 x cp 2 (FSDP2 over ('dp_shard_cp',))\n{CP}"),
     "cp2_tp2": (["--cp", "2", "--tp", "2", "--micro-batch-size", "8"],
-                f"device mesh: cp 2 x tp 2 (TP layers, DDP over dp x cp)\n{CP}"),
+                f"layout: device mesh cp 2 x tp 2 (TP layers, DDP over dp x cp)\n{CP}"),
 })
 METHODS = {"cp2_dp2_packed": ["full"], "cp2_dp_shard2": ["lora"], "cp2_tp2": ["full"],
            "3d": ["lora"]}  # 8 ranks on 2 cores: one method (each pair of its dimensions runs both)

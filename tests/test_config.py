@@ -61,7 +61,7 @@ def test_yaml_wrong_type(tmp_path):
 
 def test_non_empty_output_dir_needs_overwrite(tmp_path):
     (tmp_path / "keep.txt").write_text("precious")
-    with pytest.raises(UserError, match="not empty; pass --resume auto to continue its run, --overwrite-output-dir to replace it"):
+    with pytest.raises(UserError, match="not empty and holds no checkpoint to resume; pass --overwrite-output-dir to "):
         parse_config(["--output-dir", str(tmp_path)])
     assert parse_config(["--output-dir", str(tmp_path), "--overwrite-output-dir"]).output.overwrite_output_dir
 

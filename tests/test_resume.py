@@ -106,7 +106,11 @@ def test_full_finetune_resume_is_bitwise_identical(tmp_path, tiny_model, data, r
     bar = [line for line in p.stderr.splitlines() if line.strip()]
     assert bar[0].startswith("train:  50%|") and " 4/8 [" in bar[0]
     assert "done: 4 steps (5-8, resumed at step 5) in" in p.stdout
-    assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_this_run"] == 4
+    # elapsed_s and train_seconds count the whole run: the killed run's steps, then the resumed ones
+    elapsed = [r["elapsed_s"] for r in records(out) if "loss" in r]
+    assert elapsed == sorted(elapsed) and summary["train_seconds"] > summary["train_seconds_this_run"]
     ref = reference("full")
     assert losses(out) == losses(ref)
     got, want = weights(out, "full"), weights(ref, "full")
@@ -135,6 +139,7 @@ def test_elastic_restart_survives_a_killed_worker(tmp_path, tiny_model, data, re
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert marker.exists() and "checkpoint-4: continuing at step 5" in p.stdout
+    assert f"--resume auto: no checkpoint in {out}; starting from step 0" in p.stdout  # the first attempt
     assert_matches(out, reference("lora", 2))
 
 
@@ -177,12 +182,48 @@ def test_nan_guard_skips_updates_then_saves_and_stops(tmp_path, tiny_model, data
     assert (out / f"checkpoint-{skipped[-1]['step']}" / "trainer_state.json").is_file()
 
 
+def killed_after_checkpoint_6(ref, tmp_path):
+    """A copy of a finished 8-step run as a kill after checkpoint-6 would leave it: no final/, no summary."""
+    out = tmp_path / "out"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    return out
+
+
+def test_a_finished_run_survives_resume_auto_and_is_continued_only_when_asked(tmp_path, tiny_model, data, reference):
+    """--resume auto in a finished run's folder stops in one line and changes no file; the message without
+    --resume offers only what works; --continue-finished --max-steps 10 trains on from checkpoint-6 (steps
+    1-6 kept, 7-10 run on the stretched schedule) and replaces final/; asked again, it is finished at 10."""
+    out = tmp_path / "out"
+    shutil.copytree(reference(), out)
+    files = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    p = run(args(tiny_model, data, out, extra=["--resume", "auto"]))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert (f"--resume auto: {out} holds a finished run (final/ at step 8) and no later checkpoint: there is nothing "
+            "to resume. --continue-finished --max-steps N (N > 8) trains it further from checkpoint-6") in p.stderr
+    p = run(args(tiny_model, data, out))
+    assert p.returncode == 2 and f"--output-dir {out} holds a finished run (final/ at step 8); --resume auto " \
+        "--continue-finished --max-steps N (N > 8) trains it further, --overwrite-output-dir replaces it" in p.stderr
+    p = run(args(tiny_model, data, out, steps=8, extra=["--resume", "auto", "--continue-finished"]))
+    assert p.returncode == 2 and "pass --max-steps beyond them (got 8)" in p.stderr
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == files  # nothing touched
+    p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "checkpoint-6: continuing at step 7 of 10" in p.stdout and "the run finished at step 8" in p.stdout
+    assert [s for s, _ in losses(out)] == list(range(1, 11))
+    assert losses(out)[:6] == losses(reference())[:6]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 10
+    assert not torch.equal(weights(out)[k := next(iter(weights(out)))], weights(reference())[k])  # final/ replaced
+    p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
+    assert p.returncode == 2 and "the run finished 10 steps; pass --max-steps beyond them" in p.stderr
+
+
 def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference):
     """A copy of the uninterrupted reference run (its checkpoint-6 is what --resume auto finds), resumed
     with another learning rate and seed: both changes named in the one refusal."""
     change = ["--lr", "2e-3", "--seed", "8"]
-    out = tmp_path / "out"
-    shutil.copytree(reference(), out)
+    out = killed_after_checkpoint_6(reference(), tmp_path)
     before = sorted(str(x) for x in out.rglob("*"))
     p = run(args(tiny_model, data, out, extra=["--resume", "auto", *change]))
     assert p.returncode == 2
@@ -197,8 +238,7 @@ def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference):
 def test_resume_refuses_another_dataset_and_deepspeed(tmp_path, tiny_model, data, reference):
     """Another dataset is refused; so is DeepSpeed ZeRO, which cannot read a sharded checkpoint (any
     other layout reads it: tests/test_reshard.py)."""
-    out = tmp_path / "out"
-    shutil.copytree(reference(), out)
+    out = killed_after_checkpoint_6(reference(), tmp_path)
     other = tmp_path / "other.json"
     other.write_text(json.dumps(json.loads(data.read_text())[:-1]) if data.suffix == ".json" else
                      "\n".join(data.read_text().splitlines()[:-1]) + "\n")

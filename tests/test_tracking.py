@@ -46,6 +46,52 @@ def test_log_interval_gives_about_fifty_records():
     assert log_interval(7, 1000) == 7  # given: kept
 
 
+def test_loss_png_covers_the_steps_before_a_resume_and_eval_pauses_the_bar(tmp_path, monkeypatch):
+    """A resumed run's loss.png is drawn from every record in metrics.jsonl, not only this process's;
+    the bar names an eval while it runs and leaves its time out of the rate (tqdm's unpause)."""
+    import time
+
+    from toolkit.train import metrics
+
+    drawn = []
+    monkeypatch.setattr(metrics, "plot_loss", lambda records, path: drawn.append([r["step"] for r in records]))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    m = metrics.MetricsLogger(tmp_path, 5, True, done=3)
+    m.log({"step": 4, "loss": 0.5})
+    with m.pause("eval, 4 examples"):
+        assert m._bar.desc == "train (eval, 4 examples)"
+        time.sleep(0.3)
+    assert m._bar.desc == "train" and m._bar.format_dict["elapsed"] < 0.3
+    m.log({"step": 5, "loss": 0.5})
+    m.close()
+    assert drawn == [[1, 2, 3, 4, 5]]
+
+
+def test_samples_decode_one_token_per_forward_through_the_kv_cache(tiny_model):
+    """The prompt batch runs once, then one token per forward; the completions equal `generate`'s greedy ones."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.data.tokenize import ensure_chat_template, prompt_text
+    from toolkit.train.evaluate import sample_completions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ensure_chat_template(tok)
+    lengths = []
+    model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    prompts = ["hi", "a much longer prompt than the first one"]
+    got = sample_completions(SimpleNamespace(eval_device=lambda m: torch.device("cpu")), model, tok, prompts, 6)
+    assert lengths[0] > 1 and lengths[1:] == [1] * 5
+    for prompt, completion in zip(prompts, got):
+        enc = tok(prompt_text(tok, [{"role": "user", "content": prompt}]), return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert completion == tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
 def test_samples_are_the_model_s_greedy_completions_at_their_step(tracked):
     """samples.jsonl holds (step, prompt, completion) at steps 0, 3, 6; step 6's completions equal
     greedy generation from the saved final folder with the run's chat template (fp32, CPU)."""
@@ -103,6 +149,31 @@ def test_a_tracker_that_fails_mid_run_is_one_warning_and_the_run_goes_on(tmp_pat
     assert said.count("--report-to tensorboard: ConnectionError: the dashboard went away; tensorboard is left out "
                       "for the rest of the run") == 1
     assert (out / "final" / "adapter_model.safetensors").is_file() and len(records(out)) == 3
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_before_the_model_loads(tmp_path, tiny_model, data_files,
+                                                                          monkeypatch, capsys):
+    """mlflow (3.17 here) refuses a file store named by MLFLOW_TRACKING_URI: one line naming the tracker, what
+    refused it and the fix, exit 2, before the weights load; nothing of a run is left but its config."""
+    from mlflow.store.tracking.file_store import FileStore
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # set by a run that wrote OUTPUT_DIR/mlruns
+    try:
+        FileStore((tmp_path / "probe").as_uri())
+        pytest.skip("this mlflow accepts file stores (mlflow >= 3.x in maintenance mode refuses them)")
+    except Exception:  # noqa: BLE001 - the refusal the run must turn into one line
+        pass
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--output-dir", str(out),
+                       "--seq-len", "64", "--max-steps", "2", "--report-to", "mlflow", "--mixed-precision", "no"])
+    said = capsys.readouterr()
+    assert e.value.code == 2 and "Traceback" not in said.err
+    (line,) = [x for x in said.err.splitlines() if x.startswith("finetune.py: error:")]
+    assert "--report-to mlflow could not start (MlflowException: " in line
+    assert f"MLFLOW_TRACKING_URI={(tmp_path / 'store').as_uri()} is what it refused" in line
+    assert "model:" not in said.out and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
 
 
 def test_a_tracker_that_is_not_installed_is_refused_at_start(tmp_path, monkeypatch):

@@ -46,8 +46,19 @@ class AccelerateStrategy(Strategy):
         return model, optimizer, loader
 
     def describe(self) -> str:
-        mesh = f"device mesh: {self.dims.describe()} (DDP over dp x cp)\n" if self.context.context else ""
-        return mesh + self.context.describe() + self.loss.describe()
+        n, fsdp = self.accelerator.num_processes, getattr(self.accelerator.state, "fsdp_plugin", None)
+        if self.context.context:
+            layout = f"layout: device mesh {self.dims.describe()} (DDP over dp x cp)"
+        elif fsdp is not None:
+            how = ("parameters resharded after each block's forward (ZeRO-3-like)" if fsdp.reshard_after_forward
+                   else "parameters kept gathered from forward to backward (ZeRO-2-like)")
+            layout = (f"layout: FSDP2 over {n} ranks (accelerate's plugin): parameters, gradients and optimizer "
+                      f"state sharded; {how}")
+        elif n > 1:
+            layout = f"layout: DDP over {n} ranks: each holds the whole model and optimizer; gradients all-reduced"
+        else:
+            layout = "layout: one process, the whole model"
+        return layout + "\n" + self.context.describe() + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
         return accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)
@@ -109,7 +120,12 @@ class DeepSpeedStrategy(Strategy):
         return scheduler
 
     def describe(self) -> str:
-        return self.loss.describe()
+        from toolkit.layout.deepspeed import zero3_first_steps_note
+
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        slow = zero3_first_steps_note(ds)  # why its step 2 is slow (issue 45)
+        return zero_layout(ds, self.accelerator.num_processes) + "\n" + (slow + "\n" if slow else "") \
+            + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
         """The engine divides each loss by its configured --grad-accum (not this step's count)."""
@@ -158,3 +174,21 @@ class DeepSpeedStrategy(Strategy):
         zero = optimizer.optimizer
         load_partitioned(zero, restore_loss_scaler(zero, saved), self.accelerator.process_index,
                          self.accelerator.num_processes)
+
+
+ZERO_SHARDS = {0: "nothing partitioned (DDP-like)", 1: "optimizer state partitioned",
+               2: "optimizer state and gradients partitioned",
+               3: "parameters, gradients and optimizer state partitioned"}
+
+
+def zero_layout(ds: dict, ranks: int) -> str:
+    """'layout: DeepSpeed ZeRO-3 over 2 ranks: ...; optimizer state offloaded to cpu' from the JSON the
+    engine runs with."""
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    line = f"layout: DeepSpeed ZeRO-{stage} over {ranks} rank{'s' if ranks > 1 else ''}: {ZERO_SHARDS.get(stage, '?')}"
+    for key, what in (("offload_optimizer", "optimizer state"), ("offload_param", "parameters")):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", None):
+            line += f"; {what} offloaded to {device}"
+    return line

@@ -44,8 +44,8 @@ class TensorParallelStrategy(Strategy):
 
     def describe(self) -> str:
         over = "dp x cp" if self.dims.cp > 1 else "dp"
-        return f"device mesh: {self.dims.describe()} (TP layers, DDP over {over})\n" + self.context.describe() \
-            + self.loss.describe()
+        return f"layout: device mesh {self.dims.describe()} (TP layers, DDP over {over})\n" + self.tp.describe() \
+            + self.context.describe() + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
         return accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)
@@ -104,8 +104,8 @@ class MeshShardedStrategy(Strategy):
 
     def describe(self) -> str:
         inside = ", TP layers inside" if self.dims.tp > 1 else ""
-        return f"device mesh: {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside})\n" \
-            + self.context.describe() + self.loss.describe()
+        return f"layout: device mesh {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside})\n" \
+            + self.tp.describe() + self.context.describe() + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
         total = accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)

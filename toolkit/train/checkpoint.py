@@ -35,7 +35,7 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.zero import load_full_state_dict
 from toolkit.train.manifest import MANIFEST, damage, write_manifest
-TRAINER_STATE = "trainer_state.json"
+from toolkit.inputs import TRAINER_STATE, complete_checkpoints  # noqa: F401 - the names checkpoints are read by
 # the DCP folder inside checkpoint-N (toolkit.train.sharded_state, imported only where a checkpoint is
 # written or read: torch.distributed.checkpoint costs ~0.8 s of a run's start-up on 2 cores)
 STATE_DIR = "state"
@@ -261,13 +261,6 @@ def prune_checkpoints(accelerator, out_dir: Path, keep_last: int) -> None:
         for old in complete_checkpoints(out_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def complete_checkpoints(out_dir: Path) -> list[Path]:
-    """checkpoint-N folders (renamed from .tmp once complete) holding a trainer_state.json, oldest first."""
-    found = [p for p in Path(out_dir).glob("checkpoint-*")
-             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and (p / TRAINER_STATE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
 def torch_optimizer(optimizer):

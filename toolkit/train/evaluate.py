@@ -80,8 +80,9 @@ def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_t
     """Greedy completions of `prompts` (each a user turn, rendered with the run's chat template) by
     the model being trained, through the same forward as the eval loss: the prepared model, so ZeRO-3
     and FSDP gather and the TP layers exchange inside it, every rank in lock-step (same prompts, same
-    number of steps). One left-padded batch, one forward per new token; no KV cache (a sample is a
-    few dozen tokens), positions counted from each prompt's first token as `generate` counts them."""
+    number of steps). One left-padded batch; the prompt runs once, then one token per forward through
+    the model's KV cache (a model that returns none runs the whole sequence again each token);
+    positions counted from each prompt's first token as `generate` counts them."""
     texts = [prompt_text(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
@@ -92,15 +93,30 @@ def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_t
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     start, pad = ids.shape[1], tokenizer.pad_token_id
     done = torch.zeros(len(texts), dtype=torch.bool, device=device)
+    step_ids, cache, name = ids, None, cache_kwarg(model)
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
-            nxt = torch.where(done, torch.full_like(done, pad, dtype=ids.dtype), logits.argmax(-1).to(ids.dtype))
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{name: cache})
+            cache = out.get(name)
+            nxt = torch.where(done, torch.full_like(done, pad, dtype=ids.dtype), out.logits[:, -1].argmax(-1).to(ids.dtype))
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             mask = torch.cat([mask, (~done).to(mask.dtype)[:, None]], dim=1)
             done |= nxt == tokenizer.eos_token_id
+            step_ids = ids if cache is None else nxt[:, None]
     finally:
         model.train()
     return [t.strip() for t in tokenizer.batch_decode(ids[:, start:], skip_special_tokens=True)]
+
+
+def cache_kwarg(model) -> str:
+    """What the model's forward calls its KV cache: `cache` in transformers 5.x since it was renamed,
+    `past_key_values` before (the old name still works there, with a warning at every call)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return "cache" if hf is not None and "cache" in inspect.signature(hf.forward).parameters else "past_key_values"

@@ -5,8 +5,9 @@ writes."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 RECORDS_PER_RUN = 50  # --log-every 0: about this many records, whatever the run's length
@@ -19,10 +20,10 @@ def log_interval(log_every: int, total_steps: int) -> int:
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, done: int = 0, report_to: list[str] = (),
-                 config: dict[str, Any] | None = None):
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, done: int = 0, trackers=None):
         """`done`: steps a resumed run starts past; the bar starts there and its rate counts only
-        the steps this run takes. `report_to`: tracker names, given `config` as hyperparameters."""
+        the steps this run takes. `trackers`: the run's `toolkit.train.trackers.Trackers`, started
+        before the model loaded (`start_trackers`)."""
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
@@ -36,7 +37,8 @@ class MetricsLogger:
 
         self._file = self.path.open("a", buffering=1)
         self._bar = tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
-        self.trackers = Trackers(list(report_to), out_dir, config or {}, self.write)
+        self.trackers = trackers if trackers is not None else Trackers([], out_dir, {}, self.write)
+        self.trackers.say = self.write  # a tracker dropped mid-run: a line above the bar
 
     def log(self, record: dict[str, Any]) -> None:
         """Append a record (must hold `step`); its numbers also go to the trackers under their keys."""
@@ -64,6 +66,21 @@ class MetricsLogger:
         self.trackers.table("samples", ["step", "prompt", "completion"],
                             [[step, p, c] for p, c in zip(prompts, completions)], step)
 
+    @contextmanager
+    def pause(self, what: str) -> Iterator[None]:
+        """The bar names `what` (eval, samples) while it runs, and its time is kept out of the bar's rate
+        and ETA (tqdm's `unpause`), so the estimate does not jump after it."""
+        if self._bar is None:
+            yield
+            return
+        self._bar.set_description_str(f"train ({what})", refresh=True)
+        try:
+            yield
+        finally:
+            self._bar.set_description_str("train", refresh=False)
+            self._bar.unpause()
+            self._bar.refresh()
+
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(steps)
@@ -80,9 +97,14 @@ class MetricsLogger:
         self.trackers.finish()
         try:  # a full disk was said when it was met (or is said by the save that met it): not again here
             self._file.close()
-            plot_loss(self.records, self.path.parent / "loss.png")
+            plot_loss(read_records(self.path) if self._writing else self.records, self.path.parent / "loss.png")
         except OSError:
             pass
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record in metrics.jsonl: after a resume, the steps before it too (loss.png covers the run)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path) -> None:

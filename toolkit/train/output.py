@@ -41,7 +41,7 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
         return
-    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples} training examples, "
+    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training examples, "
         f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
@@ -51,7 +51,8 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
     if stats.truncated:
         log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
     if stats.dropped:
-        log(f"data: {stats.dropped} example(s) dropped: no answer tokens left after truncation")
+        log(f"data: {stats.dropped} more example(s) dropped, not counted above: no answer tokens left after "
+            "truncation")
     if added_template:
         log("data: the tokenizer has no chat template; using the toolkit's fallback "
             "(<|role|>\\ncontent<eos>), saved with the tokenizer")
@@ -65,7 +66,9 @@ class RunResult:
 
 def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, model) -> RunResult:
     summary = {"steps": result.steps, "steps_this_run": result.steps_run, "final_loss": result.final_loss,
-               "tokens": result.tokens, "train_seconds": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
+               "eval_loss": result.eval_loss, "tokens": result.tokens,
+               "train_seconds": round(result.elapsed_before + result.elapsed_s, 1),
+               "train_seconds_this_run": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
     for when, (correct, total, samples) in scores.items():
         summary[f"exact_match_{when}"] = correct / total
         if when == "after":

@@ -22,15 +22,15 @@ from typing import Callable
 from toolkit.config import Config
 from toolkit.dataset_spec import dataset_digest
 from toolkit.errors import UserError
-from toolkit.train.checkpoint import TRAINER_STATE, complete_checkpoints
+from toolkit.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
 from toolkit.train.manifest import damage
 
 # Settings that change what a run computes (not how fast or where it logs).
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
-               "loss", "streaming")
-NEWER_RESULT_KEYS = {"streaming": False}  # what older checkpoints ran with
+               "loss", "streaming", "router_aux_loss_coef")
+NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
@@ -143,13 +143,21 @@ def find_checkpoint(cfg: Config, damaged: Callable[[Path], str | None] = damage)
             raise UserError(f"--resume {path}: the checkpoint is damaged: {problem}; resume from an earlier one "
                             "(--resume auto picks the newest intact one)")
         return _read_point(path)
-    found = complete_checkpoints(Path(cfg.output.output_dir))
+    out = Path(cfg.output.output_dir)
+    refused = finished_problems(str(out), cfg.output.continue_finished, cfg.train.max_steps)
+    if refused:  # checked at start-up too; the folder may have changed since
+        raise UserError(refused[0])
+    found, done, continuing = later_checkpoints(out), finished_step(out), []
+    if not found and done is not None:  # --continue-finished: from its newest checkpoint, past final/'s step
+        found = complete_checkpoints(out)
+        continuing = [f"--continue-finished: the run finished at step {done}; training on to step "
+                      f"{cfg.train.max_steps}, its learning-rate schedule stretched to that; final/ is replaced at the end"]
     skipped = []
     for path in reversed(found):
         problem = damaged(path)
         if problem is None:
             point = _read_point(path)
-            notes = tuple(f"--resume auto: skipped {name}, damaged: {why}" for name, why in skipped)
+            notes = tuple(f"--resume auto: skipped {name}, damaged: {why}" for name, why in skipped) + tuple(continuing)
             return ResumePoint(point.path, point.step, point.state, notes=notes)
         skipped.append((path.name, problem))
     if skipped:
@@ -179,7 +187,9 @@ def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
     changes = model_changes(saved["model_files"], now["model_files"]) if saved.get("model_files") else []
     if changes:
         problems.append(f"the model at {cfg.model.model} changed since the checkpoint ({', '.join(changes[:4])})")
-    keys = [k for k in now["settings"] if k != "global_batch"]
+    # --continue-finished trains past the steps the checkpoint's run was asked for: only their number differs
+    beyond = ("max_steps", "epochs") if cfg.output.continue_finished else ()
+    keys = [k for k in now["settings"] if k != "global_batch" and k not in beyond]
     if "global_batch" not in settings:  # an older checkpoint: same layout, so the same split
         now["settings"].update({k: getattr(cfg.train, k) for k in BATCH_KEYS})
         keys += list(BATCH_KEYS)

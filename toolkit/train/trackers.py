@@ -8,8 +8,10 @@
 - trackio: its local store.
 
 A tracker whose package is missing is refused at start (config validation,
-`toolkit.tracker_spec.spec_problems`).
-One that fails while the run goes on is said once and dropped: a dashboard never stops training.
+`toolkit.tracker_spec.spec_problems`). One that cannot start (a store it refuses, a server it cannot
+reach) stops the run before the model loads, in one line (`start_trackers`): a run that was asked to
+report somewhere and silently did not is lost to whoever watches that dashboard. One that fails while
+the run goes on is said once and dropped: a dashboard never stops training.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any, Callable
+
+from toolkit.errors import UserError
 
 
 def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
@@ -55,9 +59,22 @@ def _make(name: str, out_dir: Path, run_name: str):
     return tracking.TrackioTracker(os.environ.get("TRACKIO_PROJECT", "toolkit"), name=run_name)
 
 
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def start_failure(name: str, e: Exception) -> str:
+    """One line: the tracker, what refused it, and the fix."""
+    fix = f"fix its settings, or leave {name} out of --report-to (metrics.jsonl is always written)"
+    if name == "mlflow" and os.environ.get("MLFLOW_TRACKING_URI"):
+        fix = (f"MLFLOW_TRACKING_URI={os.environ['MLFLOW_TRACKING_URI']} is what it refused: point it at a tracking "
+               f"server or a store this mlflow accepts, unset it to write OUTPUT_DIR/mlruns, or {fix.split(', or ')[1]}")
+    return f"--report-to {name} could not start ({_why(e)}); {fix}"
+
+
 class Trackers:
     """The run's trackers on the main process (none elsewhere). `say` prints one line (the progress
-    bar's write)."""
+    bar's write). Raises UserError, after closing the ones already started, when one cannot start."""
 
     def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], say: Callable[[str], None]):
         self.say, self.live = say, []
@@ -67,15 +84,14 @@ class Trackers:
                 tracker = _make(name, out_dir, out_dir.absolute().name)
                 tracker.start()
                 tracker.store_init_configuration(hparams)
-            except Exception as e:  # noqa: BLE001 - any tracker failure: said once, the run goes on
-                self._drop(name, e)
-                continue
+            except Exception as e:  # noqa: BLE001 - whatever the tracker raises: one line, the run stops
+                self.finish()
+                raise UserError(start_failure(name, e)) from None
             self.live.append((name, tracker))
 
     def _drop(self, name: str, e: Exception) -> None:
         self.live = [(n, t) for n, t in self.live if n != name]
-        self.say(f"--report-to {name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}; "
-                 f"{name} is left out for the rest of the run")
+        self.say(f"--report-to {name}: {_why(e)}; {name} is left out for the rest of the run")
 
     def _each(self, fn: Callable[[str, Any], None]) -> None:
         for name, tracker in list(self.live):
@@ -111,3 +127,24 @@ class Trackers:
     def finish(self) -> None:
         self._each(lambda name, t: t.finish())
         self.live = []
+
+
+def start_trackers(names: list[str], out_dir: Path, config: dict[str, Any], accelerator,
+                   say: Callable[[str], None] = print) -> Trackers | None:
+    """The trackers, started on the main process before the model loads (None elsewhere); when one
+    cannot start, every rank stops with its one line (the main process tells the others)."""
+    trackers, failed = None, ""
+    if accelerator.is_main_process:
+        try:
+            trackers = Trackers(names, out_dir, config, say)
+        except UserError as e:
+            failed = str(e)
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        verdict = [failed]
+        dist.broadcast_object_list(verdict, src=0)
+        failed = verdict[0]
+    if failed:
+        raise UserError(failed)
+    return trackers
