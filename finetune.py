@@ -16,6 +16,7 @@ from toolkit.config import parse_config, save_config
 from toolkit.console import quiet
 from toolkit.errors import exit_on_user_error
 from toolkit.startup import leave_unimported
+from toolkit.tracker_spec import requested
 
 
 @exit_on_user_error("finetune.py")
@@ -39,9 +40,10 @@ def main(argv: list[str] | None = None):
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
     from toolkit.train.resume import resume_point, resumed_config, resumed_weights
+    from toolkit.train.trackers import start_trackers
 
     model_path = resolve_model(cfg.model.model)
-    check_model(cfg, model_path)  # LoRA targets, on a weightless skeleton
+    attention = check_model(cfg, model_path)  # LoRA targets, the attention it runs: on a weightless skeleton
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     added_template = ensure_chat_template(tokenizer)
     data = prepare_data(cfg, tokenizer)  # tokenized once into the cache; bad data fails here, before the model
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None):
     log = accelerator.print
     for note in cfg.notes:  # where the layout came from when not from our flags (a launcher, a DeepSpeed file)
         log(note)
+    if resume is None and cfg.output.resume == "auto":
+        log(f"--resume auto: no checkpoint in {cfg.output.output_dir}; starting from step 0")
     out_dir = prepare_output_dir(cfg, accelerator)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
@@ -64,20 +68,24 @@ def main(argv: list[str] | None = None):
             (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
             log(table)
     report_data(log, cfg, data, added_template)
+    trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)  # or stop here
 
     model = strategy.shard_model(resumed_weights(load_model(cfg, model_path), resume, cfg.model.method))
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 else ""
-    log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method})")
+    log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method}); "
+        f"{attention}")
     scores = {}
-    if data.answers:
-        scores["before"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
+
+    def score_before(prepared) -> None:  # on the prepared model: ZeRO-3's weights are partitioned before it
+        scores["before"] = exact_match(strategy, prepared, tokenizer, data.em_conversations, data.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
     restart = None  # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
     if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:
         restart = partial(restart_after_oom, planned, say=log)
-    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, restart)
+    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, restart,
+                          trackers, score_before if data.answers else None)
     written = save_final(strategy, model, tokenizer, out_dir / "final")  # the tensors saved, for the check
     verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)

@@ -99,7 +99,8 @@ def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], npr
     (out / "stderr.txt").write_text(p.stderr)
     assert (out / "results.json").exists(), f"exit {p.returncode}:\n{p.stderr[-4000:]}"
     results = json.loads((out / "results.json").read_text())
-    return {name: {**r, "out": out / name, "stdout": out / f"{name}.stdout.txt"} for name, r in results.items()}
+    return {name: {**r, "out": out / name, "stdout": out / f"{name}.stdout.txt", "stderr": out / f"{name}.stderr.txt"}
+            for name, r in results.items()}
 
 
 def common_args(model, data) -> list[str]:

@@ -9,7 +9,7 @@ up until the last run: accelerate and DeepSpeed join the one that exists.
 
     <launcher> tests/layouts.py SPEC.json
 SPEC: {"common": [flags every run takes], "runs": {name: [flags]}, "out": folder, "cuda_path": [names]}.
-Each run writes OUT/name and its stdout to OUT/name.stdout.txt; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
+Each run writes OUT/name and its stdout and stderr to OUT/name.stdout.txt and OUT/name.stderr.txt; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
 named in "cuda_path" take the launch set-up's GPU branch on this CPU (`toolkit.parallel.launch.on_cuda`
 answers True): one process only, where accelerate then runs DeepSpeed as on one GPU.
 """
@@ -80,7 +80,8 @@ def main(argv: list[str]) -> None:
         group_before = dist.is_initialized()  # a run after the first finds the group up: only the first sets it up
         main_rank = int(os.environ.get("RANK", "0")) == 0
         with open(out / f"{name}.stdout.txt" if main_rank else os.devnull, "w") as log, \
-                contextlib.redirect_stdout(Tee(sys.stdout, log)):
+                open(out / f"{name}.stderr.txt" if main_rank else os.devnull, "w") as err, \
+                contextlib.redirect_stdout(Tee(sys.stdout, log)), contextlib.redirect_stderr(Tee(sys.stderr, err)):
             try:
                 finetune.main([*local_rank, *spec["common"], "--output-dir", str(out / name), *flags])
                 results[name] = {"exit": 0, "group_before": group_before}

@@ -269,3 +269,37 @@ def test_the_flag_offers_the_kernels_there_are():
     from toolkit.config import _fields
 
     assert _fields()["attn"][1].metadata["choices"] == CHOICES
+
+
+def skeleton(model_type: str, **overrides):
+    """`toolkit.synthetic.ZOO`'s config as a weightless model, as `check_model` sees it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.synthetic import ZOO
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**ZOO[model_type], **overrides}))
+
+
+def test_each_model_gets_the_attention_it_supports_or_one_line():
+    """The default is transformers' own pick (sdpa where the class supports it, else eager); packed rows
+    take a padding-free kernel only where it implements the model's softcapping, sinks and windows, else
+    the model's own attention with a block-diagonal mask; an --attn the model cannot run is one line."""
+    choose = attention.choose_attention
+    gemma2, gpt_oss, llama = skeleton("gemma2"), skeleton("gpt_oss"), skeleton("llama")
+    assert attention.model_features(gemma2, 64) == ["softcap", "sliding windows"]
+    assert attention.model_features(gemma2, 16) == ["softcap"]  # a window as long as the rows is none
+    assert attention.model_features(gpt_oss, 64) == ["attention sinks", "sliding windows"]
+    assert attention.model_features(llama, 64) == []
+    assert choose("auto", "cpu", False, gemma2, 64) == (None, "attention: eager (transformers' for Gemma2ForCausalLM)")
+    assert choose("auto", "cpu", False, llama, 64) == (None, "attention: sdpa (transformers' for LlamaForCausalLM)")
+    assert choose("auto", "cpu", True, llama, 64)[0] == "packed_varlen"
+    assert choose("auto", "cpu", True, gpt_oss, 64) == (
+        None, "attention: eager with a block-diagonal mask for packed rows (the padding-free kernels here do not "
+              "implement GptOssForCausalLM's attention sinks, sliding windows)")
+    assert attention.model_features(skeleton("gpt2", attn_pdrop=0.1), 64) == ["attention dropout"]  # GPT-2's default
+    with pytest.raises(UserError, match="Gemma2ForCausalLM does not support torch's scaled_dot_product_attention"):
+        choose("sdpa", "cpu", False, gemma2, 64)
+    with pytest.raises(UserError, match="--attn varlen does not implement Gemma2ForCausalLM's softcap, sliding windows; "
+                                        "leave --attn out"):
+        choose("varlen", "cpu", True, gemma2, 64)

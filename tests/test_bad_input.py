@@ -74,7 +74,7 @@ def case(tmp_path, name):
                                    bos_token_id=tok.bos_token_id)).save_pretrained(d / "gpt2")
         tok.save_pretrained(d / "gpt2")
         return ["--pp", "2", "--model", str(d / "gpt2")], \
-            "cannot split GPT2LMHeadModel into pipeline stages: missing model.embed_tokens"
+            "GPT2LMHeadModel (model type gpt2) declares no base_model_pp_plan; --pp needs it"
     if name == "unknown_yaml_key":
         (d / "run.yaml").write_text("learning_rat: 0.001\n")
         return ["--config", str(d / "run.yaml")], "(did you mean 'lr'?)"
@@ -95,7 +95,7 @@ def case(tmp_path, name):
                                               for _ in range(4)))
         return ["--dataset", str(d / "long.jsonl"), "--seq-len", "16"], "--seq-len"
     if name == "output_dir_would_be_clobbered":
-        return ["--no-overwrite"], "is not empty; pass --resume auto to continue its run"
+        return ["--no-overwrite"], "is not empty and holds no checkpoint to resume; pass --overwrite-output-dir"
     if name == "resume_truncated_checkpoint":
         (d / "checkpoint-2").mkdir()
         (d / "checkpoint-2" / "model.safetensors").write_bytes(b"\0" * 16)

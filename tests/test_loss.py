@@ -219,9 +219,12 @@ def fake_package(monkeypatch, kind: str, with_bias: bool = True) -> list[dict]:
     _, module, name = loss_mod.FUSED[kind]
     calls: list[dict] = []
 
-    def kernel(h, w, y, bias=None, ignore_index=-100, reduction="mean"):
+    def kernel(h, w, y, bias=None, ignore_index=-100, reduction="mean", softcap=None):
         calls.append({"ignore_index": ignore_index, "reduction": reduction, "rows": len(y)})
-        return F.cross_entropy(F.linear(h, w, bias).float(), y, ignore_index=ignore_index, reduction=reduction)
+        logits = F.linear(h, w, bias).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction=reduction)
 
     def kernel_without_bias(h, w, y, ignore_index=-100, reduction="mean"):
         return kernel(h, w, y, None, ignore_index, reduction)
@@ -273,3 +276,112 @@ def test_failed_compile_falls_back_to_eager_and_says_why(monkeypatch):
         got = model(x)
     torch.testing.assert_close(got, token_loss_sum(model(x), labels), **FP32)
     assert not wrapped.compiled and "torch.compile failed" in wrapped.describe()
+
+
+def zoo_model(model_type: str, **overrides):
+    """`toolkit.synthetic.ZOO`'s tiny config, in memory, with a small vocabulary."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.synthetic import ZOO
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**ZOO[model_type], "vocab_size": 96, "tie_word_embeddings": False,
+                                                 **overrides})
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+def zoo_batch(seed: int = 0):
+    torch.manual_seed(seed)
+    ids = torch.randint(4, 96, (2, 20))
+    labels = ids.clone()
+    labels[0, :6] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("kind", ["chunked", "liger", "cce"])
+@pytest.mark.parametrize("model_type, transform", [("cohere", "logits x 0.25"), ("granite", "logits x 0.125"),
+                                                   ("gemma2", "logits softcap 5")])
+def test_each_head_trains_the_model_s_own_loss_through_its_logit_transform(monkeypatch, kind, model_type, transform):
+    """Cohere's logit_scale, Granite's logits_scaling and Gemma 2's final softcapping, read from the config:
+    each head's loss sum equals `model(input_ids, labels=...)`'s mean times the targets, and every gradient
+    equals full logits' (fp32); the model's own transform is back on afterwards (generation sees it)."""
+    if kind != "chunked":
+        fake_package(monkeypatch, kind)
+    model = zoo_model(model_type)
+    ids, labels = zoo_batch()
+    n = int((labels[:, 1:] != -100).sum())
+    own = model(input_ids=ids, labels=labels)
+    model.zero_grad()
+    token_loss_sum(model(input_ids=ids).logits, labels).backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    head = loss_head_for(model, kind, "cuda" if kind != "chunked" else "cpu")
+    assert head.transform.describe() == transform and transform in head.describe()
+    model.zero_grad()
+    with head.labels(labels):
+        got = model(input_ids=ids).logits
+    got.backward()
+    torch.testing.assert_close(got / n, own.loss, **FP32)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], atol=1e-5, rtol=1e-4, msg=k)
+    torch.testing.assert_close(model(input_ids=ids).logits, own.logits)  # transform on again outside the head
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_the_router_load_balancing_loss_is_trained_and_reported(model_type):
+    """With output_router_logits (the zoo's coefficient 0.5), the micro-batch loss is the model's own:
+    cross-entropy sum + coef x aux_loss x targets, so divided by the targets it is `model(labels=...)`'s
+    loss; `take_aux` reports the aux loss x targets once. At coefficient 0 none is added."""
+    from toolkit.parallel.strategy import LossHead
+
+    model = zoo_model(model_type)
+    ids, labels = zoo_batch()
+    n = int((labels[:, 1:] != -100).sum())
+    own = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    for choice in ("full", "chunked"):
+        head = LossHead(device_type="cpu")
+        head.choose(model, choice)
+        assert head.aux_coef == 0.5 and "load-balancing loss x 0.5" in head.describe()
+        got = head(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        torch.testing.assert_close(got / n, own.loss, **FP32)
+        torch.testing.assert_close(head.take_aux() / n, own.aux_loss.double(), **FP32)
+        assert head.take_aux() is None
+        head.full_logits()
+    off = zoo_model(model_type, router_aux_loss_coef=0.0)
+    head = LossHead(device_type="cpu")
+    head.choose(off, "full")
+    assert head.aux_coef == 0.0 and "load-balancing" not in head.describe()
+
+
+def test_the_loss_check_falls_back_or_stops_where_a_head_would_train_another_objective(tmp_path, data_files,
+                                                                                         monkeypatch, capsys):
+    """A logit transform the heads do not know (simulated by emptying their table, as a model with an
+    unlisted transform would be): under --loss auto the check before step 1 falls back to full logits,
+    whose losses then equal --loss full's; under --loss chunked the run stops with one line naming the
+    model type and the head, before any step or file of a model."""
+    import json
+
+    import finetune
+    from toolkit.synthetic import build_zoo_model_dir
+
+    model = build_zoo_model_dir(tmp_path / "cohere", "cohere")
+
+    def run(loss: str) -> list[float]:
+        out = tmp_path / loss
+        finetune.main(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(out),
+                       "--seq-len", "64", "--max-steps", "2", "--mixed-precision", "no", "--method", "full",
+                       "--report-to", "none", "--verify", "files", "--loss", loss])
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    full = run("full")
+    monkeypatch.setattr(loss_mod.LogitTransform, "KNOWN", {})
+    capsys.readouterr()
+    assert run("auto") == pytest.approx(full, rel=1e-6)
+    said = capsys.readouterr().out
+    assert "on model type cohere" in said and "--loss auto falls back to full logits" in said
+    with pytest.raises(SystemExit) as e:
+        run("chunked")
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("finetune.py: error:")]
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "is not model type cohere's own" in line and "chunked LM head" in line and "use --loss full" in line
+    assert not (tmp_path / "chunked" / "metrics.jsonl").read_text().strip()

@@ -326,6 +326,64 @@ def unavailable(kernel: str, device_type: str) -> str | None:
     return None
 
 
+# What a packed kernel implements beyond causal attention within documents (flash-attn takes softcap,
+# windows and sinks itself; ours refuse them at the call: `_supported`)
+IMPLEMENTS = {"varlen": frozenset(), "flex": frozenset(),
+              "flash": frozenset({"softcap", "sliding windows", "attention sinks", "attention dropout"})}
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # Llama's, GPT-2's, BERT's
+
+
+def model_features(model, seq_len: int) -> list[str]:
+    """What `model`'s attention does beyond plain causal attention, that a packed kernel must implement:
+    logit softcapping (Gemma 2), attention sinks (gpt-oss), sliding windows shorter than the rows
+    (Gemma 2/3, gpt-oss: `layer_types`; Mistral-style `sliding_window`), dropout on the attention
+    probabilities (GPT-2's attn_pdrop 0.1)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    found = ["softcap"] if getattr(config, "attn_logit_softcapping", None) else []
+    if any(getattr(config, key, 0) or 0 for key in DROPOUT_KEYS):
+        found.append("attention dropout")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        found.append("attention sinks")
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    sliding = "sliding_attention" in types if types else getattr(config, "use_sliding_window", True)
+    if window and sliding and window < seq_len:
+        found.append("sliding windows")
+    return found
+
+
+def default_attention(model) -> str:
+    """What transformers loads a model with when not told: sdpa where the class supports it, else eager."""
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+
+
+def choose_attention(choice: str, device_type: str, packing: bool, model, seq_len: int) -> tuple[str | None, str]:
+    """`--attn` for this model on this machine: (the name to `set_attn_implementation`, or None to keep
+    the one transformers picked for it, the line that says what runs); one-line UserError where the
+    model or the machine cannot run the choice. `packing` False for layouts that cut rows (--cp)."""
+    if choice not in CHOICES:
+        raise UserError(f"--attn {choice!r}: choose one of {', '.join(CHOICES)}")
+    own, features, cls = default_attention(model), model_features(model, seq_len), type(model).__name__
+    if choice == "sdpa" and own != "sdpa":
+        raise UserError(f"--attn sdpa: {cls} does not support torch's scaled_dot_product_attention (transformers "
+                        f"runs it with {own}); leave --attn out (auto) to run it with {own}")
+    if choice in ("varlen", "flex", "flash"):
+        name = attn_implementation(choice, device_type, packing)  # or why this machine cannot run it
+        missing = [f for f in features if f not in IMPLEMENTS[choice]]
+        if missing:
+            raise UserError(f"--attn {choice} does not implement {cls}'s {', '.join(missing)}; leave --attn out (auto: "
+                            f"its own {own} attention, with a block-diagonal mask for packed rows)"
+                            + ("" if choice == "flash" else " or use --attn flash on a GPU with flash-attn"))
+        return name, f"attention: {choice} (packed rows attend within their documents)"
+    if choice == "sdpa" or not packing:
+        return None, f"attention: {own} (transformers' for {cls})"
+    have = [k for k in available(device_type) if k != "sdpa" and not set(features) - IMPLEMENTS[k]]
+    kernel = auto_choice(device_type, True, have + ["sdpa"])
+    if kernel == "sdpa":
+        why = f" (the padding-free kernels here do not implement {cls}'s {', '.join(features)})" if features else ""
+        return None, f"attention: {own} with a block-diagonal mask for packed rows{why}"
+    return register(kernel), f"attention: {kernel} (packed rows attend within their documents)"
+
+
 def available(device_type: str) -> list[str]:
     """The kernels (of sdpa, flex, varlen, flash) that can train on `device_type` here."""
     return [k for k in ("sdpa", "flex", "varlen", "flash") if unavailable(k, device_type) is None]

@@ -50,6 +50,9 @@ class ModelConfig:
                                          "each adapted layer's input (benchmarks/lora_dropout.md)")
     lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
+    router_aux_loss_coef: Optional[float] = _f(None, "MoE models: the router load-balancing loss's coefficient, "
+                                                     "added to the loss as the model adds it (0 = off; unset = "
+                                                     "the config's, on where it sets output_router_logits)")
     attn: str = _f("auto", "attention kernel: sdpa (transformers'; a dense block-diagonal mask for packed rows); "
                            "varlen (torch's varlen_attn on CUDA, per document on CPU), flex (flex_attention with a "
                            "document mask), flash (flash-attn): packed rows without padding or a dense mask; auto: "
@@ -158,6 +161,8 @@ class OutputConfig:
     keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: str = _f("", "resume from 'auto' (the newest complete checkpoint in --output-dir) or a checkpoint folder")
     resume_ignore_mismatch: bool = _f(False, "resume even if the dataset or result-changing settings differ from the checkpoint's")
+    continue_finished: bool = _f(False, "with --resume auto on a finished run (final/ written): train it further, to a "
+                                        "larger --max-steps, from its newest checkpoint; final/ is replaced at the end")
     verify: str = _f("load", "after the final save: files = the weight files equal the trained tensors; load = "
                              "also reload the folder with plain transformers/peft in this process and compare the "
                              "loss on a short batch (skipped when too large for the CPU); full = that reload in a "
@@ -540,7 +545,7 @@ def validate(cfg: Config) -> list[str]:
         p.extend(streaming_problems(d.dataset, d.eval_split, t.max_steps))
     p.extend(column_problems(d.columns))
     p.extend(dataset_problems(d.dataset))
-    p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume))
+    p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume, o.continue_finished, t.max_steps))
     return p
 
 

@@ -103,6 +103,75 @@ def add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += a @ b
 
 
+class LogitTransform:
+    """What a model's forward does to its LM head's output before the loss, read from its config:
+    logits x `scale` (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, Falcon-H1's
+    `lm_head_multiplier`), then `softcap` x tanh(logits / `softcap`) (Gemma 2 and 3's
+    `final_logit_softcapping`). A loss head that replaces the LM head applies it itself, and turns
+    the model's own off while it runs (`off`): the model would otherwise transform the loss sum the
+    head returns. A transform not listed here is caught by the start-up loss check
+    (`toolkit.train.loss_check`), not applied."""
+
+    # config key -> (what it does, where the forward reads it: the model, its decoder or its config)
+    KNOWN = {"logit_scale": ("scale", "model"), "logits_scaling": ("divide", "config"),
+             "lm_head_multiplier": ("scale", "decoder"), "final_logit_softcapping": ("softcap", "config")}
+
+    def __init__(self, scale: float = 1.0, softcap: float | None = None, read: tuple = ()):
+        self.scale, self.softcap = float(scale), softcap
+        self.read = read  # (owner, attribute, identity value) for each transform the forward reads
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> LogitTransform:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", None)
+        if config is None:  # not a transformers model: its head's output is its logits
+            return cls()
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        owners = {"model": base, "decoder": getattr(base, getattr(base, "base_model_prefix", "model"), None),
+                  "config": config}
+        scale, softcap, read = 1.0, None, []
+        for key, (kind, where) in cls.KNOWN.items():
+            owner = owners[where]
+            value = getattr(owner, key, None) if owner is not None else None
+            if value is None or isinstance(value, bool):
+                continue
+            if kind == "softcap":
+                softcap, identity = float(value), None
+            else:
+                scale, identity = scale * (1.0 / float(value) if kind == "divide" else float(value)), 1.0
+            read.append((owner, key, identity))
+        return cls(scale, softcap, tuple(read))
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The transform on full logits (a pipeline's last stage), as the model's forward writes it."""
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        """The model's own transform set to the identity while a loss head applies it."""
+        saved = [(owner, key, getattr(owner, key)) for owner, key, _ in self.read]
+        for owner, key, identity in self.read:
+            setattr(owner, key, identity)
+        try:
+            yield
+        finally:
+            for owner, key, value in saved:
+                setattr(owner, key, value)
+
+    def describe(self) -> str:
+        parts = ([f"x {self.scale:g}"] if self.scale != 1.0 else []) + \
+            ([f"softcap {self.softcap:g}"] if self.softcap is not None else [])
+        return "logits " + ", then ".join(parts) if parts else "no logit transform"
+
+
 # Rows of logits alive at once: 256 x 49,152 (SmolLM2's vocab) fp32 = 50 MB instead of 201 MB per
 # 1,024 tokens, and still large enough matmuls to keep a GPU busy.
 LOSS_CHUNK_TOKENS = 256
@@ -121,8 +190,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     and the last chunk is padded with ignored targets, so `step` always sees one shape."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, step):
+    def forward(ctx, hidden, weight, bias, targets, chunk, step, transform=None):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        scale, cap = (transform.scale, transform.softcap) if transform is not None else (1.0, None)
         dtype = matmul_dtype(hidden.device.type, hidden, weight)
         h, w = hidden.to(dtype), weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
@@ -133,6 +203,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         d_hidden = torch.empty_like(h) if need_h else None
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        capped = torch.empty_like(logits) if cap is not None else None  # tanh(z / cap), for its derivative
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 rows = slice(start, min(start + chunk, n))
@@ -141,7 +212,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(h[rows], w.t(), out=z)
                 else:
                     torch.addmm(b, h[rows], w.t(), out=z)
+                if scale != 1.0:  # the model's logit scale, as its forward applies it
+                    z.mul_(scale)
+                if cap is not None:  # final softcapping: cap * tanh(z / cap)
+                    torch.div(logits, cap, out=capped).tanh_()
+                    torch.mul(capped, cap, out=logits)
                 total += step(logits, targets[start:start + chunk])  # z now holds dlogits
+                if cap is not None:  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+                    logits.mul_(capped.square_().neg_().add_(1.0))
+                if scale != 1.0:
+                    z.mul_(scale)
                 if need_h:
                     torch.mm(z, w, out=d_hidden[rows])
                 if need_w:
@@ -160,24 +240,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked loss: backward ran twice through the same graph")
         grads, ctx.grads = ctx.grads, None
         return (*(g.mul_(grad).to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes)),
-                None, None, None)
+                None, None, None, None)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, head: torch.nn.Linear, y: torch.Tensor,
-                             chunk: int = LOSS_CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
-    """sum of CE(head(h), y) over the rows whose target is not IGNORE_INDEX: h (N, h), y (N,) -> fp32."""
+                             chunk: int = LOSS_CHUNK_TOKENS, compiled: bool = False,
+                             transform: LogitTransform | None = None) -> torch.Tensor:
+    """sum of CE(transform(head(h)), y) over the rows whose target is not IGNORE_INDEX: h (N, h), y (N,) -> fp32."""
     step = compiled_softmax_grad() if compiled else softmax_grad_
-    return _ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk, step)
+    return _ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, y, chunk, step, transform)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                      chunk: int = LOSS_CHUNK_TOKENS, shifted: bool = False, rows: torch.Tensor | None = None,
-                     compiled: bool = False) -> torch.Tensor:
-    """`token_loss_sum(head(hidden), labels)` (`target_loss_sum` when `shifted`) without materialising
-    (B, T, V) logits. hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32 sum over targets.
-    `rows` (`target_rows`): only those positions go through the head."""
+                     compiled: bool = False, transform: LogitTransform | None = None) -> torch.Tensor:
+    """`token_loss_sum(transform(head(hidden)), labels)` (`target_loss_sum` when `shifted`) without
+    materialising (B, T, V) logits. hidden (B, T, h) from the last norm, labels (B, T) -> scalar fp32
+    sum over targets. `rows` (`target_rows`): only those positions go through the head."""
     h, y = flat_targets(hidden, labels, shifted, rows)
-    return linear_cross_entropy_sum(h, head, y, chunk, compiled)
+    return linear_cross_entropy_sum(h, head, y, chunk, compiled, transform)
 
 
 # --loss name -> (PyPI package, module, function): fused linear cross-entropies in Triton kernels
@@ -215,7 +296,7 @@ def choose_loss(choice: str, device_type: str, head_is_linear: bool, logits_fit:
     return "cce" if "cce" in installed else "chunked"
 
 
-def fused_kernel(kind: str, device_type: str, bias: bool) -> Callable:
+def fused_kernel(kind: str, device_type: str, bias: bool, softcap: bool = False) -> Callable:
     """The package's fused linear cross-entropy for `--loss liger|cce`, or one UserError saying why not."""
     package, module, name = FUSED[kind]
     if device_type != "cuda":
@@ -232,21 +313,29 @@ def fused_kernel(kind: str, device_type: str, bias: bool) -> Callable:
     if bias and "bias" not in inspect.signature(fn).parameters:
         raise UserError(f"--loss {kind}: this model's LM head has a bias, which the installed {package} does "
                         "not take; use --loss chunked")
+    if softcap and "softcap" not in inspect.signature(fn).parameters:
+        raise UserError(f"--loss {kind}: this model softcaps its logits, which the installed {package} cannot; "
+                        "use --loss chunked")
     return fn
 
 
 def fused_loss_sum(kind: str, kernel: Callable, h: torch.Tensor, head: torch.nn.Linear,
-                   y: torch.Tensor) -> torch.Tensor:
+                   y: torch.Tensor, transform: LogitTransform | None = None) -> torch.Tensor:
     """`linear_cross_entropy_sum` through Liger-Kernel or Cut Cross-Entropy: h (N, h), y (N,) -> fp32.
     Each reads back from the GPU once per call inside the package (Liger: the target count's
     `.item()`; CCE: `nonzero` of the target rows). Liger casts under autocast itself and sums dW in
     the weight's dtype (fp32 master weights: fp32); CCE multiplies in its inputs' dtype, so it gets
     autocast's, as F.linear would."""
-    if kind == "liger":
-        return kernel(h, head.weight, y, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum").float()
+    scale, cap = (transform.scale, transform.softcap) if transform is not None else (1.0, None)
+    extra = {} if cap is None else {"softcap": cap}  # both kernels cap each chunk's logits themselves
+    if kind == "liger":  # a logit scale folded into the rows and the bias: (s h) W^T + s b = s (h W^T + b)
+        bias = head.bias * scale if head.bias is not None and scale != 1.0 else head.bias
+        return kernel(h * scale if scale != 1.0 else h, head.weight, y, bias=bias, ignore_index=IGNORE_INDEX,
+                      reduction="sum", **extra).float()
     dtype = matmul_dtype(h.device.type, h, head.weight)
-    bias = {} if head.bias is None else {"bias": head.bias.to(dtype)}
-    return kernel(h.to(dtype), head.weight.to(dtype), y, ignore_index=IGNORE_INDEX, reduction="sum", **bias).float()
+    bias = {} if head.bias is None else {"bias": (head.bias * scale).to(dtype)}
+    return kernel((h * scale if scale != 1.0 else h).to(dtype), head.weight.to(dtype), y, ignore_index=IGNORE_INDEX,
+                  reduction="sum", **bias, **extra).float()
 
 
 class FusedLossHead:
@@ -265,6 +354,7 @@ class FusedLossHead:
         if not isinstance(self.head, torch.nn.Linear):
             raise UserError(f"--loss {kind} needs a linear LM head; this model has {type(self.head).__name__}")
         self.kind, self.chunk, self.compiled, self.kernel = kind, chunk, compiled, kernel
+        self.transform = LogitTransform.of(model)  # applied here, the model's own turned off (`labels`)
         self.compile_error: str | None = None
         self._labels, self._shifted, self._rows = None, False, None
         original = self.head.forward
@@ -276,30 +366,35 @@ class FusedLossHead:
 
         self.head.forward = forward
 
+    def restore(self) -> None:
+        """The LM head's own forward back (full logits from here on)."""
+        del self.head.forward  # the instance attribute set above; the class's forward shows through again
+
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is None and hidden.device.type == "cpu":  # host memory: finding the targets waits for nothing
             rows = target_rows(labels, shifted)
         h, y = flat_targets(hidden, labels, shifted, rows)
         if self.kind != "chunked":
-            return fused_loss_sum(self.kind, self.kernel, h, self.head, y)
+            return fused_loss_sum(self.kind, self.kernel, h, self.head, y, self.transform)
         try:
-            return linear_cross_entropy_sum(h, self.head, y, self.chunk, self.compiled)
+            return linear_cross_entropy_sum(h, self.head, y, self.chunk, self.compiled, self.transform)
         except torch._dynamo.exc.TorchDynamoException as e:  # no working compiler (C++ on CPU, Triton on CUDA)
             if not self.compiled:
                 raise
             self.compiled, self.compile_error = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             warnings.warn(f"--loss chunked: torch.compile failed ({self.compile_error}); the loss runs eagerly "
                           "(same values, more passes over each chunk)", RuntimeWarning, stacklevel=2)
-            return linear_cross_entropy_sum(h, self.head, y, self.chunk, False)
+            return linear_cross_entropy_sum(h, self.head, y, self.chunk, False, self.transform)
 
     def describe(self) -> str:
         """What the strategy logs after `loss: `."""
+        applied = "" if self.transform.identity else f", the model's {self.transform.describe()} applied inside"
         if self.kind in FUSED:
-            return f"{FUSED[self.kind][0]} fused linear cross-entropy"
+            return f"{FUSED[self.kind][0]} fused linear cross-entropy{applied}"
         how = "compiled" if self.compiled else "eager" + (f"; torch.compile failed: {self.compile_error}"
                                                            if self.compile_error else "")
-        return f"chunked LM head + cross-entropy, {self.chunk} rows at a time ({how})"
+        return f"chunked LM head + cross-entropy, {self.chunk} rows at a time ({how}){applied}"
 
     @contextmanager
     def labels(self, labels: torch.Tensor, shifted: bool = False, rows: torch.Tensor | None = None) -> Iterator[None]:
@@ -307,7 +402,8 @@ class FusedLossHead:
         positions with a target (`target_rows`, made on the CPU), so the head skips the others."""
         self._labels, self._shifted, self._rows = labels, shifted, rows
         try:
-            yield
+            with self.transform.off():
+                yield
         finally:
             self._labels = self._rows = None
 
@@ -322,5 +418,6 @@ def loss_head_for(model: torch.nn.Module, choice: str, device_type: str, logits_
     kind = choose_loss(choice, device_type, linear, logits_fit, installed_fused())
     if kind == "full":
         return None
-    kernel = fused_kernel(kind, device_type, head.bias is not None) if kind in FUSED and linear else None
+    softcap = LogitTransform.of(model).softcap is not None
+    kernel = fused_kernel(kind, device_type, head.bias is not None, softcap) if kind in FUSED and linear else None
     return FusedLossHead(model, kind, compiled=device_type == "cuda" if compiled is None else compiled, kernel=kernel)

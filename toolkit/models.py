@@ -198,7 +198,7 @@ def load_model(cfg: Config, path: str):
     adapter init."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg), **attn_kwargs(cfg)}
+    kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg), **router_kwargs(cfg)}
     if cfg.model.method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -215,6 +215,9 @@ def load_model(cfg: Config, path: str):
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
+    name, _ = attention(cfg, model)
+    if name is not None:
+        model.set_attn_implementation(name)
     if cfg.train.kernels == "liger":
         apply_liger(model)
     if cfg.train.gradient_checkpointing:
@@ -226,13 +229,21 @@ def load_model(cfg: Config, path: str):
     return model
 
 
-def attn_kwargs(cfg: Config) -> dict:
-    """`from_pretrained`'s attention for --attn on this machine (`toolkit.attention`); packed rows under
-    --cp go through the Ulysses wrapper of sdpa (`toolkit.layout.rules`), so auto takes sdpa there."""
-    from toolkit.attention import attn_implementation
+def attention(cfg: Config, model) -> tuple[str | None, str]:
+    """`--attn` for this model (`toolkit.attention.choose_attention`): the kernel to set after loading
+    (None: the one transformers picked, sdpa where the model supports it, else eager) and its line.
+    Rows cut by --cp go through the Ulysses wrapper of the model's own attention."""
+    from toolkit.attention import choose_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"attn_implementation": attn_implementation(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1)}
+    return choose_attention(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1, model, cfg.data.seq_len)
+
+
+def router_kwargs(cfg: Config) -> dict:
+    """--router-aux-loss-coef as config overrides at load: the coefficient, and the router logits the model
+    must return for its forward to compute the load-balancing loss (off at 0)."""
+    coef = cfg.model.router_aux_loss_coef
+    return {} if coef is None else {"router_aux_loss_coef": coef, "output_router_logits": coef > 0}
 
 
 def kernels_problem() -> str | None:
@@ -336,14 +347,25 @@ def weight_file_problem(path: str) -> str | None:
     return None
 
 
-def check_model(cfg: Config, path: str) -> None:
+def config_values(config) -> dict:
+    """A model's (text) config as a dict, with the standard names its `attribute_map` aliases added
+    (GPT-2's n_head as num_attention_heads, n_layer as num_hidden_layers): what the layout rules read."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = text.to_dict()
+    for standard, own in getattr(text, "attribute_map", {}).items():
+        if standard not in values and own in values:
+            values[standard] = values[own]
+    return values
+
+
+def check_model(cfg: Config, path: str) -> str:
     """What the architecture alone can refuse (code it needs from the hub, LoRA targets, a weight
-    file cut short), found on a weightless meta-device skeleton and the files' headers: before any
-    weights are read or the output dir is touched."""
+    file cut short, an attention it cannot run), found on a weightless meta-device skeleton and the
+    files' headers: before any weights are read or the output dir is touched. Returns the line that
+    says which attention runs."""
     damaged = weight_file_problem(path)
     if damaged:
         raise UserError(f"--model {path}: {damaged}; copy or download the model again")
-    attn_kwargs(cfg)  # an attention kernel or fused kernels this machine cannot run: one line now
     if cfg.train.kernels == "liger":
         liger_problem = kernels_problem()
         if liger_problem:
@@ -366,8 +388,13 @@ def check_model(cfg: Config, path: str) -> None:
         raise
     finally:
         hf_logging.set_verbosity(level)
+    _, attention_line = attention(cfg, skeleton)  # a kernel this model or machine cannot run: one line now
+    if m.router_aux_loss_coef is not None and not hasattr(config.get_text_config(), "router_aux_loss_coef"):
+        raise UserError(f"--router-aux-loss-coef: {type(skeleton).__name__} has no router load-balancing loss "
+                        "(no router_aux_loss_coef in its config); leave the flag out")
     if m.method in ("lora", "qlora") and m.lora_targets != "all-linear":
         check_lora_targets(skeleton, [t.strip() for t in m.lora_targets.split(",") if t.strip()])
+    return attention_line
 
 
 def apply_lora(model, cfg: Config):

@@ -78,8 +78,8 @@ def token_rows(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0, prom
 
 # Tiny random configs of the architectures people finetune (issue 46's zoo): each keeps what makes it
 # differ from Llama (logit transforms, softcapping, sliding windows, fused projections, MoE routers,
-# MLA, attention sinks, GPT-2/NeoX attribute names) at hidden 64, 2 blocks. `model_type` -> overrides
-# of transformers' own config defaults (`AutoConfig.for_model`).
+# MLA, attention sinks, GPT-2/NeoX attribute names) at hidden 64, 2 blocks, without dropout (parity runs
+# compare layouts step by step). `model_type` -> overrides of transformers' config defaults (`AutoConfig.for_model`).
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
 _WINDOWS = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
@@ -93,7 +93,7 @@ ZOO: dict[str, dict] = {
     "cohere": dict(_SMALL, logit_scale=0.25),
     "granite": dict(_SMALL, logits_scaling=8.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.25),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      max_position_embeddings=256, rotary_pct=0.5),
     "mixtral": dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,

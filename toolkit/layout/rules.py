@@ -329,9 +329,27 @@ def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int) -
             problems.append(f"--pp {pp} across processes needs a world size that is a multiple of {pp} (got {world}); "
                             f"launch with torchrun --nproc_per_node {pp} (x data-parallel groups), or one process for "
                             "the naive pipeline")
+        if router_aux(cfg):
+            problems.append(f"--pp {pp}: {router_aux_line(cfg)}; it is a product of means over every layer's router "
+                            "statistics, which no pipeline stage holds; pass --router-aux-loss-coef 0 to train without "
+                            "it, or drop --pp")
     if cp > 1:
         problems += cp_divisibility_problems(cfg, tp, cp)
+        if router_aux(cfg):
+            problems.append(f"--cp {cp}: {router_aux_line(cfg)}; it is a product of means over a sequence's tokens, "
+                            "which a cp rank's slice does not have; pass --router-aux-loss-coef 0 to train without it, "
+                            "or drop --cp")
     return problems
+
+
+def router_aux(cfg: dict[str, Any]) -> bool:
+    """Whether the model adds a router load-balancing loss to its own (`LossHead.aux`)."""
+    return bool(cfg.get("output_router_logits")) and bool(cfg.get("router_aux_loss_coef"))
+
+
+def router_aux_line(cfg: dict[str, Any]) -> str:
+    return (f"model type {cfg.get('model_type', '?')} adds a router load-balancing loss (output_router_logits, "
+            f"coefficient {cfg.get('router_aux_loss_coef')})")
 
 
 def dims_for(par: ParallelFlags, world: int, local_world: int) -> tuple[ParallelDims, list[str]]:

@@ -70,9 +70,27 @@ def ulysses_attention(module, query, key, value, attention_mask, *args, inner: s
         return attend(module, query, key, value, attention_mask, *args, **kwargs)
     group = _active["group"]
     q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads split, whole sequence
-    # The model built its mask for the local slice; attention here needs the whole sequence's.
-    out, _ = attend(module, q, k, v, _active["mask"], *args, **kwargs)  # (B, S, H/cp, D)
+    # The model built its mask for the local slice; attention here needs the whole sequence's, of this
+    # layer's kind (a sliding-window layer its window's).
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    mask = _active["masks"]["sliding" if window else "full"]
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):  # per-head sinks (gpt-oss): this rank's heads
+        module = _HeadSlice(module, dist.get_rank(group), dist.get_world_size(group))
+    out, _ = attend(module, q, k, v, mask, *args, **kwargs)  # (B, S, H/cp, D)
     return _AllToAll.apply(out, group, 1, 2), None  # (B, S/cp, H, D)
+
+
+class _HeadSlice:
+    """An attention module as the inner attention function sees it after the all-to-all: its per-head
+    parameters (attention sinks) cut to the heads this rank now holds (the r-th of cp equal parts).
+    Each rank's slice gets only its heads' gradient; the cp ranks' sum is the whole one."""
+
+    def __init__(self, module, rank: int, cp: int):
+        heads = module.sinks.shape[0] // cp
+        self._module, self.sinks = module, module.sinks[rank * heads:(rank + 1) * heads]
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def use_ulysses(model) -> str:
@@ -118,6 +136,8 @@ class ContextParallel:
     def __init__(self, group, model_config, dtype: torch.dtype = torch.float32):
         self.group, self.config, self.dtype = group, model_config, dtype  # dtype: the masks' (as the model's)
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.sliding = getattr(text, "sliding_window", None) is not None  # some layers may attend in a window
 
     @contextmanager
     def shard(self, batch: dict[str, torch.Tensor]) -> Iterator[dict]:
@@ -125,21 +145,33 @@ class ContextParallel:
         backward (checkpointed layers recompute attention) run inside. Packed rows keep their own
         positions and block-diagonal mask: both are built on the whole sequence, then split."""
         global _active
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         packed = "position_ids" in batch
         full = pad_to_multiple(batch, self.cp)
         ids, positions = full["input_ids"], full["position_ids"]
         b, s = ids.shape
         shape_only = torch.empty((b, s, 0), device=ids.device, dtype=self.dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=shape_only, past_key_values=None,
-                                  attention_mask=None if packed else full["attention_mask"], position_ids=positions)
+        no_cache = {_cache_name(create_causal_mask): None}
+        masks = {kind: make(config=self.config, inputs_embeds=shape_only, **no_cache,
+                            attention_mask=None if packed else full["attention_mask"], position_ids=positions)
+                 for kind, make in (("full", create_causal_mask), ("sliding", create_sliding_window_causal_mask))
+                 if kind == "full" or self.sliding}
+        mask = masks["full"]
         part = slice(self.rank * s // self.cp, (self.rank + 1) * s // self.cp)
         local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
                             "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
                  "targets": shift_labels(full["labels"])[:, part]}  # shifted whole: a slice's last token keeps its target
-        _active = {"group": self.group, "mask": mask}
+        _active = {"group": self.group, "masks": masks}
         try:
             yield local
         finally:
             _active = None
+
+
+def _cache_name(fn) -> str:
+    """What transformers' mask builders call the KV cache: `cache` since 5.x renamed it, `past_key_values`
+    before (the old name still works, with a warning at every call)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"

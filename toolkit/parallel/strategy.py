@@ -89,6 +89,13 @@ class Strategy(Protocol):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return self.loss.loss_fn(logits, batch["labels"])
 
+    def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
+        """(the loss this layout trains, per target token, the model's own `model(input_ids,
+        labels=...)` loss) on `batch`, without gradients: they must agree before step 1
+        (`toolkit.train.loop.check_loss`). None where this rank computes no loss (a pipeline's
+        earlier stages). Every rank calls it (sharded forwards are collective)."""
+        return self.loss.check(model, batch, getattr(self, "context", None))
+
     # --- saving and loading
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
@@ -191,14 +198,24 @@ class LossHead:
 
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu"):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
+        self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
-        one (only for the standard token loss, which it computes exactly)."""
+        one (only for the standard token loss, which it computes exactly); and the model's router
+        load-balancing loss, which its forward returns where its config sets `output_router_logits`."""
         from toolkit.loss import loss_head_for
 
+        self.choice = choice
         if self.loss_fn is token_loss_sum:
             self.head = loss_head_for(model, choice, self.device_type)
+        self.aux_coef = router_aux_coef(model.config)
+
+    def full_logits(self) -> None:
+        """Back to full logits (`--loss auto` after a failed loss check): the LM head restored."""
+        if self.head is not None:
+            self.head.restore()
+            self.head = None
 
     @property
     def fused(self) -> bool:
@@ -217,11 +234,64 @@ class LossHead:
             rows = batch.get("target_rows")  # found by the collate on the CPU: no read-back to skip the others
             self.rows_given = rows is not None
             with self.head.labels(labels, shifted, rows=rows):
-                return model(**inputs).logits
-        return (target_loss_sum if shifted else self.loss_fn)(model(**inputs).logits, labels)
+                out = model(**inputs)
+            total = out.logits
+        else:
+            out = model(**inputs)
+            total = (target_loss_sum if shifted else self.loss_fn)(out.logits, labels)
+        return total + self.aux(out, labels, shifted)
+
+    def aux(self, out, labels: torch.Tensor, shifted: bool) -> torch.Tensor | float:
+        """coef x the router load-balancing loss x this micro-batch's target tokens: what the model adds to
+        its mean loss when given labels, as a sum, so the global-token normalisation gives the model's
+        own loss on one micro-batch (and over several, their aux losses weighted by target tokens). Its
+        sum is kept for the metrics (`take_aux`)."""
+        value = out.get("aux_loss") if self.aux_coef else None
+        if value is None:
+            return 0.0
+        from toolkit.data.labels import count_targets
+
+        n = (labels != -100).sum() if shifted else count_targets(labels)
+        weighted = value.float() * n
+        self.aux_sum = weighted.detach().double() + (self.aux_sum if self.aux_sum is not None else 0.0)
+        return self.aux_coef * weighted
+
+    def take_aux(self) -> torch.Tensor | None:
+        """The summed aux loss x target tokens of the micro-batches since the last call (None: no aux loss)."""
+        taken, self.aux_sum = self.aux_sum, None
+        return taken
+
+    @torch.no_grad()
+    def check(self, model, batch: dict, context: ContextSlices | None = None, rows: int = 2) -> tuple[float, float]:
+        """(this head's loss per target token, the model's own loss) on the first `rows` rows of `batch`:
+        under context parallel the slices' losses summed over the cp group, against the model's own
+        forward on the whole rows (outside a slice the Ulysses wrapper is the model's own attention)."""
+        from toolkit.data.labels import count_targets
+        from toolkit.data.packing import model_inputs
+
+        few = {k: v[:rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        if context is not None and context.context is not None:
+            with context.slice(few) as part:
+                ours = context.total(self(model, part).double().reshape(1)).squeeze(0)
+        else:
+            ours = self(model, few)
+        ours = ours / count_targets(few["labels"]).clamp(min=1)
+        self.take_aux()
+        own = model(**model_inputs(few), labels=few["labels"]).loss
+        return ours.item(), own.item()
 
     def describe(self) -> str:
-        return "loss: " + (self.head.describe() if self.head else "full logits + cross-entropy")
+        aux = f"; the router load-balancing loss x {self.aux_coef:g} added (aux_loss)" if self.aux_coef else ""
+        return "loss: " + (self.head.describe() if self.head else "full logits + cross-entropy") + aux
+
+
+def router_aux_coef(config) -> float:
+    """The coefficient of the router load-balancing loss the model adds to its loss when given labels:
+    `router_aux_loss_coef` where the config asks for router logits (`output_router_logits`), else 0."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "output_router_logits", False):
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def accumulate(accelerator, model, micro: list[dict], scale: float | torch.Tensor, loss: LossHead,

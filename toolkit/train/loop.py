@@ -33,7 +33,6 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.tracker_spec import requested
 from toolkit.train.evaluate import eval_loss, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.metrics import MetricsLogger, log_interval
@@ -68,6 +67,8 @@ class TrainResult:
     tokens: int
     elapsed_s: float  # of this process's steps
     first_step: int = 1  # > 1 after a resume
+    elapsed_before: float = 0.0  # of the steps before the checkpoint it resumed from
+    eval_loss: float | None = None  # the last one measured
 
     @property
     def steps_run(self) -> int:
@@ -234,6 +235,8 @@ class Run:
     window: Window
     sync_free: bool
     memory: dict = field(default_factory=dict)  # step 1's memory figures, for its record
+    elapsed_before: float = 0.0  # training seconds before the checkpoint this run resumed from
+    last_eval: float | None = None
     bad_in_a_row: int = 0
     mfu_warned: bool = False
     last_loss: float = float("nan")
@@ -242,24 +245,34 @@ class Run:
     def world(self) -> int:
         return self.strategy.data.ranks
 
+    def elapsed(self, now: float) -> float:
+        """Training seconds of the whole run at `now`, the runs it resumed from included."""
+        return now - self.start + self.elapsed_before
+
     @property
     def replicas(self) -> int:
         return self.strategy.data.replicas  # model-parallel peers read the same data
 
 
 def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
-          out_dir: Path, log=print, resume=None, restart=None) -> tuple[torch.nn.Module, TrainResult]:
+          out_dir: Path, log=print, resume=None, restart=None, trackers=None,
+          on_start=None) -> tuple[torch.nn.Module, TrainResult]:
     """Train `model` with `strategy` (a `toolkit.parallel.strategy.Strategy`: it prepares the model,
     runs each step's forward and backward, clips and saves); returns the model to save. `restart(step)`:
     what --strategy auto does about an out-of-memory (`planner.auto.restart_after_oom`) before it is
-    reported."""
-    run = set_up(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume)
+    reported. `trackers`: `toolkit.train.trackers.start_trackers`' (None: metrics.jsonl only).
+    `on_start(model)`: run on the prepared model before the first step (the exact match before training)."""
+    run = set_up(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, trackers, on_start)
     step = run.first_step - 1
     try:  # the progress bar closes before any error line, and the signal handlers are put back
         if run.first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
             evaluate(run, 0)
         for step in range(run.first_step, run.total_steps + 1):
             epoch, micro = next(run.batches)
+            if step == run.first_step:  # the loss this layout trains is the model's own, or the run stops
+                check_loss(run, micro[0])
+                if cfg.data.packing and run.strategy.whole_batches:  # (pp and cp build the masks themselves)
+                    check_packing(run, micro[0])
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
             run.metrics.advance()
             warmup = step == run.first_step and run.cfg.train.compile  # its own record: compile time kept apart
@@ -278,7 +291,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     return finish(run)
 
 
-def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_dir: Path, log, resume) -> Run:
+def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_dir: Path, log, resume,
+           trackers=None, on_start=None) -> Run:
     """The loader, the prepared model and optimizer, the schedule, the MFU peak; a resumed run's state."""
     from transformers import get_scheduler
 
@@ -317,8 +331,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
         train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
     run.batches = global_batches(loader, t.grad_accum, sampler,
                                  (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
+    if on_start is not None:  # before the bar: what it prints stays whole
+        on_start(model)
     run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
-                                report_to=requested(cfg.output.report_to), config=cfg.flat())
+                                trackers=trackers)
     run.start = time.perf_counter()
     run.window = Window(run.start)
     model.train()
@@ -360,6 +376,7 @@ def restore(run: Run, resume, log) -> dict:
     if saved.get("scaler") is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(saved["scaler"])
     run.first_step, run.tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
+    run.elapsed_before = float(resume.state.get("elapsed_s", 0.0))  # elapsed_s counts the whole run
     for note in resume.notes:
         log(note)
     log(f"resumed from {resume.path}: continuing at step {run.first_step} of {run.total_steps}")
@@ -379,6 +396,75 @@ def reseed(run: Run, resume, saved: dict) -> None:
         set_seed(run.cfg.train.seed + resume.step, device_specific=True)
 
 
+LOSS_CHECK_RTOL = 1e-4  # the loss check's bound, relative: fp32 (or one dtype on both sides) agrees to ~1e-6
+
+
+def check_loss(run: Run, batch: dict) -> None:
+    """Before step 1: on the first rows of the first micro-batch, the loss this layout trains (its
+    head, its transforms, the router's load-balancing loss) must equal the model's own forward loss
+    (`model(input_ids, labels=...)`) within LOSS_CHECK_RTOL. If not, `--loss auto` falls back to full
+    logits and says so; otherwise the run stops with one line naming the model type and the head.
+    Every rank checks its own rows; they agree on the worst. Eval mode: dropout would make the two
+    forwards differ, and neither may draw random numbers the run would then not draw."""
+    strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write  # above the bar
+    model_type = strategy.unwrap(run.model).config.get_text_config().model_type
+    for attempt in range(2):
+        run.model.eval()
+        try:
+            got = strategy.loss_check(run.model, batch)
+        finally:
+            run.model.train()
+        ours, own = got if got is not None else (0.0, 0.0)
+        gap = abs(ours - own) / max(abs(own), 1e-12) if got is not None else 0.0
+        gap = float(accelerator.reduce(torch.tensor([gap], device=accelerator.device), "max").item()) \
+            if accelerator.num_processes > 1 else gap
+        if gap <= LOSS_CHECK_RTOL:
+            log(f"loss check: {'full logits give' if attempt else 'the loss trained is'} model type {model_type}'s "
+                f"own on the first rows (relative gap {gap:.1e})")
+            return
+        head = strategy.loss.describe().removeprefix("loss: ")
+        seen = f"{ours:.6f} against the model's own {own:.6f}" if got is not None else "on another rank"
+        if attempt == 0 and strategy.loss.choice == "auto" and strategy.loss.head is not None:
+            log(f"loss check: {head} gave {seen} on model type {model_type} (relative gap {gap:.1e} > "
+                f"{LOSS_CHECK_RTOL:g}): --loss auto falls back to full logits")
+            strategy.loss.full_logits()
+            continue
+        raise UserError(f"loss check: the loss this run would train ({head}) is not model type {model_type}'s own: "
+                        f"relative gap up to {gap:.1e} (> {LOSS_CHECK_RTOL:g}) on the first rows; "
+                        + ("use --loss full, which runs the model's own logits" if strategy.loss.head is not None
+                           else "this layout does not compute what the model computes: run it on another layout"))
+
+
+@torch.no_grad()
+def check_packing(run: Run, batch: dict, n: int = 8) -> None:
+    """--packing, before step 1: two documents laid end to end in one row must give the logits each
+    gives alone. The model's own attention keeps packed documents apart only where its forward builds
+    the mask from the positions (gpt-oss's does not: its packed rows attend across documents); the
+    padding-free kernels do it by construction. The documents are the first 2n tokens of the batch, the
+    same shapes on every rank, so sharded forwards stay in step."""
+    strategy, accelerator = run.strategy, run.strategy.accelerator
+    ids = batch["input_ids"][:1, :2 * n]
+    n = ids.shape[1] // 2
+    positions = torch.cat([torch.arange(n), torch.arange(n)]).to(ids.device)[None]
+    run.model.eval()
+    try:
+        packed = run.model(input_ids=ids[:, :2 * n], position_ids=positions, use_cache=False).logits.float()
+        alone = torch.cat([run.model(input_ids=ids[:, :n], use_cache=False).logits.float(),
+                           run.model(input_ids=ids[:, n:2 * n], use_cache=False).logits.float()], 1)
+    finally:
+        run.model.train()
+    gap = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12)).reshape(1)
+    gap = float(accelerator.reduce(gap, "max").item()) if accelerator.num_processes > 1 else gap.item()
+    if gap > LOSS_CHECK_RTOL:
+        unwrapped = strategy.unwrap(run.model)
+        model_type = unwrapped.config.get_text_config().model_type
+        impl = unwrapped.config._attn_implementation
+        raise UserError(f"--packing: model type {model_type}'s {impl} attention does not keep a packed row's documents "
+                        f"apart (their logits differ from each run alone by up to {gap:.1e} relative): its forward "
+                        "builds the mask without the positions; drop --packing"
+                        + ("" if impl == "packed_fa" else ", or use --attn flash on a GPU with flash-attn"))
+
+
 def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     """Forward and backward of the global batch, the clip and the update; its numbers stay on the
     device (`toolkit.train.step`). Each micro-batch's summed loss is scaled by world / n_global:
@@ -389,6 +475,7 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
     loss = strategy.forward_backward(run.model, micro, scale=run.world / counts[0])
+    aux = strategy.loss.take_aux()  # the router load-balancing loss x target tokens, where the model has one
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
     if grad_norm is not None:  # FSDP2's is a DTensor (replicated): its local value, every rank alike
@@ -410,7 +497,9 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
         run.memory = preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(), run.metrics.write)
         run.memory.update({**per_rank_bytes(accelerator, held_bytes(run.model, run.optimizer)),
                            "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
-    return Step(loss, counts, grad_norm, finite)
+    if aux is not None:
+        aux = accelerator.reduce(aux, "sum") / run.replicas
+    return Step(loss, counts, grad_norm, finite, aux)
 
 
 def log_window(run: Run, step: int, epoch: int) -> None:
@@ -459,11 +548,12 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         warmup = {"compile_warmup": True}
         run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
                           "and mfu count from step " f"{step + 1} on")
-    run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, "lr": run.scheduler.get_last_lr()[0],
+    aux = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
+    run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **aux, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
                      "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured,
-                     "elapsed_s": now - run.start, **warmup, **run.memory})
+                     "elapsed_s": run.elapsed(now), **warmup, **run.memory})
     run.memory = {}
 
 
@@ -494,8 +584,11 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
     """The eval loss (and, at step 0, the samples); their time is kept out of tokens_per_sec."""
     t0 = time.perf_counter()
     if run.eval_rows:
-        el = eval_loss(run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
-        run.metrics.log({"step": step, "eval_loss": el, "elapsed_s": time.perf_counter() - run.start})
+        with run.metrics.pause(f"eval, {len(run.eval_rows)} examples"):
+            el = eval_loss(run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size,
+                           run.tokenizer.pad_token_id)
+        run.metrics.log({"step": step, "eval_loss": el, "elapsed_s": run.elapsed(time.perf_counter())})
+        run.last_eval = el
         run.metrics.write(f"step {step}: eval_loss {el:.4f}")
     run.window.t0 += time.perf_counter() - t0
     if samples and run.prompts:
@@ -504,8 +597,9 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
 
 def sample(run: Run, step: int) -> None:
     t0 = time.perf_counter()
-    completions = sample_completions(run.strategy, run.model, run.tokenizer, run.prompts,
-                                     run.cfg.output.sample_max_new_tokens)
+    with run.metrics.pause(f"sampling {len(run.prompts)} prompts"):
+        completions = sample_completions(run.strategy, run.model, run.tokenizer, run.prompts,
+                                         run.cfg.output.sample_max_new_tokens)
     run.metrics.samples(step, run.prompts, completions)
     run.window.t0 += time.perf_counter() - t0
 
@@ -517,7 +611,7 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
     path = run.out_dir / f"checkpoint-{step}"
     tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
     state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.world),
-             "config": run.cfg.flat()}
+             "config": run.cfg.flat(), "elapsed_s": run.elapsed(time.perf_counter())}
     save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault)
     prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)
     return path
@@ -525,4 +619,5 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
 
 def finish(run: Run) -> tuple[torch.nn.Module, TrainResult]:
     return run.strategy.export(run.model), TrainResult(run.total_steps, run.last_loss, run.tokens_seen,
-                                                       time.perf_counter() - run.start, run.first_step)
+                                                       time.perf_counter() - run.start, run.first_step,
+                                                       run.elapsed_before, run.last_eval)

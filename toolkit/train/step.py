@@ -49,6 +49,7 @@ class Step:
     counts: torch.Tensor  # its (target tokens, real tokens, examples)
     grad_norm: torch.Tensor | None
     finite: torch.Tensor  # loss and gradient norm finite: the update was applied
+    aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens (in `loss` x its coefficient)
 
 
 @dataclass
@@ -72,13 +73,17 @@ class Window:
         rows = []
         for _, s in self.steps:
             norm = s.grad_norm if s.grad_norm is not None else torch.full((), float("nan"))
+            aux = s.aux if s.aux is not None else torch.zeros(())
             rows.append(torch.cat([s.counts.to(torch.float64),
                                    torch.stack([s.finite.to(torch.float64), s.loss.to(torch.float64),
-                                                torch.as_tensor(norm).to(s.loss.device, torch.float64)])]))
+                                                torch.as_tensor(norm).to(s.loss.device, torch.float64),
+                                                aux.to(s.loss.device, torch.float64)])]))
         values = host(torch.stack(rows))
-        per = [values[i * 6:(i + 1) * 6] for i in range(len(self.steps))]
+        per = [values[i * 7:(i + 1) * 7] for i in range(len(self.steps))]
         good = [v for v in per if v[3]]
+        has_aux = any(s.aux is not None for _, s in self.steps)
         return {"loss": sum(v[4] for v in good), "targets": sum(v[0] for v in good),
                 "tokens": sum(v[1] for v in good), "examples": sum(v[2] for v in good),
+                "aux": sum(v[6] for v in good) if has_aux else None,
                 "steps": [(step, bool(v[3]), v[4], v[5] if s.grad_norm is not None else None)
                           for (step, s), v in zip(self.steps, per)]}
