@@ -16,6 +16,7 @@
 #   run(command="MEMORY_GRID=small bash scripts/gpu_acceptance.sh memory", carry=[".whl"], timeout_s=600)  # and large
 #   run(command="bash scripts/gpu_acceptance.sh pipeline,deepspeed", carry=[".whl"], timeout_s=600)
 #   run(command="bash scripts/gpu_acceptance.sh launchers", carry=[".whl"], timeout_s=600)   # ~270 s on one H100
+#   run(command="bash scripts/gpu_acceptance.sh models", carry=[".whl"], timeout_s=600)   # never run yet: ~6 min?
 # (seen on one H100, 2026-11-25: a launch there costs 30-80 s, mostly imports: peft alone took 17-22 s;
 # a part writes OUT/<part>.json when it ends, launchers after every form; log.txt holds every run's line)
 # Each call's JSON, README.md and log come back from $OUT: copy the JSON into benchmarks/gpu/ here,

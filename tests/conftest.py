@@ -78,7 +78,8 @@ def _reset_accelerate():
 # Longest first: under pytest-xdist (`--dist loadfile`, each file on one worker) the files are handed out in
 # collection order, so the longest ones (measured, 2026-11-25: minutes each) start first and the short ones
 # fill in; a file missing from this list only runs later, nothing else changes.
-HEAVY_FIRST = ("test_reshard.py", "test_launchers.py", "test_resume.py", "test_compositions.py", "test_gpu_acceptance.py",
+HEAVY_FIRST = ("test_reshard.py", "test_launchers.py", "test_resume.py", "test_compositions.py", "test_zoo.py",
+               "test_gpu_acceptance.py",
                "test_tensor_parallel.py", "test_pipeline.py", "test_strategies.py", "test_train.py",
                "test_performance.py", "test_streaming.py", "test_distributed.py", "test_default_model.py")
 

@@ -115,8 +115,8 @@ def test_router_load_balancing_loss_is_refused_under_pp():
     for model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
         config = AutoConfig.for_model(model_type, **ZOO[model_type]).to_dict()
         problems = model_problems(config, tp=1, pp=2, cp=1, world=2)
-        assert len(problems) == 1 and problems[0].startswith("--pp 2: this model's router load-balancing loss "
-                                                             "(output_router_logits, coefficient 0.5)"), problems
+        assert len(problems) == 1 and problems[0].startswith(f"--pp 2: model type {model_type} adds a router "
+                                                             "load-balancing loss (output_router_logits, coefficient 0.5)"), problems
         assert "--router-aux-loss-coef 0" in problems[0]
         assert model_problems({**config, "router_aux_loss_coef": 0.0}, tp=1, pp=2, cp=1, world=2) == []
         assert model_problems({**config, "output_router_logits": False}, tp=1, pp=2, cp=1, world=1) == []

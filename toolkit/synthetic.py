@@ -108,8 +108,10 @@ ZOO: dict[str, dict] = {
 }
 
 
-def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None = None, **overrides) -> Path:
-    """`ZOO[model_type]`'s tiny random model, saved with the tokenizer like `build_model_dir`."""
+def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None = None, device: str = "cpu",
+                        **overrides) -> Path:
+    """`ZOO[model_type]`'s tiny random model (or, with `overrides`, another shape of that architecture),
+    saved with the tokenizer like `build_model_dir`; `device`: where the random init runs."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -118,7 +120,8 @@ def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None =
               bos_token_id=tok.bos_token_id, tie_word_embeddings=False)
     kw.update(overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return Path(path)

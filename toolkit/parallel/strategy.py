@@ -92,7 +92,7 @@ class Strategy(Protocol):
     def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
         """(the loss this layout trains, per target token, the model's own `model(input_ids,
         labels=...)` loss) on `batch`, without gradients: they must agree before step 1
-        (`toolkit.train.loop.check_loss`). None where this rank computes no loss (a pipeline's
+        (`toolkit.train.loss_check.check_loss`). None where this rank computes no loss (a pipeline's
         earlier stages). Every rank calls it (sharded forwards are collective)."""
         return self.loss.check(model, batch, getattr(self, "context", None))
 

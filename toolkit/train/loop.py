@@ -35,6 +35,7 @@ from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
 from toolkit.train.evaluate import eval_loss, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
+from toolkit.train.loss_check import check_loss, check_packing
 from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.train.step import Step, Window, batch_counts, host, sync_free
 
@@ -396,75 +397,6 @@ def reseed(run: Run, resume, saved: dict) -> None:
         set_seed(run.cfg.train.seed + resume.step, device_specific=True)
 
 
-LOSS_CHECK_RTOL = 1e-4  # the loss check's bound, relative: fp32 (or one dtype on both sides) agrees to ~1e-6
-
-
-def check_loss(run: Run, batch: dict) -> None:
-    """Before step 1: on the first rows of the first micro-batch, the loss this layout trains (its
-    head, its transforms, the router's load-balancing loss) must equal the model's own forward loss
-    (`model(input_ids, labels=...)`) within LOSS_CHECK_RTOL. If not, `--loss auto` falls back to full
-    logits and says so; otherwise the run stops with one line naming the model type and the head.
-    Every rank checks its own rows; they agree on the worst. Eval mode: dropout would make the two
-    forwards differ, and neither may draw random numbers the run would then not draw."""
-    strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write  # above the bar
-    model_type = strategy.unwrap(run.model).config.get_text_config().model_type
-    for attempt in range(2):
-        run.model.eval()
-        try:
-            got = strategy.loss_check(run.model, batch)
-        finally:
-            run.model.train()
-        ours, own = got if got is not None else (0.0, 0.0)
-        gap = abs(ours - own) / max(abs(own), 1e-12) if got is not None else 0.0
-        gap = float(accelerator.reduce(torch.tensor([gap], device=accelerator.device), "max").item()) \
-            if accelerator.num_processes > 1 else gap
-        if gap <= LOSS_CHECK_RTOL:
-            log(f"loss check: {'full logits give' if attempt else 'the loss trained is'} model type {model_type}'s "
-                f"own on the first rows (relative gap {gap:.1e})")
-            return
-        head = strategy.loss.describe().removeprefix("loss: ")
-        seen = f"{ours:.6f} against the model's own {own:.6f}" if got is not None else "on another rank"
-        if attempt == 0 and strategy.loss.choice == "auto" and strategy.loss.head is not None:
-            log(f"loss check: {head} gave {seen} on model type {model_type} (relative gap {gap:.1e} > "
-                f"{LOSS_CHECK_RTOL:g}): --loss auto falls back to full logits")
-            strategy.loss.full_logits()
-            continue
-        raise UserError(f"loss check: the loss this run would train ({head}) is not model type {model_type}'s own: "
-                        f"relative gap up to {gap:.1e} (> {LOSS_CHECK_RTOL:g}) on the first rows; "
-                        + ("use --loss full, which runs the model's own logits" if strategy.loss.head is not None
-                           else "this layout does not compute what the model computes: run it on another layout"))
-
-
-@torch.no_grad()
-def check_packing(run: Run, batch: dict, n: int = 8) -> None:
-    """--packing, before step 1: two documents laid end to end in one row must give the logits each
-    gives alone. The model's own attention keeps packed documents apart only where its forward builds
-    the mask from the positions (gpt-oss's does not: its packed rows attend across documents); the
-    padding-free kernels do it by construction. The documents are the first 2n tokens of the batch, the
-    same shapes on every rank, so sharded forwards stay in step."""
-    strategy, accelerator = run.strategy, run.strategy.accelerator
-    ids = batch["input_ids"][:1, :2 * n]
-    n = ids.shape[1] // 2
-    positions = torch.cat([torch.arange(n), torch.arange(n)]).to(ids.device)[None]
-    run.model.eval()
-    try:
-        packed = run.model(input_ids=ids[:, :2 * n], position_ids=positions, use_cache=False).logits.float()
-        alone = torch.cat([run.model(input_ids=ids[:, :n], use_cache=False).logits.float(),
-                           run.model(input_ids=ids[:, n:2 * n], use_cache=False).logits.float()], 1)
-    finally:
-        run.model.train()
-    gap = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12)).reshape(1)
-    gap = float(accelerator.reduce(gap, "max").item()) if accelerator.num_processes > 1 else gap.item()
-    if gap > LOSS_CHECK_RTOL:
-        unwrapped = strategy.unwrap(run.model)
-        model_type = unwrapped.config.get_text_config().model_type
-        impl = unwrapped.config._attn_implementation
-        raise UserError(f"--packing: model type {model_type}'s {impl} attention does not keep a packed row's documents "
-                        f"apart (their logits differ from each run alone by up to {gap:.1e} relative): its forward "
-                        "builds the mask without the positions; drop --packing"
-                        + ("" if impl == "packed_fa" else ", or use --attn flash on a GPU with flash-attn"))
-
-
 def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     """Forward and backward of the global batch, the clip and the update; its numbers stay on the
     device (`toolkit.train.step`). Each micro-batch's summed loss is scaled by world / n_global:
@@ -494,7 +426,7 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
             run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     if first:
-        run.memory = preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(), run.metrics.write)
+        run.memory.update(preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(), run.metrics.write))
         run.memory.update({**per_rank_bytes(accelerator, held_bytes(run.model, run.optimizer)),
                            "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
     if aux is not None:

@@ -36,19 +36,29 @@ def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
         return False
 
 
+_OUR_MLFLOW_URI: str | None = None  # the run folder's store this process last pointed mlflow at
+
+
 def _make(name: str, out_dir: Path, run_name: str):
     from accelerate import tracking
 
     if name == "tensorboard":
         return tracking.TensorBoardTracker("tensorboard", out_dir)
     if name == "mlflow":
-        if not os.environ.get("MLFLOW_TRACKING_URI"):  # this run's folder (set per run, not in the environment)
-            import mlflow
+        import mlflow
 
-            mlflow.set_tracking_uri((out_dir / "mlruns").absolute().as_uri())
+        global _OUR_MLFLOW_URI
+        given = os.environ.get("MLFLOW_TRACKING_URI")
+        if given and given == _OUR_MLFLOW_URI:  # mlflow exports the URI it is set to: an earlier run's folder
+            given = None
+        if not given:  # this run's folder
             # mlflow 3 keeps the file store in maintenance and refuses it unless asked: a file store in the
             # run's folder is what an offline machine has (sqlite needs SQLAlchemy, not in mlflow-skinny)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            _OUR_MLFLOW_URI = (out_dir / "mlruns").absolute().as_uri()
+        # set every time: mlflow keeps the last URI set in the process, which an earlier run (batched runs, a
+        # notebook) would otherwise leave in place of the user's MLFLOW_TRACKING_URI or this run's folder
+        mlflow.set_tracking_uri(given or _OUR_MLFLOW_URI)
         return tracking.MLflowTracker(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "toolkit"),
                                       run_name=run_name)
     if name == "wandb":

@@ -1,0 +1,94 @@
+"""Before step 1, what a run computes is checked against what the model computes: the loss this layout
+trains (its head, the model's logit transforms, the router loss, the slices or stages it cuts) against
+`model(input_ids, labels=...)`; with --packing, a packed row's documents against each run alone. A
+check that fails stops the run in one line (`--loss auto` falls back to full logits first), so no run
+trains another objective while every later check passes: the integrity check compares the saved
+model with the trained one, never with the loss that trained it.
+
+Both run without gradients, in eval mode (dropout would make the two sides differ, and neither may draw
+random numbers the run would then not draw), and eagerly where blocks are compiled (`--compile`: the
+checks' shapes would only add recompiles; what they check is the model's math, not the compiler's).
+`run` is `toolkit.train.loop.Run`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from toolkit.errors import UserError
+
+
+@contextmanager
+def evaluating(model) -> Iterator[None]:
+    """No gradients, eval mode, no compiled code: the model as the checks run it; train mode after."""
+    model.eval()
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        model.train()
+
+
+LOSS_CHECK_RTOL = 1e-4  # the loss check's bound, relative: fp32 (or one dtype on both sides) agrees to ~1e-6
+
+
+def check_loss(run, batch: dict) -> None:
+    """Before step 1: on the first rows of the first micro-batch, the loss this layout trains (its
+    head, its transforms, the router's load-balancing loss) must equal the model's own forward loss
+    (`model(input_ids, labels=...)`) within LOSS_CHECK_RTOL. If not, `--loss auto` falls back to full
+    logits and says so; otherwise the run stops with one line naming the model type and the head.
+    Every rank checks its own rows; they agree on the worst."""
+    strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write  # above the bar
+    model_type = strategy.unwrap(run.model).config.get_text_config().model_type
+    for attempt in range(2):
+        with evaluating(run.model):
+            got = strategy.loss_check(run.model, batch)
+        ours, own = got if got is not None else (0.0, 0.0)
+        gap = abs(ours - own) / max(abs(own), 1e-12) if got is not None else 0.0
+        gap = float(accelerator.reduce(torch.tensor([gap], device=accelerator.device), "max").item()) \
+            if accelerator.num_processes > 1 else gap
+        if gap <= LOSS_CHECK_RTOL:
+            log(f"loss check: {'full logits give' if attempt else 'the loss trained is'} model type {model_type}'s "
+                f"own on the first rows (relative gap {gap:.1e})")
+            run.memory["loss_check_gap"] = gap  # in step 1's record
+            return
+        head = strategy.loss.describe().removeprefix("loss: ")
+        seen = f"{ours:.6f} against the model's own {own:.6f}" if got is not None else "on another rank"
+        if attempt == 0 and strategy.loss.choice == "auto" and strategy.loss.head is not None:
+            log(f"loss check: {head} gave {seen} on model type {model_type} (relative gap {gap:.1e} > "
+                f"{LOSS_CHECK_RTOL:g}): --loss auto falls back to full logits")
+            strategy.loss.full_logits()
+            continue
+        raise UserError(f"loss check: the loss this run would train ({head}) is not model type {model_type}'s own: "
+                        f"relative gap up to {gap:.1e} (> {LOSS_CHECK_RTOL:g}) on the first rows; "
+                        + ("use --loss full, which runs the model's own logits" if strategy.loss.head is not None
+                           else "this layout does not compute what the model computes: run it on another layout"))
+
+
+def check_packing(run, batch: dict, n: int = 8) -> None:
+    """--packing, before step 1: two documents laid end to end in one row must give the logits each
+    gives alone. The model's own attention keeps packed documents apart only where its forward builds
+    the mask from the positions (gpt-oss's does not: its packed rows attend across documents); the
+    padding-free kernels do it by construction. The documents are the first 2n tokens of the batch, the
+    same shapes on every rank, so sharded forwards stay in step."""
+    strategy, accelerator = run.strategy, run.strategy.accelerator
+    ids = batch["input_ids"][:1, :2 * n]
+    n = ids.shape[1] // 2
+    positions = torch.cat([torch.arange(n), torch.arange(n)]).to(ids.device)[None]
+    with evaluating(run.model):
+        packed = run.model(input_ids=ids[:, :2 * n], position_ids=positions, use_cache=False).logits.float()
+        alone = torch.cat([run.model(input_ids=ids[:, :n], use_cache=False).logits.float(),
+                           run.model(input_ids=ids[:, n:2 * n], use_cache=False).logits.float()], 1)
+    gap = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12)).reshape(1)
+    gap = float(accelerator.reduce(gap, "max").item()) if accelerator.num_processes > 1 else gap.item()
+    if gap > LOSS_CHECK_RTOL:
+        unwrapped = strategy.unwrap(run.model)
+        model_type = unwrapped.config.get_text_config().model_type
+        impl = unwrapped.config._attn_implementation
+        raise UserError(f"--packing: model type {model_type}'s {impl} attention does not keep a packed row's documents "
+                        f"apart (their logits differ from each run alone by up to {gap:.1e} relative): its forward "
+                        "builds the mask without the positions; drop --packing"
+                        + ("" if impl == "packed_fa" else ", or use --attn flash on a GPU with flash-attn"))
