@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 
 PACKED = ["--packing", "--seq-len", "160"]  # 16 rows of about two documents: 2 global batches of 8
 
+SHARDED = "parameters, gradients and optimizer state sharded; parameters resharded after each block's forward " \
+    "(ZeRO-3-like))"
 LAYOUTS = {
     "tp2_dp_shard2": (["--tp", "2", "--dp-shard", "2", "--micro-batch-size", "2", "--grad-accum", "2"],
-                      "layout: device mesh dp_shard 2 x tp 2 (FSDP2 over ('dp_shard',), TP layers inside)"),
+                      f"layout: device mesh dp_shard 2 x tp 2 (FSDP2 over ('dp_shard',), TP layers inside: {SHARDED}"),
     "hsdp": (["--dp-replicate", "2", "--dp-shard", "2", "--micro-batch-size", "2"],
-             "layout: device mesh dp_replicate 2 x dp_shard 2 (FSDP2 over ('dp_replicate', 'dp_shard'))"),
+             f"layout: device mesh dp_replicate 2 x dp_shard 2 (FSDP2 over ('dp_replicate', 'dp_shard'): {SHARDED}"),
     "pp2_tp2": (["--pp", "2", "--tp", "2", "--pp-microbatches", "2", "--micro-batch-size", "8"],
                 "layout: device mesh pp 2 x tp 2\npipeline: 2 stages x 1 data-parallel"),
     "pp2_dp_shard2": (["--pp", "2", "--dp-shard", "2", "--pp-microbatches", "2", "--micro-batch-size", "4"],
@@ -39,7 +41,7 @@ LAYOUTS.update({  # context parallel, one method each (4-rank runs are dear on 2
     "cp2_dp2_packed": (["--cp", "2", "--micro-batch-size", "4", *PACKED],
                        f"layout: device mesh dp_replicate 2 x cp 2 (DDP over dp x cp)\n{CP}"),
     "cp2_dp_shard2": (["--cp", "2", "--dp-shard", "2", "--micro-batch-size", "4", "--gradient-checkpointing"],
-                      f"layout: device mesh dp_shard 2 x cp 2 (FSDP2 over ('dp_shard_cp',))\n{CP}"),
+                      f"layout: device mesh dp_shard 2 x cp 2 (FSDP2 over ('dp_shard_cp',): {SHARDED}\n{CP}"),
     "cp2_tp2": (["--cp", "2", "--tp", "2", "--micro-batch-size", "8"],
                 f"layout: device mesh cp 2 x tp 2 (TP layers, DDP over dp x cp)\n{CP}"),
 })

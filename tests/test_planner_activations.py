@@ -242,3 +242,59 @@ def test_mesh_layout_activations_within_15_percent():
         for stage in (0, 1):
             want = _predicted(ParallelDims(4, pp=2, tp=2), stage, 1, 2 * seq)
             assert rank[f"pp2_tp2/{stage}"] == pytest.approx(want, rel=0.15), stage
+
+
+def _kept(run, params) -> int:
+    """Bytes of distinct storages saved for backward by `run()` that still hold memory when it returns
+    (FSDP2 frees its gathered parameters after each block's forward), parameters excluded."""
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return sum(n for ptr, n in sizes.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fsdp_keeps_no_weight_copies(shaped_model, tmp_path, method):
+    """FSDP2 in bf16 (`toolkit.parallel.fsdp.apply_fsdp`: the mixed-precision policy, no autocast) on one
+    gloo rank: what a forward leaves saved for backward is the planner's terms under the policy
+    (`saved.dtypes(fsdp=True)`: the stream in bf16 as the gathered weights are, no autocast copies)
+    within 3%, with no whole-model copy; the same model under autocast keeps the bf16 copies of its
+    trainable weights on top (`saved.autocast_copies`, the 129 GiB a rank of a 70B full finetune held)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from toolkit.parallel.fsdp import apply_fsdp
+    from toolkit.planner import saved
+    from toolkit.planner.params import linear_shapes
+
+    cfg = {**SHAPE, "vocab_size": 512}
+    h, i, heads, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_attention_heads"], 2
+    kv, hd = SHAPE["num_key_value_heads"] * h // heads, h // heads
+    d = saved.dtypes(method, "bf16", device="cpu", fsdp=True)
+    adapted = None if method == "full" else {n: fi for n, (fi, fo) in linear_shapes(cfg).items()}
+    block = saved.block(h, i, kv, heads, d, adapted, 16, 0.0)
+    batch, seq = 2, 96
+    ids = torch.randint(10, 200, (batch, seq))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = _load(shaped_model, method, "bf16")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        apply_fsdp(base.model, list(base.model.layers), init_device_mesh("cpu", (1,)), True, torch.bfloat16)
+        shards = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
+        got = _kept(lambda: base.model(input_ids=ids), shards)
+    finally:
+        dist.destroy_process_group()
+    predicted = batch * seq * (layers * block + saved.outside_blocks(h, hd, d))
+    # LoRA: the first block's input norm reads the frozen embedding's output and keeps nothing
+    first = batch * seq * saved.rmsnorm(h, d) if method == "lora" else 0
+    assert (predicted - first) * 0.97 <= got <= predicted * 1.03, (got, predicted)
+    if method == "full":  # under autocast: the weights' bf16 copies on top (and an fp32 stream)
+        matmul = layers * sum(a * b for a, b in linear_shapes(cfg).values())
+        copies = saved.autocast_copies(matmul, 4, saved.dtypes("full", "bf16", "cpu"))
+        assert _forward_saved(_load(shaped_model, "full", "bf16"), "bf16", batch, seq) - got >= copies > got

@@ -222,13 +222,19 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
 
 
 def test_tp_plan_read_from_source_is_the_config_class_attribute():
-    """The planner reads a config class's `base_model_tp_plan` from transformers' source (no import of
-    transformers, which imports torch); it equals the class attribute for every preset's and zoo
-    architecture's model type."""
+    """The planner reads a config class's `base_model_tp_plan` and `base_model_pp_plan` from
+    transformers' source (no import of transformers, which imports torch); each equals the class
+    attribute for every preset's and zoo architecture's model type. GPT-2 declares no pipeline plan:
+    the planner offers it no --pp row (the run refuses one)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from toolkit.planner.params import with_tp_plan
+    from toolkit.layout.rules import model_problems
+    from toolkit.planner.params import MODEL_PLANS, with_tp_plan
 
     for model_type in sorted({c["model_type"] for c in PRESETS.values()} | set(ZOO)):
-        assert with_tp_plan({"model_type": model_type})["base_model_tp_plan"] == \
-            CONFIG_MAPPING[model_type].base_model_tp_plan, model_type
+        read = with_tp_plan({"model_type": model_type})
+        for attr in MODEL_PLANS:
+            assert read[attr] == getattr(CONFIG_MAPPING[model_type], attr), (model_type, attr)
+    gpt2 = with_tp_plan({"model_type": "gpt2", "num_hidden_layers": 4})
+    assert model_problems(gpt2, 1, 2, 1, 2) == ["--pp 2: model type gpt2 declares no base_model_pp_plan; --pp needs it"]
+    assert not model_problems(with_tp_plan({"model_type": "llama", "num_hidden_layers": 4}), 1, 2, 1, 2)

@@ -267,7 +267,7 @@ def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
 
 
 def layout_words(par) -> str:
-    """The layout a run's parallel settings (a `layout.rules.ParallelFlags`) ask for, in the planner's
+    """The layout a run's parallel settings (a `layout.flags.ParallelConfig`) ask for, in the planner's
     names or the mesh degrees."""
     from toolkit.layout.rules import strategy_name
 

@@ -24,6 +24,7 @@ import yaml
 from toolkit.errors import UserError
 from toolkit.inputs import (column_problems, dataset_problems, output_dir_problems, sample_problems,
                             streaming_problems)
+from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.rules import layout_problems
 from toolkit.tracker_spec import spec_problems as tracker_problems
 
@@ -107,38 +108,6 @@ class TrainConfig:
                               "and its metrics record says so (warmup)")
     kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "
                               "(CUDA; pip install 'toolkit[gpu]')", ("none", "liger"))
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    strategy: str = _f("manual", "auto: let the planner pick the layout (DDP/ZeRO/FSDP/offload or a tp/pp/cp/dp-shard mesh), "
-                                   "checkpointing and batch sizes",
-                       ("manual", "auto"))
-    zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
-    offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
-    fsdp: bool = _f(False, "shard with PyTorch FSDP2 instead of DDP/DeepSpeed")
-    fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = shard within a "
-                                    "node and replicate across nodes (HSDP: --dp-replicate nodes)", ("full", "grad_op", "hybrid"))
-    dp_shard: int = _f(0, "ranks that shard the weights with FSDP2 on the device mesh (0 = inferred); composes "
-                          "with --tp and --dp-replicate")
-    dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
-    tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
-                    "(world = tp x data-parallel) as the config's base_model_tp_plan says; dense models (not MoE "
-                    "experts), with DDP or --dp-shard")
-    cp: int = _f(1, "context-parallel degree: each of this many ranks holds 1/cp of every sequence "
-                    "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
-    pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
-                    "several processes run one stage each (world = pp x data-parallel)")
-    pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "
-                                 "bubble fraction (pp-1)/(m+pp-1)")
-    pp_schedule: str = _f("gpipe", "multi-process pipeline schedule (torch.distributed.pipelining)", ("gpipe", "1f1b"))
-    pp_balance: str = _f("params", "split blocks into stages by parameter count or by measured block time",
-                         ("params", "time"))
-    pp_devices: str = _f("", "single process: comma-separated stage devices (default cuda:0..pp-1, "
-                             "or cpu for every stage on a machine without GPUs)")
-    deepspeed: str = _f("", "your own DeepSpeed JSON (transformers Trainer's convention): its \"auto\" values are "
-                            "filled from these settings; what it sets wins over their defaults, and a flag that "
-                            "disagrees with it is an error")
 
 
 @dataclass(frozen=True)

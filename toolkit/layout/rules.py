@@ -4,84 +4,46 @@ refusal. Config validation, the planner, the strategy builders, resuming and the
 ask here.
 
 Pure Python: no torch, no torch.distributed, no model loading (a model is its config as a dict).
-The flags are read through `ParallelFlags`, which the config's parallel section and the planner's
-`Flags` both satisfy.
+The flags are `toolkit.layout.flags.ParallelConfig`, the config's parallel section, which the planner
+builds too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from toolkit.layout.dims import ParallelDims, infer_dims
+from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.tp_plan import NotExpressible, read_tp_plan
 
 # Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
 
 
-class ParallelFlags(Protocol):
-    """The parallel flags a rule reads (`toolkit.config.ParallelConfig` has them all)."""
-    strategy: str
-    zero_stage: int | None
-    offload: str
-    fsdp: bool
-    fsdp_sharding: str
-    dp_shard: int
-    dp_replicate: int
-    tp: int
-    cp: int
-    pp: int
-    pp_microbatches: int
-    pp_schedule: str
-    pp_devices: str
-
-
-@dataclass(frozen=True)
-class Flags:
-    """A layout as its flags, with finetune.py's defaults: what the planner asks the rules about."""
-    strategy: str = "manual"
-    zero_stage: int | None = None
-    offload: str = "none"
-    fsdp: bool = False
-    fsdp_sharding: str = "full"
-    dp_shard: int = 0
-    dp_replicate: int = 0
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    pp_microbatches: int = 1
-    pp_schedule: str = "gpipe"
-    pp_devices: str = ""
-
-
 # ----------------------------------------------------------------------------- what the flags ask for
 
-def mesh_sharded(par: ParallelFlags) -> bool:
-    """Sharded data parallel on the toolkit's device mesh (FSDP2 with TP inside, HSDP), not through
-    accelerate's FSDP plugin: asked for with --dp-shard / --dp-replicate, or --fsdp-sharding hybrid."""
-    return par.dp_shard > 0 or par.dp_replicate > 0 or (par.fsdp and par.fsdp_sharding == "hybrid")
+def mesh_sharded(par: ParallelConfig) -> bool:
+    """Sharded data parallel: FSDP2 on the toolkit's device mesh (`toolkit.parallel.fsdp.apply_fsdp`,
+    TP inside, HSDP), asked for with --fsdp, --dp-shard or --dp-replicate. --fsdp is --dp-shard over
+    the data-parallel ranks the other degrees leave (`dims_for`)."""
+    return par.dp_shard > 0 or par.dp_replicate > 0 or par.fsdp
 
 
-def off_mesh_layout(par: ParallelFlags) -> str | None:
-    """The flag that asks for a layout outside the device mesh (the planner's, accelerate's FSDP
-    plugin, DeepSpeed), which --tp, --pp and --cp do not compose with; None if there is none."""
+def off_mesh_layout(par: ParallelConfig) -> str | None:
+    """The flag that asks for a layout outside the device mesh (the planner's, DeepSpeed), which
+    --tp, --pp and --cp do not compose with; None if there is none."""
     if par.strategy == "auto":
         return "--strategy auto"
-    if par.fsdp and not mesh_sharded(par):
-        return "--fsdp"
     return f"--zero-stage {par.zero_stage}" if par.zero_stage is not None else None
 
 
-def accelerate_plugin(par: ParallelFlags) -> str | None:
-    """The accelerate plugin to build: 'deepspeed', 'fsdp', or None (DDP, and the mesh layouts,
-    which shard with FSDP2 themselves)."""
-    if mesh_sharded(par):
-        return None
-    return "fsdp" if par.fsdp else "deepspeed" if par.zero_stage is not None else None
+def accelerate_plugin(par: ParallelConfig) -> str | None:
+    """The accelerate plugin to build: 'deepspeed', or None (DDP, and FSDP2, which the mesh layouts
+    apply themselves with one mixed-precision policy)."""
+    return "deepspeed" if par.zero_stage is not None and not mesh_sharded(par) else None
 
 
-def strategy_name(par: ParallelFlags) -> str | None:
+def strategy_name(par: ParallelConfig) -> str | None:
     """The planner's name for a 1-D layout (ddp, zero{0-3}[_offload|_offload_param], fsdp_full,
     fsdp_grad_op); None for a tp/pp/cp/dp-shard mesh."""
     if max(par.tp, par.pp, par.cp, par.dp_shard or 1) > 1:
@@ -93,22 +55,22 @@ def strategy_name(par: ParallelFlags) -> str | None:
     return "ddp"
 
 
-def flags_of(name: str) -> Flags:
+def flags_of(name: str) -> ParallelConfig:
     """`strategy_name`'s inverse: the flags of a planner's 1-D strategy."""
     if name.startswith("zero"):
-        return Flags(zero_stage=int(name[4]), offload="optimizer+param" if name.endswith("offload_param")
-                     else "optimizer" if "offload" in name else "none")
+        return ParallelConfig(zero_stage=int(name[4]), offload="optimizer+param" if name.endswith("offload_param")
+                              else "optimizer" if "offload" in name else "none")
     if name.startswith("fsdp"):
-        return Flags(fsdp=True, fsdp_sharding=name.split("_", 1)[1])
-    return Flags()
+        return ParallelConfig(fsdp=True, fsdp_sharding=name.split("_", 1)[1])
+    return ParallelConfig()
 
 
-def mesh_flags(d: ParallelDims, micro_batch: int) -> Flags:
+def mesh_flags(d: ParallelDims, micro_batch: int) -> ParallelConfig:
     """The flags that lay the mesh out as `d` (the data-parallel degrees given where they shard)."""
     schedule, m = pipeline_schedule(d, micro_batch)
-    return Flags(tp=d.tp, pp=d.pp, cp=d.cp, dp_shard=d.dp_shard if d.dp_shard > 1 else 0,
-                 dp_replicate=d.dp_replicate if d.dp_shard > 1 and d.dp_replicate > 1 else 0,
-                 pp_microbatches=m if d.pp > 1 else 1, pp_schedule=schedule if d.pp > 1 else "gpipe")
+    return ParallelConfig(tp=d.tp, pp=d.pp, cp=d.cp, dp_shard=d.dp_shard if d.dp_shard > 1 else 0,
+                          dp_replicate=d.dp_replicate if d.dp_shard > 1 and d.dp_replicate > 1 else 0,
+                          pp_microbatches=m if d.pp > 1 else 1, pp_schedule=schedule if d.pp > 1 else "gpipe")
 
 
 def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
@@ -116,9 +78,9 @@ def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
     return ("1f1b" if micro_batch >= d.pp else "gpipe"), micro_batch
 
 
-def runtime(par: ParallelFlags, dims: ParallelDims) -> str:
+def runtime(par: ParallelConfig, dims: ParallelDims) -> str:
     """Which strategy builds the layout (`toolkit.parallel.build.make_strategy`): 'accelerate'
-    (DDP or the FSDP plugin over every rank), 'deepspeed', 'naive_pipeline' (--pp in one process),
+    (DDP, or one process), 'deepspeed', 'naive_pipeline' (--pp in one process),
     'pipeline', 'mesh_sharded' (FSDP2 on the mesh, TP inside when tp > 1), 'tensor_parallel' (TP and
     DDP over dp), or 'context_parallel' (cp x DDP through accelerate)."""
     on_mesh = dims.world_size > 1 and (dims.pp > 1 or dims.tp > 1 or dims.cp > 1
@@ -126,7 +88,10 @@ def runtime(par: ParallelFlags, dims: ParallelDims) -> str:
     if not on_mesh:
         if par.pp > 1:
             return "naive_pipeline"
-        return "deepspeed" if accelerate_plugin(par) == "deepspeed" else "accelerate"
+        if accelerate_plugin(par) == "deepspeed":
+            return "deepspeed"
+        # --fsdp on one rank shards nothing, but gathers in the compute dtype without autocast's copies
+        return "mesh_sharded" if par.fsdp and dims.world_size == 1 else "accelerate"
     if dims.pp > 1:
         return "pipeline"
     if dims.dp_shard > 1 and mesh_sharded(par):
@@ -134,7 +99,7 @@ def runtime(par: ParallelFlags, dims: ParallelDims) -> str:
     return "tensor_parallel" if dims.tp > 1 else "context_parallel"
 
 
-def checkpoint_format(par: ParallelFlags) -> str:
+def checkpoint_format(par: ParallelConfig) -> str:
     """'hf' for DeepSpeed ZeRO, which keeps its own per-rank partitioning (resumed on the same layout
     only), else 'sharded' (torch.distributed.checkpoint, readable by any other layout)."""
     return "hf" if accelerate_plugin(par) == "deepspeed" else "sharded"
@@ -142,7 +107,7 @@ def checkpoint_format(par: ParallelFlags) -> str:
 
 # ----------------------------------------------------------------------------- what may run
 
-def layout_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int,
+def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int,
                     compiled: bool = False, attn: str = "auto") -> list[str]:
     """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
     precision ("fp16" is the one that matters), --loss, micro-batch and --compile, that needs neither
@@ -201,14 +166,15 @@ def _method_problems(flag: str, dimension: str, method: str, precision: str) -> 
         + ([f"{flag} with --mixed-precision fp16 is not supported{fp16}; use bf16"] if precision == "fp16" else [])
 
 
-def _mesh_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
+def _mesh_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
     """--dp-shard / --dp-replicate checks that need no world size (ParallelDims checks the product)."""
     p = [f"--{name.replace('_', '-')} must be >= 1, or 0 to infer it (got {getattr(par, name)})"
          for name in ("dp_shard", "dp_replicate") if getattr(par, name) < 0]
     if not mesh_sharded(par):
         return p
-    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n)) \
-        or "--fsdp-sharding hybrid"
+    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n))
+    if not flags:  # --fsdp alone: its clashes with --zero-stage, --strategy auto and QLoRA are said above
+        return p + _method_problems("--fsdp", "shard", "full", precision)
     if par.zero_stage is not None:
         p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
                  "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
@@ -218,7 +184,7 @@ def _mesh_problems(par: ParallelFlags, method: str, precision: str) -> list[str]
     return p + _method_problems(flags, "shard", method, precision)
 
 
-def _cp_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
+def _cp_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
     """--cp checks that need no model (heads vs tp x cp: `model_problems`)."""
     if par.cp < 1:
         return [f"--cp must be >= 1 (got {par.cp})"]
@@ -232,7 +198,7 @@ def _cp_problems(par: ParallelFlags, method: str, precision: str) -> list[str]:
     return p + _method_problems(f"--cp {par.cp}", "cp", method, precision)
 
 
-def _pipeline_problems(par: ParallelFlags, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
+def _pipeline_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
     """--pp checks that need no model (stages vs blocks: `model_problems`)."""
     if par.pp < 1:
         return [f"--pp must be >= 1 (got {par.pp})"]
@@ -322,6 +288,9 @@ def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int) -
                             f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {tp} "
                             "(x data-parallel groups)")
     if pp > 1:
+        if "base_model_pp_plan" in cfg and not cfg["base_model_pp_plan"]:  # the planner's config (the run: its model)
+            problems.append(f"--pp {pp}: model type {cfg.get('model_type', '?')} declares no base_model_pp_plan; "
+                            "--pp needs it")
         if pp > cfg.get("num_hidden_layers", pp):
             problems.append(f"--pp {pp}: more stages than the model's {cfg['num_hidden_layers']} decoder blocks; "
                             f"use --pp {cfg['num_hidden_layers']} or fewer")
@@ -352,7 +321,7 @@ def router_aux_line(cfg: dict[str, Any]) -> str:
             f"coefficient {cfg.get('router_aux_loss_coef')})")
 
 
-def dims_for(par: ParallelFlags, world: int, local_world: int) -> tuple[ParallelDims, list[str]]:
+def dims_for(par: ParallelConfig, world: int, local_world: int) -> tuple[ParallelDims, list[str]]:
     """The degrees the flags give `world` ranks (`local_world` per node), and every problem: one
     process runs the naive pipeline (pp 1 on the mesh); ZeRO/FSDP shard the inferred data-parallel
     degree; `--fsdp-sharding hybrid` alone replicates across nodes (HSDP)."""
@@ -363,7 +332,7 @@ def dims_for(par: ParallelFlags, world: int, local_world: int) -> tuple[Parallel
                       dp_shard=par.dp_shard, dp_replicate=replicate, cp=par.cp)
 
 
-def world_problems(par: ParallelFlags, world: int) -> list[str]:
+def world_problems(par: ParallelConfig, world: int) -> list[str]:
     """What the launched world refuses that the flags alone cannot tell."""
     if world > 1 and par.pp_devices and par.pp > 1:
         return ["--pp-devices is for the single-process pipeline; launched with several processes each rank runs "

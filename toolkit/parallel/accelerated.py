@@ -1,4 +1,4 @@
-"""The layouts accelerate prepares: DDP and the FSDP2 plugin (`AccelerateStrategy`, context parallel
+"""The layouts accelerate prepares: DDP and one process (`AccelerateStrategy`, context parallel
 inside on the mesh), and DeepSpeed ZeRO-0..3 with offload (`DeepSpeedStrategy`, every DeepSpeed quirk
 in one place). accelerate wraps the model and shards the data over every rank."""
 
@@ -16,7 +16,7 @@ from toolkit.parallel.tp import TPShards
 
 
 class AccelerateStrategy(Strategy):
-    """DDP or the FSDP2 plugin over every rank; with a mesh, context parallel inside (cp x DDP, the
+    """DDP over every rank, or one process; with a mesh, context parallel inside (cp x DDP, the
     data sharded by dp rank only, since cp peers read the same rows)."""
 
     def __init__(self, accelerator, dims: ParallelDims | None = None, cfg: Config | None = None,
@@ -24,7 +24,7 @@ class AccelerateStrategy(Strategy):
         n = accelerator.num_processes
         self.accelerator, self.cfg = accelerator, cfg
         self.dims = dims or ParallelDims(n, dp_replicate=n)
-        self.data = DataShard(accelerator, self.dims, mesh["dp"].get_local_rank() if mesh is not None else None)
+        self.data = DataShard(accelerator, self.dims, mesh.get_local_rank("dp") if mesh is not None else None)
         self.context = ContextSlices(mesh, self.dims)
         self.loss, self.tp = LossHead(loss_fn, accelerator.device.type), TPShards()
 
@@ -46,14 +46,9 @@ class AccelerateStrategy(Strategy):
         return model, optimizer, loader
 
     def describe(self) -> str:
-        n, fsdp = self.accelerator.num_processes, getattr(self.accelerator.state, "fsdp_plugin", None)
+        n = self.accelerator.num_processes
         if self.context.context:
             layout = f"layout: device mesh {self.dims.describe()} (DDP over dp x cp)"
-        elif fsdp is not None:
-            how = ("parameters resharded after each block's forward (ZeRO-3-like)" if fsdp.reshard_after_forward
-                   else "parameters kept gathered from forward to backward (ZeRO-2-like)")
-            layout = (f"layout: FSDP2 over {n} ranks (accelerate's plugin): parameters, gradients and optimizer "
-                      f"state sharded; {how}")
         elif n > 1:
             layout = f"layout: DDP over {n} ranks: each holds the whole model and optimizer; gradients all-reduced"
         else:
@@ -61,7 +56,8 @@ class AccelerateStrategy(Strategy):
         return layout + "\n" + self.context.describe() + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
-        return accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)
+        """DDP averages gradients over every rank (dp x cp)."""
+        return accumulate(self.accelerator, model, micro, scale, self.loss, self.context, self.dims.dp * self.dims.cp)
 
     def clip_grad_norm(self, model, max_norm: float):
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
@@ -128,8 +124,10 @@ class DeepSpeedStrategy(Strategy):
             + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
-        """The engine divides each loss by its configured --grad-accum (not this step's count)."""
-        return accumulate(self.accelerator, model, micro, scale, self.loss, self.cfg.train.grad_accum, self.context)
+        """The engine averages gradients over its data-parallel ranks and divides each loss by its configured
+        --grad-accum (not this step's count)."""
+        return accumulate(self.accelerator, model, micro, scale, self.loss, self.context, self.dims.dp,
+                          divided_by=self.cfg.train.grad_accum)
 
     def clip_grad_norm(self, model, max_norm: float):
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)

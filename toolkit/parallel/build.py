@@ -1,5 +1,5 @@
-"""What a run is built on, decided once: the `Accelerator` (DDP, DeepSpeed ZeRO or FSDP2 plugins,
-gloo on CPU) and the strategy for the layout the flags and the launched world give
+"""What a run is built on, decided once: the `Accelerator` (DDP, or DeepSpeed ZeRO's plugin; gloo on
+CPU) and the strategy for the layout the flags and the launched world give
 (`toolkit.layout.rules.runtime`), checked against the model's config before any weights are read."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from toolkit.parallel.strategy import LossFn, Strategy
 
 
 def make_accelerator(cfg: Config, model_path: str | None = None):
-    """DDP (gloo on CPU, NCCL on GPU) by default; DeepSpeed or FSDP2 plugins from the flags.
+    """DDP (gloo on CPU, NCCL on GPU) by default; DeepSpeed's plugin from the flags (FSDP2 is applied by
+    the mesh strategies, `toolkit.parallel.fsdp`).
     `model_path` gives the hidden size that DeepSpeed's bucket sizes scale with."""
     import torch
     from accelerate import Accelerator
@@ -29,7 +30,7 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     kind = accelerate_plugin(cfg.parallel)
     # DeepSpeed and FSDP need a process group, also for one process that no launcher started: the same
     # variables on a GPU and a CPU (toolkit.parallel.launch).
-    launch.ensure_rank_env(needs_group=kind is not None)
+    launch.ensure_rank_env(needs_group=kind is not None or cfg.parallel.fsdp)
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     # The loop fetches a step's micro-batches before running them, so the loader reaches its end
@@ -52,8 +53,10 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=run_deepspeed_config(cfg, model_path))
-    elif kind == "fsdp":
-        kwargs["fsdp_plugin"] = fsdp_plugin(cfg)
+    # FSDP2 is the mesh layouts' own (`toolkit.parallel.fsdp`); an `accelerate launch` FSDP config was
+    # adopted as --fsdp by config validation, and accelerate would otherwise build its plugin from it
+    for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
+        os.environ.pop(key, None)
     with cpu_rehearsal(kind) as rehearsing:
         # Without cpu=True accelerate ignores torchrun's WORLD_SIZE on a machine with no accelerator
         # and every rank trains alone; with it, ranks join one gloo group (see cpu_rehearsal).
@@ -113,18 +116,6 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     return ds
 
 
-def fsdp_plugin(cfg: Config):
-    """FSDP2 over every rank: `full` reshards parameters after forward (ZeRO-3-like), `grad_op` keeps
-    them gathered until backward (ZeRO-2-like). Blocks are wrapped by the model's `_no_split_modules`.
-    (`hybrid` is HSDP on the device mesh: `toolkit.parallel.strategy.MeshShardedStrategy`.)"""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    return FullyShardedDataParallelPlugin(
-        fsdp_version=2, reshard_after_forward=cfg.parallel.fsdp_sharding != "grad_op",
-        auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
-        cpu_ram_efficient_loading=False, activation_checkpointing=False)
-
-
 def cpu_threads_per_rank(local_ranks: int) -> int:
     """Cores available to this process split evenly over the ranks of this node.
 
@@ -160,15 +151,15 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     if kind == "naive_pipeline":
         return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
     from toolkit.parallel.mesh import build_mesh
-    from toolkit.parallel.sharded import MeshShardedStrategy, TensorParallelStrategy
+    from toolkit.parallel.sharded import MeshStrategy
 
     mesh = build_mesh(dims, accelerator.device.type)
     if kind == "pipeline":
         return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
     if kind == "mesh_sharded":
-        return MeshShardedStrategy(accelerator, dims, mesh, cfg, loss_fn)
+        return MeshStrategy(accelerator, dims, mesh, cfg, loss_fn, sharded=True)
     if kind == "tensor_parallel":
-        return TensorParallelStrategy(accelerator, dims, mesh, cfg, loss_fn)
+        return MeshStrategy(accelerator, dims, mesh, cfg, loss_fn, sharded=False)
     return AccelerateStrategy(accelerator, dims, cfg, loss_fn, mesh)  # cp x DDP: accelerate's DDP over every rank
 
 

@@ -10,20 +10,23 @@ from toolkit.layout.dims import MESH_DIMS, ParallelDims
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """Every rank calls this once, in the same order (it creates the groups of each dimension)."""
+    """Every rank calls this once, in the same order (it creates the groups of each dimension). The
+    flattened dimensions are kept as `mesh.flat[name]` (torch deprecates slicing them from the root);
+    their process groups are `mesh.get_group(name)`."""
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the data-parallel group: replicas and shards together
+    mesh.flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}  # the data-parallel group: replicas and shards
     if dims.cp > 1:  # cp ranks read the same data but hold different tokens: gradients average over them too
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp ranks as well
+        mesh.flat["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        mesh.flat["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp too
     return mesh
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """What FSDP2 shards over: `dp_shard` (x `cp`), or (HSDP) `dp_replicate` x that, replicated across
     the outer dimension and sharded within."""
-    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh.flat["dp_shard_cp"]
 
 
 def grad_dim(dims: ParallelDims, sharded: bool = False) -> str:

@@ -1,7 +1,9 @@
-"""The layouts that split the model over the device mesh themselves: the project's TP layers with DDP
-over the data-parallel ranks (`TensorParallelStrategy`), and FSDP2 over the mesh's `dp_shard` with the
-TP layers inside when tp > 1 (`MeshShardedStrategy`, torchtitan's 2-D layout). Both may hold context
-parallel slices too (`toolkit.parallel.cp`)."""
+"""Every layout on the device mesh but the pipeline, in one class (`MeshStrategy`), built in
+torchtitan's order: the project's TP layers where tp > 1 (and Ulysses attention where cp > 1) when the
+model is loaded, then FSDP2 over the mesh's data-parallel dimensions where they shard (`--fsdp` on any
+number of ranks, `--dp-shard`, HSDP: `toolkit.parallel.fsdp.apply_fsdp`), else DDP over `dp` (x `cp`).
+TP inside FSDP2 is torchtitan's 2-D layout: each TP rank's FSDP group holds the ranks of the same TP
+coordinate, so it shards that rank's TP slices."""
 
 from __future__ import annotations
 
@@ -15,68 +17,27 @@ from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead
 from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
 
 
-class TensorParallelStrategy(Strategy):
-    """TP layers over the mesh's `tp` groups; DDP over `dp` (x `cp`); the loader sharded by dp rank."""
+class MeshStrategy(Strategy):
+    """TP layers over the mesh's `tp` groups (tp > 1); FSDP2 over `dp_shard` (x `cp`; HSDP: x
+    `dp_replicate`, replicated across it) where `sharded`, else DDP over `dp` (x `cp`); the loader sharded
+    by dp rank. Gradients reduce-scatter over the shard group (all-reduce over `dp_replicate`), or
+    all-reduce over dp under DDP."""
 
-    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config | None = None,
-                 loss_fn: LossFn = token_loss_sum):
-        self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
-        self.layout = make_layout(dims.tp, mesh, grad_dim(dims))
-        self.tp = TPShards(self.layout.tp_group)
-        self.data = DataShard(accelerator, dims, mesh["dp"].get_local_rank())
-        self.context = ContextSlices(mesh, dims)
-        self.loss = LossHead(loss_fn, accelerator.device.type)
-        self.whole_batches = dims.cp == 1
-
-    def shard_model(self, model):
-        """Every rank loads the full weights and keeps its slice (LoRA adapters are created first, so
-        TP=1 and TP=t start from the same adapter init)."""
-        model = apply_tensor_parallel(self.context.attach(model), self.layout.tp_group)
-        self.tp.read(model)
-        return model
-
-    def prepare(self, model, optimizer_fn: Callable, loader):
-        from toolkit.parallel.tp import prepare_tensor_parallel
-
-        model, optimizer = prepare_tensor_parallel(self.accelerator, self.layout, model, optimizer_fn(model))
-        self.loss.choose(self.unwrap(model), self.cfg.train.loss if self.cfg else "auto")
-        return model, optimizer, self.data.loader(loader)
-
-    def describe(self) -> str:
-        over = "dp x cp" if self.dims.cp > 1 else "dp"
-        return f"layout: device mesh {self.dims.describe()} (TP layers, DDP over {over})\n" + self.tp.describe() \
-            + self.context.describe() + self.loss.describe()
-
-    def forward_backward(self, model, micro: list[dict], scale):
-        return accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)
-
-    def clip_grad_norm(self, model, max_norm: float):
-        from toolkit.parallel.tp import clip_grad_norm
-
-        return clip_grad_norm(model.parameters(), max_norm, self.layout)
-
-    def state_dict(self, model) -> dict:
-        """The TP shards gathered back into the full tensors a non-TP run would save."""
-        return self.tp.state_dict(self.unwrap(model))
-
-
-class MeshShardedStrategy(Strategy):
-    """FSDP2 `fully_shard` over the mesh's data-parallel dimensions (`dp_shard`; HSDP: `dp_replicate`
-    x `dp_shard`, replicated across the outer and sharded within), with the TP layers inside when
-    tp > 1. Each TP rank's FSDP group holds the ranks of the same TP coordinate, so it shards that
-    rank's TP slices; gradients reduce-scatter over `dp_shard` and all-reduce over `dp_replicate`."""
-
-    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
-        self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
+    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum,
+                 sharded: bool = True):
+        self.accelerator, self.dims, self.cfg, self.sharded = accelerator, dims, cfg, sharded
         self.layout = make_layout(dims.tp, mesh, grad_dim(dims)) if dims.tp > 1 else None
         self.tp = TPShards(self.layout.tp_group if self.layout else None)
-        self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group(grad_dim(dims, sharded=True))
-        self.data = DataShard(accelerator, dims, mesh["dp"].get_local_rank())
+        self.shard_mesh = fsdp_mesh(mesh, dims) if sharded else None
+        self.shard_group = mesh.get_group(grad_dim(dims, sharded=True)) if sharded else None
+        self.data = DataShard(accelerator, dims, mesh.get_local_rank("dp"))
         self.context = ContextSlices(mesh, dims)
         self.loss = LossHead(loss_fn, accelerator.device.type)
         self.whole_batches = dims.cp == 1
 
     def shard_model(self, model):
+        """Every rank loads the full weights and keeps its TP slice (LoRA adapters are created first, so
+        TP=1 and TP=t start from the same adapter init)."""
         model = self.context.attach(model)
         if self.layout is not None:
             model = apply_tensor_parallel(model, self.layout.tp_group)
@@ -84,43 +45,57 @@ class MeshShardedStrategy(Strategy):
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
-        from torch.distributed.fsdp import fully_shard
-
-        from toolkit.parallel.tp.plan import decoder_blocks
-
         a = self.accelerator
-        model = model.to(a.device)
-        reshard = self.cfg.parallel.fsdp_sharding != "grad_op"
-        for block in decoder_blocks(model):
-            fully_shard(block, mesh=self.shard_mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=reshard)
-        if a.mixed_precision == "bf16":  # fp32 weights and reductions, bf16 compute (as the other layouts)
-            from toolkit.parallel.tp import autocast_forward
+        if self.sharded:
+            from toolkit.parallel.fsdp import apply_fsdp, compute_dtype
+            from toolkit.parallel.tp.plan import decoder_blocks
 
-            autocast_forward(a, model)
-        optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
+            model = model.to(a.device)
+            apply_fsdp(model, decoder_blocks(model), self.shard_mesh, self.cfg.parallel.fsdp_sharding != "grad_op",
+                       compute_dtype(a.mixed_precision))
+            optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
+        else:
+            from toolkit.parallel.tp import prepare_tensor_parallel
+
+            model, optimizer = prepare_tensor_parallel(a, self.layout, model, optimizer_fn(model))
         self.loss.choose(self.unwrap(model), self.cfg.train.loss)
         return model, optimizer, self.data.loader(loader)
 
     def describe(self) -> str:
+        tail = self.tp.describe() + self.context.describe() + self.loss.describe()
+        if not self.sharded:
+            over = "dp x cp" if self.dims.cp > 1 else "dp"
+            return f"layout: device mesh {self.dims.describe()} (TP layers, DDP over {over})\n" + tail
+        bf16 = "; gathered in bf16, gradients reduced in fp32" if self.accelerator.mixed_precision == "bf16" else ""
+        if self.dims.world_size == 1:
+            return f"layout: FSDP2 on one process (nothing to shard; each block's parameters gathered for its " \
+                f"forward and backward{bf16 or ' in fp32'}, without autocast's weight copies)\n" + tail
         inside = ", TP layers inside" if self.dims.tp > 1 else ""
-        return f"layout: device mesh {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside})\n" \
-            + self.tp.describe() + self.context.describe() + self.loss.describe()
+        how = ("parameters resharded after each block's forward (ZeRO-3-like)" if self.cfg.parallel.fsdp_sharding
+               != "grad_op" else "parameters kept gathered from forward to backward (ZeRO-2-like)")
+        return f"layout: device mesh {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside}: " \
+            f"parameters, gradients and optimizer state sharded; {how}{bf16})\n" + tail
 
     def forward_backward(self, model, micro: list[dict], scale):
-        total = accumulate(self.accelerator, model, micro, scale, self.loss, len(micro), self.context)
-        self.tp.reduce_partial_grads(self.unwrap(model))
+        """FSDP2 sums the shards' gradients (its division is off); DDP averages over dp (x cp)."""
+        averaged_over = 1 if self.sharded else self.dims.dp * self.dims.cp
+        total = accumulate(self.accelerator, model, micro, scale, self.loss, self.context, averaged_over)
+        if self.sharded:  # FSDP2 replaced the parameters, and with them the TP plan's gradient hooks
+            self.tp.reduce_partial_grads(self.unwrap(model))
         return total
 
     def clip_grad_norm(self, model, max_norm: float):
+        """The full model's norm: TP slices' squares summed over the TP group, FSDP2 shards' over the
+        shard group (`toolkit.parallel.grad_norm`)."""
         from toolkit.parallel.grad_norm import clip_grad_norm
 
         named = list(self.unwrap(model).named_parameters())
         split = [p for n, p in named if n in self.tp.split]
         rest = [p for n, p in named if n not in self.tp.split]
         tp = (self.tp.group,) if self.tp.group is not None else ()
-        return clip_grad_norm([p for _, p in named], max_norm,
-                              [(split, (*tp, self.shard_group)), (rest, (self.shard_group,))])
+        shard = (self.shard_group,) if self.shard_group is not None else ()
+        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (rest, shard)])
 
     def state_dict(self, model) -> dict:
+        """The TP shards gathered back into the full tensors a non-TP run would save."""
         return self.tp.state_dict(self.unwrap(model))

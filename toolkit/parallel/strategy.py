@@ -4,12 +4,11 @@ layout, so that none of them branches on which layout runs (torchtitan's `parall
 `Strategy` is the typed face. One class per runtime implements it, built by
 `toolkit.parallel.build.make_strategy` from `toolkit.layout.rules.runtime`:
 
-- `accelerated.AccelerateStrategy`: DDP and the FSDP2 plugin through accelerate (x cp on the mesh);
+- `accelerated.AccelerateStrategy`: DDP, or one process, through accelerate (x cp on the mesh);
 - `accelerated.DeepSpeedStrategy`: DeepSpeed ZeRO-0..3 (+ offload) through accelerate; every
   DeepSpeed quirk lives there;
-- `sharded.TensorParallelStrategy`: the project's TP layers over the mesh's `tp` groups, DDP over `dp`;
-- `sharded.MeshShardedStrategy`: FSDP2 over the mesh's `dp_shard` (HSDP with `dp_replicate`), the TP
-  layers inside when tp > 1;
+- `sharded.MeshStrategy`: the project's TP layers over the mesh's `tp` groups, then FSDP2 over its
+  data-parallel dimensions (`--fsdp`, `--dp-shard`, HSDP: `toolkit.parallel.fsdp`) or DDP over `dp`;
 - `pp.strategy.PipelineStrategy`: one stage per rank over the mesh's `pp` groups; in one process, the
   naive pipeline with every stage.
 
@@ -69,8 +68,9 @@ class Strategy(Protocol):
     @abstractmethod
     def forward_backward(self, model, micro: list[dict], scale: float | torch.Tensor) -> torch.Tensor:
         """Forward and backward of one global batch's micro-batches on this rank, each micro-batch's
-        summed loss times `scale`; returns the summed loss (float64, on the device, no host sync).
-        Gradients are synchronised."""
+        summed loss times `scale` (1 / the global batch's target count) and `loss_scale`'s correction
+        for this layout's backend; returns the summed loss (float64, on the device, no host sync).
+        Gradients are synchronised: the gradient of the global batch's mean token loss."""
 
     @abstractmethod
     def clip_grad_norm(self, model, max_norm: float) -> torch.Tensor | None:
@@ -294,22 +294,31 @@ def router_aux_coef(config) -> float:
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def accumulate(accelerator, model, micro: list[dict], scale: float | torch.Tensor, loss: LossHead,
-               divisor: int, context: ContextSlices) -> torch.Tensor:
-    """Forward and backward of each micro-batch under accelerate's `accumulate` (gradients sync on the
-    last), each summed loss times `scale`; the summed loss (float64, on the device).
+def loss_scale(scale: float | torch.Tensor, averaged_over: int, divided_by: int) -> float | torch.Tensor:
+    """What a micro-batch's summed token loss is multiplied by before backward, in one place: `scale`
+    (1 / the global batch's target count: the loop's), times the ranks whose gradients the backend
+    averages (DDP's and DeepSpeed's mean over their data-parallel group, dp x cp under context
+    parallel, where the true gradient is the sum of the ranks' tokens; 1 where the reductions are sums:
+    FSDP2 with its gradient division off, `toolkit.parallel.fsdp`, and the pipeline's own all-reduce),
+    times the accumulation steps it divides the loss by (accelerate's `backward`: the step's
+    micro-batches; DeepSpeed's engine: its configured --grad-accum). So the gradient is the global
+    batch's mean token loss's, however the batch is split over ranks and accumulation steps."""
+    return scale * (averaged_over * divided_by)
 
-    accelerate divides the loss by gradient_accumulation_steps and syncs on the last micro-batch;
-    setting both to this step's count keeps a short last step right (`divisor` undoes the division:
-    DeepSpeed's engine divides by its configured --grad-accum instead). Context parallel: a rank's
-    loss covers its slice of the tokens, and gradients are averaged over dp x cp ranks, where the true
-    gradient sums the cp slices: x cp undoes that mean."""
+
+def accumulate(accelerator, model, micro: list[dict], scale: float | torch.Tensor, loss: LossHead,
+               context: ContextSlices, averaged_over: int, divided_by: int | None = None) -> torch.Tensor:
+    """Forward and backward of each micro-batch under accelerate's `accumulate` (gradients sync on the
+    last), each summed loss times `loss_scale(scale, averaged_over, divided_by)`; the summed loss
+    (float64, on the device). accelerate divides the loss by gradient_accumulation_steps and syncs on
+    the last micro-batch: both are this step's count (`divided_by` by default), which keeps a short
+    last step right."""
     accelerator.gradient_accumulation_steps, accelerator.step = len(micro), 0
-    scale = scale * context.cp
+    factor = loss_scale(scale, averaged_over, len(micro) if divided_by is None else divided_by)
     total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro:
         with accelerator.accumulate(model), context.slice(batch) as batch:
             step_loss = loss(model, batch)
-            accelerator.backward(step_loss * (scale * divisor))
+            accelerator.backward(step_loss * factor)
             total += step_loss.detach().double()
     return context.total(total)

@@ -21,7 +21,8 @@ from typing import Any
 from toolkit.layout.dims import MESH_DIMS, ParallelDims
 from toolkit.layout.rules import cp_divisibility_problems, pipeline_schedule, tp_divisibility_problems
 from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_terms
-from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, logits_bytes,
+from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, gathered_bytes_per_param,
+                                    logits_bytes,
                                     ulysses_comm_bytes)
 from toolkit.planner import saved
 from toolkit.planner.params import blocks as model_blocks, count_params, head_dim, lora_layer_params, lora_params
@@ -143,7 +144,8 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
-    dt = saved.dtypes(inp.method, inp.precision)
+    fsdp = d.dp_shard > 1  # FSDP2's mixed-precision policy: the stream in the compute dtype, no autocast copies
+    dt = saved.dtypes(inp.method, inp.precision, fsdp=fsdp)
     per = saved.layers(cfg, dt, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout,
                        d.tp, start, stop)
     kept, backward = saved.stack(per, tokens, h, dt, checkpointing)
@@ -152,7 +154,8 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
     logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
                         pipeline=d.pp > 1, seq_len=tokens) if last else 0
-    casts = saved.autocast_copies(trainable, 4, dt)  # each gathered fp32 weight cast for its matmul, saved for backward
+    # under autocast each fp32 weight's cast for its matmul is saved for backward
+    casts = 0 if fsdp else saved.autocast_copies(trainable, 4, dt)
     return {"weights": weights // shard, "grads": 4 * trainable // shard, "optimizer": ADAM_BYTES * trainable // shard,
             "autocast_copies": casts, "activations": in_flight * (kept + backward + tokens * outside), "logits": logits}
 
@@ -186,7 +189,7 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
         grads = 4 * trainable
         if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
             shard = d.dp_shard * d.cp
-            model = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params
+            model = gathered_bytes_per_param(inp.precision) * params  # gathered in the compute dtype
             sent = ring_factor(shard) / 2 * (grads + (2 + checkpointing) * model)
             sent += ring_factor(d.dp_replicate) * grads / shard  # HSDP: all-reduce of the shards
             out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped", "dp"))

@@ -3,8 +3,9 @@
 Model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3-5: with Adam, K = 12 bytes of
 optimizer state per parameter in mixed precision, partitioned over N_d ranks at stage 1, plus
 gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit runs:
-- trainable weights are loaded in fp32 and autocast does bf16 compute, so DDP/FSDP trainable weights
-  and gradients are 4 bytes per parameter; DeepSpeed with bf16 converts the module to 2-byte weights
+- trainable weights are loaded in fp32, so DDP/FSDP trainable weights and gradients are 4 bytes per
+  parameter; DDP computes in bf16 under autocast (which keeps a bf16 copy of each trainable weight for
+  backward), FSDP2 under its mixed-precision policy (each block gathered in bf16, no copies); DeepSpeed with bf16 converts the module to 2-byte weights
   and keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
 - a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.models.load_model`),
   2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
@@ -25,7 +26,10 @@ MASTER_BYTES = 4  # DeepSpeed's fp32 master partition
 
 
 @dataclass(frozen=True)
-class Strategy:
+class Sharding:
+    """What a 1-D layout spreads over its ranks (the planner's; the runtime's classes are
+    `toolkit.parallel.strategy.Strategy`)."""
+
     name: str
     deepspeed: bool = False
     shard_optimizer: bool = False  # ZeRO-1+ / FSDP
@@ -33,28 +37,35 @@ class Strategy:
     shard_params: bool = False  # ZeRO-3 / FSDP full
     offload_optimizer: bool = False
     offload_params: bool = False
+    fsdp: bool = False  # FSDP2: its mixed-precision policy gathers in the compute dtype, no autocast
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
-    Strategy("ddp"),
-    Strategy("zero1", deepspeed=True, shard_optimizer=True),
-    Strategy("zero2", deepspeed=True, shard_optimizer=True, shard_grads=True),
-    Strategy("zero3", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True),
-    Strategy("zero2_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, offload_optimizer=True),
-    Strategy("zero3_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
+STRATEGIES: dict[str, Sharding] = {s.name: s for s in [
+    Sharding("ddp"),
+    Sharding("zero1", deepspeed=True, shard_optimizer=True),
+    Sharding("zero2", deepspeed=True, shard_optimizer=True, shard_grads=True),
+    Sharding("zero3", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True),
+    Sharding("zero2_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, offload_optimizer=True),
+    Sharding("zero3_offload", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
              offload_optimizer=True),
-    Strategy("zero3_offload_param", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
+    Sharding("zero3_offload_param", deepspeed=True, shard_optimizer=True, shard_grads=True, shard_params=True,
              offload_optimizer=True, offload_params=True),
     # FSDP2 shards parameters in both modes; grad_op keeps them gathered between forward and backward.
-    Strategy("fsdp_full", shard_optimizer=True, shard_grads=True, shard_params=True),
-    Strategy("fsdp_grad_op", shard_optimizer=True, shard_grads=True, shard_params=True),
+    Sharding("fsdp_full", shard_optimizer=True, shard_grads=True, shard_params=True, fsdp=True),
+    Sharding("fsdp_grad_op", shard_optimizer=True, shard_grads=True, shard_params=True, fsdp=True),
 ]}
 
 
-def weight_bytes_per_param(s: Strategy, precision: str) -> int:
+def weight_bytes_per_param(s: Sharding, precision: str) -> int:
     """Trainable weights (and their gradients): DeepSpeed casts the module to bf16/fp16; DDP/FSDP keep
-    fp32 weights and autocast."""
+    fp32 weights (DDP autocasts; FSDP2 gathers in the compute dtype: `gathered_bytes_per_param`)."""
     return 2 if s.deepspeed and precision in ("bf16", "fp16") else 4
+
+
+def gathered_bytes_per_param(precision: str) -> int:
+    """What FSDP2 all-gathers and holds per parameter of a block in use: its mixed-precision policy's
+    compute dtype under bf16/fp16 (`toolkit.parallel.fsdp`), else fp32. Gradients reduce in fp32."""
+    return 2 if precision in ("bf16", "fp16") else 4
 
 
 def frozen_bytes_per_param(precision: str) -> int:
@@ -62,7 +73,7 @@ def frozen_bytes_per_param(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
-def weights_bytes(s: Strategy, frozen: int, trainable: int, n: int, precision: str) -> int:
+def weights_bytes(s: Sharding, frozen: int, trainable: int, n: int, precision: str) -> int:
     """Resident weights per GPU, frozen and trainable: all of them, or a 1/n shard (ZeRO-3, FSDP), or
     none (param offload)."""
     if s.offload_params:
@@ -71,7 +82,7 @@ def weights_bytes(s: Strategy, frozen: int, trainable: int, n: int, precision: s
     return total // n if s.shard_params else total
 
 
-def grads_bytes(s: Strategy, trainable: int, n: int, precision: str) -> int:
+def grads_bytes(s: Sharding, trainable: int, n: int, precision: str) -> int:
     """Gradients have the weights' dtype; partitioned from ZeRO-2 / FSDP on (ZeRO paper, P_os+g);
     with optimizer offload each reduced partition is copied to the host as it is produced
     (ZeRO-Offload, Ren et al. 2021, sec. 4.1), so the GPU keeps only the reduce buckets (buffers)."""
@@ -81,7 +92,7 @@ def grads_bytes(s: Strategy, trainable: int, n: int, precision: str) -> int:
     return total // n if s.shard_grads else total
 
 
-def optimizer_bytes(s: Strategy, trainable: int, n: int) -> int:
+def optimizer_bytes(s: Sharding, trainable: int, n: int) -> int:
     """Adam moments (+ DeepSpeed's fp32 master) per GPU: 1/n of them from ZeRO-1 / FSDP on, none on
     the GPU with optimizer offload (they move to CPU RAM, see `cpu_bytes`)."""
     if s.offload_optimizer:
@@ -91,7 +102,7 @@ def optimizer_bytes(s: Strategy, trainable: int, n: int) -> int:
     return total // n if s.shard_optimizer else total
 
 
-def cpu_bytes(s: Strategy, params: int, trainable: int, n: int, precision: str) -> int:
+def cpu_bytes(s: Sharding, params: int, trainable: int, n: int, precision: str) -> int:
     """CPU RAM per GPU process that offload needs (the node needs this x GPUs per node)."""
     out = 0
     if s.offload_optimizer:

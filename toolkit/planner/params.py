@@ -280,34 +280,37 @@ def cast_weights(cfg: dict[str, Any]) -> int:
         + cfg["vocab_size"] * cfg["hidden_size"]
 
 
+MODEL_PLANS = ("base_model_tp_plan", "base_model_pp_plan")
+
+
 def with_tp_plan(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config with its class's `base_model_tp_plan`, which config.json and `to_dict()` leave out
-    but the run's layout rules read for --tp (`toolkit.parallel.build` puts it there the same way):
-    from transformers' config class for its model type, imported only here. Unchanged where it has
-    one already, or where transformers has no such model type."""
-    if "base_model_tp_plan" in cfg or not cfg.get("model_type"):
+    """The config with its class's `base_model_tp_plan` and `base_model_pp_plan`, which config.json
+    and `to_dict()` leave out but the run reads for --tp and --pp (`toolkit.parallel.build`, the
+    pipeline's stages): from transformers' config class for its model type, imported only here.
+    Each unchanged where the config has it already, or where transformers has no such model type."""
+    if not cfg.get("model_type"):
         return cfg
-    plan = _class_tp_plan(cfg["model_type"])
-    return cfg if plan is False else {**cfg, "base_model_tp_plan": plan}
+    plans = {attr: _class_plan(cfg["model_type"], attr) for attr in MODEL_PLANS if attr not in cfg}
+    return {**cfg, **{attr: plan for attr, plan in plans.items() if plan is not False}}
 
 
 @lru_cache(maxsize=None)
-def _class_tp_plan(model_type: str) -> dict | None | bool:
-    """The config class's `base_model_tp_plan`: read from its source (importing transformers imports
-    torch, seconds for a plan that takes a second), else imported; False where there is no such class."""
-    plan = _tp_plan_from_source(model_type)
+def _class_plan(model_type: str, attr: str) -> dict | None | bool:
+    """The config class's plan `attr`: read from its source (importing transformers imports torch,
+    seconds for a plan that takes a second), else imported; False where there is no such class."""
+    plan = _plan_from_source(model_type, attr)
     if plan is not False:
         return plan
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        return getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
+        return getattr(CONFIG_MAPPING[model_type], attr, None)
     except (ImportError, KeyError):
         return False
 
 
-def _tp_plan_from_source(model_type: str) -> dict | None | bool:
-    """`base_model_tp_plan` as the class whose `model_type = "..."` is `model_type` assigns it in
+def _plan_from_source(model_type: str, attr: str) -> dict | None | bool:
+    """The plan `attr` as the class whose `model_type = "..."` is `model_type` assigns it in
     transformers' models/*/configuration_*.py (None where the class sets none and derives from
     PreTrainedConfig alone); False where the source does not say (not found, or inherited)."""
     import ast
@@ -328,8 +331,8 @@ def _tp_plan_from_source(model_type: str) -> dict | None | bool:
             fields = {t.id: x.value for x in body if isinstance(x, (ast.Assign, ast.AnnAssign)) and x.value is not None
                       for t in (x.targets if isinstance(x, ast.Assign) else [x.target]) if isinstance(t, ast.Name)}
             if isinstance(fields.get("model_type"), ast.Constant) and fields["model_type"].value == model_type:
-                if "base_model_tp_plan" in fields:
-                    return ast.literal_eval(fields["base_model_tp_plan"])
+                if attr in fields:
+                    return ast.literal_eval(fields[attr])
                 bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
                 return None if bases <= {"PreTrainedConfig", "PretrainedConfig"} else False
     return False

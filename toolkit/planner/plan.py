@@ -25,8 +25,8 @@ from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_
                                   optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds, step_terms)
 from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
 from toolkit.planner.layouts import flags as mesh_flags
-from toolkit.planner.memory import (STRATEGIES, Strategy, cpu_bytes,
-                                    frozen_bytes_per_param, grads_bytes, optimizer_bytes,
+from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
+                                    frozen_bytes_per_param, gathered_bytes_per_param, grads_bytes, optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
@@ -62,7 +62,7 @@ def parse_size(text: str, what: str) -> int:
 @dataclass(frozen=True)
 class Asked:
     """The layout a run's settings ask for (`plan --config RUN.yaml`): its parallel flags (a
-    `toolkit.layout.rules.ParallelFlags`, such as a Config's parallel section) and its gradient
+    `toolkit.layout.flags.ParallelConfig`, a Config's parallel section) and its gradient
     checkpointing. It is predicted as it is, at the run's micro-batch and accumulation, beside the
     search, and chosen where it fits and runs: the plan says what the run will meet."""
     layout: Any
@@ -105,18 +105,19 @@ class PlanInput:
 
 
 def activation_terms(inp: PlanInput, micro_batch: int, checkpointing: bool, weight_bytes: int,
-                     trainable: int) -> tuple[int, int, int]:
+                     trainable: int, fsdp: bool = False) -> tuple[int, int, int]:
     """`toolkit.planner.saved`'s terms for one micro-batch: (what the forward saves: every block, or
     with checkpointing each block's input, plus what lies outside the blocks; what backward adds: one
     block's recomputed activations under checkpointing, and the gradients alive in one block's
-    backward; the autocast copies of trainable fp32 weights)."""
+    backward; the autocast copies of trainable fp32 weights, none under FSDP2's policy (`fsdp`))."""
     cfg, h = inp.model, inp.model["hidden_size"]
-    d = saved.dtypes(inp.method, inp.precision)
+    d = saved.dtypes(inp.method, inp.precision, fsdp=fsdp)
     per = saved.layers(cfg, d, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout)
     tokens = micro_batch * inp.seq_len
     kept, backward = saved.stack(per, tokens, h, d, checkpointing)
     matmul = cast_weights(cfg) if inp.method == "full" else trainable
-    return kept + tokens * saved.outside_blocks(h, head_dim(cfg), d), backward, saved.autocast_copies(matmul, weight_bytes, d)
+    casts = 0 if fsdp else saved.autocast_copies(matmul, weight_bytes, d)
+    return kept + tokens * saved.outside_blocks(h, head_dim(cfg), d), backward, casts
 
 
 def total_bytes(allocated: int) -> int:
@@ -231,11 +232,11 @@ def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
     return cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], nkv * head_dim(cfg), cfg["vocab_size"]
 
 
-def offloads(s: Strategy) -> bool:
+def offloads(s: Sharding) -> bool:
     return s.offload_optimizer or s.offload_params
 
 
-def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int) -> Candidate:
+def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int) -> Candidate:
     cfg = inp.model
     counts = count_params(cfg)
     params = counts.total
@@ -250,7 +251,7 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     else:
         weights = weights_bytes(s, frozen, trainable, n, inp.precision)
     wb = weight_bytes_per_param(s, inp.precision)
-    forward, backward, casts = activation_terms(inp, micro_batch, checkpointing, wb, trainable)
+    forward, backward, casts = activation_terms(inp, micro_batch, checkpointing, wb, trainable, s.fsdp)
     b = {
         "weights": weights,
         "grads": grads_bytes(s, trainable, n, inp.precision),
@@ -260,12 +261,14 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
         "logits": loss_bytes(inp, micro_batch, vocab, h, act),
     }
     model_bytes = frozen_bytes_per_param(inp.precision) * frozen + wb * trainable  # the whole model, once
-    block = model_bytes * counts.per_block // max(params, 1)
+    # what a sharded layout all-gathers: FSDP2 in its policy's compute dtype, ZeRO-3 as DeepSpeed holds it
+    gathered = gathered_bytes_per_param(inp.precision) * params if s.fsdp else model_bytes
+    block = gathered * counts.per_block // max(params, 1)
     buckets = DDP_BUCKET * 2 if not s.deepspeed and not s.shard_params and n > 1 else 0  # one process: no DDP
     if s.deepspeed:
         buckets += 2 * 4 * h * h  # reduce bucket (h*h, fp32) double-buffered
     if s.name == "fsdp_grad_op":  # every block stays gathered from its forward until its backward
-        buckets += model_bytes - model_bytes // n
+        buckets += gathered - gathered // n
     elif s.shard_params:
         buckets += 2 * block  # the gathered block in use + the next one prefetched
     # one process (no DDP buckets) frees its gradients after each step; DDP's buckets and DeepSpeed's
@@ -283,9 +286,9 @@ def estimate(inp: PlanInput, s: Strategy, checkpointing: bool, micro_batch: int)
     # a ring all-reduce of the gradients (or reduce-scatter + all-gather: the same bytes, ZeRO paper
     # sec. 7), and each all-gather of the parameters: a rank sends (n-1)/n of the buffer per pass
     grads_sent = int(ring_factor(n) * trainable * wb)
-    comm = grads_sent + int(ring_factor(n) / 2 * gathers * model_bytes)
+    comm = grads_sent + int(ring_factor(n) / 2 * gathers * gathered)
     pcie = 2 * wb * trainable // n if s.offload_optimizer else 0  # gradients down, updated weights up
-    if s.offload_params:  # each rank fetches its partition before every gather
+    if s.offload_params:  # each rank fetches its partition before every gather (DeepSpeed's)
         pcie += (2 + checkpointing) * model_bytes // n
     active = counts.active  # a token's compute: an MoE layer's top-k experts (memory holds them all)
     per_token = flops_per_token(active, active if inp.method == "full" else trainable, layers, h, inp.seq_len, False)
@@ -321,8 +324,8 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     b = max(stages, key=lambda x: sum(x.values()))
     counts = count_params(inp.model)
     if d.dp_shard > 1:
-        wb = 4 if inp.method == "full" else frozen_bytes_per_param(inp.precision)
-        buffers = 2 * wb * (counts.per_block // d.tp)
+        # the gathered block in use and the next one prefetched, in the policy's compute dtype
+        buffers = 2 * gathered_bytes_per_param(inp.precision) * (counts.per_block // d.tp)
     else:
         buffers = 2 * DDP_BUCKET
     b["buffers"] = buffers

@@ -44,26 +44,30 @@ class Dtypes:
     mlp: int  # the projections' outputs: `compute`, except bitsandbytes (the input's dtype)
     trains_base: bool  # the base linears and norms train (a full finetune)
     mask: int  # bytes per element of a dropout mask: 1 on CUDA (bool), the input's width on the CPU
+    adapter_cast: bool = True  # peft casts each adapter's input to the adapters' dtype (fp32 under autocast)
 
 
-def dtypes(method: str, precision: str, device: str = "cuda") -> Dtypes:
+def dtypes(method: str, precision: str, device: str = "cuda", fsdp: bool = False) -> Dtypes:
     """How the toolkit loads and runs each method (`toolkit.models.load_model`): a full finetune keeps
     fp32 weights under autocast; LoRA loads the base in the half dtype; QLoRA keeps the unquantized
     rest (embedding, norms, head) in fp32 (peft's prepare_model_for_kbit_training) and bitsandbytes
-    returns each projection in its input's dtype."""
+    returns each projection in its input's dtype. Under FSDP2 (`fsdp`) there is no autocast: its
+    mixed-precision policy gathers every parameter, the adapters' too, in the compute dtype
+    (`toolkit.parallel.fsdp`), so the stream is in the compute dtype as in a model loaded in it."""
     half = precision in ("bf16", "fp16")
     compute = 2 if half else 4
-    residual = 2 if half and method == "lora" else 4
+    residual = 2 if half and (method == "lora" or fsdp) else 4
     mlp = residual if method == "qlora" else compute
-    adapter_input = 4  # peft casts the input to the adapters' fp32 before their dropout
-    return Dtypes(residual, compute, mlp, method == "full", 1 if device == "cuda" else adapter_input)
+    adapter_input = compute if fsdp else 4  # peft casts the input to the adapters' dtype before their dropout
+    return Dtypes(residual, compute, mlp, method == "full", 1 if device == "cuda" else adapter_input,
+                  adapter_cast=not (fsdp and half))
 
 
 def rmsnorm(h: int, d: Dtypes) -> int:
     """LlamaRMSNorm: its input upcast to fp32 (saved by pow and the rsqrt multiply; the same storage
-    when the stream is already fp32) and the rsqrt per token; when its weight trains, the fp32
-    normalized input the weight multiply saves."""
-    return 4 * h + 4 + (4 * h if d.trains_base else 0)
+    when the stream is already fp32) and the rsqrt per token; when its weight trains, the normalized
+    input cast back to the stream's dtype, which the weight multiply saves."""
+    return 4 * h + 4 + (d.residual * h if d.trains_base else 0)
 
 
 def attention(h: int, kv_dim: int, heads: int, d: Dtypes, q_dim: int | None = None, v_dim: int | None = None) -> int:
@@ -108,12 +112,24 @@ def mlp(i: int, d: Dtypes) -> int:
     return 3 * d.mlp * i
 
 
-def lora(in_features: list[int], r: int, dropout: float, d: Dtypes) -> int:
-    """peft lora.Linear on each adapted linear of in-features f: lora_A saves its input cast to the
-    compute dtype (a copy of f even with no dropout: the input was cast to the adapter's fp32 first),
-    the dropout its mask when p > 0, and lora_B saves lora_A's r outputs."""
-    per = d.compute + (d.mask if dropout > 0 else 0)
-    return sum(per * f + d.compute * r for f in in_features)
+# The storage an adapter's lora_A saves when it reads its linear's input as it is (no cast, no dropout):
+# shared with its siblings (q, k and v read the attention norm's output; gate and up the MLP norm's),
+# kept already (o_proj's: the attention output, which SDPA saves: None), or its own (down's MLP product).
+SHARED_INPUT = {"q_proj": "attention_norm", "k_proj": "attention_norm", "v_proj": "attention_norm",
+                "gate_proj": "mlp_norm", "up_proj": "mlp_norm", "o_proj": None}
+
+
+def lora(in_features: list[int], r: int, dropout: float, d: Dtypes, names: list[str] | None = None) -> int:
+    """peft lora.Linear on each adapted linear (`names`) of in-features f: lora_A saves its input cast to
+    the compute dtype (a copy of f even with no dropout: the input was cast to the adapter's fp32 first),
+    the dropout its mask when p > 0, and lora_B saves lora_A's r outputs. Where the adapters are in the
+    stream's dtype (FSDP2's policy) and there is no dropout, lora_A saves the input itself
+    (`SHARED_INPUT`)."""
+    if d.adapter_cast or dropout > 0 or names is None:
+        per = d.compute + (d.mask if dropout > 0 else 0)
+        return sum(per * f + d.compute * r for f in in_features)
+    reads = {key: f for name, f in zip(names, in_features) if (key := SHARED_INPUT.get(name, name)) is not None}
+    return d.compute * (sum(reads.values()) + r * len(in_features))
 
 
 def block(h: int, i: int, kv_dim: int, heads: int, d: Dtypes, adapted: dict[str, int] | None = None, r: int = 0,
@@ -125,7 +141,7 @@ def block(h: int, i: int, kv_dim: int, heads: int, d: Dtypes, adapted: dict[str,
     adapted = adapted or {}
     features = [f if name in COLUMN_PARALLEL else f // tp for name, f in adapted.items()]
     return (2 * rmsnorm(h, d) + attention(h, kv_dim, heads, d) // tp + projection_inputs(h, i, d, tp)
-            + mlp(i, d) // tp + lora(features, r, dropout, d))
+            + mlp(i, d) // tp + lora(features, r, dropout, d, list(adapted)))
 
 
 def moe_router(h: int, experts: int, top_k: int, d: Dtypes, trains: bool) -> int:
@@ -183,7 +199,8 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
     b = params.blocks(cfg)[index]
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     ads = params.adapters(cfg, index, r, targets) if targets else []
-    features = [a.fan_in // tp if a.tp == "row" else a.fan_in for a in ads if not a.expert and a.name != "gate"]
+    linear = [a for a in ads if not a.expert and a.name != "gate"]
+    features = [a.fan_in // tp if a.tp == "row" else a.fan_in for a in linear]
     norms = params.norms_per_block(cfg) * rmsnorm(h, d)
     if cfg.get("kv_lora_rank"):  # MLA: q_a and kv_a read the norm's output; q_b and kv_b their latents
         q_rank, kv_rank = cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"]
@@ -196,7 +213,7 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
         att = attention(h, nkv * hd, heads, d, q_dim=heads * hd) // tp + attention_inputs(h, d)
         if cfg.get("model_type") in params.QK_NORM or cfg.get("use_qk_norm"):
             norms += qk_norms((heads + nkv) * hd, heads + nkv, d) // tp
-    per_token = norms + att + lora(features, r, dropout, d)
+    per_token = norms + att + lora(features, r, dropout, d, [a.name for a in linear])
     e = b.experts
     if e is None:
         i = cfg["intermediate_size"]

@@ -1,9 +1,9 @@
 """The training loop on accelerate: micro-batches, accumulation, global-token loss normalisation.
 
-One optimizer step consumes `grad_accum` micro-batches on each of `world` ranks. The micro-batches
-of a step are fetched first so the number of target tokens in the whole global batch (`n_global`)
-is known before any backward: each micro-batch's summed loss is divided by it, which makes the
-update independent of how the global batch is split over ranks and accumulation steps.
+One optimizer step consumes `grad_accum` micro-batches on each of `data_ranks` data-parallel ranks.
+The micro-batches of a step are fetched first so the number of target tokens in the whole global
+batch (`n_global`) is known before any backward: each micro-batch's summed loss is divided by it,
+which makes the update independent of how the global batch is split over ranks and accumulation steps.
 
 `train` reads top to bottom as a run goes: `set_up` (loader, strategy, schedule, resume), then per
 step `one_step` (forward, backward, clip, update: no host sync, `toolkit.train.step`),
@@ -243,7 +243,8 @@ class Run:
     last_loss: float = float("nan")
 
     @property
-    def world(self) -> int:
+    def data_ranks(self) -> int:
+        """The data-parallel degree: ranks that read different micro-batches (not the world size)."""
         return self.strategy.data.ranks
 
     def elapsed(self, now: float) -> float:
@@ -399,14 +400,14 @@ def reseed(run: Run, resume, saved: dict) -> None:
 
 def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     """Forward and backward of the global batch, the clip and the update; its numbers stay on the
-    device (`toolkit.train.step`). Each micro-batch's summed loss is scaled by world / n_global:
-    divided by the global batch's target count, x world because data-parallel ranks average their
-    gradients."""
+    device (`toolkit.train.step`). Each micro-batch's summed loss is divided by the global batch's
+    target count (n_global); what a backend's gradient sync and accumulation divide by is undone inside
+    the strategy (`toolkit.parallel.strategy.loss_scale`)."""
     from toolkit.train.checkpoint import torch_optimizer
 
     strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
-    loss = strategy.forward_backward(run.model, micro, scale=run.world / counts[0])
+    loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
     aux = strategy.loss.take_aux()  # the router load-balancing loss x target tokens, where the model has one
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
@@ -542,7 +543,7 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
 
     path = run.out_dir / f"checkpoint-{step}"
     tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
-    state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.world),
+    state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.data_ranks),
              "config": run.cfg.flat(), "elapsed_s": run.elapsed(time.perf_counter())}
     save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault)
     prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)

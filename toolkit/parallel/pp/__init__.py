@@ -68,10 +68,10 @@ def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, mode
     """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
     over `shard_mesh` when given)."""
     par = cfg.parallel
-    autocast = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None
+    compute = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None  # autocast, or the FSDP2 policy
     if layout is None:
         return NaivePipeline(model, pipeline_devices(cfg), par.pp_microbatches, par.pp_balance,
-                             (sample_shape[0] // par.pp_microbatches, sample_shape[1]), autocast, loss_fn)
+                             (sample_shape[0] // par.pp_microbatches, sample_shape[1]), compute, loss_fn)
     import torch.distributed as dist
 
     parts = decoder_parts(model)
@@ -84,4 +84,4 @@ def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, mode
         blocks, first, last = param_costs(parts)
     sizes = balance(blocks, par.pp, first, last)
     return StagePipeline(model, layout, sizes, par.pp_microbatches, par.pp_schedule, accelerator.device,
-                         pad_id, autocast, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op")
+                         pad_id, compute, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op")

@@ -38,11 +38,6 @@ class PipelineLayout:
     dp_group: Any
     tie_group: Any  # {first stage, last stage} of this pipeline
 
-    @property
-    def replicas(self) -> int:
-        """Ranks that read each data shard: the whole pipeline group."""
-        return self.pp
-
 
 def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
     """The pipeline, data-parallel and tied-embedding groups of `mesh` (by default one over the
@@ -52,10 +47,10 @@ def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
     mesh = mesh if mesh is not None else local_mesh(pp=pp)
     pipelines = mesh.mesh.reshape(mesh["pp"].size(), -1).T.tolist()  # each row: one pipeline's ranks, stage order
     ties = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
-    dp = mesh["dp"]
+    dp = mesh.get_group("dp")  # by name: a flattened dimension is not sliced (torch deprecates that)
     mine = next(i for i, ranks in enumerate(pipelines) if dist.get_rank() in ranks)
-    return PipelineLayout(mesh["pp"].size(), dp.size(), mesh.get_local_rank("pp"), dp.get_local_rank(),
-                          mesh.get_group("pp"), dp.get_group(), ties[mine])
+    return PipelineLayout(mesh["pp"].size(), dist.get_world_size(dp), mesh.get_local_rank("pp"),
+                          mesh.get_local_rank("dp"), mesh.get_group("pp"), dp, ties[mine])
 
 
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -80,7 +75,7 @@ class StagePipeline(nn.Module):
     """This rank's stage of the model, and the schedule that runs it."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
-                 schedule: str, device: torch.device, pad_id: int, autocast_dtype: torch.dtype | None = None,
+                 schedule: str, device: torch.device, pad_id: int, compute_dtype: torch.dtype | None = None,
                  loss_fn=token_loss_sum, shard_mesh=None, reshard: bool = True):
         super().__init__()
         self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
@@ -90,16 +85,16 @@ class StagePipeline(nn.Module):
         self.schedule_name, self.device, self.pad_id = schedule, device, pad_id
         start, stop = stage_bounds(sizes)[layout.pp_rank]
         first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
+        # mixed precision: FSDP2's policy where the stage is sharded, else autocast (fp32 weights)
+        autocast_dtype = None if shard_mesh is not None else compute_dtype
         self.stage = DecoderStage(parts, start, stop, first, last, autocast_dtype).to(device)
         self.first, self.last = first, last
         tied = parts.head.weight is parts.embed.weight and layout.pp > 1
         self.sharded = shard_mesh is not None
         if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 over the shard mesh
-            from torch.distributed.fsdp import fully_shard
+            from toolkit.parallel.fsdp import apply_fsdp
 
-            for block in self.stage.layers:
-                fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard)
-            fully_shard(self.stage, mesh=shard_mesh, reshard_after_forward=reshard)
+            apply_fsdp(self.stage, list(self.stage.layers), shard_mesh, reshard, compute_dtype)
         # the tied weight as this stage holds it (FSDP2 replaced the parameters it shards)
         self.tied = (self.stage.embed.weight if first else self.stage.head.weight if last else None) if tied else None
         names = {id(p): n for n, p in model.named_parameters()}
@@ -187,8 +182,9 @@ class StagePipeline(nn.Module):
         return (total / count_targets(batch["labels"]).clamp(min=1)).item(), own.item()
 
     def finish_grads(self) -> None:
-        """Sum the tied embedding's two halves; average gradients over data-parallel replicas (FSDP2
-        has reduced them already when the stage is sharded)."""
+        """Sum the tied embedding's two halves; sum gradients over data-parallel replicas (the loss is
+        already divided by the global batch's target count: `toolkit.parallel.strategy.loss_scale`;
+        FSDP2 has summed them already when the stage is sharded)."""
         if self.tied is not None and self.tied.grad is not None:
             dist.all_reduce(local(self.tied.grad), group=self.layout.tie_group)
         if self.layout.dp > 1 and not self.sharded:
@@ -196,7 +192,6 @@ class StagePipeline(nn.Module):
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 dist.all_reduce(flat, group=self.layout.dp_group)
-                flat /= self.layout.dp
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
 

@@ -82,7 +82,7 @@ class PipelineStrategy(Strategy):
         total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         for batch in micro:  # the stages run forward and backward themselves
             total += self.pipe.train_step(batch, scale=scale).to(total.device)
-        self.pipe.finish_grads()  # tied embedding halves summed; gradients averaged over dp
+        self.pipe.finish_grads()  # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
         if self.shard_mesh is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
             self.tp.reduce_partial_grads(self.pipe.model)
         return total

@@ -9,7 +9,7 @@ data is sharded by dp rank only (both ranks of a TP group see the same micro-bat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ from toolkit.parallel.tp.layers import Packed
 from toolkit.parallel.tp.plan import apply_tensor_parallel
 
 __all__ = ["Layout", "make_layout", "apply_tensor_parallel", "TPShards", "full_state_dict",
-           "prepare_tensor_parallel", "clip_grad_norm"]
+           "prepare_tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,6 @@ class Layout:
     tp_group: Any
     dp_group: Any
 
-    @property
-    def replicas(self) -> int:
-        """Ranks that read each data shard: the whole TP group."""
-        return self.tp
-
 
 def make_layout(tp: int, mesh=None, grads: str = "dp") -> Layout:
     """The TP and DP groups of `mesh` (by default one over the whole world with this TP degree; a
@@ -42,10 +37,12 @@ def make_layout(tp: int, mesh=None, grads: str = "dp") -> Layout:
     `grads` dimension: `dp`, or `dp_cp` when context-parallel ranks hold other tokens of the same rows."""
     from toolkit.parallel.mesh import local_mesh
 
+    import torch.distributed as dist
+
     mesh = mesh if mesh is not None else local_mesh(tp=tp)
-    dp = mesh[grads]
-    return Layout(mesh["tp"].size(), dp.size(), mesh.get_local_rank("tp"), mesh["dp"].get_local_rank(),
-                  mesh.get_group("tp"), dp.get_group())
+    dp = mesh.get_group(grads)  # by name: a flattened dimension is not sliced (torch deprecates that)
+    return Layout(mesh["tp"].size(), dist.get_world_size(dp), mesh.get_local_rank("tp"), mesh.get_local_rank("dp"),
+                  mesh.get_group("tp"), dp)
 
 
 def prepare_tensor_parallel(accelerator, layout: Layout, model, optimizer):
@@ -71,15 +68,6 @@ def autocast_forward(accelerator, model) -> None:
             return forward(*args, **kwargs)
 
     model.forward = autocast
-
-
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
-    """The full model's gradient norm: sharded gradients' squares summed over the TP group,
-    replicated ones counted once."""
-    params = [p for p in parameters if p.grad is not None]
-    sharded = [p for p in params if hasattr(p, "tp_split_dim")]
-    replicated = [p for p in params if not hasattr(p, "tp_split_dim")]
-    return grad_norm.clip_grad_norm(params, max_norm, [(sharded, (layout.tp_group,)), (replicated, ())])
 
 
 class TPShards:

@@ -1,0 +1,52 @@
+"""FSDP2, applied in one place for every layout that shards parameters: 1-D `--fsdp`, `--dp-shard`, HSDP,
+TP x FSDP and pipeline stages (torchtitan's `apply_fsdp`, `torchtitan/models/llama3/infra/parallelize.py`).
+
+Mixed precision is FSDP2's `MixedPrecisionPolicy`, not autocast: the fp32 shards are the master weights,
+each block's parameters are all-gathered in the compute dtype (2 bytes a parameter under bf16) and freed
+after its forward, and gradients are reduce-scattered in fp32. Under autocast the gather was fp32 and
+every linear's bf16 cast of its weight was saved for backward, a bf16 copy of the whole model held on
+every rank until backward (`toolkit.planner.saved.autocast_copies`). What the policy changes in the
+numerics (the residual stream and the norms' outputs in bf16, as in a bf16 model) is measured in
+docs/parallelism.md#mixed-precision-under-fsdp2."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype | None):
+    """Gather parameters in `compute_dtype` (None: as stored), reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh, reshard_after_forward: bool,
+               compute_dtype: torch.dtype | None) -> nn.Module:
+    """`fully_shard` each block, then `root` (what is left: embeddings, final norm, head) over `mesh`,
+    with the mixed-precision policy. Parameters reshard after each forward where `reshard_after_forward`
+    (ZeRO-3-like); False keeps them gathered until backward (ZeRO-2-like). Gradients are summed, not
+    averaged, over the shard (and replicate) ranks: the loss is already divided by the global batch's
+    target count (`toolkit.parallel.strategy.loss_scale`; torchtitan turns FSDP's division off alike).
+    Call after the TP layers, checkpointing and compile (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision_policy(compute_dtype)
+    for module in [*blocks, root]:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        sum_gradients(module)
+    return root
+
+
+def sum_gradients(module) -> None:
+    """FSDP2's gradient reductions as plain sums: a divide factor of 1, with sum-type collectives (a
+    factor would otherwise be NCCL's PREMUL_SUM, which gloo does not have; with 1 no division runs)."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def compute_dtype(mixed_precision: str) -> torch.dtype | None:
+    """The dtype the policy gathers parameters in for accelerate's `mixed_precision` ('bf16' or 'no':
+    fp16 is refused on the mesh, which has no loss scaling)."""
+    return torch.bfloat16 if mixed_precision == "bf16" else None
