@@ -68,7 +68,9 @@ def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, mode
     """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
     over `shard_mesh` when given)."""
     par = cfg.parallel
-    compute = torch.bfloat16 if accelerator.mixed_precision == "bf16" else None  # autocast, or the FSDP2 policy
+    from toolkit.parallel.fsdp import compute_dtype
+
+    compute = compute_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's
     if layout is None:
         return NaivePipeline(model, pipeline_devices(cfg), par.pp_microbatches, par.pp_balance,
                              (sample_shape[0] // par.pp_microbatches, sample_shape[1]), compute, loss_fn)
