@@ -170,7 +170,36 @@ def test_varlen_calls_torch_kernel_as_it_is_defined(model, documents, monkeypatc
     args, kwargs = calls[0]
     meta = [a.to("meta", torch.bfloat16 if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
             for a in args]
-    assert varlen_attn(*meta, **kwargs).shape == args[0].shape
+    assert attention.adapt_varlen(varlen_attn)(*meta, **kwargs).shape == args[0].shape
+
+
+def test_varlen_adapts_to_each_torch_versions_signature():
+    """torch's varlen_attn as each version defines it (the newest: enable_gqa and window_size; torch 2.11:
+    no enable_gqa, as the H200 image's raised; older: is_causal) gives the reference's GQA causal output
+    through `adapt_varlen`: k and v repeated to the query's heads where the kernel cannot."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    want = attention.reference_varlen(q, k, v, cu, cu, 7, 7, scale=0.3, window_size=(-1, 0), enable_gqa=True)
+
+    def newest(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        return attention.reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                          enable_gqa=enable_gqa)
+
+    def torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        assert k.shape[1] == q.shape[1]
+        return attention.reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    def older(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
+        assert k.shape[1] == q.shape[1]
+        return attention.reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                                          window_size=(-1, 0) if is_causal else (-1, -1))
+
+    for kernel in (newest, torch_2_11, older):
+        got = attention.adapt_varlen(kernel)(q, k, v, cu, cu, 7, 7, scale=0.3, window_size=(-1, 0), enable_gqa=True)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(UserError, match="no sliding window"):
+        attention.adapt_varlen(older)(q, k, v, cu, cu, 7, 7, window_size=(4, 0))
 
 
 def test_boundaries_are_derived_once_per_forward(model, documents, monkeypatch):

@@ -385,3 +385,41 @@ def test_the_loss_check_falls_back_or_stops_where_a_head_would_train_another_obj
     assert e.value.code == 2 and "Traceback" not in err
     assert "is not model type cohere's own" in line and "chunked LM head" in line and "use --loss full" in line
     assert not (tmp_path / "chunked" / "metrics.jsonl").read_text().strip()
+
+
+def test_the_loss_checks_window_holds_targets_and_bounds_the_logits_it_makes():
+    """`check_window`: rows with targets first, each cut to one window that starts just before its first
+    target (so a long masked prompt leaves targets in it), and short enough that the model's own
+    loss on it stays within the byte budget (10 bytes a token per vocabulary entry); whole rows where
+    they fit. The window's head loss still equals the model's own on it."""
+    from toolkit.data.labels import CHECK_BYTES, check_window, count_targets
+    from toolkit.data.packing import model_inputs
+    from toolkit.parallel.strategy import LossHead
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (3, 300))
+    labels = ids.clone()
+    labels[0] = -100  # no target: not checked
+    labels[1, :150] = -100  # a long prompt
+    labels[2, :10] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+             "target_rows": torch.arange(5)}
+    whole = check_window(batch, vocab_size=96)
+    assert torch.equal(whole["input_ids"], ids[1:]) and "target_rows" not in whole
+    few = check_window(batch, vocab_size=128_256)
+    length = CHECK_BYTES // (10 * 128_256 * 2)
+    assert few["labels"].shape == (2, length) == few["input_ids"].shape == few["attention_mask"].shape
+    assert torch.equal(few["input_ids"][0], ids[1, 149:149 + length])  # token 149 predicts label 150
+    assert torch.equal(few["input_ids"][1], ids[2, 9:9 + length])
+    assert count_targets(few["labels"][:1]) == length - 1
+    late = labels[1:2].clone()
+    late[0, :290] = -100  # the first target near the end: the window ends with the row
+    end = check_window({"input_ids": ids[1:2], "labels": late}, vocab_size=10**9)
+    assert end["labels"].shape == (1, 64) and torch.equal(end["input_ids"][0], ids[1, -64:])
+    model = zoo_model("llama")
+    head = LossHead(device_type="cpu")
+    head.choose(model, "chunked")
+    ours, own = head.check(model, few)
+    assert ours == pytest.approx(own, rel=1e-5)
+    assert own == pytest.approx(model(**model_inputs(few), labels=few["labels"]).loss.item(), rel=1e-6)
+    head.full_logits()

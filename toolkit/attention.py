@@ -26,6 +26,8 @@ transformers' SDPA with that mask, so unpacked batches and generation run as wit
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -154,8 +156,33 @@ def _varlen_kernel(device: torch.device, dtype: torch.dtype):
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn
+        return adapt_varlen(varlen_attn)
     return reference_varlen
+
+
+@functools.lru_cache
+def adapt_varlen(kernel):
+    """`kernel` (torch's `varlen_attn`) called with the newest contract, `reference_varlen`'s, whatever
+    its torch version takes: torch 2.11's has no `enable_gqa` (the 2026-11-26 H200 run: every packed
+    --attn varlen run stopped with a TypeError), so k and v are repeated to the query's heads there;
+    one that takes `is_causal` in place of `window_size` gets the causal flag (no other window)."""
+    params = inspect.signature(kernel).parameters
+
+    def call(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        kw: dict = {"scale": scale}
+        if "window_size" in params:
+            kw["window_size"] = window_size
+        elif tuple(window_size) in ((-1, 0), (-1, -1)):
+            kw["is_causal"] = tuple(window_size) == (-1, 0)
+        else:
+            raise UserError("--attn varlen: this torch's varlen_attn has no sliding window; use --attn sdpa")
+        if enable_gqa and "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+    return call
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -28,3 +28,25 @@ def target_rows(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     tensor waits for the GPU to finish the forward so far, every micro-batch)."""
     targets = labels if shifted else shift_labels(labels)
     return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+CHECK_BYTES = 256 * 2**20  # what the loss check's logits may take: `check_window`
+
+
+def check_window(batch: dict, vocab_size: int, rows: int = 2, budget: int = CHECK_BYTES) -> dict:
+    """The loss check's inputs (`toolkit.train.loss_check`): up to `rows` rows of `batch`, those with
+    targets first, each cut to one window of the same length that starts just before its first target.
+    The length keeps the model's own loss on them (its logits, their fp32 copy and log-softmax: ~10 bytes
+    a token per vocabulary entry) within `budget`: the check runs before step 1 with whole logits, so on
+    whole rows it set the run's memory peak where a fused head trains (one H200, a 128,256 vocabulary at
+    2 x 4,096 tokens: 12.9 GB, all four fused heads alike, against the planner's 9.5 GB for the step).
+    Tensors of the labels' shape are cut; other (B, *) ones keep the rows."""
+    labels = batch["labels"]
+    b, s = labels.shape
+    has = labels[:, 1:] != IGNORE_INDEX
+    order = torch.argsort((~has.any(1)).to(torch.int8), stable=True)[:rows]
+    length = min(s, max(64, budget // (10 * vocab_size * len(order))))
+    start = has[order].to(torch.int8).argmax(1).clamp(max=s - length)  # token j predicts label j + 1
+    index = start[:, None] + torch.arange(length, device=labels.device)
+    return {k: v[order].gather(1, index.to(v.device)) if v.shape == labels.shape else v[order.to(v.device)]
+            for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}

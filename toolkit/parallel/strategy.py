@@ -94,7 +94,10 @@ class Strategy(Protocol):
         labels=...)` loss) on `batch`, without gradients: they must agree before step 1
         (`toolkit.train.loss_check.check_loss`). None where this rank computes no loss (a pipeline's
         earlier stages). Every rank calls it (sharded forwards are collective)."""
-        return self.loss.check(model, batch, getattr(self, "context", None))
+        from toolkit.data.labels import check_window
+
+        vocab = self.unwrap(model).config.get_text_config().vocab_size
+        return self.loss.check(model, check_window(batch, vocab), getattr(self, "context", None))
 
     # --- saving and loading
     def unwrap(self, model):
@@ -262,14 +265,13 @@ class LossHead:
         return taken
 
     @torch.no_grad()
-    def check(self, model, batch: dict, context: ContextSlices | None = None, rows: int = 2) -> tuple[float, float]:
-        """(this head's loss per target token, the model's own loss) on the first `rows` rows of `batch`:
+    def check(self, model, few: dict, context: ContextSlices | None = None) -> tuple[float, float]:
+        """(this head's loss per target token, the model's own loss) on `few` rows (`check_window`):
         under context parallel the slices' losses summed over the cp group, against the model's own
         forward on the whole rows (outside a slice the Ulysses wrapper is the model's own attention)."""
         from toolkit.data.labels import count_targets
         from toolkit.data.packing import model_inputs
 
-        few = {k: v[:rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
         if context is not None and context.context is not None:
             with context.slice(few) as part:
                 ours = context.total(self(model, part).double().reshape(1)).squeeze(0)

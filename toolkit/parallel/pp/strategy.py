@@ -69,11 +69,12 @@ class PipelineStrategy(Strategy):
         how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
         return f"{mesh}{self.pipe.describe()}\nloss: full logits{how} + cross-entropy on the last stage"
 
-    def loss_check(self, model, batch: dict, rows: int = 2) -> tuple[float, float] | None:
-        """On the first `rows` rows: the pipeline's loss as its last stage computes it against the model's
+    def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
+        """On the rows `check_window` cuts: the pipeline's loss as its last stage computes it against the model's
         own head, transform and loss function on the same final hidden states; None on the other stages."""
-        few = {k: v[:rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
-        return self.pipe.loss_check(few)
+        from toolkit.data.labels import check_window
+
+        return self.pipe.loss_check(check_window(batch, self.pipe.model.config.get_text_config().vocab_size))
 
     def unwrap(self, model):
         return self.pipe.model if self.pipe is not None else model
