@@ -13,13 +13,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "toolkit"
 
 # Lowest first; a module imports only modules of its own layer or of the layers before it.
 LAYERS = [
-    ("leaves", ["errors", "hardware", "console", "cache", "dataset_spec", "tracker_spec", "inputs"]),
+    ("leaves", ["errors", "hardware", "console", "cache", "dataset_spec", "tracker_spec", "objective_spec", "inputs"]),
     ("layout", ["layout"]),
     ("config", ["config"]),
     ("models", ["models", "attention"]),
     ("data", ["data"]),
     ("planner", ["planner"]),
-    ("loss", ["loss"]),
+    ("loss", ["loss", "preference"]),
     ("parallel", ["parallel"]),
     ("train", ["train"]),
     ("command line", ["__main__", "startup", "calibrate", "synthetic"]),

@@ -583,3 +583,39 @@ def test_a_cpu_run_s_plan_says_cpu_processes(monkeypatch):
     text = render_table(plan(plan_input(cfg, PRESETS["smollm2-135m"], "no", *detect_hardware())))
     assert "world 2 CPU processes" in text and "memory per process" in text and "(GiB per process below)" in text
     assert "GPU" not in text, [line for line in text.splitlines() if "GPU" in line]
+
+
+def test_a_preference_pair_is_two_sequences_and_lora_dpo_pays_its_reference_forward():
+    """--objective dpo|orpo|simpo: a micro-batch of m pairs holds 2m sequences with full logits, so its
+    activations and logits are SFT's at 2m under --loss full (the 1-D rows and the mesh rows alike);
+    LoRA DPO's step adds the base model's forward for its reference (2P + 4Lhs a token), a full
+    finetune's nothing (its reference is computed before step 1)."""
+    from toolkit.config import parse_config
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.planner.auto import plan_input
+    from toolkit.planner.cost import flops_per_token, forward_flops_per_token
+    from toolkit.planner.memory import STRATEGIES
+    from toolkit.planner.params import count_params, lora_params
+    from toolkit.planner.plan import PlanInput, estimate, estimate_layout
+    from toolkit.planner.presets import PRESETS
+
+    model = PRESETS["llama-3.1-8b"]
+    sft = PlanInput(model=model, gpu_memory=80 * 2**30, gpus_per_node=8, seq_len=1024, loss="full")
+    pairs = PlanInput(model=model, gpu_memory=80 * 2**30, gpus_per_node=8, seq_len=1024, loss="full", sequences=2)
+    for method in ("lora", "full"):
+        a, b = (PlanInput(**{**vars(x), "method": method}) for x in (sft, pairs))
+        two, one = estimate(a, STRATEGIES["ddp"], False, 4).bytes, estimate(b, STRATEGIES["ddp"], False, 2).bytes
+        assert (two["activations"], two["logits"]) == (one["activations"], one["logits"])
+        mesh = ParallelDims(8, tp=2, dp_shard=4)
+        assert estimate_layout(a, mesh, False, 4).bytes == estimate_layout(b, mesh, False, 2).bytes
+    lora = PlanInput(**{**vars(pairs), "method": "lora"})
+    dpo = PlanInput(**{**vars(lora), "reference_forward": True})
+    plain, ref = (estimate(x, STRATEGIES["ddp"], False, 2).terms["compute"] for x in (lora, dpo))
+    counts, layers, h = count_params(model), model["num_hidden_layers"], model["hidden_size"]
+    step = flops_per_token(counts.active, lora_params(model, 16, "all-linear"), layers, h, 1024, False)
+    assert ref / plain == pytest.approx(1 + forward_flops_per_token(counts.active, layers, h, 1024) / step, rel=1e-9)
+    cfg = parse_config(["--objective", "dpo", "--loss", "auto"])
+    inp = plan_input(cfg, model, "bf16", 8, 80 * 2**30, 1, "H100")
+    assert (inp.sequences, inp.reference_forward, inp.loss) == (2, True, "full")
+    inp = plan_input(parse_config(["--objective", "dpo", "--method", "full"]), model, "bf16", 8, 80 * 2**30, 1, "H100")
+    assert (inp.sequences, inp.reference_forward) == (2, False)

@@ -226,6 +226,7 @@ def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
     take("gradient_checkpointing", "on" if t.gradient_checkpointing else "auto",
          "on" if t.gradient_checkpointing else "off (the plan also tries it on)")
     take("loss", t.loss)
+    take("objective", t.objective)
     asked = None
     if par.strategy == "auto":
         read.append("strategy auto (the plan's choice is the run's)")
@@ -333,13 +334,17 @@ def cmd_plan(args) -> None:
         cpu_memory = None
     else:
         cpu_memory = parse_size(args.cpu_memory, "cpu-memory")
+    from toolkit.objective_spec import plan_terms
+
+    terms = plan_terms(args.objective, args.method, args.loss)  # a preference pair: two sequences, full logits
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
-                    nodes=args.nodes, cpu_memory=cpu_memory,
+                    nodes=args.nodes, cpu_memory=cpu_memory, sequences=terms["sequences"],
+                    reference_forward=terms["reference_forward"],
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
                     lora_dropout=args.lora_dropout, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=args.loss,
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=terms["loss"],
                     hardware=hardware, asked=asked)
     try:
         result = plan(inp)
@@ -421,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     s.set_defaults(fn=cmd_accelerate_config)
     from toolkit.config import DataConfig, ModelConfig, TrainConfig
+    from toolkit.objective_spec import OBJECTIVES
     from toolkit.planner.presets import GPU_PRESETS, PRESETS
 
     m, d, t = ModelConfig(), DataConfig(), TrainConfig()  # the same defaults as finetune.py
@@ -451,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mixed-precision", default="bf16", choices=("no", "bf16", "fp16"), help="compute dtype")
     s.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"),
                    help="auto: plan with and without it")
+    s.add_argument("--objective", default=t.objective, choices=OBJECTIVES,
+                   help="a preference objective's micro-batch holds two sequences per example, with full logits")
     s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked", "liger", "cce"),
                    help="the run's --loss: full logits, or one chunk's (auto, chunked, liger, cce; pipeline stages use full)")
     s.add_argument("--global-batch", type=int,

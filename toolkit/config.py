@@ -26,6 +26,7 @@ from toolkit.inputs import (column_problems, dataset_problems, output_dir_proble
                             streaming_problems)
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.rules import layout_problems
+from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA, OBJECTIVES, objective_problems
 from toolkit.tracker_spec import spec_problems as tracker_problems
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -70,7 +71,7 @@ class DataConfig:
     eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
     columns: str = _f("", "use your own column names: OURS=YOURS pairs, e.g. instruction=prompt,output=response "
                           "(in YAML also a mapping); ours are instruction, input, output, system, messages, "
-                          "conversations, text")
+                          "conversations, text, and for preference pairs prompt, chosen, rejected")
     system_prompt: str = _f("", "system message added to every conversation that has none")
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
@@ -106,6 +107,16 @@ class TrainConfig:
                    ("auto", "full", "chunked", "liger", "cce"))
     compile: bool = _f(False, "compile each decoder block with torch.compile (regional); the first step compiles, "
                               "and its metrics record says so (warmup)")
+    objective: str = _f("sft", "what to train on: sft = next-token loss on the completions; dpo, orpo, simpo = "
+                               "preference pairs (prompt, chosen, rejected): DPO against the model as loaded (LoRA: "
+                               "the adapters disabled; full: its log-probabilities computed once before step 1), "
+                               "ORPO (the chosen sequences' NLL + an odds-ratio term), SimPO (mean log-probabilities, "
+                               "a margin, no reference)", OBJECTIVES)
+    beta: Optional[float] = _f(None, "preference objectives' beta (default: dpo 0.1 and orpo 0.1 as TRL, simpo 2.0 as "
+                                     "its authors)")
+    simpo_gamma: float = _f(DEFAULT_SIMPO_GAMMA, "SimPO's target reward margin gamma (its authors' 0.5 x beta 2.0)")
+    label_smoothing: float = _f(0.0, "dpo and simpo: the chance a pair's preference is flipped (conservative DPO), "
+                                     "in [0, 0.5)")
     kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "
                               "(CUDA; pip install 'toolkit[gpu]')", ("none", "liger"))
 
@@ -508,6 +519,7 @@ def validate(cfg: Config) -> list[str]:
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile, m.attn))
+    p.extend(objective_problems(cfg))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:

@@ -12,7 +12,8 @@ from toolkit.dataset_spec import is_mixture, parse_sources, spec_problems
 from toolkit.errors import UserError
 
 # the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
-DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text")
+DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text",
+               "prompt", "chosen", "rejected")  # the last three: preference pairs (toolkit.preference)
 
 
 def parse_columns(spec: str) -> dict[str, str]:

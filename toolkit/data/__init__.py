@@ -15,7 +15,8 @@ import torch
 from toolkit.config import Config
 from toolkit.dataset_spec import is_mixture, parse_sources
 from toolkit.data.table import DataStats
-from toolkit.data.formats import detect_format, load_records, map_columns, record_place, to_conversation
+from toolkit.data.formats import (detect_format, load_records, map_columns, record_place, to_conversation,
+                                  with_system_prompt)
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
 
@@ -32,13 +33,6 @@ class Examples:
     answers: list[str] | None = None  # ... and their expected answers
     system_added: int = 0  # training conversations given --system-prompt
     sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
-
-
-def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
-    """`--system-prompt`: prepended where the conversation has no system message of its own."""
-    if not system or any(m["role"] == "system" for m in conv):
-        return conv
-    return [{"role": "system", "content": system}, *conv]
 
 
 def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple[list[dict] | str, bool]:
@@ -58,8 +52,18 @@ def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple
 
 
 def source_format(columns: list[str], cfg: Config, spec: str) -> str:
-    """The source's format, from its columns or --format (text takes no --system-prompt)."""
-    fmt = detect_format(columns, cfg.data.format, spec)
+    """The source's format, from its columns or --format (text takes no --system-prompt); under a
+    preference objective the pairs' format (`toolkit.data.pairs.PAIR_FORMATS`). Pairs where no SFT
+    format fits are refused under SFT in one line, SFT data under a preference objective."""
+    from toolkit.data.pairs import check_data_fits
+
+    if cfg.train.objective != "sft":
+        return check_data_fits(columns, cfg.train.objective, spec)
+    try:
+        fmt = detect_format(columns, cfg.data.format, spec)
+    except UserError:
+        check_data_fits(columns, "sft", spec)  # pairs: say so, rather than that the format is unknown
+        raise
     if fmt == "text" and cfg.data.system_prompt:
         raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
                         "which has no turns to put it in front of")
@@ -168,6 +172,16 @@ def longest_row(rows, seq_len: int) -> int:
 
 
 def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
+    """`collate_sequences`; a micro-batch of preference pairs (`toolkit.data.pairs`) as its two sequences
+    each, with the pairs' count and reference log-probabilities."""
+    if "rejected_input_ids" in batch[0]:
+        from toolkit.data.pairs import pair_extras, pair_rows
+
+        return {**collate_sequences(pair_rows(batch), pad_id, whole), **pair_extras(batch)}
+    return collate_sequences(batch, pad_id, whole)
+
+
+def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding gets attention 0 and label -100. `whole`: the batch
     reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
     so `target_rows` are added, the positions with a target found here on the CPU: the loss head

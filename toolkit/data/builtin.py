@@ -3,6 +3,11 @@
 `dates`: rewrite an ISO date (2024-03-05) in "ledger style" (05 MAR 2024). The style is made up,
 so a pretrained model cannot know it: before finetuning its answers are sentences or other formats,
 after a few hundred steps they are exact. Exact match on held-out dates is the metric.
+
+`date-pairs`: the same prompts as preference pairs (`--objective dpo|orpo|simpo`): the ledger style
+chosen, one of the styles a model answers with unprompted rejected (March 5, 2024; 03/05/2024; ...).
+Its metrics: the held-out pairs' reward accuracy (`eval_rewards/accuracies`), and how often greedy
+generation gives the preferred form (exact match on the held-out prompts, as for `dates`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,19 @@ PROMPTS = [
     "What is {d} in ledger style?",
     "Ledger style for {d}, please.",
 ]
-BUILTIN = ("dates",)
+BUILTIN = ("dates", "date-pairs")
+FULL_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+               "November", "December"]
+
+
+def other_style(d: datetime.date, rng: random.Random) -> str:
+    """A style other than ledger's, as a model answers unprompted: the rejected side of a pair."""
+    styles = [f"{FULL_MONTHS[d.month - 1]} {d.day}, {d.year}", f"{d.day} {FULL_MONTHS[d.month - 1]} {d.year}",
+              f"{d.month:02d}/{d.day:02d}/{d.year}", d.isoformat(),
+              f"The date is {FULL_MONTHS[d.month - 1]} {d.day}, {d.year}."]
+    return rng.choice(styles)
+
+
 SIZES = {"train": 1000, "eval": 64}
 
 
@@ -51,8 +68,11 @@ def builtin_records(name: str, split: str = "train", seed: int = 0) -> list[dict
     rows = []
     for d in _dates(split, seed):
         q = rng.choice(PROMPTS).format(d=d.isoformat())
-        rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ledger(d)}],
-                     "answer": ledger(d)})
+        row = {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ledger(d)}],
+               "answer": ledger(d)}
+        if name == "date-pairs":
+            row.update(prompt=q, chosen=ledger(d), rejected=other_style(d, rng))
+        rows.append(row)
     return rows
 
 

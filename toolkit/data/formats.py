@@ -236,6 +236,13 @@ def detect_format(columns: list[str], requested: str, source: str) -> str:
                     f"(expected {expected}); name yours with --columns, e.g. --columns instruction=prompt,output=response")
 
 
+def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
+    """`--system-prompt`: prepended where the conversation has no system message of its own."""
+    if not system or any(m["role"] == "system" for m in conv):
+        return conv
+    return [{"role": "system", "content": system}, *conv]
+
+
 def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict[str, str]] | str:
     """One record as chat messages (alpaca, chat, sharegpt) or as plain text (text)."""
     where = f"record {index}: " if index >= 0 else ""

@@ -27,9 +27,10 @@ from toolkit.data import DataStats, as_example, check_trainable, source_format, 
 from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, open_table, table_stats, \
     token_columns, tokenizer_digest
 from toolkit.dataset_spec import Source, dataset_digest, is_mixture, parse_sources
+from toolkit.data.pairs import PAIR_COLUMNS, PAIR_FORMATS, encode_pairs
 
 # Settings that change the tokens, or which records are trained and which held out.
-TOKEN_SETTINGS = ("format", "columns", "system_prompt", "seq_len", "train_on_prompt", "eval_split")
+TOKEN_SETTINGS = ("format", "columns", "system_prompt", "seq_len", "train_on_prompt", "eval_split", "objective")
 
 
 @dataclass
@@ -111,6 +112,9 @@ def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, spec
     from toolkit.data.tokenize import encode_batch
 
     names = list(batch)
+    if fmt in PAIR_FORMATS:
+        return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, spec,
+                            tokenizer)
     pairs = [as_example({c: batch[c][j] for c in names}, fmt, i, cfg, spec) for j, i in enumerate(indices)]
     encs = encode_batch(tokenizer, [ex for ex, _ in pairs], cfg.data.seq_len, cfg.data.train_on_prompt)
     return {**token_columns(encs), "system_added": [added for _, added in pairs]}
@@ -124,7 +128,8 @@ def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
     fmt = source_format(records.column_names, cfg, spec)
     try:
         table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
-                            remove_columns=records.column_names, features=features({"system_added": "bool"}),
+                            remove_columns=records.column_names,
+                            features=features({"system_added": "bool", **(PAIR_COLUMNS if fmt in PAIR_FORMATS else {})}),
                             num_proc=map_processes(len(records), cfg.data.data_workers),
                             fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
                             cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
@@ -159,7 +164,15 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
             trains.append(table.select(train_idx) if eval_idx else table)
             if eval_idx:
                 evals.append(table.select(eval_idx))
-        if builtin and cfg.data.eval_split > 0:
+        if builtin and cfg.data.eval_split > 0 and formats[0] in PAIR_FORMATS:  # held-out pairs
+            from toolkit.data.builtin import builtin_records
+
+            held = datasets.Dataset.from_list(builtin_records(spec.split(":", 1)[1], split="eval"))
+            evals = [held.map(_encode_records, batched=True, with_indices=True, remove_columns=held.column_names,
+                              features=features({"system_added": "bool", **PAIR_COLUMNS}),
+                              fn_kwargs={"fmt": formats[0], "cfg": cfg, "spec": spec, "tokenizer": tokenizer}
+                              ).remove_columns("system_added")]
+        elif builtin and cfg.data.eval_split > 0:
             scored, _ = _builtin_scored(cfg)
             evals = [datasets.Dataset.from_dict({"messages": scored}).map(
                 _encode_records, batched=True, with_indices=True, remove_columns=["messages"],

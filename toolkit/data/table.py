@@ -208,6 +208,19 @@ class Rows:
         self.keep = keep
         self.lengths = lengths if keep is None else lengths[keep]
         self._ids, self._labels = _ListColumn(table.column("input_ids")), _ListColumn(table.column("labels"))
+        names = table.column_names  # preference pairs: the rejected sequence beside the chosen one
+        self._rejected = [(c, _ListColumn(table.column(c))) for c in ("rejected_input_ids", "rejected_labels")
+                          if c in names]
+        self.reference = None  # pairs: their (N, 2) reference log-probabilities (`toolkit.train.reference`)
+
+    def digest(self) -> str:
+        """sha256 of the rows' tokens (every id and label column, the kept rows)."""
+        h = hashlib.sha256(b"" if self.keep is None else self.keep.data)
+        for col in [self._ids, self._labels, *(c for _, c in self._rejected)]:
+            for offsets, values in col.chunks:  # views of the mapped file: hashed without a copy
+                h.update(offsets.data)
+                h.update(values.data)
+        return h.hexdigest()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -219,7 +232,13 @@ class Rows:
             raise IndexError(i)
         i = int(i) % len(self)
         r = i if self.keep is None else int(self.keep[i])
-        return {"input_ids": self._ids[r], "labels": self._labels[r]}
+        row = {"input_ids": self._ids[r], "labels": self._labels[r]}
+        if not self._rejected:
+            return row
+        row.update({c: col[r] for c, col in self._rejected})
+        if self.reference is not None:
+            row["ref_logps"] = self.reference[i].tolist()
+        return row
 
     def __iter__(self):
         for i in range(len(self)):

@@ -45,9 +45,10 @@ def encode(tokenizer, example: list[dict[str, str]] | str, seq_len: int, train_o
     return encode_batch(tokenizer, [example], seq_len, train_on_prompt)[0]
 
 
-def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool) -> list[Encoded]:
+def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool, last_turn: bool = False) -> list[Encoded]:
     """Conversations and texts tokenized in one call to the tokenizer (its Rust batch path: no
-    per-example call overhead); the same ids as one call per example."""
+    per-example call overhead); the same ids as one call per example. `last_turn`: only the last
+    assistant turn is trained (a preference pair's completion; earlier turns are its prompt)."""
     out: list[Encoded | None] = [None] * len(examples)
     texts = [i for i, x in enumerate(examples) if isinstance(x, str)]
     if texts:
@@ -64,7 +65,7 @@ def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool)
         rendered = [_render_chat(tokenizer, examples[i], specials) for i in chats]
         enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
         for i, (_, spans), ids, offsets in zip(chats, rendered, enc["input_ids"], enc["offset_mapping"]):
-            labels = list(ids) if train_on_prompt else _answer_labels(ids, offsets, spans)
+            labels = list(ids) if train_on_prompt else _answer_labels(ids, offsets, spans[-1:] if last_turn else spans)
             out[i] = Encoded(ids[:seq_len], labels[:seq_len], len(ids) > seq_len)
     return out
 

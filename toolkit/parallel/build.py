@@ -131,7 +131,15 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
                   loss_fn: LossFn = token_loss_sum) -> Strategy:
     """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
     against the model's config (one line for every problem, before any weights are read), build the
-    mesh it needs."""
+    mesh it needs; its loss computes the preference objective where --objective asks for one."""
+    from toolkit.preference import PreferenceLoss
+
+    strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
+    strategy.loss.objective = PreferenceLoss.from_config(cfg)
+    return strategy
+
+
+def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: LossFn) -> Strategy:
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes

@@ -202,15 +202,19 @@ class LossHead:
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu"):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
         self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
+        self.objective = None  # a preference objective (`toolkit.preference.PreferenceLoss`): pairs, full logits
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
         one (only for the standard token loss, which it computes exactly); and the model's router
-        load-balancing loss, which its forward returns where its config sets `output_router_logits`."""
+        load-balancing loss, which its forward returns where its config sets `output_router_logits`.
+        A preference objective keeps full logits and turns the model's dropout off (`prepare`)."""
         from toolkit.loss import loss_head_for
 
         self.choice = choice
-        if self.loss_fn is token_loss_sum:
+        if self.objective is not None:
+            self.objective.prepare(model)
+        if self.loss_fn is token_loss_sum and self.objective is None:
             self.head = loss_head_for(model, choice, self.device_type)
         self.aux_coef = router_aux_coef(model.config)
 
@@ -227,6 +231,17 @@ class LossHead:
         return self.head is not None and (self.device_type != "cuda" or self.rows_given)
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.objective is None:
+            return self.token_sum(model, batch)
+        from toolkit.data.packing import model_inputs
+
+        from toolkit.preference import pairs_in
+
+        total, out = self.objective(model, batch, model_inputs(batch))
+        return total + self.aux(out, batch["labels"], False, count=pairs_in(batch))
+
+    def token_sum(self, model, batch: dict) -> torch.Tensor:
+        """The summed token loss of `batch` (and the router's, x its target tokens)."""
         from toolkit.data.packing import model_inputs
 
         if "targets" in batch:  # context parallel: this rank's slice, labels shifted before the split
@@ -244,7 +259,7 @@ class LossHead:
             total = (target_loss_sum if shifted else self.loss_fn)(out.logits, labels)
         return total + self.aux(out, labels, shifted)
 
-    def aux(self, out, labels: torch.Tensor, shifted: bool) -> torch.Tensor | float:
+    def aux(self, out, labels: torch.Tensor, shifted: bool, count: int | None = None) -> torch.Tensor | float:
         """coef x the router load-balancing loss x this micro-batch's target tokens: what the model adds to
         its mean loss when given labels, as a sum, so the global-token normalisation gives the model's
         own loss on one micro-batch (and over several, their aux losses weighted by target tokens). Its
@@ -254,7 +269,7 @@ class LossHead:
             return 0.0
         from toolkit.data.labels import count_targets
 
-        n = (labels != -100).sum() if shifted else count_targets(labels)
+        n = count if count is not None else (labels != -100).sum() if shifted else count_targets(labels)
         weighted = value.float() * n
         self.aux_sum = weighted.detach().double() + (self.aux_sum if self.aux_sum is not None else 0.0)
         return self.aux_coef * weighted
@@ -274,9 +289,9 @@ class LossHead:
 
         if context is not None and context.context is not None:
             with context.slice(few) as part:
-                ours = context.total(self(model, part).double().reshape(1)).squeeze(0)
+                ours = context.total(self.token_sum(model, part).double().reshape(1)).squeeze(0)
         else:
-            ours = self(model, few)
+            ours = self.token_sum(model, few)
         ours = ours / count_targets(few["labels"]).clamp(min=1)
         self.take_aux()
         own = model(**model_inputs(few), labels=few["labels"]).loss
@@ -284,6 +299,8 @@ class LossHead:
 
     def describe(self) -> str:
         aux = f"; the router load-balancing loss x {self.aux_coef:g} added (aux_loss)" if self.aux_coef else ""
+        if self.objective is not None:
+            return f"loss: {self.objective.describe()}{aux}"
         return "loss: " + (self.head.describe() if self.head else "full logits + cross-entropy") + aux
 
 

@@ -90,12 +90,16 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
                what: str) -> PlanInput:
     """The planner's question for this run on this hardware (`detect_hardware`). The global batch is
     the run's micro-batch x accumulation x ranks; the plan keeps it and may re-split it."""
+    from toolkit.objective_spec import plan_terms
+
     t = cfg.train
+    terms = plan_terms(t.objective, cfg.model.method, t.loss)  # a preference pair: two sequences, full logits
     return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
+                     sequences=terms["sequences"], reference_forward=terms["reference_forward"],
                      cpu_memory=host_memory_bytes(), method=cfg.model.method, lora_r=cfg.model.lora_r,
                      lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
                      micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,
-                     checkpointing=True if t.gradient_checkpointing else None, loss=t.loss,
+                     checkpointing=True if t.gradient_checkpointing else None, loss=terms["loss"],
                      hardware=time_model(what), device="CPU" if what.startswith("CPU") else "GPU")
 
 

@@ -110,6 +110,12 @@ def flops_per_token(params: int, trainable: int, layers: int, hidden: int, seq_l
     return forward + backward + (forward if checkpointing else 0.0)
 
 
+def forward_flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """One forward without gradients, 2P + 4Lhs (`flops_per_token`'s forward): DPO's reference under LoRA,
+    the base model with the adapters disabled, run before each policy forward."""
+    return 2.0 * params + 4.0 * layers * hidden * seq_len
+
+
 def pipeline_bubble(stages: int, microbatches: int) -> float:
     """Idle fraction of a GPipe / 1F1B step: (p - 1) / (m + p - 1) (Huang et al. 2019, GPipe sec. 2.2;
     Narayanan et al. 2021, sec. 2.2)."""

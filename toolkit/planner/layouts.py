@@ -20,7 +20,8 @@ from typing import Any
 
 from toolkit.layout.dims import MESH_DIMS, ParallelDims
 from toolkit.layout.rules import cp_divisibility_problems, pipeline_schedule, tp_divisibility_problems
-from toolkit.planner.cost import ADAM_STEP_BYTES, Traffic, flops_per_token, pipeline_bubble, ring_factor, step_terms
+from toolkit.planner.cost import (ADAM_STEP_BYTES, Traffic, flops_per_token, forward_flops_per_token, pipeline_bubble,
+                                  ring_factor, step_terms)
 from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, gathered_bytes_per_param,
                                     logits_bytes,
                                     ulysses_comm_bytes)
@@ -212,6 +213,8 @@ def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int,
     trainable = active if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
     per_token = flops_per_token(active, trainable, layers, h, inp.seq_len, False)
     recompute = flops_per_token(active, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
+    if inp.reference_forward:  # LoRA DPO's reference: the base model's forward, once more
+        per_token += forward_flops_per_token(active, layers, h, inp.seq_len)
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
     rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0

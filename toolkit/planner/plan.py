@@ -21,8 +21,9 @@ from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
 from toolkit.layout.rules import (cp_divisibility_problems, dims_for, flags_of, layout_problems, model_problems,
                                   not_runnable, strategy_name, tp_divisibility_problems)
-from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, load_hardware,
-                                  optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds, step_terms)
+from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, forward_flops_per_token,
+                                  load_hardware, optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds,
+                                  step_terms)
 from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
@@ -93,6 +94,8 @@ class PlanInput:
     hardware: Hardware | None = None  # the time model's figures (None: the H100 SXM preset)
     asked: Asked | None = None  # the run's own layout (plan --config), evaluated as it is
     device: str = "GPU"  # what each rank runs on: "GPU", or "CPU" (a run without one: memory per process)
+    sequences: int = 1  # sequences per example: 2 for a preference pair (chosen and rejected, one micro-batch)
+    reference_forward: bool = False  # LoRA DPO: the base model's forward, no gradients, before each policy forward
 
     @property
     def hw(self) -> Hardware:
@@ -251,14 +254,15 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
     else:
         weights = weights_bytes(s, frozen, trainable, n, inp.precision)
     wb = weight_bytes_per_param(s, inp.precision)
-    forward, backward, casts = activation_terms(inp, micro_batch, checkpointing, wb, trainable, s.fsdp)
+    rows = micro_batch * inp.sequences  # the sequences a forward holds (a pair is two)
+    forward, backward, casts = activation_terms(inp, rows, checkpointing, wb, trainable, s.fsdp)
     b = {
         "weights": weights,
         "grads": grads_bytes(s, trainable, n, inp.precision),
         "optimizer": optimizer_bytes(s, trainable, n),
         "autocast_copies": casts,
         "activations": forward + backward,
-        "logits": loss_bytes(inp, micro_batch, vocab, h, act),
+        "logits": loss_bytes(inp, rows, vocab, h, act),
     }
     model_bytes = frozen_bytes_per_param(inp.precision) * frozen + wb * trainable  # the whole model, once
     # what a sharded layout all-gathers: FSDP2 in its policy's compute dtype, ZeRO-3 as DeepSpeed holds it
@@ -309,7 +313,9 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
         Traffic(grads_sent, link, grad_calls if n > 1 else 0, *(("overlapped_once", "dp_sync") if s.name == "ddp"
                                                                 else ("overlapped", "dp"))),
         Traffic(comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped", "dp")]
-    tokens = micro_batch * inp.seq_len
+    tokens = rows * inp.seq_len
+    if inp.reference_forward:
+        per_token += forward_flops_per_token(active, layers, h, inp.seq_len)
     terms = step_terms(tokens * per_token, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device,
                        recompute_flops=tokens * recompute)
     fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
@@ -320,7 +326,8 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     """A composed mesh layout (`toolkit.planner.layouts`): its heaviest pipeline stage's bytes per
     rank, plus buffers (DDP buckets, or FSDP2's gathered block and the next prefetched) and the
     allocator's fragmentation; its slowest rank's step; whether the runtime runs it."""
-    stages = [stage_bytes(inp, d, s, checkpointing, micro_batch) for s in range(d.pp)]
+    rows = micro_batch * inp.sequences  # the sequences a forward holds (a pair is two)
+    stages = [stage_bytes(inp, d, s, checkpointing, rows) for s in range(d.pp)]
     b = max(stages, key=lambda x: sum(x.values()))
     counts = count_params(inp.model)
     if d.dp_shard > 1:
@@ -332,10 +339,12 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     b["allocated"] = sum(b.values())
     b["total"] = total_bytes(b["allocated"])
     hw = inp.hw
-    comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, micro_batch, hw)))
+    comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
         or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size)), "")  # the run's own rules
-    terms = mesh_step_terms(inp, d, checkpointing, micro_batch, hw)
+    if inp.sequences > 1 and (d.pp > 1 or d.cp > 1):
+        why = why or "a preference objective does not run with --pp or --cp yet"
+    terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
 

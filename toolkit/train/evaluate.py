@@ -120,3 +120,41 @@ def cache_kwarg(model) -> str:
 
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     return "cache" if hf is not None and "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict[str, float]:
+    """A preference objective on held-out pairs: its mean loss per pair (`eval_loss`; ORPO's NLL over
+    all the held-out chosen tokens, as training's over the global batch's) and TRL's metrics
+    (`eval_rewards/accuracies`, ...), means over the pairs; sharded as `eval_loss`."""
+    from toolkit.data.packing import model_inputs
+    from toolkit.objective_spec import METRICS
+    from toolkit.preference import orpo_nll_tokens, pairs_in
+
+    accelerator, objective = strategy.accelerator, strategy.loss.objective
+    model.eval()
+    rank, ranks = strategy.data.rank, strategy.data.ranks
+    shard = rows[rank::ranks]
+    n_batches = -(-len(rows) // (batch_size * ranks))
+    # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
+    total = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=accelerator.device)
+    device = strategy.eval_device(model)
+    scale, objective.nll_scale = objective.nll_scale, 0.0  # the pair loss alone; the NLL is summed apart
+    try:
+        for i in range(n_batches):
+            chunk = shard[i * batch_size:(i + 1) * batch_size]
+            weight = 1.0 if chunk else 0.0
+            chunk = chunk or shard[:1] or rows[:1]  # keep sharded models in lock-step
+            batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+            loss, _ = objective(model, batch, model_inputs(batch))  # summed over the batch's pairs
+            nll = objective.nll if objective.objective == "orpo" else torch.zeros(())
+            parts = torch.stack([t.to(total.device, torch.float64) for t in
+                                 (loss, torch.tensor(float(pairs_in(batch))), nll, orpo_nll_tokens(batch))])
+            total += weight * torch.cat([parts, objective.take_metrics().to(total.device)])
+    finally:
+        objective.nll_scale = scale
+        model.train()
+    total = accelerator.reduce(total, "sum")
+    pairs = total[1].clamp(min=1)
+    loss = total[0] / pairs + (total[2] / total[3].clamp(min=1) if objective.objective == "orpo" else 0.0)
+    return {"eval_loss": float(loss), **{f"eval_{m}": (v / pairs).item() for m, v in zip(METRICS, total[4:])}}

@@ -33,7 +33,7 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.train.evaluate import eval_loss, sample_completions
+from toolkit.train.evaluate import eval_loss, eval_preference, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss_check import check_loss, check_packing
 from toolkit.train.metrics import MetricsLogger, log_interval
@@ -325,6 +325,12 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               None, total_steps, 1, 0, peak, dtype, log_interval(cfg.output.log_every, total_steps),
               sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps))
+    if strategy.loss.objective is not None and strategy.loss.objective.reference == "precomputed":
+        from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
+
+        for rows, name in ((train_rows, "train"), (eval_rows, "eval")):
+            if rows:
+                attach_reference(run, rows, name, log, resuming=resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
@@ -407,8 +413,14 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
 
     strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
+    objective = strategy.loss.objective  # a preference objective, or None
+    if objective is not None:
+        objective.begin_step(micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
     loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
     aux = strategy.loss.take_aux()  # the router load-balancing loss x target tokens, where the model has one
+    preference = objective.take_metrics() if objective is not None else None
+    if preference is not None:
+        preference = accelerator.reduce(preference, "sum") / run.replicas
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
     if grad_norm is not None:  # FSDP2's is a DTensor (replicated): its local value, every rank alike
@@ -432,7 +444,7 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
                            "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
     if aux is not None:
         aux = accelerator.reduce(aux, "sum") / run.replicas
-    return Step(loss, counts, grad_norm, finite, aux)
+    return Step(loss, counts, grad_norm, finite, aux, preference)
 
 
 def log_window(run: Run, step: int, epoch: int) -> None:
@@ -481,8 +493,12 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         warmup = {"compile_warmup": True}
         run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
                           "and mfu count from step " f"{step + 1} on")
-    aux = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
-    run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **aux, "lr": run.scheduler.get_last_lr()[0],
+    extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
+    if w.get("preference") is not None:  # TRL's names, means over the window's pairs
+        from toolkit.objective_spec import METRICS
+
+        extra.update({name: total / w["targets"] for name, total in zip(METRICS, w["preference"])})
+    run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
                      "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured,
@@ -518,9 +534,10 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
     t0 = time.perf_counter()
     if run.eval_rows:
         with run.metrics.pause(f"eval, {len(run.eval_rows)} examples"):
-            el = eval_loss(run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size,
-                           run.tokenizer.pad_token_id)
-        run.metrics.log({"step": step, "eval_loss": el, "elapsed_s": run.elapsed(time.perf_counter())})
+            args = (run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
+            record = eval_preference(*args) if run.strategy.loss.objective is not None else {"eval_loss": eval_loss(*args)}
+        el = record["eval_loss"]
+        run.metrics.log({"step": step, **record, "elapsed_s": run.elapsed(time.perf_counter())})
         run.last_eval = el
         run.metrics.write(f"step {step}: eval_loss {el:.4f}")
     run.window.t0 += time.perf_counter() - t0

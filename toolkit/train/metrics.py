@@ -125,8 +125,18 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    accuracy = [(r["step"], r["rewards/accuracies"]) for r in records if "rewards/accuracies" in r]
+    eval_accuracy = [(r["step"], r["eval_rewards/accuracies"]) for r in records if "eval_rewards/accuracies" in r]
+    ax.set_ylabel("loss (nats/token)" if not accuracy else "loss (per pair)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    if accuracy:  # a preference objective: the reward accuracy beside the loss
+        right = ax.twinx()
+        right.plot(*zip(*accuracy), color="tab:green", alpha=0.7, label="reward accuracy")
+        if eval_accuracy:
+            right.plot(*zip(*eval_accuracy), "s-", color="tab:red", label="eval reward accuracy")
+        right.set_ylim(0, 1)
+        right.set_ylabel("reward accuracy (chosen > rejected)")
+        right.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

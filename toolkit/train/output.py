@@ -12,7 +12,8 @@ from toolkit.config import Config
 from toolkit.inputs import parse_columns
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
-             "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb")
+             "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb",
+             "reference_logps.safetensors")
 
 
 def prepare_output_dir(cfg: Config, accelerator) -> Path:
@@ -41,7 +42,8 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
         return
-    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training examples, "
+    unit = "examples" if cfg.train.objective == "sft" else "pairs"
+    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
         f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
@@ -65,7 +67,8 @@ class RunResult:
 
 
 def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, model) -> RunResult:
-    summary = {"steps": result.steps, "steps_this_run": result.steps_run, "final_loss": result.final_loss,
+    summary = {"objective": cfg.train.objective, "steps": result.steps, "steps_this_run": result.steps_run,
+               "final_loss": result.final_loss,
                "eval_loss": result.eval_loss, "tokens": result.tokens,
                "train_seconds": round(result.elapsed_before + result.elapsed_s, 1),
                "train_seconds_this_run": round(result.elapsed_s, 1), "final_dir": str(out / "final")}

@@ -23,14 +23,16 @@ from toolkit.config import Config
 from toolkit.dataset_spec import dataset_digest
 from toolkit.errors import UserError
 from toolkit.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
+from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA
 from toolkit.train.manifest import damage
 
 # Settings that change what a run computes (not how fast or where it logs).
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
-               "loss", "streaming", "router_aux_loss_coef")
-NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None}  # what older checkpoints ran with
+               "loss", "streaming", "router_aux_loss_coef", "objective", "beta", "simpo_gamma", "label_smoothing")
+NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None, "objective": "sft", "beta": None,
+                     "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 

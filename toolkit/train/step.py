@@ -36,8 +36,9 @@ def sync_free(optimizer, accelerator, always_steps: bool) -> bool:
 
 
 def batch_counts(micro: list[dict], device: torch.device) -> torch.Tensor:
-    """(target tokens, real tokens, examples) of this rank's micro-batches, float64 on the device."""
-    return torch.stack([sum(count_targets(b["labels"]) for b in micro),
+    """(what the loss is normalised by: target tokens, or pairs for a preference objective; real tokens;
+    examples) of this rank's micro-batches, float64 on the device."""
+    return torch.stack([sum(b["pairs"] if "pairs" in b else count_targets(b["labels"]) for b in micro),
                         sum(b["attention_mask"].sum() for b in micro),
                         sum(count_examples(b) for b in micro)]).to(device, torch.float64)
 
@@ -50,6 +51,10 @@ class Step:
     grad_norm: torch.Tensor | None
     finite: torch.Tensor  # loss and gradient norm finite: the update was applied
     aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens (in `loss` x its coefficient)
+    preference: torch.Tensor | None = None  # a preference objective's metric sums over pairs (`PreferenceLoss`)
+
+
+FIXED = 7  # a step's columns in `Window.read`: its 3 counts, finite, loss, grad norm, aux
 
 
 @dataclass
@@ -77,13 +82,17 @@ class Window:
             rows.append(torch.cat([s.counts.to(torch.float64),
                                    torch.stack([s.finite.to(torch.float64), s.loss.to(torch.float64),
                                                 torch.as_tensor(norm).to(s.loss.device, torch.float64),
-                                                aux.to(s.loss.device, torch.float64)])]))
+                                                aux.to(s.loss.device, torch.float64)]),
+                                   *([s.preference.to(s.loss.device, torch.float64)] if s.preference is not None
+                                     else [])]))
         values = host(torch.stack(rows))
-        per = [values[i * 7:(i + 1) * 7] for i in range(len(self.steps))]
+        width = len(values) // len(self.steps)  # FIXED columns, then a preference objective's sums
+        per = [values[i * width:(i + 1) * width] for i in range(len(self.steps))]
         good = [v for v in per if v[3]]
         has_aux = any(s.aux is not None for _, s in self.steps)
         return {"loss": sum(v[4] for v in good), "targets": sum(v[0] for v in good),
                 "tokens": sum(v[1] for v in good), "examples": sum(v[2] for v in good),
                 "aux": sum(v[6] for v in good) if has_aux else None,
+                "preference": [sum(v[i] for v in good) for i in range(FIXED, width)] if width > FIXED else None,
                 "steps": [(step, bool(v[3]), v[4], v[5] if s.grad_norm is not None else None)
                           for (step, s), v in zip(self.steps, per)]}

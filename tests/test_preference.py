@@ -1,0 +1,445 @@
+"""Preference tuning (`--objective dpo|orpo|simpo`, toolkit.preference): the losses and the first step's
+gradients equal TRL's trainers' on the same model, pairs and beta; the data forms read as pairs; step 1
+of DPO is ln 2 (LoRA: adapters disabled; full: the reference pass); runs train, resume and reload."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from conftest import CHATML, build_model_dir
+from toolkit.synthetic import corpus
+
+from toolkit.preference import PreferenceLoss, orpo_nll_tokens, sequence_logps
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("pref") / "model", chat_template=CHATML)
+
+
+def conversational_pairs(n: int = 8, seed: int = 3) -> list[dict]:
+    t = corpus(3 * n, seed)
+    return [{"prompt": [{"role": "user", "content": t[3 * i]}], "chosen": [{"role": "assistant", "content": t[3 * i + 1]}],
+             "rejected": [{"role": "assistant", "content": t[3 * i + 2]}]} for i in range(n)]
+
+
+def load(path, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_pretrained(path).float()
+
+
+def perturb(model, seed: int = 1, scale: float = 0.05) -> None:
+    """Move the trainable weights off the reference, so the reference matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def interleaved(chosen_ids, chosen_mask, chosen_labels, rejected_ids, rejected_mask, rejected_labels, pad_id):
+    """TRL's separate chosen / rejected tensors as the toolkit's rows: chosen even, rejected odd, right-padded."""
+    width = max(chosen_ids.shape[1], rejected_ids.shape[1])
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    def mix(a, b):
+        return torch.stack([a, b], 1).reshape(-1, width)
+
+    return {"input_ids": mix(pad(chosen_ids, pad_id), pad(rejected_ids, pad_id)),
+            "attention_mask": mix(pad(chosen_mask, 0), pad(rejected_mask, 0)),
+            "labels": mix(pad(chosen_labels, -100), pad(rejected_labels, -100))}
+
+
+def our_loss(model, batch: dict, objective: str, beta: float, **kw) -> torch.Tensor:
+    """The toolkit's loss on `batch` as the loop normalises it: the summed pair loss / the pairs."""
+    pairs = batch["input_ids"].shape[0] // 2
+    loss = PreferenceLoss(objective, beta, **kw)
+    if objective == "orpo":
+        loss.nll_scale = pairs / orpo_nll_tokens(batch)
+    total, _ = loss(model, batch, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+    return total / pairs
+
+
+def dpo_batch(trainer, n: int = 4) -> tuple[dict, dict]:
+    """(TRL's DPO batch of `n` pairs, the same pairs as the toolkit's rows)."""
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    order = torch.stack([torch.arange(n), torch.arange(n) + n], 1).reshape(-1)
+    ours = {"input_ids": batch["input_ids"][order], "attention_mask": batch["attention_mask"][order],
+            "labels": labels[order]}
+    return batch, ours
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_dpo_loss_and_gradients_equal_trls_dpo_trainer(chatml_dir, tmp_path, method):
+    """DPO, beta 0.2: LoRA against TRL's reference with the adapters disabled (no ref_model), full
+    against a reference model (ours: its log-probabilities precomputed into the batch, as the
+    reference pass gives them). The policy is moved off the reference first."""
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(chatml_dir)
+    model, ref = load(chatml_dir), None
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    else:
+        ref = copy.deepcopy(model).eval()
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, use_cpu=True, beta=0.2)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(
+        conversational_pairs()), processing_class=tok)
+    perturb(model)  # after: TRL keeps a given adapter's initial weights as its reference ("ref")
+    batch, ours = dpo_batch(trainer)
+    model.train()
+    theirs = trainer.compute_loss(model, batch)
+    theirs.backward()
+    their_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    if ref is not None:
+        with torch.no_grad():
+            ours["ref_logps"] = sequence_logps(ref(input_ids=ours["input_ids"],
+                                                   attention_mask=ours["attention_mask"]).logits, ours["labels"])[0]
+    mine = our_loss(model, ours, "dpo", 0.2, reference="adapters" if method == "lora" else "precomputed")
+    mine.backward()
+    torch.testing.assert_close(mine, theirs.float(), **TOL)
+    assert mine.item() != pytest.approx(math.log(2), abs=1e-3)  # the reference mattered
+    my_grads = grads(model)
+    assert my_grads.keys() == their_grads.keys() and my_grads
+    for name in my_grads:
+        torch.testing.assert_close(my_grads[name], their_grads[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_orpo_and_simpo_equal_trls_trainers(chatml_dir, tmp_path, objective):
+    """ORPO against TRL's ORPOTrainer (beta 0.1: its NLL over the chosen sequence, prompt included, and the
+    odds-ratio term); SimPO against CPOTrainer's loss_type 'simpo' with cpo_alpha 0 (beta 2, gamma 1,
+    label smoothing 0.1): loss and every gradient, full finetune."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(chatml_dir)
+    model = load(chatml_dir)
+    common = dict(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, use_cpu=True)
+    data = datasets.Dataset.from_list(conversational_pairs())
+    if objective == "orpo":
+        trainer, kw = ORPOTrainer(model=model, args=ORPOConfig(**common, beta=0.1), train_dataset=data,
+                                  processing_class=tok), {}
+        beta = 0.1
+    else:
+        beta, kw = 2.0, {"simpo_gamma": 1.0, "label_smoothing": 0.1}
+        trainer = CPOTrainer(model=model, args=CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, beta=beta,
+                                                         simpo_gamma=1.0, label_smoothing=0.1),
+                             train_dataset=data, processing_class=tok)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    model.train()
+    theirs = trainer.compute_loss(model, batch)
+    theirs.backward()
+    their_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    ours = interleaved(*(batch[f"{side}_{k}"] for side in ("chosen", "rejected")
+                         for k in ("input_ids", "attention_mask", "labels")), tok.pad_token_id)
+    mine = our_loss(model, ours, objective, beta, **kw)
+    mine.backward()
+    torch.testing.assert_close(mine, theirs.float(), **TOL)
+    my_grads = grads(model)
+    assert my_grads.keys() == their_grads.keys()
+    for name in my_grads:
+        torch.testing.assert_close(my_grads[name], their_grads[name], **TOL, msg=name)
+
+
+# --- runs: data forms, every layout against one process, resume, reload
+def write_pairs(path, rows: list[dict]):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def string_pairs(n: int = 48, seed: int = 5) -> list[dict]:
+    t = corpus(3 * n, seed)
+    return [{"prompt": t[3 * i], "chosen": t[3 * i + 1], "rejected": t[3 * i + 2]} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", string_pairs())
+
+
+DPO = ["--objective", "dpo"]
+LAYOUTS = {"ddp": [], "zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"], "fsdp": ["--fsdp"],
+           "tp": ["--tp", "2", "--micro-batch-size", "2"]}  # one data-parallel rank: 2 pairs x 2 steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, pairs_file):
+    """DPO (LoRA and full), ORPO and SimPO in one process with micro-batch 4, and on 2 ranks with
+    micro-batch 1 x accumulation 2 (the same 4 pairs a step), every layout, in two launches."""
+    from distributed import batched_runs, common_args
+
+    specs = {("one", m, o): (1, ["--method", m, "--objective", o, "--micro-batch-size", "4"])
+             for m, o in (("lora", "dpo"), ("full", "dpo"), ("full", "orpo"), ("lora", "simpo"))}
+    evals = ["--eval-split", "0.25", "--eval-on-start", "--eval-every", "5"]
+    specs.update({  # dropout turned off (as TRL) and checkpointing: one process's losses; held-out pairs
+        ("one", "lora", "dpo_gc_dropout"): (1, ["--method", "lora", *DPO, "--micro-batch-size", "4",
+                                                "--gradient-checkpointing", "--lora-dropout", "0.1"]),
+        ("one", "full", "dpo_eval"): (1, ["--method", "full", *DPO, "--micro-batch-size", "4", *evals]),
+        ("one", "full", "orpo_eval"): (1, ["--method", "full", "--objective", "orpo", "--micro-batch-size", "4",
+                                           *evals])})
+    specs.update({(name, m, "dpo"): (2, ["--method", m, *DPO, "--micro-batch-size", "1", "--grad-accum", "2", *flags])
+                  for name, flags in LAYOUTS.items() for m in ("lora", "full")})
+    specs.update({("ddp", m, o): (2, ["--method", m, "--objective", o, "--micro-batch-size", "1", "--grad-accum", "2"])
+                  for m, o in (("full", "orpo"), ("lora", "simpo"))})
+    return batched_runs(tmp_path_factory, common_args(tiny_model, pairs_file), specs)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dpo_on_every_layout_matches_one_process(runs, name, method):
+    """Per-step losses and reward accuracies of DPO on 2 ranks (DDP, ZeRO-2, ZeRO-3, FSDP2, TP) within
+    1e-4 relative of one process's; step 1 is ln 2 on both (the reference is the model as loaded)."""
+    from distributed import records
+
+    ref, got = records(runs("one", method, "dpo")), records(runs(name, method, "dpo"))
+    assert len(got) == len(ref) == 5
+    assert ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4), name
+    assert [r["logps/chosen"] for r in got] == pytest.approx([r["logps/chosen"] for r in ref], rel=1e-4)
+    assert [r["rewards/accuracies"] for r in got] == [r["rewards/accuracies"] for r in ref]
+
+
+@pytest.mark.parametrize("method, objective", [("full", "orpo"), ("lora", "simpo")])
+def test_orpo_and_simpo_normalise_over_the_global_batch(runs, method, objective):
+    """ORPO's NLL term (over the global batch's chosen tokens) and SimPO's pairs: 2 ranks x 2
+    accumulation steps give one process's losses."""
+    from distributed import records
+
+    ref, got = records(runs("one", method, objective)), records(runs("ddp", method, objective))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
+    assert ref[0]["loss"] != pytest.approx(ref[-1]["loss"], rel=1e-3)  # it trains
+
+
+def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
+    from distributed import records, run_stdout
+
+    first = records(runs("one", "lora", "dpo"))[0]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert key in first
+    assert first["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference at step 1
+    said = run_stdout(runs("one", "lora", "dpo"))
+    assert "objective: dpo, beta 0.1" in said and "adapters disabled" in said
+    said = run_stdout(runs("one", "full", "dpo"))
+    assert "log-probabilities computed before step 1" in said
+    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said
+
+
+FORMS = {  # each form of one pair: prompt "Name a colour.", chosen "Blue.", rejected "Loud."
+    "pairs": {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."},
+    "conversational": {"prompt": [{"role": "user", "content": "Name a colour."}],
+                       "chosen": [{"role": "assistant", "content": "Blue."}],
+                       "rejected": [{"role": "assistant", "content": "Loud."}]},
+    "implicit": {"chosen": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+                 "rejected": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Loud."}]},
+    "alpaca": {"instruction": "Name a colour.", "input": "", "chosen": "Blue.", "rejected": "Loud."},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Name a colour."}],
+                 "chosen": {"from": "gpt", "value": "Blue."}, "rejected": {"from": "gpt", "value": "Loud."}},
+    "mapped": {"question": "Name a colour.", "good": "Blue.", "bad": "Loud."},
+    "conversation_per_side": {"prompt": "Name a colour.",
+                              "chosen": [{"role": "user", "content": "Name a colour."},
+                                         {"role": "assistant", "content": "Blue."}],
+                              "rejected": [{"role": "user", "content": "Name a colour."},
+                                           {"role": "assistant", "content": "Loud."}]},
+}
+
+
+def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tiny_chatml_model):
+    """TRL's standard, conversational and implicit-prompt forms, alpaca and ShareGPT (LLaMA-Factory's
+    ranking form) with chosen/rejected, and --columns: the same token rows, through the chat template,
+    labels on the completion only (its text and the end of its turn)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import parse_config
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
+    seen = {}
+    for form, record in FORMS.items():
+        path = write_pairs(tmp_path / f"{form}.jsonl", [record] * 3)
+        extra = ["--columns", "prompt=question,chosen=good,rejected=bad"] if form == "mapped" else []
+        cfg = parse_config(["--dataset", str(path), "--objective", "dpo", "--seq-len", "64", *extra])
+        row = prepare_data(cfg, tok).train[0]
+        seen[form] = row
+        for side, text in (("", "Blue."), ("rejected_", "Loud.")):
+            ids, labels = row[f"{side}input_ids"], row[f"{side}labels"]
+            assert tok.decode(ids).startswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+            assert tok.decode([t for t in labels if t != -100]) == text + "<|im_end|>"
+    assert all(row == seen["pairs"] for row in seen.values())
+
+
+@pytest.mark.parametrize("argv, data, says", [
+    ([], "pairs", "holds preference pairs (prompt, chosen, rejected), which SFT would not train on as pairs; pass "
+                  "--objective dpo"),
+    (DPO, "sft", "--objective dpo trains on preference pairs, and --dataset"),
+    (DPO, "kto", "unpaired preference data (prompt, completion, label) is KTO's form"),
+    ([], "kto", "unpaired preference data (prompt, completion, label) is KTO's form"),
+    ([*DPO, "--simpo-gamma", "0.5"], "pairs", "--simpo-gamma applies to simpo, not dpo"),
+    ([*DPO, "--train-on-prompt"], "pairs", "--objective dpo trains on the completions of the pairs"),
+    ([*DPO, "--format", "alpaca"], "pairs", "pairs are read by their columns"),
+    (["--objective", "orpo", "--label-smoothing", "0.1"], "pairs", "--label-smoothing applies to dpo and simpo"),
+    ([*DPO, "--loss", "chunked"], "pairs", "--loss chunked computes only their summed loss: use --loss auto"),
+    ([*DPO, "--packing"], "pairs", "--objective dpo does not run with --packing yet"),
+    (["--beta", "0.2"], "pairs", "--beta set a preference objective's loss; pass --objective dpo"),
+])
+def test_preference_mistakes_are_one_line(tmp_path, tiny_model, argv, data, says, capsys):
+    """Preference data never trains as SFT, SFT data never as pairs; what an objective cannot take is
+    named before any model loads."""
+    import finetune
+
+    rows = {"pairs": string_pairs(4), "sft": [{"instruction": "a", "output": "b"}] * 4,
+            "kto": [{"prompt": "a", "completion": "b", "label": True}] * 4}[data]
+    path = write_pairs(tmp_path / "d.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--model", str(tiny_model), "--dataset", str(path), "--output-dir", str(tmp_path / "out"),
+                       "--max-steps", "1", "--report-to", "none", *argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("finetune.py: error:")]
+    assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert says in lines[0]
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeypatch, tiny_model, pairs_file, capsys):
+    """A full finetune's reference pass is saved beside the run and cached: a resume reads it (its
+    weights are trained: a new pass would move the reference) and continues the losses exactly; a
+    resume that finds it nowhere stops in one line. The final folder reloads (the run's integrity gate)."""
+    import shutil
+
+    import finetune
+    from distributed import parity_args, records
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    first = tmp_path / "first"
+    argv = [*parity_args(tiny_model, pairs_file, first, "full"), *DPO, "--save-every", "2", "--max-steps", "4",
+            "--report-to", "none", "--verify", "load"]
+    finetune.main(argv)
+    said = capsys.readouterr().out
+    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said and "reloads with plain" in said
+    whole = records(first)
+    assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    summary = json.loads((first / "summary.json").read_text())
+    assert summary["objective"] == "dpo"
+
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copy(first / "reference_logps.safetensors", second)
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "empty_cache"))
+    finetune.main([*argv[:argv.index("--output-dir")], "--output-dir", str(second),
+                   *argv[argv.index("--output-dir") + 2:], "--resume", str(first / "checkpoint-2")])
+    said = capsys.readouterr().out
+    assert f"read from {second / 'reference_logps.safetensors'}" in said
+    assert [r["loss"] for r in records(second)] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-6)
+
+    third = tmp_path / "third"
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "another_cache"))
+    with pytest.raises(SystemExit):
+        finetune.main([*argv[:argv.index("--output-dir")], "--output-dir", str(third),
+                       *argv[argv.index("--output-dir") + 2:], "--resume", str(first / "checkpoint-2")])
+    err = capsys.readouterr().err
+    assert "reference log-probabilities (train pairs) are in neither" in err and "Traceback" not in err
+
+
+def test_checkpointing_and_dropout_leave_dpo_as_it_was(runs):
+    """LoRA DPO with --gradient-checkpointing (the reference's no-gradient forward inside it) and
+    --lora-dropout 0.1, which a preference objective turns off as TRL does (or the policy would not be
+    its reference at step 1): one process's losses, step 1 ln 2, and the run says it."""
+    from distributed import records, run_stdout
+
+    got, ref = records(runs("one", "lora", "dpo_gc_dropout")), records(runs("one", "lora", "dpo"))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert "dropout off in" in run_stdout(runs("one", "lora", "dpo_gc_dropout"))
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_held_out_pairs_are_scored_with_trls_metrics(runs, objective):
+    """--eval-split under a preference objective: eval records carry the mean pair loss and TRL's
+    metrics on held-out pairs (their reference computed before step 1 too): DPO's at step 0 is ln 2 with
+    every reward 0 (accuracy 0: no pair's chosen reward exceeds its rejected's); ORPO's is its odds term
+    plus the held-out chosen tokens' NLL."""
+    from distributed import records
+
+    evals = [r for r in records(runs("one", "full", f"{objective}_eval")) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 5]
+    for key in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
+        assert all(math.isfinite(r[key]) for r in evals)
+    if objective == "dpo":
+        assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert evals[0]["eval_rewards/accuracies"] == 0.0 and evals[0]["eval_rewards/margins"] == 0.0
+    else:
+        assert evals[0]["eval_loss"] > evals[0]["eval_logps/chosen"] * -1 > 0  # the NLL is in it
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]  # 5 steps on the training pairs help the held-out ones
+
+
+def test_sft_columns_beside_pairs_train_as_sft_and_a_conversation_per_side_reads_as_a_pair(tmp_path, monkeypatch,
+                                                                                            tiny_chatml_model):
+    """UltraFeedback-binarized's layout: `messages` beside `prompt`/`chosen`/`rejected`, where each side
+    is the whole conversation. SFT trains its messages (as before this objective existed); DPO reads
+    each side's shared turns as the prompt and its last turn as the completion."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import parse_config
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
+    user = {"role": "user", "content": "Name a colour."}
+    record = {"prompt": "Name a colour.", "messages": [user, {"role": "assistant", "content": "Blue."}],
+              "chosen": [user, {"role": "assistant", "content": "Blue."}],
+              "rejected": [user, {"role": "assistant", "content": "Loud."}]}
+    path = write_pairs(tmp_path / "uf.jsonl", [record] * 3)
+    sft = prepare_data(parse_config(["--dataset", str(path), "--seq-len", "64"]), tok)
+    assert sft.format == "chat" and "rejected_input_ids" not in sft.train[0]
+    dpo = prepare_data(parse_config(["--dataset", str(path), *DPO, "--seq-len", "64"]), tok)
+    row = dpo.train[0]
+    assert tok.decode([t for t in row["labels"] if t != -100]) == "Blue.<|im_end|>"
+    assert tok.decode([t for t in row["rejected_labels"] if t != -100]) == "Loud.<|im_end|>"
+
+
+def test_plan_config_plans_a_pair_as_two_sequences(tmp_path, capsys):
+    """`plan --config` reads `objective`: the DPO recipe's activations and logits are those of its SFT
+    twin at twice the micro-batch."""
+    from pathlib import Path
+
+    import yaml
+
+    from toolkit.__main__ import main as cli
+
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "dpo-dates-after-sft.yaml"
+    raw = yaml.safe_load(recipe.read_text())
+
+    def planned(**changes) -> dict:
+        path = tmp_path / f"r{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump({**raw, **changes}))
+        cli(["plan", "--config", str(path), "--json", "--cpu-memory", "2TB"])
+        return json.loads(capsys.readouterr().out)["asked"]["bytes"]
+
+    dpo = planned()
+    sft = planned(objective="sft", micro_batch_size=2 * raw["micro_batch_size"], loss="full")
+    assert (dpo["activations"], dpo["logits"]) == (sft["activations"], sft["logits"])

@@ -1,0 +1,52 @@
+"""What `--objective` may be, its defaults and what it cannot run with: read by the config's checks
+(`toolkit.config.validate`), the data (`toolkit.data.pairs`), the loss (`toolkit.preference`) and the
+planner, so a leaf below them all."""
+
+from __future__ import annotations
+
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+# beta: TRL's DPOConfig and ORPOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
+# beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+DEFAULT_SIMPO_GAMMA = 1.0
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # TRL's names, each a mean over pairs
+
+
+def objective_problems(cfg) -> list[str]:
+    """What a preference objective cannot run with (one line each; none for sft)."""
+    t, d, par = cfg.train, cfg.data, cfg.parallel
+    if t.objective == "sft":
+        given = [f for f, v in (("--beta", t.beta is not None), ("--label-smoothing", t.label_smoothing != 0.0),
+                                ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA)) if v]
+        return [f"{', '.join(given)} set a preference objective's loss; pass --objective dpo (or orpo, simpo) "
+                "or drop them"] if given else []
+    p, o = [], f"--objective {t.objective}"
+    if t.beta is not None and not t.beta > 0:
+        p.append(f"--beta must be > 0 (got {t.beta})")
+    if not 0.0 <= t.label_smoothing < 0.5:
+        p.append(f"--label-smoothing must be in [0, 0.5) (got {t.label_smoothing})")
+    if t.objective == "orpo" and t.label_smoothing:
+        p.append("--label-smoothing applies to dpo and simpo, not orpo; drop it")
+    if t.objective != "simpo" and t.simpo_gamma != DEFAULT_SIMPO_GAMMA:
+        p.append(f"--simpo-gamma applies to simpo, not {t.objective}; drop it")
+    if d.train_on_prompt:
+        p.append(f"{o} trains on the completions of the pairs; drop --train-on-prompt")
+    if d.format != "auto":
+        p.append(f"{o}: pairs are read by their columns (prompt, chosen, rejected, ...); drop --format {d.format}")
+    if t.loss not in ("auto", "full"):
+        p.append(f"{o} takes each sequence's log-probability from full logits; --loss {t.loss} computes only "
+                 "their summed loss: use --loss auto (or full)")
+    for flag, on in (("--packing", d.packing), ("--streaming", d.streaming), (f"--pp {par.pp}", par.pp > 1),
+                     (f"--cp {par.cp}", par.cp > 1)):
+        if on:
+            p.append(f"{o} does not run with {flag} yet (pairs are whole sequences on one rank); drop {flag.split()[0]}")
+    return p
+
+
+def plan_terms(objective: str, method: str, loss: str) -> dict:
+    """What an objective changes in the planner's question (`toolkit.planner.plan.PlanInput`): a pair is
+    two sequences with full logits; LoRA DPO runs the base model's forward for its reference each step."""
+    paired = objective != "sft"
+    return {"sequences": 2 if paired else 1, "reference_forward": objective == "dpo" and method != "full",
+            "loss": "full" if paired else loss}

@@ -1,0 +1,185 @@
+"""Preference tuning (`--objective dpo|orpo|simpo`): pairs of completions to one prompt, the chosen one
+trained up against the rejected one.
+
+A pair is two sequences, prompt + chosen and prompt + rejected, with labels on the completion only
+(the last assistant turn). They sit next to each other in one micro-batch, chosen at even rows and
+rejected at odd ones, so any even split of the rows keeps pairs whole. Each sequence's log-probability
+is the sum of its completion tokens' (`sequence_logps`); the objectives are pure functions of those,
+written as TRL writes them (trl 1.16: `DPOTrainer._compute_loss` "sigmoid", the experimental
+`ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo"), and tested against TRL's trainers.
+
+The loss of a micro-batch is a sum over its pairs, and the loop divides by the pairs of the global
+batch (the collate's `pairs`), as SFT divides by its target tokens: the update does not depend on how the
+batch is split over ranks and accumulation steps.
+
+DPO's reference model is never a second model: LoRA's is the base with the adapters disabled, run
+without gradients before each policy forward; a full finetune's log-probabilities are computed in one
+pass before step 1 (`toolkit.train.reference`), so the first step's DPO loss is ln 2 exactly.
+The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `toolkit.objective_spec`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.data.labels import shift_labels
+from toolkit.data.tokenize import IGNORE_INDEX
+from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA
+
+
+# --- the objectives: pure functions of per-sequence log-probabilities, (P,) tensors
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the target tokens' log-probabilities, their count) per row: logits (B, T, V), labels
+    (B, T) unshifted -> (B,), (B,). In fp32, as TRL's `selective_log_softmax`."""
+    targets = shift_labels(labels).to(logits.device)
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none").view(targets.shape)
+    return -nll.sum(1), (targets != IGNORE_INDEX).sum(1)
+
+
+def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-log sigmoid(z), with conservative label smoothing (cDPO, Mitchell 2023; TRL's CPO form):
+    the preference is taken as flipped with probability `label_smoothing`."""
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+             beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss, chosen reward, rejected reward): DPO (Rafailov et al. 2023, eq. 7),
+    -log sigmoid(beta x ((chosen - ref chosen) - (rejected - ref rejected))), rewards beta x the log ratios."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    loss = smoothed_sigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def simpo_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO (Meng et al. 2024, eq. 6): -log sigmoid(beta x (mean log p chosen - mean log p rejected) - gamma),
+    no reference; rewards beta x the mean log-probabilities."""
+    loss = smoothed_sigmoid_loss(beta * (chosen_mean - rejected_mean) - gamma, label_smoothing)
+    return loss, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_odds_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor,
+                   beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term (Hong et al. 2024, eqs. 4 and 7): -beta x log sigmoid(log odds(chosen) -
+    log odds(rejected)) on mean token log-probabilities; rewards beta x those. The NLL term is added by
+    `PreferenceLoss` (its normaliser is the global batch's chosen tokens)."""
+    log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+    return -beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def pairs_in(batch: dict) -> int:
+    """Pairs in a collated micro-batch: two rows each."""
+    return batch["input_ids"].shape[0] // 2
+
+
+def orpo_nll_tokens(batch: dict) -> torch.Tensor:
+    """The tokens ORPO's NLL averages over: every real token of the chosen sequences but the first (TRL's
+    ORPO trains the chosen sequence's prompt too)."""
+    return batch["attention_mask"][0::2, 1:].sum()
+
+
+@dataclass
+class PreferenceLoss:
+    """One micro-batch's summed pair loss for `objective`; its metrics' sums are kept for the step's
+    record (`take_metrics`). `reference`: "adapters" (LoRA: the base, adapters disabled, no gradients),
+    "precomputed" (the batch's `ref_logps`, `toolkit.train.reference`) or None (ORPO, SimPO)."""
+    objective: str
+    beta: float
+    simpo_gamma: float = DEFAULT_SIMPO_GAMMA
+    label_smoothing: float = 0.0
+    reference: str | None = None
+    nll_scale: torch.Tensor | float = 1.0  # ORPO: the global pairs / the global NLL tokens, set per step
+    sums: torch.Tensor | None = None
+    nll: torch.Tensor | None = None  # ORPO: the last micro-batch's NLL sum (unscaled, detached), for eval
+    dropouts_off: int = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "PreferenceLoss | None":
+        t = cfg.train
+        if t.objective == "sft":
+            return None
+        reference = None if t.objective != "dpo" else "precomputed" if cfg.model.method == "full" else "adapters"
+        return cls(t.objective, t.beta if t.beta is not None else DEFAULT_BETA[t.objective], t.simpo_gamma,
+                   t.label_smoothing, reference)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Dropout off, as TRL does (`disable_dropout`): with it on, the policy's forward would not be the
+        reference's (LoRA's adapter-disabled forward; the full finetune's pass runs in eval mode) and step
+        1 of DPO would not be ln 2. Dropout modules (LoRA's too) and attention dropout attributes."""
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout) and module.p > 0:
+                module.p, self.dropouts_off = 0.0, self.dropouts_off + 1
+            if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+                module.attention_dropout, self.dropouts_off = 0.0, self.dropouts_off + 1
+
+    def describe(self) -> str:
+        extra = {"dpo": f", label smoothing {self.label_smoothing:g}; reference: "
+                        + ("the base model, adapters disabled" if self.reference == "adapters"
+                           else "log-probabilities computed before step 1"),
+                 "simpo": f", gamma {self.simpo_gamma:g}, label smoothing {self.label_smoothing:g}",
+                 "orpo": " + the chosen sequences' NLL"}[self.objective]
+        off = f"; dropout off in {self.dropouts_off} places (as TRL)" if self.dropouts_off else ""
+        return f"objective: {self.objective}, beta {self.beta:g}{extra}; full logits, per-sequence log-probabilities{off}"
+
+    def begin_step(self, micro: list[dict], reduce, replicas: int, pairs: torch.Tensor) -> None:
+        """ORPO: the NLL term's scale, global pairs / global NLL tokens (`reduce`: the sum over ranks)."""
+        if self.objective == "orpo":
+            tokens = reduce(sum(orpo_nll_tokens(b) for b in micro).double().reshape(1)) / replicas
+            self.nll_scale = pairs / tokens.clamp(min=1)[0]
+
+    def reference_logps(self, model, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+        """The base model's (B,) sequence log-probabilities, adapters disabled, without gradients."""
+        from accelerate.utils import extract_model_from_parallel
+
+        with torch.no_grad(), extract_model_from_parallel(model).disable_adapter():
+            return sequence_logps(model(**inputs).logits, labels)[0]
+
+    def __call__(self, model, batch: dict, inputs: dict) -> tuple[torch.Tensor, Any]:
+        """(the summed pair loss of `batch` (plus ORPO's scaled NLL), the model's output)."""
+        labels = batch["labels"]
+        ref = None
+        if self.reference == "adapters":
+            ref = self.reference_logps(model, inputs, labels)
+        elif self.reference == "precomputed":
+            ref = batch["ref_logps"].to(labels.device)
+        out = model(**inputs)
+        logps, counts = sequence_logps(out.logits, labels)
+        total = self.pair_loss(logps, counts, ref)
+        if self.objective == "orpo":  # TRL: labels are the chosen input ids where attended
+            chosen = batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
+            nll = -sequence_logps(out.logits[0::2], chosen)[0].sum()
+            self.nll = nll.detach()
+            total = total + nll * self.nll_scale
+        return total, out
+
+    def pair_loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+        """The summed loss of interleaved (chosen, rejected) sequences; their metrics kept."""
+        chosen, rejected = logps[0::2], logps[1::2]
+        if self.objective == "dpo":
+            loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[0::2], ref[1::2], self.beta, self.label_smoothing)
+        else:  # on mean token log-probabilities, which TRL's logps/* then report too
+            chosen, rejected = chosen / counts[0::2].clamp(min=1), rejected / counts[1::2].clamp(min=1)
+            loss, r_chosen, r_rejected = simpo_loss(chosen, rejected, self.beta, self.simpo_gamma,
+                                                    self.label_smoothing) if self.objective == "simpo" else \
+                orpo_odds_loss(chosen, rejected, self.beta)
+        sums = torch.stack([r_chosen.sum(), r_rejected.sum(), (r_chosen > r_rejected).float().sum(),
+                            (r_chosen - r_rejected).sum(), chosen.detach().sum(), rejected.detach().sum()]).double()
+        self.sums = sums if self.sums is None else self.sums + sums
+        return loss.sum()
+
+    def take_metrics(self) -> torch.Tensor | None:
+        """The METRICS' sums over pairs since the last call."""
+        taken, self.sums = self.sums, None
+        return taken
