@@ -37,8 +37,13 @@ def objective_problems(cfg) -> list[str]:
     if t.loss not in ("auto", "full"):
         p.append(f"{o} takes each sequence's log-probability from full logits; --loss {t.loss} computes only "
                  "their summed loss: use --loss auto (or full)")
-    for flag, on in (("--packing", d.packing), ("--streaming", d.streaming), (f"--pp {par.pp}", par.pp > 1),
-                     (f"--cp {par.cp}", par.cp > 1)):
+    if t.objective == "orpo" and d.packing:
+        p.append("--objective orpo does not run with --packing yet (its NLL reads each chosen sequence's prompt); "
+                 "drop --packing, or use dpo or simpo")
+    if par.cp > 1 and (t.objective == "orpo" or d.packing):
+        p.append(f"--cp {par.cp} with {'--objective orpo' if t.objective == 'orpo' else '--packing'} does not run yet "
+                 "(a slice holds neither the chosen prompt ORPO's NLL reads nor whole documents); drop one")
+    for flag, on in (("--streaming", d.streaming), (f"--pp {par.pp}", par.pp > 1)):
         if on:
             p.append(f"{o} does not run with {flag} yet (pairs are whole sequences on one rank); drop {flag.split()[0]}")
     return p

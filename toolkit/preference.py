@@ -42,6 +42,53 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return -nll.sum(1), (targets != IGNORE_INDEX).sum(1)
 
 
+def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of packed rows (`toolkit.data.packing`): per document, the `n` of them in the
+    order the rows lay them out. A document starts where a real token's position is 0; a document's
+    first label is unset by the packing, so no token is scored against the next document's first."""
+    targets = shift_labels(labels).to(logits.device)
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none")
+    starts = ((position_ids == 0) & (attention_mask == 1)).reshape(-1).to(logits.device)
+    doc = (starts.cumsum(0) - 1).clamp(min=0)
+    scored = (targets.reshape(-1) != IGNORE_INDEX)
+    logps = torch.zeros(n, dtype=nll.dtype, device=nll.device).index_add(0, doc, -nll)
+    counts = torch.zeros(n, dtype=torch.long, device=nll.device).index_add(0, doc, scored.long())
+    return logps, counts
+
+
+class _SumOverSlices(torch.autograd.Function):
+    """Context parallel: a sequence's log-probability summed over the cp ranks' slices. Forward: the
+    all-reduce; backward: the identity, since every cp rank computes the same pair loss from the sum
+    and back-propagates it through its own slice only (the slices' gradients add up to the whole)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sliced_logps(logits: torch.Tensor, targets: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` under context parallel: this rank's slice of each row (its targets already
+    shifted, `toolkit.parallel.cp`), summed over the cp group."""
+    import torch.distributed as dist
+
+    targets = targets.to(logits.device)
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none").view(targets.shape)
+    counts = (targets != IGNORE_INDEX).sum(1)
+    dist.all_reduce(counts, group=group)
+    return _SumOverSlices.apply(-nll.sum(1), group), counts
+
+
 def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     """-log sigmoid(z), with conservative label smoothing (cDPO, Mitchell 2023; TRL's CPO form):
     the preference is taken as flipped with probability `label_smoothing`."""
@@ -79,9 +126,9 @@ def orpo_odds_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor,
     return -beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()
 
 
-def pairs_in(batch: dict) -> int:
-    """Pairs in a collated micro-batch: two rows each."""
-    return batch["input_ids"].shape[0] // 2
+def pairs_in(batch: dict) -> int | torch.Tensor:
+    """Pairs in a collated micro-batch: two rows each, or as the packing counted them."""
+    return batch["pairs"] if "pairs" in batch else batch["input_ids"].shape[0] // 2
 
 
 def orpo_nll_tokens(batch: dict) -> torch.Tensor:
@@ -104,6 +151,7 @@ class PreferenceLoss:
     sums: torch.Tensor | None = None
     nll: torch.Tensor | None = None  # ORPO: the last micro-batch's NLL sum (unscaled, detached), for eval
     dropouts_off: int = 0
+    cp_group: Any = None  # context parallel: the group a sequence's slices are summed over
 
     @classmethod
     def from_config(cls, cfg) -> "PreferenceLoss | None":
@@ -139,24 +187,34 @@ class PreferenceLoss:
             tokens = reduce(sum(orpo_nll_tokens(b) for b in micro).double().reshape(1)) / replicas
             self.nll_scale = pairs / tokens.clamp(min=1)[0]
 
-    def reference_logps(self, model, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
-        """The base model's (B,) sequence log-probabilities, adapters disabled, without gradients."""
+    def reference_logps(self, model, batch: dict, inputs: dict) -> torch.Tensor:
+        """The base model's sequence log-probabilities, adapters disabled, without gradients."""
         from accelerate.utils import extract_model_from_parallel
 
         with torch.no_grad(), extract_model_from_parallel(model).disable_adapter():
-            return sequence_logps(model(**inputs).logits, labels)[0]
+            return self.logps(model(**inputs).logits, batch)[0]
+
+    def logps(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence (padded rows; a context-parallel slice's summed over the group) or per document
+        (packed rows): chosen, rejected, chosen, ..."""
+        if "targets" in batch:
+            return sliced_logps(logits, batch["targets"], self.cp_group)
+        if "position_ids" in batch:
+            return document_logps(logits, batch["labels"], batch["position_ids"], batch["attention_mask"],
+                                  batch["documents"])
+        return sequence_logps(logits, batch["labels"])
 
     def __call__(self, model, batch: dict, inputs: dict) -> tuple[torch.Tensor, Any]:
         """(the summed pair loss of `batch` (plus ORPO's scaled NLL), the model's output)."""
-        labels = batch["labels"]
-        ref = None
-        if self.reference == "adapters":
-            ref = self.reference_logps(model, inputs, labels)
-        elif self.reference == "precomputed":
-            ref = batch["ref_logps"].to(labels.device)
+        ref = self.reference_logps(model, batch, inputs) if self.reference == "adapters" else \
+            batch["ref_logps"] if self.reference == "precomputed" else None
         out = model(**inputs)
-        logps, counts = sequence_logps(out.logits, labels)
+        logps, counts = self.logps(out.logits, batch)
+        ref = ref.to(logps.device) if ref is not None else None
         total = self.pair_loss(logps, counts, ref)
+        if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
+            cp = torch.distributed.get_world_size(self.cp_group)  # gradient whole through each rank's slice
+            total = total - total.detach() * (1 - 1 / cp)
         if self.objective == "orpo":  # TRL: labels are the chosen input ids where attended
             chosen = batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
             nll = -sequence_logps(out.logits[0::2], chosen)[0].sum()

@@ -58,13 +58,23 @@ class PackedRows:
         return len(self.bins)
 
     def __getitem__(self, k: int) -> dict:
-        ids, labels, positions = [], [], []
+        ids, labels, positions, refs = [], [], [], []
         for i in self.bins[k]:
             r = self.rows[i]
-            ids += r["input_ids"]
-            labels += [IGNORE_INDEX] + list(r["labels"][1:])
-            positions += list(range(len(r["input_ids"])))
-        return {"input_ids": ids, "labels": labels, "position_ids": positions, "examples": len(self.bins[k])}
+            sequences = [(r["input_ids"], r["labels"])]
+            if "rejected_input_ids" in r:  # a preference pair: its two sequences, documents side by side
+                sequences.append((r["rejected_input_ids"], r["rejected_labels"]))
+                refs += r.get("ref_logps", [])
+            for seq_ids, seq_labels in sequences:
+                ids += seq_ids
+                labels += [IGNORE_INDEX] + list(seq_labels[1:])
+                positions += list(range(len(seq_ids)))
+        row = {"input_ids": ids, "labels": labels, "position_ids": positions, "examples": len(self.bins[k])}
+        if "rejected_input_ids" in self.rows[self.bins[k][0]]:
+            row["pairs"] = len(self.bins[k])
+            if refs:
+                row["ref_logps"] = refs
+        return row
 
 
 def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
@@ -81,6 +91,11 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False) -> dict
     over the rows laid end to end, and `max_length` (an int). Only for a batch that reaches the model
     whole: splitting its rows (pipeline micro-batches) would leave them describing the whole."""
     out = collate(batch, pad_id, bounds)
+    if "pairs" in batch[0]:  # packed preference pairs (`toolkit.data.pairs`): documents chosen, rejected, ...
+        out["pairs"] = torch.tensor(sum(x["pairs"] for x in batch))
+        out["documents"] = 2 * sum(x["pairs"] for x in batch)  # an int: the loss needs no read-back for it
+        if "ref_logps" in batch[0]:
+            out["ref_logps"] = torch.tensor([v for x in batch for v in x["ref_logps"]], dtype=torch.float32)
     width = out["input_ids"].shape[1]
     positions = torch.zeros_like(out["input_ids"])
     for i, x in enumerate(batch):

@@ -136,6 +136,8 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
 
     strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
     strategy.loss.objective = PreferenceLoss.from_config(cfg)
+    if strategy.loss.objective is not None and getattr(strategy, "context", None) is not None:
+        strategy.loss.objective.cp_group = strategy.context.group  # sequences' sums over their slices
     return strategy
 
 

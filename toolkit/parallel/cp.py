@@ -161,7 +161,8 @@ class ContextParallel:
         part = slice(self.rank * s // self.cp, (self.rank + 1) * s // self.cp)
         local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
                             "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
-                 "targets": shift_labels(full["labels"])[:, part]}  # shifted whole: a slice's last token keeps its target
+                 "targets": shift_labels(full["labels"])[:, part],  # shifted whole: a slice's last token keeps its target
+                 **{k: batch[k] for k in ("pairs", "ref_logps") if k in batch}}  # a preference objective's, whole
         _active = {"group": self.group, "masks": masks}
         try:
             yield local

@@ -237,8 +237,9 @@ class LossHead:
 
         from toolkit.preference import pairs_in
 
-        total, out = self.objective(model, batch, model_inputs(batch))
-        return total + self.aux(out, batch["labels"], False, count=pairs_in(batch))
+        inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
+        total, out = self.objective(model, batch, inputs)
+        return total + self.aux(out, batch.get("labels"), False, count=pairs_in(batch))
 
     def token_sum(self, model, batch: dict) -> torch.Tensor:
         """The summed token loss of `batch` (and the router's, x its target tokens)."""

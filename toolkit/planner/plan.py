@@ -342,8 +342,8 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
         or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size)), "")  # the run's own rules
-    if inp.sequences > 1 and (d.pp > 1 or d.cp > 1):
-        why = why or "a preference objective does not run with --pp or --cp yet"
+    if inp.sequences > 1 and d.pp > 1:
+        why = why or "a preference objective does not run with --pp yet"
     terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)

@@ -360,9 +360,11 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
         lengths = [len(r["input_ids"]) for r in train_rows] if lengths is None else lengths
-        train_rows = PackedRows(train_rows, pack_bins(lengths, cfg.data.seq_len), lengths)
-        fill = sum(lengths) / (len(train_rows) * cfg.data.seq_len)
-        log(f"packing: {n_examples} examples -> {len(train_rows)} rows of <= {cfg.data.seq_len} tokens ({fill:.1%} full)")
+        width = cfg.data.seq_len * (1 if cfg.train.objective == "sft" else 2)  # a pair: two sequences of --seq-len
+        train_rows = PackedRows(train_rows, pack_bins(lengths, width), lengths)
+        fill = sum(lengths) / (len(train_rows) * width)
+        unit = "examples" if cfg.train.objective == "sft" else "pairs"
+        log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
     return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole)
 
 
