@@ -249,6 +249,9 @@ def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
     from distributed import records, run_stdout
 
     first = records(runs("one", "lora", "dpo"))[0]
+    # the reference's forward (adapters disabled) counts in the model FLOPs: 1/3 more than SimPO's step
+    assert first["flops_per_token"] == pytest.approx(4 / 3 * records(runs("one", "lora", "simpo"))[0]["flops_per_token"],
+                                                     rel=1e-9)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):
         assert key in first

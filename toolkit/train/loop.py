@@ -477,9 +477,11 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     model_cfg = unwrapped.config
     run.last_loss = w["loss"] / w["targets"]
     tokens_per_sec = w["tokens"] / (now - run.window.t0)
-    flops = step_flops(w["tokens"], w["targets"] if strategy.loss.fused else w["tokens"], matmul_params(unwrapped),
-                       head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
-                       w["tokens"] / w["examples"])  # context: mean example length
+    shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
+             w["tokens"] / w["examples"])  # context: mean example length
+    flops = step_flops(w["tokens"], w["targets"] if strategy.loss.fused else w["tokens"], *shape)
+    if strategy.loss.objective is not None and strategy.loss.objective.reference == "adapters":
+        flops += step_flops(w["tokens"], w["tokens"], *shape) / 3  # LoRA DPO's reference: a forward, 2N of 6N
     per_token = flops / w["tokens"]
     mfu = per_token * tokens_per_sec / run.peak.flops
     if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):  # cached under load: probe again
