@@ -33,13 +33,19 @@ from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA
 
 
 # --- the objectives: pure functions of per-sequence log-probabilities, (P,) tensors
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probability of each shifted target (0 where there is none), in fp32, as TRL's
+    `selective_log_softmax`: the one cross-entropy every per-sequence sum below is made of."""
+    targets = targets.to(logits.device)
+    return -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                            reduction="none").view(targets.shape)
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the target tokens' log-probabilities, their count) per row: logits (B, T, V), labels
-    (B, T) unshifted -> (B,), (B,). In fp32, as TRL's `selective_log_softmax`."""
-    targets = shift_labels(labels).to(logits.device)
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(targets.shape)
-    return -nll.sum(1), (targets != IGNORE_INDEX).sum(1)
+    (B, T) (`shifted`: already targets) -> (B,), (B,)."""
+    targets = (labels if shifted else shift_labels(labels)).to(logits.device)
+    return token_logps(logits, targets).sum(1), (targets != IGNORE_INDEX).sum(1)
 
 
 def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
@@ -48,13 +54,12 @@ def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: tor
     order the rows lay them out. A document starts where a real token's position is 0; a document's
     first label is unset by the packing, so no token is scored against the next document's first."""
     targets = shift_labels(labels).to(logits.device)
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none")
+    logp = token_logps(logits, targets).reshape(-1)
     starts = ((position_ids == 0) & (attention_mask == 1)).reshape(-1).to(logits.device)
     doc = (starts.cumsum(0) - 1).clamp(min=0)
     scored = (targets.reshape(-1) != IGNORE_INDEX)
-    logps = torch.zeros(n, dtype=nll.dtype, device=nll.device).index_add(0, doc, -nll)
-    counts = torch.zeros(n, dtype=torch.long, device=nll.device).index_add(0, doc, scored.long())
+    logps = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, doc, logp)
+    counts = torch.zeros(n, dtype=torch.long, device=logp.device).index_add(0, doc, scored.long())
     return logps, counts
 
 
@@ -81,12 +86,9 @@ def sliced_logps(logits: torch.Tensor, targets: torch.Tensor, group) -> tuple[to
     shifted, `toolkit.parallel.cp`), summed over the cp group."""
     import torch.distributed as dist
 
-    targets = targets.to(logits.device)
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(targets.shape)
-    counts = (targets != IGNORE_INDEX).sum(1)
+    logps, counts = sequence_logps(logits, targets, shifted=True)
     dist.all_reduce(counts, group=group)
-    return _SumOverSlices.apply(-nll.sum(1), group), counts
+    return _SumOverSlices.apply(logps, group), counts
 
 
 def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:

@@ -6,6 +6,8 @@ training loader), and the sums are all-reduced, so the numbers are exact for any
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from toolkit.data import collate
@@ -13,26 +15,28 @@ from toolkit.data.tokenize import prompt_text
 from toolkit.data.labels import count_targets
 
 
+def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device) -> Iterator[tuple[dict, list[int]]]:
+    """(a collated batch on `device`, the indices of `rows` it holds) for this rank: a strided shard
+    (model-parallel peers take the same one), the same number of batches on every rank, so sharded
+    models stay in lock-step: a rank out of rows gets a dummy batch and no indices (its sums weigh 0)."""
+    rank, ranks = strategy.data.rank, strategy.data.ranks
+    index = list(range(rank, len(rows), ranks))
+    for i in range(-(-len(rows) // (batch_size * ranks))):
+        held = index[i * batch_size:(i + 1) * batch_size]
+        batch = collate([rows[j] for j in (held or index[:1] or [0])], pad_id)
+        yield {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, held
+
+
 @torch.no_grad()
 def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
     """Mean token loss over `rows`; `strategy` (toolkit.parallel.strategy) runs the forward."""
     accelerator = strategy.accelerator
     model.eval()
-    rank, ranks = strategy.data.rank, strategy.data.ranks  # model-parallel peers take the same shard
-    shard = rows[rank::ranks]  # (and count both sums as often: the ratio is unchanged)
-    n_batches = -(-len(rows) // (batch_size * ranks))  # same count on every rank
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    device = strategy.eval_device(model)
-    for i in range(n_batches):
-        chunk = shard[i * batch_size:(i + 1) * batch_size]
-        if not chunk:  # keep sharded models in lock-step: run a dummy batch
-            chunk, weight = shard[:1] or rows[:1], 0.0
-        else:
-            weight = 1.0
-        batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+    for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         loss = strategy.eval_loss_sum(model, batch).to(accelerator.device)
-        total += weight * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
-    total = accelerator.reduce(total, "sum")
+        total += bool(held) * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
+    total = accelerator.reduce(total, "sum")  # model-parallel peers count both sums as often: the ratio holds
     model.train()
     return (total[0] / total[1]).item()
 
@@ -133,24 +137,16 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
 
     accelerator, objective = strategy.accelerator, strategy.loss.objective
     model.eval()
-    rank, ranks = strategy.data.rank, strategy.data.ranks
-    shard = rows[rank::ranks]
-    n_batches = -(-len(rows) // (batch_size * ranks))
     # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
     total = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=accelerator.device)
-    device = strategy.eval_device(model)
     scale, objective.nll_scale = objective.nll_scale, 0.0  # the pair loss alone; the NLL is summed apart
     try:
-        for i in range(n_batches):
-            chunk = shard[i * batch_size:(i + 1) * batch_size]
-            weight = 1.0 if chunk else 0.0
-            chunk = chunk or shard[:1] or rows[:1]  # keep sharded models in lock-step
-            batch = {k: v.to(device) for k, v in collate(chunk, pad_id).items()}
+        for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
             loss, _ = objective(model, batch, model_inputs(batch))  # summed over the batch's pairs
             nll = objective.nll if objective.objective == "orpo" else torch.zeros(())
             parts = torch.stack([t.to(total.device, torch.float64) for t in
                                  (loss, torch.tensor(float(pairs_in(batch))), nll, orpo_nll_tokens(batch))])
-            total += weight * torch.cat([parts, objective.take_metrics().to(total.device)])
+            total += bool(held) * torch.cat([parts, objective.take_metrics().to(total.device)])
     finally:
         objective.nll_scale = scale
         model.train()

@@ -78,27 +78,19 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model`, in eval
     mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank."""
-    from toolkit.data import collate
     from toolkit.data.packing import model_inputs
     from toolkit.preference import sequence_logps
+    from toolkit.train.evaluate import sharded_batches
 
     accelerator = strategy.accelerator
-    rank, ranks, replicas = strategy.data.rank, strategy.data.ranks, strategy.data.replicas
-    index = list(range(rank, len(rows), ranks))
-    n_batches = -(-len(rows) // (batch_size * ranks))
     out = torch.zeros(len(rows), 2, dtype=torch.float64, device=accelerator.device)
-    device = strategy.eval_device(model)
     model.eval()
-    for b in range(n_batches):
-        chunk = index[b * batch_size:(b + 1) * batch_size]
-        real = bool(chunk)
-        chunk = chunk or [0]  # keep sharded models in lock-step: a dummy batch, not kept
-        batch = {k: v.to(device) for k, v in collate([rows[i] for i in chunk], pad_id).items()}
+    for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         logps = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])[0]
-        if real:
-            out[torch.tensor(chunk, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
+        if held:
+            out[torch.tensor(held, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
     model.train()
-    return (accelerator.reduce(out, "sum") / replicas).float().cpu()
+    return (accelerator.reduce(out, "sum") / strategy.data.replicas).float().cpu()
 
 
 def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
