@@ -63,32 +63,14 @@ def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: tor
     return logps, counts
 
 
-class _SumOverSlices(torch.autograd.Function):
-    """Context parallel: a sequence's log-probability summed over the cp ranks' slices. Forward: the
-    all-reduce; backward: the identity, since every cp rank computes the same pair loss from the sum
-    and back-propagates it through its own slice only (the slices' gradients add up to the whole)."""
-
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        total = partial.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def sliced_logps(logits: torch.Tensor, targets: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def sliced_logps(logits: torch.Tensor, targets: torch.Tensor, sum_slices) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logps` under context parallel: this rank's slice of each row (its targets already
-    shifted, `toolkit.parallel.cp`), summed over the cp group."""
-    import torch.distributed as dist
-
+    shifted, `toolkit.parallel.cp`), summed over the cp group by `sum_slices`: an all-reduce whose
+    backward is the identity (Megatron's reduce-from region, `toolkit.parallel.tp.comm.reduce_from_tp`),
+    since every cp rank computes the same pair loss from the sums and back-propagates it through its own
+    slice only, and the slices' gradients add up to the whole."""
     logps, counts = sequence_logps(logits, targets, shifted=True)
-    dist.all_reduce(counts, group=group)
-    return _SumOverSlices.apply(logps, group), counts
+    return sum_slices(logps), sum_slices(counts)
 
 
 def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -153,7 +135,8 @@ class PreferenceLoss:
     sums: torch.Tensor | None = None
     nll: torch.Tensor | None = None  # ORPO: the last micro-batch's NLL sum (unscaled, detached), for eval
     dropouts_off: int = 0
-    cp_group: Any = None  # context parallel: the group a sequence's slices are summed over
+    sum_slices: Any = None  # context parallel: a sequence's slices summed over the cp group (`sliced_logps`)
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> "PreferenceLoss | None":
@@ -200,7 +183,7 @@ class PreferenceLoss:
         """Per sequence (padded rows; a context-parallel slice's summed over the group) or per document
         (packed rows): chosen, rejected, chosen, ..."""
         if "targets" in batch:
-            return sliced_logps(logits, batch["targets"], self.cp_group)
+            return sliced_logps(logits, batch["targets"], self.sum_slices)
         if "position_ids" in batch:
             return document_logps(logits, batch["labels"], batch["position_ids"], batch["attention_mask"],
                                   batch["documents"])
@@ -215,8 +198,7 @@ class PreferenceLoss:
         ref = ref.to(logps.device) if ref is not None else None
         total = self.pair_loss(logps, counts, ref)
         if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
-            cp = torch.distributed.get_world_size(self.cp_group)  # gradient whole through each rank's slice
-            total = total - total.detach() * (1 - 1 / cp)
+            total = total - total.detach() * (1 - 1 / self.cp)  # gradient whole through each rank's slice
         if self.objective == "orpo":  # TRL: labels are the chosen input ids where attended
             chosen = batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
             nll = -sequence_logps(out.logits[0::2], chosen)[0].sum()

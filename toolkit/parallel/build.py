@@ -136,8 +136,14 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
 
     strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
     strategy.loss.objective = PreferenceLoss.from_config(cfg)
-    if strategy.loss.objective is not None and getattr(strategy, "context", None) is not None:
-        strategy.loss.objective.cp_group = strategy.context.group  # sequences' sums over their slices
+    context = getattr(strategy, "context", None)
+    if strategy.loss.objective is not None and context is not None and context.group is not None:
+        from functools import partial
+
+        from toolkit.parallel.tp.comm import reduce_from_tp
+
+        strategy.loss.objective.sum_slices = partial(reduce_from_tp, group=context.group)  # a sequence's slices
+        strategy.loss.objective.cp = context.cp
     return strategy
 
 
