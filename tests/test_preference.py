@@ -165,6 +165,70 @@ def test_orpo_and_simpo_equal_trls_trainers(chatml_dir, tmp_path, objective):
         torch.testing.assert_close(my_grads[name], their_grads[name], **TOL, msg=name)
 
 
+def conversational_unpaired(n: int = 8, seed: int = 3) -> list[dict]:
+    t = corpus(2 * n, seed)
+    return [{"prompt": [{"role": "user", "content": t[2 * i]}], "completion": [{"role": "assistant", "content": t[2 * i + 1]}],
+             "label": i % 3 != 0} for i in range(n)]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_kto_loss_and_gradients_equal_trls_kto_trainer(chatml_dir, tmp_path, method):
+    """KTO, beta 0.3, weights 1.2 and 0.7, on 4 examples (3 desirable) with TRL's KL sequences (each
+    prompt with the previous example's completion): the KL estimate, loss and every gradient equal
+    `KTOTrainer`'s (LoRA: its adapter-disabled reference; full: a reference model, ours precomputed).
+    The policy is moved off the reference first, far enough that the estimate is above its clamp at 0."""
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    tok = AutoTokenizer.from_pretrained(chatml_dir)
+    model, ref = load(chatml_dir), None
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    else:
+        ref = copy.deepcopy(model).eval()
+    args = KTOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, use_cpu=True, beta=0.3,
+                     desirable_weight=1.2, undesirable_weight=0.7)
+    trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(
+        conversational_unpaired()), processing_class=tok)
+    perturb(model, **({"seed": 2, "scale": 0.2} if method == "lora" else {"seed": 8}))  # a KL estimate above 0
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert 0 < batch["label"].sum() < 4
+    model.train()
+    theirs = trainer.compute_loss(model, batch)
+    theirs.backward()
+    their_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    def masked(prefix):
+        return batch[f"{prefix}input_ids"].masked_fill(batch[f"{prefix}completion_mask"] == 0, -100)
+
+    ours = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": masked(""),
+            "kl_input_ids": batch["KL_input_ids"], "kl_attention_mask": batch["KL_attention_mask"],
+            "kl_labels": masked("KL_"), "desirable": batch["label"].bool(), "pairs": torch.tensor(4)}
+    if ref is not None:
+        with torch.no_grad():
+            for side in ("", "kl_"):
+                ours[f"ref_{side}logps"] = sequence_logps(ref(input_ids=ours[f"{side}input_ids"], attention_mask=ours[
+                    f"{side}attention_mask"]).logits, ours[f"{side}labels"])[0]
+    loss = PreferenceLoss("kto", 0.3, reference="adapters" if method == "lora" else "precomputed",
+                          desirable_weight=1.2, undesirable_weight=0.7)
+    loss.begin_step(model, [ours], lambda x: x, 1, torch.tensor(4.0))
+    assert loss.kl.item() == pytest.approx(trainer._metrics["train"]["kl"][-1], rel=1e-5) and loss.kl.item() > 0.01
+    total, _ = loss(model, ours, {"input_ids": ours["input_ids"], "attention_mask": ours["attention_mask"]})
+    mine = total / 4
+    mine.backward()
+    torch.testing.assert_close(mine, theirs.float(), **TOL)
+    my_grads = grads(model)
+    assert my_grads.keys() == their_grads.keys() and my_grads
+    for name in my_grads:
+        torch.testing.assert_close(my_grads[name], their_grads[name], **TOL, msg=name)
+    metrics = loss.metric_values(loss.take_metrics(), 4)
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert metrics[name] == pytest.approx(trainer._metrics["train"][name][-1], rel=1e-4), name  # fp32 sums
+
+
 # --- runs: data forms, every layout against one process, resume, reload
 def write_pairs(path, rows: list[dict]):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -188,7 +252,18 @@ LAYOUTS = {"ddp": [], "zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, pairs_file):
+def unpaired_file(tmp_path_factory):
+    t = corpus(2 * 48, 7)
+    return write_pairs(tmp_path_factory.mktemp("kto") / "kto.jsonl",
+                       [{"prompt": t[2 * i], "completion": t[2 * i + 1], "label": i % 3 != 0} for i in range(48)])
+
+
+KTO_LAYOUTS = {"ddp": ("lora", []), "zero3": ("full", LAYOUTS["zero3"]), "fsdp": ("lora", LAYOUTS["fsdp"]),
+               "tp": ("full", LAYOUTS["tp"]), "cp": ("lora", LAYOUTS["cp"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, pairs_file, unpaired_file):
     """DPO (LoRA and full), ORPO and SimPO in one process with micro-batch 4, and on 2 ranks with
     micro-batch 1 x accumulation 2 (the same 4 pairs a step), every layout, in two launches."""
     from distributed import batched_runs, common_args
@@ -212,6 +287,11 @@ def runs(tmp_path_factory, tiny_model, pairs_file):
     specs.update({("one", m, "dpo_packed"): (1, ["--method", m, *DPO, "--micro-batch-size", "2", *packed])
                   for m in ("lora", "full")})
     specs[("ddp", "lora", "dpo_packed")] = (2, ["--method", "lora", *DPO, "--micro-batch-size", "1", *packed])
+    kto = ["--objective", "kto", "--dataset", str(unpaired_file), "--desirable-weight", "1.5"]
+    specs.update({("one", m, "kto"): (1, ["--method", m, *kto, "--micro-batch-size", "4"]) for m in ("lora", "full")})
+    specs[("one", "lora", "kto_eval")] = (1, ["--method", "lora", *kto, "--micro-batch-size", "4", *evals])
+    specs.update({(name, m, "kto"): (2, ["--method", m, *kto, "--micro-batch-size", "1", "--grad-accum", "2", *flags])
+                  for name, (m, flags) in KTO_LAYOUTS.items()})
     return batched_runs(tmp_path_factory, common_args(tiny_model, pairs_file), specs)
 
 
@@ -243,6 +323,24 @@ def test_orpo_and_simpo_normalise_over_the_global_batch(runs, method, objective,
     ref, got = records(runs("one", method, objective)), records(runs(layout, method, objective))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
     assert ref[0]["loss"] != pytest.approx(ref[-1]["loss"], rel=1e-3)  # it trains
+
+
+@pytest.mark.parametrize("name", list(KTO_LAYOUTS))
+def test_kto_on_every_layout_matches_one_process(runs, name):
+    """KTO on 2 ranks x 2 accumulation steps (DDP, ZeRO-3, FSDP2, TP, CP) gives one process's losses, KL
+    estimates and rewards within 1e-4: its estimate is the global batch's whatever the split. Step 1 is
+    0.5 per example, weighted (policy = reference, estimate 0); TRL's metrics are logged; it trains."""
+    from distributed import records
+
+    method = KTO_LAYOUTS[name][0]
+    ref, got = records(runs("one", method, "kto")), records(runs(name, method, "kto"))
+    assert len(got) == len(ref) == 5
+    assert ref[0]["kl"] == 0 and ref[0]["rewards/chosen"] == ref[0]["rewards/rejected"] == pytest.approx(0, abs=1e-6)
+    assert 0.5 < ref[0]["loss"] < 0.75  # each example's 0.5, x 1.5 where desirable
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        # abs: a reward is beta x a difference of fp32 sums of ~50 nats, so ~1e-6 of it is rounding
+        assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in ref], rel=1e-4, abs=2e-6), (name, key)
+    assert all(r["kl"] > 0 for r in ref[1:])  # it trains: the policy leaves the reference
 
 
 def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
@@ -311,8 +409,8 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
     ([], "pairs", "holds preference pairs (prompt, chosen, rejected), which SFT would not train on as pairs; pass "
                   "--objective dpo"),
     (DPO, "sft", "--objective dpo trains on preference pairs, and --dataset"),
-    (DPO, "kto", "unpaired preference data (prompt, completion, label) is KTO's form"),
-    ([], "kto", "unpaired preference data (prompt, completion, label) is KTO's form"),
+    (DPO, "kto", "unpaired preference data (prompt, completion, label) is KTO's form; pass --objective kto, or give"),
+    ([], "kto", "unpaired preference data (prompt, completion, label) is KTO's form; pass --objective kto"),
     ([*DPO, "--simpo-gamma", "0.5"], "pairs", "--simpo-gamma applies to simpo, not dpo"),
     ([*DPO, "--train-on-prompt"], "pairs", "--objective dpo trains on the completions of the pairs"),
     ([*DPO, "--format", "alpaca"], "pairs", "pairs are read by their columns"),
@@ -321,6 +419,10 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
     (["--objective", "orpo", "--packing"], "pairs", "--objective orpo does not run with --packing yet"),
     (["--objective", "orpo", "--cp", "2"], "pairs", "--cp 2 with --objective orpo does not run yet"),
     (["--beta", "0.2"], "pairs", "--beta set a preference objective's loss; pass --objective dpo"),
+    (["--objective", "kto", "--packing"], "kto", "--objective kto does not run with --packing yet"),
+    ([*DPO, "--desirable-weight", "2"], "pairs", "--desirable-weight applies to kto, not dpo"),
+    (["--objective", "kto", "--undesirable-weight", "0"], "kto", "--undesirable-weight must be > 0"),
+    (["--objective", "kto"], "sft", "--objective kto trains on preference data, and --dataset"),
 ])
 def test_preference_mistakes_are_one_line(tmp_path, tiny_model, argv, data, says, capsys):
     """Preference data never trains as SFT, SFT data never as pairs; what an objective cannot take is
@@ -410,6 +512,58 @@ def test_held_out_pairs_are_scored_with_trls_metrics(runs, objective):
     else:
         assert evals[0]["eval_loss"] > evals[0]["eval_logps/chosen"] * -1 > 0  # the NLL is in it
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]  # 5 steps on the training pairs help the held-out ones
+
+
+def test_held_out_kto_examples_are_scored_with_trls_metrics(runs):
+    """KTO's eval records: the mean loss per held-out example (0.5 each, x 1.5 where desirable, at step 0:
+    the policy is the reference) and TRL's metrics, its KL estimate from the held-out batches."""
+    from distributed import records
+
+    evals = [r for r in records(runs("one", "lora", "kto_eval")) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 5]
+    assert 0.5 < evals[0]["eval_loss"] < 0.75 and evals[0]["eval_kl"] == 0.0
+    assert evals[0]["eval_rewards/chosen"] == evals[0]["eval_rewards/rejected"] == 0.0
+    assert evals[1]["eval_kl"] > 0 and math.isfinite(evals[1]["eval_rewards/margins"])
+
+
+def test_kto_reads_its_unpaired_form_and_splits_pairs(tmp_path, monkeypatch, tiny_chatml_model):
+    """KTO's unpaired records (TRL's standard and conversational forms) and pairs (split into a
+    desirable and an undesirable example, as TRL's unpair_preference_dataset): each completion through
+    the chat template, labels on it only, and beside it the KL sequence: its own prompt with the
+    previous example's completion (the first with the last's), labels on that completion."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import parse_config
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
+    forms = {"standard": [{"prompt": "Name a colour.", "completion": "Blue.", "label": True},
+                          {"prompt": "Name a sound.", "completion": "Loud.", "label": False}],
+             "conversational": [{"prompt": [{"role": "user", "content": p}],
+                                 "completion": [{"role": "assistant", "content": c}], "label": g}
+                                for p, c, g in (("Name a colour.", "Blue.", True), ("Name a sound.", "Loud.", False))],
+             "pairs": [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}]}
+    expect = {"standard": [("Name a colour.", "Blue.", True, "Loud."), ("Name a sound.", "Loud.", False, "Blue.")],
+              "pairs": [("Name a colour.", "Blue.", True, "Loud."), ("Name a colour.", "Loud.", False, "Blue.")]}
+    expect["conversational"] = expect["standard"]
+    for form, records in forms.items():
+        cfg = parse_config(["--dataset", str(write_pairs(tmp_path / f"{form}.jsonl", records)), "--objective", "kto",
+                            "--seq-len", "64"])
+        rows = prepare_data(cfg, tok).train
+        assert len(rows) == 2, form
+        for row, (prompt, completion, good, other) in zip(rows, expect[form]):
+            head = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+            assert tok.decode(row["input_ids"]).startswith(head) and row["desirable"] is good, form
+            assert tok.decode([t for t in row["labels"] if t != -100]) == completion + "<|im_end|>"
+            assert tok.decode(row["kl_input_ids"]).startswith(head + other), form
+            assert tok.decode([t for t in row["kl_labels"] if t != -100]) == other + "<|im_end|>"
+    from toolkit.data.pairs import kto_balance  # the data line: the weights KTO's authors advise, where outside
+
+    assert kto_balance([True, False], 1.0, 1.0) == "data: 1 desirable and 1 undesirable examples"
+    assert kto_balance([True] * 3 + [False], 1.0, 1.0).endswith("is 3.00x the undesirable's, outside the 1 to 4/3 "
+                                                               "KTO's authors advise: --desirable-weight 0.33 to 0.44 "
+                                                               "would bring it in")
 
 
 def test_sft_columns_beside_pairs_train_as_sft_and_a_conversation_per_side_reads_as_a_pair(tmp_path, monkeypatch,

@@ -339,7 +339,7 @@ def cmd_plan(args) -> None:
     terms = plan_terms(args.objective, args.method, args.loss)  # a preference pair: two sequences, full logits
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
                     nodes=args.nodes, cpu_memory=cpu_memory, sequences=terms["sequences"],
-                    reference_forward=terms["reference_forward"],
+                    extra_forwards=terms["extra_forwards"],
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
                     lora_dropout=args.lora_dropout, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,

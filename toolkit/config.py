@@ -111,12 +111,17 @@ class TrainConfig:
                                "preference pairs (prompt, chosen, rejected): DPO against the model as loaded (LoRA: "
                                "the adapters disabled; full: its log-probabilities computed once before step 1), "
                                "ORPO (the chosen sequences' NLL + an odds-ratio term), SimPO (mean log-probabilities, "
-                               "a margin, no reference)", OBJECTIVES)
-    beta: Optional[float] = _f(None, "preference objectives' beta (default: dpo 0.1 and orpo 0.1 as TRL, simpo 2.0 as "
+                               "a margin, no reference); kto = completions labelled desirable or not (prompt, "
+                               "completion, label; pairs are split into one of each), against the reference as DPO",
+                        OBJECTIVES)
+    beta: Optional[float] = _f(None, "preference objectives' beta (default: dpo, orpo and kto 0.1 as TRL, simpo 2.0 as "
                                      "its authors)")
     simpo_gamma: float = _f(DEFAULT_SIMPO_GAMMA, "SimPO's target reward margin gamma (its authors' 0.5 x beta 2.0)")
     label_smoothing: float = _f(0.0, "dpo and simpo: the chance a pair's preference is flipped (conservative DPO), "
                                      "in [0, 0.5)")
+    desirable_weight: float = _f(1.0, "kto: the weight of a desirable completion's loss (TRL's desirable_weight)")
+    undesirable_weight: float = _f(1.0, "kto: the weight of an undesirable completion's loss; with unbalanced data, "
+                                        "KTO's authors keep weight x count within 1 to 4/3 between the two")
     kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "
                               "(CUDA; pip install 'toolkit[gpu]')", ("none", "liger"))
 

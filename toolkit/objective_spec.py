@@ -4,13 +4,20 @@ planner, so a leaf below them all."""
 
 from __future__ import annotations
 
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
-# beta: TRL's DPOConfig and ORPOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+# beta: TRL's DPOConfig, ORPOConfig and KTOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
 # beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
-DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}
 DEFAULT_SIMPO_GAMMA = 1.0
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # TRL's names, each a mean over pairs
+# KTO's (TRL's KTOTrainer): means over the desirable (chosen) and the undesirable (rejected) completions,
+# margins their difference, and the KL estimate the step used
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+
+# a preference micro-batch's keys that are not sliced with its sequences (context parallel): per example, or
+# KTO's KL sequences (its estimate runs on whole sequences)
+WHOLE = ("pairs", "ref_logps", "desirable", "ref_kl_logps", "kl_input_ids", "kl_attention_mask", "kl_labels")
 
 
 def objective_problems(cfg) -> list[str]:
@@ -18,16 +25,23 @@ def objective_problems(cfg) -> list[str]:
     t, d, par = cfg.train, cfg.data, cfg.parallel
     if t.objective == "sft":
         given = [f for f, v in (("--beta", t.beta is not None), ("--label-smoothing", t.label_smoothing != 0.0),
-                                ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA)) if v]
-        return [f"{', '.join(given)} set a preference objective's loss; pass --objective dpo (or orpo, simpo) "
+                                ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA),
+                                ("--desirable-weight", t.desirable_weight != 1.0),
+                                ("--undesirable-weight", t.undesirable_weight != 1.0)) if v]
+        return [f"{', '.join(given)} set a preference objective's loss; pass --objective dpo (or orpo, simpo, kto) "
                 "or drop them"] if given else []
     p, o = [], f"--objective {t.objective}"
     if t.beta is not None and not t.beta > 0:
         p.append(f"--beta must be > 0 (got {t.beta})")
     if not 0.0 <= t.label_smoothing < 0.5:
         p.append(f"--label-smoothing must be in [0, 0.5) (got {t.label_smoothing})")
-    if t.objective == "orpo" and t.label_smoothing:
-        p.append("--label-smoothing applies to dpo and simpo, not orpo; drop it")
+    if t.objective in ("orpo", "kto") and t.label_smoothing:
+        p.append(f"--label-smoothing applies to dpo and simpo, not {t.objective}; drop it")
+    for flag, weight in (("--desirable-weight", t.desirable_weight), ("--undesirable-weight", t.undesirable_weight)):
+        if t.objective != "kto" and weight != 1.0:
+            p.append(f"{flag} applies to kto, not {t.objective}; drop it")
+        elif not weight > 0:
+            p.append(f"{flag} must be > 0 (got {weight})")
     if t.objective != "simpo" and t.simpo_gamma != DEFAULT_SIMPO_GAMMA:
         p.append(f"--simpo-gamma applies to simpo, not {t.objective}; drop it")
     if d.train_on_prompt:
@@ -37,9 +51,10 @@ def objective_problems(cfg) -> list[str]:
     if t.loss not in ("auto", "full"):
         p.append(f"{o} takes each sequence's log-probability from full logits; --loss {t.loss} computes only "
                  "their summed loss: use --loss auto (or full)")
-    if t.objective == "orpo" and d.packing:
-        p.append("--objective orpo does not run with --packing yet (its NLL reads each chosen sequence's prompt); "
-                 "drop --packing, or use dpo or simpo")
+    if t.objective in ("orpo", "kto") and d.packing:
+        why = "its NLL reads each chosen sequence's prompt" if t.objective == "orpo" else \
+            "its KL estimate's sequences are not packed"
+        p.append(f"--objective {t.objective} does not run with --packing yet ({why}); drop --packing, or use dpo or simpo")
     if par.cp > 1 and (t.objective == "orpo" or d.packing):
         p.append(f"--cp {par.cp} with {'--objective orpo' if t.objective == 'orpo' else '--packing'} does not run yet "
                  "(a slice holds neither the chosen prompt ORPO's NLL reads nor whole documents); drop one")
@@ -49,9 +64,17 @@ def objective_problems(cfg) -> list[str]:
     return p
 
 
+def extra_forwards(objective: str, method: str) -> int:
+    """Forwards without gradients per trained sequence, beside its own (the time model's and MFU's): LoRA
+    DPO's and KTO's reference (the base, adapters disabled); KTO's KL estimate, one sequence per example
+    under the policy and, with LoRA, again under the reference (a full finetune's are computed once)."""
+    reference = objective in ("dpo", "kto") and method != "full"
+    return int(reference) + (1 + int(reference) if objective == "kto" else 0)
+
+
 def plan_terms(objective: str, method: str, loss: str) -> dict:
     """What an objective changes in the planner's question (`toolkit.planner.plan.PlanInput`): a pair is
-    two sequences with full logits; LoRA DPO runs the base model's forward for its reference each step."""
-    paired = objective != "sft"
-    return {"sequences": 2 if paired else 1, "reference_forward": objective == "dpo" and method != "full",
-            "loss": "full" if paired else loss}
+    two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence."""
+    preference = objective != "sft"
+    return {"sequences": 2 if preference and objective != "kto" else 1,
+            "extra_forwards": extra_forwards(objective, method), "loss": "full" if preference else loss}

@@ -1,12 +1,20 @@
-"""Preference tuning (`--objective dpo|orpo|simpo`): pairs of completions to one prompt, the chosen one
-trained up against the rejected one.
+"""Preference tuning (`--objective dpo|orpo|simpo|kto`): pairs of completions to one prompt, the chosen
+one trained up against the rejected one; or, for KTO, single completions labelled desirable or not.
 
 A pair is two sequences, prompt + chosen and prompt + rejected, with labels on the completion only
 (the last assistant turn). They sit next to each other in one micro-batch, chosen at even rows and
 rejected at odd ones, so any even split of the rows keeps pairs whole. Each sequence's log-probability
 is the sum of its completion tokens' (`sequence_logps`); the objectives are pure functions of those,
 written as TRL writes them (trl 1.16: `DPOTrainer._compute_loss` "sigmoid", the experimental
-`ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo"), and tested against TRL's trainers.
+`ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo", `KTOTrainer._compute_loss` "kto"), and
+tested against TRL's trainers.
+
+KTO's example is one sequence (its micro-batch's rows are examples, the normaliser their count). Its
+reference point z0, the KL divergence of the policy from the reference, is estimated from mismatched
+sequences (an example's prompt with another's completion, `toolkit.data.pairs.kl_sequences`) without
+gradients, as TRL does; here over the whole global batch before its first forward (`begin_step`: one
+all-reduce), where TRL averages each micro-batch's estimate over the ranks, so the update does not
+depend on how the batch is split (and equals TRL's for one micro-batch).
 
 The loss of a micro-batch is a sum over its pairs, and the loop divides by the pairs of the global
 batch (the collate's `pairs`), as SFT divides by its target tokens: the update does not depend on how the
@@ -29,7 +37,7 @@ import torch.nn.functional as F
 
 from toolkit.data.labels import shift_labels
 from toolkit.data.tokenize import IGNORE_INDEX
-from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA
+from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
 
 
 # --- the objectives: pure functions of per-sequence log-probabilities, (P,) tensors
@@ -110,8 +118,22 @@ def orpo_odds_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor,
     return -beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()
 
 
+def kto_loss(logps: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-example loss, reward): KTO (Ethayarajh et al. 2024, eq. 8, the value function's sigmoid): a
+    desirable completion's loss is w_d x (1 - sigmoid(beta x (log ratio - z0))), an undesirable one's
+    w_u x (1 - sigmoid(beta x (z0 - log ratio))); z0 is the KL estimate (`kl`, no gradient); rewards
+    beta x the log ratios (policy - reference log-probabilities)."""
+    ratio = logps - ref
+    z = beta * (ratio - kl)
+    loss = torch.where(desirable.to(z.device), desirable_weight * (1 - torch.sigmoid(z)),
+                       undesirable_weight * (1 - torch.sigmoid(-z)))
+    return loss, beta * ratio.detach()
+
+
 def pairs_in(batch: dict) -> int | torch.Tensor:
-    """Pairs in a collated micro-batch: two rows each, or as the packing counted them."""
+    """A preference objective's examples in a collated micro-batch: pairs (two rows each, or as the
+    packing counted them); KTO's single completions (the collate's `pairs` counts them)."""
     return batch["pairs"] if "pairs" in batch else batch["input_ids"].shape[0] // 2
 
 
@@ -137,15 +159,20 @@ class PreferenceLoss:
     dropouts_off: int = 0
     sum_slices: Any = None  # context parallel: a sequence's slices summed over the cp group (`sliced_logps`)
     cp: int = 1
+    desirable_weight: float = 1.0  # KTO's weights
+    undesirable_weight: float = 1.0
+    kl: torch.Tensor | float = 0.0  # KTO: z0, the step's KL estimate (`begin_step`)
 
     @classmethod
     def from_config(cls, cfg) -> "PreferenceLoss | None":
         t = cfg.train
         if t.objective == "sft":
             return None
-        reference = None if t.objective != "dpo" else "precomputed" if cfg.model.method == "full" else "adapters"
+        reference = None if t.objective not in ("dpo", "kto") else \
+            "precomputed" if cfg.model.method == "full" else "adapters"
         return cls(t.objective, t.beta if t.beta is not None else DEFAULT_BETA[t.objective], t.simpo_gamma,
-                   t.label_smoothing, reference)
+                   t.label_smoothing, reference, desirable_weight=t.desirable_weight,
+                   undesirable_weight=t.undesirable_weight)
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Dropout off, as TRL does (`disable_dropout`): with it on, the policy's forward would not be the
@@ -158,19 +185,42 @@ class PreferenceLoss:
                 module.attention_dropout, self.dropouts_off = 0.0, self.dropouts_off + 1
 
     def describe(self) -> str:
-        extra = {"dpo": f", label smoothing {self.label_smoothing:g}; reference: "
-                        + ("the base model, adapters disabled" if self.reference == "adapters"
-                           else "log-probabilities computed before step 1"),
+        reference = "; reference: " + ("the base model, adapters disabled" if self.reference == "adapters"
+                                       else "log-probabilities computed before step 1")
+        extra = {"dpo": f", label smoothing {self.label_smoothing:g}{reference}",
+                 "kto": f", weights desirable {self.desirable_weight:g} undesirable {self.undesirable_weight:g}"
+                        f"{reference}; KL estimate from mismatched completions, over the global batch",
                  "simpo": f", gamma {self.simpo_gamma:g}, label smoothing {self.label_smoothing:g}",
                  "orpo": " + the chosen sequences' NLL"}[self.objective]
         off = f"; dropout off in {self.dropouts_off} places (as TRL)" if self.dropouts_off else ""
         return f"objective: {self.objective}, beta {self.beta:g}{extra}; full logits, per-sequence log-probabilities{off}"
 
-    def begin_step(self, micro: list[dict], reduce, replicas: int, pairs: torch.Tensor) -> None:
-        """ORPO: the NLL term's scale, global pairs / global NLL tokens (`reduce`: the sum over ranks)."""
+    def begin_step(self, model, micro: list[dict], reduce, replicas: int, pairs: torch.Tensor) -> None:
+        """What the global batch sets before its first forward (`reduce`: the sum over ranks, each
+        data shard counted `replicas` times): ORPO's NLL scale, global pairs / global NLL tokens; KTO's
+        KL estimate."""
         if self.objective == "orpo":
             tokens = reduce(sum(orpo_nll_tokens(b) for b in micro).double().reshape(1)) / replicas
             self.nll_scale = pairs / tokens.clamp(min=1)[0]
+        if self.objective == "kto":
+            self.kl = self.kl_estimate(model, micro, reduce, replicas)
+
+    @torch.no_grad()
+    def kl_estimate(self, model, micro: list[dict], reduce, replicas: int) -> torch.Tensor:
+        """KTO's z0: the mean over `micro`'s KL sequences (and every rank's, through `reduce`) of their
+        policy minus reference log-probabilities, clamped at 0 (TRL's `kl`), without gradients. Every
+        rank runs the same forwards (whole sequences, as evaluation does under each layout)."""
+        total = None
+        for b in micro:
+            inputs = {"input_ids": b["kl_input_ids"], "attention_mask": b["kl_attention_mask"]}
+            policy = sequence_logps(model(**inputs).logits, b["kl_labels"])[0]
+            ref = b["ref_kl_logps"] if self.reference == "precomputed" else \
+                self.reference_logps(model, {"labels": b["kl_labels"]}, inputs)
+            part = torch.stack([(policy - ref.to(policy.device)).sum().double(),
+                                torch.tensor(float(len(policy)), dtype=torch.float64, device=policy.device)])
+            total = part if total is None else total + part
+        total = reduce(total) / replicas
+        return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
 
     def reference_logps(self, model, batch: dict, inputs: dict) -> torch.Tensor:
         """The base model's sequence log-probabilities, adapters disabled, without gradients."""
@@ -196,7 +246,8 @@ class PreferenceLoss:
         out = model(**inputs)
         logps, counts = self.logps(out.logits, batch)
         ref = ref.to(logps.device) if ref is not None else None
-        total = self.pair_loss(logps, counts, ref)
+        total = self.kto_loss(logps, ref, batch["desirable"]) if self.objective == "kto" else \
+            self.pair_loss(logps, counts, ref)
         if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
             total = total - total.detach() * (1 - 1 / self.cp)  # gradient whole through each rank's slice
         if self.objective == "orpo":  # TRL: labels are the chosen input ids where attended
@@ -220,6 +271,37 @@ class PreferenceLoss:
                             (r_chosen - r_rejected).sum(), chosen.detach().sum(), rejected.detach().sum()]).double()
         self.sums = sums if self.sums is None else self.sums + sums
         return loss.sum()
+
+    def kto_loss(self, logps: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor) -> torch.Tensor:
+        """The summed loss of KTO's examples; their metrics kept (TRL's, over the desirable and the
+        undesirable ones apart)."""
+        desirable = desirable.to(logps.device).bool()
+        loss, rewards = kto_loss(logps, ref, desirable, self.kl, self.beta, self.desirable_weight,
+                                 self.undesirable_weight)
+        good, bad = desirable.double(), (~desirable).double()
+        kl = torch.as_tensor(self.kl, dtype=torch.float64, device=logps.device)
+        sums = torch.stack([(rewards * good).sum(), (rewards * bad).sum(), good.sum(), bad.sum(),
+                            (logps.detach() * good).sum(), (logps.detach() * bad).sum(), kl * len(logps)]).double()
+        self.sums = sums if self.sums is None else self.sums + sums
+        return loss.sum()
+
+    def metric_values(self, sums, examples) -> dict[str, float]:
+        """The metrics (TRL's names) from `take_metrics`' sums over `examples` (pairs, or KTO's):
+        means over pairs; KTO's over its desirable and undesirable examples apart (each where there
+        were some), and its KL estimate's mean."""
+        sums = [float(v) for v in sums]
+        if self.objective != "kto":
+            return {name: v / float(examples) for name, v in zip(METRICS, sums)}
+        r_good, r_bad, n_good, n_bad, l_good, l_bad, kl = sums
+        out = {}
+        if n_good:
+            out.update({"rewards/chosen": r_good / n_good, "logps/chosen": l_good / n_good})
+        if n_bad:
+            out.update({"rewards/rejected": r_bad / n_bad, "logps/rejected": l_bad / n_bad})
+        if n_good and n_bad:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out["kl"] = kl / max(float(examples), 1.0)
+        return {name: out[name] for name in KTO_METRICS if name in out}
 
     def take_metrics(self) -> torch.Tensor | None:
         """The METRICS' sums over pairs since the last call."""

@@ -173,11 +173,16 @@ def longest_row(rows, seq_len: int) -> int:
 
 def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
     """`collate_sequences`; a micro-batch of preference pairs (`toolkit.data.pairs`) as its two sequences
-    each, with the pairs' count and reference log-probabilities."""
+    each, with the pairs' count and reference log-probabilities; KTO's examples with their KL sequences."""
     if "rejected_input_ids" in batch[0]:
         from toolkit.data.pairs import pair_extras, pair_rows
 
         return {**collate_sequences(pair_rows(batch), pad_id, whole), **pair_extras(batch)}
+    if "kl_input_ids" in batch[0]:  # KTO's examples, each with its KL estimate's sequence
+        from toolkit.data.pairs import kto_extras
+
+        rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]
+        return {**collate_sequences(rows, pad_id, whole), **kto_extras(batch, pad_id)}
     return collate_sequences(batch, pad_id, whole)
 
 

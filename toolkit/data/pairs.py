@@ -1,7 +1,13 @@
-"""Preference pairs as data (`--objective dpo|orpo|simpo`): records -> (prompt messages, chosen,
-rejected) -> two token sequences per pair in the prepared table -> micro-batches with chosen at even
-rows and rejected at odd ones, so any even split of the rows keeps pairs whole. The objectives that
-train on them are `toolkit.preference`'s."""
+"""Preference data as tokens. Pairs (`--objective dpo|orpo|simpo`): records -> (prompt messages,
+chosen, rejected) -> two token sequences per pair in the prepared table -> micro-batches with chosen at
+even rows and rejected at odd ones, so any even split of the rows keeps pairs whole.
+
+KTO (`--objective kto`): completions labelled desirable or not (TRL's unpaired form; pairs are split
+into one of each, as TRL's `unpair_preference_dataset`), one sequence per example, and beside it the
+sequence its KL estimate scores: its own prompt with another example's completion (TRL's rotation by
+one within a batch; here within each chunk the table is encoded in, so the partner is fixed in the
+table and a full finetune's reference can be computed once). The objectives that train on them are
+`toolkit.preference`'s."""
 
 from __future__ import annotations
 
@@ -31,20 +37,20 @@ def preference_format(columns: list[str]) -> str | None:
 def check_data_fits(columns: list[str], objective: str, source: str) -> str | None:
     """The preference format of a source (None for SFT data), or one line where the data and
     --objective disagree: pairs are never trained as SFT (`toolkit.data.source_format` asks only where
-    no SFT format fits the columns), nor SFT data as pairs; KTO's unpaired form is not trained yet."""
+    no SFT format fits the columns), nor SFT data as pairs; KTO's unpaired form only under kto."""
     fmt = preference_format(columns)
-    if fmt == "unpaired":
-        raise UserError(f"--dataset {source}: unpaired preference data (prompt, completion, label) is KTO's form, "
-                        "which this toolkit does not train yet; use pairs (prompt, chosen, rejected) with "
-                        "--objective dpo, orpo or simpo")
+    if fmt == "unpaired" and objective != "kto":
+        raise UserError(f"--dataset {source}: unpaired preference data (prompt, completion, label) is KTO's form; "
+                        f"pass --objective kto{'' if objective == 'sft' else ', or give pairs (prompt, chosen, rejected)'}")
     if fmt is not None and objective == "sft":
         raise UserError(f"--dataset {source} holds preference pairs ({', '.join(PAIR_FORMATS[fmt])}), which SFT "
-                        "would not train on as pairs; pass --objective dpo (or orpo, simpo)")
+                        "would not train on as pairs; pass --objective dpo (or orpo, simpo, kto)")
     if objective != "sft" and fmt is None:
-        raise UserError(f"--objective {objective} trains on preference pairs, and --dataset {source} has none "
-                        f"(columns {', '.join(sorted(columns))}); it needs prompt, chosen and rejected (or "
-                        "instruction/conversations with chosen and rejected); map yours with --columns, or use "
-                        "--objective sft")
+        raise UserError(f"--objective {objective} trains on preference {'data' if objective == 'kto' else 'pairs'}, "
+                        f"and --dataset {source} has none (columns {', '.join(sorted(columns))}); it needs prompt, "
+                        "chosen and rejected (or instruction/conversations with chosen and rejected"
+                        f"{'; or prompt, completion and label' if objective == 'kto' else ''}); map yours with "
+                        "--columns, or use --objective sft")
     return fmt
 
 
@@ -94,7 +100,19 @@ def to_pair(row: dict[str, Any], fmt: str) -> tuple[list[dict[str, str]], str, s
     return prompt, _answer(row["chosen"], "chosen"), _answer(row["rejected"], "rejected")
 
 
+def to_unpaired(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, bool]:
+    """One KTO record as (the prompt's messages, the completion, whether it is desirable)."""
+    label = row["label"]
+    if not (isinstance(label, bool) or label in (0, 1)):
+        raise UserError(f"'label' must be true (desirable) or false; got {label!r}")
+    prompt = _messages(row["prompt"], "prompt")
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise UserError("the prompt must end with a user turn (the completion answers it)")
+    return prompt, _answer(row["completion"], "completion"), bool(label)
+
+
 PAIR_COLUMNS = {"rejected_input_ids": ("int32",), "rejected_labels": ("int32",)}  # beside the chosen's
+KTO_COLUMNS = {"kl_input_ids": ("int32",), "kl_labels": ("int32",), "desirable": "bool"}
 
 
 def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
@@ -123,6 +141,86 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str,
             "length": [a + b for a, b in zip(chosen["length"], rejected["length"])],
             "targets": [min(a, b) for a, b in zip(chosen["targets"], rejected["targets"])],
             "truncated": [a or b for a, b in zip(chosen["truncated"], rejected["truncated"])], "system_added": added}
+
+
+def prompt_length(labels: list[int]) -> int:
+    """Tokens before the completion: up to the first label (a sequence encoded with `last_turn`)."""
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    return next((k for k, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+
+
+def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int) -> tuple[list, list]:
+    """KTO's mismatched sequences: example i's prompt with example i-1's completion (the first takes the
+    last's), labels on that completion, cut to `seq_len` (TRL's KL completions, built by token)."""
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    out_ids, out_labels = [], []
+    for i in range(len(ids)):
+        j = i - 1  # -1: the last
+        p, q = prompt_length(labels[i]), prompt_length(labels[j])
+        out_ids.append((ids[i][:p] + ids[j][q:])[:seq_len])
+        out_labels.append(([IGNORE_INDEX] * p + labels[j][q:])[:seq_len])
+    return out_ids, out_labels
+
+
+def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
+    """KTO's records (or pairs, split into a desirable and an undesirable example) as the prepared
+    table's columns: each prompt + completion through the chat template with labels on the completion,
+    `desirable`, and the KL estimate's sequence (`kl_sequences`; not trained, so not in `length`)."""
+    from toolkit.data.formats import record_place, with_system_prompt
+    from toolkit.data.table import token_columns
+    from toolkit.data.tokenize import encode_batch
+
+    chats, desirable, added = [], [], []
+    for row, i in zip(rows, indices):
+        try:
+            if fmt == "unpaired":
+                prompt, completion, good = to_unpaired(row)
+                sides = [(completion, good)]
+            else:
+                prompt, chosen, rejected = to_pair(row, fmt)
+                sides = [(chosen, True), (rejected, False)]
+        except UserError as e:
+            raise UserError(f"--dataset {record_place(spec, i)}: {e}") from None
+        given = with_system_prompt(prompt, cfg.data.system_prompt)
+        for completion, good in sides:
+            chats.append(given + [{"role": "assistant", "content": completion}])
+            desirable.append(good)
+            added.append(given is not prompt)
+    cols = token_columns(encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True))
+    kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], cfg.data.seq_len)
+    return {**cols, "kl_input_ids": kl_ids, "kl_labels": kl_labels, "desirable": desirable, "system_added": added}
+
+
+def kto_balance(desirable: list[bool], desirable_weight: float, undesirable_weight: float) -> str:
+    """The data line on KTO's balance: its counts and, where desirable weight x count over undesirable's is
+    outside the 1 to 4/3 its authors advise (Ethayarajh et al. 2024, eq. 8; TRL warns alike), the
+    weight that would bring it in."""
+    good = sum(desirable)
+    bad = len(desirable) - good
+    line = f"data: {good} desirable and {bad} undesirable examples"
+    ratio = desirable_weight * good / max(undesirable_weight * bad, 1e-12)
+    if good and bad and not 1.0 <= ratio <= 4 / 3:
+        low, high = undesirable_weight * bad / good, 4 / 3 * undesirable_weight * bad / good
+        line += (f"; desirable weight x count is {ratio:.2f}x the undesirable's, outside the 1 to 4/3 KTO's authors "
+                 f"advise: --desirable-weight {low:.2f} to {high:.2f} would bring it in")
+    return line
+
+
+def kto_extras(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """A KTO micro-batch's extras beside its padded sequences: `pairs` (here the examples: the loss's
+    normaliser), `desirable`, the KL sequences padded as their own batch (`kl_*`), and the precomputed
+    reference log-probabilities (`ref_logps`, `ref_kl_logps`) where the rows carry them."""
+    from toolkit.data import collate_sequences
+
+    kl = collate_sequences([{"input_ids": x["kl_input_ids"], "labels": x["kl_labels"]} for x in batch], pad_id)
+    out = {"pairs": torch.tensor(len(batch)), "desirable": torch.tensor([bool(x["desirable"]) for x in batch]),
+           **{f"kl_{k}": v for k, v in kl.items()}}
+    if "ref_logps" in batch[0]:
+        ref = torch.tensor([x["ref_logps"] for x in batch], dtype=torch.float32)
+        out.update(ref_logps=ref[:, 0].contiguous(), ref_kl_logps=ref[:, 1].contiguous())
+    return out
 
 
 def pair_rows(batch: list[dict]) -> list[dict]:

@@ -27,7 +27,7 @@ from toolkit.data import DataStats, as_example, check_trainable, source_format, 
 from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, open_table, table_stats, \
     token_columns, tokenizer_digest
 from toolkit.dataset_spec import Source, dataset_digest, is_mixture, parse_sources
-from toolkit.data.pairs import PAIR_COLUMNS, PAIR_FORMATS, encode_pairs
+from toolkit.data.pairs import KTO_COLUMNS, PAIR_COLUMNS, PAIR_FORMATS, encode_kto, encode_pairs
 
 # Settings that change the tokens, or which records are trained and which held out.
 TOKEN_SETTINGS = ("format", "columns", "system_prompt", "seq_len", "train_on_prompt", "eval_split", "objective")
@@ -108,10 +108,18 @@ def _builtin_scored(cfg: Config) -> tuple[list, list[str]]:
     return [with_system_prompt(r["messages"], cfg.data.system_prompt) for r in held], [r["answer"] for r in held]
 
 
+def preference_columns(cfg: Config, fmt: str) -> dict:
+    """The table's columns beside the tokens: KTO's, a pair's rejected sequence, or none (SFT)."""
+    return KTO_COLUMNS if cfg.train.objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else {}
+
+
 def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, spec: str, tokenizer) -> dict:
     from toolkit.data.tokenize import encode_batch
 
     names = list(batch)
+    if cfg.train.objective == "kto":
+        return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, spec,
+                          tokenizer)
     if fmt in PAIR_FORMATS:
         return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, spec,
                             tokenizer)
@@ -129,7 +137,7 @@ def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
     try:
         table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
                             remove_columns=records.column_names,
-                            features=features({"system_added": "bool", **(PAIR_COLUMNS if fmt in PAIR_FORMATS else {})}),
+                            features=features({"system_added": "bool", **preference_columns(cfg, fmt)}),
                             num_proc=map_processes(len(records), cfg.data.data_workers),
                             fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
                             cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
@@ -169,7 +177,7 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
 
             held = datasets.Dataset.from_list(builtin_records(spec.split(":", 1)[1], split="eval"))
             evals = [held.map(_encode_records, batched=True, with_indices=True, remove_columns=held.column_names,
-                              features=features({"system_added": "bool", **PAIR_COLUMNS}),
+                              features=features({"system_added": "bool", **preference_columns(cfg, formats[0])}),
                               fn_kwargs={"fmt": formats[0], "cfg": cfg, "spec": spec, "tokenizer": tokenizer}
                               ).remove_columns("system_added")]
         elif builtin and cfg.data.eval_split > 0:

@@ -209,14 +209,23 @@ class Rows:
         self.lengths = lengths if keep is None else lengths[keep]
         self._ids, self._labels = _ListColumn(table.column("input_ids")), _ListColumn(table.column("labels"))
         names = table.column_names  # preference pairs: the rejected sequence beside the chosen one
-        self._rejected = [(c, _ListColumn(table.column(c))) for c in ("rejected_input_ids", "rejected_labels")
-                          if c in names]
-        self.reference = None  # pairs: their (N, 2) reference log-probabilities (`toolkit.train.reference`)
+        self._beside = [(c, _ListColumn(table.column(c))) for c in ("rejected_input_ids", "rejected_labels",
+                                                                     "kl_input_ids", "kl_labels") if c in names]
+        self._desirable = table.column("desirable").to_pylist() if "desirable" in names else None  # KTO's labels
+        # preference data: each row's (N, 2) reference log-probabilities (`toolkit.train.reference`): a
+        # pair's (chosen, rejected), a KTO example's (its sequence, its KL sequence)
+        self.reference = None
+
+    def desirable(self) -> list[bool]:
+        """KTO's labels of the kept rows (empty for other data)."""
+        if self._desirable is None:
+            return []
+        return self._desirable if self.keep is None else [self._desirable[int(r)] for r in self.keep]
 
     def digest(self) -> str:
         """sha256 of the rows' tokens (every id and label column, the kept rows)."""
         h = hashlib.sha256(b"" if self.keep is None else self.keep.data)
-        for col in [self._ids, self._labels, *(c for _, c in self._rejected)]:
+        for col in [self._ids, self._labels, *(c for _, c in self._beside)]:
             for offsets, values in col.chunks:  # views of the mapped file: hashed without a copy
                 h.update(offsets.data)
                 h.update(values.data)
@@ -233,9 +242,11 @@ class Rows:
         i = int(i) % len(self)
         r = i if self.keep is None else int(self.keep[i])
         row = {"input_ids": self._ids[r], "labels": self._labels[r]}
-        if not self._rejected:
+        if not self._beside:
             return row
-        row.update({c: col[r] for c, col in self._rejected})
+        row.update({c: col[r] for c, col in self._beside})
+        if self._desirable is not None:
+            row["desirable"] = self._desirable[r]
         if self.reference is not None:
             row["ref_logps"] = self.reference[i].tolist()
         return row

@@ -95,7 +95,7 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
     t = cfg.train
     terms = plan_terms(t.objective, cfg.model.method, t.loss)  # a preference pair: two sequences, full logits
     return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
-                     sequences=terms["sequences"], reference_forward=terms["reference_forward"],
+                     sequences=terms["sequences"], extra_forwards=terms["extra_forwards"],
                      cpu_memory=host_memory_bytes(), method=cfg.model.method, lora_r=cfg.model.lora_r,
                      lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
                      micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,

@@ -213,8 +213,8 @@ def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int,
     trainable = active if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
     per_token = flops_per_token(active, trainable, layers, h, inp.seq_len, False)
     recompute = flops_per_token(active, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
-    if inp.reference_forward:  # LoRA DPO's reference: the base model's forward, once more
-        per_token += forward_flops_per_token(active, layers, h, inp.seq_len)
+    # a preference objective's no-grad forwards (LoRA's reference, KTO's KL estimate)
+    per_token += inp.extra_forwards * forward_flops_per_token(active, layers, h, inp.seq_len)
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
     rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0

@@ -95,7 +95,8 @@ class PlanInput:
     asked: Asked | None = None  # the run's own layout (plan --config), evaluated as it is
     device: str = "GPU"  # what each rank runs on: "GPU", or "CPU" (a run without one: memory per process)
     sequences: int = 1  # sequences per example: 2 for a preference pair (chosen and rejected, one micro-batch)
-    reference_forward: bool = False  # LoRA DPO: the base model's forward, no gradients, before each policy forward
+    extra_forwards: int = 0  # no-grad forwards per sequence (`toolkit.objective_spec.extra_forwards`): LoRA DPO's
+    # reference (the base model's forward before each policy forward), KTO's KL estimate
 
     @property
     def hw(self) -> Hardware:
@@ -314,8 +315,7 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
                                                                 else ("overlapped", "dp"))),
         Traffic(comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped", "dp")]
     tokens = rows * inp.seq_len
-    if inp.reference_forward:
-        per_token += forward_flops_per_token(active, layers, h, inp.seq_len)
+    per_token += inp.extra_forwards * forward_flops_per_token(active, layers, h, inp.seq_len)
     terms = step_terms(tokens * per_token, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device,
                        recompute_flops=tokens * recompute)
     fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)

@@ -132,25 +132,27 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     all the held-out chosen tokens, as training's over the global batch's) and TRL's metrics
     (`eval_rewards/accuracies`, ...), means over the pairs; sharded as `eval_loss`."""
     from toolkit.data.packing import model_inputs
-    from toolkit.objective_spec import METRICS
     from toolkit.preference import orpo_nll_tokens, pairs_in
 
     accelerator, objective = strategy.accelerator, strategy.loss.objective
     model.eval()
     # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
-    total = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=accelerator.device)
+    total = None
     scale, objective.nll_scale = objective.nll_scale, 0.0  # the pair loss alone; the NLL is summed apart
     try:
         for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
+            if objective.objective == "kto":  # its KL estimate from this batch alone (TRL's, in evaluation)
+                objective.kl = objective.kl_estimate(model, [batch], lambda x: x, 1)
             loss, _ = objective(model, batch, model_inputs(batch))  # summed over the batch's pairs
             nll = objective.nll if objective.objective == "orpo" else torch.zeros(())
-            parts = torch.stack([t.to(total.device, torch.float64) for t in
+            parts = torch.stack([t.to(accelerator.device, torch.float64) for t in
                                  (loss, torch.tensor(float(pairs_in(batch))), nll, orpo_nll_tokens(batch))])
-            total += bool(held) * torch.cat([parts, objective.take_metrics().to(total.device)])
+            part = bool(held) * torch.cat([parts.to(accelerator.device), objective.take_metrics().to(accelerator.device)])
+            total = part if total is None else total + part
     finally:
         objective.nll_scale = scale
         model.train()
     total = accelerator.reduce(total, "sum")
     pairs = total[1].clamp(min=1)
     loss = total[0] / pairs + (total[2] / total[3].clamp(min=1) if objective.objective == "orpo" else 0.0)
-    return {"eval_loss": float(loss), **{f"eval_{m}": (v / pairs).item() for m, v in zip(METRICS, total[4:])}}
+    return {"eval_loss": float(loss), **{f"eval_{m}": v for m, v in objective.metric_values(total[4:], pairs).items()}}

@@ -363,7 +363,7 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
         width = cfg.data.seq_len * (1 if cfg.train.objective == "sft" else 2)  # a pair: two sequences of --seq-len
         train_rows = PackedRows(train_rows, pack_bins(lengths, width), lengths)
         fill = sum(lengths) / (len(train_rows) * width)
-        unit = "examples" if cfg.train.objective == "sft" else "pairs"
+        unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
         log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
     return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole)
 
@@ -417,7 +417,7 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
     objective = strategy.loss.objective  # a preference objective, or None
     if objective is not None:
-        objective.begin_step(micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
+        objective.begin_step(run.model, micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
     loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
     aux = strategy.loss.take_aux()  # the router load-balancing loss x target tokens, where the model has one
     preference = objective.take_metrics() if objective is not None else None
@@ -480,8 +480,11 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
              w["tokens"] / w["examples"])  # context: mean example length
     flops = step_flops(w["tokens"], w["targets"] if strategy.loss.fused else w["tokens"], *shape)
-    if strategy.loss.objective is not None and strategy.loss.objective.reference == "adapters":
-        flops += step_flops(w["tokens"], w["tokens"], *shape) / 3  # LoRA DPO's reference: a forward, 2N of 6N
+    if strategy.loss.objective is not None:  # no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
+        from toolkit.objective_spec import extra_forwards
+
+        flops += extra_forwards(run.cfg.train.objective, run.cfg.model.method) * step_flops(w["tokens"], w["tokens"],
+                                                                                          *shape) / 3
     per_token = flops / w["tokens"]
     mfu = per_token * tokens_per_sec / run.peak.flops
     if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):  # cached under load: probe again
@@ -498,10 +501,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
                           "and mfu count from step " f"{step + 1} on")
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
-    if w.get("preference") is not None:  # TRL's names, means over the window's pairs
-        from toolkit.objective_spec import METRICS
-
-        extra.update({name: total / w["targets"] for name, total in zip(METRICS, w["preference"])})
+    if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
+        extra.update(strategy.loss.objective.metric_values(w["preference"], w["targets"]))
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,

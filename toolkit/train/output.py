@@ -42,12 +42,16 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
         return
-    unit = "examples" if cfg.train.objective == "sft" else "pairs"
+    unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
         f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
+    if cfg.train.objective == "kto":
+        from toolkit.data.pairs import kto_balance
+
+        log(kto_balance(data.train.desirable(), cfg.train.desirable_weight, cfg.train.undesirable_weight))
     if examples.system_added:
         log(f"data: --system-prompt added to {examples.system_added} conversation(s) without a system message")
     if stats.truncated:

@@ -1,6 +1,6 @@
-"""DPO's reference for a full finetune, without a second model: the log-probabilities of every pair's
-two sequences under the model as loaded, computed in one pass before step 1 and carried by the rows
-into each micro-batch (`ref_logps`). LoRA needs none of this: its reference is the base model with
+"""DPO's and KTO's reference for a full finetune, without a second model: the log-probabilities of every
+pair's two sequences (a KTO example's sequence and its KL sequence) under the model as loaded, computed
+in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). LoRA needs none of this: its reference is the base model with
 the adapters disabled (`toolkit.preference.PreferenceLoss.reference_logps`).
 
 The pass is cached, keyed by the rows' tokens, the model's weight files and the compute precision,
@@ -75,8 +75,8 @@ def save(path: Path, name: str, key: str, values: torch.Tensor, log=print) -> No
 
 @torch.no_grad()
 def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> torch.Tensor:
-    """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model`, in eval
-    mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
+    """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
+    example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank."""
     from toolkit.data.packing import model_inputs
     from toolkit.preference import sequence_logps
@@ -87,6 +87,9 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     model.eval()
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         logps = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])[0]
+        if "kl_input_ids" in batch:  # KTO: one sequence per example, and its KL sequence
+            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"]}
+            logps = torch.stack([logps, sequence_logps(model(**kl).logits, batch["kl_labels"])[0]], 1)
         if held:
             out[torch.tensor(held, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
     model.train()
@@ -94,7 +97,7 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
 
 
 def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
-    """Give `rows` (training or eval pairs) their reference log-probabilities: from the run's output
+    """Give `rows` (training or eval pairs, or KTO's examples) their reference log-probabilities: from the run's output
     folder (a resume), the cache, or a pass over them now, saved to both. A resume that finds neither
     stops in one line: its weights are no longer the reference's (a DeepSpeed-format checkpoint's are
     already loaded, the others' about to be)."""
@@ -104,6 +107,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
     from toolkit.models import resolved_precision
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
+    unit = "examples" if run.cfg.train.objective == "kto" else "pairs"
     key = rows_key(rows.digest(), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
     cached = cache_dir() / "reference" / f"{cache_key(key, strategy.unwrap(run.model).config._name_or_path)}.safetensors"
@@ -111,12 +115,12 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
         found = read_saved(path, name, key)
         if found is not None:
             rows.reference = found
-            log(f"reference: {name} pairs' log-probabilities read from {path}")
+            log(f"reference: {name} {unit}' log-probabilities read from {path}")
             if path != mine and accelerator.is_main_process:
                 save(mine, name, key, found, log)
             return
     if resuming:
-        raise UserError(f"--resume: this DPO run's reference log-probabilities ({name} pairs) are in neither {mine} "
+        raise UserError(f"--resume: this run's reference log-probabilities ({name} {unit}) are in neither {mine} "
                         f"nor {cached}, and the checkpoint's weights are trained, no longer the reference; start the "
                         "run again without --resume")
     start = time.perf_counter()
@@ -124,9 +128,9 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
         rows.reference = compute_reference(strategy, run.model, rows, run.cfg.train.micro_batch_size,
                                            run.tokenizer.pad_token_id)
     except torch.OutOfMemoryError:
-        raise UserError(f"out of memory in the DPO reference pass over the {name} pairs (a forward at --micro-batch-size "
-                        f"{run.cfg.train.micro_batch_size} pairs, two sequences each): lower --micro-batch-size") from None
-    log(f"reference: {len(rows)} {name} pairs' log-probabilities computed before step 1 (the model as loaded), "
+        raise UserError(f"out of memory in the reference pass over the {name} {unit} (a forward at --micro-batch-size "
+                        f"{run.cfg.train.micro_batch_size}): lower --micro-batch-size") from None
+    log(f"reference: {len(rows)} {name} {unit}' log-probabilities computed before step 1 (the model as loaded), "
         f"in {time.perf_counter() - start:.1f} s")
     if accelerator.is_main_process:
         for path in (mine, cached):

@@ -30,9 +30,11 @@ from toolkit.train.manifest import damage
 RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "format", "columns",
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
-               "loss", "streaming", "router_aux_loss_coef", "objective", "beta", "simpo_gamma", "label_smoothing")
+               "loss", "streaming", "router_aux_loss_coef", "objective", "beta", "simpo_gamma", "label_smoothing",
+               "desirable_weight", "undesirable_weight")
 NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None, "objective": "sft", "beta": None,
-                     "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0}  # what older checkpoints ran with
+                     "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0,
+                     "desirable_weight": 1.0, "undesirable_weight": 1.0}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
