@@ -248,7 +248,8 @@ def pairs_file(tmp_path_factory):
 DPO = ["--objective", "dpo"]
 LAYOUTS = {"ddp": [], "zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"], "fsdp": ["--fsdp"],
            "tp": ["--tp", "2", "--micro-batch-size", "2"],  # one data-parallel rank: 2 pairs x 2 steps
-           "cp": ["--cp", "2", "--micro-batch-size", "2"]}  # each sequence in two slices, summed
+           "cp": ["--cp", "2", "--micro-batch-size", "2"],  # each sequence in two slices, summed
+           "pp": ["--pp", "2", "--micro-batch-size", "2", "--pp-microbatches", "2"]}  # a pair per pipeline micro-batch
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +260,7 @@ def unpaired_file(tmp_path_factory):
 
 
 KTO_LAYOUTS = {"ddp": ("lora", []), "zero3": ("full", LAYOUTS["zero3"]), "fsdp": ("lora", LAYOUTS["fsdp"]),
-               "tp": ("full", LAYOUTS["tp"]), "cp": ("lora", LAYOUTS["cp"])}
+               "tp": ("full", LAYOUTS["tp"]), "cp": ("lora", LAYOUTS["cp"]), "pp": ("lora", LAYOUTS["pp"])}
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +284,8 @@ def runs(tmp_path_factory, tiny_model, pairs_file, unpaired_file):
                   for m, o in (("full", "orpo"), ("lora", "simpo"))})
     specs[("cp", "lora", "simpo")] = (2, ["--method", "lora", "--objective", "simpo", "--micro-batch-size", "2",
                                           "--grad-accum", "2", "--cp", "2"])
+    specs[("pp", "full", "orpo_eval")] = (2, ["--method", "full", "--objective", "orpo", "--micro-batch-size", "1",
+                                              "--grad-accum", "2", *evals, *LAYOUTS["pp"]])
     packed = ["--packing", "--seq-len", "48"]  # rows of 96 tokens: two or three pairs each
     specs.update({("one", m, "dpo_packed"): (1, ["--method", m, *DPO, "--micro-batch-size", "2", *packed])
                   for m in ("lora", "full")})
@@ -420,6 +423,8 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
     (["--objective", "orpo", "--cp", "2"], "pairs", "--cp 2 with --objective orpo does not run yet"),
     (["--beta", "0.2"], "pairs", "--beta set a preference objective's loss; pass --objective dpo"),
     (["--objective", "kto", "--packing"], "kto", "--objective kto does not run with --packing yet"),
+    ([*DPO, "--pp", "2", "--pp-devices", "cpu,cpu"], "pairs", "--objective dpo with --pp 2 runs one process per stage"),
+    ([*DPO, "--pp", "2", "--packing"], "pairs", "--objective dpo does not run with --pp and --packing together"),
     ([*DPO, "--desirable-weight", "2"], "pairs", "--desirable-weight applies to kto, not dpo"),
     (["--objective", "kto", "--undesirable-weight", "0"], "kto", "--undesirable-weight must be > 0"),
     (["--objective", "kto"], "sft", "--objective kto trains on preference data, and --dataset"),
@@ -512,6 +517,18 @@ def test_held_out_pairs_are_scored_with_trls_metrics(runs, objective):
     else:
         assert evals[0]["eval_loss"] > evals[0]["eval_logps/chosen"] * -1 > 0  # the NLL is in it
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]  # 5 steps on the training pairs help the held-out ones
+
+
+def test_orpo_through_a_pipeline_trains_and_evaluates_as_one_process(runs):
+    """ORPO under --pp 2 (a pair per pipeline micro-batch, the objective on the last stage from the
+    target tensor it is handed: labels, and the chosen NLL's labels): one process's training losses and
+    held-out records within 1e-4 (its eval from the pipeline's per-row log-probabilities)."""
+    from distributed import records
+
+    ref, got = records(runs("one", "full", "orpo_eval")), records(runs("pp", "full", "orpo_eval"))
+    assert [r["step"] for r in got] == [r["step"] for r in ref] and len(ref) == 7  # 5 steps, 2 evals
+    for key in ("loss", "eval_loss", "rewards/margins", "eval_rewards/margins", "eval_logps/chosen"):
+        assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in ref], rel=1e-4, abs=1e-6), key
 
 
 def test_held_out_kto_examples_are_scored_with_trls_metrics(runs):

@@ -58,9 +58,11 @@ def objective_problems(cfg) -> list[str]:
     if par.cp > 1 and (t.objective == "orpo" or d.packing):
         p.append(f"--cp {par.cp} with {'--objective orpo' if t.objective == 'orpo' else '--packing'} does not run yet "
                  "(a slice holds neither the chosen prompt ORPO's NLL reads nor whole documents); drop one")
-    for flag, on in (("--streaming", d.streaming), (f"--pp {par.pp}", par.pp > 1)):
-        if on:
-            p.append(f"{o} does not run with {flag} yet (pairs are whole sequences on one rank); drop {flag.split()[0]}")
+    if d.streaming:
+        p.append(f"{o} does not run with --streaming yet (pairs are whole sequences on one rank); drop --streaming")
+    if par.pp > 1 and d.packing:
+        p.append(f"{o} does not run with --pp and --packing together yet (the last stage scores whole rows); "
+                 "drop one")
     return p
 
 

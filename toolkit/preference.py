@@ -56,6 +56,20 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
     return token_logps(logits, targets).sum(1), (targets != IGNORE_INDEX).sum(1)
 
 
+@torch.no_grad()
+def whole_row_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
+    """`sequence_logps` of whole rows through `model` without gradients; `reference`: LoRA's base, the
+    adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
+    from contextlib import nullcontext
+
+    from accelerate.utils import extract_model_from_parallel
+
+    from toolkit.data.packing import model_inputs
+
+    with extract_model_from_parallel(model).disable_adapter() if reference else nullcontext():
+        return sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])[0]
+
+
 def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                    attention_mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logps` of packed rows (`toolkit.data.packing`): per document, the `n` of them in the
@@ -137,6 +151,11 @@ def pairs_in(batch: dict) -> int | torch.Tensor:
     return batch["pairs"] if "pairs" in batch else batch["input_ids"].shape[0] // 2
 
 
+def orpo_labels(batch: dict) -> torch.Tensor:
+    """ORPO's NLL labels, TRL's: the chosen sequences' (even rows') input ids where attended."""
+    return batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
+
+
 def orpo_nll_tokens(batch: dict) -> torch.Tensor:
     """The tokens ORPO's NLL averages over: every real token of the chosen sequences but the first (TRL's
     ORPO trains the chosen sequence's prompt too)."""
@@ -155,10 +174,12 @@ class PreferenceLoss:
     reference: str | None = None
     nll_scale: torch.Tensor | float = 1.0  # ORPO: the global pairs / the global NLL tokens, set per step
     sums: torch.Tensor | None = None
-    nll: torch.Tensor | None = None  # ORPO: the last micro-batch's NLL sum (unscaled, detached), for eval
     dropouts_off: int = 0
     sum_slices: Any = None  # context parallel: a sequence's slices summed over the cp group (`sliced_logps`)
     cp: int = 1
+    # the layout's whole-sequence log-probabilities without gradients (`Strategy.sequence_logps`: a pipeline's
+    # are its last stage's, sent to every stage), set by `make_strategy`
+    forward_logps: Any = None
     desirable_weight: float = 1.0  # KTO's weights
     undesirable_weight: float = 1.0
     kl: torch.Tensor | float = 0.0  # KTO: z0, the step's KL estimate (`begin_step`)
@@ -212,10 +233,10 @@ class PreferenceLoss:
         rank runs the same forwards (whole sequences, as evaluation does under each layout)."""
         total = None
         for b in micro:
-            inputs = {"input_ids": b["kl_input_ids"], "attention_mask": b["kl_attention_mask"]}
-            policy = sequence_logps(model(**inputs).logits, b["kl_labels"])[0]
-            ref = b["ref_kl_logps"] if self.reference == "precomputed" else \
-                self.reference_logps(model, {"labels": b["kl_labels"]}, inputs)
+            kl = {"input_ids": b["kl_input_ids"], "attention_mask": b["kl_attention_mask"], "labels": b["kl_labels"]}
+            forward = self.forward_logps or whole_row_logps
+            policy = forward(model, kl)
+            ref = b["ref_kl_logps"] if self.reference == "precomputed" else forward(model, kl, reference=True)
             part = torch.stack([(policy - ref.to(policy.device)).sum().double(),
                                 torch.tensor(float(len(policy)), dtype=torch.float64, device=policy.device)])
             total = part if total is None else total + part
@@ -245,17 +266,55 @@ class PreferenceLoss:
             batch["ref_logps"] if self.reference == "precomputed" else None
         out = model(**inputs)
         logps, counts = self.logps(out.logits, batch)
-        ref = ref.to(logps.device) if ref is not None else None
-        total = self.kto_loss(logps, ref, batch["desirable"]) if self.objective == "kto" else \
-            self.pair_loss(logps, counts, ref)
+        total = self.loss_of(logps, counts, ref, batch.get("desirable"))
         if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
             total = total - total.detach() * (1 - 1 / self.cp)  # gradient whole through each rank's slice
-        if self.objective == "orpo":  # TRL: labels are the chosen input ids where attended
-            chosen = batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
-            nll = -sequence_logps(out.logits[0::2], chosen)[0].sum()
-            self.nll = nll.detach()
-            total = total + nll * self.nll_scale
+        if self.objective == "orpo":
+            total = total + self.orpo_nll(out.logits, orpo_labels(batch)) * self.nll_scale
         return total, out
+
+    def loss_of(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
+                desirable: torch.Tensor | None) -> torch.Tensor:
+        """The summed objective of a micro-batch's sequences from their log-probabilities (and target
+        counts, the reference's, KTO's labels); the metrics' sums kept."""
+        ref = ref.to(logps.device) if ref is not None else None
+        if self.objective == "kto":
+            return self.kto_loss(logps, ref, desirable)
+        return self.pair_loss(logps, counts, ref)
+
+    def orpo_nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """ORPO's summed NLL of the chosen sequences (even rows; `orpo_labels`)."""
+        return -sequence_logps(logits[0::2], labels)[0].sum()
+
+    # --- under a pipeline, the last stage gets the logits and one target tensor per micro-batch
+    def pipeline_target(self, batch: dict) -> torch.Tensor:
+        """(rows, T + 2 [+ T]) float64, split with the rows into pipeline micro-batches: the labels, each
+        row's reference log-probability and KTO label, and ORPO's NLL labels; all a pipeline schedule
+        hands its loss function besides the logits (token ids and -100 are exact in float64)."""
+        labels = batch["labels"]
+        rows = labels.shape[0]
+        ref, desirable = batch.get("ref_logps"), batch.get("desirable")
+        cols = [labels.double(), (ref if ref is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device),
+                (desirable if desirable is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device)]
+        if self.objective == "orpo":
+            cols.append(orpo_labels(batch).repeat_interleave(2, 0).double())  # each pair's chosen labels, twice
+        return torch.cat(cols, 1)
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The summed objective of a pipeline micro-batch from `pipeline_target`'s columns."""
+        width = logits.shape[1]
+        labels = target[:, :width].long()
+        logps, counts = sequence_logps(logits, labels)
+        ref = target[:, width] if self.reference is not None else None
+        total = self.loss_of(logps, counts, ref, target[:, width + 1].bool())
+        if self.objective == "orpo":
+            total = total + self.orpo_nll(logits, target[0::2, width + 2:].long()) * self.nll_scale
+        return total
+
+    @property
+    def metric_width(self) -> int:
+        """The length of `take_metrics`' sums."""
+        return 7 if self.objective == "kto" else len(METRICS)
 
     def pair_loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
         """The summed loss of interleaved (chosen, rejected) sequences; their metrics kept."""

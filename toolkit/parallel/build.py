@@ -136,6 +136,11 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
 
     strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
     strategy.loss.objective = PreferenceLoss.from_config(cfg)
+    if strategy.loss.objective is not None:
+        if cfg.parallel.pp > 1 and getattr(strategy, "layout", True) is None:
+            raise UserError(f"--objective {cfg.train.objective} with --pp {cfg.parallel.pp} runs one process per "
+                            f"stage: launch {cfg.parallel.pp} (torchrun --nproc_per_node {cfg.parallel.pp})")
+        strategy.loss.objective.forward_logps = strategy.sequence_logps
     context = getattr(strategy, "context", None)
     if strategy.loss.objective is not None and context is not None and context.group is not None:
         from functools import partial

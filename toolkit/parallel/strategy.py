@@ -89,6 +89,14 @@ class Strategy(Protocol):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return self.loss.loss_fn(logits, batch["labels"])
 
+    def sequence_logps(self, model, batch: dict, reference: bool = False) -> torch.Tensor:
+        """Each whole row's summed target log-probability, without gradients (a preference objective's
+        reference pass, KL estimate and evaluation; under context parallel the rows are whole, as in
+        evaluation); `reference`: the base model, LoRA's adapters disabled. Every rank gets them."""
+        from toolkit.preference import whole_row_logps
+
+        return whole_row_logps(model, batch, reference)
+
     def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
         """(the loss this layout trains, per target token, the model's own `model(input_ids,
         labels=...)` loss) on `batch`, without gradients: they must agree before step 1

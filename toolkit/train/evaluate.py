@@ -128,29 +128,37 @@ def cache_kwarg(model) -> str:
 
 @torch.no_grad()
 def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict[str, float]:
-    """A preference objective on held-out pairs: its mean loss per pair (`eval_loss`; ORPO's NLL over
-    all the held-out chosen tokens, as training's over the global batch's) and TRL's metrics
-    (`eval_rewards/accuracies`, ...), means over the pairs; sharded as `eval_loss`."""
-    from toolkit.data.packing import model_inputs
-    from toolkit.preference import orpo_nll_tokens, pairs_in
+    """A preference objective on held-out pairs (KTO's examples): its mean loss per pair (`eval_loss`;
+    ORPO's NLL over all the held-out chosen tokens, as training's over the global batch's) and TRL's
+    metrics (`eval_rewards/accuracies`, ...), means over the pairs; sharded as `eval_loss`. From the
+    layout's whole-row log-probabilities (`Strategy.sequence_logps`), so a pipeline's too; KTO's KL
+    estimate from each batch alone (TRL's, in evaluation)."""
+    from toolkit.data.labels import shift_labels
+    from toolkit.data.tokenize import IGNORE_INDEX
+    from toolkit.preference import orpo_labels, orpo_nll_tokens, pairs_in
 
     accelerator, objective = strategy.accelerator, strategy.loss.objective
     model.eval()
-    # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
-    total = None
-    scale, objective.nll_scale = objective.nll_scale, 0.0  # the pair loss alone; the NLL is summed apart
+    total = None  # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
     try:
         for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
-            if objective.objective == "kto":  # its KL estimate from this batch alone (TRL's, in evaluation)
+            logps = strategy.sequence_logps(model, batch)
+            ref = batch["ref_logps"] if objective.reference == "precomputed" else \
+                strategy.sequence_logps(model, batch, reference=True) if objective.reference == "adapters" else None
+            if objective.objective == "kto":
                 objective.kl = objective.kl_estimate(model, [batch], lambda x: x, 1)
-            loss, _ = objective(model, batch, model_inputs(batch))  # summed over the batch's pairs
-            nll = objective.nll if objective.objective == "orpo" else torch.zeros(())
+            counts = (shift_labels(batch["labels"]) != IGNORE_INDEX).sum(1).to(logps.device)
+            loss = objective.loss_of(logps, counts, ref, batch.get("desirable"))
+            nll = torch.zeros((), device=logps.device)
+            if objective.objective == "orpo":
+                chosen = {"input_ids": batch["input_ids"][0::2], "attention_mask": batch["attention_mask"][0::2],
+                          "labels": orpo_labels(batch)}
+                nll = -strategy.sequence_logps(model, chosen).sum()
             parts = torch.stack([t.to(accelerator.device, torch.float64) for t in
                                  (loss, torch.tensor(float(pairs_in(batch))), nll, orpo_nll_tokens(batch))])
-            part = bool(held) * torch.cat([parts.to(accelerator.device), objective.take_metrics().to(accelerator.device)])
+            part = bool(held) * torch.cat([parts, objective.take_metrics().to(accelerator.device)])
             total = part if total is None else total + part
     finally:
-        objective.nll_scale = scale
         model.train()
     total = accelerator.reduce(total, "sum")
     pairs = total[1].clamp(min=1)

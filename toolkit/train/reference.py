@@ -78,18 +78,17 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank."""
-    from toolkit.data.packing import model_inputs
-    from toolkit.preference import sequence_logps
     from toolkit.train.evaluate import sharded_batches
 
     accelerator = strategy.accelerator
     out = torch.zeros(len(rows), 2, dtype=torch.float64, device=accelerator.device)
     model.eval()
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
-        logps = sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])[0]
+        logps = strategy.sequence_logps(model, batch)
         if "kl_input_ids" in batch:  # KTO: one sequence per example, and its KL sequence
-            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"]}
-            logps = torch.stack([logps, sequence_logps(model(**kl).logits, batch["kl_labels"])[0]], 1)
+            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
+                  "labels": batch["kl_labels"]}
+            logps = torch.stack([logps, strategy.sequence_logps(model, kl)], 1)
         if held:
             out[torch.tensor(held, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
     model.train()

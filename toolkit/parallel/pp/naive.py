@@ -92,8 +92,9 @@ class NaivePipeline(nn.Module):
                     acts[i] = self.stages[s](acts[i], **stage_inputs(mbs[i]))
         return acts
 
-    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch; gradients accumulate. Returns the summed token loss."""
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor, objective=None) -> torch.Tensor:
+        """Forward and backward of one batch; gradients accumulate. Returns the summed token loss (a
+        preference `objective` is refused before this pipeline is built: `make_strategy`)."""
         mbs = split_microbatches(batch, self.microbatches)
         logits = self.forward_microbatches(batch)
         total = sum(self.loss_fn(lg, mb["labels"].to(lg.device)) for lg, mb in zip(logits, mbs))

@@ -26,6 +26,7 @@ from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own
 from toolkit.loss import count_targets, token_loss_sum
 
 PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")  # (B, T): what the stages are given
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
 
 
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad every (B, T) tensor to a multiple of `multiple` tokens: masked, label -100,
+    """The stages' (B, T) tensors (`SEQUENCE_KEYS`; a batch's others are per row or a preference
+    objective's KL sequences), right-padded to a multiple of `multiple` tokens: masked, label -100,
     positions continuing (packed rows' padding is its own block)."""
+    batch = {k: v for k, v in batch.items() if k in SEQUENCE_KEYS}
     t = batch["input_ids"].shape[1]
     extra = -t % multiple
     if not extra:
@@ -102,6 +105,10 @@ class StagePipeline(nn.Module):
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
+        # what the last stage computes from the logits: the token loss, a preference objective's
+        # (`toolkit.preference.PreferenceLoss.pipeline_loss`, with its metrics' sums per micro-batch), or
+        # each row's log-probability (`sequence_logps`)
+        self._objective, self._metrics, self._logps_only = None, [], False
 
     def describe(self) -> str:
         bounds = ", ".join(f"stage {i}: blocks {a}-{b - 1}" for i, (a, b) in enumerate(stage_bounds(self.sizes)))
@@ -109,8 +116,17 @@ class StagePipeline(nn.Module):
                 f"{self.schedule_name}, {self.microbatches} micro-batches, expected bubble "
                 f"(p-1)/(m+p-1) = {bubble_fraction(self.layout.pp, self.microbatches):.1%}")
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(logits, labels)
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._logps_only:  # a row's log-probability per record; nothing to back-propagate
+            from toolkit.preference import sequence_logps
+
+            self._losses.append(sequence_logps(logits, target)[0].detach().double())
+            return logits.new_zeros(())
+        if self._objective is not None:
+            loss = self._objective.pipeline_loss(logits, target)
+            self._metrics.append(self._objective.take_metrics())
+        else:
+            loss = self.loss_fn(logits, target)
         self._losses.append(loss.detach().double())
         return loss * (self._scale.to(loss.device) if torch.is_tensor(self._scale) else self._scale)
 
@@ -127,7 +143,10 @@ class StagePipeline(nn.Module):
             self._schedules[key] = cls(stage, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
         return self._schedules[key]
 
-    def _run(self, batch: dict[str, torch.Tensor], m: int, train: bool) -> torch.Tensor:
+    def _run(self, batch: dict[str, torch.Tensor], m: int, train: bool, rows: bool = False) -> torch.Tensor:
+        """The summed loss of `batch` (or, `rows`, each row's record) as the last stage computed it, on
+        every rank of the pipeline."""
+        given = batch
         batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)
         extra = {k: v.to(self.device) for k, v in stage_inputs(batch).items()}
         if "position_ids" not in extra:  # every stage builds its mask from the same positions
@@ -135,23 +154,54 @@ class StagePipeline(nn.Module):
             extra["position_ids"] = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t).contiguous()
         schedule = self._schedule(tuple(batch["input_ids"].shape), m, tuple(sorted(extra)))
         args = (batch["input_ids"].to(self.device),) if self.first else ()
-        target = batch["labels"].to(self.device) if self.last else None
-        self._losses = []
+        target = None
+        if self.last:
+            target = self._objective.pipeline_target({**given, **batch}) if self._objective is not None else batch["labels"]
+            target = target.to(self.device)
+        self._losses, self._metrics = [], []
+        kept = None
+        if self._objective is not None:  # the step's sums so far, apart from this batch's (`_loss` takes them)
+            kept, self._objective.sums = self._objective.sums, None
         (schedule.step if train else schedule.eval)(*args, target=target, losses=[] if self.last else None,
                                                     return_outputs=False, **extra)
         # the last m records are this step's micro-batches (a schedule's first step also calls the
         # loss function once on a stand-in output, to set up backward)
-        total = (torch.stack(self._losses[-m:]).sum() if self.last
-                 else torch.zeros((), dtype=torch.float64, device=self.device))
+        if rows:
+            total = (torch.cat(self._losses[-m:]) if self.last
+                     else torch.zeros(len(given["input_ids"]), dtype=torch.float64, device=self.device))
+        else:
+            total = (torch.stack(self._losses[-m:]).sum() if self.last
+                     else torch.zeros((), dtype=torch.float64, device=self.device))
         # every rank of the pipeline reports the loss the last stage computed
         dist.broadcast(total, group=self.layout.pp_group, group_src=self.layout.pp - 1)
+        if self._objective is not None:  # and the objective's metrics, for the step's record
+            sums = (torch.stack(self._metrics[-m:]).sum(0).to(self.device) if self.last
+                    else torch.zeros(self._objective.metric_width, dtype=torch.float64, device=self.device))
+            dist.broadcast(sums, group=self.layout.pp_group, group_src=self.layout.pp - 1)
+            self._objective.sums = sums if kept is None else kept + sums
         return total
 
-    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor) -> torch.Tensor:
+    def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor, objective=None) -> torch.Tensor:
         """Forward and backward of one batch in m micro-batches; gradients accumulate. `scale` may be a
-        tensor (the loop's global target count stays on the device)."""
-        self._scale = scale
-        return self._run(batch, self.microbatches, train=True)
+        tensor (the loop's global target count stays on the device). `objective`: a preference
+        objective computed on the last stage instead of the token loss (m splits keep pairs whole:
+        `toolkit.objective_spec.objective_problems`)."""
+        self._scale, self._objective = scale, objective
+        try:
+            return self._run(batch, self.microbatches, train=True)
+        finally:
+            self._objective = None
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each row's summed target log-probability (float64), on every rank of the pipeline: a
+        forward in the run's pipeline micro-batches where they divide the rows."""
+        self._logps_only = True
+        try:
+            rows = len(batch["input_ids"])
+            return self._run(batch, self.microbatches if rows % self.microbatches == 0 else 1, train=False, rows=True)
+        finally:
+            self._logps_only = False
 
     @torch.no_grad()
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -5,6 +5,7 @@ themselves (`train_step`); the loop sees one strategy like any other."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -67,6 +68,8 @@ class PipelineStrategy(Strategy):
         mesh = f"layout: device mesh {self.dims.describe()}\n" if self.layout is not None else "layout: "
         transform = LogitTransform.of(self.pipe.model)
         how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
+        if self.loss.objective is not None:
+            return f"{mesh}{self.pipe.describe()}\nloss: {self.loss.objective.describe()}, on the last stage"
         return f"{mesh}{self.pipe.describe()}\nloss: full logits{how} + cross-entropy on the last stage"
 
     def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
@@ -80,13 +83,25 @@ class PipelineStrategy(Strategy):
         return self.pipe.model if self.pipe is not None else model
 
     def forward_backward(self, model, micro: list[dict], scale) -> torch.Tensor:
+        """A preference objective is computed on the last stage from each row's log-probability; LoRA's
+        reference first, in a forward of the whole pipeline with the adapters disabled."""
         total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        objective = self.loss.objective
         for batch in micro:  # the stages run forward and backward themselves
-            total += self.pipe.train_step(batch, scale=scale).to(total.device)
+            if objective is not None and objective.reference == "adapters":
+                batch = {**batch, "ref_logps": self.sequence_logps(model, batch, reference=True)}
+            total += self.pipe.train_step(batch, scale=scale, objective=objective).to(total.device)
         self.pipe.finish_grads()  # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
         if self.shard_mesh is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
             self.tp.reduce_partial_grads(self.pipe.model)
         return total
+
+    def sequence_logps(self, model, batch: dict, reference: bool = False) -> torch.Tensor:
+        """Through the stages (their last one's, sent to every stage); `reference`: LoRA's adapters off."""
+        if self.pipe is None or self.layout is None:
+            return Strategy.sequence_logps(self, model, batch, reference)
+        with self.pipe.model.disable_adapter() if reference else nullcontext():
+            return self.pipe.sequence_logps(batch).float()
 
     def clip_grad_norm(self, model, max_norm: float):
         if self.layout is None:  # the naive pipeline: every stage in this process
