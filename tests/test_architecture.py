@@ -19,7 +19,7 @@ LAYERS = [
     ("models", ["models", "attention"]),
     ("data", ["data"]),
     ("planner", ["planner"]),
-    ("loss", ["loss", "preference"]),
+    ("loss", ["loss", "preference", "router_load"]),
     ("parallel", ["parallel"]),
     ("train", ["train"]),
     ("command line", ["__main__", "startup", "calibrate", "synthetic"]),

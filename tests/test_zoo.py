@@ -85,5 +85,10 @@ def test_each_architecture_trains_its_own_loss_on_each_layout_or_is_refused_in_o
     assert "integrity: " in said and "reloads with plain transformers/peft" in said  # final/ reloads, same loss
     steps = losses(run["out"])
     assert len(steps) == 2
+    moe = arch in MOE_AUX or arch == "deepseek_v3"  # the routers' spread is in every record (toolkit.router_load)
+    for r in (r for r in records(run["out"]) if "loss" in r):
+        assert ("expert_load_cv" in r) == moe, (arch, layout)
+        if moe:
+            assert 0 <= r["expert_load_min"] <= 1 <= r["expert_load_max"] and r["expert_load_cv"] >= 0
     if layout in SAME:
         assert steps == pytest.approx(losses(zoo[(arch, "full")]["out"]), rel=1e-4)

@@ -179,10 +179,10 @@ def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, to
 
         return {**collate_sequences(pair_rows(batch), pad_id, whole), **pair_extras(batch)}
     if "kl_input_ids" in batch[0]:  # KTO's examples, each with its KL estimate's sequence
-        from toolkit.data.pairs import kto_extras
+        from toolkit.data.pairs import kl_rows, kto_extras
 
         rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]
-        return {**collate_sequences(rows, pad_id, whole), **kto_extras(batch, pad_id)}
+        return {**collate_sequences(rows, pad_id, whole), **kto_extras(batch, collate_sequences(kl_rows(batch), pad_id))}
     return collate_sequences(batch, pad_id, whole)
 
 

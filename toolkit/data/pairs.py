@@ -208,13 +208,15 @@ def kto_balance(desirable: list[bool], desirable_weight: float, undesirable_weig
     return line
 
 
-def kto_extras(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """A KTO micro-batch's extras beside its padded sequences: `pairs` (here the examples: the loss's
-    normaliser), `desirable`, the KL sequences padded as their own batch (`kl_*`), and the precomputed
-    reference log-probabilities (`ref_logps`, `ref_kl_logps`) where the rows carry them."""
-    from toolkit.data import collate_sequences
+def kl_rows(batch: list[dict]) -> list[dict]:
+    """A KTO micro-batch's KL sequences, as rows to pad (`toolkit.data.collate`)."""
+    return [{"input_ids": x["kl_input_ids"], "labels": x["kl_labels"]} for x in batch]
 
-    kl = collate_sequences([{"input_ids": x["kl_input_ids"], "labels": x["kl_labels"]} for x in batch], pad_id)
+
+def kto_extras(batch: list[dict], kl: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A KTO micro-batch's extras beside its padded sequences: `pairs` (here the examples: the loss's
+    normaliser), `desirable`, the KL sequences padded as their own batch (`kl`, as `kl_*`), and the
+    precomputed reference log-probabilities (`ref_logps`, `ref_kl_logps`) where the rows carry them."""
     out = {"pairs": torch.tensor(len(batch)), "desirable": torch.tensor([bool(x["desirable"]) for x in batch]),
            **{f"kl_{k}": v for k, v in kl.items()}}
     if "ref_logps" in batch[0]:

@@ -211,6 +211,7 @@ class LossHead:
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
         self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
         self.objective = None  # a preference objective (`toolkit.preference.PreferenceLoss`): pairs, full logits
+        self.router_load = None  # an MoE model's tokens per expert (`toolkit.router_load.RouterLoad`)
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
@@ -225,6 +226,10 @@ class LossHead:
         if self.loss_fn is token_loss_sum and self.objective is None:
             self.head = loss_head_for(model, choice, self.device_type)
         self.aux_coef = router_aux_coef(model.config)
+        if self.router_load is None:
+            from toolkit.router_load import RouterLoad
+
+            self.router_load = RouterLoad.attach(model)  # tokens per expert, for the metrics
 
     def full_logits(self) -> None:
         """Back to full logits (`--loss auto` after a failed loss check): the LM head restored."""

@@ -446,7 +446,10 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
                            "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
     if aux is not None:
         aux = accelerator.reduce(aux, "sum") / run.replicas
-    return Step(loss, counts, grad_norm, finite, aux, preference)
+    load = None
+    if strategy.loss.router_load is not None:  # tokens per expert: ratios are read from it, so no normaliser
+        load = accelerator.reduce(strategy.loss.router_load.take(accelerator.device), "sum")
+    return Step(loss, counts, grad_norm, finite, aux, preference, load)
 
 
 def log_window(run: Run, step: int, epoch: int) -> None:
@@ -501,6 +504,10 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
                           "and mfu count from step " f"{step + 1} on")
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
+    if w.get("load") is not None:  # how evenly the routers spread the window's tokens
+        from toolkit.router_load import load_stats
+
+        extra.update(load_stats(w["load"]))
     if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
         extra.update(strategy.loss.objective.metric_values(w["preference"], w["targets"]))
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],

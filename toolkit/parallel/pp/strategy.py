@@ -60,6 +60,8 @@ class PipelineStrategy(Strategy):
         sample = (loader.batch_size, longest_row(loader.dataset, self.cfg.data.seq_len))
         fn = loader.collate_fn  # a partial of collate, or a stream's StreamCollate
         pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
+        # full logits on the last stage; a preference objective's dropout off, an MoE model's load counted
+        self.loss.choose(model, "full")
         self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss.loss_fn,
                                    self.shard_mesh)
         return self.pipe, optimizer_fn(self.pipe), self.data.loader(loader)

@@ -1,0 +1,103 @@
+"""How an MoE model's routers spread its tokens over the experts, so a collapsing router is seen.
+
+transformers 5 calls every routed-experts module of every MoE architecture the same way,
+`experts(hidden_states, top_k_index, top_k_weights)` (Mixtral, Qwen3-MoE, DeepSeek-V3; gpt-oss names
+them `router_indices`, `routing_weights`), whatever the experts' form inside: the model says where its experts are by that signature, and a
+forward pre-hook on each counts the tokens routed to each expert, on the device (no read-back), for
+the training forwards only (not evaluation, a reference or a KL forward without gradients, nor the
+recomputation of a checkpointed block in backward). Padding is not counted where the 2-D mask the
+model was called with lines up with the tokens the block routes (padded rows; not a context-parallel
+slice or packed rows, whose padding is a row's tail alone).
+
+The record's figures (`load_stats`), each expert's tokens over its layer's mean (1 is an even share):
+`expert_load_min` and `expert_load_max`, the least and most loaded expert of any MoE layer, and
+`expert_load_cv`, the coefficient of variation (std / mean) of tokens per expert, averaged over the
+MoE layers. They are ratios, so the counts' sum over ranks needs no normaliser.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's routed-experts modules, in its order: those whose forward takes (hidden_states,
+    each token's top-k experts, their weights) and that know their `num_experts`."""
+    found = []
+    for module in model.modules():
+        if not isinstance(getattr(module, "num_experts", None), int):
+            continue
+        try:
+            params = tuple(inspect.signature(module.forward).parameters)[:3]
+        except (TypeError, ValueError):
+            continue
+        if len(params) == 3 and params[0] == "hidden_states" and params[1] in INDEX_NAMES:
+            found.append(module)
+    return found
+
+
+def load_stats(counts: torch.Tensor) -> dict[str, float]:
+    """From (MoE layers, experts) token counts: the least and most loaded expert's tokens over its
+    layer's mean, and the coefficient of variation per layer, averaged (module docstring)."""
+    counts = counts.double()
+    mean = counts.mean(1, keepdim=True)
+    used = mean[:, 0] > 0  # a layer no token reached (a pipeline stage's, say) says nothing
+    if not used.any():
+        return {}
+    share = counts[used] / mean[used]
+    cv = counts[used].std(1, unbiased=False) / mean[used, 0]
+    return {"expert_load_min": share.min().item(), "expert_load_max": share.max().item(),
+            "expert_load_cv": cv.mean().item()}
+
+
+class RouterLoad:
+    """Tokens per expert of every MoE layer since the last `take`, (layers, experts) on the device."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+        self.experts = max(m.num_experts for m in modules)
+        self.counts: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # the 2-D attention mask of the forward running, flattened
+        self.handles = [model.register_forward_pre_hook(self._keep_mask, with_kwargs=True)]
+        self.handles += [m.register_forward_pre_hook(self._counter(i, len(modules)), with_kwargs=True)
+                         for i, m in enumerate(modules)]
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> "RouterLoad | None":
+        """Counting hooks on `model`'s experts, or None for a dense model."""
+        modules = experts_modules(model)
+        return cls(model, modules) if modules else None
+
+    def _keep_mask(self, module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask")
+        self.mask = mask.reshape(-1) if torch.is_tensor(mask) and mask.dim() == 2 else None
+
+    def _counter(self, layer: int, layers: int):
+        def count(module, args, kwargs) -> None:
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return  # a forward without gradients, or a checkpointed block recomputed in backward
+            index = args[1] if len(args) > 1 else next(kwargs[n] for n in INDEX_NAMES if n in kwargs)
+            index = index.reshape(len(index), -1)  # (tokens, top-k)
+            weights = None
+            if self.mask is not None and self.mask.numel() == len(index):
+                weights = self.mask.to(index.device, torch.float32).repeat_interleave(index.shape[1])
+            seen = torch.bincount(index.reshape(-1), weights=weights, minlength=self.experts + 1)[:self.experts]
+            if self.counts is None:
+                self.counts = torch.zeros(layers, self.experts, dtype=torch.float64, device=index.device)
+            self.counts[layer] += seen.to(self.counts.dtype)
+        return count
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The counts since the last call: zeros on a rank whose forwards reached none of the MoE
+        layers (a pipeline stage without one), so every rank reduces the same shape."""
+        taken, self.counts = self.counts, None
+        return taken if taken is not None else torch.zeros(len(self.handles) - 1, self.experts, dtype=torch.float64,
+                                                           device=device)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
