@@ -284,6 +284,8 @@ def runs(tmp_path_factory, tiny_model, pairs_file, unpaired_file):
                   for m, o in (("full", "orpo"), ("lora", "simpo"))})
     specs[("cp", "lora", "simpo")] = (2, ["--method", "lora", "--objective", "simpo", "--micro-batch-size", "2",
                                           "--grad-accum", "2", "--cp", "2"])
+    specs[("cp", "full", "orpo")] = (2, ["--method", "full", "--objective", "orpo", "--micro-batch-size", "2",
+                                         "--grad-accum", "2", "--cp", "2"])
     specs[("pp", "full", "orpo_eval")] = (2, ["--method", "full", "--objective", "orpo", "--micro-batch-size", "1",
                                               "--grad-accum", "2", *evals, *LAYOUTS["pp"]])
     packed = ["--packing", "--seq-len", "48"]  # rows of 96 tokens: two or three pairs each
@@ -316,11 +318,11 @@ def test_dpo_on_every_layout_matches_one_process(runs, name, method):
 
 
 @pytest.mark.parametrize("method, objective, layout", [("full", "orpo", "ddp"), ("lora", "simpo", "ddp"),
-                                                       ("lora", "simpo", "cp")])
+                                                       ("lora", "simpo", "cp"), ("full", "orpo", "cp")])
 def test_orpo_and_simpo_normalise_over_the_global_batch(runs, method, objective, layout):
     """ORPO's NLL term (over the global batch's chosen tokens) and SimPO's pairs: 2 ranks x 2
-    accumulation steps give one process's losses; SimPO's mean log-probabilities under --cp 2 too
-    (each sequence's sum and token count over its two slices)."""
+    accumulation steps give one process's losses; under --cp 2 too, SimPO's mean log-probabilities (each
+    sequence's sum and token count over its two slices) and ORPO's (its NLL each slice's share)."""
     from distributed import records
 
     ref, got = records(runs("one", method, objective)), records(runs(layout, method, objective))
@@ -420,7 +422,7 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
     (["--objective", "orpo", "--label-smoothing", "0.1"], "pairs", "--label-smoothing applies to dpo and simpo"),
     ([*DPO, "--loss", "chunked"], "pairs", "--loss chunked computes only their summed loss: use --loss auto"),
     (["--objective", "orpo", "--packing"], "pairs", "--objective orpo does not run with --packing yet"),
-    (["--objective", "orpo", "--cp", "2"], "pairs", "--cp 2 with --objective orpo does not run yet"),
+    ([*DPO, "--cp", "2", "--packing"], "pairs", "--cp 2 with --packing does not run yet for --objective dpo"),
     (["--beta", "0.2"], "pairs", "--beta set a preference objective's loss; pass --objective dpo"),
     (["--objective", "kto", "--packing"], "kto", "--objective kto does not run with --packing yet"),
     ([*DPO, "--pp", "2", "--pp-devices", "cpu,cpu"], "pairs", "--objective dpo with --pp 2 runs one process per stage"),

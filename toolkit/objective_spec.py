@@ -55,9 +55,9 @@ def objective_problems(cfg) -> list[str]:
         why = "its NLL reads each chosen sequence's prompt" if t.objective == "orpo" else \
             "its KL estimate's sequences are not packed"
         p.append(f"--objective {t.objective} does not run with --packing yet ({why}); drop --packing, or use dpo or simpo")
-    if par.cp > 1 and (t.objective == "orpo" or d.packing):
-        p.append(f"--cp {par.cp} with {'--objective orpo' if t.objective == 'orpo' else '--packing'} does not run yet "
-                 "(a slice holds neither the chosen prompt ORPO's NLL reads nor whole documents); drop one")
+    if par.cp > 1 and d.packing:
+        p.append(f"--cp {par.cp} with --packing does not run yet for {o} (a slice holds no whole documents); "
+                 "drop one")
     if d.streaming:
         p.append(f"{o} does not run with --streaming yet (pairs are whole sequences on one rank); drop --streaming")
     if par.pp > 1 and d.packing:

@@ -269,7 +269,9 @@ class PreferenceLoss:
         total = self.loss_of(logps, counts, ref, batch.get("desirable"))
         if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
             total = total - total.detach() * (1 - 1 / self.cp)  # gradient whole through each rank's slice
-        if self.objective == "orpo":
+        if self.objective == "orpo" and "targets" in batch:  # a slice's share of the NLL: the slices' shares add up
+            total = total - token_logps(out.logits[0::2], batch["orpo_targets"]).sum() * self.nll_scale
+        elif self.objective == "orpo":
             total = total + self.orpo_nll(out.logits, orpo_labels(batch)) * self.nll_scale
         return total, out
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.data.labels import shift_labels
 from toolkit.objective_spec import WHOLE
+from toolkit.preference import orpo_labels
 
 INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
 _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}
@@ -163,6 +164,7 @@ class ContextParallel:
         local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
                             "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
                  "targets": shift_labels(full["labels"])[:, part],  # shifted whole: a slice's last token keeps its target
+                 **({"orpo_targets": shift_labels(orpo_labels(full))[:, part]} if "pairs" in batch else {}),
                  **{k: batch[k] for k in WHOLE if k in batch}}  # a preference objective's, whole
         _active = {"group": self.group, "masks": masks}
         try:
