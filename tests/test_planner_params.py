@@ -184,7 +184,7 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
     """Every mesh row of a plan for the MoE presets is runnable exactly when the run's own rules
     (`rules.not_runnable`, `rules.model_problems` on the config with its class's TP plan, as
     `parallel.build` gives it) accept it, and the chosen layout is one of those: Qwen3-30B-A3B's tp rows
-    are all refused (its experts) and the choice has no tp. The wiring, shown with one rule: a
+    are all refused under LoRA (its adapters on the stacked experts) and the choice has no tp. The wiring, shown with one rule: a
     model_problems that refuses every --tp leaves no runnable tp row, each one giving its words."""
     from toolkit.layout import rules
     from toolkit.layout.dims import ParallelDims
@@ -202,14 +202,14 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
                 continue
             d = ParallelDims(8, **c.dims)
             accepted = not rules.not_runnable(d, "lora", "bf16", "auto") and not rules.model_problems(
-                with_tp_plan(PRESETS[name]), d.tp, d.pp, d.cp, 8)
+                with_tp_plan(PRESETS[name]), d.tp, d.pp, d.cp, 8, "lora")
             assert c.runnable == accepted, (name, c.name, c.why_not)
         assert p.chosen_detail is None or p.chosen_detail.runnable
         if name == "qwen3-30b-a3b":
             assert not any(c.runnable for c in p.strategies if c.dims and c.dims["tp"] > 1)
             assert (p.chosen_detail.dims or {}).get("tp", 1) == 1
 
-    def refuse_tp(cfg, tp, pp, cp, world):
+    def refuse_tp(cfg, tp, pp, cp, world, method):
         return [f"--tp {tp}: refused for this test"] if tp > 1 else []
 
     monkeypatch.setattr(planning, "model_problems", refuse_tp)

@@ -122,11 +122,9 @@ def test_primitives_are_identity_on_one_rank():
 # ---------------------------------------------------------------- the plan, from base_model_tp_plan
 
 # The zoo (toolkit.synthetic.ZOO) under --tp 2: what runs, and the plan entry each refusal names
-ZOO_TP_RUNS = ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "cohere", "granite", "gpt_neox")
+ZOO_TP_MOE = ("mixtral", "qwen3_moe", "deepseek_v3")  # every expert's intermediate split (moe_tp_experts)
+ZOO_TP_RUNS = ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "cohere", "granite", "gpt_neox", *ZOO_TP_MOE)
 ZOO_TP_REFUSED = {"gpt2": "its config declares no base_model_tp_plan",
-                  "mixtral": "'layers.*.mlp.experts: moe_tp_experts'",
-                  "qwen3_moe": "'layers.*.mlp.experts: moe_tp_experts'",
-                  "deepseek_v3": "'layers.*.mlp.experts: moe_tp_experts'",
                   "gpt_oss": "'embed_tokens: embedding_rowwise'"}
 
 
@@ -215,7 +213,9 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
             logits = tpm(input_ids=ids, attention_mask=mask).logits
             token_loss_sum(logits, ids).backward()
             key = f"{name}/{method}"
-            if method == "full" and "gathered" not in tpm.toolkit_tp:  # Megatron's: 2 all-reduces of b*s*h per block each way
+            if method == "full" and "gathered" not in tpm.toolkit_tp and "experts" not in tpm.toolkit_tp:
+                # Megatron's: 2 all-reduces of b*s*h per block each way (an MoE block's experts copy in their
+                # routing weights too, and DeepSeek-V3's attention stays whole)
                 expected = 2 * tpm.config.num_hidden_layers * ids.numel() * tpm.config.hidden_size * 4
                 out[key + "/bytes_off"] = abs(TRAFFIC["forward"] - expected) + abs(TRAFFIC["backward"] - expected)
             out[key + "/logits"] = (logits - logits_ref).abs().max().item()
@@ -308,7 +308,7 @@ def test_logits_and_every_gradient_match_unsharded(model_dirs, world, tmp_path):
         bad = {k: v for k, v in diff.items() if not k.endswith(("n_grads", "packed_params")) and v > 1e-5}
         assert not bad, f"rank {rank}: {bad}"
         assert len([k for k in diff if k.endswith("/grads")]) == sum(len(d["methods"]) for d in dirs.values())
-        local = 5 + (len(ZOO_TP_RUNS) if world == 2 else 0)  # full runs with no gathered region
+        local = 5 + (len(ZOO_TP_RUNS) - len(ZOO_TP_MOE) if world == 2 else 0)  # full dense runs, no gathered region
         assert len([k for k in diff if k.endswith("/bytes_off")]) == local  # checked (== 0) by `bad` above
         if world == 2:  # the packed qkv_proj and gate_up_proj weights of 2 blocks (LoRA: and their lora_B)
             assert diff["zoo/phi3/full/packed_params"] == 4 and diff["zoo/phi3/lora/packed_params"] == 8
@@ -327,7 +327,7 @@ def test_zoo_tp_support_matrix(tmp_path):
 
     assert set(ZOO) == set(ZOO_TP_RUNS) | set(ZOO_TP_REFUSED)
     cfg = SimpleNamespace(parallel=SimpleNamespace(tp=2, pp=1, cp=1),
-                          model=SimpleNamespace(trust_remote_code=False, router_aux_loss_coef=None))
+                          model=SimpleNamespace(trust_remote_code=False, router_aux_loss_coef=None, method="full"))
     for t in ZOO:
         AutoConfig.for_model(t, **ZOO[t]).save_pretrained(tmp_path / t)
         problems = _model_problems(cfg, str(tmp_path / t), world=2)
@@ -336,6 +336,11 @@ def test_zoo_tp_support_matrix(tmp_path):
         else:
             assert len(problems) == 1 and problems[0].startswith(f"--tp 2: {t}: "), (t, problems)
             assert ZOO_TP_REFUSED[t] in problems[0] and "drop --tp" in problems[0], (t, problems)
+    cfg.model.method = "lora"  # LoRA's adapters on stacked experts are not split: refused before the weights load
+    for t in ZOO_TP_MOE:
+        problems = _model_problems(cfg, str(tmp_path / t), world=2)
+        assert problems == [f"--tp 2 with --method lora: {t}'s LoRA adapts its stacked experts, which TP does not split "
+                            "yet; use --method full with --tp, or drop --tp (--dp-shard N or --zero-stage 3)"]
 
 
 def test_reading_the_plan():
@@ -352,6 +357,13 @@ def test_reading_the_plan():
     assert gathered.regions == (Region("mlp", ("gate_up_proj",), "down_proj", gathered=True),)
     packed = read_tp_plan({"layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"})
     assert packed.regions[0].packed == ("gate_up_proj",)
+    # a routed-experts module (Qwen3-MoE's): its stacked projections a region of their own, beside the
+    # dense MLP's (its mlp_only_layers) though inside its path: a block holds one or the other
+    from transformers import AutoConfig
+
+    moe = read_tp_plan(AutoConfig.for_model("qwen3_moe").base_model_tp_plan)
+    assert Region("mlp.experts", ("gate_up_proj",), "down_proj", packed=("gate_up_proj",), experts=True) in moe.regions
+    assert Region("mlp", ("gate_proj", "up_proj"), "down_proj") in moe.regions
     refusals = {  # plan -> the entry named
         "layers.*.mlp.up_proj: colwise": {"layers.*.mlp.up_proj": "colwise"},  # no row layer closes the region
         "layers.*.mlp.down_proj: rowwise_split_input": {"layers.*.mlp.up_proj": "colwise",
@@ -359,8 +371,7 @@ def test_reading_the_plan():
         "layers.*.self_attn.q_norm: replicated_with_grad_allreduce": {
             "layers.*.self_attn.q_proj": "colwise_gather_output", "layers.*.self_attn.o_proj": "rowwise_split_input",
             "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"},  # its gradient is whole there
-        "layers.*.mlp.shared.up: colwise": {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
-                                            "layers.*.mlp.shared.up": "colwise", "layers.*.mlp.shared.down": "rowwise"},
+        "layers.*.mlp.experts: moe_tp_experts": {"layers.*.mlp.experts": "moe_tp_experts"},  # nothing under it
         "layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj": {
             "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"},
         "layers.*: sequence_parallel": {"layers.*": "sequence_parallel"},

@@ -33,7 +33,6 @@ MOE_AUX = ("mixtral", "qwen3_moe", "gpt_oss")  # output_router_logits with coeff
 # (architecture, layout) -> words of its expected one-line refusal
 REFUSED = {
     ("gpt2", "tp2"): "declares no base_model_tp_plan",
-    **{(a, "tp2"): "moe_tp_experts" for a in ("mixtral", "qwen3_moe", "deepseek_v3")},
     ("gpt_oss", "tp2"): "embedding_rowwise",  # the only entry of its plan: nothing inside the blocks to split
     ("gpt2", "pp2"): "declares no base_model_pp_plan",
     **{(a, "pp2"): "--router-aux-loss-coef 0" for a in MOE_AUX},

@@ -244,24 +244,29 @@ def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
         return [f"--tp {t}: must be >= 1"]
     nq = cfg.get("num_attention_heads")
     sizes = (("attention heads", nq), ("kv heads", cfg.get("num_key_value_heads") or nq),
-             ("intermediate size", cfg.get("intermediate_size")))
+             ("intermediate size", cfg.get("intermediate_size")),
+             ("experts' intermediate size", cfg.get("moe_intermediate_size")))
     bad = [f"{what} ({n})" for what, n in sizes if isinstance(n, int) and n % t]
     return [f"--tp {t}: must divide the {', '.join(bad)}"] if bad else []
 
 
-def tp_plan_problems(cfg: dict[str, Any], t: int) -> list[str]:
+def tp_plan_problems(cfg: dict[str, Any], t: int, method: str = "full") -> list[str]:
     """--tp t against the config's `base_model_tp_plan` (the config class's attribute, which `to_dict()`
     leaves out: the caller puts it under that key; where the key is absent it is not checked): the
-    TP layers must express it (`toolkit.layout.tp_plan`)."""
+    TP layers must express it (`toolkit.layout.tp_plan`), and LoRA's adapters on stacked MoE experts
+    (peft's target_parameters) are not split."""
     if "base_model_tp_plan" not in cfg:
         return []
+    model = cfg.get("model_type", "?")
     try:
-        read_tp_plan(cfg["base_model_tp_plan"])
+        plan = read_tp_plan(cfg["base_model_tp_plan"])
     except NotExpressible as e:
-        model = cfg.get("model_type", "?")
         arch = ", ".join(cfg.get("architectures") or [])
         return [f"--tp {t}: {model}{f' ({arch})' if arch else ''}: {e}; drop --tp (--dp-shard N or --zero-stage 3 "
                 "shard this model instead)"]
+    if method != "full" and any(r.experts for r in plan.regions):
+        return [f"--tp {t} with --method {method}: {model}'s LoRA adapts its stacked experts, which TP does not "
+                "split yet; use --method full with --tp, or drop --tp (--dp-shard N or --zero-stage 3)"]
     return []
 
 
@@ -276,13 +281,13 @@ def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]
     return []
 
 
-def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int) -> list[str]:
+def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int, method: str = "full") -> list[str]:
     """What the model's config (a text config's `to_dict()`, with `base_model_tp_plan` where --tp is
     asked for) and the launched world refuse for --tp / --pp / --cp. The pipeline's block structure
     is checked on the model itself (`toolkit.parallel.pp.pipeline_problems`)."""
     problems = []
     if tp > 1:
-        problems += tp_plan_problems(cfg, tp) or tp_divisibility_problems(cfg, tp)
+        problems += tp_plan_problems(cfg, tp, method) or tp_divisibility_problems(cfg, tp)
         if tp > world or world % tp:
             problems.append(f"--tp {tp} needs a world size that is a multiple of {tp} (got {world} process"
                             f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {tp} "

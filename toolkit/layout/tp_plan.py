@@ -19,10 +19,19 @@ whose entries are column projections and one row projection:
     replicated_with_grad_allreduce
                                a module inside a local region (Qwen3's q/k norms): whole on every
                                rank, its gradient summed over the ranks.
+    moe_tp_experts             a routed-experts module whose stacked experts ([E, out, in] tensors)
+      + packed_colwise/rowwise  the entries under it split like a dense MLP, every expert's
+                               intermediate cut in t (Megatron's expert tensor parallel): its inputs
+                               (the tokens and their routing weights) copied in, its output all-reduced;
+                               the router stays whole on every rank.
+
+Regions may sit inside one another's path (Qwen3-MoE's dense `mlp` and its MoE `mlp.experts`): each
+applies to the blocks that hold its projections, and a block holding two nested ones is refused when
+the plan is applied.
 
 Entries outside the decoder blocks (a vocab-parallel embedding) stay whole on every rank, as do the
-LM head and the norms: always correct, only less memory saved. Any other style inside a block (MoE
-experts, sequence parallel, MLA projections) is refused, naming its entry.
+LM head and the norms: always correct, only less memory saved. Any other style inside a block
+(sequence parallel, MLA projections) is refused, naming its entry.
 """
 
 from __future__ import annotations
@@ -33,8 +42,8 @@ from typing import Mapping
 LOCAL = {"colwise": "column", "packed_colwise": "column", "rowwise": "row"}
 GATHERED = {"colwise_gather_output": "column", "rowwise_split_input": "row"}
 REPLICATED = "replicated_with_grad_allreduce"
-WHY_NOT = {"moe_tp_experts": "MoE experts; expert parallel is not built yet",
-           "moe_identity_expert": "MoE experts; expert parallel is not built yet",
+EXPERTS = "moe_tp_experts"  # marks a routed-experts module: the region of the entries under it
+WHY_NOT = {"moe_identity_expert": "MoE identity experts",
            "mla_kv_a_proj": "multi-head latent attention", "sequence_parallel": "sequence parallel",
            "packed_rowwise": "a packed row projection"}
 
@@ -53,6 +62,7 @@ class Region:
     gathered: bool = False
     packed: tuple[str, ...] = ()  # packed_colwise columns: two equal parts, gate then up
     replicated: tuple[str, ...] = ()  # replicated_with_grad_allreduce modules under `path`
+    experts: bool = False  # a routed-experts module: its columns and row are stacked [E, out, in] parameters
 
 
 @dataclass(frozen=True)
@@ -72,10 +82,14 @@ def read_tp_plan(plan: Mapping[str, str] | None) -> TPPlan:
     if not plan:
         raise NotExpressible("its config declares no base_model_tp_plan")
     inside: dict[str, list[tuple[str, str, str]]] = {}  # region path -> [(leaf, style, key)]
-    outside, blocks = [], None
+    outside, blocks, experts = [], None, set()
     for key, style in plan.items():
         if ".*." not in key:
             outside.append(f"{key}: {style}")
+            continue
+        if style == EXPERTS:
+            blocks, _, rest = key.partition(".*.")
+            experts.add(rest)
             continue
         if style not in LOCAL and style not in GATHERED and style != REPLICATED:
             why = WHY_NOT.get(style, "a style the TP layers do not express")
@@ -88,21 +102,19 @@ def read_tp_plan(plan: Mapping[str, str] | None) -> TPPlan:
                                  f"decoder blocks ('{blocks or prefix}.*.<module>.<projection>')")
         blocks = prefix
         inside.setdefault(path, []).append((leaf, style, key))
+    lone = experts - set(inside)
+    if lone:
+        raise NotExpressible(f"base_model_tp_plan entry '{blocks}.*.{sorted(lone)[0]}: {EXPERTS}' names no "
+                             "projections under it to split")
     if not inside:
         only = ", ".join(f"'{e}'" for e in outside)
         raise NotExpressible(f"base_model_tp_plan splits nothing inside the decoder blocks (only {only}, which "
                              "would stay whole on every rank)")
-    regions = tuple(_region(path, entries, blocks) for path, entries in inside.items())
-    for r in regions:
-        for other in regions:
-            if r.path.startswith(other.path + "."):
-                leaf, style, key = inside[r.path][0]
-                raise NotExpressible(f"base_model_tp_plan entry {_entry(key, style)} splits a module inside "
-                                     f"another region ('{blocks}.*.{other.path}'), which the TP layers do not nest")
+    regions = tuple(_region(path, entries, blocks, path in experts) for path, entries in inside.items())
     return TPPlan(blocks, regions, tuple(outside))
 
 
-def _region(path: str, entries: list[tuple[str, str, str]], blocks: str) -> Region:
+def _region(path: str, entries: list[tuple[str, str, str]], blocks: str, experts: bool = False) -> Region:
     """Columns in, one row out, all of one kind (local or gathered); replicated modules in a local one."""
     projections = [(leaf, style, key) for leaf, style, key in entries if style != REPLICATED]
     gathered = bool(projections) and projections[0][1] in GATHERED
@@ -122,7 +134,7 @@ def _region(path: str, entries: list[tuple[str, str, str]], blocks: str) -> Regi
                              "column projections and exactly one row projection to close it")
     return Region(path, columns, rows[0][0], gathered,
                   packed=tuple(leaf for leaf, style, _ in projections if style == "packed_colwise"),
-                  replicated=tuple(leaf for leaf, style, _ in entries if style == REPLICATED))
+                  replicated=tuple(leaf for leaf, style, _ in entries if style == REPLICATED), experts=experts)
 
 
 def packed_parts(width: int, row_in: int, heads: int, kv_heads: int, head_dim: int,

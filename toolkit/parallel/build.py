@@ -204,7 +204,7 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
         from toolkit.parallel.tp.plan import text_config
 
         values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
-    problems = model_problems(values, par.tp, par.pp, par.cp, world)
+    problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method)
     if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 

@@ -341,9 +341,7 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     hw = inp.hw
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
-        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size)), "")  # the run's own rules
-    if inp.sequences > 1 and d.pp > 1:
-        why = why or "a preference objective does not run with --pp yet"
+        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method)), "")  # the run's own rules
     terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
@@ -364,7 +362,7 @@ def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
                       f"plan it as {par.pp} GPUs with --gpus-per-node {par.pp}")
     else:
         dims, problems = dims_for(par, world, inp.gpus_per_node)
-        problems = problems or model_problems(inp.model, dims.tp, dims.pp, dims.cp, world)
+        problems = problems or model_problems(inp.model, dims.tp, dims.pp, dims.cp, world, inp.method)
         if problems:
             return None, f"cannot run on {world} {inp.per}{'s' if world > 1 else ''}: {problems[0]}"
         c = estimate_layout(inp, dims, gc, inp.micro_batch)

@@ -15,6 +15,12 @@ Per region of every decoder block, with t ranks:
               colwise_gather_output / rowwise_split_input): what sits in between runs whole on every
               rank (OLMo 2's norm over every head), with whole gradients.
 
+A routed-experts region (`moe_tp_experts`: Megatron's expert tensor parallel) splits every expert's
+intermediate: the stacked column [E, 2I, H] by rows (gate and up part by part), the row [E, H, I] by
+columns; the experts module's inputs (the tokens, their routing weights) are copied in and its output
+all-reduced, so the router, whole on every rank, gets whole gradients and the same top-k everywhere.
+LoRA on stacked experts (peft's target_parameters) is not split: refused in one line.
+
 LoRA adapters follow their base layer in a local region: column -> lora_A replicated (its gradient
 summed over ranks), lora_B split by output rows (by parts where packed); row -> lora_A split by input
 columns (its r-dim output all-reduced), lora_B replicated. A row layer's LoRA dropout draws the
@@ -77,11 +83,14 @@ def decoder_blocks(model, path: str | None = None) -> list[nn.Module]:
 
 
 def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
+    """Whether `module` has a submodule (or, a routed-experts module's stacked weight, a parameter) `name`."""
+    for get in (module.get_submodule, module.get_parameter):
+        try:
+            get(name)
+            return True
+        except AttributeError:
+            pass
+    return False
 
 
 class LocalConfig:
@@ -192,6 +201,15 @@ def _copy_input(module: nn.Module, group):
     return hook
 
 
+def _holds(block: nn.Module, region: Region) -> bool:
+    """Whether `block` has `region`'s module and every projection the plan names in it (a routed-experts
+    module: itself, whatever wraps its weights)."""
+    if region.experts:
+        return _has(block, region.path)
+    return _has(block, region.path) and all(_has(block.get_submodule(region.path), n)
+                                            for n in (*region.columns, region.row))
+
+
 def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None:
     module = block.get_submodule(region.path)
     missing = [f"{region.path}.{n}" for n in (*region.columns, region.row, *region.replicated) if not _has(module, n)]
@@ -201,9 +219,42 @@ def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None
                         f"base_model_tp_plan does not fit '{blocks}.{i}.{region.path}' (found {found})")
 
 
+def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
+    """Split a routed-experts module's stacked projections in place (module docstring)."""
+    t = group_size(group)
+    for name in (*region.columns, region.row):
+        if hasattr(module, "base_layer") or not isinstance(module._parameters.get(name), nn.Parameter) or \
+                getattr(module, name).dim() != 3:
+            raise UserError(f"--tp: {where}.{name} is not a stacked [experts, out, in] weight (LoRA on the experts "
+                            "wraps them; TP does not split those adapters yet): use --method full, or drop --tp")
+    try:
+        for name in region.columns:
+            full = getattr(module, name)
+            parts = (full.shape[1] // 2,) * 2 if name in region.packed else None
+            setattr(module, name, shard(full, 1, group, parts))
+        setattr(module, region.row, shard(getattr(module, region.row), 2, group))
+    except ValueError as e:
+        raise UserError(f"--tp {t}: {where}: {e}") from None
+    for attr in ("intermediate_dim", "intermediate_size", "moe_intermediate_size"):
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, getattr(module, attr) // t)
+    names = list(inspect.signature(module.forward).parameters)
+
+    def copy_in(_module, args, kwargs):  # the tokens and their routing weights: whole gradients back
+        args = [copy_to_tp(a, group) if i in (0, 2) else a for i, a in enumerate(args)]
+        kwargs = {k: copy_to_tp(v, group) if k in (names[0], names[2]) else v for k, v in kwargs.items()}
+        return tuple(args), kwargs
+
+    module.register_forward_pre_hook(copy_in, with_kwargs=True)
+    module.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
+    return f"{region.path} {' '.join(region.columns)} -> {region.row} (every expert's intermediate)"
+
+
 def _split_region(module: nn.Module, region: Region, group, config, where: str) -> str:
     """Split one block's `region` in place; returns how (for the describe line)."""
     t = group_size(group)
+    if region.experts:
+        return _split_experts(module, region, group, where)
     parts = {c: (_linear(module, c).out_features // 2,) * 2 for c in region.packed}
     if region.gathered:
         found = _region_parts(module, region, config, t)
@@ -243,10 +294,18 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     config = text_config(model.config)
     blocks = decoder_blocks(model, plan.blocks)
     how = {}
+    for i, block in enumerate(blocks):  # a region applies where the block holds it (MoE and dense layers differ)
+        held = [r.path for r in plan.regions if _holds(block, r)]
+        nested = [(a, b) for a in held for b in held if b.startswith(a + ".")]
+        if nested:
+            raise UserError(f"--tp: block {i} holds both '{nested[0][0]}' and '{nested[0][1]}', which "
+                            "base_model_tp_plan splits as regions of their own: the TP layers do not nest them")
     for region in plan.regions:
         for i, block in enumerate(blocks):
-            if _has(block, region.path):  # a region the plan names where the block has it (dense layers of MoE)
-                _check_region(i, block, region, plan.blocks)
+            if _holds(block, region) or (_has(block, region.path) and not region.experts and not any(
+                    _holds(block, r) for r in plan.regions if r.path.startswith(region.path + "."))):
+                if not region.experts:  # an experts module's weights are checked as they are split
+                    _check_region(i, block, region, plan.blocks)
                 how[region.path] = _split_region(block.get_submodule(region.path), region, group, config,
                                                  f"{plan.blocks}.{i}.{region.path}")
         if region.path not in how:
