@@ -364,6 +364,21 @@ def test_reading_the_plan():
     moe = read_tp_plan(AutoConfig.for_model("qwen3_moe").base_model_tp_plan)
     assert Region("mlp.experts", ("gate_up_proj",), "down_proj", packed=("gate_up_proj",), experts=True) in moe.regions
     assert Region("mlp", ("gate_proj", "up_proj"), "down_proj") in moe.regions
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel.tp.plan import nested_regions
+    from toolkit.synthetic import ZOO
+
+    blocks = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **ZOO["qwen3_moe"])).model.layers
+    assert [nested_regions(b, moe.regions) for b in blocks] == [None, None]  # block 0 dense, block 1 MoE
+    mlp = torch.nn.Module()  # a plan whose regions do meet in one block is refused as it is applied
+    mlp.up, mlp.down, mlp.shared = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4), torch.nn.Module()
+    mlp.shared.up, mlp.shared.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+    block = torch.nn.Module()
+    block.mlp = mlp
+    both = read_tp_plan({"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
+                         "layers.*.mlp.shared.up": "colwise", "layers.*.mlp.shared.down": "rowwise"})
+    assert nested_regions(block, both.regions) == ("mlp", "mlp.shared")
     refusals = {  # plan -> the entry named
         "layers.*.mlp.up_proj: colwise": {"layers.*.mlp.up_proj": "colwise"},  # no row layer closes the region
         "layers.*.mlp.down_proj: rowwise_split_input": {"layers.*.mlp.up_proj": "colwise",

@@ -210,6 +210,13 @@ def _holds(block: nn.Module, region: Region) -> bool:
                                             for n in (*region.columns, region.row))
 
 
+def nested_regions(block: nn.Module, regions: tuple[Region, ...]) -> tuple[str, str] | None:
+    """Two regions `block` holds one inside the other (their paths), or None: each would copy its input
+    in and reduce its output, the inner one inside the outer's split."""
+    held = [r.path for r in regions if _holds(block, r)]
+    return next(((a, b) for a in held for b in held if b.startswith(a + ".")), None)
+
+
 def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None:
     module = block.get_submodule(region.path)
     missing = [f"{region.path}.{n}" for n in (*region.columns, region.row, *region.replicated) if not _has(module, n)]
@@ -295,10 +302,9 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     blocks = decoder_blocks(model, plan.blocks)
     how = {}
     for i, block in enumerate(blocks):  # a region applies where the block holds it (MoE and dense layers differ)
-        held = [r.path for r in plan.regions if _holds(block, r)]
-        nested = [(a, b) for a in held for b in held if b.startswith(a + ".")]
+        nested = nested_regions(block, plan.regions)
         if nested:
-            raise UserError(f"--tp: block {i} holds both '{nested[0][0]}' and '{nested[0][1]}', which "
+            raise UserError(f"--tp: block {i} holds both '{nested[0]}' and '{nested[1]}', which "
                             "base_model_tp_plan splits as regions of their own: the TP layers do not nest them")
     for region in plan.regions:
         for i, block in enumerate(blocks):
