@@ -547,9 +547,10 @@ def test_held_out_kto_examples_are_scored_with_trls_metrics(runs):
 
 def test_kto_reads_its_unpaired_form_and_splits_pairs(tmp_path, monkeypatch, tiny_chatml_model):
     """KTO's unpaired records (TRL's standard and conversational forms) and pairs (split into a
-    desirable and an undesirable example, as TRL's unpair_preference_dataset): each completion through
-    the chat template, labels on it only, and beside it the KL sequence: its own prompt with the
-    previous example's completion (the first with the last's), labels on that completion."""
+    desirable and an undesirable example, as TRL's unpair_preference_dataset: the chosen ones first, so
+    no KL sequence is its own pair's): each completion through the chat template, labels on it only,
+    and beside it the KL sequence: its own prompt with the previous example's completion (the first
+    with the last's), labels on that completion."""
     from transformers import AutoTokenizer
 
     from toolkit.config import parse_config
@@ -562,15 +563,17 @@ def test_kto_reads_its_unpaired_form_and_splits_pairs(tmp_path, monkeypatch, tin
              "conversational": [{"prompt": [{"role": "user", "content": p}],
                                  "completion": [{"role": "assistant", "content": c}], "label": g}
                                 for p, c, g in (("Name a colour.", "Blue.", True), ("Name a sound.", "Loud.", False))],
-             "pairs": [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}]}
+             "pairs": [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."},
+                       {"prompt": "Name a sound.", "chosen": "Quiet.", "rejected": "Red."}]}
     expect = {"standard": [("Name a colour.", "Blue.", True, "Loud."), ("Name a sound.", "Loud.", False, "Blue.")],
-              "pairs": [("Name a colour.", "Blue.", True, "Loud."), ("Name a colour.", "Loud.", False, "Blue.")]}
+              "pairs": [("Name a colour.", "Blue.", True, "Red."), ("Name a sound.", "Quiet.", True, "Blue."),
+                        ("Name a colour.", "Loud.", False, "Quiet."), ("Name a sound.", "Red.", False, "Loud.")]}
     expect["conversational"] = expect["standard"]
     for form, records in forms.items():
         cfg = parse_config(["--dataset", str(write_pairs(tmp_path / f"{form}.jsonl", records)), "--objective", "kto",
                             "--seq-len", "64"])
         rows = prepare_data(cfg, tok).train
-        assert len(rows) == 2, form
+        assert len(rows) == len(expect[form]), form
         for row, (prompt, completion, good, other) in zip(rows, expect[form]):
             head = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
             assert tok.decode(row["input_ids"]).startswith(head) and row["desirable"] is good, form

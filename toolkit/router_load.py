@@ -7,7 +7,8 @@ forward pre-hook on each counts the tokens routed to each expert, on the device 
 the training forwards only (not evaluation, a reference or a KL forward without gradients, nor the
 recomputation of a checkpointed block in backward). Padding is not counted where the 2-D mask the
 model was called with lines up with the tokens the block routes (padded rows; not a context-parallel
-slice or packed rows, whose padding is a row's tail alone).
+slice, a pipeline's stages, which never call the model's own forward, or packed rows, whose padding is
+a row's tail alone: there padding counts).
 
 The record's figures (`load_stats`), each expert's tokens over its layer's mean (1 is an even share):
 `expert_load_min` and `expert_load_max`, the least and most loaded expert of any MoE layer, and

@@ -3,7 +3,8 @@ chosen, rejected) -> two token sequences per pair in the prepared table -> micro
 even rows and rejected at odd ones, so any even split of the rows keeps pairs whole.
 
 KTO (`--objective kto`): completions labelled desirable or not (TRL's unpaired form; pairs are split
-into one of each, as TRL's `unpair_preference_dataset`), one sequence per example, and beside it the
+into one of each, as TRL's `unpair_preference_dataset`: each chunk's chosen examples, then its rejected
+ones), one sequence per example, and beside it the
 sequence its KL estimate scores: its own prompt with another example's completion (TRL's rotation by
 one within a batch; here within each chunk the table is encoded in, so the partner is fixed in the
 table and a full finetune's reference can be computed once). The objectives that train on them are
@@ -188,6 +189,10 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, t
             chats.append(given + [{"role": "assistant", "content": completion}])
             desirable.append(good)
             added.append(given is not prompt)
+    if fmt != "unpaired":  # every chosen example, then every rejected one (TRL's unpairing): side by side,
+        order = list(range(0, len(chats), 2)) + list(range(1, len(chats), 2))  # a rejected example's KL
+        chats, desirable, added = ([x[k] for k in order] for x in (chats, desirable, added))  # partner would
+        # be its own pair's chosen completion, its own prompt's: a matched sequence, not a mismatched one
     cols = token_columns(encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True))
     kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], cfg.data.seq_len)
     return {**cols, "kl_input_ids": kl_ids, "kl_labels": kl_labels, "desirable": desirable, "system_added": added}

@@ -164,7 +164,8 @@ class ContextParallel:
         local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
                             "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
                  "targets": shift_labels(full["labels"])[:, part],  # shifted whole: a slice's last token keeps its target
-                 **({"orpo_targets": shift_labels(orpo_labels(full))[:, part]} if "pairs" in batch else {}),
+                 **({"orpo_targets": shift_labels(orpo_labels(full))[:, part]}  # pairs: ORPO's NLL labels
+                    if "pairs" in batch and "desirable" not in batch else {}),
                  **{k: batch[k] for k in WHOLE if k in batch}}  # a preference objective's, whole
         _active = {"group": self.group, "masks": masks}
         try:

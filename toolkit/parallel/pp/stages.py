@@ -130,10 +130,11 @@ class StagePipeline(nn.Module):
         self._losses.append(loss.detach().double())
         return loss * (self._scale.to(loss.device) if torch.is_tensor(self._scale) else self._scale)
 
-    def _schedule(self, shape: tuple[int, int], m: int, keys: tuple[str, ...]):
-        """One PipelineStage + schedule per (batch shape, micro-batches, inputs): the stage infers
-        the shapes it sends and receives on its first step and keeps them."""
-        key = (shape, m, keys)
+    def _schedule(self, shape: tuple[int, int], m: int, keys: tuple[str, ...], train: bool):
+        """One PipelineStage + schedule per (batch shape, micro-batches, inputs, training or not): the
+        stage infers the shapes it sends and receives on its first step and keeps them, and a first
+        step without gradients (a reference or KL forward, evaluation) infers buffers without them."""
+        key = (shape, m, keys, train)
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -152,7 +153,7 @@ class StagePipeline(nn.Module):
         if "position_ids" not in extra:  # every stage builds its mask from the same positions
             b, t = batch["input_ids"].shape
             extra["position_ids"] = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t).contiguous()
-        schedule = self._schedule(tuple(batch["input_ids"].shape), m, tuple(sorted(extra)))
+        schedule = self._schedule(tuple(batch["input_ids"].shape), m, tuple(sorted(extra)), train)
         args = (batch["input_ids"].to(self.device),) if self.first else ()
         target = None
         if self.last:

@@ -235,9 +235,9 @@ def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
             raise UserError(f"--tp: {where}.{name} is not a stacked [experts, out, in] weight (LoRA on the experts "
                             "wraps them; TP does not split those adapters yet): use --method full, or drop --tp")
     try:
-        for name in region.columns:
-            full = getattr(module, name)
-            parts = (full.shape[1] // 2,) * 2 if name in region.packed else None
+        for name in region.columns:  # a fused gate_up is [gate; up], chunked in two by every transformers 5
+            full = getattr(module, name)  # experts forward, so split by parts even where the plan says colwise
+            parts = (full.shape[1] // 2,) * 2 if name in region.packed or "gate_up" in name else None
             setattr(module, name, shard(full, 1, group, parts))
         setattr(module, region.row, shard(getattr(module, region.row), 2, group))
     except ValueError as e:
