@@ -46,6 +46,17 @@ def perturb(model, seed: int = 1, scale: float = 0.05) -> None:
                 p.add_(scale * torch.randn(p.shape, generator=g))
 
 
+def policy_and_reference(path, method: str):
+    """(the policy, a reference model or None): LoRA's reference is its base with the adapters disabled
+    (TRL without a ref_model), a full finetune's a frozen copy."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load(path)
+    if method == "lora":
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")), None
+    return model, copy.deepcopy(model).eval()
+
+
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -91,16 +102,11 @@ def test_dpo_loss_and_gradients_equal_trls_dpo_trainer(chatml_dir, tmp_path, met
     against a reference model (ours: its log-probabilities precomputed into the batch, as the
     reference pass gives them). The policy is moved off the reference first."""
     import datasets
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     tok = AutoTokenizer.from_pretrained(chatml_dir)
-    model, ref = load(chatml_dir), None
-    if method == "lora":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    else:
-        ref = copy.deepcopy(model).eval()
+    model, ref = policy_and_reference(chatml_dir, method)
     args = DPOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, use_cpu=True, beta=0.2)
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(
         conversational_pairs()), processing_class=tok)
@@ -178,16 +184,11 @@ def test_kto_loss_and_gradients_equal_trls_kto_trainer(chatml_dir, tmp_path, met
     `KTOTrainer`'s (LoRA: its adapter-disabled reference; full: a reference model, ours precomputed).
     The policy is moved off the reference first, far enough that the estimate is above its clamp at 0."""
     import datasets
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
     from trl import KTOConfig, KTOTrainer
 
     tok = AutoTokenizer.from_pretrained(chatml_dir)
-    model, ref = load(chatml_dir), None
-    if method == "lora":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    else:
-        ref = copy.deepcopy(model).eval()
+    model, ref = policy_and_reference(chatml_dir, method)
     args = KTOConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, use_cpu=True, beta=0.3,
                      desirable_weight=1.2, undesirable_weight=0.7)
     trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(
