@@ -60,7 +60,7 @@ class RouterLoad:
     """Tokens per expert of every MoE layer since the last `take`, (layers, experts) on the device."""
 
     def __init__(self, model: nn.Module, modules: list[nn.Module]):
-        self.experts = max(m.num_experts for m in modules)
+        self.experts = max(getattr(m, "ep_experts", m.num_experts) for m in modules)  # all of them under --ep
         self.counts: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # the 2-D attention mask of the forward running, flattened
         self.handles = [model.register_forward_pre_hook(self._keep_mask, with_kwargs=True)]

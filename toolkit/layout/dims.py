@@ -8,6 +8,12 @@ outermost, since stages exchange only activations at their boundaries. `cp` (con
 ranks that hold different tokens of the same sequences) sits inside data parallel and outside TP,
 as in torchtitan. One degree is inferred from the rest: the data-parallel one.
 
+`ep` (expert parallel) adds no ranks: it borrows from `dp_shard`, whose ranks read different tokens
+(torchtitan's rule, without its borrowing from cp and tp): dp_shard = dp_shard_mod_ep x ep, ep
+innermost, so an ep group is ep consecutive dp_shard coordinates. Every MoE layer's experts are
+split over an ep group and FSDP-sharded over the ranks that hold the same experts (dp_shard_mod_ep,
+x cp); the dense parts shard over dp_shard (x cp) as always (`toolkit.parallel.ep`).
+
 Pure Python: the planner and config checks import this without torch.distributed.
 """
 
@@ -26,6 +32,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # borrowed from dp_shard: not a dimension of its own (module docstring)
 
     @property
     def dp(self) -> int:
@@ -44,6 +51,10 @@ class ParallelDims:
     def problems(self) -> list[str]:
         """Every way these degrees fail to cover the world, as one list."""
         p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
+        if self.ep < 1 or self.dp_shard % self.ep:
+            p.append(f"--ep {self.ep} must divide --dp-shard {self.dp_shard}: expert parallel splits the experts "
+                     f"over ranks that shard the data; launch a multiple of {self.ep * self.pp * self.cp * self.tp} "
+                     "processes or change --ep" if self.ep >= 1 else f"--ep must be >= 1 (got {self.ep})")
         if not p and self.pp * self.dp * self.cp * self.tp != self.world_size:
             p.append(f"{self.describe()} is {self.pp * self.dp * self.cp * self.tp} ranks, but {self.world_size} "
                      f"were launched; launch {self.pp * self.dp * self.cp * self.tp} processes or change the degrees")
@@ -52,11 +63,12 @@ class ParallelDims:
     def describe(self) -> str:
         """'pp 2 x dp_replicate 2' (the dimensions above 1)."""
         parts = [f"{d} {getattr(self, d)}" for d in MESH_DIMS if getattr(self, d) > 1]
+        parts += [f"ep {self.ep} (in dp_shard)"] * (self.ep > 1)
         return " x ".join(parts) or "one rank"
 
 
 def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False, dp_shard: int = 0,
-               dp_replicate: int = 0, cp: int = 1) -> tuple[ParallelDims, list[str]]:
+               dp_replicate: int = 0, cp: int = 1, ep: int = 1) -> tuple[ParallelDims, list[str]]:
     """The layout for `world_size` ranks: the model-parallel degrees (and cp) as given, the
     data-parallel ones as given (0 = inferred: what the others leave, sharded with ZeRO/FSDP when
     `sharded`, else replicated). Returns the dims and every problem found."""
@@ -79,12 +91,12 @@ def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False,
             f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp}) "
             f"leave {rest} data-parallel rank{'s' if rest != 1 else ''}; launch {model_parallel * (dp_shard or 1) * (dp_replicate or 1)} "
             f"processes or change the degrees"]
-    dims = ParallelDims(world_size, pp=pp, tp=tp, cp=cp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    dims = ParallelDims(world_size, pp=pp, tp=tp, cp=cp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
     return dims, dims.problems()
 
 
 def layout_name(d: ParallelDims) -> str:
     """'tp2_dp4', 'pp2_tp2_dp_shard2', 'dp2_dp_shard4' (HSDP): model-parallel degrees, then data."""
-    parts = [f"{k}{getattr(d, k)}" for k in ("pp", "cp", "tp") if getattr(d, k) > 1]
+    parts = [f"{k}{getattr(d, k)}" for k in ("pp", "cp", "tp", "ep") if getattr(d, k) > 1]
     parts += [f"dp{d.dp_replicate}"] * (d.dp_replicate > 1) + [f"dp_shard{d.dp_shard}"] * (d.dp_shard > 1)
     return "_".join(parts) or "one_rank"

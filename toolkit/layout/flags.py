@@ -35,6 +35,9 @@ class ParallelConfig:
                     "experts), with DDP or --dp-shard")
     cp: int = _f(1, "context-parallel degree: each of this many ranks holds 1/cp of every sequence "
                     "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
+    ep: int = _f(1, "expert-parallel degree: every MoE layer's experts split over this many of the --dp-shard ranks, "
+                    "tokens sent to their experts' ranks and back by all-to-all (FSDP2 on the mesh, inferred "
+                    "--dp-shard; composes with --cp)")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
                     "several processes run one stage each (world = pp x data-parallel)")
     pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "

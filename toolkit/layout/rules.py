@@ -25,8 +25,8 @@ FUSED_LOSSES = ("chunked", "liger", "cce")
 def mesh_sharded(par: ParallelConfig) -> bool:
     """Sharded data parallel: FSDP2 on the toolkit's device mesh (`toolkit.parallel.fsdp.apply_fsdp`,
     TP inside, HSDP), asked for with --fsdp, --dp-shard or --dp-replicate. --fsdp is --dp-shard over
-    the data-parallel ranks the other degrees leave (`dims_for`)."""
-    return par.dp_shard > 0 or par.dp_replicate > 0 or par.fsdp
+    the data-parallel ranks the other degrees leave (`dims_for`); --ep borrows its ranks from them."""
+    return par.dp_shard > 0 or par.dp_replicate > 0 or par.fsdp or par.ep > 1
 
 
 def off_mesh_layout(par: ParallelConfig) -> str | None:
@@ -46,7 +46,7 @@ def accelerate_plugin(par: ParallelConfig) -> str | None:
 def strategy_name(par: ParallelConfig) -> str | None:
     """The planner's name for a 1-D layout (ddp, zero{0-3}[_offload|_offload_param], fsdp_full,
     fsdp_grad_op); None for a tp/pp/cp/dp-shard mesh."""
-    if max(par.tp, par.pp, par.cp, par.dp_shard or 1) > 1:
+    if max(par.tp, par.pp, par.cp, par.ep, par.dp_shard or 1) > 1:
         return None
     if par.fsdp:
         return "fsdp_grad_op" if par.fsdp_sharding == "grad_op" else "fsdp_full"
@@ -68,7 +68,7 @@ def flags_of(name: str) -> ParallelConfig:
 def mesh_flags(d: ParallelDims, micro_batch: int) -> ParallelConfig:
     """The flags that lay the mesh out as `d` (the data-parallel degrees given where they shard)."""
     schedule, m = pipeline_schedule(d, micro_batch)
-    return ParallelConfig(tp=d.tp, pp=d.pp, cp=d.cp, dp_shard=d.dp_shard if d.dp_shard > 1 else 0,
+    return ParallelConfig(tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp_shard=d.dp_shard if d.dp_shard > 1 else 0,
                           dp_replicate=d.dp_replicate if d.dp_shard > 1 and d.dp_replicate > 1 else 0,
                           pp_microbatches=m if d.pp > 1 else 1, pp_schedule=schedule if d.pp > 1 else "gpipe")
 
@@ -139,6 +139,7 @@ def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str,
         p += _method_problems(f"--tp {par.tp}", "tp", method, precision)
     p += _pipeline_problems(par, method, precision, loss, micro_batch)
     p += _cp_problems(par, method, precision)
+    p += _ep_problems(par, method, precision)
     if compiled and par.zero_stage == 3:
         p.append("--compile with --zero-stage 3 is not supported (ZeRO-3's parameter hooks break the compiled "
                  "blocks' graphs); use --fsdp or --dp-shard N, which compile, or drop --compile")
@@ -174,7 +175,7 @@ def _mesh_problems(par: ParallelConfig, method: str, precision: str) -> list[str
         return p
     flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n))
     if not flags:  # --fsdp alone: its clashes with --zero-stage, --strategy auto and QLoRA are said above
-        return p + _method_problems("--fsdp", "shard", "full", precision)
+        return p + _method_problems("--fsdp", "shard", "full", precision) if par.fsdp else p  # --ep: _ep_problems
     if par.zero_stage is not None:
         p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
                  "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
@@ -196,6 +197,18 @@ def _cp_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
         p.append(f"--cp {par.cp} with {other} is not supported; context parallel composes with DDP, "
                  "--dp-shard N (FSDP2 on the mesh) and --tp (drop one of them)")
     return p + _method_problems(f"--cp {par.cp}", "cp", method, precision)
+
+
+def _ep_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
+    """--ep checks that need no model (experts vs ep: `model_problems`)."""
+    if par.ep < 1:
+        return [f"--ep must be >= 1 (got {par.ep})"]
+    if par.ep == 1:
+        return []
+    other = off_mesh_layout(par) or (f"--pp {par.pp}" if par.pp > 1 else f"--tp {par.tp}" if par.tp > 1 else None)
+    p = [f"--ep {par.ep} with {other} is not supported yet; expert parallel composes with --dp-shard (FSDP2 on the "
+         "mesh), --dp-replicate and --cp (drop one of them)"] if other else []
+    return p + _method_problems(f"--ep {par.ep}", "shard", method, precision)
 
 
 def _pipeline_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
@@ -281,11 +294,31 @@ def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]
     return []
 
 
-def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int, method: str = "full") -> list[str]:
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral/gpt-oss, Qwen-MoE, DeepSeek
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """The routed experts of each MoE layer (0: a dense model)."""
+    return next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
+
+
+def ep_problems(cfg: dict[str, Any], ep: int) -> list[str]:
+    """Each ep rank keeps E/ep whole experts of every MoE layer."""
+    if ep == 1:
+        return []
+    n = num_experts(cfg)
+    if not n:
+        return [f"--ep {ep}: model type {cfg.get('model_type', '?')} has no routed experts (none of "
+                f"{', '.join(EXPERT_KEYS)} in its config); drop --ep"]
+    return [f"--ep {ep} must divide the model's {n} experts per layer; use a divisor of {n}"] if n % ep else []
+
+
+def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int, method: str = "full",
+                   ep: int = 1) -> list[str]:
     """What the model's config (a text config's `to_dict()`, with `base_model_tp_plan` where --tp is
     asked for) and the launched world refuse for --tp / --pp / --cp. The pipeline's block structure
     is checked on the model itself (`toolkit.parallel.pp.pipeline_problems`)."""
-    problems = []
+    problems = ep_problems(cfg, ep)
     if tp > 1:
         problems += tp_plan_problems(cfg, tp, method) or tp_divisibility_problems(cfg, tp)
         if tp > world or world % tp:
@@ -333,8 +366,9 @@ def dims_for(par: ParallelConfig, world: int, local_world: int) -> tuple[Paralle
     replicate = par.dp_replicate
     if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
         replicate = world // local_world
-    return infer_dims(world, tp=par.tp, pp=par.pp if world > 1 else 1, sharded=par.fsdp or par.zero_stage is not None,
-                      dp_shard=par.dp_shard, dp_replicate=replicate, cp=par.cp)
+    return infer_dims(world, tp=par.tp, pp=par.pp if world > 1 else 1,
+                      sharded=par.fsdp or par.zero_stage is not None or par.ep > 1, dp_shard=par.dp_shard,
+                      dp_replicate=replicate, cp=par.cp, ep=par.ep)
 
 
 def world_problems(par: ParallelConfig, world: int) -> list[str]:

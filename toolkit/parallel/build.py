@@ -185,9 +185,9 @@ def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: 
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
-    """What the model's architecture refuses for --tp / --pp / --cp (read from its config, no weights)."""
+    """What the model's architecture refuses for --tp / --pp / --cp / --ep (read from its config, no weights)."""
     par = cfg.parallel
-    if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1):
+    if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1 and par.ep == 1):
         return []
     from transformers import AutoConfig
 
@@ -204,7 +204,7 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
         from toolkit.parallel.tp.plan import text_config
 
         values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
-    problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method)
+    problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method, par.ep)
     if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 

@@ -23,16 +23,21 @@ def mixed_precision_policy(compute_dtype: torch.dtype | None):
 
 
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh, reshard_after_forward: bool,
-               compute_dtype: torch.dtype | None) -> nn.Module:
+               compute_dtype: torch.dtype | None, experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
     """`fully_shard` each block, then `root` (what is left: embeddings, final norm, head) over `mesh`,
     with the mixed-precision policy. Parameters reshard after each forward where `reshard_after_forward`
     (ZeRO-3-like); False keeps them gathered until backward (ZeRO-2-like). Gradients are summed, not
     averaged, over the shard (and replicate) ranks: the loss is already divided by the global batch's
     target count (`toolkit.parallel.strategy.loss_scale`; torchtitan turns FSDP's division off alike).
-    Call after the TP layers, checkpointing and compile (torchtitan's order)."""
+    Call after the TP layers, checkpointing and compile (torchtitan's order). `experts` (expert
+    parallel: each rank's own experts) are sharded first, over `experts_mesh`, the ranks that hold the
+    same experts; their blocks then leave them out (torchtitan's `apply_fsdp` with ep)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(compute_dtype)
+    for module in experts:
+        fully_shard(module, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        sum_gradients(module)
     for module in [*blocks, root]:
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         sum_gradients(module)

@@ -18,7 +18,31 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     if dims.cp > 1:  # cp ranks read the same data but hold different tokens: gradients average over them too
         mesh.flat["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         mesh.flat["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp too
+    mesh.ep = ep_mesh(dims, device_type) if dims.ep > 1 else None
     return mesh
+
+
+EP_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+
+
+def ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The same ranks with dp_shard cut into (dp_shard_mod_ep, ep), ep inner: `init_device_mesh` lays
+    both meshes out as arange(world) in row-major order, so rank r has the same pp/dp_replicate/cp/tp
+    coordinates in each, and dp_shard coordinate d = m * ep + e. The ep groups exchange tokens; the
+    experts are FSDP-sharded over `expert_fsdp_mesh`."""
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.cp, dims.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_DIMS)
+    mesh.flat = {"dp_shard_mod_ep_cp": mesh["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")} if dims.cp > 1 else {}
+    return mesh
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """What FSDP2 shards the experts over: the ranks that hold the same experts, dp_shard_mod_ep (x cp),
+    replicated across dp_replicate (HSDP) as the dense parts are."""
+    inner = "dp_shard_mod_ep_cp" if dims.cp > 1 else "dp_shard_mod_ep"
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", inner]
+    return mesh.flat[inner] if dims.cp > 1 else mesh[inner]
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -12,7 +12,7 @@ from typing import Callable
 from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
-from toolkit.parallel.mesh import fsdp_mesh, grad_dim
+from toolkit.parallel.mesh import expert_fsdp_mesh, fsdp_mesh, grad_dim
 from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead, Strategy, accumulate
 from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
 
@@ -34,6 +34,14 @@ class MeshStrategy(Strategy):
         self.context = ContextSlices(mesh, dims)
         self.loss = LossHead(loss_fn, accelerator.device.type)
         self.whole_batches = dims.cp == 1
+        # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
+        # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)
+        self.ep_group = mesh.ep.get_group("ep") if dims.ep > 1 else None
+        self.expert_mesh = expert_fsdp_mesh(mesh.ep, dims) if dims.ep > 1 else None
+        if dims.ep > 1:
+            inner = mesh.ep.flat["dp_shard_mod_ep_cp"] if dims.cp > 1 else mesh.ep["dp_shard_mod_ep"]
+            self.expert_shard_group = inner.get_group()
+        self.experts = None  # what apply_expert_parallel cut (`shard_model`)
 
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its TP slice (LoRA adapters are created first, so
@@ -41,6 +49,10 @@ class MeshStrategy(Strategy):
         model = self.context.attach(model)
         if self.layout is not None:
             model = apply_tensor_parallel(model, self.layout.tp_group)
+        if self.ep_group is not None:
+            from toolkit.parallel.ep import apply_expert_parallel
+
+            self.experts = apply_expert_parallel(model, self.ep_group)
         self.tp.read(model)
         return model
 
@@ -52,7 +64,7 @@ class MeshStrategy(Strategy):
 
             model = model.to(a.device)
             apply_fsdp(model, decoder_blocks(model), self.shard_mesh, self.cfg.parallel.fsdp_sharding != "grad_op",
-                       compute_dtype(a.mixed_precision))
+                       compute_dtype(a.mixed_precision), self.experts.holders if self.experts else (), self.expert_mesh)
             optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
         else:
             from toolkit.parallel.tp import prepare_tensor_parallel
@@ -62,7 +74,10 @@ class MeshStrategy(Strategy):
         return model, optimizer, self.data.loader(loader)
 
     def describe(self) -> str:
-        tail = self.tp.describe() + self.context.describe() + self.loss.describe()
+        tail = self.tp.describe() + (self.experts.line + f" (each rank's experts FSDP2-sharded over "
+                                     f"{' x '.join(self.expert_mesh.mesh_dim_names)}: {self.expert_mesh.size()} "
+                                     "rank(s))\n" if self.experts else "")
+        tail += self.context.describe() + self.loss.describe()
         if not self.sharded:
             over = "dp x cp" if self.dims.cp > 1 else "dp"
             return f"layout: device mesh {self.dims.describe()} (TP layers, DDP over {over})\n" + tail
@@ -90,12 +105,26 @@ class MeshStrategy(Strategy):
         from toolkit.parallel.grad_norm import clip_grad_norm
 
         named = list(self.unwrap(model).named_parameters())
+        experts = self.experts.split if self.experts else {}
         split = [p for n, p in named if n in self.tp.split]
-        rest = [p for n, p in named if n not in self.tp.split]
+        mine = [p for n, p in named if n in experts]  # expert parallel: this rank's experts, sharded again
+        rest = [p for n, p in named if n not in self.tp.split and n not in experts]
         tp = (self.tp.group,) if self.tp.group is not None else ()
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (rest, shard)])
+        ep = (self.expert_shard_group, self.ep_group) if self.experts else ()
+        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (mine, ep), (rest, shard)])
 
     def state_dict(self, model) -> dict:
-        """The TP shards gathered back into the full tensors a non-TP run would save."""
+        """The TP shards and expert-parallel slices gathered back into the full tensors a one-process
+        run would save."""
+        if self.experts:
+            from toolkit.parallel.tp import full_state_dict
+
+            return full_state_dict(self.unwrap(model), {**self.tp.split, **self.experts.split}, self.tp.group)
         return self.tp.state_dict(self.unwrap(model))
+
+    def named_trainable(self, model) -> list:
+        """`Strategy.named_trainable`, an expert-parallel slice placed by its `ExpertSplit`."""
+        experts = self.experts.split if self.experts else {}
+        return [(n, p, self.tp.split.get(n, experts.get(n))) for n, p in self.unwrap(model).named_parameters()
+                if p.requires_grad]

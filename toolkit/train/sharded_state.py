@@ -11,7 +11,9 @@ Where a rank's piece sits in the full tensor follows from the layout that cut it
 - the TP layers (`toolkit.parallel.tp`): slice `tp_rank` of `tp` along the parameter's
   `tp_split_dim` (a packed projection's: that slice of each part, one box per part), the FSDP2
   shard (if any) inside it;
-- pipeline stages: only the stage's own parameters, under the full model's names.
+- pipeline stages: only the stage's own parameters, under the full model's names;
+- expert parallel: slice `ep_rank` of `ep` of the experts (dim 0; LoRA's B by its expert columns),
+  placed as a TP slice, the FSDP2 shard (over the ranks holding the same experts) inside it.
 
 Saved: the trainable parameters (all for a full finetune, the adapter for LoRA/QLoRA: the frozen
 base is never written) and the optimizer's per-parameter state keyed by the same names, so Adam's
@@ -79,6 +81,8 @@ def piece(t: torch.Tensor, tp_dim=None, tp_rank: int = 0, tp: int = 1) -> Piece:
         offsets, shape = list(offsets), list(t.shape)
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
+    if hasattr(tp_dim, "ep"):  # an expert-parallel slice (`toolkit.parallel.ep.ExpertSplit`): placed as a TP one
+        tp_dim, tp_rank, tp = tp_dim.split, tp_dim.rank, tp_dim.ep
     if tp_dim is None or tp == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
     if isinstance(tp_dim, int):  # the TP slice: contiguous, slice tp_rank of tp equal ones

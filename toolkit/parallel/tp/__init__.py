@@ -114,17 +114,19 @@ class TPShards:
         return full_state_dict(model, self.split, self.group)
 
 
-def full_state_dict(model, tp_split: dict[str, int | Packed], tp_group) -> dict:
+def full_state_dict(model, tp_split: dict, tp_group) -> dict:
     """The full state dict on every rank (collective): FSDP2 shards all-gathered, then TP slices
     concatenated along the dim each was cut, a packed projection's part by part (the one TP gather
-    path: plain TP, TP under FSDP2, stages)."""
+    path: plain TP, TP under FSDP2, stages), and expert-parallel slices gathered over their ep group."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     out = {}
     for key, v in model.state_dict().items():
         v = grad_norm.full(v)
-        if key in tp_split and tp > 1:
+        if hasattr(tp_split.get(key), "gather"):  # an expert-parallel slice (`toolkit.parallel.ep.ExpertSplit`)
+            v = tp_split[key].gather(v)
+        elif key in tp_split and tp > 1:
             parts = [torch.empty_like(v) for _ in range(tp)]
             dist.all_gather(parts, v.contiguous(), group=tp_group)
             split = tp_split[key]

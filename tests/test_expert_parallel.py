@@ -1,0 +1,272 @@
+"""Expert parallel (issue 49): each MoE layer's experts split over the ranks of an ep group, tokens sent to
+their experts' ranks and back by all-to-all (`toolkit.parallel.ep`).
+
+The model-level check runs the zoo's four MoE architectures (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss:
+stacked [E, 2I, H] experts, gpt-oss's transposed with biases), full and LoRA (peft's ParamWrapper on the
+stacked experts where peft converts the targets), on 2 gloo ranks that read different tokens, as
+data-parallel ranks do. Against the unsplit model on the same tokens: the model's own loss (its router
+load-balancing loss included) and logits within 1e-5, and every gradient, summed over the ranks as FSDP
+reduces them, within 1e-5 (an expert's gradient comes from every rank's tokens routed to it, so its
+owner's equals the unsplit sum).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+
+MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+
+
+def _init():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
+
+
+def _build(model_type: str, method: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.synthetic import ZOO
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**ZOO[model_type], "vocab_size": 96, "tie_word_embeddings": False})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if method == "lora":  # B random too (init_lora_weights=False), so every adapter's gradient is non-zero
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    return model
+
+
+def _ep_against_unsplit() -> dict:
+    """Per (arch, method): the largest differences of loss, logits and gradients, and what was split."""
+    dist = _init()
+    from toolkit.parallel.ep import apply_expert_parallel
+    from toolkit.parallel.ep.comm import TRAFFIC
+
+    group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    out = {}
+    for model_type in MOE:
+        for method in ("full", "lora"):
+            ref, ep = _build(model_type, method), _build(model_type, method)
+            shards = apply_expert_parallel(ep, group)
+            g = torch.Generator().manual_seed(rank)  # data-parallel ranks: other tokens
+            ids = torch.randint(4, 96, (2, 16), generator=g)
+            TRAFFIC.clear()
+            got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            got.loss.backward()
+            want.loss.backward()
+            diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
+            grads = {}
+            ref_params = dict(ref.named_parameters())
+            for name, p in ep.named_parameters():
+                if p.grad is None:
+                    assert ref_params[name].grad is None, name
+                    continue
+                full = ref_params[name].grad.clone()
+                dist.all_reduce(full)  # what FSDP sums over the ranks
+                if name in shards.split:
+                    full = shards.split[name].gather(p.grad)  - full  # the slices gathered: the unsplit sum
+                    grads[name] = full.abs().max().item()
+                else:
+                    mine = p.grad.clone()
+                    dist.all_reduce(mine)
+                    grads[name] = (mine - full).abs().max().item()
+            state = {k: v for k, v in ep.state_dict().items()}
+            gathered = {k: shards.split[k].gather(v) if k in shards.split else v for k, v in state.items()}
+            weights = max((gathered[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+            out[f"{model_type}/{method}"] = {**diffs, "grad": max(grads.values()), "weights": weights,
+                                             "split": sorted(shards.split), "line": shards.line,
+                                             "sent": TRAFFIC["forward"], "returned": TRAFFIC["backward"]}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2():
+    return run_distributed(_ep_against_unsplit, 2, timeout=600)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("model_type", MOE)
+def test_expert_parallel_equals_the_unsplit_model(ep2, model_type, method):
+    for rank, result in enumerate(ep2):
+        r = result[f"{model_type}/{method}"]
+        assert r["loss"] < 1e-5 and r["logits"] < 1e-5, (rank, r)
+        assert r["grad"] < 1e-5, (rank, r)
+        assert r["weights"] == 0, (rank, r)  # the slices gathered are the full model's weights
+        assert r["split"] and all(".experts." in n for n in r["split"]), r["split"]
+        assert "2 of 4 experts each per rank" in r["line"], r["line"]
+        assert r["sent"] > 0 and r["returned"] > 0  # tokens crossed ranks, both ways
+
+
+# ---------------------------------------------------------------- finetune.py under --ep
+
+AUX0 = ["--router-aux-loss-coef", "0"]  # one process's router loss is over all its tokens: off where compared to it
+PARITY = ["--max-steps", "4", *AUX0]
+TOL = 1e-4  # relative, per-step losses (fp32; the experts' sums in another order)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_files, tiny_model):
+    """Three launches (1, 2 and 4 ranks) of tiny Qwen3-MoE and Mixtral models (4 experts): one process
+    with micro-batch 8; --ep 2 (micro-batch 2 x accumulation 2 x 2 ranks), also against --dp-shard 2
+    with the router loss on; --ep 2 x --dp-shard 4 (experts sharded again over 2 ranks each) and --ep 4
+    resuming the --ep 2 run's checkpoint-2; --ep 2 with --cp 2 (experts sharded over dp_shard_mod_ep x cp) and
+    with HSDP (--dp-replicate 2)."""
+    from distributed import launch_layouts
+
+    from toolkit.synthetic import build_zoo_model_dir
+
+    root = tmp_path_factory.mktemp("ep")
+    models = {t: str(build_zoo_model_dir(root / t, t)) for t in ("qwen3_moe", "mixtral")}
+    common = ["--dataset", str(data_files["alpaca"]), "--seq-len", "64", "--log-every", "1", "--lr", "1e-3",
+              "--warmup-steps", "0", "--mixed-precision", "no", "--seed", "7", "--report-to", "none", "--lora-dropout", "0"]
+    q = ["--model", models["qwen3_moe"]]
+    one = {f"qwen3_moe-{m}-one": [*q, "--method", m, "--micro-batch-size", "8", *PARITY] for m in ("full", "lora")}
+    two = {f"qwen3_moe-{m}-ep2": [*q, "--method", m, "--ep", "2", "--micro-batch-size", "2", "--grad-accum", "2",
+                                  *PARITY, *(["--save-every", "2"] if m == "full" else [])] for m in ("full", "lora")}
+    two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3"]
+                for t in models for m in ("full", "lora")
+                for name, flags in (("ep2_aux", ["--ep", "2"]), ("shard2_aux", ["--dp-shard", "2"]))})
+    two["llama-full-ep2"] = ["--model", str(tiny_model), "--method", "full", "--ep", "2", "--max-steps", "1"]  # dense
+    out = {}
+    for n, group in ((1, one), (2, two)):
+        out.update(launch_layouts(root / f"ranks{n}", common, group, nproc=n, launcher="python" if n == 1 else "torchrun"))
+    checkpoint = out["qwen3_moe-full-ep2"]["out"] / "checkpoint-2"
+    four = {f"qwen3_moe-{m}-ep2_shard4": [*q, "--method", m, "--ep", "2", "--dp-shard", "4", "--micro-batch-size", "2",
+                                          *PARITY] for m in ("full", "lora")}
+    four["qwen3_moe-full-ep2_cp2"] = [*q, "--method", "full", "--ep", "2", "--cp", "2", "--micro-batch-size", "2",
+                                      "--grad-accum", "2", *PARITY]
+    four["qwen3_moe-lora-ep2_hsdp"] = [*q, "--method", "lora", "--ep", "2", "--dp-shard", "2", "--dp-replicate", "2",
+                                       "--micro-batch-size", "2", *PARITY]
+    four["qwen3_moe-full-ep4_resumed"] = [*q, "--method", "full", "--ep", "4", "--micro-batch-size", "2", *PARITY,
+                                          "--resume", str(checkpoint)]
+    out.update(launch_layouts(root / "ranks4", common, four, nproc=4, timeout=1200))
+    return out
+
+
+def _losses(run) -> dict[int, float]:
+    from distributed import records
+
+    return {r["step"]: r["loss"] for r in records(run["out"]) if "loss" in r}
+
+
+def _ran(run) -> str:
+    said, err = run["stdout"].read_text(), run["stderr"].read_text()
+    assert run["exit"] == 0 and "Traceback" not in err, err[-3000:]
+    return said
+
+
+# what each layout's experts are FSDP2-sharded over (the ranks that hold the same experts)
+EXPERT_SHARDS = {"ep2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_shard4": "over dp_shard_mod_ep: 2 rank(s)",
+                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
+
+
+@pytest.mark.parametrize(("method", "layout"), [("full", "ep2"), ("lora", "ep2"), ("full", "ep2_shard4"),
+                                                ("lora", "ep2_shard4"), ("full", "ep2_cp2"), ("lora", "ep2_hsdp")])
+def test_expert_parallel_runs_match_one_process(runs, method, layout):
+    """Same seed and data: each step's loss within 1e-4 of one process's; the saved folder reloads in
+    plain transformers/peft with the trained loss (the run's own integrity check)."""
+    said = _ran(runs[f"qwen3_moe-{method}-{layout}"])
+    assert "2 of 4 experts each per rank, tokens dispatched and combined by all-to-all" in said, said[-2000:]
+    assert EXPERT_SHARDS[layout] in said, said[-2000:]
+    assert "reloads with plain transformers/peft" in said
+    want = _losses(runs[f"qwen3_moe-{method}-one"])
+    assert len(want) == 4
+    assert _losses(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(want, rel=TOL)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_router_loss_under_expert_parallel_equals_the_data_parallel_ranks(runs, model_type, method):
+    """With the router load-balancing loss on (the zoo's coefficient 0.5), --ep 2 trains what --dp-shard 2
+    trains: each rank's router loss over its own tokens, the experts' outputs equal; the expert load
+    the same too."""
+    from distributed import records
+
+    ep, shard = runs[f"{model_type}-{method}-ep2_aux"], runs[f"{model_type}-{method}-shard2_aux"]
+    _ran(ep), _ran(shard)
+    assert _losses(ep) == pytest.approx(_losses(shard), rel=TOL)
+    load = [[r["expert_load_cv"] for r in records(x["out"]) if "loss" in r] for x in (ep, shard)]
+    assert load[0] == pytest.approx(load[1], rel=TOL)
+
+
+def test_ep_on_a_dense_model_is_refused_in_one_line_before_the_weights_load(runs):
+    run = runs["llama-full-ep2"]
+    err = run["stderr"].read_text()
+    lines = [x for x in err.splitlines() if x.startswith("finetune.py: error:")]
+    assert run["exit"] == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert "--ep 2: model type llama has no routed experts" in lines[0]
+    assert not (run["out"] / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_of_ep2_resumes_under_ep4(runs):
+    """checkpoint-2 of the --ep 2 run (each rank's two experts) resumed on 4 ranks holding one each:
+    steps 3 and 4 equal the uninterrupted one-process run's."""
+    said = _ran(runs["qwen3_moe-full-ep4_resumed"])
+    assert "1 of 4 experts each per rank" in said
+    got, want = _losses(runs["qwen3_moe-full-ep4_resumed"]), _losses(runs["qwen3_moe-full-one"])
+    assert sorted(got) == [3, 4]
+    assert got == pytest.approx({s: want[s] for s in (3, 4)}, rel=TOL)
+
+
+# ---------------------------------------------------------------- what --ep refuses, in one line each
+
+def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.layout.flags import ParallelConfig
+    from toolkit.layout.rules import dims_for, ep_problems, layout_problems
+
+    dims, problems = dims_for(ParallelConfig(ep=2), 2, 2)  # --ep alone: FSDP2 over the ranks, ep borrowed from them
+    assert not problems and (dims.dp_shard, dims.ep, dims.dp_replicate) == (2, 2, 1)
+    assert dims.describe() == "dp_shard 2 x ep 2 (in dp_shard)"
+    _, problems = dims_for(ParallelConfig(ep=2), 1, 1)
+    assert problems == ["--ep 2 must divide --dp-shard 1: expert parallel splits the experts over ranks that shard "
+                        "the data; launch a multiple of 2 processes or change --ep"]
+    assert ParallelDims(8, dp_shard=4, dp_replicate=2, ep=4).problems() == []
+
+    def refused(**flags) -> list[str]:
+        return layout_problems(ParallelConfig(**flags), flags.pop("method", "full"), "no", "auto", 2)
+
+    assert refused(ep=2, tp=2)[0].startswith("--ep 2 with --tp 2 is not supported yet")
+    assert refused(ep=2, pp=2, pp_microbatches=2)[-1].startswith("--ep 2 with --pp 2 is not supported yet")
+    assert refused(ep=2, zero_stage=3)[0].startswith("--ep 2 with --zero-stage 3 is not supported yet")
+    assert layout_problems(ParallelConfig(ep=2), "qlora", "no", "auto", 2) == [
+        "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
+    assert refused(ep=2, cp=2) == [] and refused(ep=2, dp_shard=4, dp_replicate=2) == []
+    assert ep_problems({"model_type": "llama"}, 2) == [
+        "--ep 2: model type llama has no routed experts (none of num_local_experts, num_experts, n_routed_experts "
+        "in its config); drop --ep"]
+    assert ep_problems({"model_type": "qwen3_moe", "num_experts": 6}, 4) == [
+        "--ep 4 must divide the model's 6 experts per layer; use a divisor of 6"]
+    assert ep_problems({"model_type": "qwen3_moe", "num_experts": 6}, 3) == []
+
+
+def _ep_groups() -> dict:
+    import torch.distributed as dist
+
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.parallel.mesh import build_mesh, expert_fsdp_mesh
+
+    dist.init_process_group("gloo")
+    dims = ParallelDims(4, dp_shard=4, ep=2)
+    mesh = build_mesh(dims, "cpu")
+    out = {"ep": dist.get_process_group_ranks(mesh.ep.get_group("ep")),
+           "experts": dist.get_process_group_ranks(expert_fsdp_mesh(mesh.ep, dims).get_group()),
+           "dense": dist.get_process_group_ranks(mesh.get_group("dp_shard"))}
+    dist.destroy_process_group()
+    return out
+
+
+def test_an_ep_group_is_consecutive_dp_shard_ranks_and_the_experts_shard_across_groups():
+    """dp_shard 4 x ep 2: ranks {0,1} and {2,3} exchange tokens; ranks 0 and 2 hold the same experts and
+    FSDP2 shards them over {0,2}; the dense parts over all four."""
+    got = run_distributed(_ep_groups, 4)
+    assert [g["ep"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["experts"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(g["dense"] == [0, 1, 2, 3] for g in got)

@@ -1,0 +1,8 @@
+"""Expert parallelism on the device mesh: each MoE layer's experts split over the ranks of an ep group
+(borrowed from dp_shard, `toolkit.layout.dims`), tokens exchanged by all-to-all (`comm`), the experts
+modules' own forwards run on what arrives (`experts`)."""
+
+from toolkit.parallel.ep.comm import all_to_all, exchange_counts
+from toolkit.parallel.ep.experts import ExpertShards, ExpertSplit, apply_expert_parallel
+
+__all__ = ["all_to_all", "exchange_counts", "ExpertShards", "ExpertSplit", "apply_expert_parallel"]

@@ -1,0 +1,157 @@
+"""Expert parallel applied in place to a loaded model (full or peft-LoRA): every routed-experts module
+keeps E/n of its experts, and its forward sends each token to the rank that holds its expert and takes
+the result back (torchtitan's `ExpertParallel`, on transformers' own experts modules).
+
+The model says where its experts are: transformers 5 calls every MoE architecture's experts as
+`experts(hidden_states, top_k_index, top_k_weights)` (`toolkit.router_load.experts_modules`), with the
+experts stacked along dim 0 of each weight ([E, 2I, H] and [E, H, I]; gpt-oss's transposed, with
+biases [E, ...]). Rank r of an ep group of n keeps experts r*E/n .. (r+1)*E/n - 1 of each, and per
+forward, over T tokens with k experts each:
+
+    1. sort the T*k (token, expert) pairs by expert; count them per expert          [E] per rank
+    2. exchange the counts (all-to-all): how many rows each rank sends to each of mine
+    3. dispatch: all-to-all the pairs' hidden states to their experts' ranks         T*k x H sent
+    4. run the module's own forward on what arrived, with local expert ids and weight 1 (so grouped_mm,
+       batched_mm or eager, whichever `config._experts_implementation` chose, runs the local experts)
+    5. combine: all-to-all the outputs back (step 3 reversed), scale by the routing weights and sum
+       each token's k outputs, as the module would have
+
+The routing weights are applied on the token's own rank, so the router's gradient never travels. LoRA
+on the experts (peft's `ParamWrapper`, target_parameters) is split with them: A [E*r, in] by its
+expert-major rows, B [out, r*E] by its expert-minor columns (a `Packed` split of r parts of E).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from toolkit.errors import UserError
+from toolkit.parallel.ep.comm import all_to_all, exchange_counts
+from toolkit.parallel.tp.layers import Packed
+
+
+@dataclass
+class ExpertSplit:
+    """How a parameter was cut over the ep group: slice `rank` of `ep` along `split` (a dim, contiguous),
+    or of every part of a `Packed` split. Checkpoints place it like a TP slice
+    (`toolkit.train.sharded_state.piece`); `gather` puts the full tensor back."""
+    split: int | Packed
+    rank: int
+    ep: int
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.ep)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return self.split.assemble(parts) if isinstance(self.split, Packed) else torch.cat(parts, self.split)
+
+
+def _peft_wrappers(model: nn.Module, experts: nn.Module) -> list[nn.Module]:
+    """peft's ParamWrappers whose base layer is `experts` (one per adapted parameter, nested)."""
+    return [m for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "lora_A")
+            and m.get_base_layer() is experts]
+
+
+def _keep(p: nn.Parameter, rows: slice) -> nn.Parameter:
+    return nn.Parameter(p.detach()[rows].clone(), requires_grad=p.requires_grad)
+
+
+@dataclass
+class ExpertShards:
+    """What `apply_expert_parallel` cut: each parameter's split by name, the modules that hold the
+    experts' parameters (the experts modules, or their outermost peft wrapper: what FSDP2 shards over
+    the expert mesh), and a line for the layout's describe."""
+    split: dict[str, ExpertSplit]
+    holders: list[nn.Module]
+    line: str
+
+
+def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
+    """Keep this rank's experts of every MoE layer of `model` (in place) and route their tokens over
+    `group`. Every rank must call it with the same full weights (and the same LoRA init)."""
+    import torch.distributed as dist
+
+    from toolkit.router_load import experts_modules
+
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    modules = experts_modules(model)
+    if not modules:
+        raise UserError(f"--ep {n}: found no routed-experts module (a forward taking hidden_states, top_k_index, "
+                        "top_k_weights) in this model; drop --ep")
+    cut: dict[int, ExpertSplit] = {}
+    holders = []
+    for module in modules:
+        experts = module.num_experts
+        if experts % n:
+            raise UserError(f"--ep {n} must divide the model's {experts} experts per layer; use a divisor of it")
+        local = experts // n
+        rows = slice(rank * local, (rank + 1) * local)
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if p.dim() < 1 or p.shape[0] != experts:
+                raise UserError(f"--ep {n}: {type(module).__name__}.{name} {tuple(p.shape)} is not stacked by expert "
+                                f"(dim 0 of {experts}); this experts form is not split by --ep yet: drop --ep")
+            setattr(module, name, _keep(p, rows))
+            cut[id(getattr(module, name))] = ExpertSplit(0, rank, n, group)
+        for wrapper in _peft_wrappers(model, module):
+            for adapter in wrapper.lora_A:
+                a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
+                r = a.weight.shape[0] // experts
+                a.weight = _keep(a.weight, slice(rank * local * r, (rank + 1) * local * r))
+                b_cols = b.weight.detach().view(b.weight.shape[0], r, experts)[:, :, rows]
+                b.weight = nn.Parameter(b_cols.reshape(b.weight.shape[0], r * local).clone(),
+                                        requires_grad=b.weight.requires_grad)
+                a.out_features, b.in_features = a.weight.shape[0], b.weight.shape[1]
+                cut[id(a.weight)] = ExpertSplit(0, rank, n, group)
+                cut[id(b.weight)] = ExpertSplit(Packed(1, (experts,) * r), rank, n, group)
+            wrapper.num_experts = local
+        module.num_experts, module.ep_experts = local, experts  # ep_experts: the global count (router_load)
+        owner = (_peft_wrappers(model, module) or [module])[0]  # the outermost: holds every expert parameter
+        holders.append(owner)
+        module.forward = _routed_forward(owner, module.forward, group, experts)
+    split = {name: cut[id(p)] for name, p in model.named_parameters() if id(p) in cut}
+    layers = f"{len(modules)} MoE layer{'s' if len(modules) > 1 else ''}"
+    line = (f"expert parallel over {n} ranks: {layers}, {local} of {experts} experts each per rank, "
+            "tokens dispatched and combined by all-to-all")
+    return ExpertShards(split, holders, line)
+
+
+def _routed_forward(owner: nn.Module, local_forward, group, experts: int):
+    """The experts module's forward under EP (module docstring, steps 1-5), with its signature;
+    `owner` holds its parameters (and their LoRA adapters)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    signature = inspect.signature(local_forward)
+
+    @functools.wraps(local_forward)
+    def forward(*args, **kwargs):
+        hidden, index, weights = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+        if hidden.dim() != 2:
+            raise RuntimeError(f"expert parallel expects [tokens, hidden] states, got {tuple(hidden.shape)}")
+        k = index.shape[-1]
+        order = torch.argsort(index.reshape(-1), stable=True)  # 1. pairs sorted by expert
+        token = order // k
+        counts = torch.bincount(index.reshape(-1), minlength=experts)
+        arriving = exchange_counts(counts, group)  # 2. [source rank, my expert]
+        send = counts.view(n, -1).sum(1).tolist()
+        recv = arriving.sum(1).tolist()
+        x = all_to_all(hidden[token], recv, send, group)  # 3. dispatch
+        mine = torch.arange(experts // n, device=hidden.device).repeat(n).repeat_interleave(arriving.reshape(-1))
+        y = local_forward(x, mine[:, None], torch.ones(len(x), 1, dtype=weights.dtype, device=hidden.device))  # 4.
+        if len(x) == 0:  # no token came: the experts still take part in the gradient reduction (zeros)
+            y = y + sum(p.reshape(-1)[:1].sum() for p in owner.parameters()) * 0
+        back = all_to_all(y, send, recv, group)  # 5. combine
+        scaled = back * weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(hidden).index_add(0, token, scaled.to(hidden.dtype))
+
+    return forward
