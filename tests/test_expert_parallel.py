@@ -42,53 +42,75 @@ def _build(model_type: str, method: str):
     return model
 
 
-def _ep_against_unsplit() -> dict:
-    """Per (arch, method): the largest differences of loss, logits and gradients, and what was split."""
+def _ep_against_unsplit(tp: int = 1) -> dict:
+    """Per (arch, method): the largest differences of loss, logits and gradients, and what was split.
+    tp > 1: the TP layers cut every expert's intermediate first, then EP its experts (ETP = TP)."""
     dist = _init()
+    from toolkit.layout.dims import ParallelDims
     from toolkit.parallel.ep import apply_expert_parallel
     from toolkit.parallel.ep.comm import TRAFFIC
+    from toolkit.parallel.mesh import build_mesh
+    from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
 
-    group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    mesh = build_mesh(ParallelDims(world, dp_shard=world // tp, tp=tp, ep=world // tp), "cpu")
+    group, dp = mesh.ep.get_group("ep"), mesh.get_group("dp_shard")
+    tp_group = mesh.get_group("tp") if tp > 1 else None
     out = {}
-    for model_type in MOE:
-        for method in ("full", "lora"):
+    for model_type in MOE if tp == 1 else ("qwen3_moe", "mixtral", "deepseek_v3"):
+        for method in ("full", "lora") if tp == 1 else ("full",):
             ref, ep = _build(model_type, method), _build(model_type, method)
+            if tp_group is not None:
+                apply_tensor_parallel(ep, tp_group)
             shards = apply_expert_parallel(ep, group)
-            g = torch.Generator().manual_seed(rank)  # data-parallel ranks: other tokens
+            cuts = TPShards(tp_group)
+            cuts.read(ep)
+            split = {**cuts.split, **shards.split}
+            g = torch.Generator().manual_seed(mesh.get_local_rank("dp_shard"))  # data-parallel ranks: other tokens
             ids = torch.randint(4, 96, (2, 16), generator=g)
             TRAFFIC.clear()
             got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
             got.loss.backward()
             want.loss.backward()
             diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
-            grads = {}
-            ref_params = dict(ref.named_parameters())
-            for name, p in ep.named_parameters():
-                if p.grad is None:
-                    assert ref_params[name].grad is None, name
-                    continue
-                full = ref_params[name].grad.clone()
-                dist.all_reduce(full)  # what FSDP sums over the ranks
-                if name in shards.split:
-                    full = shards.split[name].gather(p.grad)  - full  # the slices gathered: the unsplit sum
-                    grads[name] = full.abs().max().item()
-                else:
-                    mine = p.grad.clone()
-                    dist.all_reduce(mine)
-                    grads[name] = (mine - full).abs().max().item()
-            state = {k: v for k, v in ep.state_dict().items()}
-            gathered = {k: shards.split[k].gather(v) if k in shards.split else v for k, v in state.items()}
+            ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            assert {n for n, p in ep.named_parameters() if p.grad is not None} == set(ref_grads), model_type
+            grads = full_state_dict(_Grads(ep), split, tp_group)  # TP slices, then EP slices, gathered
+            worst = 0.0
+            for name, full in ref_grads.items():
+                full = full.clone()
+                dist.all_reduce(full, group=dp)  # what FSDP sums over the data-parallel ranks
+                mine = grads[name].clone()
+                if name not in shards.split:  # an expert's owner already holds every rank's tokens' sum
+                    dist.all_reduce(mine, group=dp)
+                worst = max(worst, (mine - full).abs().max().item())
+            gathered = full_state_dict(ep, split, tp_group)
             weights = max((gathered[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-            out[f"{model_type}/{method}"] = {**diffs, "grad": max(grads.values()), "weights": weights,
+            out[f"{model_type}/{method}"] = {**diffs, "grad": worst, "weights": weights,
                                              "split": sorted(shards.split), "line": shards.line,
                                              "sent": TRAFFIC["forward"], "returned": TRAFFIC["backward"]}
     dist.destroy_process_group()
     return out
 
 
+class _Grads:
+    """A model's gradients where `full_state_dict` reads its state dict."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+
+
 @pytest.fixture(scope="module")
 def ep2():
     return run_distributed(_ep_against_unsplit, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ep2_tp2():
+    return run_distributed(_ep_against_unsplit, 4, 2, timeout=600)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -104,6 +126,16 @@ def test_expert_parallel_equals_the_unsplit_model(ep2, model_type, method):
         assert r["sent"] > 0 and r["returned"] > 0  # tokens crossed ranks, both ways
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_expert_parallel_inside_tensor_parallel_equals_the_unsplit_model(ep2_tp2, model_type):
+    """--tp 2 x --ep 2 on 4 ranks: every expert's intermediate split over the TP pair, the experts over the
+    ep pair (ranks of one tp coordinate); the same checks, the gradients gathered over both."""
+    for rank, result in enumerate(ep2_tp2):
+        r = result[f"{model_type}/full"]
+        assert r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5 and r["weights"] == 0, (rank, r)
+        assert r["sent"] > 0
+
+
 # ---------------------------------------------------------------- finetune.py under --ep
 
 AUX0 = ["--router-aux-loss-coef", "0"]  # one process's router loss is over all its tokens: off where compared to it
@@ -117,7 +149,7 @@ def runs(tmp_path_factory, data_files, tiny_model):
     with micro-batch 8; --ep 2 (micro-batch 2 x accumulation 2 x 2 ranks), also against --dp-shard 2
     with the router loss on; --ep 2 x --dp-shard 4 (experts sharded again over 2 ranks each) and --ep 4
     resuming the --ep 2 run's checkpoint-2; --ep 2 with --cp 2 (experts sharded over dp_shard_mod_ep x cp) and
-    with HSDP (--dp-replicate 2)."""
+    with HSDP (--dp-replicate 2), and inside --tp 2."""
     from distributed import launch_layouts
 
     from toolkit.synthetic import build_zoo_model_dir
@@ -144,6 +176,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
                                       "--grad-accum", "2", *PARITY]
     four["qwen3_moe-lora-ep2_hsdp"] = [*q, "--method", "lora", "--ep", "2", "--dp-shard", "2", "--dp-replicate", "2",
                                        "--micro-batch-size", "2", *PARITY]
+    four["qwen3_moe-full-ep2_tp2"] = [*q, "--method", "full", "--ep", "2", "--tp", "2", "--micro-batch-size", "2",
+                                      "--grad-accum", "2", *PARITY]
     four["qwen3_moe-full-ep4_resumed"] = [*q, "--method", "full", "--ep", "4", "--micro-batch-size", "2", *PARITY,
                                           "--resume", str(checkpoint)]
     out.update(launch_layouts(root / "ranks4", common, four, nproc=4, timeout=1200))
@@ -164,11 +198,12 @@ def _ran(run) -> str:
 
 # what each layout's experts are FSDP2-sharded over (the ranks that hold the same experts)
 EXPERT_SHARDS = {"ep2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_shard4": "over dp_shard_mod_ep: 2 rank(s)",
-                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
+                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
 
 
 @pytest.mark.parametrize(("method", "layout"), [("full", "ep2"), ("lora", "ep2"), ("full", "ep2_shard4"),
-                                                ("lora", "ep2_shard4"), ("full", "ep2_cp2"), ("lora", "ep2_hsdp")])
+                                                ("lora", "ep2_shard4"), ("full", "ep2_cp2"), ("lora", "ep2_hsdp"),
+                                                ("full", "ep2_tp2")])
 def test_expert_parallel_runs_match_one_process(runs, method, layout):
     """Same seed and data: each step's loss within 1e-4 of one process's; the saved folder reloads in
     plain transformers/peft with the trained loss (the run's own integrity check)."""
@@ -233,12 +268,11 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     def refused(**flags) -> list[str]:
         return layout_problems(ParallelConfig(**flags), flags.pop("method", "full"), "no", "auto", 2)
 
-    assert refused(ep=2, tp=2)[0].startswith("--ep 2 with --tp 2 is not supported yet")
     assert refused(ep=2, pp=2, pp_microbatches=2)[-1].startswith("--ep 2 with --pp 2 is not supported yet")
     assert refused(ep=2, zero_stage=3)[0].startswith("--ep 2 with --zero-stage 3 is not supported yet")
     assert layout_problems(ParallelConfig(ep=2), "qlora", "no", "auto", 2) == [
         "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
-    assert refused(ep=2, cp=2) == [] and refused(ep=2, dp_shard=4, dp_replicate=2) == []
+    assert refused(ep=2, cp=2) == refused(ep=2, tp=2) == refused(ep=2, dp_shard=4, dp_replicate=2) == []
     assert ep_problems({"model_type": "llama"}, 2) == [
         "--ep 2: model type llama has no routed experts (none of num_local_experts, num_experts, n_routed_experts "
         "in its config); drop --ep"]

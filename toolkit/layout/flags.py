@@ -31,13 +31,13 @@ class ParallelConfig:
                           "with --tp and --dp-replicate")
     dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
-                    "(world = tp x data-parallel) as the config's base_model_tp_plan says; dense models (not MoE "
-                    "experts), with DDP or --dp-shard")
+                    "(world = tp x data-parallel) as the config's base_model_tp_plan says (an MoE block's experts: "
+                    "each expert's intermediate), with DDP, --dp-shard or --ep")
     cp: int = _f(1, "context-parallel degree: each of this many ranks holds 1/cp of every sequence "
                     "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
     ep: int = _f(1, "expert-parallel degree: every MoE layer's experts split over this many of the --dp-shard ranks, "
                     "tokens sent to their experts' ranks and back by all-to-all (FSDP2 on the mesh, inferred "
-                    "--dp-shard; composes with --cp)")
+                    "--dp-shard; composes with --cp and --tp)")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
                     "several processes run one stage each (world = pp x data-parallel)")
     pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "

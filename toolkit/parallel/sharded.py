@@ -107,12 +107,13 @@ class MeshStrategy(Strategy):
         named = list(self.unwrap(model).named_parameters())
         experts = self.experts.split if self.experts else {}
         split = [p for n, p in named if n in self.tp.split]
-        mine = [p for n, p in named if n in experts]  # expert parallel: this rank's experts, sharded again
         rest = [p for n, p in named if n not in self.tp.split and n not in experts]
         tp = (self.tp.group,) if self.tp.group is not None else ()
         shard = (self.shard_group,) if self.shard_group is not None else ()
         ep = (self.expert_shard_group, self.ep_group) if self.experts else ()
-        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (mine, ep), (rest, shard)])
+        mine = [[p for n, p in named if n in experts and (experts[n].tp is not None) == cut] for cut in (True, False)]
+        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (mine[0], (*tp, *ep)),
+                                                                (mine[1], ep), (rest, shard)])
 
     def state_dict(self, model) -> dict:
         """The TP shards and expert-parallel slices gathered back into the full tensors a one-process

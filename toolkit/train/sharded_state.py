@@ -82,6 +82,12 @@ def piece(t: torch.Tensor, tp_dim=None, tp_rank: int = 0, tp: int = 1) -> Piece:
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
     if hasattr(tp_dim, "ep"):  # an expert-parallel slice (`toolkit.parallel.ep.ExpertSplit`): placed as a TP one
+        if tp_dim.tp is not None:  # cut by TP first: the TP slice's boxes, shifted to this rank's experts
+            inner, d, at = piece(t, tp_dim.tp, tp_rank, tp), tp_dim.split, tp_dim.rank
+            shifted = [(torch.Size([o + at * inner.shape[d] if i == d else o for i, o in enumerate(offsets)]), view)
+                       for offsets, view in inner.boxes]
+            return Piece(inner.local, torch.Size([n * tp_dim.ep if i == d else n for i, n in enumerate(inner.shape)]),
+                         shifted)
         tp_dim, tp_rank, tp = tp_dim.split, tp_dim.rank, tp_dim.ep
     if tp_dim is None or tp == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])

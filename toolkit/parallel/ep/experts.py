@@ -16,7 +16,11 @@ forward, over T tokens with k experts each:
     5. combine: all-to-all the outputs back (step 3 reversed), scale by the routing weights and sum
        each token's k outputs, as the module would have
 
-The routing weights are applied on the token's own rank, so the router's gradient never travels. LoRA
+The routing weights are applied on the token's own rank, so the router's gradient never travels.
+Under --tp the experts were cut first (each expert's intermediate, `toolkit.parallel.tp.plan`): TP
+peers hold the same tokens and route them alike, each within its own ep group (same tp coordinate),
+and the TP hooks around the experts module all-reduce the combined partial outputs (torchtitan's
+ETP = TP). LoRA
 on the experts (peft's `ParamWrapper`, target_parameters) is split with them: A [E*r, in] by its
 expert-major rows, B [out, r*E] by its expert-minor columns (a `Packed` split of r parts of E).
 """
@@ -39,12 +43,14 @@ from toolkit.parallel.tp.layers import Packed
 @dataclass
 class ExpertSplit:
     """How a parameter was cut over the ep group: slice `rank` of `ep` along `split` (a dim, contiguous),
-    or of every part of a `Packed` split. Checkpoints place it like a TP slice
-    (`toolkit.train.sharded_state.piece`); `gather` puts the full tensor back."""
+    or of every part of a `Packed` split; `tp`: how the TP layers cut it first (an expert's intermediate
+    under --tp, `toolkit.parallel.tp.plan`), None if they did not. Checkpoints place it like a TP slice
+    (`toolkit.train.sharded_state.piece`); `gather` puts the (TP-gathered) full tensor back."""
     split: int | Packed
     rank: int
     ep: int
     group: Any = field(default=None, compare=False, repr=False)
+    tp: int | Packed | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -62,6 +68,12 @@ def _peft_wrappers(model: nn.Module, experts: nn.Module) -> list[nn.Module]:
 
 def _keep(p: nn.Parameter, rows: slice) -> nn.Parameter:
     return nn.Parameter(p.detach()[rows].clone(), requires_grad=p.requires_grad)
+
+
+def _tp_split(p: nn.Parameter) -> int | Packed | None:
+    """How the TP layers cut `p` (its `tp_split_dim`/`tp_packed` marks), which the EP slice carries on:
+    the new parameter is not marked, so TP's own bookkeeping leaves it to EP's."""
+    return getattr(p, "tp_packed", getattr(p, "tp_split_dim", None))
 
 
 @dataclass
@@ -101,7 +113,7 @@ def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
                 raise UserError(f"--ep {n}: {type(module).__name__}.{name} {tuple(p.shape)} is not stacked by expert "
                                 f"(dim 0 of {experts}); this experts form is not split by --ep yet: drop --ep")
             setattr(module, name, _keep(p, rows))
-            cut[id(getattr(module, name))] = ExpertSplit(0, rank, n, group)
+            cut[id(getattr(module, name))] = ExpertSplit(0, rank, n, group, _tp_split(p))
         for wrapper in _peft_wrappers(model, module):
             for adapter in wrapper.lora_A:
                 a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]

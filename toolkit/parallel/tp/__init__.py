@@ -124,12 +124,14 @@ def full_state_dict(model, tp_split: dict, tp_group) -> dict:
     out = {}
     for key, v in model.state_dict().items():
         v = grad_norm.full(v)
-        if hasattr(tp_split.get(key), "gather"):  # an expert-parallel slice (`toolkit.parallel.ep.ExpertSplit`)
-            v = tp_split[key].gather(v)
-        elif key in tp_split and tp > 1:
+        split = tp_split.get(key)
+        experts = split if hasattr(split, "gather") else None  # an expert-parallel slice (`ExpertSplit`)
+        split = experts.tp if experts is not None else split
+        if split is not None and tp > 1:
             parts = [torch.empty_like(v) for _ in range(tp)]
             dist.all_gather(parts, v.contiguous(), group=tp_group)
-            split = tp_split[key]
             v = split.assemble(parts) if isinstance(split, Packed) else torch.cat(parts, dim=split)
+        if experts is not None:
+            v = experts.gather(v)
         out[key] = v.detach()
     return out
