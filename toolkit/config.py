@@ -55,6 +55,11 @@ class ModelConfig:
     router_aux_loss_coef: Optional[float] = _f(None, "MoE models: the router load-balancing loss's coefficient, "
                                                      "added to the loss as the model adds it (0 = off; unset = "
                                                      "the config's, on where it sets output_router_logits)")
+    experts: str = _f("auto", "MoE models: how each layer's experts run, transformers' experts_implementation: "
+                              "grouped_mm (one grouped matmul: torch's grouped_mm where the device has it, else "
+                              "transformers' fallback), batched_mm (one batched matmul over each token's experts), "
+                              "eager (a loop over the experts hit); auto: transformers' choice (grouped_mm where it "
+                              "can dispatch)", ("auto", "grouped_mm", "batched_mm", "eager"))
     attn: str = _f("auto", "attention kernel: sdpa (transformers'; a dense block-diagonal mask for packed rows); "
                            "varlen (torch's varlen_attn on CUDA, per document on CPU), flex (flex_attention with a "
                            "document mask), flash (flash-attn): packed rows without padding or a dense mask; auto: "

@@ -215,6 +215,8 @@ def load_model(cfg: Config, path: str):
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
+    if cfg.model.experts != "auto":  # checked against the architecture by check_model
+        model.set_experts_implementation(cfg.model.experts)
     name, _ = attention(cfg, model)
     if name is not None:
         model.set_attn_implementation(name)
@@ -237,6 +239,24 @@ def attention(cfg: Config, model) -> tuple[str | None, str]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return choose_attention(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1, model, cfg.data.seq_len)
+
+
+def experts_line(cfg: Config, skeleton) -> str:
+    """'; experts: grouped_mm' for an MoE model (what `--experts` asks, or transformers' choice), '' for a
+    dense one; --experts on a dense model is refused in one line."""
+    from toolkit.router_load import experts_modules
+
+    if not experts_modules(skeleton):
+        if cfg.model.experts != "auto":
+            raise UserError(f"--experts {cfg.model.experts}: {type(skeleton).__name__} has no routed experts; "
+                            "leave the flag out")
+        return ""
+    if cfg.model.experts != "auto":
+        try:
+            skeleton.set_experts_implementation(cfg.model.experts)
+        except (ValueError, ImportError) as e:
+            raise UserError(f"--experts {cfg.model.experts}: {' '.join(str(e).split())}; use --experts auto") from None
+    return f"; experts: {skeleton.config._experts_implementation} (transformers' experts_implementation)"
 
 
 def router_kwargs(cfg: Config) -> dict:
@@ -389,6 +409,7 @@ def check_model(cfg: Config, path: str) -> str:
     finally:
         hf_logging.set_verbosity(level)
     _, attention_line = attention(cfg, skeleton)  # a kernel this model or machine cannot run: one line now
+    attention_line += experts_line(cfg, skeleton)
     if m.router_aux_loss_coef is not None and not hasattr(config.get_text_config(), "router_aux_loss_coef"):
         raise UserError(f"--router-aux-loss-coef: {type(skeleton).__name__} has no router load-balancing loss "
                         "(no router_aux_loss_coef in its config); leave the flag out")
