@@ -149,7 +149,7 @@ def runs(tmp_path_factory, data_files, tiny_model):
     with micro-batch 8; --ep 2 (micro-batch 2 x accumulation 2 x 2 ranks), also against --dp-shard 2
     with the router loss on; --ep 2 x --dp-shard 4 (experts sharded again over 2 ranks each) and --ep 4
     resuming the --ep 2 run's checkpoint-2; --ep 2 with --cp 2 (experts sharded over dp_shard_mod_ep x cp) and
-    with HSDP (--dp-replicate 2), and inside --tp 2."""
+    with HSDP (--dp-replicate 2), inside --tp 2, and on the stages of --pp 2."""
     from distributed import launch_layouts
 
     from toolkit.synthetic import build_zoo_model_dir
@@ -178,6 +178,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
                                        "--micro-batch-size", "2", *PARITY]
     four["qwen3_moe-full-ep2_tp2"] = [*q, "--method", "full", "--ep", "2", "--tp", "2", "--micro-batch-size", "2",
                                       "--grad-accum", "2", *PARITY]
+    four.update({f"qwen3_moe-{m}-ep2_pp2": [*q, "--method", m, "--ep", "2", "--pp", "2", "--pp-microbatches", "2",
+                                            "--micro-batch-size", "2", "--grad-accum", "2", *PARITY] for m in ("full", "lora")})
     four["qwen3_moe-full-ep4_resumed"] = [*q, "--method", "full", "--ep", "4", "--micro-batch-size", "2", *PARITY,
                                           "--resume", str(checkpoint)]
     out.update(launch_layouts(root / "ranks4", common, four, nproc=4, timeout=1200))
@@ -198,12 +200,13 @@ def _ran(run) -> str:
 
 # what each layout's experts are FSDP2-sharded over (the ranks that hold the same experts)
 EXPERT_SHARDS = {"ep2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_shard4": "over dp_shard_mod_ep: 2 rank(s)",
-                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
+                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard_mod_ep: 1 rank(s)",
+                 "ep2_pp2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
 
 
 @pytest.mark.parametrize(("method", "layout"), [("full", "ep2"), ("lora", "ep2"), ("full", "ep2_shard4"),
                                                 ("lora", "ep2_shard4"), ("full", "ep2_cp2"), ("lora", "ep2_hsdp"),
-                                                ("full", "ep2_tp2")])
+                                                ("full", "ep2_tp2"), ("full", "ep2_pp2"), ("lora", "ep2_pp2")])
 def test_expert_parallel_runs_match_one_process(runs, method, layout):
     """Same seed and data: each step's loss within 1e-4 of one process's; the saved folder reloads in
     plain transformers/peft with the trained loss (the run's own integrity check)."""
@@ -268,11 +271,13 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     def refused(**flags) -> list[str]:
         return layout_problems(ParallelConfig(**flags), flags.pop("method", "full"), "no", "auto", 2)
 
-    assert refused(ep=2, pp=2, pp_microbatches=2)[-1].startswith("--ep 2 with --pp 2 is not supported yet")
-    assert refused(ep=2, zero_stage=3)[0].startswith("--ep 2 with --zero-stage 3 is not supported yet")
+    assert refused(ep=2, zero_stage=3)[0] == ("--ep 2 with --zero-stage 3 is not supported; expert parallel runs on "
+                                              "the device mesh, with --dp-shard (FSDP2), --dp-replicate, --cp, --tp and "
+                                              "--pp (drop one of them)")
     assert layout_problems(ParallelConfig(ep=2), "qlora", "no", "auto", 2) == [
         "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
     assert refused(ep=2, cp=2) == refused(ep=2, tp=2) == refused(ep=2, dp_shard=4, dp_replicate=2) == []
+    assert refused(ep=2, pp=2, pp_microbatches=2) == []
     assert ep_problems({"model_type": "llama"}, 2) == [
         "--ep 2: model type llama has no routed experts (none of num_local_experts, num_experts, n_routed_experts "
         "in its config); drop --ep"]

@@ -37,7 +37,7 @@ class ParallelConfig:
                     "(Ulysses all-to-all attention; heads must divide by tp x cp); with DDP, --dp-shard or --tp")
     ep: int = _f(1, "expert-parallel degree: every MoE layer's experts split over this many of the --dp-shard ranks, "
                     "tokens sent to their experts' ranks and back by all-to-all (FSDP2 on the mesh, inferred "
-                    "--dp-shard; composes with --cp and --tp)")
+                    "--dp-shard; composes with --cp, --tp and --pp)")
     pp: int = _f(1, "pipeline stages: one process splits the model over --pp-devices (naive pipeline); "
                     "several processes run one stage each (world = pp x data-parallel)")
     pp_microbatches: int = _f(1, "pipeline micro-batches per --micro-batch-size batch (must divide it); "

@@ -205,9 +205,9 @@ def _ep_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
         return [f"--ep must be >= 1 (got {par.ep})"]
     if par.ep == 1:
         return []
-    other = off_mesh_layout(par) or (f"--pp {par.pp}" if par.pp > 1 else None)
-    p = [f"--ep {par.ep} with {other} is not supported yet; expert parallel composes with --dp-shard (FSDP2 on the "
-         "mesh), --dp-replicate, --cp and --tp (drop one of them)"] if other else []
+    other = off_mesh_layout(par)
+    p = [f"--ep {par.ep} with {other} is not supported; expert parallel runs on the device mesh, with --dp-shard "
+         "(FSDP2), --dp-replicate, --cp, --tp and --pp (drop one of them)"] if other else []
     return p + _method_problems(f"--ep {par.ep}", "shard", method, precision)
 
 

@@ -36,6 +36,15 @@ def ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return mesh
 
 
+def expert_groups(mesh: DeviceMesh, dims: ParallelDims) -> tuple:
+    """(the ep group, the expert FSDP mesh, the expert shard group: what the experts' gradient norm sums
+    over, replicas apart), or (None, None, None) without --ep."""
+    if dims.ep == 1:
+        return None, None, None
+    inner = mesh.ep.flat["dp_shard_mod_ep_cp"] if dims.cp > 1 else mesh.ep["dp_shard_mod_ep"]
+    return mesh.ep.get_group("ep"), expert_fsdp_mesh(mesh.ep, dims), inner.get_group()
+
+
 def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """What FSDP2 shards the experts over: the ranks that hold the same experts, dp_shard_mod_ep (x cp),
     replicated across dp_replicate (HSDP) as the dense parts are."""

@@ -12,7 +12,7 @@ from typing import Callable
 from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
-from toolkit.parallel.mesh import expert_fsdp_mesh, fsdp_mesh, grad_dim
+from toolkit.parallel.mesh import expert_groups, fsdp_mesh, grad_dim
 from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead, Strategy, accumulate
 from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
 
@@ -36,11 +36,7 @@ class MeshStrategy(Strategy):
         self.whole_batches = dims.cp == 1
         # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
         # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)
-        self.ep_group = mesh.ep.get_group("ep") if dims.ep > 1 else None
-        self.expert_mesh = expert_fsdp_mesh(mesh.ep, dims) if dims.ep > 1 else None
-        if dims.ep > 1:
-            inner = mesh.ep.flat["dp_shard_mod_ep_cp"] if dims.cp > 1 else mesh.ep["dp_shard_mod_ep"]
-            self.expert_shard_group = inner.get_group()
+        self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
         self.experts = None  # what apply_expert_parallel cut (`shard_model`)
 
     def shard_model(self, model):
@@ -74,9 +70,7 @@ class MeshStrategy(Strategy):
         return model, optimizer, self.data.loader(loader)
 
     def describe(self) -> str:
-        tail = self.tp.describe() + (self.experts.line + f" (each rank's experts FSDP2-sharded over "
-                                     f"{' x '.join(self.expert_mesh.mesh_dim_names)}: {self.expert_mesh.size()} "
-                                     "rank(s))\n" if self.experts else "")
+        tail = self.tp.describe() + (self.experts.describe(self.expert_mesh) if self.experts else "")
         tail += self.context.describe() + self.loss.describe()
         if not self.sharded:
             over = "dp x cp" if self.dims.cp > 1 else "dp"
@@ -104,16 +98,14 @@ class MeshStrategy(Strategy):
         shard group (`toolkit.parallel.grad_norm`)."""
         from toolkit.parallel.grad_norm import clip_grad_norm
 
-        named = list(self.unwrap(model).named_parameters())
+        named = dict(self.unwrap(model).named_parameters())
         experts = self.experts.split if self.experts else {}
-        split = [p for n, p in named if n in self.tp.split]
-        rest = [p for n, p in named if n not in self.tp.split and n not in experts]
+        split = [p for n, p in named.items() if n in self.tp.split]
+        rest = [p for n, p in named.items() if n not in self.tp.split and n not in experts]
         tp = (self.tp.group,) if self.tp.group is not None else ()
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        ep = (self.expert_shard_group, self.ep_group) if self.experts else ()
-        mine = [[p for n, p in named if n in experts and (experts[n].tp is not None) == cut] for cut in (True, False)]
-        return clip_grad_norm([p for _, p in named], max_norm, [(split, (*tp, *shard)), (mine[0], (*tp, *ep)),
-                                                                (mine[1], ep), (rest, shard)])
+        mine = self.experts.norm_parts(named, tp, (self.expert_shard_group, self.ep_group)) if self.experts else []
+        return clip_grad_norm(list(named.values()), max_norm, [(split, (*tp, *shard)), *mine, (rest, shard)])
 
     def state_dict(self, model) -> dict:
         """The TP shards and expert-parallel slices gathered back into the full tensors a one-process

@@ -85,6 +85,18 @@ class ExpertShards:
     holders: list[nn.Module]
     line: str
 
+    def describe(self, fsdp_mesh) -> str:
+        """The layout's line: the split, and what each rank's experts are sharded over."""
+        return (f"{self.line} (each rank's experts FSDP2-sharded over {' x '.join(fsdp_mesh.mesh_dim_names)}: "
+                f"{fsdp_mesh.size()} rank(s))\n")
+
+    def norm_parts(self, named: dict[str, nn.Parameter], tp: tuple, groups: tuple) -> list[tuple[list, tuple]]:
+        """The experts' parts of `toolkit.parallel.grad_norm.clip_grad_norm`: their squares summed over
+        `groups` (the expert shards, the ep group, any pipeline group), and over `tp` too where TP cut them."""
+        mine = {n: p for n, p in named.items() if n in self.split}
+        return [([p for n, p in mine.items() if (self.split[n].tp is not None) == cut], (*tp, *groups) if cut else groups)
+                for cut in (True, False)]
+
 
 def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
     """Keep this rank's experts of every MoE layer of `model` (in place) and route their tokens over

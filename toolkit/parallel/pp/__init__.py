@@ -64,9 +64,9 @@ def pipeline_devices(cfg: Config) -> list[torch.device]:
 
 
 def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, model, sample_shape: tuple[int, int],
-                   pad_id: int, loss_fn, shard_mesh=None):
+                   pad_id: int, loss_fn, shard_mesh=None, experts: tuple | None = None):
     """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
-    over `shard_mesh` when given)."""
+    over `shard_mesh` when given; `experts`: expert parallel's (holders, their FSDP2 mesh))."""
     par = cfg.parallel
     from toolkit.parallel.fsdp import compute_dtype
 
@@ -86,4 +86,4 @@ def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, mode
         blocks, first, last = param_costs(parts)
     sizes = balance(blocks, par.pp, first, last)
     return StagePipeline(model, layout, sizes, par.pp_microbatches, par.pp_schedule, accelerator.device,
-                         pad_id, compute, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op")
+                         pad_id, compute, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op", experts)

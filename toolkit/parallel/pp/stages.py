@@ -79,7 +79,7 @@ class StagePipeline(nn.Module):
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
                  schedule: str, device: torch.device, pad_id: int, compute_dtype: torch.dtype | None = None,
-                 loss_fn=token_loss_sum, shard_mesh=None, reshard: bool = True):
+                 loss_fn=token_loss_sum, shard_mesh=None, reshard: bool = True, experts: tuple | None = None):
         super().__init__()
         self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
         parts = decoder_parts(model)
@@ -97,7 +97,10 @@ class StagePipeline(nn.Module):
         if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 over the shard mesh
             from toolkit.parallel.fsdp import apply_fsdp
 
-            apply_fsdp(self.stage, list(self.stage.layers), shard_mesh, reshard, compute_dtype)
+            mine = {id(m) for m in self.stage.modules()}  # expert parallel: this stage's experts, on their mesh
+            holders = [h for h in experts[0] if id(h) in mine] if experts else []
+            apply_fsdp(self.stage, list(self.stage.layers), shard_mesh, reshard, compute_dtype, holders,
+                       experts[1] if experts else None)
         # the tied weight as this stage holds it (FSDP2 replaced the parameters it shards)
         self.tied = (self.stage.embed.weight if first else self.stage.head.weight if last else None) if tied else None
         names = {id(p): n for n, p in model.named_parameters()}
@@ -246,16 +249,20 @@ class StagePipeline(nn.Module):
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
 
-    def clip_grad_norm(self, max_norm: float, tp_group=None, tp_split=(), shard_group=None) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, tp_group=None, tp_split=(), shard_group=None,
+                       experts: tuple | None = None) -> torch.Tensor:
         """The full model's gradient norm: squares summed over the stages (a tied weight once), over
-        the TP group for the TP slices (`tp_split`: their names) and over the shard group of FSDP2."""
+        the TP group for the TP slices (`tp_split`: their names), over the shard group of FSDP2, and
+        (`experts`: expert parallel's `ExpertShards` and its groups) the experts' over theirs."""
         params = list(self.stage.parameters())
         counted = {n: p for n, p in self.names.items() if not (self.tied is not None and p is self.tied and not self.first)}
         shard = (shard_group,) if shard_group is not None else ()
-        split = [p for n, p in counted.items() if n in tp_split]
-        rest = [p for n, p in counted.items() if n not in tp_split]
         tp = (tp_group,) if tp_group is not None else ()
-        return clip_grad_norm(params, max_norm, [(split, (self.layout.pp_group, *tp, *shard)),
+        mine = experts[0].norm_parts(counted, tp, (self.layout.pp_group, *experts[1])) if experts else []
+        cut = experts[0].split if experts else {}
+        split = [p for n, p in counted.items() if n in tp_split and n not in cut]
+        rest = [p for n, p in counted.items() if n not in tp_split and n not in cut]
+        return clip_grad_norm(params, max_norm, [(split, (self.layout.pp_group, *tp, *shard)), *mine,
                                                  (rest, (self.layout.pp_group, *shard))])
 
     def _unshard_outside_blocks(self) -> None:

@@ -36,10 +36,13 @@ class PipelineStrategy(Strategy):
             self.tp_layout = make_layout(dims.tp, mesh)
         self.tp = TPShards(self.tp_layout.tp_group if self.tp_layout else None)
         self.shard_mesh = self.shard_group = None
+        self.ep_group = self.expert_mesh = self.expert_shard_group = self.experts = None
         if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
-            from toolkit.parallel.mesh import fsdp_mesh
+            from toolkit.parallel.mesh import expert_groups, fsdp_mesh
 
             self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
+            # pp x ep: each stage's experts split over its ep group (`toolkit.parallel.ep`), as MeshStrategy's
+            self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
         self.data = DataShard(accelerator, dims, self.layout.dp_rank if self.layout else 0)
         self.loss = LossHead(loss_fn, accelerator.device.type)  # full logits on the last stage: never a fused head
         self.pipe = None  # built in prepare(); None again once exported
@@ -49,6 +52,10 @@ class PipelineStrategy(Strategy):
             from toolkit.parallel.tp import apply_tensor_parallel
 
             model = apply_tensor_parallel(model, self.tp_layout.tp_group)
+        if self.ep_group is not None:
+            from toolkit.parallel.ep import apply_expert_parallel
+
+            self.experts = apply_expert_parallel(model, self.ep_group)
         self.tp.read(model)
         return model
 
@@ -62,12 +69,14 @@ class PipelineStrategy(Strategy):
         pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
         # full logits on the last stage; a preference objective's dropout off, an MoE model's load counted
         self.loss.choose(model, "full")
+        experts = (self.experts.holders, self.expert_mesh) if self.experts else None
         self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss.loss_fn,
-                                   self.shard_mesh)
+                                   self.shard_mesh, experts)
         return self.pipe, optimizer_fn(self.pipe), self.data.loader(loader)
 
     def describe(self) -> str:
         mesh = f"layout: device mesh {self.dims.describe()}\n" if self.layout is not None else "layout: "
+        mesh += self.experts.describe(self.expert_mesh) if self.experts else ""
         transform = LogitTransform.of(self.pipe.model)
         how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
         if self.loss.objective is not None:
@@ -108,7 +117,8 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, model, max_norm: float):
         if self.layout is None:  # the naive pipeline: every stage in this process
             return self.pipe.clip_grad_norm(max_norm)
-        return self.pipe.clip_grad_norm(max_norm, self.tp.group, self.tp.split, self.shard_group)
+        experts = (self.experts, (self.expert_shard_group, self.ep_group)) if self.experts else None
+        return self.pipe.clip_grad_norm(max_norm, self.tp.group, self.tp.split, self.shard_group, experts)
 
     def eval_device(self, model) -> torch.device:
         return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
@@ -125,12 +135,17 @@ class PipelineStrategy(Strategy):
             return Strategy.named_trainable(self, model)
         embed = self.pipe.model.get_input_embeddings().weight
         embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
+        split = self._splits()
         out = []
         for n, p in self.pipe.names.items():
             if p.requires_grad:
                 name = embed_name if self.pipe.tied is not None and p is self.pipe.tied and embed_name else n
-                out.append((name, p, self.tp.split.get(n, self.tp.split.get(name))))
+                out.append((name, p, split.get(n, split.get(name))))
         return out
+
+    def _splits(self) -> dict:
+        """Every cut parameter's split by name: the TP slices' and the expert-parallel ones'."""
+        return {**self.tp.split, **(self.experts.split if self.experts else {})}
 
     def export(self, model, final: bool = True):
         """Every stage's weights back in one HF model on every rank (collective). After training it
@@ -141,4 +156,6 @@ class PipelineStrategy(Strategy):
         return exported
 
     def state_dict(self, model) -> dict:
-        return self.tp.state_dict(model)
+        from toolkit.parallel.tp import full_state_dict
+
+        return full_state_dict(model, self._splits(), self.tp.group)
