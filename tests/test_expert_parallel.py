@@ -161,7 +161,11 @@ def runs(tmp_path_factory, data_files, tiny_model):
     q = ["--model", models["qwen3_moe"]]
     one = {f"qwen3_moe-{m}-one": [*q, "--method", m, "--micro-batch-size", "8", *PARITY] for m in ("full", "lora")}
     two = {f"qwen3_moe-{m}-ep2": [*q, "--method", m, "--ep", "2", "--micro-batch-size", "2", "--grad-accum", "2",
-                                  *PARITY, *(["--save-every", "2"] if m == "full" else [])] for m in ("full", "lora")}
+                                  *PARITY, "--save-every", "2"] for m in ("full", "lora")}
+    # the next run of the launch resumes it on plain FSDP2 (no ep): experts whole again, sharded over dp_shard
+    two["qwen3_moe-full-shard2_resumed"] = [*q, "--method", "full", "--dp-shard", "2", "--micro-batch-size", "2",
+                                            "--grad-accum", "2", *PARITY, "--resume",
+                                            str(root / "ranks2" / "qwen3_moe-full-ep2" / "checkpoint-2")]
     two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3"]
                 for t in models for m in ("full", "lora")
                 for name, flags in (("ep2_aux", ["--ep", "2"]), ("shard2_aux", ["--dp-shard", "2"]))})
@@ -169,7 +173,6 @@ def runs(tmp_path_factory, data_files, tiny_model):
     out = {}
     for n, group in ((1, one), (2, two)):
         out.update(launch_layouts(root / f"ranks{n}", common, group, nproc=n, launcher="python" if n == 1 else "torchrun"))
-    checkpoint = out["qwen3_moe-full-ep2"]["out"] / "checkpoint-2"
     four = {f"qwen3_moe-{m}-ep2_shard4": [*q, "--method", m, "--ep", "2", "--dp-shard", "4", "--micro-batch-size", "2",
                                           *PARITY] for m in ("full", "lora")}
     four["qwen3_moe-full-ep2_cp2"] = [*q, "--method", "full", "--ep", "2", "--cp", "2", "--micro-batch-size", "2",
@@ -180,8 +183,9 @@ def runs(tmp_path_factory, data_files, tiny_model):
                                       "--grad-accum", "2", *PARITY]
     four.update({f"qwen3_moe-{m}-ep2_pp2": [*q, "--method", m, "--ep", "2", "--pp", "2", "--pp-microbatches", "2",
                                             "--micro-batch-size", "2", "--grad-accum", "2", *PARITY] for m in ("full", "lora")})
-    four["qwen3_moe-full-ep4_resumed"] = [*q, "--method", "full", "--ep", "4", "--micro-batch-size", "2", *PARITY,
-                                          "--resume", str(checkpoint)]
+    four.update({f"qwen3_moe-{m}-ep4_resumed": [*q, "--method", m, "--ep", "4", "--micro-batch-size", "2", *PARITY,
+                                                "--resume", str(out[f"qwen3_moe-{m}-ep2"]["out"] / "checkpoint-2")]
+                 for m in ("full", "lora")})
     out.update(launch_layouts(root / "ranks4", common, four, nproc=4, timeout=1200))
     return out
 
@@ -243,12 +247,15 @@ def test_ep_on_a_dense_model_is_refused_in_one_line_before_the_weights_load(runs
     assert not (run["out"] / "metrics.jsonl").exists()
 
 
-def test_a_checkpoint_of_ep2_resumes_under_ep4(runs):
-    """checkpoint-2 of the --ep 2 run (each rank's two experts) resumed on 4 ranks holding one each:
+@pytest.mark.parametrize(("method", "resumed"), [("full", "ep4_resumed"), ("lora", "ep4_resumed"),
+                                                 ("full", "shard2_resumed")])
+def test_a_checkpoint_of_ep2_resumes_on_another_ep_or_dp_degree(runs, method, resumed):
+    """checkpoint-2 of the --ep 2 run (each rank's two experts, LoRA's adapters on them split alike)
+    resumed on 4 ranks holding one expert each, or on 2 ranks without ep (every expert, FSDP2-sharded):
     steps 3 and 4 equal the uninterrupted one-process run's."""
-    said = _ran(runs["qwen3_moe-full-ep4_resumed"])
-    assert "1 of 4 experts each per rank" in said
-    got, want = _losses(runs["qwen3_moe-full-ep4_resumed"]), _losses(runs["qwen3_moe-full-one"])
+    said = _ran(runs[f"qwen3_moe-{method}-{resumed}"])
+    assert ("1 of 4 experts each per rank" in said) == (resumed == "ep4_resumed")
+    got, want = _losses(runs[f"qwen3_moe-{method}-{resumed}"]), _losses(runs[f"qwen3_moe-{method}-one"])
     assert sorted(got) == [3, 4]
     assert got == pytest.approx({s: want[s] for s in (3, 4)}, rel=TOL)
 
