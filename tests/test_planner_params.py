@@ -1,7 +1,8 @@
 """Planner parameter counts equal a meta-device instantiation of transformers' own model (every preset,
 the zoo's architectures, tiny MoE variants); active counts equal that model's with top-k of each MoE
 layer's experts; LoRA counts equal peft's; the plan counts published MoE configs at their published
-totals and never picks a layout the run's rules refuse."""
+totals and never picks a layout the run's rules refuse; a rank's parameters under --ep equal what the
+run's expert split leaves it."""
 
 import json
 
@@ -202,14 +203,14 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
                 continue
             d = ParallelDims(8, **c.dims)
             accepted = not rules.not_runnable(d, "lora", "bf16", "auto") and not rules.model_problems(
-                with_tp_plan(PRESETS[name]), d.tp, d.pp, d.cp, 8, "lora")
+                with_tp_plan(PRESETS[name]), d.tp, d.pp, d.cp, 8, "lora", ep=d.ep)
             assert c.runnable == accepted, (name, c.name, c.why_not)
         assert p.chosen_detail is None or p.chosen_detail.runnable
         if name == "qwen3-30b-a3b":
             assert not any(c.runnable for c in p.strategies if c.dims and c.dims["tp"] > 1)
             assert (p.chosen_detail.dims or {}).get("tp", 1) == 1
 
-    def refuse_tp(cfg, tp, pp, cp, world, method):
+    def refuse_tp(cfg, tp, pp, cp, world, method, ep=1):
         return [f"--tp {tp}: refused for this test"] if tp > 1 else []
 
     monkeypatch.setattr(planning, "model_problems", refuse_tp)
@@ -238,3 +239,35 @@ def test_tp_plan_read_from_source_is_the_config_class_attribute():
     gpt2 = with_tp_plan({"model_type": "gpt2", "num_hidden_layers": 4})
     assert model_problems(gpt2, 1, 2, 1, 2) == ["--pp 2: model type gpt2 declares no base_model_pp_plan; --pp needs it"]
     assert not model_problems(with_tp_plan({"model_type": "llama", "num_hidden_layers": 4}), 1, 2, 1, 2)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_rank_params_equal_the_split_model(monkeypatch, rank):
+    """The planner's parameters per rank under --ep 2 --dp-shard 2 before FSDP2 shards them
+    (`layouts.stage_params`: E/ep experts per MoE layer, and their LoRA adapters) equal what
+    `toolkit.parallel.ep.apply_expert_parallel` leaves on a rank of the zoo's Qwen3-MoE (4 experts, its
+    first layer dense), full and LoRA (r 8, all-linear: peft's adapters on the stacked experts). The
+    split needs only the group's size and this rank (no collective): those are given, on the meta
+    device, instead of launching 2 gloo ranks."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.parallel.ep import apply_expert_parallel
+    from toolkit.planner.layouts import stage_params
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    hf = hf_config(ZOO["qwen3_moe"], "qwen3_moe")
+    d = ParallelDims(2, dp_shard=2, ep=2)
+    for method in ("full", "lora"):
+        model = meta_model(hf)
+        if method == "lora":
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        apply_expert_parallel(model, None)
+        params = [p for _, p in unique(model)]
+        ours = stage_params(hf.to_dict(), d, 0, method, 8, "all-linear")
+        assert ours.experts and ours.params < count_params(hf.to_dict()).total  # the split is counted
+        base = ours.params + (ours.trainable if method == "lora" else 0)  # LoRA: the base, then its adapters
+        assert (base, ours.trainable) == (sum(p.numel() for p in params),
+                                          sum(p.numel() for p in params if p.requires_grad)), method

@@ -28,7 +28,7 @@ def test_json_schema(capsys):
         assert b["buffers"] <= b["allocated"] <= sum(v for k, v in b.items() if k not in ("allocated", "total"))
         assert b["allocated"] < b["total"] <= b["allocated"] * 1.1 + 2**30  # + the allocator's reserve and the context
         assert isinstance(s["fits"], bool) and isinstance(s["runnable"], bool) and s["step_seconds"] > 0
-        assert s["dims"] is None or (set(s["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
+        assert s["dims"] is None or (set(s["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
                                      and s["dims"]["pp"] * s["dims"]["dp_replicate"] * s["dims"]["dp_shard"]
                                      * s["dims"]["cp"] * s["dims"]["tp"] == 8)
     assert any(s["dims"] and s["dims"]["tp"] > 1 and s["dims"]["pp"] > 1 for s in out["strategies"])  # composed
@@ -273,6 +273,7 @@ def test_logits_term_follows_the_loss_path(capsys):
     ["--model", "llama-3-70b", "--method", "lora"],  # a mesh layout with TP
     ["--model", "llama-3-8b", "--method", "full", "--global-batch", "256"],  # a pipeline
     ["--model", "llama-3-70b", "--method", "full"],  # DeepSpeed with offload
+    ["--model", "qwen3-30b-a3b", "--method", "lora"],  # expert parallel (test_expert_parallel_rows_moe_only)
 ])
 def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
     """`--strategy auto` writes the chosen layout into the config exactly as the printed flags set it
@@ -622,3 +623,99 @@ def test_a_preference_pair_is_two_sequences_and_lora_dpo_pays_its_reference_forw
     for method, forwards in (("lora", 3), ("full", 1)):  # KTO: one sequence; its KL's (and LoRA's reference's)
         inp = plan_input(parse_config(["--objective", "kto", "--method", method]), model, "bf16", 8, 80 * 2**30, 1, "H100")
         assert (inp.sequences, inp.extra_forwards) == (1, forwards)
+
+
+# ------------------------------------------------------------------------------- expert parallel (--ep)
+
+MOE_30B = ["--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--gpu-memory", "80GB"]
+
+
+def test_expert_parallel_rows_moe_only(capsys):
+    """An MoE model's mesh layouts come again with every ep dividing both dp_shard and its 128 experts,
+    each row runnable exactly when the run's own rules take its flags (--ep in them), and the LoRA plan
+    of Qwen3-30B-A3B at PlanInput's defaults runs --ep; a dense model has no ep row and no ep line."""
+    from toolkit.layout import rules
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.planner.layouts import flags
+    from toolkit.planner.params import with_tp_plan
+    from toolkit.planner.plan import PlanInput, plan
+    from toolkit.planner.presets import PRESETS
+
+    for method in ("full", "lora"):
+        out = plan_json(capsys, *MOE_30B, "--method", method)
+        rows = [s for s in out["strategies"] if s["dims"] and s["dims"]["ep"] > 1]
+        assert {s["dims"]["ep"] for s in rows} == {2, 4, 8} and any(s["runnable"] and s["fits"] for s in rows)
+        for s in rows:
+            d = ParallelDims(8, **s["dims"])
+            assert d.dp_shard % d.ep == 0 and f"ep{d.ep}" in s["name"]
+            mb = s["micro_batch"]
+            printed = flags(d, mb)
+            assert printed[printed.index("--ep") + 1] == str(d.ep)
+            problems = rules.layout_problems(rules.mesh_flags(d, mb), method, "bf16", "auto", mb) \
+                + rules.model_problems(with_tp_plan(PRESETS["qwen3-30b-a3b"]), d.tp, d.pp, d.cp, 8, method, ep=d.ep)
+            assert s["runnable"] == (not problems), (s["name"], problems)
+    chosen = plan(PlanInput(model=PRESETS["qwen3-30b-a3b"], gpu_memory=80 * 1024**3, cpu_memory=2 * 1024**4))
+    assert "--ep" in chosen.flags, chosen.flags
+    dense = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--method", "full")
+    assert not any(s["dims"] and s["dims"]["ep"] > 1 for s in dense["strategies"]) and dense["expert_parallel"] == ""
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_expert_parallel_memory_at_rest_equals_fsdp_and_gathers_e_over_ep_experts(method):
+    """Each rank keeps E/ep experts sharded over dp_shard/ep ranks: weights, gradients and Adam state
+    equal FSDP2's over dp_shard; the gathered blocks (the one in use and the next, in bf16) hold E/ep
+    experts instead of E, and LoRA's merged expert weights (saved in each forward) are E/ep per layer.
+    Qwen3-30B-A3B: 48 MoE layers of 128 experts, h 2048, I 768; LoRA r 16 (gate_up at 2r)."""
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.planner.plan import PlanInput, estimate_layout
+    from toolkit.planner.presets import PRESETS
+
+    inp = PlanInput(model=PRESETS["qwen3-30b-a3b"], gpu_memory=80 * 2**30, method=method, seq_len=1024)
+    fsdp = estimate_layout(inp, ParallelDims(8, dp_shard=8), False, 1).bytes
+    h, i, r, experts, layers = 2048, 768, 16, 128, 48
+    for ep in (2, 4, 8):
+        row = estimate_layout(inp, ParallelDims(8, dp_shard=8, ep=ep), False, 1).bytes
+        assert all(row[k] == fsdp[k] for k in ("weights", "grads", "optimizer"))
+        gone = experts - experts // ep
+        assert fsdp["buffers"] - row["buffers"] == 2 * 2 * gone * 3 * h * i
+        merged = 2 * gone * (2 * i * h + h * i + 2 * r * (h + 2 * i) + r * (i + h)) if method == "lora" else 0
+        assert fsdp["activations"] - row["activations"] == layers * merged
+
+
+def test_expert_parallel_all_to_all_bytes_by_hand():
+    """A tiny Qwen3-MoE (2 layers, the first dense; 4 experts, top 2, h 64) under --ep 2 on 2 GPUs,
+    micro-batch 2 x 128 tokens in bf16: 2 x 128 x 2 = 512 (token, expert) rows of 64 x 2 bytes; half
+    of them go to the other rank, in the dispatch and the combine of the forward and again for their
+    gradients in backward (and both once more in the recomputed forward), over NVLink."""
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.planner.cost import HARDWARE
+    from toolkit.planner.layouts import traffic
+    from toolkit.planner.plan import PlanInput, estimate_layout
+
+    cfg = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
+               num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    hw = HARDWARE["h100-sxm"]
+    inp = PlanInput(model=cfg, gpu_memory=80 * 2**30, gpus_per_node=2, method="full", seq_len=128, hardware=hw)
+    for checkpointing, passes in ((False, 4), (True, 6)):
+        sent = [t for t in traffic(inp, ParallelDims(2, dp_shard=2, ep=2), checkpointing, 2, hw) if t.term == "ep"]
+        assert len(sent) == 1 and sent[0].bytes == passes * 512 * 64 * 2 / 2 and sent[0].bandwidth == hw.intra_node_bw
+    row = estimate_layout(inp, ParallelDims(2, dp_shard=2, ep=2), False, 2)
+    assert row.terms["ep"] == pytest.approx(4 * 512 * 64 * 2 / 2 / hw.intra_node_bw)
+    assert not [t for t in traffic(inp, ParallelDims(2, dp_shard=2), False, 2, hw) if t.term == "ep"]
+
+
+def test_the_moe_plan_says_why_expert_parallel_wins_or_loses(capsys):
+    """Qwen3-30B-A3B on 8 x 80 GB: one line names the best layout with ep against the best without
+    (one of them the chosen) and what ep changes against the same layout without it: the experts a
+    block gathers, the gathered and LoRA's merged bytes, the data-parallel traffic, the all-to-alls."""
+    for method in ("full", "lora"):
+        cli(["plan", *MOE_30B, "--method", method, "--cpu-memory", "2TB"])
+        lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("ep: ")]
+        assert len(lines) == 1, lines
+        line = lines[0]
+        assert "the best with" in line and "time per example against" in line
+        assert " it gathers " in line and " of 128 experts per block: " in line and " GiB less gathered" in line
+        assert "less data-parallel traffic" in line and "s of all-to-all added per optimizer step" in line
+        assert ("LoRA's merged experts" in line) == (method == "lora")
+        assert plan_json(capsys, *MOE_30B, "--method", method)["expert_parallel"] == line[len("ep: "):]

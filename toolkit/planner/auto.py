@@ -53,7 +53,7 @@ def apply_layout(cfg: Config, world: int, name: str, dims: dict | None, checkpoi
     """The config with a planned layout (a 1-D strategy `name`, or mesh `dims`) and its batch split."""
     flags = mesh_flags(ParallelDims(world, **dims), micro_batch) if dims is not None else flags_of(name)
     layout = {k: getattr(flags, k) for k in ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard",
-                                            "dp_replicate", "tp", "cp", "pp", "pp_microbatches", "pp_schedule")}
+                                            "dp_replicate", "tp", "cp", "ep", "pp", "pp_microbatches", "pp_schedule")}
     if dims is None or ParallelDims(world, **dims).pp == 1:  # the pipeline settings stay the user's
         del layout["pp_microbatches"], layout["pp_schedule"]
     return cfg.replace(**layout, gradient_checkpointing=checkpointing, micro_batch_size=micro_batch,

@@ -128,11 +128,37 @@ def ring_factor(n: int) -> float:
     return 2 * (n - 1) / n if n > 1 else 0.0
 
 
+def fsdp_bytes(ranks: int, grads: float, gathered: float, gathers: int) -> float:
+    """Bytes a rank sends per micro-batch for FSDP2 units sharded over `ranks`: one reduce-scatter of
+    the gradients (`grads` bytes unsharded) and `gathers` all-gathers of the parameters (`gathered`
+    bytes unsharded, in the gather's dtype), each (n-1)/n of its buffer (`ring_factor` / 2; ZeRO paper
+    sec. 7: reduce-scatter + all-gather move an all-reduce's bytes)."""
+    return ring_factor(ranks) / 2 * (grads + gathers * gathered)
+
+
+def expert_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, hidden: int, ep: int, act_bytes: int,
+                            checkpointing: bool) -> float:
+    """Bytes a rank sends per micro-batch under expert parallel degree `ep`: in each MoE layer each of
+    its `tokens` x `top_k` (token, expert) rows, `hidden` wide in the compute dtype, goes to its
+    expert's rank (dispatch) and its output comes back (combine), twice per MoE layer in forward and
+    again in backward (the conjugate all-to-alls of the gradients), and once more in forward under
+    activation checkpointing (the recomputed forward); with balanced routing (ep - 1)/ep of the rows
+    leave the rank:
+
+        (4 + 2 checkpointing) x moe_layers x tokens x top_k x hidden x act_bytes x (ep - 1)/ep
+
+    (torchtitan, `distributed/expert_parallel.py` `ExpertParallel` dispatch/combine; Megatron-Core,
+    `transformer/moe/token_dispatcher.py` `MoEAlltoAllTokenDispatcher`; this toolkit's
+    `toolkit.parallel.ep.comm`, whose `TRAFFIC` counts the same rows). The per-expert counts'
+    all-to-all (E integers per layer and forward) is left out."""
+    return (4 + 2 * checkpointing) * moe_layers * tokens * top_k * hidden * act_bytes * (ep - 1) / ep
+
+
 class Traffic(NamedTuple):
     """One exchange of a micro-batch step: what a rank sends, over which link, in how many calls,
     whether it blocks or runs behind compute (`KINDS`), and which term of the step it is (`TERMS`:
-    a blocking exchange adds to its own, tp, cp or pp; overlapped traffic is dp, or dp_sync once per
-    optimizer step)."""
+    a blocking exchange adds to its own, tp, cp, ep or pp; overlapped traffic is dp, or dp_sync once
+    per optimizer step)."""
     bytes: float
     bandwidth: float  # link bytes/s
     calls: int  # collective calls (each pays `Hardware.collective_latency`)
@@ -143,7 +169,7 @@ class Traffic(NamedTuple):
 KINDS = ("blocking", "overlapped", "overlapped_once")
 # The terms a predicted step is the sum of, each a line of `step_terms`; the last two are paid once
 # per optimizer step, the rest every micro-batch step.
-TERMS = ("compute", "recompute", "pp_bubble", "tp", "cp", "pp", "dp", "offload", "dp_sync", "optimizer")
+TERMS = ("compute", "recompute", "pp_bubble", "tp", "cp", "ep", "pp", "dp", "offload", "dp_sync", "optimizer")
 ONCE_TERMS = ("dp_sync", "optimizer")
 
 
@@ -156,8 +182,8 @@ def step_terms(flops: float, precision: str, traffic: list[Traffic], hw: Hardwar
     compute: FLOPs at `hw.efficiency` of the peak; recompute: the forward that gradient checkpointing
     runs again (`recompute_flops`), at the same rate; pp_bubble: both stretched by the pipeline's
     idle fraction, c / (1 - bubble) - c. Exchanges the next layer waits for ("blocking": TP
-    all-reduces, Ulysses all-to-alls, pipeline sends) add under their own term, and so does PCIe
-    traffic (offload). Data-parallel traffic that runs behind the backward pass ("overlapped":
+    all-reduces, Ulysses and expert-parallel all-to-alls, pipeline sends) add under their own term,
+    and so does PCIe traffic (offload). Data-parallel traffic that runs behind the backward pass ("overlapped":
     bucketed all-reduces, FSDP/ZeRO gathers and reduce-scatters) is hidden up to `hw.overlap` of the
     compute time: `dp` is what is left. Once per optimizer step: `dp_sync`, the part of
     "overlapped_once" traffic (DDP skips the all-reduce while accumulating) not hidden, and

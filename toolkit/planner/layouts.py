@@ -8,20 +8,26 @@ How the runtime lays a model out (`toolkit.parallel`), which the formulas follow
   one pipeline micro-batch per example, 1F1B when there are at least as many as stages, else GPipe;
 - cp: every rank holds the whole (tp/pp-sliced) model and s/cp tokens of each row;
 - dp_shard > 1: FSDP2 shards the rank's slice over dp_shard x cp (torchtitan's `dp_shard_cp`),
-  replicated over dp_replicate (HSDP); dp_shard = 1: DDP over dp_replicate x cp.
+  replicated over dp_replicate (HSDP); dp_shard = 1: DDP over dp_replicate x cp;
+- ep (borrowed from dp_shard, MoE models): each rank keeps E/ep of every MoE layer's routed experts,
+  FSDP2-sharded over the dp_shard/ep x cp ranks that hold the same ones, so a block's gather brings
+  E/ep experts and the state at rest is E/(dp_shard x cp) experts' worth, as without ep; tokens go to
+  their experts' ranks and back by all-to-all (`cost.expert_all_to_all_bytes`).
 Gradients are averaged over every data-parallel rank and cp (the ranks that see different tokens).
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from toolkit.layout.dims import MESH_DIMS, ParallelDims
-from toolkit.layout.rules import cp_divisibility_problems, pipeline_schedule, tp_divisibility_problems
-from toolkit.planner.cost import (ADAM_STEP_BYTES, Traffic, flops_per_token, forward_flops_per_token, pipeline_bubble,
-                                  ring_factor, step_terms)
+from toolkit.layout.rules import (cp_divisibility_problems, ep_problems, not_runnable, num_experts, pipeline_schedule,
+                                  tp_divisibility_problems)
+from toolkit.planner.cost import (ADAM_STEP_BYTES, Traffic, expert_all_to_all_bytes, flops_per_token,
+                                  forward_flops_per_token, fsdp_bytes, pipeline_bubble, ring_factor, step_terms)
 from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, gathered_bytes_per_param,
                                     logits_bytes,
                                     ulysses_comm_bytes)
@@ -34,12 +40,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-
-
-
-
-
-
 def flags(d: ParallelDims, micro_batch: int) -> list[str]:
     """The finetune.py flags that lay the mesh out this way on d.world_size ranks (dp_replicate is
     inferred from the world unless both data-parallel degrees are above 1)."""
@@ -48,6 +48,8 @@ def flags(d: ParallelDims, micro_batch: int) -> list[str]:
         v = getattr(d, k)
         if v > 1 and (k != "dp_replicate" or d.dp_shard > 1):
             out += [f"--{k.replace('_', '-')}", str(v)]
+    if d.ep > 1:
+        out += ["--ep", str(d.ep)]
     if d.pp > 1:
         schedule, m = pipeline_schedule(d, micro_batch)
         out += ["--pp-microbatches", str(m), "--pp-schedule", schedule]
@@ -59,7 +61,8 @@ def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[
     """Every valid mesh layout of `world` ranks other than the 1-D data-parallel ones (all
     dp_replicate: DDP; all dp_shard: FSDP), which the strategy table covers. TP stays inside a node;
     tp and cp follow the runtime's divisibility rules; pp needs a block per stage. `tps`/`pps`/`cps`
-    restrict those degrees (1 is always allowed)."""
+    restrict those degrees (1 is always allowed). An MoE model's layouts come again with each ep > 1
+    (`ep_degrees`)."""
     layers = cfg["num_hidden_layers"]
 
     def allowed(v: int, only: list[int] | None) -> bool:
@@ -78,14 +81,21 @@ def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[
                 dp = world // (tp * pp * cp)
                 for shard in divisors(dp):
                     d = ParallelDims(world, pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
-                    if tp == pp == cp == 1 and 1 in (shard, dp // shard):
-                        continue
-                    out.append(d)
+                    if not (tp == pp == cp == 1 and 1 in (shard, dp // shard)):
+                        out.append(d)
+                    out += [replace(d, ep=ep) for ep in ep_degrees(cfg, d)]
     return out
 
 
-
-
+def ep_degrees(cfg: dict[str, Any], d: ParallelDims) -> list[int]:
+    """The expert-parallel degrees above 1 a layout `d` can borrow from its dp_shard: those dividing
+    both dp_shard and the model's routed experts (`rules.ep_problems`; none for a dense model), where
+    the run's own rules take --ep with the layout's other degrees (`rules.not_runnable` for a full
+    bf16 run; the method's own refusals are the row's `why_not`)."""
+    if not num_experts(cfg):
+        return []
+    return [ep for ep in divisors(d.dp_shard)[1:]
+            if not ep_problems(cfg, ep) and not not_runnable(replace(d, ep=ep), "full", "bf16", "auto")]
 
 
 def stage_blocks(cfg: dict[str, Any], pp: int) -> list[int]:
@@ -105,18 +115,56 @@ def stage_range(cfg: dict[str, Any], pp: int, stage: int) -> tuple[int, int]:
     return sum(sizes[:stage]), sum(sizes[:stage + 1])
 
 
+class RankParams(NamedTuple):
+    """Parameters one rank of a pipeline stage holds before FSDP2 shards them (its tp slice; under ep,
+    E/ep of each MoE layer's routed experts), the trainable ones, and the routed experts' part of each
+    (what FSDP2 shards over the expert mesh under ep, `at_rest`)."""
+    params: int
+    trainable: int
+    experts: int
+    experts_trainable: int
+
+
 def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, lora_r: int,
-                 lora_targets: str) -> tuple[int, int]:
-    """(parameters, trainable parameters) one rank of pipeline stage `stage` holds, before sharding."""
+                 lora_targets: str) -> RankParams:
+    """What one rank of pipeline stage `stage` holds, before sharding (`RankParams`)."""
     counts = count_params(cfg)
     start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     head = counts.lm_head or (counts.embedding if d.pp > 1 else 0)  # tied: the last stage holds a copy
-    params = sum(b.per_rank(d.tp) for b in model_blocks(cfg)[start:stop]) + (counts.embedding if first else 0) \
+    blocks = model_blocks(cfg)[start:stop]
+    params = sum(b.per_rank(d.tp, d.ep) for b in blocks) + (counts.embedding if first else 0) \
         + (counts.final_norm + head if last else 0)
+    experts = sum(b.experts_per_rank(d.tp, d.ep) for b in blocks)
     if method == "full":
-        return params, params
-    return params, sum(lora_layer_params(cfg, lora_r, lora_targets, d.tp)[start:stop])
+        return RankParams(params, params, experts, experts)
+    lora = [sum(lora_layer_params(cfg, lora_r, lora_targets, d.tp, d.ep, experts_only)[start:stop])
+            for experts_only in (False, True)]
+    return RankParams(params, lora[0], experts, lora[1])
+
+
+def at_rest(total: int, experts: int, d: ParallelDims) -> int:
+    """What one rank keeps at rest of `total` (bytes or parameters of its stage before sharding,
+    `experts` of them its routed experts'): FSDP2 shards the dense part over dp_shard x cp and, under
+    ep, the rank's E/ep experts over the dp_shard/ep x cp ranks that hold the same ones
+    (`toolkit.parallel.mesh.expert_fsdp_mesh`): (dense + ep x experts) / (dp_shard x cp), E/(dp_shard
+    x cp) experts' worth, the same as FSDP2 without ep. Without dp_shard (DDP) all of it."""
+    if d.dp_shard == 1:
+        return total
+    return (total + (d.ep - 1) * experts) // (d.dp_shard * d.cp)
+
+
+def gathered_block(cfg: dict[str, Any], d: ParallelDims) -> int:
+    """Parameters of the largest block as FSDP2 gathers it on one rank: 1/tp of it, and under ep the
+    E/ep routed experts the rank holds instead of all E (their own FSDP2 unit, gathered over the
+    expert mesh, torchtitan's `apply_fsdp` with ep)."""
+    return max(b.per_rank(1, d.ep) for b in model_blocks(cfg)) // d.tp
+
+
+def moe_layers(cfg: dict[str, Any], d: ParallelDims) -> int:
+    """MoE layers of the pipeline stage with the most of them."""
+    return max(sum(b.experts is not None for b in model_blocks(cfg)[slice(*stage_range(cfg, d.pp, s))])
+               for s in range(d.pp))
 
 
 def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
@@ -132,40 +180,50 @@ def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bo
 
 def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_batch: int) -> dict[str, int]:
     """Per-rank bytes of pipeline stage `stage` (`inp` is a `plan.PlanInput`): weights, gradients,
-    Adam state (sharded over dp_shard x cp by FSDP2), activations of the examples in flight, the
-    loss buffers on the last stage, all resident at once (gradients included: FSDP2's sharded
-    gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s terms, the
-    blocks split by tp, s/cp tokens per rank. Buffers and fragmentation are added by the caller."""
+    Adam state (sharded over dp_shard x cp by FSDP2, as much under ep: `at_rest`), activations of the
+    examples in flight, the loss buffers on the last stage, all resident at once (gradients included:
+    FSDP2's sharded gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s
+    terms, the blocks split by tp, s/cp tokens per rank, E/ep merged LoRA experts. Buffers and
+    fragmentation are added by the caller."""
     cfg = inp.model
     h = cfg["hidden_size"]
     act = 2 if inp.precision in ("bf16", "fp16") else 4
-    params, trainable = stage_params(cfg, d, stage, inp.method, inp.lora_r, inp.lora_targets)
-    shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
-    weights = 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params + 4 * trainable
+    p = stage_params(cfg, d, stage, inp.method, inp.lora_r, inp.lora_targets)
+
+    def weight_bytes(params: int, trainable: int) -> int:  # LoRA: the frozen base at its width, fp32 adapters
+        return 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params + 4 * trainable
+
     start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
     fsdp = d.dp_shard > 1  # FSDP2's mixed-precision policy: the stream in the compute dtype, no autocast copies
     dt = saved.dtypes(inp.method, inp.precision, fsdp=fsdp)
     per = saved.layers(cfg, dt, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout,
-                       d.tp, start, stop)
-    kept, backward = saved.stack(per, tokens, h, dt, checkpointing)
+                       d.tp, start, stop, d.ep)
     outside = (8 if first else 0) + (saved.rmsnorm(h, dt) if last else 0) + 2 * head_dim(cfg) * dt.residual
     schedule, m = pipeline_schedule(d, micro_batch)
     in_flight = micro_batch if d.pp == 1 or schedule == "gpipe" else micro_batch * min(d.pp - stage, m) // m
+    # a pipeline runs a forward per example; without one the micro-batch is one forward, whose per-forward
+    # terms (LoRA's merged experts) count once
+    forwards = in_flight if d.pp > 1 else 1
+    kept, backward = saved.stack(per, in_flight // forwards * tokens, h, dt, checkpointing)
     logits = loss_bytes(inp, in_flight if d.pp > 1 else micro_batch, cfg["vocab_size"], h, act,
                         pipeline=d.pp > 1, seq_len=tokens) if last else 0
     # under autocast each fp32 weight's cast for its matmul is saved for backward
-    casts = 0 if fsdp else saved.autocast_copies(trainable, 4, dt)
-    return {"weights": weights // shard, "grads": 4 * trainable // shard, "optimizer": ADAM_BYTES * trainable // shard,
-            "autocast_copies": casts, "activations": in_flight * (kept + backward + tokens * outside), "logits": logits}
+    casts = 0 if fsdp else saved.autocast_copies(p.trainable, 4, dt)
+    return {"weights": at_rest(weight_bytes(p.params, p.trainable), weight_bytes(p.experts, p.experts_trainable), d),
+            "grads": at_rest(4 * p.trainable, 4 * p.experts_trainable, d),
+            "optimizer": at_rest(ADAM_BYTES * p.trainable, ADAM_BYTES * p.experts_trainable, d),
+            "autocast_copies": casts, "activations": forwards * (kept + backward) + in_flight * tokens * outside,
+            "logits": logits}
 
 
 def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> list[Traffic]:
     """Each exchange of a micro-batch step (`cost.Traffic`: bytes a rank sends, link bandwidth,
-    collective calls, kind, term; `cost.step_terms` for the kinds): TP all-reduces, Ulysses
-    all-to-alls and pipeline sends block; data-parallel gradient sync overlaps the backward (DDP's
-    once per optimizer step, FSDP2's reduce-scatters and gathers every micro-batch). Ranks are laid
+    collective calls, kind, term; `cost.step_terms` for the kinds): TP all-reduces, Ulysses and
+    expert-parallel all-to-alls and pipeline sends block; data-parallel gradient sync overlaps the
+    backward (DDP's once per optimizer step, FSDP2's reduce-scatters and gathers every micro-batch,
+    under ep the experts' over the ranks holding the same ones: `at_rest`). Ranks are laid
     out tp innermost, pp outermost (`dims.MESH_DIMS`), so a group of degree g whose stride is the
     product of the inner degrees spans stride x g ranks."""
     cfg, G = inp.model, inp.gpus_per_node
@@ -183,17 +241,25 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
         sent = ulysses_comm_bytes(blocks, h, kv, micro_batch, inp.seq_len, d.cp, act) / d.tp
         out.append(Traffic(sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks,
                            "blocking", "cp"))
-    params, trainable = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
+    if d.ep > 1:  # tokens to their experts' ranks and back: ep consecutive dp_shard ranks, stride cp x tp
+        e = next(b.experts for b in model_blocks(cfg) if b.experts)
+        moe = moe_layers(cfg, d)
+        sent = expert_all_to_all_bytes(moe, micro_batch * tokens, e.top_k, e.hidden, d.ep, act, checkpointing)
+        calls = (4 + 2 * checkpointing + 1 + checkpointing) * moe  # + the per-expert counts, each forward
+        out.append(Traffic(sent, hw.link(d.ep * d.cp * d.tp, G), calls, "blocking", "ep"))
+    p = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     dp = d.dp_replicate * d.dp_shard * d.cp
     if dp > 1:
         span = d.tp * dp
-        grads = 4 * trainable
+        grads = 4 * p.trainable
         if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
-            shard = d.dp_shard * d.cp
-            model = gathered_bytes_per_param(inp.precision) * params  # gathered in the compute dtype
-            sent = ring_factor(shard) / 2 * (grads + (2 + checkpointing) * model)
-            sent += ring_factor(d.dp_replicate) * grads / shard  # HSDP: all-reduce of the shards
-            out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * blocks, "overlapped", "dp"))
+            shard, gathers, width = d.dp_shard * d.cp, 2 + checkpointing, gathered_bytes_per_param(inp.precision)
+            # the dense part over dp_shard x cp; under ep the rank's E/ep experts over dp_shard/ep x cp
+            sent = fsdp_bytes(shard, 4 * (p.trainable - p.experts_trainable), width * (p.params - p.experts), gathers) \
+                + fsdp_bytes(shard // d.ep, 4 * p.experts_trainable, width * p.experts, gathers)
+            sent += ring_factor(d.dp_replicate) * at_rest(grads, 4 * p.experts_trainable, d)  # HSDP: shards all-reduced
+            units = blocks + (moe_layers(cfg, d) if d.ep > 1 else 0)  # under ep the experts are units of their own
+            out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * units, "overlapped", "dp"))
         else:
             out.append(Traffic(ring_factor(dp) * grads, hw.link(span, G), 1 + -(-grads // (25 * 1024**2)),
                                "overlapped_once", "dp_sync"))
@@ -218,8 +284,7 @@ def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int,
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
     rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0
-    _, trainable_rank = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
-    shard = d.dp_shard * d.cp if d.dp_shard > 1 else 1
+    p = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     return step_terms(rank * per_token, inp.precision, traffic(inp, d, checkpointing, micro_batch, hw), hw,
-                      bubble=bubble, optimizer_bytes=ADAM_STEP_BYTES * trainable_rank / shard,
+                      bubble=bubble, optimizer_bytes=ADAM_STEP_BYTES * at_rest(p.trainable, p.experts_trainable, d),
                       recompute_flops=rank * recompute)

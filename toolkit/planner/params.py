@@ -32,9 +32,9 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from toolkit.errors import UserError
+from toolkit.layout.rules import EXPERT_KEYS, num_experts  # noqa: F401 - the planner's names for them
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral/gpt-oss, Qwen-MoE, DeepSeek
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")  # Qwen3Attention, Qwen3MoeAttention, Gemma3Attention: q_norm, k_norm
 FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma3DecoderLayer: pre/post feedforward norms too
 ONE_NORM = ("cohere",)
@@ -104,15 +104,23 @@ class Block:
         e = self.experts
         return self.params - (e.count - e.top_k) * e.per_expert if e else self.params
 
-    def per_rank(self, tp: int) -> int:
+    def per_rank(self, tp: int = 1, ep: int = 1) -> int:
         """Parameters one rank holds under tensor parallel degree `tp` (Megatron's split): the split
-        linears' and experts' weights 1/tp (experts along I), biases, norms and the router whole."""
-        if tp == 1:
-            return self.params
+        linears' and experts' weights 1/tp (experts along I), biases, norms and the router whole; under
+        expert parallel degree `ep`, E/ep of the routed experts (`experts_per_rank`)."""
+        routed = self.experts.count * self.experts.per_expert if self.experts else 0
         split = sum(x.fan_in * x.fan_out for x in self.linears if x.tp != "none")
-        if self.experts:
-            split += self.experts.count * 3 * self.experts.hidden * self.experts.intermediate
-        return self.params - split + split // tp
+        return self.params - routed - split + split // tp + self.experts_per_rank(tp, ep)
+
+    def experts_per_rank(self, tp: int = 1, ep: int = 1) -> int:
+        """The routed experts' parameters one rank holds: E/ep whole experts (expert parallel,
+        `toolkit.parallel.ep`: rank r keeps experts r E/ep .. (r+1) E/ep - 1), each one's weights 1/tp
+        along I (biases whole); 0 in a dense block."""
+        e = self.experts
+        if not e:
+            return 0
+        weights = 3 * e.hidden * e.intermediate
+        return e.count // ep * (e.per_expert - weights + weights // tp)
 
 
 def head_dim(cfg: dict[str, Any]) -> int:
@@ -125,10 +133,6 @@ def head_dim(cfg: dict[str, Any]) -> int:
 
 def kv_heads(cfg: dict[str, Any]) -> int:
     return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-
-
-def num_experts(cfg: dict[str, Any]) -> int:
-    return next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
 
 
 def is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
@@ -364,12 +368,14 @@ class Adapter:
     tp: str = "column"
     expert: bool = False
 
-    def params(self, tp: int = 1) -> int:
+    def params(self, tp: int = 1, ep: int = 1) -> int:
         """Per rank under tensor parallel degree `tp`: a column-parallel layer keeps A whole and 1/tp of
-        B's rows, a row-parallel one 1/tp of A's columns and B whole."""
+        B's rows, a row-parallel one 1/tp of A's columns and B whole. Under expert parallel degree `ep`
+        an experts' adapter keeps its E/ep experts' factors (`toolkit.parallel.ep` splits them with
+        the experts)."""
         fan_in = self.fan_in // tp if self.tp == "row" else self.fan_in
         fan_out = self.fan_out // tp if self.tp == "column" else self.fan_out
-        return self.count * self.rank * (fan_in + fan_out)
+        return (self.count // ep if self.expert else self.count) * self.rank * (fan_in + fan_out)
 
 
 def lora_targets(targets: str | list[str]) -> list[str]:
@@ -429,13 +435,17 @@ def lora_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-lin
     return sum(lora_layer_params(cfg, r, targets, tp))
 
 
-def lora_layer_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear", tp: int = 1) -> tuple[int, ...]:
-    """`lora_params` block by block (memoized, like `blocks`)."""
+def lora_layer_params(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear", tp: int = 1,
+                      ep: int = 1, experts_only: bool = False) -> tuple[int, ...]:
+    """`lora_params` block by block (memoized, like `blocks`), per rank under expert parallel degree
+    `ep` (`Adapter.params`); `experts_only`: the routed experts' adapters alone (what ep splits)."""
     _check_targets(cfg, targets)
-    return _lora_layers(frozen(cfg), r, targets if isinstance(targets, str) else ",".join(targets), tp)
+    return _lora_layers(frozen(cfg), r, targets if isinstance(targets, str) else ",".join(targets), tp, ep,
+                        experts_only)
 
 
 @lru_cache(maxsize=64)
-def _lora_layers(key: tuple, r: int, targets: str, tp: int) -> tuple[int, ...]:
+def _lora_layers(key: tuple, r: int, targets: str, tp: int, ep: int, experts_only: bool) -> tuple[int, ...]:
     cfg = dict(key)
-    return tuple(sum(a.params(tp) for a in adapters(cfg, i, r, targets)) for i in range(cfg["num_hidden_layers"]))
+    return tuple(sum(a.params(tp, ep) for a in adapters(cfg, i, r, targets) if a.expert or not experts_only)
+                 for i in range(cfg["num_hidden_layers"]))

@@ -1,13 +1,15 @@
 """Predict per-GPU memory and step time for every layout the toolkit runs, and pick the one to run.
 
 The candidates: the 1-D strategies (DDP, ZeRO-1/2/3 and offloads, FSDP; `memory.STRATEGIES`, this
-module's `estimate`) and every device-mesh layout pp x dp_replicate x dp_shard x cp x tp
-(`layouts.mesh_layouts`, `estimate_layout`), each with and without gradient checkpointing, each
-at the split of the global batch it runs best (`split_batch`: the batch the user asked for is kept,
-only its division into micro-batch x accumulation x data-parallel ranks changes). Order
+module's `estimate`) and every device-mesh layout pp x dp_replicate x dp_shard x cp x tp, an MoE
+model's also with each expert-parallel degree (`layouts.mesh_layouts`, `estimate_layout`), each with
+and without gradient checkpointing, each at the split of the global batch it runs best
+(`split_batch`: the batch the user asked for is kept, only its division into micro-batch x
+accumulation x data-parallel ranks changes). Order
 (docs/planner.md): runnable and fits (GPU memory and host RAM) > keeps the global batch > no CPU
 offload > the least predicted time per example (`cost.step_terms`) > the simpler layout. Each choice
-names the term of the time or memory model that decided it (`decision`). On one GPU nothing is
+names the term of the time or memory model that decided it (`decision`), and for an MoE model one
+line says why expert parallel wins or loses (`expert_parallel_line`). On one GPU nothing is
 sharded: only DDP and the offload variants are planned.
 """
 
@@ -20,18 +22,19 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
 from toolkit.layout.rules import (cp_divisibility_problems, dims_for, flags_of, layout_problems, model_problems,
-                                  not_runnable, strategy_name, tp_divisibility_problems)
+                                  not_runnable, num_experts, strategy_name, tp_divisibility_problems)
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, forward_flops_per_token,
                                   load_hardware, optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds,
                                   step_terms)
-from toolkit.planner.layouts import divisors, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes, traffic
+from toolkit.planner.layouts import (divisors, gathered_block, loss_bytes, mesh_layouts, mesh_step_terms, stage_bytes,
+                                     traffic)
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
                                     frozen_bytes_per_param, gathered_bytes_per_param, grads_bytes, optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
-from toolkit.planner.params import cast_weights, count_params, head_dim, lora_params, with_tp_plan
+from toolkit.planner.params import cast_weights, count_params, head_dim, lora_layer_params, lora_params, with_tp_plan
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
@@ -221,6 +224,7 @@ class Plan:
     asked: Candidate | None = None  # the run's own layout (`Asked`) as predicted; None: none asked, or not predictable
     asked_verdict: str = ""  # one line on it: chosen, does not fit (and why), or cannot run on this machine
     device: str = "GPU"  # `PlanInput.device`
+    expert_parallel: str = ""  # an MoE model's best layout with ep against the best without, in one line
 
     def to_json(self) -> dict[str, Any]:
         """Every field; a row's `terms` (one micro-batch step) is left out: `seconds` gives the same
@@ -329,10 +333,10 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     rows = micro_batch * inp.sequences  # the sequences a forward holds (a pair is two)
     stages = [stage_bytes(inp, d, s, checkpointing, rows) for s in range(d.pp)]
     b = max(stages, key=lambda x: sum(x.values()))
-    counts = count_params(inp.model)
     if d.dp_shard > 1:
-        # the gathered block in use and the next one prefetched, in the policy's compute dtype
-        buffers = 2 * gathered_bytes_per_param(inp.precision) * (counts.per_block // d.tp)
+        # the gathered block in use and the next one prefetched, in the policy's compute dtype (under ep
+        # with the rank's E/ep experts)
+        buffers = 2 * gathered_bytes_per_param(inp.precision) * gathered_block(inp.model, d)
     else:
         buffers = 2 * DDP_BUCKET
     b["buffers"] = buffers
@@ -341,10 +345,11 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     hw = inp.hw
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
-        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method)), "")  # the run's own rules
+        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method, ep=d.ep)), "")  # the run's rules
     terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
-                     micro_batch * d.dp, dims={k: getattr(d, k) for k in MESH_DIMS}, runnable=not why, why_not=why)
+                     micro_batch * d.dp, dims={k: getattr(d, k) for k in (*MESH_DIMS, "ep")}, runnable=not why,
+                     why_not=why)
 
 
 def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
@@ -362,7 +367,7 @@ def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
                       f"plan it as {par.pp} GPUs with --gpus-per-node {par.pp}")
     else:
         dims, problems = dims_for(par, world, inp.gpus_per_node)
-        problems = problems or model_problems(inp.model, dims.tp, dims.pp, dims.cp, world, inp.method)
+        problems = problems or model_problems(inp.model, dims.tp, dims.pp, dims.cp, world, inp.method, ep=dims.ep)
         if problems:
             return None, f"cannot run on {world} {inp.per}{'s' if world > 1 else ''}: {problems[0]}"
         c = estimate_layout(inp, dims, gc, inp.micro_batch)
@@ -398,12 +403,14 @@ def planned_strategies(inp: PlanInput) -> list[str]:
     return out
 
 
-def simplicity(c: Candidate) -> tuple[int, int]:
+def simplicity(c: Candidate) -> tuple[int, ...]:
     """Which of two equally fast candidates to prefer: the 1-D strategies in ORDER, then mesh
-    layouts with fewer and smaller model-parallel degrees."""
+    layouts with fewer and smaller model-parallel degrees, ep among them and, at equal degrees, the
+    one without ep (its predicted time assumes a balanced router)."""
     if c.dims is None:
         return (0, ORDER.index(c.name))
-    return (1 + sum(v > 1 for v in c.dims.values()), c.dims["pp"] * c.dims["cp"] * c.dims["tp"])
+    d = c.dims
+    return (1 + sum(v > 1 for v in d.values()), d["pp"] * d["cp"] * d["tp"] * d.get("ep", 1), d.get("ep", 1))
 
 
 def offloads_row(c: Candidate) -> bool:
@@ -491,6 +498,7 @@ TERM_TEXT = {  # `cost.TERMS`, as a user reads them
     "pp_bubble": "the pipeline bubble",
     "tp": "tensor-parallel all-reduces",
     "cp": "context-parallel all-to-alls",
+    "ep": "expert-parallel all-to-alls",
     "pp": "sends between pipeline stages",
     "dp": "data-parallel traffic not hidden behind compute (gradient reduction, parameter gathers)",
     "dp_sync": "the gradient all-reduce at the optimizer step",
@@ -567,7 +575,59 @@ def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
     parts = [f"cp {d['cp']} gives each rank {-(-inp.seq_len // d['cp']):,} of the {inp.seq_len:,} tokens"] * (d["cp"] > 1)
     parts += [f"tp {d['tp']} splits each block's attention and MLP"] * (d["tp"] > 1)
     parts += [f"each of pp {d['pp']} stages holds 1/{d['pp']} of the blocks"] * (d["pp"] > 1)
+    ep, experts = d.get("ep", 1), num_experts(inp.model)
+    if ep > 1 and inp.method != "full" and sum(lora_layer_params(inp.model, inp.lora_r, inp.lora_targets,
+                                                                 experts_only=True)):
+        parts.append(f"ep {ep} merges LoRA into {experts // ep} of the {experts} experts of each layer")
     return "; ".join(parts)
+
+
+def ep_of(c: Candidate) -> int:
+    """The row's expert-parallel degree (1: none, or a 1-D strategy)."""
+    return (c.dims or {}).get("ep", 1)
+
+
+def less_or_more(x: float, text: str) -> str:
+    """'`text` less' for x < 0, else '`text` more', `text` formatting |x| ('{:.2f} GiB' -> '1.20 GiB less')."""
+    return f"{text.format(abs(x))} {'less' if x < 0 else 'more'}"
+
+
+def expert_parallel_line(inp: PlanInput, rows: list[Candidate], best: Candidate) -> str:
+    """Why the best layout with ep wins or loses against the best without, in one line ('' where no
+    row has ep > 1: a dense model): one of the two is the chosen `best`, the other the best of its kind
+    (`choose`); their time per example; then what ep itself changes against the same layout, split
+    and checkpointing without ep: each block gathers E/ep of the E experts (`layouts.gathered_block`),
+    so the gathered transient and LoRA's merged experts (`saved.moe_merged`) shrink, and so does the
+    data-parallel traffic (`layouts.traffic`), against the all-to-alls ep adds
+    (`cost.expert_all_to_all_bytes`), per optimizer step."""
+    with_ep = [c for c in rows if ep_of(c) > 1]
+    if not with_ep:
+        return ""
+    target = target_batch(inp)
+    e = best if ep_of(best) > 1 else choose(with_ep, target)
+    n = best if ep_of(best) == 1 else choose([c for c in rows if ep_of(c) == 1], target)
+    ratio = e.seconds_per_example / n.seconds_per_example - 1
+    tie = f", within {TIE:.0%}: the simpler layout wins" if abs(ratio) <= TIE else ""
+    if e is best and not (n.fits and n.runnable):
+        verdict = f"{label(e)} is chosen: no layout without ep fits"
+    elif e is best:
+        verdict = f"{label(e)} is chosen, {ratio:+.1%} time per example against {label(n)}, the best without ep{tie}"
+    elif not (e.fits and e.runnable):
+        verdict = f"no layout with ep fits ({label(e)}: {gib(e.bytes['total'])} GiB per {inp.per})"
+    else:
+        verdict = f"{label(e)}, the best with ep, {ratio:+.1%} time per example against the chosen{tie}"
+    d = ParallelDims(inp.gpus_per_node * inp.nodes, **e.dims)
+    twin = estimate_layout(inp, replace(d, ep=1), e.checkpointing, e.micro_batch)
+    twin.set_accumulation(e.grad_accum)
+    experts = num_experts(inp.model)
+    diff = {k: (e.bytes[k] - twin.bytes[k]) / GiB for k in ("buffers", "activations")}
+    changes = [less_or_more(diff["buffers"], "{:.2f} GiB") + " gathered"]
+    changes += [less_or_more(diff["activations"], "{:.2f} GiB") + " activations (LoRA's merged experts)"] \
+        * (abs(diff["activations"]) >= 0.01)
+    changes += [less_or_more(e.seconds["dp"] - twin.seconds["dp"], "{:.2g} s") + " data-parallel traffic",
+                f"{e.seconds['ep']:.2g} s of all-to-all added per optimizer step"]
+    return (f"{verdict}; against {label(twin)} it gathers {experts // d.ep} of {experts} experts per block: "
+            + ", ".join(changes[:-1]) + f" and {changes[-1]}")
 
 
 def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candidate]) -> tuple[str, str | None]:
@@ -715,6 +775,7 @@ def plan(inp: PlanInput) -> Plan:
     result.chosen, result.chosen_detail, result.grad_accum = best.name, best, best.grad_accum
     result.batch = batch_line(inp, best)
     result.why = why_chosen(best, [best] + [c for c in ranked if c is not best], inp)
+    result.expert_parallel = expert_parallel_line(inp, rows, best)
     result.fallbacks = [fallback_record(c, best, inp) for c in fallbacks(inp, best, rows, target)]
     if best.dims is None:
         result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
@@ -813,6 +874,7 @@ def render_table(p: Plan) -> str:
                      "seconds)")
         lines += [f"why: against {w['against']}{' +gc' if w['checkpointing'] else ''} ({w['role']}): {w['text']}"
                   for w in p.why if (w["against"], w["checkpointing"]) not in top]
+        lines += [f"ep: {p.expert_parallel}"] * bool(p.expert_parallel)
         lines.append("flags: " + " ".join(p.flags))
     else:
         lines.append(p.advice)

@@ -169,15 +169,16 @@ def moe_experts(h: int, i: int, top_k: int, d: Dtypes, trains: bool, tp: int = 1
     return top_k * (w * ((h + i if trains else 0) + 3 * i + h) + d.compute)
 
 
-def moe_merged(e: "params.Experts", adapters: list, d: Dtypes, tp: int = 1) -> int:
+def moe_merged(e: "params.Experts", adapters: list, d: Dtypes, tp: int = 1, ep: int = 1) -> int:
     """Per forward (not per token): a LoRA of a stacked parameter (peft's ParamWrapper) adds B A to it
     inside the forward (`torch.baddbmm(W, B, A)` for the experts, `W + B A` for the router), in the
     weight's dtype: grouped_mm and the router's linear keep the merged weight, and the factors' casts
-    are kept for their gradients."""
+    are kept for their gradients. Under expert parallel degree `ep` a rank merges only the E/ep experts
+    it holds (`toolkit.parallel.ep` splits the adapters with them)."""
     w, out = d.residual, 0
     for a in adapters:
         if a.expert:
-            out += w * (a.count * a.fan_in * a.fan_out // tp + a.params(tp))
+            out += w * (a.count // ep * a.fan_in * a.fan_out // tp + a.params(tp, ep))
         elif a.name == "gate":
             out += w * (e.count * e.hidden + a.params())
     return out
@@ -191,11 +192,14 @@ class Layer(NamedTuple):
 
 
 def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int = 0, dropout: float = 0.0,
-          tp: int = 1) -> Layer:
+          tp: int = 1, ep: int = 1) -> Layer:
     """Decoder layer `index` of the model `cfg` describes. `targets`: LoRA's (None for a full
     finetune), of rank `r`. Norms (four in Gemma 3, MLA's q_a and kv_a norms, Qwen3's and Gemma 3's
     per-head q/k norms), attention, its inputs, a dense MLP or an MoE layer (router, dispatch,
-    experts, shared experts), the nn.Linear adapters."""
+    experts, shared experts), the nn.Linear adapters. Under expert parallel degree `ep` the per-token
+    terms stay (with balanced routing a rank's experts take T k copies, as many as it sends; the
+    combine's routing-weight multiply saves the h-wide output the module's own would), the merged
+    LoRA experts are E/ep (`moe_merged`)."""
     b = params.blocks(cfg)[index]
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     ads = params.adapters(cfg, index, r, targets) if targets else []
@@ -227,22 +231,22 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
         per_token += mlp_inputs(h, shared, d, tp) + mlp(shared, d) // tp
     # backward: the residual's gradients, and each copy's through its expert (3 I, in the experts' dtype)
     transient = 2 * d.residual * h + 3 * d.residual * e.top_k * e.intermediate // tp + 3 * d.mlp * shared // tp
-    return Layer(per_token, moe_merged(e, ads, d, tp), transient)
+    return Layer(per_token, moe_merged(e, ads, d, tp, ep), transient)
 
 
 def layers(cfg: dict, d: Dtypes, targets: str | None = None, r: int = 0, dropout: float = 0.0, tp: int = 1,
-           start: int = 0, stop: int | None = None) -> list[Layer]:
+           start: int = 0, stop: int | None = None, ep: int = 1) -> list[Layer]:
     """`layer` for blocks start..stop-1 (a pipeline stage's; default: all)."""
     stop = cfg["num_hidden_layers"] if stop is None else stop
     targets = targets if targets is None or isinstance(targets, str) else ",".join(targets)
-    return list(_layers(params.frozen(cfg), d, targets, r, dropout, tp, start, stop))
+    return list(_layers(params.frozen(cfg), d, targets, r, dropout, tp, start, stop, ep))
 
 
 @lru_cache(maxsize=256)
 def _layers(key: tuple, d: Dtypes, targets: str | None, r: int, dropout: float, tp: int, start: int,
-            stop: int) -> tuple[Layer, ...]:
+            stop: int, ep: int) -> tuple[Layer, ...]:
     cfg = dict(key)
-    return tuple(layer(cfg, i, d, targets, r, dropout, tp) for i in range(start, stop))
+    return tuple(layer(cfg, i, d, targets, r, dropout, tp, ep) for i in range(start, stop))
 
 
 def stack(per: list[Layer], tokens: int, h: int, d: Dtypes, checkpointing: bool) -> tuple[int, int]:
