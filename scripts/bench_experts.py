@@ -154,7 +154,8 @@ def main() -> None:
                            f"{v['sent_forward'] / v['expected']:.3f}", f"{v['seconds']['ep1'] * 1e3:.1f}",
                            f"{v['seconds']['ep2'] * 1e3:.1f}") for r, v in sorted(ep.items())]),
                "", "Bytes sent depend on where the router sends each token; the count assumes an even spread. The "
-               "times are this 2-core machine's (each rank one thread short of the whole): recorded, not claimed."]
+               "times are this 2-core machine's (one thread a rank; ep1: each rank runs all 16 experts on its own "
+               "tokens, ep2: 8 experts on the tokens routed to them from both ranks): recorded, not claimed."]
     stem = BENCH / "gpu" / "experts_cuda" if args.device == "cuda" else BENCH / "experts_cpu"
     write_pair(stem, result, md)
 

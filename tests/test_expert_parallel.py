@@ -12,6 +12,8 @@ owner's equals the unsplit sum).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from distributed import run_distributed
@@ -169,6 +171,13 @@ def runs(tmp_path_factory, data_files, tiny_model):
     two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3"]
                 for t in models for m in ("full", "lora")
                 for name, flags in (("ep2_aux", ["--ep", "2"]), ("shard2_aux", ["--dp-shard", "2"]))})
+    pairs = root / "pairs.jsonl"  # DPO under --ep: the policy's and the reference's forwards route over ranks
+    rows = json.loads(data_files["alpaca"].read_text())  # each answer chosen, the next record's rejected
+    pairs.write_text("".join(json.dumps({"prompt": r["instruction"], "chosen": r["output"], "rejected": n["output"]})
+                             + "\n" for r, n in zip(rows, rows[1:])))
+    two.update({f"qwen3_moe-lora-dpo_{name}": [*q, "--dataset", str(pairs), "--method", "lora", "--objective", "dpo",
+                                               *flags, "--micro-batch-size", "2", "--max-steps", "2", *AUX0]
+                for name, flags in (("ep2", ["--ep", "2"]), ("shard2", ["--dp-shard", "2"]))})
     two["llama-full-ep2"] = ["--model", str(tiny_model), "--method", "full", "--ep", "2", "--max-steps", "1"]  # dense
     out = {}
     for n, group in ((1, one), (2, two)):
@@ -236,6 +245,15 @@ def test_the_router_loss_under_expert_parallel_equals_the_data_parallel_ranks(ru
     assert _losses(ep) == pytest.approx(_losses(shard), rel=TOL)
     load = [[r["expert_load_cv"] for r in records(x["out"]) if "loss" in r] for x in (ep, shard)]
     assert load[0] == pytest.approx(load[1], rel=TOL)
+
+
+def test_dpo_under_expert_parallel_equals_the_data_parallel_ranks(runs):
+    """LoRA DPO: the policy's forward and its reference (the adapters off) both route over the ep group;
+    step 1 is ln 2 and both steps equal --dp-shard 2's."""
+    ep, shard = runs["qwen3_moe-lora-dpo_ep2"], runs["qwen3_moe-lora-dpo_shard2"]
+    _ran(ep), _ran(shard)
+    got = _losses(ep)
+    assert got[1] == pytest.approx(0.6931472, abs=1e-6) and got == pytest.approx(_losses(shard), rel=TOL)
 
 
 def test_ep_on_a_dense_model_is_refused_in_one_line_before_the_weights_load(runs):
