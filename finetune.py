@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None):
 
     model = strategy.shard_model(resumed_weights(load_model(cfg, model_path), resume, cfg.model.method))
     trainable, total = count_parameters(model)
-    per = " on this rank" if cfg.parallel.tp > 1 else ""
+    per = " on this rank" if cfg.parallel.tp > 1 or cfg.parallel.ep > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method}); "
         f"{attention}")
     scores = {}

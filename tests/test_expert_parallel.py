@@ -138,6 +138,59 @@ def test_expert_parallel_inside_tensor_parallel_equals_the_unsplit_model(ep2_tp2
         assert r["sent"] > 0
 
 
+def _all_to_rank_zero(implementation: str) -> dict:
+    """Every token routed to rank 0's experts (0 and 1 of 4): rank 1 receives none. The experts module
+    alone under `implementation`, forward and backward on each rank's own tokens, against the unsplit
+    module: outputs, input gradients and (gathered) weight gradients."""
+    dist = _init()
+    from torch import nn
+
+    from toolkit.parallel.ep import apply_expert_parallel
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from toolkit.synthetic import ZOO
+
+    config = AutoConfig.for_model("qwen3_moe", **ZOO["qwen3_moe"])
+    config._experts_implementation = implementation
+    holder = nn.Module()
+    torch.manual_seed(0)
+    whole = Qwen3MoeExperts(config)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    holder.experts = Qwen3MoeExperts(config)
+    holder.experts.load_state_dict(whole.state_dict())
+    shards = apply_expert_parallel(holder, dist.group.WORLD)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(6, config.hidden_size, generator=g)
+    index = torch.tensor([[0, 1], [1, 0]] * 3)
+    weights = torch.rand(6, 2, generator=g)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    got, want = holder.experts(xs[0], index, weights), whole(xs[1], index, weights)
+    got.square().sum().backward()
+    want.square().sum().backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    worst = max(rel(got, want), rel(xs[0].grad, xs[1].grad))
+    for name, p in holder.experts.named_parameters():
+        full = whole.get_parameter(name).grad.clone()
+        dist.all_reduce(full)
+        worst = max(worst, rel(shards.split[f"experts.{name}"].gather(p.grad), full))
+    dist.destroy_process_group()
+    return {"worst": worst}
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_a_rank_that_receives_no_tokens_still_exchanges_and_reduces(implementation):
+    """Rank 1's experts get no token: its dispatch and combine still run both ways (no hang), its
+    experts' gradients are zeros, and both ranks' results equal the unsplit module's within 1e-5
+    (relative to the largest value)."""
+    for r in run_distributed(_all_to_rank_zero, 2, implementation, timeout=120):
+        assert r["worst"] < 1e-5, r
+
+
 # ---------------------------------------------------------------- finetune.py under --ep
 
 AUX0 = ["--router-aux-loss-coef", "0"]  # one process's router loss is over all its tokens: off where compared to it
@@ -168,7 +221,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
     two["qwen3_moe-full-shard2_resumed"] = [*q, "--method", "full", "--dp-shard", "2", "--micro-batch-size", "2",
                                             "--grad-accum", "2", *PARITY, "--resume",
                                             str(root / "ranks2" / "qwen3_moe-full-ep2" / "checkpoint-2")]
-    two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3"]
+    two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3",
+                                    *(["--experts", "eager"] if t == "mixtral" else [])]  # its local experts in a loop
                 for t in models for m in ("full", "lora")
                 for name, flags in (("ep2_aux", ["--ep", "2"]), ("shard2_aux", ["--dp-shard", "2"]))})
     pairs = root / "pairs.jsonl"  # DPO under --ep: the policy's and the reference's forwards route over ranks
@@ -205,6 +259,12 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run["out"]) if "loss" in r}
 
 
+def _norms(run) -> list[float]:
+    from distributed import records
+
+    return [r["grad_norm"] for r in records(run["out"]) if "grad_norm" in r]
+
+
 def _ran(run) -> str:
     said, err = run["stdout"].read_text(), run["stderr"].read_text()
     assert run["exit"] == 0 and "Traceback" not in err, err[-3000:]
@@ -230,6 +290,9 @@ def test_expert_parallel_runs_match_one_process(runs, method, layout):
     want = _losses(runs[f"qwen3_moe-{method}-one"])
     assert len(want) == 4
     assert _losses(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(want, rel=TOL)
+    # the gradient norm: every part's squares summed over the groups that split it (the experts' over ep)
+    assert _norms(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(_norms(runs[f"qwen3_moe-{method}-one"]),
+                                                                        rel=TOL)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -237,11 +300,13 @@ def test_expert_parallel_runs_match_one_process(runs, method, layout):
 def test_the_router_loss_under_expert_parallel_equals_the_data_parallel_ranks(runs, model_type, method):
     """With the router load-balancing loss on (the zoo's coefficient 0.5), --ep 2 trains what --dp-shard 2
     trains: each rank's router loss over its own tokens, the experts' outputs equal; the expert load
-    the same too."""
+    the same too. Mixtral's with --experts eager (the local experts in a loop), Qwen3-MoE's grouped_mm."""
     from distributed import records
 
     ep, shard = runs[f"{model_type}-{method}-ep2_aux"], runs[f"{model_type}-{method}-shard2_aux"]
-    _ran(ep), _ran(shard)
+    said = _ran(ep) + _ran(shard)
+    implementation = "eager" if model_type == "mixtral" else "grouped_mm"  # --experts eager, or transformers' choice
+    assert said.count(f"experts: {implementation} (transformers' experts_implementation)") == 2, said[-2000:]
     assert _losses(ep) == pytest.approx(_losses(shard), rel=TOL)
     load = [[r["expert_load_cv"] for r in records(x["out"]) if "loss" in r] for x in (ep, shard)]
     assert load[0] == pytest.approx(load[1], rel=TOL)
@@ -289,8 +354,10 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     assert not problems and (dims.dp_shard, dims.ep, dims.dp_replicate) == (2, 2, 1)
     assert dims.describe() == "dp_shard 2 x ep 2 (in dp_shard)"
     _, problems = dims_for(ParallelConfig(ep=2), 1, 1)
-    assert problems == ["--ep 2 must divide --dp-shard 1: expert parallel splits the experts over ranks that shard "
-                        "the data; launch a multiple of 2 processes or change --ep"]
+    assert problems == ["--ep 2 must divide dp_shard 1 (the ranks left by pp x dp_replicate x cp x tp): expert "
+                        "parallel splits the experts over ranks that shard the data; launch more processes or lower "
+                        "--dp-replicate"]
+    assert ParallelDims(6, dp_shard=3, ep=2).problems()[0].endswith("; use --ep 3")
     assert ParallelDims(8, dp_shard=4, dp_replicate=2, ep=4).problems() == []
 
     def refused(**flags) -> list[str]:
@@ -303,6 +370,9 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
         "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
     assert refused(ep=2, cp=2) == refused(ep=2, tp=2) == refused(ep=2, dp_shard=4, dp_replicate=2) == []
     assert refused(ep=2, pp=2, pp_microbatches=2) == []
+    assert layout_problems(ParallelConfig(ep=2), "full", "no", "auto", 2, compiled=True) == [
+        "--compile with --ep 2 is not supported yet (the experts' token exchange reads its counts on the host inside "
+        "the block); drop one of them"]
     assert ep_problems({"model_type": "llama"}, 2) == [
         "--ep 2: model type llama has no routed experts (none of num_local_experts, num_experts, n_routed_experts "
         "in its config); drop --ep"]
@@ -334,3 +404,13 @@ def test_an_ep_group_is_consecutive_dp_shard_ranks_and_the_experts_shard_across_
     assert [g["ep"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["experts"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(g["dense"] == [0, 1, 2, 3] for g in got)
+
+
+def test_experts_flag_on_a_dense_model_is_one_line_before_the_weights_load(tiny_model, tmp_path):
+    from toolkit.config import parse_config
+    from toolkit.errors import UserError
+    from toolkit.models import check_model
+
+    cfg = parse_config(["--model", str(tiny_model), "--experts", "eager", "--output-dir", str(tmp_path / "o")])
+    with pytest.raises(UserError, match=r"^--experts eager: LlamaForCausalLM has no routed experts; leave the flag out$"):
+        check_model(cfg, str(tiny_model))

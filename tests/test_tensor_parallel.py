@@ -326,7 +326,9 @@ def test_zoo_tp_support_matrix(tmp_path):
     from toolkit.synthetic import ZOO
 
     assert set(ZOO) == set(ZOO_TP_RUNS) | set(ZOO_TP_REFUSED)
-    cfg = SimpleNamespace(parallel=SimpleNamespace(tp=2, pp=1, cp=1),
+    from toolkit.layout.flags import ParallelConfig
+
+    cfg = SimpleNamespace(parallel=ParallelConfig(tp=2),
                           model=SimpleNamespace(trust_remote_code=False, router_aux_loss_coef=None, method="full"))
     for t in ZOO:
         AutoConfig.for_model(t, **ZOO[t]).save_pretrained(tmp_path / t)

@@ -9,6 +9,7 @@ cache, once; every later run loads that folder through the normal `from_pretrain
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import os
 import shutil
@@ -241,11 +242,28 @@ def attention(cfg: Config, model) -> tuple[str | None, str]:
     return choose_attention(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1, model, cfg.data.seq_len)
 
 
+INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
+
+
+def experts_modules(model) -> list:
+    """The model's routed-experts modules, in its order: those whose forward takes (hidden_states,
+    each token's top-k experts, their weights) and that know their `num_experts`."""
+    found = []
+    for module in model.modules():
+        if not isinstance(getattr(module, "num_experts", None), int):
+            continue
+        try:
+            params = tuple(inspect.signature(module.forward).parameters)[:3]
+        except (TypeError, ValueError):
+            continue
+        if len(params) == 3 and params[0] == "hidden_states" and params[1] in INDEX_NAMES:
+            found.append(module)
+    return found
+
+
 def experts_line(cfg: Config, skeleton) -> str:
     """'; experts: grouped_mm' for an MoE model (what `--experts` asks, or transformers' choice), '' for a
     dense one; --experts on a dense model is refused in one line."""
-    from toolkit.router_load import experts_modules
-
     if not experts_modules(skeleton):
         if cfg.model.experts != "auto":
             raise UserError(f"--experts {cfg.model.experts}: {type(skeleton).__name__} has no routed experts; "

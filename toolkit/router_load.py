@@ -18,29 +18,10 @@ MoE layers. They are ratios, so the counts' sum over ranks needs no normaliser.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
-
-
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's routed-experts modules, in its order: those whose forward takes (hidden_states,
-    each token's top-k experts, their weights) and that know their `num_experts`."""
-    found = []
-    for module in model.modules():
-        if not isinstance(getattr(module, "num_experts", None), int):
-            continue
-        try:
-            params = tuple(inspect.signature(module.forward).parameters)[:3]
-        except (TypeError, ValueError):
-            continue
-        if len(params) == 3 and params[0] == "hidden_states" and params[1] in INDEX_NAMES:
-            found.append(module)
-    return found
-
+from toolkit.models import INDEX_NAMES, experts_modules  # where the model says its experts are
 
 def load_stats(counts: torch.Tensor) -> dict[str, float]:
     """From (MoE layers, experts) token counts: the least and most loaded expert's tokens over its

@@ -51,10 +51,13 @@ class ParallelDims:
     def problems(self) -> list[str]:
         """Every way these degrees fail to cover the world, as one list."""
         p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
-        if self.ep < 1 or self.dp_shard % self.ep:
-            p.append(f"--ep {self.ep} must divide --dp-shard {self.dp_shard}: expert parallel splits the experts "
-                     f"over ranks that shard the data; launch a multiple of {self.ep * self.pp * self.cp * self.tp} "
-                     "processes or change --ep" if self.ep >= 1 else f"--ep must be >= 1 (got {self.ep})")
+        if self.ep < 1:
+            p.append(f"--ep must be >= 1 (got {self.ep})")
+        elif self.dp_shard % self.ep:
+            fits = [e for e in range(2, self.dp_shard + 1) if self.dp_shard % e == 0]
+            p.append(f"--ep {self.ep} must divide dp_shard {self.dp_shard} (the ranks left by pp x dp_replicate x cp "
+                     f"x tp): expert parallel splits the experts over ranks that shard the data; "
+                     + (f"use --ep {' or '.join(map(str, fits))}" if fits else "launch more processes or lower --dp-replicate"))
         if not p and self.pp * self.dp * self.cp * self.tp != self.world_size:
             p.append(f"{self.describe()} is {self.pp * self.dp * self.cp * self.tp} ranks, but {self.world_size} "
                      f"were launched; launch {self.pp * self.dp * self.cp * self.tp} processes or change the degrees")

@@ -143,6 +143,9 @@ def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str,
     if compiled and par.zero_stage == 3:
         p.append("--compile with --zero-stage 3 is not supported (ZeRO-3's parameter hooks break the compiled "
                  "blocks' graphs); use --fsdp or --dp-shard N, which compile, or drop --compile")
+    if compiled and par.ep > 1:
+        p.append(f"--compile with --ep {par.ep} is not supported yet (the experts' token exchange reads its counts on "
+                 "the host inside the block); drop one of them")
     if compiled and par.pp > 1:
         p.append(f"--compile with --pp {par.pp} is not supported yet; drop one of them")
     if par.cp > 1 and attn not in ("auto", "sdpa"):

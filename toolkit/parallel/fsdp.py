@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 
-def mixed_precision_policy(compute_dtype: torch.dtype | None):
-    """Gather parameters in `compute_dtype` (None: as stored), reduce gradients in fp32."""
+def mixed_precision_policy(compute_dtype: torch.dtype | None, cast_inputs: bool = True):
+    """Gather parameters in `compute_dtype` (None: as stored), reduce gradients in fp32; `cast_inputs`
+    off leaves a unit's inputs as they come (an experts unit's fp32 routing weights)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs)
 
 
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh, reshard_after_forward: bool,
@@ -35,8 +36,9 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh, reshard_after_for
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(compute_dtype)
-    for module in experts:
-        fully_shard(module, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for module in experts:  # inside a block, whose inputs the policy cast: the router's weights stay as it made them
+        fully_shard(module, mesh=experts_mesh, mp_policy=mixed_precision_policy(compute_dtype, cast_inputs=False),
+                    reshard_after_forward=reshard_after_forward)
         sum_gradients(module)
     for module in [*blocks, root]:
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

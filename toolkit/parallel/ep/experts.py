@@ -103,7 +103,7 @@ def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
     `group`. Every rank must call it with the same full weights (and the same LoRA init)."""
     import torch.distributed as dist
 
-    from toolkit.router_load import experts_modules
+    from toolkit.models import experts_modules
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = experts_modules(model)
@@ -172,10 +172,12 @@ def _routed_forward(owner: nn.Module, local_forward, group, experts: int):
         x = all_to_all(hidden[token], recv, send, group)  # 3. dispatch
         mine = torch.arange(experts // n, device=hidden.device).repeat(n).repeat_interleave(arriving.reshape(-1))
         y = local_forward(x, mine[:, None], torch.ones(len(x), 1, dtype=weights.dtype, device=hidden.device))  # 4.
-        if len(x) == 0:  # no token came: the experts still take part in the gradient reduction (zeros)
-            y = y + sum(p.reshape(-1)[:1].sum() for p in owner.parameters()) * 0
+        if len(x) == 0:  # no token came: an eager forward returns zeros tied to nothing, but the dispatch's
+            # backward must still run (its peers wait in theirs) and the experts take part in the gradient
+            # reduction (zeros)
+            y = y + (x.sum() + sum(p.reshape(-1)[:1].sum() for p in owner.parameters())) * 0
         back = all_to_all(y, send, recv, group)  # 5. combine
-        scaled = back * weights.reshape(-1)[order, None].to(back.dtype)
+        scaled = back * weights.reshape(-1)[order, None]  # in the weights' dtype, as the module's own product
         return torch.zeros_like(hidden).index_add(0, token, scaled.to(hidden.dtype))
 
     return forward
