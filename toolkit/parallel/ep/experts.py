@@ -37,7 +37,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.parallel.ep.comm import all_to_all, exchange_counts
-from toolkit.parallel.tp.layers import Packed
+from toolkit.parallel.tp.layers import Packed, gather
 
 
 @dataclass
@@ -53,11 +53,7 @@ class ExpertSplit:
     tp: int | Packed | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(local) for _ in range(self.ep)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return self.split.assemble(parts) if isinstance(self.split, Packed) else torch.cat(parts, self.split)
+        return gather(local, self.split, self.group)
 
 
 def _peft_wrappers(model: nn.Module, experts: nn.Module) -> list[nn.Module]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from toolkit.parallel import grad_norm
-from toolkit.parallel.tp.layers import Packed
+from toolkit.parallel.tp.layers import Packed, gather
 from toolkit.parallel.tp.plan import apply_tensor_parallel
 
 __all__ = ["Layout", "make_layout", "apply_tensor_parallel", "TPShards", "full_state_dict",
@@ -128,9 +128,7 @@ def full_state_dict(model, tp_split: dict, tp_group) -> dict:
         experts = split if hasattr(split, "gather") else None  # an expert-parallel slice (`ExpertSplit`)
         split = experts.tp if experts is not None else split
         if split is not None and tp > 1:
-            parts = [torch.empty_like(v) for _ in range(tp)]
-            dist.all_gather(parts, v.contiguous(), group=tp_group)
-            v = split.assemble(parts) if isinstance(split, Packed) else torch.cat(parts, dim=split)
+            v = gather(v, split, tp_group)
         if experts is not None:
             v = experts.gather(v)
         out[key] = v.detach()

@@ -44,6 +44,16 @@ class Packed:
         return torch.cat([cut[r][i] for i in range(len(self.parts)) for r in range(t)], self.dim)
 
 
+def gather(local: torch.Tensor, split: "int | Packed", group) -> torch.Tensor:
+    """The full tensor from every rank's slice of it (collective over `group`): all-gathered, then
+    concatenated along `split`, or assembled part by part where it is `Packed`."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return split.assemble(parts) if isinstance(split, Packed) else torch.cat(parts, dim=split)
+
+
 def shard(full: torch.Tensor, dim: int, group, parts: tuple[int, ...] | None = None) -> nn.Parameter:
     """My contiguous 1/t slice of `full` along `dim`, as a new parameter marked with `tp_split_dim`;
     with `parts` (sizes along `dim` summing to it), my 1/t slice of each part, concatenated."""
