@@ -171,3 +171,16 @@ def records(out) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_metric_close(got: list[dict], want: list[dict], key: str, rel: float, abs: float, what=None) -> None:
+    """`key` is in the same records of both runs, and close (pytest.approx's rel/abs) where present.
+
+    A record may not carry a metric (an eval-only key in a train record): presence must match, and only
+    the values present are compared (pytest >= 9.2's approx refuses None under a relative tolerance)."""
+    import pytest
+
+    have, expect = [key in r for r in got], [key in r for r in want]
+    assert have == expect, (what, key, "present in records", have, "expected", expect)
+    values = [r[key] for r in got if key in r]
+    assert values == pytest.approx([r[key] for r in want if key in r], rel=rel, abs=abs), (what, key)

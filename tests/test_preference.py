@@ -336,7 +336,7 @@ def test_kto_on_every_layout_matches_one_process(runs, name):
     """KTO on 2 ranks x 2 accumulation steps (DDP, ZeRO-3, FSDP2, TP, CP) gives one process's losses, KL
     estimates and rewards within 1e-4: its estimate is the global batch's whatever the split. Step 1 is
     0.5 per example, weighted (policy = reference, estimate 0); TRL's metrics are logged; it trains."""
-    from distributed import records
+    from distributed import assert_metric_close, records
 
     method = KTO_LAYOUTS[name][0]
     ref, got = records(runs("one", method, "kto")), records(runs(name, method, "kto"))
@@ -345,7 +345,7 @@ def test_kto_on_every_layout_matches_one_process(runs, name):
     assert 0.5 < ref[0]["loss"] < 0.75  # each example's 0.5, x 1.5 where desirable
     for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         # abs: a reward is beta x a difference of fp32 sums of ~50 nats, so ~1e-6 of it is rounding
-        assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in ref], rel=1e-4, abs=2e-6), (name, key)
+        assert_metric_close(got, ref, key, rel=1e-4, abs=2e-6, what=name)
     assert all(r["kl"] > 0 for r in ref[1:])  # it trains: the policy leaves the reference
 
 
@@ -526,12 +526,12 @@ def test_orpo_through_a_pipeline_trains_and_evaluates_as_one_process(runs):
     """ORPO under --pp 2 (a pair per pipeline micro-batch, the objective on the last stage from the
     target tensor it is handed: labels, and the chosen NLL's labels): one process's training losses and
     held-out records within 1e-4 (its eval from the pipeline's per-row log-probabilities)."""
-    from distributed import records
+    from distributed import assert_metric_close, records
 
     ref, got = records(runs("one", "full", "orpo_eval")), records(runs("pp", "full", "orpo_eval"))
     assert [r["step"] for r in got] == [r["step"] for r in ref] and len(ref) == 7  # 5 steps, 2 evals
     for key in ("loss", "eval_loss", "rewards/margins", "eval_rewards/margins", "eval_logps/chosen"):
-        assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in ref], rel=1e-4, abs=1e-6), key
+        assert_metric_close(got, ref, key, rel=1e-4, abs=1e-6)
 
 
 def test_held_out_kto_examples_are_scored_with_trls_metrics(runs):
