@@ -107,8 +107,9 @@ class TrainConfig:
                            "inside the head's forward, so batch x seq x vocab fp32 logits never exist (same loss and "
                            "gradients; its softmax compiled on CUDA); liger / cce: the same through Liger-Kernel's / "
                            "Apple's Cut Cross-Entropy's Triton kernels (CUDA only; pip install 'toolkit[gpu]'); auto: "
-                           "on a GPU full logits where the planner says they fit, else cce if installed, else chunked; "
-                           "on CPU chunked; full under --pp or with a non-linear LM head",
+                           "on a GPU full logits where the planner says they fit, else chunked (cce and liger only when "
+                           "asked: slower on real packed data; cce refuses fp32); on CPU chunked; full under --pp or "
+                           "with a non-linear LM head",
                    ("auto", "full", "chunked", "liger", "cce"))
     compile: bool = _f(False, "compile each decoder block with torch.compile (regional); the first step compiles, "
                               "and its metrics record says so (warmup)")

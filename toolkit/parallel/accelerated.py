@@ -26,7 +26,7 @@ class AccelerateStrategy(Strategy):
         self.dims = dims or ParallelDims(n, dp_replicate=n)
         self.data = DataShard(accelerator, self.dims, mesh.get_local_rank("dp") if mesh is not None else None)
         self.context = ContextSlices(mesh, self.dims)
-        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type), TPShards()
+        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision), TPShards()
 
     @property
     def whole_batches(self) -> bool:
@@ -79,7 +79,7 @@ class DeepSpeedStrategy(Strategy):
         self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
         self.data = DataShard(accelerator, dims)
         self.context = ContextSlices(None, dims)  # no context parallel under DeepSpeed (toolkit.layout.rules)
-        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type), TPShards()
+        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision), TPShards()
         self.file_schedule: dict | None = None  # a --deepspeed file's "scheduler", as it runs
 
     def shard_model(self, model):

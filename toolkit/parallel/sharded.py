@@ -32,7 +32,7 @@ class MeshStrategy(Strategy):
         self.shard_group = mesh.get_group(grad_dim(dims, sharded=True)) if sharded else None
         self.data = DataShard(accelerator, dims, mesh.get_local_rank("dp"))
         self.context = ContextSlices(mesh, dims)
-        self.loss = LossHead(loss_fn, accelerator.device.type)
+        self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)
         self.whole_batches = dims.cp == 1
         # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
         # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)

@@ -207,8 +207,9 @@ class LossHead:
     fused loss head (`toolkit.loss.loss_head_for`) that returns the sum itself, so (B, T, V) logits
     never exist. Context parallel batches carry labels already shifted (`targets`)."""
 
-    def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu"):
+    def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no"):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
+        self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
         self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
         self.objective = None  # a preference objective (`toolkit.preference.PreferenceLoss`): pairs, full logits
         self.router_load = None  # an MoE model's tokens per expert (`toolkit.router_load.RouterLoad`)
@@ -224,7 +225,7 @@ class LossHead:
         if self.objective is not None:
             self.objective.prepare(model)
         if self.loss_fn is token_loss_sum and self.objective is None:
-            self.head = loss_head_for(model, choice, self.device_type)
+            self.head = loss_head_for(model, choice, self.device_type, precision=self.precision)
         self.aux_coef = router_aux_coef(model.config)
         if self.router_load is None:
             from toolkit.router_load import RouterLoad

@@ -44,7 +44,7 @@ class PipelineStrategy(Strategy):
             # pp x ep: each stage's experts split over its ep group (`toolkit.parallel.ep`), as MeshStrategy's
             self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
         self.data = DataShard(accelerator, dims, self.layout.dp_rank if self.layout else 0)
-        self.loss = LossHead(loss_fn, accelerator.device.type)  # full logits on the last stage: never a fused head
+        self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)  # full logits on the last stage: never a fused head
         self.pipe = None  # built in prepare(); None again once exported
 
     def shard_model(self, model):
