@@ -377,7 +377,7 @@ def test_naive_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
             if model_type == "cohere":
                 pipe.stages[-1].parts.transform = LogitTransform()  # the model's logit_scale left out
                 wrong, own = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
-                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's bound (train/loop.py LOSS_CHECK_RTOL)
+                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's fp32 bound (toolkit.numerics.FP32_RTOL)
                 pipe.stages[-1].parts.transform = LogitTransform.of(model)
             got = _pipeline_losses(pipe, [p for p in model.parameters() if p.requires_grad], batches)
             assert got == pytest.approx(want, abs=1e-5, rel=1e-5), model_type

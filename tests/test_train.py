@@ -1,6 +1,7 @@
 """End-to-end runs of finetune.main on a tiny Llama, in-process (one rank)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -313,7 +314,11 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
 def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_files):
     """A LoRA run from the command line, its data already cached, imports peft but not datasets or
     pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only), DeepSpeed (no ZeRO
-    layout), scipy or boto3 (toolkit.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md)."""
+    layout), scipy or boto3 (toolkit.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md).
+    A package that another installed distribution requires stays importable: here a stand-in for
+    scikit-learn (a distribution requiring scipy, importing scipy.sparse when imported) and a stand-in
+    scipy, on the path; transformers 4.47-5.20 import scikit-learn at module level, so hiding scipy
+    stopped every run (issue 56)."""
     import subprocess
     import sys
 
@@ -325,14 +330,43 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
     tokenizer = load_tokenizer(str(tiny_model), False)
     ensure_chat_template(tokenizer)
     prepare_data(parse_config(argv), tokenizer)  # the cache the run reads, as finetune.main builds it
+    site = tmp_path / "site"
+    (site / "scipy").mkdir(parents=True)
+    (site / "scipy" / "__init__.py").write_text("")
+    (site / "scipy" / "sparse.py").write_text("")
+    (site / "scipy" / "optimize.py").write_text("def linear_sum_assignment(cost): ...\n")  # transformers' DETR loss
+    (site / "sklearnish").mkdir()
+    (site / "sklearnish" / "__init__.py").write_text("import scipy.sparse  # as sklearn's __init__ does\n")
+    (site / "sklearnish-1.0.dist-info").mkdir()
+    (site / "sklearnish-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sklearnish\nVersion: 1.0\nRequires-Dist: scipy>=1.0\n"
+        "Requires-Dist: boto3; extra == 's3'\n")  # an extra's requirement does not count: boto3 stays out
     script = ("import json, sys; sys.argv = ['finetune.py', *sys.argv[1:]]; import finetune; finetune.main(); "
-              "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None and '.' not in m)))")
+              "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None and '.' not in m))); "
+              "print('boto3 hidden:', sys.modules.get('boto3', 1) is None); import sklearnish; print('sklearnish imports')")
     p = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
-                       cwd=Path(finetune.__file__).parent)
+                       cwd=Path(finetune.__file__).parent, env={**os.environ, "PYTHONPATH": str(site)})
     assert p.returncode == 0, p.stderr[-3000:]
-    imported = set(json.loads(p.stdout.strip().splitlines()[-1]))  # main() as the command line calls it (no argv)
+    lines = p.stdout.strip().splitlines()
+    assert lines[-2:] == ["boto3 hidden: True", "sklearnish imports"]
+    imported = set(json.loads(lines[-3]))  # main() as the command line calls it (no argv)
     assert "peft" in imported and "pyarrow" in imported
-    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed", "scipy", "boto3"}
+    assert not imported & {"datasets", "pandas", "bitsandbytes", "deepspeed", "boto3"}  # scipy: required here
+
+
+def test_a_package_is_left_out_only_where_no_installed_distribution_requires_it(tmp_path, monkeypatch):
+    from toolkit.startup import required_elsewhere
+
+    names = ["scipy", "boto3", "deepspeed", "bitsandbytes"]
+    assert required_elsewhere(names) == set()  # this environment: only the toolkit itself requires them
+    info = tmp_path / "sklearnish-1.0.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: sklearnish\nVersion: 1.0\n"
+                                         "Requires-Dist: scipy>=1.0\nRequires-Dist: boto3; extra == 's3'\n"
+                                         "Requires-Dist: deepspeed; sys_platform == 'nonexistent'\n"
+                                         "Requires-Dist: scipy-stubs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert required_elsewhere(names) == {"scipy"}  # not an extra's, another platform's, or a longer name
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model, data_files, monkeypatch, capsys):

@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 
 from toolkit.data import collate
+from toolkit.numerics import DTYPES, FP32_RTOL, agreement
 from toolkit.parallel import any_rank
 from toolkit.train.evaluate import eval_loss
 
@@ -43,8 +44,9 @@ RELOAD_FLOPS = 2e12  # ~10-30 s of CPU forward (an 8B model on this batch): abov
 
 
 def tolerance(precision: str) -> float:
-    """Relative: fp32 reproduces to rounding; bf16/fp16 autocast vs an fp32 reload does not."""
-    return 1e-4 if precision == "no" else 3e-2
+    """Relative: the trained loss (computed in `precision`) against an fp32 reload's, each a whole
+    forward away from exact: twice the dtype's `agreement` (fp32 1e-4 when both are fp32; bf16 3.1e-2)."""
+    return FP32_RTOL if precision == "no" else 2 * agreement(DTYPES[precision])
 
 
 def saved_state(model, state: dict) -> dict[str, torch.Tensor]:

@@ -70,6 +70,7 @@ class TrainResult:
     first_step: int = 1  # > 1 after a resume
     elapsed_before: float = 0.0  # of the steps before the checkpoint it resumed from
     eval_loss: float | None = None  # the last one measured
+    peak_allocated_bytes: int | None = None  # the device allocator's peak over the steps (None on a CPU)
 
     @property
     def steps_run(self) -> int:
@@ -580,6 +581,7 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
 
 
 def finish(run: Run) -> tuple[torch.nn.Module, TrainResult]:
+    peak = device_peak(run.strategy.accelerator.device)  # read before the export gathers anything
     return run.strategy.export(run.model), TrainResult(run.total_steps, run.last_loss, run.tokens_seen,
                                                        time.perf_counter() - run.start, run.first_step,
-                                                       run.elapsed_before, run.last_eval)
+                                                       run.elapsed_before, run.last_eval, peak)

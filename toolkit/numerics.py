@@ -1,0 +1,32 @@
+"""How closely two computations of the same values agree, by the dtype that computed them.
+
+A check that compares two computations (the start-up loss and packing checks, the saved folder's
+reload, the bf16 parity tests) must tell rounding from a real difference. In fp32 two kernels that
+order their sums differently agree to ~1e-6; in bf16 one rounding is 2^-8 of a value, so two correct
+kernels differ by about bf16's epsilon (2^-7) of the largest value, and an fp32 bound refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP32_RTOL = 1e-4  # fp32's bound, relative: 100x what two fp32 kernels ordering sums differently differ by
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}  # --mixed-precision -> compute dtype
+
+
+def agreement(dtype: torch.dtype) -> float:
+    """The relative gap (to the largest value) within which two correct computations of the same
+    values in `dtype` agree: FP32_RTOL, or two units of the dtype's rounding where that is more
+    (bf16: 2 x 2^-7 = 1.6e-2; fp16: 2e-3). transformers' padding-free tests allow bf16's epsilon (7.8e-3),
+    its eager-vs-sdpa tests 1e-2; one H100 measured Llama's packed varlen logits against unpacked sdpa's
+    at 4.9e-3 (LoRA) and 6.5e-3 (full) in bf16 (issue 56)."""
+    return max(FP32_RTOL, 2 * torch.finfo(dtype).eps)
+
+
+def mean_agreement(dtype: torch.dtype) -> float:
+    """The same for a mean over many tokens (a loss), relative to it: half a unit of the dtype's
+    rounding, or FP32_RTOL. Per-token rounding of at most a unit averages down over the tokens, while
+    a head that trains another objective (no softcap, no router loss, another shift) moves the mean by
+    more; on one H100 the bf16 start-up loss checks measured 1.5e-5 (Gemma-2 through cce, issue 56)."""
+    return max(FP32_RTOL, torch.finfo(dtype).eps / 2)
