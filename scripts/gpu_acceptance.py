@@ -2,6 +2,11 @@
 
 Parts (`--parts`, comma-separated, default all). Issue 35's speed checks make three device calls of
 under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the commands):
+  user          first on every GPU lent: `finetune.py` as users run it, a subprocess a case on 1,000 GSM8K
+        records (LoRA, full, each with --compile, unpacked, --mixed-precision no, QLoRA, DPO, a Qwen3-MoE,
+        a Gemma-2; packed but where said): started, seconds to step 1, steady tokens/s, the step times'
+        spread, peak memory, the start-up checks' gaps, integrity. scripts/gpu_user.py (its docstring:
+        what and why, the time). The README's GPU figures come from this part.
   throughput_full, throughput_lora  bf16 tokens/s on a Llama-3.2-1B-shaped model at 2048 tokens x
         micro-batch 4, full finetune and LoRA, each a call of its own: scripts/bench_throughput.py's
         arms and method (fresh process per run, alternating rounds, the same batches): the raw PyTorch
@@ -117,12 +122,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
 from bench_throughput import flag_problem, importable  # noqa: E402
+from gpu_user import part_user, table as user_table  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory", "pipeline",
-         "deepspeed", "launchers", "models", "moe")
+PARTS = ("user", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+         "pipeline", "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -1036,13 +1042,13 @@ def render(out: Path) -> str:
             value = "-" if c["value"] is None else f"{c['value']:.4g}"
             lines.append(f"| {p} | {c['what']} | {value} | {target} | {passed} |")
         for c in d["cases"]:
-            if "error" in c:
+            if c.get("error"):
                 lines.append(f"| {p} | {c.get('name') or c.get('method') or 'case'}: **error** | "
                              f"{c['error'].strip().splitlines()[-1][:160] if c['error'].strip() else '?'} | - | **no** |")
         for s in d.get("skipped", []):
             lines.append(f"| {p} | skipped: {s} | - | - | - |")
     for d in parts.values():
-        lines += arms_table(d)
+        lines += user_table(d) if d["part"] == "user" else arms_table(d)
     return "\n".join(lines) + "\n"
 
 
@@ -1102,7 +1108,7 @@ def main() -> None:
         print(f"device: {env['gpu']}; torch {env['torch']}; out: {out}", flush=True)
         for p in parts:
             print(f"{p}:", flush=True)
-            fn = {"throughput_full": lambda r: part_throughput(r, "full"),
+            fn = {"user": lambda r: part_user(r, check), "throughput_full": lambda r: part_throughput(r, "full"),
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,
                   "pipeline": part_pipeline, "deepspeed": part_deepspeed, "launchers": part_launchers,
@@ -1119,7 +1125,7 @@ def main() -> None:
                 print(f"  skipped: {s}", flush=True)
             for c in result["checks"]:
                 print(f"  {c['what']}: {c['value']} (passed: {c['passed']})", flush=True)
-            failed += [f"{p} {c.get('name') or c.get('method')}" for c in result["cases"] if "error" in c]
+            failed += [f"{p} {c.get('name') or c.get('method')}" for c in result["cases"] if c.get("error")]
     (out / "README.md").write_text(render(out))
     print(f"wrote {out}")
     if failed:
