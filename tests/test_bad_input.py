@@ -32,7 +32,7 @@ def case(tmp_path, name):
         rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 1100
         rows[1057] = {"messages": [{"role": "user", "content": "no answer"}]}
         (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return ["--dataset", str(d / "chat.jsonl"), "--data-workers", "2"], "chat.jsonl: record 1057 (line 1058) has no assistant turn"
+        return ["--dataset", str(d / "chat.jsonl"), "--data-workers", "2"], "chat.jsonl: record 1058 (line 1058) has no assistant turn"
     if name == "streaming_without_max_steps":
         return ["--dataset", str(d.parent / "nope.jsonl"), "--streaming"], "--streaming needs --max-steps"
     if name == "unknown_flag":

@@ -271,7 +271,7 @@ def test_bad_record_in_a_worker_is_one_line_naming_its_index(tokenizer, tmp_path
     records = make_records("chat", n=1100)
     records[1057] = {"messages": [{"role": "user", "content": "no answer here"}]}
     cfg = _cfg(tmp_path, _jsonl(tmp_path / "bad.jsonl", records), "--data-workers", "2")
-    with pytest.raises(UserError, match=r"bad.jsonl: record 1057 \(line 1058\) has no assistant turn"):
+    with pytest.raises(UserError, match=r"bad.jsonl: record 1058 \(line 1058\) has no assistant turn"):
         prepare_data(cfg, tokenizer)
     assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]  # nothing half-built is kept
 
@@ -304,3 +304,86 @@ def test_rows_read_the_mapped_table_as_pyarrow_does_across_chunks_and_slices():
     stats, kept = table_stats(table)
     assert stats.examples == 18 and stats.tokens == sum(r["length"] for r in want if r["targets"] > 0)
     assert kept is None or list(kept) == [i for i, r in enumerate(want) if r["targets"] > 0]
+
+
+# --- preference data: empty completions, the data line, record numbers (issue 57)
+def _pair_data(tmp_path, monkeypatch, rows, *flags):
+    """(prepare_data's result, its data lines) for preference records under --objective dpo (or `flags`')."""
+    from toolkit.data.prepare import prepare_data
+    from toolkit.train.output import report_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tok = build_tokenizer(CHATML)
+    cfg = _cfg(tmp_path, _jsonl(tmp_path / "pairs.jsonl", rows), "--seq-len", "64", *(flags or ("--objective", "dpo")))
+    data = prepare_data(cfg, tok)
+    said = []
+    report_data(said.append, cfg, data, False)
+    return data, said
+
+
+def test_empty_chosen_or_rejected_is_dropped_and_counted_and_nothing_left_is_one_error(tmp_path, monkeypatch):
+    """An empty or whitespace-only side would train its end-of-turn token alone as the answer: the pair
+    is dropped and counted in its own line; the data line says what its token counts are; a file with
+    no pair left is one error naming the file, before any model loads (prepare_data runs first)."""
+    rows = [{"prompt": f"Name colour {i}.", "chosen": "Blue.", "rejected": "Loud."} for i in range(5)]
+    rows[1]["chosen"], rows[3]["rejected"] = "", " \n\t"
+    data, said = _pair_data(tmp_path, monkeypatch, rows)
+    assert len(data.train) == 3 and (data.stats.examples, data.stats.dropped, data.stats.empty) == (5, 2, 2)
+    assert "data: 2 more pair(s) dropped, not counted above: an empty or whitespace-only 'chosen' or 'rejected'" in said
+    assert not any("truncation" in line for line in said)
+    line = said[0]
+    assert "3 training pairs, 0 eval;" in line and f"{data.stats.tokens} tokens (prompt + chosen and prompt + " \
+        f"rejected), {data.stats.target_tokens} completion tokens on the shorter side (per pair" in line, line
+    for row in rows:
+        row["chosen"] = " "
+    (tmp_path / "all").mkdir()
+    with pytest.raises(UserError, match=r"pairs.jsonl: no training pair is left: 5 of 5 have an empty or "
+                                        r"whitespace-only 'chosen' or 'rejected'; fill in"):
+        _pair_data(tmp_path / "all", monkeypatch, rows)
+
+
+def test_kto_drops_an_empty_completion_and_never_takes_it_as_a_kl_partner(tmp_path, monkeypatch):
+    rows = [{"prompt": f"Q{i}?", "completion": f"A{i}.", "label": i % 2 == 0} for i in range(4)]
+    rows[1]["completion"] = ""
+    tok = build_tokenizer(CHATML)
+    data, said = _pair_data(tmp_path, monkeypatch, rows, "--objective", "kto")
+    assert len(data.train) == 3 and data.stats.empty == 1
+    assert "data: 1 more example(s) dropped, not counted above: an empty or whitespace-only completion" in said
+    partners = [tok.decode([t for t in r["kl_labels"] if t != IGNORE_INDEX]) for r in data.train]
+    assert partners == ["A3.<|im_end|>", "A0.<|im_end|>", "A2.<|im_end|>"]  # A1 (empty) passed over
+
+
+def test_record_numbers_count_from_1_as_lines_do(tmp_path, monkeypatch):
+    """`rejected: null` in the second record of a file with a blank line before it: record 2, line 3 (it
+    said record 1: 0-based records beside 1-based lines)."""
+    import json
+
+    from toolkit.data.formats import _check_json_file
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pairs.jsonl"
+    good = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "rejected": None}) + "\n")
+    with pytest.raises(UserError, match=r"pairs.jsonl: record 2 \(line 3\): 'rejected' must be a string"):
+        prepare_data(_cfg(tmp_path, path, "--objective", "dpo"), build_tokenizer(CHATML))
+    (tmp_path / "a.json").write_text(json.dumps([good, [1]]))
+    with pytest.raises(UserError, match=r"a.json: record 2 is a list"):
+        _check_json_file(tmp_path / "a.json")
+    with pytest.raises(UserError, match="^record 4: unknown ShareGPT speaker"):
+        to_conversation({"conversations": [{"from": "robot", "value": "a"}]}, "sharegpt", 3)
+
+
+def test_loss_png_shows_a_reward_accuracy_of_1(tmp_path, monkeypatch):
+    """The accuracy axis reaches past 1.0, so a line at 1.0 is drawn whole, and 1.0 is a tick (it
+    stopped at 1.0: the line ran along the frame, half cut off)."""
+    from matplotlib.figure import Figure
+
+    from toolkit.train.metrics import plot_loss
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    plot_loss([{"step": s, "loss": 0.5, "rewards/accuracies": 1.0} for s in (1, 2, 3)], tmp_path / "loss.png")
+    right = drawn[0].axes[1]
+    low, high = right.get_ylim()
+    assert low == 0 and 1.0 < high <= 1.1 and 1.0 in list(right.get_yticks())

@@ -230,8 +230,8 @@ def _bad_data(tmp_path, data_files, name):
     bad.write_bytes(b"\n".join([r.encode() for r in rows[:2]] + [broken] + [r.encode() for r in rows[2:]]) + b"\n")
     said = {"not_utf8": f"{bad}: line 3 is not UTF-8 text (byte 0xe9); save the file as UTF-8",
             "bad_json": f"{bad}: invalid JSON on line 3",
-            "wrong_type": f"{bad}: record 2 (line 3): alpaca 'instruction' and 'output' must be strings",
-            "missing_field": f"{bad}: record 2 (line 3): alpaca 'instruction' and 'output' must be strings"}
+            "wrong_type": f"{bad}: record 3 (line 3): alpaca 'instruction' and 'output' must be strings",
+            "missing_field": f"{bad}: record 3 (line 3): alpaca 'instruction' and 'output' must be strings"}
     return bad, said[name.split("-")[0]]
 
 

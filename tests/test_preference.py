@@ -431,6 +431,8 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
     ([*DPO, "--desirable-weight", "2"], "pairs", "--desirable-weight applies to kto, not dpo"),
     (["--objective", "kto", "--undesirable-weight", "0"], "kto", "--undesirable-weight must be > 0"),
     (["--objective", "kto"], "sft", "--objective kto trains on preference data, and --dataset"),
+    (DPO, "empty", "d.jsonl: no training pair is left: 4 of 4 have an empty or whitespace-only 'chosen' "
+                   "or 'rejected'; fill in"),
 ])
 def test_preference_mistakes_are_one_line(tmp_path, tiny_model, argv, data, says, capsys):
     """Preference data never trains as SFT, SFT data never as pairs; what an objective cannot take is
@@ -438,7 +440,8 @@ def test_preference_mistakes_are_one_line(tmp_path, tiny_model, argv, data, says
     import finetune
 
     rows = {"pairs": string_pairs(4), "sft": [{"instruction": "a", "output": "b"}] * 4,
-            "kto": [{"prompt": "a", "completion": "b", "label": True}] * 4}[data]
+            "kto": [{"prompt": "a", "completion": "b", "label": True}] * 4,
+            "empty": [{"prompt": "a", "chosen": "", "rejected": "b"}] * 4}[data]
     path = write_pairs(tmp_path / "d.jsonl", rows)
     with pytest.raises(SystemExit) as e:
         finetune.main(["--model", str(tiny_model), "--dataset", str(path), "--output-dir", str(tmp_path / "out"),
@@ -702,3 +705,10 @@ def test_packed_dpo_trains_from_ln_2_and_matches_one_process_on_2_ranks(runs):
     ddp = records(runs("ddp", "lora", "dpo_packed"))
     assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in records(runs("one", "lora", "dpo_packed"))],
                                                      rel=1e-4)
+
+
+def test_ktos_line_says_its_kl_is_clamped_at_0():
+    """A `kl` of 0.0 is TRL's clamp of a negative estimate (or the policy still being the reference), not a
+    missing term: the objective's line says so once (issue 57: 0.0 at all 15 steps of a LoRA run)."""
+    line = PreferenceLoss("kto", 0.1, reference="adapters").describe()
+    assert "clamped at 0 as TRL's (kl 0.0: the policy is the reference, or scores those completions below it)" in line

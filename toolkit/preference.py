@@ -162,6 +162,13 @@ def orpo_nll_tokens(batch: dict) -> torch.Tensor:
     return batch["attention_mask"][0::2, 1:].sum()
 
 
+# Said once, in the objective's line: a `kl` of 0.0 is the clamp (TRL's), not a missing term. The estimate,
+# the mean policy-minus-reference log-probability of mismatched completions, is exactly 0 while the policy is
+# the reference (step 1; step 2 too under warmup, which starts the learning rate at 0) and often negative
+# early on, the more often the fewer sequences a global batch holds.
+KL_CLAMP = "clamped at 0 as TRL's (kl 0.0: the policy is the reference, or scores those completions below it)"
+
+
 @dataclass
 class PreferenceLoss:
     """One micro-batch's summed pair loss for `objective`; its metrics' sums are kept for the step's
@@ -210,7 +217,8 @@ class PreferenceLoss:
                                        else "log-probabilities computed before step 1")
         extra = {"dpo": f", label smoothing {self.label_smoothing:g}{reference}",
                  "kto": f", weights desirable {self.desirable_weight:g} undesirable {self.undesirable_weight:g}"
-                        f"{reference}; KL estimate from mismatched completions, over the global batch",
+                        f"{reference}; KL estimate from mismatched completions, over the global batch, "
+                        f"{KL_CLAMP}",
                  "simpo": f", gamma {self.simpo_gamma:g}, label smoothing {self.label_smoothing:g}",
                  "orpo": " + the chosen sequences' NLL"}[self.objective]
         off = f"; dropout off in {self.dropouts_off} places (as TRL)" if self.dropouts_off else ""
@@ -229,8 +237,9 @@ class PreferenceLoss:
     @torch.no_grad()
     def kl_estimate(self, model, micro: list[dict], reduce, replicas: int) -> torch.Tensor:
         """KTO's z0: the mean over `micro`'s KL sequences (and every rank's, through `reduce`) of their
-        policy minus reference log-probabilities, clamped at 0 (TRL's `kl`), without gradients. Every
-        rank runs the same forwards (whole sequences, as evaluation does under each layout)."""
+        policy minus reference log-probabilities, clamped at 0 (TRL's `kl`: z0 is a KL divergence, which
+        is never negative, though its estimate from a few mismatched sequences can be; `KL_CLAMP`), without
+        gradients. Every rank runs the same forwards (whole sequences, as evaluation does under each layout)."""
         total = None
         for b in micro:
             kl = {"input_ids": b["kl_input_ids"], "attention_mask": b["kl_attention_mask"], "labels": b["kl_labels"]}

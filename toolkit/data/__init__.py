@@ -155,9 +155,22 @@ def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training
 
 
 def check_trainable(stats: DataStats, cfg: Config, what: str) -> None:
-    if stats.examples and stats.dropped == stats.examples:
-        raise UserError(f"every {what} example is left with no answer tokens after truncation to "
-                        f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
+    """One line, before the model loads, where nothing is left to train: a run that trained on no
+    example would exit 0 having learnt nothing. Empty preference completions (`stats.empty`) name the
+    file and the columns to fill; otherwise every example was cut to no answer by --seq-len."""
+    if not stats.examples or stats.dropped < stats.examples:
+        return
+    if stats.empty:
+        kto = cfg.train.objective == "kto"
+        unit, sides = ("example", "completion") if kto else ("pair", "'chosen' or 'rejected'")
+        cut = stats.dropped - stats.empty
+        raise UserError(f"--dataset {cfg.data.dataset}: no {what} {unit} is left: {stats.empty} of "
+                        f"{stats.examples} have an empty or whitespace-only {sides}"
+                        + (f", the other {cut} no completion tokens after truncation to --seq-len {cfg.data.seq_len}"
+                           if cut else "")
+                        + f"; fill in the {sides} text (or point --columns at the columns that hold it)")
+    raise UserError(f"every {what} example is left with no answer tokens after truncation to "
+                    f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
 
 
 def longest_row(rows, seq_len: int) -> int:

@@ -118,23 +118,25 @@ def _short(e: Exception) -> str:
 
 
 def record_place(spec: str, index: int) -> str:
-    """Where record `index` of `--dataset spec` is, for an error: its file and, in JSON Lines, its
-    line (blank lines skipped as the readers skip them). Scans the files: for error paths only."""
+    """Where record `index` (0-based, as the readers count) of `--dataset spec` is, for an error: its
+    file, its number counted from 1 as line numbers are (so the first record of a file without blank
+    lines is "record 1 (line 1)"), and in JSON Lines its line (blank lines skipped as the readers skip
+    them). Scans the files: for error paths only."""
     local = data_files(spec) if not spec.startswith("builtin:") else None
     if not local:
-        return f"{spec}: record {index}"
+        return f"{spec}: record {index + 1}"
     kind, files = local
     if kind != "json" or not all(_is_json_lines(f) for f in files):
-        return f"{files[0] if len(files) == 1 else spec}: record {index}"
+        return f"{files[0] if len(files) == 1 else spec}: record {index + 1}"
     left = index
     for f in files:
         with open(f, "rb") as fh:
             for lineno, line in enumerate(fh, 1):
                 if line.strip():
                     if left == 0:
-                        return f"{f}: record {index} (line {lineno})"
+                        return f"{f}: record {index + 1} (line {lineno})"
                     left -= 1
-    return f"{spec}: record {index}"
+    return f"{spec}: record {index + 1}"
 
 
 def _is_json_lines(path: Path) -> bool:
@@ -202,7 +204,7 @@ def _check_json_file(path: Path) -> None:
             raise UserError(f"--dataset {path}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
         bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
         if bad is not None:
-            raise UserError(f"--dataset {path}: record {bad} is a {type(rows[bad]).__name__}, expected an object")
+            raise UserError(f"--dataset {path}: record {bad + 1} is a {type(rows[bad]).__name__}, expected an object")
         if not rows:
             raise UserError(f"--dataset {path}: holds no records")
         return
@@ -245,7 +247,7 @@ def with_system_prompt(conv: list[dict], system: str) -> list[dict]:
 
 def to_conversation(row: dict[str, Any], fmt: str, index: int = -1) -> list[dict[str, str]] | str:
     """One record as chat messages (alpaca, chat, sharegpt) or as plain text (text)."""
-    where = f"record {index}: " if index >= 0 else ""
+    where = f"record {index + 1}: " if index >= 0 else ""  # `index` 0-based; said from 1 (`record_place`)
     if fmt == "text":
         if not isinstance(row["text"], str):
             raise UserError(f"{where}'text' must be a string")

@@ -112,21 +112,31 @@ def to_unpaired(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, bool]:
     return prompt, _answer(row["completion"], "completion"), bool(label)
 
 
-PAIR_COLUMNS = {"rejected_input_ids": ("int32",), "rejected_labels": ("int32",)}  # beside the chosen's
-KTO_COLUMNS = {"kl_input_ids": ("int32",), "kl_labels": ("int32",), "desirable": "bool"}
+# beside the chosen's; `empty`: a completion empty or whitespace-only (`blank`), the row kept untrained
+PAIR_COLUMNS = {"rejected_input_ids": ("int32",), "rejected_labels": ("int32",), "empty": "bool"}
+KTO_COLUMNS = {"kl_input_ids": ("int32",), "kl_labels": ("int32",), "desirable": "bool", "empty": "bool"}
+
+
+def blank(completion: str) -> bool:
+    """An empty or whitespace-only completion: a per-record problem, dropped and counted, not trained
+    (its end-of-turn token alone would be trained as the answer, so the objective would push a model
+    towards, or away from, saying nothing). Its row keeps `targets` 0, so `table_stats` drops it, and
+    `empty` set, so the data line says why (`toolkit.train.output.report_data`)."""
+    return not completion.strip()
 
 
 def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
     """Preference records as the prepared table's columns: the chosen sequence in `input_ids`/`labels`,
     the rejected one in `rejected_*`, each prompt + completion through the chat template with labels on
     the completion (its last assistant turn) only; `length` is both sequences' tokens, `targets` the
-    fewer of their completion tokens (a pair left without one on either side is not trained)."""
+    fewer of their completion tokens (a pair left without one on either side is not trained), 0 for a
+    pair with a `blank` side (`empty`)."""
     from toolkit.data.formats import with_system_prompt
     from toolkit.data.formats import record_place
     from toolkit.data.table import token_columns
     from toolkit.data.tokenize import encode_batch
 
-    chats, added = [], []
+    chats, added, empty = [], [], []
     for row, i in zip(rows, indices):
         try:
             prompt, chosen, rejected = to_pair(row, fmt)
@@ -134,14 +144,16 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str,
             raise UserError(f"--dataset {record_place(spec, i)}: {e}") from None
         given = with_system_prompt(prompt, cfg.data.system_prompt)
         added.append(given is not prompt)
+        empty.append(blank(chosen) or blank(rejected))
         chats += [given + [{"role": "assistant", "content": chosen}], given + [{"role": "assistant", "content": rejected}]]
     encs = encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True)
     chosen, rejected = token_columns(encs[0::2]), token_columns(encs[1::2])
     return {"input_ids": chosen["input_ids"], "labels": chosen["labels"],
             "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"],
             "length": [a + b for a, b in zip(chosen["length"], rejected["length"])],
-            "targets": [min(a, b) for a, b in zip(chosen["targets"], rejected["targets"])],
-            "truncated": [a or b for a, b in zip(chosen["truncated"], rejected["truncated"])], "system_added": added}
+            "targets": [0 if e else min(a, b) for a, b, e in zip(chosen["targets"], rejected["targets"], empty)],
+            "truncated": [a or b for a, b in zip(chosen["truncated"], rejected["truncated"])], "system_added": added,
+            "empty": empty}
 
 
 def prompt_length(labels: list[int]) -> int:
@@ -151,14 +163,19 @@ def prompt_length(labels: list[int]) -> int:
     return next((k for k, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
 
 
-def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int) -> tuple[list, list]:
+def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int,
+                 empty: list[bool] | None = None) -> tuple[list, list]:
     """KTO's mismatched sequences: example i's prompt with example i-1's completion (the first takes the
-    last's), labels on that completion, cut to `seq_len` (TRL's KL completions, built by token)."""
+    last's), labels on that completion, cut to `seq_len` (TRL's KL completions, built by token).
+    `empty`: rows dropped for a `blank` completion, passed over as partners (an empty completion would
+    make a degenerate KL sample); such a row takes its own completion, never read."""
     from toolkit.data.tokenize import IGNORE_INDEX
 
+    kept = [i for i in range(len(ids)) if not (empty and empty[i])]
+    partner = {i: kept[k - 1] for k, i in enumerate(kept)}  # k - 1 = -1: the last kept
     out_ids, out_labels = [], []
     for i in range(len(ids)):
-        j = i - 1  # -1: the last
+        j = partner.get(i, i)
         p, q = prompt_length(labels[i]), prompt_length(labels[j])
         out_ids.append((ids[i][:p] + ids[j][q:])[:seq_len])
         out_labels.append(([IGNORE_INDEX] * p + labels[j][q:])[:seq_len])
@@ -168,7 +185,8 @@ def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int) ->
 def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
     """KTO's records (or pairs, split into a desirable and an undesirable example) as the prepared
     table's columns: each prompt + completion through the chat template with labels on the completion,
-    `desirable`, and the KL estimate's sequence (`kl_sequences`; not trained, so not in `length`)."""
+    `desirable`, and the KL estimate's sequence (`kl_sequences`; not trained, so not in `length`); an
+    example with a `blank` completion is kept untrained (`targets` 0, `empty`)."""
     from toolkit.data.formats import record_place, with_system_prompt
     from toolkit.data.table import token_columns
     from toolkit.data.tokenize import encode_batch
@@ -194,8 +212,11 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, t
         chats, desirable, added = ([x[k] for k in order] for x in (chats, desirable, added))  # partner would
         # be its own pair's chosen completion, its own prompt's: a matched sequence, not a mismatched one
     cols = token_columns(encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True))
-    kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], cfg.data.seq_len)
-    return {**cols, "kl_input_ids": kl_ids, "kl_labels": kl_labels, "desirable": desirable, "system_added": added}
+    empty = [blank(chat[-1]["content"]) for chat in chats]
+    cols["targets"] = [0 if e else n for n, e in zip(cols["targets"], empty)]
+    kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], cfg.data.seq_len, empty)
+    return {**cols, "kl_input_ids": kl_ids, "kl_labels": kl_labels, "desirable": desirable, "system_added": added,
+            "empty": empty}
 
 
 def kto_balance(desirable: list[bool], desirable_weight: float, undesirable_weight: float) -> str:

@@ -20,14 +20,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_VERSION = "2"  # bump when encode() or the tables' layout changes
+CACHE_VERSION = "3"  # bump when encode() or the tables' layout changes (3: preference rows' `empty`)
 
 
 @dataclass
 class DataStats:
     examples: int = 0
     truncated: int = 0
-    dropped: int = 0  # nothing left to train after truncation
+    dropped: int = 0  # nothing left to train: after truncation, or `empty`
+    empty: int = 0  # of `dropped`: preference rows with an empty or whitespace-only completion (`pairs.blank`)
     tokens: int = 0
     target_tokens: int = 0
     cached: bool = False  # read from the tokenized-data cache (this module)
@@ -156,8 +157,9 @@ def table_stats(table):
     from whole columns."""
     targets, lengths, truncated = (column(table, c) for c in ("targets", "length", "truncated"))
     kept = (targets > 0).nonzero()[0]
+    empty = int(column(table, "empty").sum()) if "empty" in table.column_names else 0
     stats = DataStats(examples=table.num_rows, truncated=int(truncated.sum()), dropped=table.num_rows - len(kept),
-                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()))
+                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()), empty=empty)
     return stats, (kept if len(kept) < table.num_rows else None)
 
 

@@ -107,6 +107,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# The reward-accuracy axis: headroom above 1.0, so a line at 1.0 (every pair ranked right) is drawn whole
+# rather than along the frame, half cut off, and 1.0 is a tick.
+ACCURACY_LIMITS = (0.0, 1.05)
+
+
 def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     """loss.png through matplotlib's object API and its Agg canvas: no pyplot, whose import (backend
     selection, ~0.5 s on 2 cores) a run would otherwise pay for one figure."""
@@ -135,7 +140,7 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
         right.plot(*zip(*accuracy), color="tab:green", alpha=0.7, label="reward accuracy")
         if eval_accuracy:
             right.plot(*zip(*eval_accuracy), "s-", color="tab:red", label="eval reward accuracy")
-        right.set_ylim(0, 1)
+        right.set_ylim(*ACCURACY_LIMITS)
         right.set_ylabel("reward accuracy (chosen > rejected)")
         right.legend(loc="upper right")
     fig.tight_layout()

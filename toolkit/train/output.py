@@ -6,10 +6,13 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.config import Config
 from toolkit.inputs import parse_columns
+
+if TYPE_CHECKING:
+    from toolkit.data.table import DataStats
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
              "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb",
@@ -42,9 +45,10 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
         return
-    unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
+    paired = cfg.train.objective in ("dpo", "orpo", "simpo")
+    unit = "pairs" if paired else "examples"
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
-        f"{n_eval} eval; {stats.tokens} tokens, {stats.target_tokens} trained"
+        f"{n_eval} eval; {token_counts(stats, cfg.train.objective)}"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
@@ -56,12 +60,29 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: --system-prompt added to {examples.system_added} conversation(s) without a system message")
     if stats.truncated:
         log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
-    if stats.dropped:
-        log(f"data: {stats.dropped} more example(s) dropped, not counted above: no answer tokens left after "
-            "truncation")
+    empty = stats.empty + data.eval_stats.empty
+    if empty:
+        sides = "'chosen' or 'rejected'" if paired else "completion"
+        held = f" ({data.eval_stats.empty} of them from the eval split)" if data.eval_stats.empty else ""
+        log(f"data: {empty} more {unit[:-1]}(s) dropped, not counted above: an empty or whitespace-only {sides}{held}")
+    if stats.dropped - stats.empty:
+        log(f"data: {stats.dropped - stats.empty} more {unit[:-1]}(s) dropped, not counted above: no answer tokens "
+            "left after truncation")
     if added_template:
         log("data: the tokenizer has no chat template; using the toolkit's fallback "
             "(<|role|>\\ncontent<eos>), saved with the tokenizer")
+
+
+def token_counts(stats: DataStats, objective: str) -> str:
+    """The data line's token counts, saying what they count: SFT's trained tokens are its answers'; a
+    pair trains both completions, but its `targets` are the smaller side's completion tokens (the fewer
+    of chosen and rejected: `toolkit.data.pairs.encode_pairs`), which "trained" alone would not say."""
+    if objective in ("dpo", "orpo", "simpo"):
+        return (f"{stats.tokens} tokens (prompt + chosen and prompt + rejected), {stats.target_tokens} completion "
+                "tokens on the shorter side (per pair, the fewer of chosen's and rejected's)")
+    if objective == "kto":
+        return f"{stats.tokens} tokens, {stats.target_tokens} trained (completions; the KL sequences not counted)"
+    return f"{stats.tokens} tokens, {stats.target_tokens} trained"
 
 
 @dataclass
@@ -75,7 +96,8 @@ def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, mo
                "final_loss": result.final_loss,
                "eval_loss": result.eval_loss, "tokens": result.tokens,
                "train_seconds": round(result.elapsed_before + result.elapsed_s, 1),
-               "train_seconds_this_run": round(result.elapsed_s, 1), "final_dir": str(out / "final")}
+               "train_seconds_this_run": round(result.elapsed_s, 1), "final_dir": str(out / "final"),
+               "peak_allocated_bytes": result.peak_allocated_bytes}  # this rank's, over the steps
     for when, (correct, total, samples) in scores.items():
         summary[f"exact_match_{when}"] = correct / total
         if when == "after":
