@@ -103,3 +103,61 @@ def test_zero3_says_why_its_step_2_is_slow_unless_the_walk_is_off():
     assert zero3_first_steps_note({"zero_optimization": {"stage": 3}}) is not None  # DeepSpeed's default 1e9
     for off in ({"stage3_max_reuse_distance": 0}, {"max_reuse_distance": 0}):
         assert zero3_first_steps_note({"zero_optimization": {"stage": 3, **off}}) is None
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's other spellings (issue 57)
+
+def _filled(ds: dict, mixed_precision: str = "bf16") -> dict:
+    from toolkit.layout.deepspeed import fill_auto
+
+    return fill_auto(ds, micro_batch=2, grad_accum=1, data_ranks=2, mixed_precision=mixed_precision, max_grad_norm=1.0,
+                     lr=1e-4, weight_decay=0.0, hidden_size=64)
+
+
+def test_a_file_in_deepspeeds_other_spellings_gets_every_auto_filled():
+    """As published files spell it: the precision section as `bfloat16` (DeepSpeed's older name for bf16)
+    and the stage-3 keys without their `stage3_` prefix. accelerate refuses any "auto" left ("`bfloat16.enabled`
+    not found in kwargs"), and adds a `bf16` section of its own where there is none, which DeepSpeed
+    then reads instead: the file's section is handed on as `bf16`."""
+    import json
+
+    ds = {"bfloat16": {"enabled": "auto", "immediate_grad_update": True},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
+                                "param_persistence_threshold": "auto", "max_reuse_distance": 0}}
+    filled = _filled(ds)
+    assert '"auto"' not in json.dumps(filled), filled
+    assert filled["bf16"] == {"enabled": True, "immediate_grad_update": True} and "bfloat16" not in filled
+    assert _filled(ds, "no")["bf16"]["enabled"] is False
+    assert filled["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 64 * 64,
+                                           "prefetch_bucket_size": int(0.9 * 64 * 64),
+                                           "param_persistence_threshold": 10 * 64, "max_reuse_distance": 0}
+    assert ds["bfloat16"]["enabled"] == "auto"  # a copy
+
+
+def test_every_spelling_deepspeeds_models_accept_is_filled_alike():
+    """The spellings are DeepSpeed's, not a table of ours: each field of its ZeRO model is filled alike under
+    its name and its alias, and its bf16 section under both names it reads (`get_bfloat16_config`)."""
+    from deepspeed.runtime.constants import BFLOAT16, BFLOAT16_OLD
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    pairs = [(name, field.alias) for name, field in DeepSpeedZeroConfig.model_fields.items() if field.alias]
+    assert {("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+            ("param_persistence_threshold", "stage3_param_persistence_threshold")} <= set(pairs)
+    for name, alias in pairs:
+        by_name, by_alias = (_filled({"zero_optimization": {"stage": 3, key: "auto"}})["zero_optimization"][key]
+                             for key in (name, alias))
+        assert by_name == by_alias, (name, alias, by_name, by_alias)
+    for precision in ("bf16", "fp16", "no"):
+        assert len({str(_filled({key: {"enabled": "auto"}}, precision)) for key in (BFLOAT16, BFLOAT16_OLD)}) == 1
+
+
+def test_a_files_bfloat16_section_is_read_as_deepspeed_reads_it():
+    """`bfloat16` sets the run's precision as `bf16` does; where a file has both, DeepSpeed reads `bf16`.
+    A problem in it is named with the file's own spelling."""
+    from toolkit.layout.deepspeed import file_settings, user_config_problems
+
+    assert file_settings({"bfloat16": {"enabled": True}})["mixed_precision"] == "bf16"
+    assert file_settings({"bfloat16": {"enabled": False}, "fp16": {"enabled": False}})["mixed_precision"] == "no"
+    assert file_settings({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})["mixed_precision"] == "no"
+    assert user_config_problems({"bfloat16": {"enabeld": True}}, "ds.json") == \
+        ["--deepspeed ds.json: bfloat16.enabeld: Extra inputs are not permitted"]

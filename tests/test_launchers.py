@@ -2,7 +2,8 @@
 --use_fsdp, --config_file with a DeepSpeed or FSDP section, or naming a DeepSpeed JSON), torchrun and
 DeepSpeed's own launcher, at 1 and 2 ranks, with ZeRO-2, ZeRO-3 and FSDP; and `--deepspeed FILE`, with the
 DeepSpeed JSONs and accelerate configs users copy (tests/data/published/, verbatim: transformers, LLaMA-Factory,
-axolotl, DeepSpeed's docs, accelerate's template, TRL's zero3 and fsdp2).
+axolotl, DeepSpeed's docs, accelerate's template, TRL's zero3 and fsdp2), and a variant of transformers' ZeRO-3
+file in the other spellings DeepSpeed reads (`bfloat16`, unprefixed stage-3 keys; issue 57).
 
 Each form is one launch running several layouts in one process group (`tests/layouts.py`): tiny Llama,
 LoRA, fp32, 2 steps. Every run's per-step losses equal the single-process DDP reference of the same
@@ -52,6 +53,10 @@ PUBLISHED_JSONS = {
     "pub_deepspeed_docs_zero_infinity": "deepspeed_docs/zero_infinity.json",
 }
 PUBLISHED_RUNS = {name: ["--deepspeed", str(PUBLISHED / path)] for name, path in PUBLISHED_JSONS.items()}
+# transformers' ZeRO-3 file in DeepSpeed's other spellings (`other_spellings`), as its run's name and file
+SPELLINGS_RUN, SPELLINGS_FILE = "variant_transformers_zero3_spellings", "ds_config_zero3_other_spellings.json"
+UNPREFIXED = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+              "stage3_max_reuse_distance")
 SHARDED = {"zero2": Z2, "zero3": Z3, "fsdp": FSDP}
 # What each launcher left in a rank's environment, read off them on this machine (toolkit.parallel.launch)
 ENVS = {
@@ -259,6 +264,15 @@ def _batch(nproc: int) -> list[str]:
     return ["--micro-batch-size", str(4 // nproc)]
 
 
+def other_spellings(ds: dict) -> dict:
+    """A VARIANT of a published file, not published itself: the same settings in the spellings DeepSpeed also
+    reads, as other published files write them (issue 57: each stopped in accelerate at 2 ranks, "`bfloat16.enabled`
+    not found in kwargs", "`zero_optimization.prefetch_bucket_size` not found in kwargs"): its stage-3 keys
+    without their prefix, and a precision section "auto" under DeepSpeed's older name `bfloat16`."""
+    zero = {key.removeprefix("stage3_") if key in UNPREFIXED else key: v for key, v in ds["zero_optimization"].items()}
+    return {**ds, "bfloat16": {"enabled": "auto"}, "zero_optimization": zero}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch_files")
@@ -270,9 +284,12 @@ def files(tmp_path_factory):
                         ("fsdp_grad_op", ["--fsdp", "--fsdp-sharding", "grad_op"])):
         for n in (1, 2):  # the toolkit's own `python -m toolkit accelerate-config` output
             cli(["accelerate-config", *flags, "--num-processes", str(n), "--output", str(d / f"acc_{name}_{n}.yaml")])
-    # accelerate's DeepSpeed template, pointed at transformers' ZeRO-3 JSON as its comment says to (the only edit)
+    transformers_z3 = json.loads((PUBLISHED / PUBLISHED_JSONS["pub_transformers_zero3"]).read_text())
+    (d / SPELLINGS_FILE).write_text(json.dumps(other_spellings(transformers_z3), indent=2))
+    # accelerate's DeepSpeed template, pointed at a JSON as its comment says to (the only edit): transformers'
+    # ZeRO-3 file in DeepSpeed's other spellings, as a user's template met them (issue 57)
     template = yaml.safe_load((PUBLISHED / "accelerate" / "config_yaml_templates" / "deepspeed.yaml").read_text())
-    template["deepspeed_config"]["deepspeed_config_file"] = str(PUBLISHED / PUBLISHED_JSONS["pub_transformers_zero3"])
+    template["deepspeed_config"]["deepspeed_config_file"] = str(d / SPELLINGS_FILE)
     (d / "acc_template_2.yaml").write_text(yaml.safe_dump(template))
     return d
 
@@ -282,15 +299,15 @@ def forms(files) -> dict[str, dict]:
     the layout line each launcher-set run must print."""
     f = files
     plain, own = ["--deepspeed", str(f / "ds_plain.json")], ["--deepspeed", str(f / "ds_own.json")]
-    transformers_z3 = PUBLISHED / PUBLISHED_JSONS["pub_transformers_zero3"]
+    spellings = {SPELLINGS_RUN: ["--deepspeed", str(f / SPELLINGS_FILE)]}
     return {
         # a GPU-branch run first in its launch: no process group exists before it, as in a user's launch
         "python": dict(launcher="python", nproc=1, runs={"zero3_gpu_path": Z3, "ddp": [], **SHARDED, "dsfile": plain,
-                                                         "dsfile_own": own, **PUBLISHED_RUNS}),
+                                                         "dsfile_own": own, **PUBLISHED_RUNS, **spellings}),
         "accelerate_1": dict(launcher="accelerate", nproc=1, runs={"zero2_gpu_path": Z2, **SHARDED}),
         "accelerate_2": dict(launcher="accelerate", nproc=2, runs=SHARDED),
         "torchrun_1": dict(launcher="torchrun", nproc=1, runs=SHARDED),
-        "torchrun_2": dict(launcher="torchrun", nproc=2, runs={**PUBLISHED_RUNS, **SHARDED}),  # the issue 45 launch
+        "torchrun_2": dict(launcher="torchrun", nproc=2, runs={**PUBLISHED_RUNS, **SHARDED, **spellings}),  # issue 45's
         "deepspeed_1": dict(launcher="deepspeed", nproc=1, runs=SHARDED),
         "deepspeed_2": dict(launcher="deepspeed", nproc=2, runs={**SHARDED, "dsfile_own": own}),
         "use_deepspeed_z3_1": dict(launcher="accelerate", nproc=1, args=["--use_deepspeed", "--zero_stage", "3"],
@@ -312,7 +329,7 @@ def forms(files) -> dict[str, dict]:
                                                       f"{f / 'acc_fsdp_grad_op_2.yaml'}"),
         "config_template_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_template_2.yaml")],
                                   runs={"zero3": []},
-                                  line=f"layout: ZeRO-3 from DeepSpeed config {transformers_z3}, named by accelerate "
+                                  line=f"layout: ZeRO-3 from DeepSpeed config {f / SPELLINGS_FILE}, named by accelerate "
                                        f"config {f / 'acc_template_2.yaml'}; also from the file: offload optimizer+param"),
         # TRL's own configs as a user on a smaller machine runs them: --num_processes 2 instead of their 8
         "trl_zero3_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(PUBLISHED / "trl" / "zero3.yaml")],
@@ -367,13 +384,14 @@ def test_every_launch_form_trains_with_the_reference_losses_and_reloads(launched
     reference = _losses(launched("python")["runs"]["ddp"]["out"])
     assert len(reference) == 2
     for layout, run in got["runs"].items():
-        if layout in PUBLISHED_RUNS:  # test_published_deepspeed_json_runs_on_1_and_2_ranks
+        if layout in PUBLISHED_RUNS or layout == SPELLINGS_RUN:  # their own tests, below
             continue
         assert run["exit"] == 0, f"{name}/{layout}:\n{(run['out'].parent / 'stderr.txt').read_text()[-3000:]}"
         if layout.endswith("_gpu_path"):  # it set up the rank environment and process group itself
             assert run["group_before"] is False, f"{name}/{layout}"
         if layout != "dsfile_own":  # its own optimizer and schedule: checked below
-            # transformers' ZeRO-3 file brings its own too: the same file on one process is the reference
+            # transformers' ZeRO-3 file (in other spellings) brings its own too: the file as published on one
+            # process is the reference
             expected = reference if name != "config_template_2" else \
                 _losses(launched("python")["runs"]["pub_transformers_zero3"]["out"])
             assert _losses(run["out"]) == pytest.approx(expected, rel=_tolerance(run)), f"{name}/{layout}"
@@ -438,6 +456,26 @@ def test_published_deepspeed_json_runs_on_1_and_2_ranks(launched, name):
     assert losses[2] == pytest.approx(losses[1], rel=tolerance), name
     if "optimizer" not in ds and "scheduler" not in ds:  # else its own (transformers': WarmupLR from lr 0)
         assert losses[1] == pytest.approx(_losses(launched("python")["runs"]["ddp"]["out"]), rel=tolerance), name
+
+
+def test_a_file_in_deepspeeds_other_spellings_runs_at_1_and_2_ranks_and_under_accelerate(launched):
+    """Issue 57: `bfloat16` and the unprefixed stage-3 keys, "auto", under --deepspeed at 1 rank (python) and
+    2 (torchrun), and named by accelerate's template (2 ranks): every "auto" filled under the file's own
+    spelling (the precision section handed on as `bf16`, the one DeepSpeed reads next to accelerate's), the
+    reuse distance read for the ZeRO-3 note, and the losses of transformers' file as published, same ranks."""
+    for form, layout, reference in (("python", SPELLINGS_RUN, "python"), ("torchrun_2", SPELLINGS_RUN, "torchrun_2"),
+                                    ("config_template_2", "zero3", "torchrun_2")):
+        run = launched(form)["runs"][layout]
+        assert run["exit"] == 0, f"{form}:\n{(run['out'].parent / 'stderr.txt').read_text()[-3000:]}"
+        ran = json.loads((run["out"] / "ds_config.json").read_text())
+        assert '"auto"' not in json.dumps(ran), ran
+        zero = ran["zero_optimization"]
+        assert (zero["prefetch_bucket_size"], zero["param_persistence_threshold"]) == (int(0.9 * 64 * 64), 10 * 64)
+        assert not set(UNPREFIXED) & set(zero), zero
+        assert ran["bf16"] == {"enabled": False} and "bfloat16" not in ran, ran
+        assert run["stdout"].read_text().count("zero-3: step 2 runs long once") == 1, form
+        published = launched(reference)["runs"]["pub_transformers_zero3"]
+        assert _losses(run["out"]) == pytest.approx(_losses(published["out"]), rel=_tolerance(run)), form
 
 
 def test_a_launcher_conflict_is_one_line_and_writes_nothing(tmp_path, tiny_model, data_files):

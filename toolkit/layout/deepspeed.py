@@ -11,6 +11,7 @@ clipping) stay `"auto"`, as in accelerate's own DeepSpeed examples.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 OFFLOADS = ("none", "optimizer", "optimizer+param")
@@ -117,6 +118,44 @@ def _set(value: Any) -> bool:
     return value is not None and value != "auto"
 
 
+# --- DeepSpeed's spellings, read from DeepSpeed: published files use all of them (issue 57), and
+# accelerate refuses any "auto" left under any of them
+
+@cache
+def zero_fields() -> dict[str, str]:
+    """Every key of "zero_optimization" that names a field of DeepSpeed's ZeRO model -> that field: its
+    name and its alias (`prefetch_bucket_size` and `stage3_prefetch_bucket_size` are one field)."""
+    from toolkit.console import quiet
+
+    quiet()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return {key: name for name, field in DeepSpeedZeroConfig.model_fields.items() for key in (name, field.alias) if key}
+
+
+def zero_value(zero: dict[str, Any], field: str, default: Any = None) -> Any:
+    """The value of ZeRO `field` under whichever spelling the section uses (DeepSpeed refuses both at once)."""
+    fields = zero_fields()
+    return next((value for key, value in zero.items() if fields.get(key) == field), default)
+
+
+@cache
+def precision_keys() -> dict[str, tuple[str, ...]]:
+    """"bf16"/"fp16" -> the top-level keys DeepSpeed reads that section from, first the one it prefers
+    (its `get_bfloat16_config`: `bf16`, else `bfloat16`)."""
+    from toolkit.console import quiet
+
+    quiet()
+    from deepspeed.runtime.constants import BFLOAT16, BFLOAT16_OLD, FP16
+
+    return {"bf16": (BFLOAT16, BFLOAT16_OLD), "fp16": (FP16,)}
+
+
+def precision_key(ds: dict[str, Any], dtype: str) -> str | None:
+    """The key DeepSpeed reads `dtype`'s section from in `ds`, None where the file has none."""
+    return next((key for key in precision_keys()[dtype] if key in ds), None)
+
+
 def file_settings(ds: dict[str, Any]) -> dict[str, Any]:
     """The toolkit settings a DeepSpeed JSON fixes (its values that are not "auto"), by config key."""
     out: dict[str, Any] = {}
@@ -129,12 +168,13 @@ def file_settings(ds: dict[str, Any]) -> dict[str, Any]:
                       ("gradient_clipping", "max_grad_norm")):
         if _set(ds.get(key)):
             out[ours] = ds[key]
-    enabled = {k: (ds.get(k) or {}).get("enabled", False if k not in ds else "auto") for k in ("bf16", "fp16")}
+    sections = {dtype: precision_key(ds, dtype) for dtype in ("bf16", "fp16")}
+    enabled = {dtype: (ds.get(key) or {}).get("enabled", "auto") if key else False for dtype, key in sections.items()}
     if enabled["bf16"] is True:
         out["mixed_precision"] = "bf16"
     elif enabled["fp16"] is True:
         out["mixed_precision"] = "fp16"
-    elif enabled["bf16"] is False and enabled["fp16"] is False and ("bf16" in ds or "fp16" in ds):
+    elif enabled["bf16"] is False and enabled["fp16"] is False and any(sections.values()):
         out["mixed_precision"] = "no"
     params = (ds.get("optimizer") or {}).get("params") or {}
     for key, ours in (("lr", "lr"), ("weight_decay", "weight_decay")):
@@ -148,8 +188,10 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
               total_steps: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
     """A copy of `ds` with every "auto" the toolkit knows replaced (transformers' `HfTrainerDeepSpeedConfig`
     fills the same keys): batch sizes, precision, clipping, AdamW's and the warm-up schedule's values,
-    and the ZeRO buckets from the hidden size (`bucket_sizes`). The schedule's step counts are filled
-    once the run knows them (`total_steps`)."""
+    and the ZeRO buckets from the hidden size (`bucket_sizes`), under every spelling DeepSpeed reads
+    (`zero_fields`, `precision_keys`). The schedule's step counts are filled once the run knows them
+    (`total_steps`). A `bfloat16` section comes back as `bf16`: accelerate adds a `bf16` section of its
+    own where there is none, and DeepSpeed would read that one instead of the file's."""
     import copy
 
     out = copy.deepcopy(ds)
@@ -162,9 +204,13 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
     fill(out, "gradient_accumulation_steps", grad_accum)
     fill(out, "train_batch_size", micro_batch * grad_accum * data_ranks)
     fill(out, "gradient_clipping", max_grad_norm)
-    for dtype in ("bf16", "fp16"):
-        if isinstance(out.get(dtype), dict):
-            fill(out[dtype], "enabled", mixed_precision == dtype)
+    for dtype, keys in precision_keys().items():
+        for key in keys:
+            if isinstance(out.get(key), dict):
+                fill(out[key], "enabled", mixed_precision == dtype)
+    older = precision_key(out, "bf16")  # `bfloat16` only where there is no `bf16`
+    if older not in (None, "bf16"):
+        out["bf16"] = out.pop(older)
     params = (out.get("optimizer") or {}).get("params")
     if isinstance(params, dict):
         for key, value in (("lr", lr), ("betas", [0.9, 0.999]), ("eps", 1e-8), ("weight_decay", weight_decay)):
@@ -178,9 +224,11 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
             fill(params, key, value)
     zero = out.get("zero_optimization")
     if isinstance(zero, dict) and hidden_size:
-        for key, value in bucket_sizes(hidden_size).items():
-            fill(zero, key, value)
-        fill(zero, "allgather_bucket_size", bucket_sizes(hidden_size)["reduce_bucket_size"])
+        fields = zero_fields()
+        buckets = {fields[key]: value for key, value in bucket_sizes(hidden_size).items()}
+        buckets["allgather_bucket_size"] = buckets["reduce_bucket_size"]
+        for key in zero:
+            fill(zero, key, buckets.get(fields.get(key)))
     return out
 
 
@@ -244,7 +292,7 @@ def zero3_first_steps_note(ds: dict[str, Any]) -> str | None:
     of the module calls a step makes (LoRA adds its adapters). Distance 0 skips the walk but gathers
     every parameter again in backward, so the toolkit keeps DeepSpeed's default and says it here."""
     zero = ds.get("zero_optimization") or {}
-    distance = zero.get("stage3_max_reuse_distance", zero.get("max_reuse_distance", 1e9))
+    distance = zero_value(zero, "max_reuse_distance", 1e9)
     if int(zero.get("stage", 0)) != 3 or not distance:
         return None
     return (f"zero-3: step 2 runs long once: DeepSpeed maps, over the module order step 1 recorded, which "
@@ -278,6 +326,8 @@ def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
         DeepSpeedConfig(probe)
     except ValidationError as e:
         section = SECTIONS.get(e.title, e.title)
+        if section == "bf16":  # as the file spells it
+            section = precision_key(ds, "bf16") or section
         return [f"--deepspeed {path}: {'.'.join([section, *map(str, err['loc'])])}: {err['msg']}" for err in e.errors()]
     except (ValueError, TypeError, KeyError, AssertionError) as e:
         return [f"--deepspeed {path}: DeepSpeed rejects it: {' '.join(str(e).split())}"]
