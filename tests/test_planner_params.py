@@ -159,6 +159,54 @@ def test_lora_trainable_count_matches_peft(name, targets):
     assert lora_params(cfg, 8, targets) == trainable
 
 
+def part_of(name: str) -> str:
+    """Where a parameter of transformers' model (or peft's adapter on it) sits, by its qualified name:
+    the planner's `params.PARTS`."""
+    import re
+
+    if "self_attn." in name:
+        return "attention"
+    if re.search(r"\.mlp\.experts\.", name):
+        return "experts"
+    if re.search(r"\.mlp\.(gate|router|shared_expert_gate)\.", name):
+        return "router"
+    if ".mlp." in name:
+        return "mlp"
+    if "embed_tokens" in name:
+        return "embeddings"
+    if "lm_head" in name:
+        return "lm_head"
+    assert "norm" in name, name
+    return "norms"
+
+
+@pytest.mark.parametrize("name, targets", [(n, "all-linear") for n in TINY] + [("tiny-qwen2-moe", "gate_proj,up_proj,down_proj"),
+                                                                              ("tiny-deepseek-v3", "q_b_proj,kv_b_proj")])
+def test_trainable_parts_match_the_model_part_by_part(name, targets):
+    """Issue 57: the plan breaks its trainable count down by where the parameters sit (attention, MLP,
+    routed experts, routers, norms, embeddings, LM head). Each part equals the sum of the meta model's
+    parameters under that part's module names: every parameter for a full finetune, peft's trainable
+    ones for LoRA (its adapters on the stacked experts and the router included)."""
+    from collections import Counter
+
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.planner.params import trainable_parts
+
+    cfg = TINY[name]
+    full = Counter()
+    for n, p in meta_model(hf_config(cfg)).named_parameters():  # a tied head: counted once, as the embedding
+        full[part_of(n)] += p.numel()
+    assert trainable_parts(cfg, "full") == {k: v for k, v in full.items() if v}
+    model = get_peft_model(meta_model(hf_config(cfg)), LoraConfig(
+        r=8, target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM"))
+    lora = Counter()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            lora[part_of(n)] += p.numel()
+    assert trainable_parts(cfg, "lora", 8, targets) == {k: v for k, v in lora.items() if v}
+
+
 def test_lora_of_half_a_fused_pair_is_refused_like_peft():
     from peft import LoraConfig, get_peft_model
 

@@ -288,6 +288,46 @@ def typed_flags(argv: list[str]) -> set[str]:
     return set(vars(plan_parser.parse_args(argv))) - {"fn"}
 
 
+def local_gpus() -> int:
+    """NVIDIA GPUs this machine shows: CUDA_VISIBLE_DEVICES where set, else the driver's entries in
+    /proc. Read without torch, so `plan`, pure numbers, answers in under a second."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    root = Path("/proc/driver/nvidia/gpus")
+    return len(list(root.iterdir())) if root.is_dir() else 0
+
+
+def host_ram(args) -> tuple[int | None, bool, str | None]:
+    """(host RAM per node in bytes, None where not checked; whether that is because it is unknown; the
+    line that says where it came from).
+    --cpu-memory where given (`unlimited`: not checked). Otherwise this machine's RAM, but only where
+    the plan is for this machine: one node of as many GPUs as it has. A plan for another machine (a
+    cluster, another GPU count) has no figure to read here: its host RAM is unknown, said so, and
+    CPU offload is not checked against it (once, 8 x 80 GB were planned against a laptop's 24 GiB,
+    and the offload rows showed "fits: no" for that)."""
+    from toolkit.planner.plan import parse_size
+
+    if args.cpu_memory is not None:
+        if args.cpu_memory.strip().lower() in ("unlimited", "none"):
+            return None, False, None
+        return parse_size(args.cpu_memory, "cpu-memory"), False, None
+    here = local_gpus()
+    if args.nodes == 1 and args.gpus_per_node == here:
+        from toolkit.hardware import host_memory_bytes
+
+        ram = host_memory_bytes()
+        return ram, False, (f"host RAM per node: {ram / 1024**3:.0f} GiB, this machine's (the plan is for its "
+                            f"{here} GPU{'s' * (here != 1)}; --cpu-memory SIZE to plan for another node, "
+                            "--cpu-memory unlimited not to check it)")
+    machine = f"{args.nodes} node{'s' * (args.nodes != 1)} of {args.gpus_per_node} GPU{'s' * (args.gpus_per_node != 1)}"
+    return None, True, (f"host RAM per node: unknown: the plan is for {machine}, not this machine ({here} "
+                        f"GPU{'s' * (here != 1)}), so CPU offload is not checked against host RAM (--cpu-memory "
+                        "SIZE to check it)")
+
+
 def cmd_plan(args) -> None:
     import json
 
@@ -323,28 +363,19 @@ def cmd_plan(args) -> None:
     if missing:
         raise UserError(f"--model {args.model}: config lacks {', '.join(missing)} (a decoder-only Llama-family "
                         "config is expected)")
-    note = None
-    if args.cpu_memory is None:  # the node is this machine unless told otherwise
-        from toolkit.hardware import host_memory_bytes
-
-        cpu_memory = host_memory_bytes()
-        note = (f"host RAM per node: {cpu_memory / 1024**3:.0f} GiB, this machine's (--cpu-memory SIZE to plan for "
-                "another node, --cpu-memory unlimited not to check it)")
-    elif args.cpu_memory.strip().lower() in ("unlimited", "none"):
-        cpu_memory = None
-    else:
-        cpu_memory = parse_size(args.cpu_memory, "cpu-memory")
+    cpu_memory, unknown, note = host_ram(args)
     from toolkit.objective_spec import plan_terms
 
     terms = plan_terms(args.objective, args.method, args.loss)  # a preference pair: two sequences, full logits
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
-                    nodes=args.nodes, cpu_memory=cpu_memory, sequences=terms["sequences"],
+                    nodes=args.nodes, cpu_memory=cpu_memory, cpu_memory_unknown=unknown,
+                    sequences=terms["sequences"],
                     extra_forwards=terms["extra_forwards"],
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
                     lora_dropout=args.lora_dropout, seq_len=args.seq_len,
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, loss=terms["loss"],
+                    global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, loss=terms["loss"],
                     hardware=hardware, asked=asked)
     try:
         result = plan(inp)
@@ -444,8 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "
                                                              "the time model (--hardware)")
     s.add_argument("--gpu-memory", default="80GB", help="memory per GPU in GB: 80 or 80GB (GB = GiB, as GPUs are sold), or 1.5TB")
-    s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's; "
-                                        "'unlimited' not to check it)")
+    s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's where "
+                                        "the plan is for it, one node of its GPU count; unknown, and not checked, "
+                                        "for any other machine; 'unlimited' not to check it)")
     s.add_argument("--method", default=m.method, choices=("full", "lora", "qlora"), help="what to train")
     s.add_argument("--lora-r", type=int, default=m.lora_r, help="LoRA rank")
     s.add_argument("--lora-targets", default=m.lora_targets, help="comma-separated module names, or all-linear")
@@ -467,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, action="append", help="tensor-parallel degree to predict (repeatable)")
     s.add_argument("--pp", type=int, action="append", help="pipeline degree to predict (repeatable)")
     s.add_argument("--cp", type=int, action="append", help="context-parallel degree to predict (repeatable)")
+    s.add_argument("--ep", type=int, action="append", help="expert-parallel degree to predict, an MoE model's "
+                                                           "(repeatable)")
     s.add_argument("--hardware", help="the time model's figures: a preset (h100-sxm, a100-80gb, l40s, cpu) or a "
                                       "file from --calibrate (default h100-sxm)")
     s.add_argument("--calibrate", action="store_true", help="measure this machine (matmul peak, block efficiency, "

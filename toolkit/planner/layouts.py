@@ -57,12 +57,13 @@ def flags(d: ParallelDims, micro_batch: int) -> list[str]:
 
 
 def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[int] | None = None,
-                 pps: list[int] | None = None, cps: list[int] | None = None) -> list[ParallelDims]:
+                 pps: list[int] | None = None, cps: list[int] | None = None,
+                 eps: list[int] | None = None) -> list[ParallelDims]:
     """Every valid mesh layout of `world` ranks other than the 1-D data-parallel ones (all
     dp_replicate: DDP; all dp_shard: FSDP), which the strategy table covers. TP stays inside a node;
-    tp and cp follow the runtime's divisibility rules; pp needs a block per stage. `tps`/`pps`/`cps`
-    restrict those degrees (1 is always allowed). An MoE model's layouts come again with each ep > 1
-    (`ep_degrees`)."""
+    tp and cp follow the runtime's divisibility rules; pp needs a block per stage. `tps`/`pps`/`cps`/
+    `eps` restrict those degrees (1 is always allowed). An MoE model's layouts come again with each
+    ep > 1 (`ep_degrees`)."""
     layers = cfg["num_hidden_layers"]
 
     def allowed(v: int, only: list[int] | None) -> bool:
@@ -83,7 +84,7 @@ def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[
                     d = ParallelDims(world, pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
                     if not (tp == pp == cp == 1 and 1 in (shard, dp // shard)):
                         out.append(d)
-                    out += [replace(d, ep=ep) for ep in ep_degrees(cfg, d)]
+                    out += [replace(d, ep=ep) for ep in ep_degrees(cfg, d) if allowed(ep, eps)]
     return out
 
 

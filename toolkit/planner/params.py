@@ -449,3 +449,61 @@ def _lora_layers(key: tuple, r: int, targets: str, tp: int, ep: int, experts_onl
     cfg = dict(key)
     return tuple(sum(a.params(tp, ep) for a in adapters(cfg, i, r, targets) if a.expert or not experts_only)
                  for i in range(cfg["num_hidden_layers"]))
+
+
+# ------------------------------------------------------------------------------ where parameters sit
+
+# The parts of a decoder the plan names (`trainable_parts`), in the order it prints them
+PARTS = ("attention", "mlp", "experts", "router", "norms", "embeddings", "lm_head")
+ROUTER_LINEARS = ("shared_expert_gate",)  # Qwen2-MoE's 1-wide gate of the shared expert: routing, not an MLP
+
+
+def trainable_parts(cfg: dict[str, Any], method: str, r: int = 16,
+                    targets: str | list[str] = "all-linear") -> dict[str, int]:
+    """The trainable parameters by where they sit (`PARTS`; parts with none left out), summing to the
+    plan's trainable count: one total hides what trains. LoRA on an MoE adapts every routed expert
+    (peft's target_parameters), so a LoRA of 1B parameters on Qwen3-30B-A3B is 92% experts, which
+    is what ep splits and what each forward merges; a full finetune trains every part."""
+    parts = param_parts(cfg) if method == "full" else lora_parts(cfg, r, targets)
+    return {k: parts[k] for k in PARTS if parts.get(k)}
+
+
+def _attention_names(cfg: dict[str, Any]) -> tuple[set[str], int]:
+    """(the attention's linear names, its parameters in no matmul) as `block` builds them, with the
+    config class's defaults (`frozen`)."""
+    linears, other = _attention(dict(frozen(cfg)))
+    return {x.name for x in linears}, other
+
+
+def param_parts(cfg: dict[str, Any]) -> dict[str, int]:
+    """Every parameter by part: the attention's linears and its own norms (q/k norms, MLA's, gpt-oss's
+    sinks); the dense MLPs and shared experts; the routed experts; the routers (and Qwen2-MoE's
+    shared-expert gate); the blocks' and the final norms; the embedding; an untied LM head."""
+    names, attention_other = _attention_names(cfg)
+    out = dict.fromkeys(PARTS, 0)
+    for b in blocks(cfg):
+        out["attention"] += attention_other
+        out["norms"] += b.other - attention_other
+        for x in b.linears:
+            out["attention" if x.name in names else "router" if x.name in ROUTER_LINEARS else "mlp"] += x.params
+        if b.experts:
+            out["experts"] += b.experts.count * b.experts.per_expert
+            out["router"] += b.experts.router
+    c = count_params(cfg)
+    out["norms"] += c.final_norm
+    out["embeddings"], out["lm_head"] = c.embedding, c.lm_head
+    return out
+
+
+def lora_parts(cfg: dict[str, Any], r: int, targets: str | list[str] = "all-linear") -> dict[str, int]:
+    """LoRA's adapters (`adapters`) by the part they adapt: the attention's linears, the MLPs'
+    (dense and shared experts), the routed experts' stacked weights, the router."""
+    _check_targets(cfg, targets)
+    names, _ = _attention_names(cfg)
+    out = dict.fromkeys(PARTS, 0)
+    for layer in range(cfg["num_hidden_layers"]):
+        for a in adapters(cfg, layer, r, targets):
+            part = "experts" if a.expert else "attention" if a.name in names else \
+                "router" if a.name == "gate" or a.name in ROUTER_LINEARS else "mlp"
+            out[part] += a.params()
+    return out

@@ -9,7 +9,10 @@ accumulation x data-parallel ranks changes). Order
 (docs/planner.md): runnable and fits (GPU memory and host RAM) > keeps the global batch > no CPU
 offload > the least predicted time per example (`cost.step_terms`) > the simpler layout. Each choice
 names the term of the time or memory model that decided it (`decision`), and for an MoE model one
-line says why expert parallel wins or loses (`expert_parallel_line`). On one GPU nothing is
+line says why expert parallel wins or loses (`expert_parallel_line`). Every line that compares two
+rows prints one number in one direction, the other's time per example against the chosen's
+(`time_against`); the top 5 are printed in the order above, the chosen in its place; a choice
+within `HEADROOM` of a memory limit says what it leaves (`memory_line`). On one GPU nothing is
 sharded: only DDP and the offload variants are planned.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
 from toolkit.layout.rules import (cp_divisibility_problems, dims_for, flags_of, layout_problems, model_problems,
-                                  not_runnable, num_experts, strategy_name, tp_divisibility_problems)
+                                  ep_problems, not_runnable, num_experts, strategy_name, tp_divisibility_problems)
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, forward_flops_per_token,
                                   load_hardware, optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds,
                                   step_terms)
@@ -34,13 +37,15 @@ from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
-from toolkit.planner.params import cast_weights, count_params, head_dim, lora_layer_params, lora_params, with_tp_plan
+from toolkit.planner.params import (cast_weights, count_params, head_dim, lora_layer_params, lora_params,
+                                    trainable_parts, with_tp_plan)
 
 GiB = 1024**3
 FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator pools (typical H100 run)
 DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
 TIE = 0.05  # predicted times closer than this are treated as equal
+HEADROOM = 0.05  # a choice that leaves less than this fraction of a memory limit says so (`memory_line`)
 QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
 ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
          "zero3_offload_param"]
@@ -80,6 +85,7 @@ class PlanInput:
     gpus_per_node: int = 8
     nodes: int = 1
     cpu_memory: int | None = None  # host RAM per node; None: not checked
+    cpu_memory_unknown: bool = False  # cpu_memory is None because nobody said: the plan is for another machine
     method: str = "lora"
     lora_r: int = 16
     lora_targets: str = "all-linear"
@@ -93,6 +99,7 @@ class PlanInput:
     tp: list[int] | None = None  # TP degrees to predict (default: every valid one)
     pp: list[int] | None = None  # pipeline degrees to predict (default: 2 and 4 where they fit the blocks)
     cp: list[int] | None = None  # context-parallel degrees to predict (default: none)
+    ep: list[int] | None = None  # expert-parallel degrees to predict (default: every valid one; MoE models only)
     loss: str = "auto"  # the runtime's --loss: auto and chunked never hold (b, s, V) logits, except under pp
     hardware: Hardware | None = None  # the time model's figures (None: the H100 SXM preset)
     asked: Asked | None = None  # the run's own layout (plan --config), evaluated as it is
@@ -156,6 +163,25 @@ def check_tp(cfg: dict[str, Any], t: int, gpus_per_node: int, world: int) -> Non
         raise UserError(f"--tp {t}: must be <= GPUs per node ({gpus_per_node}) and divide the world size ({world})")
 
 
+def check_ep(cfg: dict[str, Any], e: int, world: int) -> None:
+    """The run's rule (`toolkit.layout.rules.ep_problems`: the model has routed experts and e divides
+    them), and e must divide the world: ep borrows its ranks from dp_shard, so a degree no layout can
+    hold is refused here rather than planned as nothing."""
+    problems = ep_problems(cfg, e) if e > 1 else [f"--ep {e}: must be >= 2"]
+    if problems:
+        raise UserError(problems[0])
+    if world % e:
+        raise UserError(f"--ep {e}: must divide the world size ({world})")
+
+
+def shortfall(gpu_bytes: int, cpu_bytes: int, inp: PlanInput) -> list[str]:
+    """What memory a row is short of, empty where it fits: "gpu" (the GPU's, or a process's on a run
+    without one), "host_ram" (the node's RAM that CPU offload fills; unchecked where `cpu_memory` is
+    None). The table's fits column prints it, so an offload row's "no" carries its reason."""
+    return ["gpu"] * (gpu_bytes > inp.gpu_memory) + ["host_ram"] * (inp.cpu_memory is not None
+                                                                     and cpu_bytes > inp.cpu_memory)
+
+
 @dataclass
 class Candidate:
     name: str
@@ -172,6 +198,7 @@ class Candidate:
     runnable: bool = True
     why_not: str = ""  # why the runtime refuses it
     asked: bool = False  # the layout the run's settings ask for (`Asked`), at their batch split
+    short: list[str] = field(default_factory=list)  # where it does not fit, what memory is short (`shortfall`)
     step_seconds: float = field(init=False)  # the sum of `terms`
     once_seconds: float = field(init=False)  # its part paid once per optimizer step (`cost.ONCE_TERMS`)
     global_batch: int = field(init=False)  # examples per optimizer step: examples_per_step x grad_accum
@@ -225,6 +252,9 @@ class Plan:
     asked_verdict: str = ""  # one line on it: chosen, does not fit (and why), or cannot run on this machine
     device: str = "GPU"  # `PlanInput.device`
     expert_parallel: str = ""  # an MoE model's best layout with ep against the best without, in one line
+    trainable_parts: dict[str, int] = field(default_factory=dict)  # trainable parameters by part (`params.PARTS`)
+    memory: str = ""  # the chosen's memory within `HEADROOM` of a limit, or its host RAM unchecked (`memory_line`)
+    cpu_memory_unknown: bool = False  # `PlanInput.cpu_memory_unknown`
 
     def to_json(self) -> dict[str, Any]:
         """Every field; a row's `terms` (one micro-batch step) is left out: `seconds` gives the same
@@ -322,8 +352,8 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
     per_token += inp.extra_forwards * forward_flops_per_token(active, layers, h, inp.seq_len)
     terms = step_terms(tokens * per_token, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device,
                        recompute_flops=tokens * recompute)
-    fits = b["total"] <= inp.gpu_memory and (inp.cpu_memory is None or cpu <= inp.cpu_memory)
-    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, fits, terms, micro_batch * n)
+    short = shortfall(b["total"], cpu, inp)
+    return Candidate(s.name, checkpointing, micro_batch, b, cpu, comm, not short, terms, micro_batch * n, short=short)
 
 
 def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_batch: int) -> Candidate:
@@ -347,9 +377,10 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
         or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method, ep=d.ep)), "")  # the run's rules
     terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
-    return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, b["total"] <= inp.gpu_memory, terms,
+    short = shortfall(b["total"], 0, inp)
+    return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, not short, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in (*MESH_DIMS, "ep")}, runnable=not why,
-                     why_not=why)
+                     why_not=why, short=short)
 
 
 def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
@@ -557,6 +588,28 @@ def fallback_record(c: Candidate, chosen: Candidate, inp: PlanInput) -> dict[str
             "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2), "flags": flags}
 
 
+PART_WORDS = {"attention": "attention", "mlp": "MLP", "experts": "routed experts", "router": "routers",
+              "norms": "norms", "embeddings": "embeddings", "lm_head": "LM head"}
+
+
+def parts_line(p: Plan) -> str:
+    """Where the trainable parameters sit (`params.trainable_parts`), each with its share: the
+    header's one total says nothing of whether attention or a thousand experts train."""
+    total = sum(p.trainable_parts.values()) or 1
+    return "trainable by part: " + ", ".join(
+        f"{PART_WORDS[k]} {n:,} ({f'{n / total:.1%}' if n >= total / 1000 else 'under 0.1%'})"
+        for k, n in p.trainable_parts.items())
+
+
+def fits_word(c: Candidate, p: Plan) -> str:
+    """The table's fits column: yes; no and what is short (`Candidate.short`), so an offload row that
+    fits the GPU says it is host RAM; RAM? where it fits the GPU, needs host RAM and none was checked."""
+    if not c.fits:
+        return "no: " + "+".join({"gpu": "GPU" if p.device == "GPU" else "memory", "host_ram": "RAM"}[k]
+                                 for k in c.short)
+    return "yes, RAM?" if c.cpu_bytes_per_node and p.cpu_memory is None else "yes"
+
+
 def label(c: Candidate) -> str:
     return c.name + (" +gc" if c.checkpointing else "") + (" (asked)" if c.asked else "")
 
@@ -579,6 +632,45 @@ def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
     if ep > 1 and inp.method != "full" and sum(lora_layer_params(inp.model, inp.lora_r, inp.lora_targets,
                                                                  experts_only=True)):
         parts.append(f"ep {ep} merges LoRA into {experts // ep} of the {experts} experts of each layer")
+    return "; ".join(parts)
+
+
+def time_ratio(c: Candidate, chosen: Candidate) -> float:
+    """`c`'s predicted time per example over the chosen's, less 1: + where `c` is slower. Every line
+    that compares two rows (the ranking, why:, ep:, asked:) takes it from here, in this direction, and
+    prints it with `time_against`: a plan once said +16% on one line and -14.0% on the next for the
+    same two rows (each right, from either side), which read as two comparisons."""
+    return c.seconds_per_example / chosen.seconds_per_example - 1
+
+
+def time_against(c: Candidate, chosen: Candidate) -> str:
+    """`time_ratio` in words, at one rounding wherever it is printed."""
+    return f"{time_ratio(c, chosen):+.1%} predicted time per example against the chosen"
+
+
+def memory_line(inp: PlanInput, chosen: Candidate, ranked: list[Candidate]) -> str:
+    """One line where the chosen's memory needs a word ('' otherwise): within `HEADROOM` of the GPU's
+    (or the host RAM's) limit, what it leaves, since the memory model is an estimate and a run that
+    fits by 1% may not, and the first row of its rank that leaves more with what that costs; its CPU
+    offload's host RAM where nothing checked it (`cpu_memory` None)."""
+    parts, gpu, total = [], inp.gpu_memory, chosen.bytes["total"]
+    if gpu - total < HEADROOM * gpu:
+        text = (f"{gib(total)} of {gpu / GiB:.0f} GiB per {inp.per}: {gib(gpu - total)} GiB headroom, within "
+                f"{HEADROOM:.0%} of the limit")
+        key = rank_key(chosen, target_batch(inp))[:3]
+        roomier = next((c for c in ranked if rank_key(c, target_batch(inp))[:3] == key
+                        and gpu - c.bytes["total"] >= HEADROOM * gpu), None)
+        if roomier is not None:
+            text += (f"; {label(roomier)} leaves {gib(gpu - roomier.bytes['total'])} GiB at "
+                     f"{time_against(roomier, chosen)}")
+        parts.append(text)
+    ram, cpu = inp.cpu_memory, chosen.cpu_bytes_per_node
+    if cpu and ram is None:
+        parts.append(f"CPU offload needs {gib(cpu)} GiB of host RAM per node, not checked"
+                     + (" (host RAM unknown: --cpu-memory SIZE)" if inp.cpu_memory_unknown else ""))
+    elif cpu and ram - cpu < HEADROOM * ram:
+        parts.append(f"host RAM {gib(cpu)} of {ram / GiB:.0f} GiB per node: {gib(ram - cpu)} GiB headroom, "
+                     f"within {HEADROOM:.0%} of the limit")
     return "; ".join(parts)
 
 
@@ -606,16 +698,17 @@ def expert_parallel_line(inp: PlanInput, rows: list[Candidate], best: Candidate)
     target = target_batch(inp)
     e = best if ep_of(best) > 1 else choose(with_ep, target)
     n = best if ep_of(best) == 1 else choose([c for c in rows if ep_of(c) == 1], target)
-    ratio = e.seconds_per_example / n.seconds_per_example - 1
-    tie = f", within {TIE:.0%}: the simpler layout wins" if abs(ratio) <= TIE else ""
+    other = n if e is best else e
+    tie = (f", within {TIE:.0%}" + (": the simpler layout wins" if simplicity(best) < simplicity(other) else "")
+           if abs(time_ratio(other, best)) <= TIE else "")
     if e is best and not (n.fits and n.runnable):
         verdict = f"{label(e)} is chosen: no layout without ep fits"
     elif e is best:
-        verdict = f"{label(e)} is chosen, {ratio:+.1%} time per example against {label(n)}, the best without ep{tie}"
+        verdict = f"{label(e)} is chosen; {label(n)}, the best without ep: {time_against(n, e)}{tie}"
     elif not (e.fits and e.runnable):
         verdict = f"no layout with ep fits ({label(e)}: {gib(e.bytes['total'])} GiB per {inp.per})"
     else:
-        verdict = f"{label(e)}, the best with ep, {ratio:+.1%} time per example against the chosen{tie}"
+        verdict = f"{label(e)}, the best with ep: {time_against(e, n)}{tie}"
     d = ParallelDims(inp.gpus_per_node * inp.nodes, **e.dims)
     twin = estimate_layout(inp, replace(d, ep=1), e.checkpointing, e.micro_batch)
     twin.set_accumulation(e.grad_accum)
@@ -657,17 +750,17 @@ def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candida
                 f"(nearest: {c.global_batch})"), None
     if offloads_row(c) and not offloads_row(chosen):
         return "CPU offload: host RAM and PCIe traffic, only when nothing else fits", None
-    ratio = c.seconds_per_example / chosen.seconds_per_example
-    if ratio <= 1 + TIE and (ratio >= 1 - TIE or not chosen.asked):
-        return (f"within {TIE:.0%} of the chosen ({ratio - 1:+.1%}); "
+    ratio = time_ratio(c, chosen)
+    if ratio <= TIE and (ratio >= -TIE or not chosen.asked):
+        return (f"{time_against(c, chosen)}, within {TIE:.0%}: "
                 + ("the layout asked for stays" if chosen.asked else "the simpler layout wins")), None
     scale = chosen.global_batch / c.global_batch  # per optimizer step of the chosen's global batch
     diff = {k: c.seconds[k] * scale - chosen.seconds[k] for k in chosen.seconds}
-    term = (max if ratio > 1 else min)(diff, key=diff.get)  # what makes it slower, or faster
-    text = (f"{ratio - 1:+.0%} predicted time per example, mostly {TERM_TEXT[term]} ({diff[term]:+.2g} s per "
+    term = (max if ratio > 0 else min)(diff, key=diff.get)  # what makes it slower, or faster
+    text = (f"{time_against(c, chosen)}, mostly {TERM_TEXT[term]} ({diff[term]:+.2g} s per "
             f"optimizer step of {chosen.global_batch} examples)")
     twin = next((x for x in rows if x.name == c.name and not x.checkpointing), None)
-    if ratio > 1 and term == "recompute" and not chosen.checkpointing and twin is not None and not twin.fits:
+    if ratio > 0 and term == "recompute" and not chosen.checkpointing and twin is not None and not twin.fits:
         because = smaller_because(chosen, "activations", inp)
         text += (f", which {c.name} needs to fit ({gib(twin.bytes['total'])} GiB per {inp.per} without it at "
                  f"micro-batch {twin.micro_batch}, activations {gib(twin.bytes['activations'])} GiB) and the "
@@ -733,10 +826,13 @@ def plan(inp: PlanInput) -> Plan:
                             f"to divide the world size ({world})")
     for c in inp.cp or []:
         check_cp(inp.model, c, world)
+    for e in inp.ep or []:
+        check_ep(inp.model, e, world)
     names = planned_strategies(inp)
     gc_options = [inp.checkpointing] if inp.checkpointing is not None else [False, True]
     rows = [estimate(inp, STRATEGIES[n], gc, inp.micro_batch) for gc in gc_options for n in names]
-    layouts = [] if inp.method == "qlora" else mesh_layouts(inp.model, world, inp.gpus_per_node, inp.tp, inp.pp, inp.cp)
+    layouts = [] if inp.method == "qlora" else mesh_layouts(inp.model, world, inp.gpus_per_node, inp.tp, inp.pp, inp.cp,
+                                                             inp.ep)
     rows += [estimate_layout(inp, d, gc, inp.micro_batch) for gc in gc_options for d in layouts]
     target = target_batch(inp)
     rows = [split_batch(inp, r, target) for r in rows]
@@ -747,7 +843,9 @@ def plan(inp: PlanInput) -> Plan:
     counts = count_params(inp.model)
     trainable = counts.total if inp.method == "full" else lora_params(inp.model, inp.lora_r, inp.lora_targets)
     result = Plan(counts.total, trainable, world, rows, None, gpu_memory=inp.gpu_memory, cpu_memory=inp.cpu_memory,
-                  hardware=inp.hw.name, global_batch=target, asked=asked, device=inp.device)
+                  hardware=inp.hw.name, global_batch=target, asked=asked, device=inp.device,
+                  trainable_parts=trainable_parts(inp.model, inp.method, inp.lora_r, inp.lora_targets),
+                  cpu_memory_unknown=inp.cpu_memory_unknown)
     if world == 1:
         result.notes.append(f"one {inp.per}: ZeRO-1/2/3 and FSDP would shard over a single rank, so only DDP and the "
                             "CPU-offload variants are planned" + (" besides the layout asked for" if asked else ""))
@@ -758,10 +856,12 @@ def plan(inp: PlanInput) -> Plan:
     if asked is not None and asked.fits and asked.runnable:
         best = asked
     ranked = sorted(rows, key=lambda c: rank_key(c, target))
-    top = [best] + [c for c in ranked if c is not best][:4]
+    top = sorted([best] + [c for c in ranked if c is not best][:4], key=lambda c: rank_key(c, target))
     result.ranking = []
     for c in top:
         reason, term = decision(c, best, inp, rows)
+        if c is best and top[0] is not best and not best.asked and best.fits and best.runnable:
+            reason += f": the simplest of the layouts within {TIE:.0%} of the fastest"
         result.ranking.append({"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
                                "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2),
                                "seconds_per_example": c.seconds_per_example, "reason": reason, "term": term,
@@ -776,6 +876,7 @@ def plan(inp: PlanInput) -> Plan:
     result.batch = batch_line(inp, best)
     result.why = why_chosen(best, [best] + [c for c in ranked if c is not best], inp)
     result.expert_parallel = expert_parallel_line(inp, rows, best)
+    result.memory = memory_line(inp, best, ranked)
     result.fallbacks = [fallback_record(c, best, inp) for c in fallbacks(inp, best, rows, target)]
     if best.dims is None:
         result.flags = flags_for(best.name, best.checkpointing, best.micro_batch, result.grad_accum, inp.method)
@@ -829,34 +930,47 @@ def flags_for(name: str, gc: bool, mb: int, ga: int, method: str) -> list[str]:
     return flags + ["--micro-batch-size", str(mb), "--grad-accum", str(ga)]
 
 
+def table_legend(p: Plan, shown: list[Candidate], mesh: int) -> str:
+    """The line under the table that says what its columns mean, the fits column's words included."""
+    short = "GPU: its memory" if p.device == "GPU" else "memory: a process's"
+    unchecked = any(fits_word(c, p).endswith("RAM?") for c in shown)
+    return (f"each row at its split of the global batch of {p.global_batch} (mb x acc: micro-batch x accumulation "
+            f"per data-parallel rank; micro-batch 1 where none fits"
+            + ("; (asked): the run's own layout at its own split" if p.asked else "")
+            + f"); step s: predicted seconds per optimizer step ({p.hardware}); fits: no names what is short "
+            f"({short}; RAM: the node's host RAM that CPU offload fills)"
+            + ("; RAM?: fits the GPU, host RAM not checked" if unchecked else "")
+            + f"; {mesh} mesh layouts (pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
+
+
 def render_table(p: Plan) -> str:
-    """The 1-D strategies' memory breakdown, the mesh layouts among the top 5 (and the layout a run
-    asks for), then the top 5 by predicted time per example with why each lost, then the choice: its
-    split of the global batch, its predicted step term by term, what decided it, and its flags. Each
-    figure is printed once, and every GiB figure as `gib` rounds it."""
+    """Where the trainable parameters sit, the 1-D strategies' memory breakdown, the mesh layouts
+    among the top 5 (and the layout a run asks for), each row's fits saying what is short, then the
+    top 5 in the plan's order (`rank_key`: among rows that fit, by predicted time per example; the
+    chosen in its place, marked) with why each lost, then the choice: its split of the global batch,
+    its headroom where it is tight (`memory_line`), its predicted step term by term, what decided it,
+    and its flags. Each figure is printed once, and every GiB figure as `gib` rounds it."""
     cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
     gpu = p.device == "GPU"
     per = "GPU" if gpu else "process"
-    ram = "not checked" if p.cpu_memory is None else f"{p.cpu_memory / GiB:.0f} GiB"
+    ram = ("unknown, not checked" if p.cpu_memory_unknown else "not checked") if p.cpu_memory is None \
+        else f"{p.cpu_memory / GiB:.0f} GiB"
     top = {(r["name"], r["checkpointing"]) for r in p.ranking}
     shown = [c for c in p.strategies if c.dims is None or c.asked or (c.name, c.checkpointing) in top]
     mesh = len([c for c in p.strategies if c.dims is not None and not c.asked])
     world = f"{p.world} GPU{'s' * (p.world != 1)}" if gpu else f"{p.world} CPU process{'es' * (p.world != 1)}"
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {world}  "
              f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  "
-             f"(GiB per {per} below)", *p.notes,
+             f"(GiB per {per} below)", parts_line(p), *p.notes,
              f"{'layout':<26}" + "".join(f"{c:>{max(12, len(c) + 1)}}" for c in cols)
-             + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}{'fits':>6}"]
+             + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}  {'fits'}"]
     for c in shown:
         lines.append(f"{label(c):<26}" + "".join(f"{gib(c.bytes[k]):>{max(12, len(k) + 1)}}" for k in cols)
                      + f"{gib(c.cpu_bytes_per_node):>10}{f'{c.micro_batch} x {c.grad_accum}':>10}"
-                     f"{c.step_time_s:>8.3g}{'yes' if c.fits else 'no':>6}")
-    lines.append(f"each row at its split of the global batch of {p.global_batch} (mb x acc: micro-batch x accumulation "
-                 f"per data-parallel rank; micro-batch 1 where none fits"
-                 + ("; (asked): the run's own layout at its own split" if p.asked else "")
-                 + f"); step s: predicted seconds per optimizer step ({p.hardware}); {mesh} mesh layouts "
-                 "(pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
-    lines.append("top 5 by predicted time per example, each with what decided it against the chosen:")
+                     f"{c.step_time_s:>8.3g}  {fits_word(c, p)}")
+    lines.append(table_legend(p, shown, mesh))
+    lines.append("top 5 in the plan's order (runs and fits, keeps the global batch, no CPU offload, then the least "
+                 "predicted time per example), each with what decided it against the chosen:")
     for r in p.ranking:
         name = r["name"] + (" +gc" if r["checkpointing"] else "") + (" (asked)" if r.get("asked") else "")
         split = f"{r['micro_batch']} x {r['grad_accum']}"
@@ -869,6 +983,7 @@ def render_table(p: Plan) -> str:
         lines.append(f"chosen: {label(d)}" + (", the layout the run asks for: it fits" if d.asked else "")
                      + " (its memory and step time: its row above)")
         lines.append("batch: " + p.batch)
+        lines += [f"memory: {p.memory}"] * bool(p.memory)
         terms = [f"{k} {v:.3g}" for k, v in d.seconds.items() if v > 1e-3 * d.step_time_s]
         lines.append(f"time: {' + '.join(terms)} (seconds of its optimizer step, whose sum is its step s; --json: "
                      "seconds)")
