@@ -144,7 +144,7 @@ def part_user(run, check) -> dict:
     `check`: its figure-against-target record)."""
     work = Path(run.work) / "user"
     alpaca, pairs, origin = data_files(work, run.smoke)
-    seq, mb, steps = (256, 2, 4) if run.smoke else (2048, 4, 30)  # smoke: GSM8K prompts pass 64 tokens
+    seq, mb, steps = (256, 2, 6) if run.smoke else (2048, 4, 30)  # smoke: GSM8K prompts pass 64 tokens
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
     shapes = SMOKE_SHAPES if run.smoke else SHAPES

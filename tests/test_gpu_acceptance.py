@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory", "pipeline",
-         "deepspeed", "launchers", "moe")
+PARTS = ("user", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+         "pipeline", "deepspeed", "launchers", "moe")
 
 
 def snapshot() -> dict[str, bytes]:
@@ -31,7 +31,7 @@ def test_smoke_runs_every_part(tmp_path):
     for name, d in parts.items():
         assert d["smoke"] and d["env"]["device"] == "cpu"
         assert {"torch", "transformers", "accelerate", "peft", "liger_kernel", "flash_attn"} <= set(d["env"])
-        assert not [c for c in d["cases"] if "error" in c], name
+        assert not [c for c in d["cases"] if c.get("error")], name
         # on the CPU only correctness is judged (fp32: losses agree to 1e-4); speed and memory are not
         assert all(c["passed"] is not False for c in d["checks"]), (name, d["checks"])
     judged = {c["what"] for d in parts.values() for c in d["checks"] if c["passed"]}
@@ -43,6 +43,12 @@ def test_smoke_runs_every_part(tmp_path):
             "accelerate launch --use_fsdp: trains, saved folder passes the integrity gate"} <= judged
     assert all(c["passed"] is None for c in parts["memory"]["checks"]) and len(parts["memory"]["checks"]) == 4
     assert parts["memory"]["skipped"]  # qlora needs a GPU: said so
+    user = {c["name"]: c for c in parts["user"]["cases"]}  # finetune.py as a subprocess, each case
+    assert set(user) == {"lora", "full", "lora_compile", "full_compile", "lora_unpacked", "lora_fp32", "dpo",
+                         "qwen3_moe", "gemma2"} and "qlora:" in " ".join(parts["user"]["skipped"])
+    assert all(c["started"] and c["integrity"] and c["tokens_per_s"] > 0 and c["step_time_cv"] >= 0 for c in user.values())
+    assert user["lora"]["packing_check_gap"] == 0.0 and user["lora_unpacked"]["packing_check_gap"] is None
+    assert all(user[n]["loss_check_gap"] <= 1e-4 for n in user)  # fp32 here
     skipped = {name: " ".join(d.get("skipped", [])) for name, d in parts.items()}
     assert "flash:" in skipped["packing"] and "loss_liger:" in skipped["chunked_loss"]
     for d in (parts["throughput_full"], parts["throughput_lora"]):
