@@ -371,9 +371,8 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     assert not problems and (dims.dp_shard, dims.ep, dims.dp_replicate) == (2, 2, 1)
     assert dims.describe() == "dp_shard 2 x ep 2 (in dp_shard)"
     _, problems = dims_for(ParallelConfig(ep=2), 1, 1)
-    assert problems == ["--ep 2 must divide dp_shard 1 (the ranks left by pp x dp_replicate x cp x tp): expert "
-                        "parallel splits the experts over ranks that shard the data; launch more processes or lower "
-                        "--dp-replicate"]
+    assert problems == ["--ep 2 needs at least 2 data-parallel ranks to split the experts over (ep borrows them "
+                        "from dp_shard); this launch has 1 process: launch with torchrun --nproc_per_node 2"]
     assert ParallelDims(6, dp_shard=3, ep=2).problems()[0].endswith("; use --ep 3")
     assert ParallelDims(8, dp_shard=4, dp_replicate=2, ep=4).problems() == []
 

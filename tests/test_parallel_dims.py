@@ -33,6 +33,24 @@ def test_problems_name_the_degrees_and_the_launch():
     assert problems == [] and (dims.dp_replicate, dims.dp_shard) == (2, 2)  # the rest replicates: HSDP x TP
 
 
+def test_ep_without_the_ranks_for_it_says_how_many_processes_to_launch():
+    """--ep N borrows N dp_shard ranks; with fewer (one process, say) no other flag helps, so the line
+    names the launch that gives them, not the divisibility rule or --dp-replicate (issue 57)."""
+    from toolkit.layout.flags import ParallelConfig
+    from toolkit.layout.rules import dims_for
+
+    _, problems = dims_for(ParallelConfig(ep=2), 1, 1)
+    assert problems == ["--ep 2 needs at least 2 data-parallel ranks to split the experts over (ep borrows them "
+                        "from dp_shard); this launch has 1 process: launch with torchrun --nproc_per_node 2"]
+    _, problems = dims_for(ParallelConfig(ep=4, tp=2), 4, 4)  # tp 2 leaves 2 dp_shard ranks of 4
+    assert problems == ["--ep 4 needs at least 4 data-parallel ranks to split the experts over (ep borrows them "
+                        "from dp_shard); this launch has 4 processes, which leave 2 after tp 2: launch with torchrun "
+                        "--nproc_per_node 8"]
+    assert ParallelDims(2, dp_replicate=2, ep=2).problems()[0].endswith(
+        "which leave 1 after dp_replicate 2: launch with torchrun --nproc_per_node 4 or lower --dp-replicate")
+    assert ParallelDims(6, dp_shard=3, ep=2).problems()[0].endswith("; use --ep 3")  # enough ranks: which ep fits
+
+
 def _groups(tp: int, pp: int) -> dict:
     import torch.distributed as dist
 

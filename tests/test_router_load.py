@@ -66,3 +66,51 @@ def test_load_stats_are_shares_of_each_layers_mean():
     cv = torch.tensor([0.0, 5.0, 15.0, 20.0]).std(unbiased=False).item() / 10.0
     assert stats["expert_load_cv"] == pytest.approx(cv / 2)
     assert load_stats(torch.zeros(2, 4)) == {}
+
+
+def test_idle_experts_are_said_only_where_the_window_could_not_leave_them_empty_by_chance():
+    """An expert without a token counts once its layer's experts averaged IDLE_MIN_MEAN tokens in the
+    window (an even router leaves one empty there with chance e^-32); a smaller window says nothing."""
+    from toolkit.router_load import IDLE_MIN_MEAN, idle_experts, idle_warning, layer_label
+
+    assert IDLE_MIN_MEAN == 32
+    counts = torch.tensor([[0.0, 64.0, 64.0, 0.0], [32.0] * 4, [0.0, 0.0, 20.0, 20.0], [0.0] * 4])
+    assert idle_experts(counts) == {0: 2}  # the third layer's mean is 10: too few tokens to tell
+    assert idle_experts(counts, min_mean=10) == {0: 2, 2: 2}
+    line = idle_warning(counts, ["layer 1", "layer 2", "layer 3", "layer 4"], step=7)
+    assert line.startswith("expert load: the window ending at step 7 routed no token to 2 of 4 experts in layer 1 "
+                           "(1 of 4 MoE layers), where an even spread gives each expert at least 32 tokens")
+    assert idle_warning(torch.full((2, 4), 40.0), ["layer 0", "layer 1"], step=7) is None
+    assert layer_label("model.layers.3.mlp.experts") == "layer 3"
+
+
+def test_a_run_whose_router_sends_every_token_to_one_expert_says_so_once(tmp_path, data_files, capsys):
+    """A tiny gpt-oss (its router has a bias) whose routers' bias makes expert 0 win every token (top-1):
+    the run trains, expert_load_min is 0 in every record, and one line names the idle experts of both
+    MoE layers, once, though every logged window has them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import finetune
+    from toolkit.synthetic import build_zoo_model_dir
+
+    model = build_zoo_model_dir(tmp_path / "model", "gpt_oss", num_experts_per_tok=1)
+    (weights,) = model.glob("*.safetensors")
+    state = load_file(weights)
+    for name in [n for n in state if ".mlp.router." in n]:
+        state[name] = torch.zeros_like(state[name])
+        if name.endswith("bias"):
+            state[name][0] = 10.0  # the logits are the bias alone: expert 0 first for every token
+    save_file(state, weights, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    capsys.readouterr()
+    finetune.main(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(out),
+                   "--seq-len", "64", "--max-steps", "4", "--log-every", "2", "--micro-batch-size", "8",
+                   "--mixed-precision", "no", "--method", "full", "--report-to", "none", "--verify", "none"])
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["expert_load_min"] for r in records if "loss" in r]
+    assert len(loads) == 2 and set(loads) == {0.0}
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("expert load:")]
+    assert len(said) == 1, said
+    assert "routed no token to 3 of 4 experts in layer 0, 3 of 4 in layer 1 (2 of 2 MoE layers)" in said[0]

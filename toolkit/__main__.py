@@ -30,9 +30,27 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def cmd_prepare_model(args) -> None:
-    from toolkit.models import prepare_default_model
+    """The default model converted into the cache; or, with --tiny, a tiny random model of one of
+    `toolkit.synthetic.ZOO`'s architectures written to --output: an offline model, nothing downloaded,
+    to try a layout on (MoE and `--ep` with qwen3_moe, mixtral, deepseek_v3 or gpt_oss)."""
+    if args.tiny is None:
+        if args.output is not None:
+            raise UserError("--output goes with --tiny: the default model is converted into the cache")
+        from toolkit.models import prepare_default_model
 
-    print(prepare_default_model(force=args.force))
+        print(prepare_default_model(force=args.force))
+        return
+    if args.output is None:
+        raise UserError(f"--tiny {args.tiny} needs --output DIR, the folder to write the model to")
+    from toolkit.synthetic import ZOO, build_zoo_model_dir
+
+    if args.tiny not in ZOO:
+        raise UserError(f"--tiny {args.tiny}: not an architecture toolkit/synthetic.py builds; one of "
+                        f"{', '.join(sorted(ZOO))}")
+    out = Path(args.output)
+    if out.exists() and not args.force and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--output {out} exists and is not an empty folder; pass --force to write the model over it")
+    print(build_zoo_model_dir(out, args.tiny))
 
 
 def _checkpoint_as_folder(path: str, work: str) -> str:
@@ -407,8 +425,15 @@ def cmd_verify(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m toolkit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    s = sub.add_parser("prepare-model", help="convert the embedded SmolLM2-135M-Instruct GGUF to safetensors")
-    s.add_argument("--force", action="store_true", help="convert again even if the cache holds it")
+    s = sub.add_parser("prepare-model", help="convert the embedded SmolLM2-135M-Instruct GGUF to safetensors, or "
+                                             "build a tiny random model offline (--tiny)")
+    s.add_argument("--force", action="store_true", help="convert again even if the cache holds it; with --tiny, "
+                                                        "write over a non-empty --output")
+    s.add_argument("--tiny", metavar="ARCH", help="instead, a tiny random model (2 blocks, hidden 64, random weights, "
+                                                  "a 384-token tokenizer) of this architecture, one of "
+                                                  "toolkit/synthetic.py's ZOO: qwen3_moe, mixtral, deepseek_v3 and "
+                                                  "gpt_oss are MoE (to try --ep), llama, qwen3, gemma2, ... dense")
+    s.add_argument("--output", metavar="DIR", help="with --tiny: the folder to write the model and tokenizer to")
     s.set_defaults(fn=cmd_prepare_model)
     s = sub.add_parser("prepare-data", help="tokenize a run's data into the cache (finetune.py's flags or --config)")
     s.add_argument("flags", nargs=argparse.REMAINDER, help="finetune.py flags, e.g. --config run.yaml")

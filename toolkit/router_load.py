@@ -14,9 +14,19 @@ The record's figures (`load_stats`), each expert's tokens over its layer's mean 
 `expert_load_min` and `expert_load_max`, the least and most loaded expert of any MoE layer, and
 `expert_load_cv`, the coefficient of variation (std / mean) of tokens per expert, averaged over the
 MoE layers. They are ratios, so the counts' sum over ranks needs no normaliser.
+
+Idle experts (`idle_warning`): the first logging window in which some expert of a layer received no
+token, while the window's tokens gave that layer's experts at least `IDLE_MIN_MEAN` (32) each on
+average, prints one line naming the layers, once a run (the counts are summed over ranks, so every
+rank agrees, and the main process prints). Why 32: were the routing even, an expert's tokens in such a
+window would be about Poisson with a mean of 32 or more, empty with chance e^-32 (1e-14) or less, so a
+zero there is the router, not a small window's luck; a smaller window (a tiny run's first steps) says
+nothing either way.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -37,11 +47,47 @@ def load_stats(counts: torch.Tensor) -> dict[str, float]:
             "expert_load_cv": cv.mean().item()}
 
 
+IDLE_MIN_MEAN = 32.0  # tokens per expert a layer must average in a window before an empty expert is said
+
+
+def idle_experts(counts: torch.Tensor, min_mean: float = IDLE_MIN_MEAN) -> dict[int, int]:
+    """{MoE layer (its index among them): experts that received no token} over the layers whose experts
+    averaged at least `min_mean` tokens in the window (module docstring: below it a zero may be luck)."""
+    counts = counts.double()
+    mean, idle = counts.mean(1).tolist(), (counts == 0).sum(1).tolist()
+    return {i: int(n) for i, (m, n) in enumerate(zip(mean, idle)) if m >= min_mean and n}
+
+
+def idle_warning(counts: torch.Tensor, layers: list[str], step: int, min_mean: float = IDLE_MIN_MEAN) -> str | None:
+    """The line for a window whose routers left experts without a token (`idle_experts`), or None:
+    which layers and how many of their experts, so a collapsing router is seen before the run ends."""
+    idle = idle_experts(counts, min_mean)
+    if not idle:
+        return None
+    experts = counts.shape[1]
+    shown = [f"{n} of {experts} experts in {layers[i]}" if not j else f"{n} of {experts} in {layers[i]}"
+             for j, (i, n) in enumerate(list(idle.items())[:4])]
+    more = f" and in {len(idle) - 4} more layers" if len(idle) > 4 else ""
+    return (f"expert load: the window ending at step {step} routed no token to {', '.join(shown)}{more} ({len(idle)} "
+            f"of {len(counts)} MoE layers), where an even spread gives each expert at least {min_mean:g} tokens: the "
+            f"routers send their tokens to fewer experts. expert_load_min/max in metrics.jsonl follow it; "
+            f"--router-aux-loss-coef weighs the load-balancing loss that spreads them (said once a run)")
+
+
+def layer_label(name: str) -> str:
+    """'layer 3' for a module named 'model.layers.3.mlp.experts' (the block index, as configs count
+    layers), else the name itself."""
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return f"layer {found.group(1)}" if found else name
+
+
 class RouterLoad:
     """Tokens per expert of every MoE layer since the last `take`, (layers, experts) on the device."""
 
     def __init__(self, model: nn.Module, modules: list[nn.Module]):
         self.experts = max(getattr(m, "ep_experts", m.num_experts) for m in modules)  # all of them under --ep
+        names = {id(m): n for n, m in model.named_modules()}
+        self.layers = [layer_label(names.get(id(m), f"MoE layer {i}")) for i, m in enumerate(modules)]  # idle_warning's
         self.counts: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # the 2-D attention mask of the forward running, flattened
         self.handles = [model.register_forward_pre_hook(self._keep_mask, with_kwargs=True)]

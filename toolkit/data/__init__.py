@@ -184,13 +184,13 @@ def longest_row(rows, seq_len: int) -> int:
     return max(len(r["input_ids"]) for r in rows)
 
 
-def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
+def collate(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
     """`collate_sequences`; a micro-batch of preference pairs (`toolkit.data.pairs`) as its two sequences
     each, with the pairs' count and reference log-probabilities; KTO's examples with their KL sequences."""
     if "rejected_input_ids" in batch[0]:
         from toolkit.data.pairs import pair_extras, pair_rows
 
-        return {**collate_sequences(pair_rows(batch), pad_id, whole), **pair_extras(batch)}
+        return {**collate_sequences(pair_rows(batch), pad_id, whole, multiple), **pair_extras(batch)}
     if "kl_input_ids" in batch[0]:  # KTO's examples, each with its KL estimate's sequence
         from toolkit.data.pairs import kl_rows, kto_extras
 
@@ -199,12 +199,17 @@ def collate(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, to
     return collate_sequences(batch, pad_id, whole)
 
 
-def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example; padding gets attention 0 and label -100. `whole`: the batch
+def bucket_width(longest: int, multiple: int) -> int:
+    """`longest` rounded up to a multiple of `multiple` (1: itself), so compiled graphs see few widths."""
+    return -(-longest // multiple) * multiple
+
+
+def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example (to `bucket_width`); padding gets attention 0 and label -100. `whole`: the batch
     reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
     so `target_rows` are added, the positions with a target found here on the CPU: the loss head
     then needs no read-back from the GPU to skip the others (`toolkit.loss.target_rows`)."""
-    width = max(len(x["input_ids"]) for x in batch)
+    width = bucket_width(max(len(x["input_ids"]) for x in batch), multiple)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)

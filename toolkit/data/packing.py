@@ -83,14 +83,14 @@ def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
     return [packed[k] for k in range(len(packed))]
 
 
-def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False) -> dict[str, torch.Tensor | int]:
+def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multiple: int = 1) -> dict[str, torch.Tensor | int]:
     """`collate` plus position_ids: the padding is a block of its own (positions restart at 0) with
     label -100. `attention_mask` marks real tokens for counting; it is not given to the model.
     `bounds`: also the documents' boundaries for padding-free attention, computed here on the CPU so
     the forward needs no device-to-host copy (`toolkit.attention.document_bounds`): `cu_seq_lens`,
     over the rows laid end to end, and `max_length` (an int). Only for a batch that reaches the model
     whole: splitting its rows (pipeline micro-batches) would leave them describing the whole."""
-    out = collate(batch, pad_id, bounds)
+    out = collate(batch, pad_id, bounds, multiple)
     if "pairs" in batch[0]:  # packed preference pairs (`toolkit.data.pairs`): documents chosen, rejected, ...
         out["pairs"] = torch.tensor(sum(x["pairs"] for x in batch))
         out["documents"] = 2 * sum(x["pairs"] for x in batch)  # an int: the loss needs no read-back for it

@@ -53,15 +53,30 @@ class ParallelDims:
         p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
         if self.ep < 1:
             p.append(f"--ep must be >= 1 (got {self.ep})")
+        elif self.dp_shard < self.ep:
+            p.append(self._too_few_for_ep())
         elif self.dp_shard % self.ep:
             fits = [e for e in range(2, self.dp_shard + 1) if self.dp_shard % e == 0]
             p.append(f"--ep {self.ep} must divide dp_shard {self.dp_shard} (the ranks left by pp x dp_replicate x cp "
                      f"x tp): expert parallel splits the experts over ranks that shard the data; "
-                     + (f"use --ep {' or '.join(map(str, fits))}" if fits else "launch more processes or lower --dp-replicate"))
+                     f"use --ep {' or '.join(map(str, fits))}")
         if not p and self.pp * self.dp * self.cp * self.tp != self.world_size:
             p.append(f"{self.describe()} is {self.pp * self.dp * self.cp * self.tp} ranks, but {self.world_size} "
                      f"were launched; launch {self.pp * self.dp * self.cp * self.tp} processes or change the degrees")
         return p
+
+    def _too_few_for_ep(self) -> str:
+        """Fewer data-parallel ranks than --ep (one process, most often): say how many processes the
+        launch needs, since no choice of the other flags gives ep ranks to split the experts over."""
+        others = {d: getattr(self, d) for d in MESH_DIMS if d != "dp_shard" and getattr(self, d) > 1}
+        after = " x ".join(f"{d} {v}" for d, v in others.items())
+        has = f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
+        if others:
+            has += f", which leave {self.dp_shard} after {after}"
+        need = self.ep * self.pp * self.dp_replicate * self.cp * self.tp
+        return (f"--ep {self.ep} needs at least {self.ep} data-parallel ranks to split the experts over (ep borrows "
+                f"them from dp_shard); this launch has {has}: launch with torchrun --nproc_per_node {need}"
+                + (" or lower --dp-replicate" if self.dp_replicate > 1 else ""))
 
     def describe(self) -> str:
         """'pp 2 x dp_replicate 2' (the dimensions above 1)."""

@@ -28,6 +28,7 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device) -> Ite
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
     """Mean token loss over `rows`; `strategy` (toolkit.parallel.strategy) runs the forward."""
     accelerator = strategy.accelerator
@@ -42,6 +43,7 @@ def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def exact_match(strategy, model, tokenizer, conversations: list, answers: list[str],
                 batch_size: int = 16, max_new_tokens: int = 16) -> tuple[int, int, list[str]]:
     """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
@@ -80,6 +82,7 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy completions of `prompts` (each a user turn, rendered with the run's chat template) by
     the model being trained, through the same forward as the eval loss: the prepared model, so ZeRO-3
@@ -127,6 +130,7 @@ def cache_kwarg(model) -> str:
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict[str, float]:
     """A preference objective on held-out pairs (KTO's examples): its mean loss per pair (`eval_loss`;
     ORPO's NLL over all the held-out chosen tokens, as training's over the global batch's) and TRL's

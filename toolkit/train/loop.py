@@ -33,6 +33,8 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
+from toolkit.train.compiling import BUCKET, EAGER_STEPS, Compiling
+from toolkit.train.compiling import plan as compile_plan
 from toolkit.train.evaluate import eval_loss, eval_preference, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss_check import check_loss, check_packing
@@ -152,7 +154,8 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
     return True
 
 
-def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False) -> DataLoader:
+def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False,
+                multiple: int = 1) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
     With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
     page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
@@ -162,8 +165,8 @@ def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, w
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
-                      collate_fn=partial(collate_packed, pad_id=pad_id, bounds=whole) if cfg.data.packing
-                      else partial(collate, pad_id=pad_id, whole=whole),
+                      collate_fn=partial(collate_packed, pad_id=pad_id, bounds=whole, multiple=multiple)
+                      if cfg.data.packing else partial(collate, pad_id=pad_id, whole=whole, multiple=multiple),
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
@@ -237,10 +240,12 @@ class Run:
     window: Window
     sync_free: bool
     memory: dict = field(default_factory=dict)  # step 1's memory figures, for its record
+    compiling: Compiling = field(default_factory=lambda: Compiling("off"))  # whether and from when blocks compile
     elapsed_before: float = 0.0  # training seconds before the checkpoint this run resumed from
     last_eval: float | None = None
     bad_in_a_row: int = 0
     mfu_warned: bool = False
+    idle_warned: bool = False  # experts left without a token: said once a run (`toolkit.router_load.idle_warning`)
     last_loss: float = float("nan")
 
     @property
@@ -278,8 +283,10 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                     check_packing(run, micro[0])
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
             run.metrics.advance()
-            warmup = step == run.first_step and run.cfg.train.compile  # its own record: compile time kept apart
-            if step % run.log_every == 0 or step == run.total_steps or warmup:
+            compile_auto(run, step)
+            # the compile step gets a record of its own, and so do the eager steps before it: compile time kept apart
+            apart = run.compiling.at is not None and step in (run.compiling.at - 1, run.compiling.at)
+            if step % run.log_every == 0 or step == run.total_steps or apart:
                 log_window(run, step, epoch)
             after_step(run, step, epoch)
     except torch.OutOfMemoryError:
@@ -302,8 +309,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     from toolkit.train.faults import Preemption, fault_hook
 
     t, streamed = cfg.train, cfg.data.streaming
-    loader = training_loader(cfg, train_rows, tokenizer, log, pin=strategy.accelerator.device.type == "cuda",
-                             whole=strategy.whole_batches)
+    device = strategy.accelerator.device
+    compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log)
+    loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda", whole=strategy.whole_batches,
+                             bucket=compiling.mode != "off")
     sampler = None if streamed else loader.sampler
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
@@ -325,7 +334,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     run = Run(cfg, strategy, model, optimizer, scheduler, tokenizer, eval_rows, out_dir, iter(()),
               None, total_steps, 1, 0, peak, dtype, log_interval(cfg.output.log_every, total_steps),
               sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
-              Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps))
+              Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
+              compiling=compiling)
     if strategy.loss.objective is not None and strategy.loss.objective.reference == "precomputed":
         from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
 
@@ -333,6 +343,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
             if rows:
                 attach_reference(run, rows, name, log, resuming=resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
+    if compiling.mode == "on":  # --compile: compiled in load_model, its first forward the warm-up
+        compiling.at = run.first_step
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
     epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
@@ -352,11 +364,14 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     return run
 
 
-def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool) -> DataLoader:
+def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool, bucket: bool = False) -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
-    to pack), or the stream's: tokenized per micro-batch as it is read."""
+    to pack), or the stream's: tokenized per micro-batch as it is read. `bucket` (blocks may compile):
+    packed rows all padded to the packing width, unpacked batches to a multiple of BUCKET tokens, so
+    compiled graphs see one width, or a few, rather than a new one nearly every step."""
     if cfg.data.streaming:
         return stream_loader(train_rows, cfg, tokenizer, whole)
+    multiple = BUCKET if bucket else 1
     if cfg.data.packing:
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
@@ -366,7 +381,8 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
         fill = sum(lengths) / (len(train_rows) * width)
         unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
         log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
-    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole)
+        multiple = width if bucket else 1
+    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, multiple)
 
 
 def restore(run: Run, resume, log) -> dict:
@@ -453,6 +469,32 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     return Step(loss, counts, grad_norm, finite, aux, preference, load)
 
 
+def compile_auto(run: Run, step: int) -> None:
+    """--compile auto (`toolkit.train.compiling`): time EAGER_STEPS eager steps after the first (every
+    rank's slowest: they decide alike), then compile the blocks from the next step if that pays."""
+    c = run.compiling
+    if c.mode != "auto" or c.at is not None:
+        return
+    accelerator = run.strategy.accelerator
+
+    def sync() -> None:
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize(accelerator.device)
+
+    def slowest(seconds: float) -> float:
+        if accelerator.num_processes == 1:
+            return seconds
+        return float(accelerator.reduce(torch.tensor([seconds], device=accelerator.device), "max").item())
+
+    if step == run.first_step:
+        c.start_timing(sync)
+    elif step == run.first_step + EAGER_STEPS:
+        from toolkit.models import compile_blocks
+
+        c.decide(step, run.total_steps, sync, lambda: compile_blocks(run.strategy.unwrap(run.model)), run.metrics.write,
+                 slowest)
+
+
 def log_window(run: Run, step: int, epoch: int) -> None:
     """The metrics record of the steps since the last one: the one read-back of their numbers, the
     skipped updates among them, and the stop after --max-bad-steps non-finite steps in a row."""
@@ -500,15 +542,20 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         run.mfu_warned = True
     grad_norm = w["steps"][-1][3]
     warmup = {}
-    if run.cfg.train.compile and step == run.first_step:  # left out of every later record's tokens/s
+    if step == run.compiling.at:  # left out of every later record's tokens/s
         warmup = {"compile_warmup": True}
-        run.metrics.write(f"compile: step {step} compiled the blocks in {now - run.window.t0:.1f} s; tokens_per_sec "
-                          "and mfu count from step " f"{step + 1} on")
+        run.compiling.warmed_up(step, now - run.window.t0, run.metrics.write)
+    else:
+        warmup = run.compiling.recompiles(run.metrics.write)  # graphs compiled so far, once warmed up
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
     if w.get("load") is not None:  # how evenly the routers spread the window's tokens
-        from toolkit.router_load import load_stats
+        from toolkit.router_load import idle_warning, load_stats
 
         extra.update(load_stats(w["load"]))
+        idle = None if run.idle_warned else idle_warning(w["load"], strategy.loss.router_load.layers, step)
+        if idle:
+            run.metrics.write(idle)
+            run.idle_warned = True
     if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
         extra.update(strategy.loss.objective.metric_values(w["preference"], w["targets"]))
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
@@ -520,8 +567,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
 
 
 def after_step(run: Run, step: int, epoch: int) -> None:
-    """Eval loss and samples at their cadence, a checkpoint every --save-every, the fault-injection
-    hook, and a preemption: checkpoint and exit."""
+    """Eval loss and samples at their cadence, a checkpoint every --save-every and at the last step, the
+    fault-injection hook, and a preemption: checkpoint and exit."""
     from toolkit.train.faults import EXIT_PREEMPTED
 
     o, last = run.cfg.output, step == run.total_steps
@@ -530,8 +577,8 @@ def after_step(run: Run, step: int, epoch: int) -> None:
         evaluate(run, step, samples=False)
     if run.prompts and (last or (step % o.sample_every == 0 if o.sample_every else at_eval)):
         sample(run, step)
-    if o.save_every and step % o.save_every == 0 and not last:
-        checkpoint(run, step, epoch)
+    if o.save_every and (step % o.save_every == 0 or last):  # the last step too: --continue-finished goes on
+        checkpoint(run, step, epoch)                           # from it, at step N + 1, not from an earlier one
     if run.fault is not None:
         run.fault("step", step)
     if not last and run.preempt.requested(run.strategy.accelerator):
