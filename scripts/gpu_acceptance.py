@@ -7,6 +7,12 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         a Gemma-2; packed but where said): started, seconds to step 1, steady tokens/s, the step times'
         spread, peak memory, the start-up checks' gaps, integrity. scripts/gpu_user.py (its docstring:
         what and why, the time). The README's GPU figures come from this part.
+  yardstick     issue 59's: the toolkit's default against TRL's SFTTrainer on the same file and GPU (its
+        defaults with packing; its best flags: torch_compile, padding_free, use_liger_kernel where it
+        imports), LoRA and full, 30 steps each (scripts/sft_trainer_user.py); then 200 steps of the default
+        (--compile auto) against --no-compile, wall time with start-up and compile. Targets: LoRA >= 1.5x
+        SFTTrainer, >= 1.1x its best; full >= 1.25x; the 200-step wall no worse than eager's. Its checks
+        are written into user.json's too. Unmeasured: ~7 minutes (a guess).
   throughput_full, throughput_lora  bf16 tokens/s on a Llama-3.2-1B-shaped model at 2048 tokens x
         micro-batch 4, full finetune and LoRA, each a call of its own: scripts/bench_throughput.py's
         arms and method (fresh process per run, alternating rounds, the same batches): the raw PyTorch
@@ -122,12 +128,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
 from bench_throughput import flag_problem, importable  # noqa: E402
-from gpu_user import part_user, table as user_table  # noqa: E402
+from gpu_user import part_user, part_yardstick, table as user_table  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
@@ -1048,7 +1054,7 @@ def render(out: Path) -> str:
         for s in d.get("skipped", []):
             lines.append(f"| {p} | skipped: {s} | - | - | - |")
     for d in parts.values():
-        lines += user_table(d) if d["part"] == "user" else arms_table(d)
+        lines += user_table(d) if d["part"] in ("user", "yardstick") else arms_table(d)
     return "\n".join(lines) + "\n"
 
 
@@ -1108,7 +1114,8 @@ def main() -> None:
         print(f"device: {env['gpu']}; torch {env['torch']}; out: {out}", flush=True)
         for p in parts:
             print(f"{p}:", flush=True)
-            fn = {"user": lambda r: part_user(r, check), "throughput_full": lambda r: part_throughput(r, "full"),
+            fn = {"user": lambda r: part_user(r, check), "yardstick": lambda r: part_yardstick(r, check),
+                  "throughput_full": lambda r: part_throughput(r, "full"),
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,
                   "pipeline": part_pipeline, "deepspeed": part_deepspeed, "launchers": part_launchers,

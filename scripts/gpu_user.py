@@ -183,17 +183,116 @@ def part_user(run, check) -> dict:
 
 
 def table(d: dict) -> list[str]:
-    """The user part's cases side by side, for gpu_acceptance's README."""
+    """The user (or yardstick) part's cases side by side, for gpu_acceptance's README."""
     def f(x, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = ["", f"user: finetune.py on {d['data']}, {d['micro_batch']} x {d['seq_len']} tokens, --max-steps "
+    def yes(x) -> str:
+        return "-" if x is None else "yes" if x else "**no**"
+
+    lines = ["", f"{d['part']}: on {d['data']}, {d['micro_batch']} x {d['seq_len']} tokens, --max-steps "
              f"{d['max_steps']}, steady figures after step {WARMUP}", "",
-             "| case | started | s to step 1 | tokens/s | step time cv | logged MFU | peak GiB | loss check | "
-             "packing check | integrity | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | started | s to step 1 | wall s | tokens/s | step time cv | logged MFU | peak GiB | loss check | "
+             "packing check | integrity | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in d["cases"]:
-        lines.append(f"| {c['name']} | {'yes' if c['started'] else '**no**'} | {f(c['seconds_to_step1'], '.0f')} | "
-                     f"{f(c['tokens_per_s'], '.0f')} | {f(c['step_time_cv'], '.2f')} | {f(c['logged_mfu'], '.3f')} | "
-                     f"{f(c['peak_gib'], '.1f')} | {f(c['loss_check_gap'], '.1e')} | {f(c['packing_check_gap'], '.1e')} | "
-                     f"{'yes' if c['integrity'] else '**no**'} | {(c['error'] or '')[:120]} |")
+        lines.append(f"| {c['name']} | {yes(c.get('started'))} | {f(c.get('seconds_to_step1'), '.0f')} | "
+                     f"{f(c.get('seconds'), '.0f')} | {f(c.get('tokens_per_s'), '.0f')} | {f(c.get('step_time_cv'), '.2f')} | "
+                     f"{f(c.get('logged_mfu'), '.3f')} | {f(c.get('peak_gib'), '.1f')} | {f(c.get('loss_check_gap'), '.1e')} | "
+                     f"{f(c.get('packing_check_gap'), '.1e')} | {yes(c.get('integrity'))} | {(c.get('error') or '')[:120]} |")
     return lines
+
+
+# ----------------------------------------------------------------------------- the yardstick (issue 59)
+
+YARDSTICK_STEPS = 200  # the end-to-end comparison: wall time, compile included
+
+
+def sft_case(name: str, model: str, data: Path, out: Path, flags: list[str], seq: int, mb: int, steps: int, env: dict,
+             timeout: float | None) -> dict:
+    """TRL's SFTTrainer as its users run it (scripts/sft_trainer_user.py), a subprocess."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "sft_trainer_user.py"), "--model", model, "--dataset", str(data),
+           "--output-dir", str(out), "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps", str(steps),
+           *flags]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+    (out.parent / f"{name}.log").write_text(text if isinstance(text, str) else str(text))
+    got = json.loads((out / "sft_metrics.json").read_text()) if (out / "sft_metrics.json").exists() else {}
+    return {"name": name, "command": " ".join(cmd[1:]), "started": bool(got.get("steps")), "exit": code,
+            "seconds": round(time.perf_counter() - t0, 1), **got,
+            "error": None if code == 0 and got else error_line(text if isinstance(text, str) else "")}
+
+
+def part_yardstick(run, check) -> dict:
+    """The toolkit's default against TRL's SFTTrainer on the same file, GPU and steps (its defaults with
+    packing, and its best documented flags), LoRA and full; then YARDSTICK_STEPS steps of the toolkit's
+    default (--compile auto) against --no-compile, wall time with start-up and compile. Its checks are
+    also written into OUT/user.json's, under the names issue 59 gives them."""
+    work = Path(run.work) / "yardstick"
+    alpaca, _, origin = data_files(work, run.smoke)
+    seq, mb, steps = (256, 2, 6) if run.smoke else (2048, 4, 30)
+    long_steps = 8 if run.smoke else YARDSTICK_STEPS
+    everything = work / "all.json"  # the long runs need more than RECORDS records
+    src = next((p for p in DATA if p.exists()), None)
+    everything.write_text(src.read_text() if src is not None else alpaca.read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    backend = ["--compile-backend", "aot_eager"] if not run.gpu else []
+    model = run.model("llama-1b")
+    cases = []
+
+    def toolkit(name: str, flags: list[str], data: Path = alpaca, n: int = steps) -> None:
+        out = work / name
+        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", model, "--dataset", str(data), "--output-dir",
+               str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps",
+               str(n), "--packing", *flags]
+        print(f"  {name}", flush=True)
+        cases.append(run_case(name, cmd, out, env, run.timeout() if run.deadline else None))
+
+    def sft(name: str, flags: list[str]) -> None:
+        print(f"  {name}", flush=True)
+        cases.append(sft_case(name, model, alpaca, work / name, flags, seq, mb, steps, env,
+                              run.timeout() if run.deadline else None))
+
+    plan = [("lora", lambda: toolkit("lora", [])), ("sft_lora", lambda: sft("sft_lora", [])),
+            ("sft_lora_best", lambda: sft("sft_lora_best", ["--best", *backend])),
+            ("full", lambda: toolkit("full", ["--method", "full"])),
+            ("sft_full", lambda: sft("sft_full", ["--method", "full"])),
+            ("lora_200_default", lambda: toolkit("lora_200_default", [], everything, long_steps)),
+            ("lora_200_eager", lambda: toolkit("lora_200_eager", ["--no-compile"], everything, long_steps))]
+    skipped = []
+    for name, go in plan:
+        late = run.out_of_time(SECONDS)
+        if late:
+            skipped.append(f"{name}: {late}")
+            continue
+        go()
+    by = {c["name"]: c for c in cases}
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
+        x, y = by.get(a, {}).get(key), by.get(b, {}).get(key)
+        return x / y if x and y else None
+
+    checks = [check(what, value, op, target, judged=run.gpu) for what, value, op, target in (
+        ("lora: default / SFTTrainer", ratio("lora", "sft_lora"), ">=", 1.5),
+        ("lora: default / SFTTrainer best", ratio("lora", "sft_lora_best"), ">=", 1.1),
+        ("full: default / SFTTrainer", ratio("full", "sft_full"), ">=", 1.25),
+        ("200 steps: default wall / eager wall", ratio("lora_200_default", "lora_200_eager", "seconds"), "<=", 1.0))
+        if value is not None]
+    merge_checks(run.out, checks)
+    return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": steps, "cases": cases, "checks": checks,
+            "skipped": skipped}
+
+
+def merge_checks(out: Path | None, checks: list[dict]) -> None:
+    """`checks` into OUT/user.json's (same names replaced): issue 59 reads them there."""
+    path = out / "user.json" if out is not None else None
+    if path is None or not path.exists():
+        return
+    d = json.loads(path.read_text())
+    names = {c["what"] for c in checks}
+    d["checks"] = [c for c in d["checks"] if c["what"] not in names] + checks
+    path.write_text(json.dumps(d, indent=2))

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "moe")
 
 
@@ -49,6 +49,13 @@ def test_smoke_runs_every_part(tmp_path):
     assert all(c["started"] and c["integrity"] and c["tokens_per_s"] > 0 and c["step_time_cv"] >= 0 for c in user.values())
     assert user["lora"]["packing_check_gap"] == 0.0 and user["lora_unpacked"]["packing_check_gap"] is None
     assert all(user[n]["loss_check_gap"] <= 1e-4 for n in user)  # fp32 here
+    yard = {c["name"]: c for c in parts["yardstick"]["cases"]}  # TRL's SFTTrainer beside the default
+    assert set(yard) == {"lora", "sft_lora", "sft_lora_best", "full", "sft_full", "lora_200_default", "lora_200_eager"}
+    assert all(c["tokens_per_s"] > 0 for c in yard.values()) and yard["sft_lora_best"]["best"]["torch_compile"]
+    names = {c["what"] for c in parts["user"]["checks"]}  # the yardstick's merged in
+    assert {"lora: default / fastest arm", "full: default / fastest arm", "lora: default / SFTTrainer",
+            "lora: default / SFTTrainer best", "full: default / SFTTrainer", "full: logged MFU",
+            "200 steps: default wall / eager wall"} <= names  # issue 59's figures, in user.json
     skipped = {name: " ".join(d.get("skipped", [])) for name, d in parts.items()}
     assert "flash:" in skipped["packing"] and "loss_liger:" in skipped["chunked_loss"]
     for d in (parts["throughput_full"], parts["throughput_lora"]):

@@ -1,0 +1,101 @@
+"""TRL's SFTTrainer as its users run it on an alpaca file: the yardstick of the GPU user path (issue 59).
+
+    python scripts/sft_trainer_user.py --model DIR --dataset alpaca.json --output-dir OUT [--method full]
+        [--best] [--seq-len 2048] [--micro-batch-size 4] [--max-steps 30]
+
+The records become TRL's prompt-completion form (the completion trained, as the toolkit trains the
+answer), packed to --seq-len (`packing=True`: TRL's best-fit decreasing, padding-free rows), bf16 on a
+GPU, LoRA r 16 / alpha 32 on all linear layers or a full finetune, the toolkit's learning rates and
+schedule, a log every step. `--best` adds TRL's documented speed flags: `torch_compile=True`,
+`padding_free=True`, and `use_liger_kernel=True` where liger_kernel imports (else said in the JSON).
+Tokens/s come from TRL's own log (`num_tokens`, cumulative) over the wall time between steps (a callback
+notes each step's end): the steps after WARMUP, as the user part counts the toolkit's. Writes
+OUT/sft_metrics.json: tokens_per_s, step_time_cv, seconds_to_step1, warmup_s (the first WARMUP steps,
+compile included), wall_s, peak_gib, and what ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+WARMUP = 3  # as scripts/gpu_user.py
+
+
+def records(path: str, limit: int | None = None) -> list[dict]:
+    """Alpaca records as TRL's prompt-completion rows (instruction and input joined as the prompt)."""
+    rows = json.loads(Path(path).read_text())[:limit]
+    return [{"prompt": "\n\n".join(x for x in (r["instruction"], r.get("input")) if x) + "\n",
+             "completion": r["output"]} for r in rows]
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--method", choices=("lora", "full"), default="lora")
+    ap.add_argument("--best", action="store_true")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--max-steps", type=int, default=30)
+    ap.add_argument("--compile-backend", default="inductor", help="--best's torch.compile backend (a CPU smoke: aot_eager)")
+    a = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    gpu = torch.cuda.is_available()
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    best = {"torch_compile": True, "torch_compile_backend": a.compile_backend, "padding_free": True,
+            "use_liger_kernel": liger and gpu} if a.best else {}
+    config = SFTConfig(output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.micro_batch_size,
+                       max_length=a.seq_len, packing=True, bf16=gpu, logging_steps=1, report_to="none",
+                       save_strategy="no", learning_rate=2e-4 if a.method == "lora" else 2e-5,
+                       lr_scheduler_type="cosine", warmup_steps=10, **best)
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if gpu and a.method == "lora" else None)
+    peft_config = None
+    if a.method == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    ends: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if gpu:
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(records(a.dataset)),
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t_train = time.perf_counter()
+    trainer.train()
+    tokens = [r["num_tokens"] for r in trainer.state.log_history if "num_tokens" in r and "loss" in r]
+    steps = list(zip(tokens, ends))
+    pairs = [(b[0] - a_[0], b[1] - a_[1]) for a_, b in zip(steps[WARMUP - 1:], steps[WARMUP:])]
+    times = [t for _, t in pairs]
+    out = {"method": a.method, "best": best, "liger_left_out": a.best and not (liger and gpu), "steps": len(ends),
+           "tokens_per_s": sum(n for n, _ in pairs) / sum(times) if pairs else None,
+           "step_time_cv": statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else None,
+           "seconds_to_step1": round(ends[0] - t_start, 1) if ends else None,
+           "warmup_s": round(ends[WARMUP - 1] - t_train, 1) if len(ends) >= WARMUP else None,
+           "wall_s": round(time.perf_counter() - t_start, 1),
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None}
+    Path(a.output_dir, "sft_metrics.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
