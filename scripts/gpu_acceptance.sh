@@ -4,7 +4,8 @@
 # First on every GPU lent, before any other part: finetune.py as users run it (scripts/gpu_user.py: 10 cases,
 # ~7 minutes, a guess; cases that would end past the budget are left out and listed):
 #   run(command="BUDGET_S=480 bash scripts/gpu_acceptance.sh user", carry=[".whl"], timeout_s=540)
-#   then commit benchmarks/gpu/user.json
+#   then commit benchmarks/gpu/user.json; issue 59's yardstick (TRL's SFTTrainer, 200 steps) fills in the rest of its checks:
+#   run(command="BUDGET_S=480 bash scripts/gpu_acceptance.sh yardstick", carry=[".whl"], timeout_s=540)
 # Issue 35's speed checks, three calls back to back (the machine stays warm ~30 s after a call, and
 # then the next call reuses the models built in /tmp/gpu_acceptance_work); each starts no run that would
 # end past BUDGET_S (default 450 s) and kills what runs 30 s past it, so a call ends inside 9 minutes.

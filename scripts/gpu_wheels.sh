@@ -4,7 +4,8 @@
 # and hjson it needs, bitsandbytes for QLoRA, and datasets with the dill and multiprocess it needs
 # (finetune.py tokenizes through it; the image has its other needs); liger-kernel and cut-cross-entropy
 # (pure Python on the image's Triton: --kernels liger, --loss liger|cce), at the [gpu] extra's versions
-# (they are not installed here: they need Triton); about 55 MB of the 64 MiB one device call may carry.
+# (they are not installed here: they need Triton), and TRL for the yardstick part's SFTTrainer; about 60 MB of
+# the 64 MiB one device call may carry.
 # and GSM8K's alpaca file for the user part. Then: the device tool's run(command="bash scripts/gpu_acceptance.sh
 # PARTS", carry=[".whl"]), the user part first.
 set -euo pipefail
@@ -17,7 +18,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "pydantic==$(v pydantic)" "pydantic-core==$(v pydantic-core)" "annotated-types==$(v annotated-types)" \
   "typing-inspection==$(v typing-inspection)" "hjson==$(v hjson)" "bitsandbytes==$(v bitsandbytes)" \
   "datasets==$(v datasets)" "dill==$(v dill)" "multiprocess==$(v multiprocess)" \
-  "liger-kernel==0.8.5" "cut-cross-entropy==25.1.1"
+  "liger-kernel==0.8.5" "cut-cross-entropy==25.1.1" "trl==$(v trl)"
 sdist=$(mktemp -d)
 python3 -m pip download -q --no-deps --no-binary :all: "deepspeed==$(v deepspeed)" -d "$sdist"
 DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation "$sdist"/deepspeed-*.tar.gz -w .whl

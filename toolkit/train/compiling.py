@@ -148,19 +148,22 @@ def plan(cfg, device_type: str, model, world: int, cache: Path, say) -> Compilin
     from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
 
     t, p = cfg.train, cfg.parallel
-    if t.compile is not None:
-        return Compiling("on" if t.compile else "off")
-    allowed = os.environ.get(AUTO_DEVICES_ENV, "cuda").split(",")
-    why = (f"on {device_type} ({CPU_EAGER})" if device_type not in allowed else
-           next(iter(layout_problems(p, cfg.model.method, t.mixed_precision, t.loss, t.micro_batch_size, True,
-                                     cfg.model.attn)), None) or
-           (None if decoder_layers(model) else "the model keeps no decoder blocks at model.layers"))
-    if why:
-        say(f"compile: auto: eager {why}" if why.startswith("on ") else f"compile: auto: eager: {why}")
+    if t.compile is False:
         return Compiling("off")
+    if t.compile is None:
+        allowed = os.environ.get(AUTO_DEVICES_ENV, "cuda").split(",")
+        why = (f"on {device_type} ({CPU_EAGER})" if device_type not in allowed else
+               next(iter(layout_problems(p, cfg.model.method, t.mixed_precision, t.loss, t.micro_batch_size, True,
+                                         cfg.model.attn)), None) or
+               (None if decoder_layers(model) else "the model keeps no decoder blocks at model.layers"))
+        if why:
+            say(f"compile: auto: eager {why}" if why.startswith("on ") else f"compile: auto: eager: {why}")
+            return Compiling("off")
     use_cache_dir(cache)
     flags = {"method": cfg.model.method, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch_size,
              "packing": cfg.data.packing, "precision": t.mixed_precision, "world": world, "parallel": str(p),
              "checkpointing": t.gradient_checkpointing, "attn": cfg.model.attn, "device": device_type,
              "backend": os.environ.get(COMPILE_BACKEND_ENV, "inductor")}
-    return Compiling("auto", key=shape_key(model.config.to_dict(), flags), path=cache / "compile_seconds.json")
+    # --compile's measured seconds are kept too: a later auto run of this shape weighs them
+    return Compiling("on" if t.compile else "auto", key=shape_key(model.config.to_dict(), flags),
+                     path=cache / "compile_seconds.json")
