@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None):
 
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolve_model,
-                                resolved_precision)
+    from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolved_precision,
+                                tokenizer_dir, training_model)
+    from toolkit.parallel.tree import tree_problem
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.planner.auto import apply_auto_strategy, restart_after_oom
     from toolkit.train.checkpoint import save_final
@@ -42,22 +43,23 @@ def main(argv: list[str] | None = None):
     from toolkit.train.resume import resume_point, resumed_config, resumed_weights
     from toolkit.train.trackers import start_trackers
 
-    model_path = resolve_model(cfg.model.model)
+    model_path, source = training_model(cfg)  # a LoRA adapter folder: its base (or, merged, the merged folder)
     attention = check_model(cfg, model_path)  # LoRA targets, the attention it runs: on a weightless skeleton
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code)
     added_template = ensure_chat_template(tokenizer)
     data = prepare_data(cfg, tokenizer)  # tokenized once into the cache; bad data fails here, before the model
     train_rows, eval_rows = data.train, data.eval
 
     planned = None
     if cfg.parallel.strategy == "auto":  # the planner's layout, checkpointing and batch sizes
-        cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg))
+        cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem)
     accelerator = make_accelerator(cfg, model_path)
     resume = resume_point(cfg, accelerator)  # refuses a checkpoint of another run, before loading
     cfg = resumed_config(cfg, resume)  # its global batch, re-split for this launch: the config is final here
     strategy = make_strategy(cfg, accelerator, model_path)  # the layout, decided once
     log = accelerator.print
-    for note in cfg.notes:  # where the layout came from when not from our flags (a launcher, a DeepSpeed file)
+    # where the model came from (an SFT adapter), and the layout when not from our flags (a launcher, a DeepSpeed file)
+    for note in ([source] if source else []) + list(cfg.notes):
         log(note)
     if resume is None and cfg.output.resume == "auto":
         log(f"--resume auto: no checkpoint in {cfg.output.output_dir}; starting from step 0")

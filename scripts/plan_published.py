@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from toolkit.parallel.tree import tree_problem  # noqa: E402
 from toolkit.planner.plan import GiB, PlanInput, plan  # noqa: E402
 from toolkit.planner.presets import PRESETS  # noqa: E402
 
@@ -27,7 +28,8 @@ def main() -> None:
             for gpus in (8, 64, 512):
                 for seq in (4096, 32768, 131072):
                     r = plan(PlanInput(model=PRESETS[model], gpu_memory=80 * GiB, gpus_per_node=8, nodes=gpus // 8,
-                                       cpu_memory=2 * 1024**4, method=method, seq_len=seq, global_batch=GLOBAL_BATCH))
+                                       cpu_memory=2 * 1024**4, method=method, seq_len=seq, global_batch=GLOBAL_BATCH,
+                                       tree_check=tree_problem))
                     head = f"| {model} | {method} | {gpus} | {seq // 1024}k |"
                     if not r.chosen:
                         print(f"{head} nothing fits | | | | {r.advice.split(';')[0]} |")

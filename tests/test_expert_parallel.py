@@ -201,6 +201,11 @@ def test_a_rank_that_receives_no_tokens_still_exchanges_and_reduces():
 AUX0 = ["--router-aux-loss-coef", "0"]  # one process's router loss is over all its tokens: off where compared to it
 PARITY = ["--max-steps", "4", *AUX0]
 TOL = 1e-4  # relative, per-step losses (fp32; the experts' sums in another order)
+# Qwen3-30B-A3B's structure as published (every layer routed: mlp_only_layers [], decoder_sparse_step 1), each
+# layout with the global batch of 8 of the one-process run: name -> (ranks, flags)
+ROUTED = {"ep2": (2, ["--ep", "2", "--micro-batch-size", "2", "--grad-accum", "2"]),
+          "tp2": (2, ["--tp", "2", "--micro-batch-size", "4", "--grad-accum", "2"]),
+          "ep2_tp2": (4, ["--ep", "2", "--tp", "2", "--micro-batch-size", "2", "--grad-accum", "2"])}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +214,9 @@ def runs(tmp_path_factory, data_files, tiny_model):
     with micro-batch 8; --ep 2 (micro-batch 2 x accumulation 2 x 2 ranks), also against --dp-shard 2
     with the router loss on; --ep 2 x --dp-shard 4 (experts sharded again over 2 ranks each) and --ep 4
     resuming the --ep 2 run's checkpoint-2; --ep 2 with --cp 2 (experts sharded over dp_shard_mod_ep x cp) and
-    with HSDP (--dp-replicate 2), inside --tp 2, and on the stages of --pp 2."""
+    with HSDP (--dp-replicate 2), inside --tp 2, and on the stages of --pp 2. And a Qwen3-MoE with every
+    layer routed (`routed`: no dense MLP for the TP plan's `mlp` entries to match) under `ROUTED`'s
+    layouts, in the same launches."""
     from distributed import launch_layouts
 
     from toolkit.synthetic import build_zoo_model_dir
@@ -242,6 +249,11 @@ def runs(tmp_path_factory, data_files, tiny_model):
                                                *flags, "--micro-batch-size", "2", "--max-steps", "2", *AUX0]
                 for name, flags in (("ep2", ["--ep", "2"]), ("shard2", ["--dp-shard", "2"]))})
     two["llama-full-ep2"] = ["--model", str(tiny_model), "--method", "full", "--ep", "2", "--max-steps", "1"]  # dense
+    routed = ["--model", str(build_zoo_model_dir(root / "routed", "qwen3_moe", mlp_only_layers=[]))]  # as published
+    one.update({f"routed-{m}-one": [*routed, "--method", m, "--micro-batch-size", "8", *PARITY]
+                for m in ("full", "lora")})
+    two.update({f"routed-{m}-{name}": [*routed, "--method", m, *flags, *PARITY] for m in ("full", "lora")
+                for name, (ranks, flags) in ROUTED.items() if ranks == 2})
     out = {}
     for n, group in ((1, one), (2, two)):
         out.update(launch_layouts(root / f"ranks{n}", common, group, nproc=n, launcher="python" if n == 1 else "torchrun"))
@@ -253,6 +265,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
                                        "--micro-batch-size", "2", *PARITY]
     four["qwen3_moe-full-ep2_tp2"] = [*q, "--method", "full", "--ep", "2", "--tp", "2", "--micro-batch-size", "2",
                                       "--grad-accum", "2", *PARITY]
+    four.update({f"routed-{m}-{name}": [*routed, "--method", m, *flags, *PARITY] for m in ("full", "lora")
+                 for name, (ranks, flags) in ROUTED.items() if ranks == 4})
     four.update({f"qwen3_moe-{m}-ep2_pp2": [*q, "--method", m, "--ep", "2", "--pp", "2", "--pp-microbatches", "2",
                                             "--micro-batch-size", "2", "--grad-accum", "2", *PARITY] for m in ("full", "lora")})
     four.update({f"qwen3_moe-{m}-ep4_resumed": [*q, "--method", m, "--ep", "4", "--micro-batch-size", "2", *PARITY,
@@ -302,6 +316,36 @@ def test_expert_parallel_runs_match_one_process(runs, method, layout):
     # the gradient norm: every part's squares summed over the groups that split it (the experts' over ep)
     assert _norms(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(_norms(runs[f"qwen3_moe-{method}-one"]),
                                                                         rel=TOL)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("layout", list(ROUTED))
+def test_every_layer_routed_as_published_trains_like_one_process_or_is_refused_in_one_line(runs, layout, method):
+    """Qwen3-30B-A3B's structure as published: every layer routed, so the TP plan's dense-MLP entries
+    (`layers.*.mlp.gate_proj` ...) match no block, which is no refusal. Each step's loss and gradient norm
+    within TOL (1e-4 relative, as the other --ep and --tp x --ep runs here) of one process's: fp32 on the
+    same 8 examples a step, only the experts' sums in another order (TP all-reduces the halves of every
+    expert's intermediate, EP runs a token's experts on the rank that holds them); a top-k choice that
+    rounding flipped would move a step's loss by far more. LoRA under --tp is refused in one line before
+    any step, naming the piece that is missing (TP does not split the adapters on the stacked experts)."""
+    run = runs[f"routed-{method}-{layout}"]
+    if method == "lora" and "tp" in layout:
+        err = run["stderr"].read_text()
+        lines = [x for x in err.splitlines() if x.startswith("finetune.py: error:")]
+        assert run["exit"] == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
+        assert "--tp 2 with --method lora: qwen3_moe's LoRA adapts its stacked experts, which TP does not split yet" \
+            in lines[0], lines[0]
+        assert not (run["out"] / "metrics.jsonl").exists()
+        return
+    said = _ran(run)
+    if "tp" in layout:  # the routed experts split, and no dense MLP region applied
+        assert "mlp.experts gate_up_proj -> down_proj (every expert's intermediate)" in said, said[-2000:]
+        assert "mlp gate_proj" not in said, said[-2000:]
+    if "ep" in layout:
+        assert "2 of 4 experts each per rank" in said, said[-2000:]
+    want = _losses(runs[f"routed-{method}-one"])
+    assert len(want) == 4 and _losses(run) == pytest.approx(want, rel=TOL)
+    assert _norms(run) == pytest.approx(_norms(runs[f"routed-{method}-one"]), rel=TOL)
 
 
 @pytest.mark.parametrize(("model_type", "method"), [("qwen3_moe", "full"), ("mixtral", "full"), ("mixtral", "lora")])

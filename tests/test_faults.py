@@ -35,8 +35,8 @@ def losses(out) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model, data_files):
-    """One LoRA run of 6 steps with checkpoint-2 and checkpoint-4 (each with its manifest), on a copy
-    of the tiny model of its own (a test replaces weights under its path)."""
+    """One LoRA run of 6 steps with checkpoint-2, checkpoint-4 and its last step's checkpoint-6 (each with
+    its manifest), on a copy of the tiny model of its own (a test replaces weights under its path)."""
     root = tmp_path_factory.mktemp("faults")
     model = root / "model"
     shutil.copytree(tiny_model, model)
@@ -58,9 +58,11 @@ def one_error(capsys, argv, prog=finetune.main, name="finetune.py") -> str:
 
 
 def copy_run(trained, tmp_path):
+    """The run as a kill after checkpoint-4 leaves it: no final/, nor the checkpoint of its last step."""
     out = tmp_path / "run"
     shutil.copytree(trained["out"], out)
     shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-6")
     return out
 
 

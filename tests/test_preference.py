@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -712,3 +713,90 @@ def test_ktos_line_says_its_kl_is_clamped_at_0():
     missing term: the objective's line says so once (issue 57: 0.0 at all 15 steps of a LoRA run)."""
     line = PreferenceLoss("kto", 0.1, reference="adapters").describe()
     assert "clamped at 0 as TRL's (kl 0.0: the policy is the reference, or scores those completions below it)" in line
+
+
+def test_dpo_straight_after_a_lora_sft_trains_its_adapter_on_from_ln_2(tmp_path, monkeypatch, chatml_dir, pairs_file,
+                                                                       data_files, capsys):
+    """Issue 57: `--objective dpo --model <SFT LoRA final/>` loads the base its adapter_config names and
+    trains that adapter on (its rank, not --lora-r's); the reference is the SFT policy (the adapter on,
+    its log-probabilities computed before step 1), so step 1 is ln 2. Both runs were given paths relative
+    to their working directory, yet every adapter records its base absolute: final/ loads with plain peft
+    from another one. --merge-adapter folds the adapter in first and trains a new one, and --method full
+    the merged model, from ln 2 too."""
+    import shutil
+
+    import finetune
+    from distributed import records
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    shutil.copytree(chatml_dir, work / "base")
+    monkeypatch.chdir(work)
+    common = ["--seq-len", "64", "--micro-batch-size", "4", "--log-every", "1", "--warmup-steps", "0",
+              "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7", "--report-to", "none"]
+    finetune.main(["--model", "base", "--dataset", str(data_files["alpaca"]), "--output-dir", "sft", "--max-steps", "3",
+                   "--lr", "1e-2", "--lora-r", "4", "--lora-alpha", "8", *common])
+    finetune.main(["--model", "sft/final", *DPO, "--dataset", str(pairs_file), "--output-dir", "dpo", "--max-steps",
+                   "2", "--lr", "1e-3", *common])
+    said = capsys.readouterr().out
+    assert f"model: sft/final is a LoRA adapter on {work / 'base'}: trained on as it is (its r 4, alpha 8" in said
+    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said
+    got = records(work / "dpo")
+    assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[1]["loss"] != got[0]["loss"]
+    sft, dpo = (load_file(work / run / "final" / "adapter_model.safetensors") for run in ("sft", "dpo"))
+    assert sft.keys() == dpo.keys() and any(not torch.equal(sft[k], dpo[k]) for k in sft)  # the same adapter, on
+    assert any(k.endswith("lora_B.weight") and sft[k].abs().max() > 0 for k in sft)  # SFT moved it off the base
+
+    finetune.main(["--model", "sft/final", "--merge-adapter", *DPO, "--dataset", str(pairs_file), "--output-dir",
+                   "merged-dpo", "--max-steps", "1", *common])
+    merged = json.loads((work / "merged-dpo" / "final" / "adapter_config.json").read_text())
+    assert f"model: sft/final merged into its base {work / 'base'} (--merge-adapter), in" in capsys.readouterr().out
+    assert records(work / "merged-dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert merged["r"] == 16 and merged["base_model_name_or_path"].startswith(str(tmp_path / "cache" / "merged"))
+    finetune.main(["--model", "sft/final", "--method", "full", *DPO, "--dataset", str(pairs_file), "--output-dir",
+                   "full-dpo", "--max-steps", "1", *common])  # no adapter to train on: merged (the same folder)
+    assert f"(--method full), in {merged['base_model_name_or_path']}" in capsys.readouterr().out
+    assert records(work / "full-dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+    monkeypatch.chdir(tmp_path)  # another working directory: each final/ names a base that loads from here
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for run, base in (("sft", work / "base"), ("dpo", work / "base"), ("merged-dpo", None)):
+        final = work / run / "final"
+        recorded = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert Path(recorded).is_absolute() and (base is None or recorded == str(base)), (run, recorded)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(recorded), str(final))
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_an_adapter_whose_base_is_gone_and_a_stray_merge_flag_are_one_line(tmp_path, tiny_model, pairs_file, capsys):
+    """An adapter that recorded its base relative to another folder (as runs before issue 57 did) is named with
+    the field it was read from, not as a --model the user never passed; --merge-adapter on a model, and a
+    step checkpoint as --model, are refused in one line."""
+    import finetune
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "runs/sft-merged",
+                                                             "peft_type": "LORA"}))
+    step = tmp_path / "checkpoint-2"  # a step checkpoint's adapter is in its sharded state/
+    step.mkdir()
+    (step / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model)}))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    cases = [(["--model", str(adapter)], f"--model {adapter} is a LoRA adapter on runs/sft-merged "
+              "(adapter_config.json's base_model_name_or_path), which cannot be opened: runs/sft-merged: not a "
+              "local folder"),
+             (["--model", str(tiny_model), "--merge-adapter"],
+              f"--merge-adapter: --model {tiny_model} is not a LoRA adapter folder (no adapter_config.json)"),
+             (["--model", str(step)], f"--model {step} is a step checkpoint: write its adapter folder first with "
+              f"`python -m toolkit convert-checkpoint {step} --output DIR`")]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as e:
+            finetune.main([*argv, *DPO, "--dataset", str(pairs_file), "--output-dir", str(tmp_path / "out"),
+                           "--max-steps", "1", "--report-to", "none"])
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("finetune.py: error:")]
+        assert e.value.code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+        assert "--model runs/sft-merged" not in lines[0]

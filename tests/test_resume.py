@@ -165,7 +165,7 @@ def test_keep_last(tmp_path, tiny_model, data):
     out = tmp_path / "out"
     p = run(args(tiny_model, data, out, extra=["--save-every", "1", "--keep-last", "2"]))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-7"]
+    assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-7", "checkpoint-8"]  # the last step too
 
 
 def test_nan_guard_skips_updates_then_saves_and_stops(tmp_path, tiny_model, data):
@@ -183,25 +183,28 @@ def test_nan_guard_skips_updates_then_saves_and_stops(tmp_path, tiny_model, data
 
 
 def killed_after_checkpoint_6(ref, tmp_path):
-    """A copy of a finished 8-step run as a kill after checkpoint-6 would leave it: no final/, no summary."""
+    """A copy of a finished 8-step run as a kill after checkpoint-6 would leave it: no final/, no summary,
+    no checkpoint-8 (its last step's)."""
     out = tmp_path / "out"
     shutil.copytree(ref, out)
     shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-8")
     (out / "summary.json").unlink()
     return out
 
 
 def test_a_finished_run_survives_resume_auto_and_is_continued_only_when_asked(tmp_path, tiny_model, data, reference):
     """--resume auto in a finished run's folder stops in one line and changes no file; the message without
-    --resume offers only what works; --continue-finished --max-steps 10 trains on from checkpoint-6 (steps
-    1-6 kept, 7-10 run on the stretched schedule) and replaces final/; asked again, it is finished at 10."""
+    --resume offers only what works; --continue-finished --max-steps 10 trains on from checkpoint-8, the
+    checkpoint of its last step (steps 1-8 kept, not re-trained; 9-10 run on the stretched schedule) and
+    replaces final/; asked again, it is finished at 10."""
     out = tmp_path / "out"
     shutil.copytree(reference(), out)
     files = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
     p = run(args(tiny_model, data, out, extra=["--resume", "auto"]))
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert (f"--resume auto: {out} holds a finished run (final/ at step 8) and no later checkpoint: there is nothing "
-            "to resume. --continue-finished --max-steps N (N > 8) trains it further from checkpoint-6") in p.stderr
+            "to resume. --continue-finished --max-steps N (N > 8) trains it further from checkpoint-8") in p.stderr
     p = run(args(tiny_model, data, out))
     assert p.returncode == 2 and f"--output-dir {out} holds a finished run (final/ at step 8); --resume auto " \
         "--continue-finished --max-steps N (N > 8) trains it further, --overwrite-output-dir replaces it" in p.stderr
@@ -210,13 +213,30 @@ def test_a_finished_run_survives_resume_auto_and_is_continued_only_when_asked(tm
     assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == files  # nothing touched
     p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "checkpoint-6: continuing at step 7 of 10" in p.stdout and "the run finished at step 8" in p.stdout
+    assert "checkpoint-8: continuing at step 9 of 10" in p.stdout and "the run finished at step 8" in p.stdout
     assert [s for s, _ in losses(out)] == list(range(1, 11))
-    assert losses(out)[:6] == losses(reference())[:6]
+    assert losses(out)[:8] == losses(reference())[:8]
     assert json.loads((out / "summary.json").read_text())["steps"] == 10
     assert not torch.equal(weights(out)[k := next(iter(weights(out)))], weights(reference())[k])  # final/ replaced
     p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
     assert p.returncode == 2 and "the run finished 10 steps; pass --max-steps beyond them" in p.stderr
+
+
+def test_a_finished_run_saves_its_last_step_and_continues_after_it(tmp_path, tiny_model, data, capsys):
+    """In one process: --save-every 2 over 3 steps saves checkpoint-2 and checkpoint-3, its last step, so
+    --continue-finished --max-steps 4 goes on at step 4 without training step 3 again (issue 57: it
+    re-trained the steps after checkpoint-2)."""
+    import finetune
+    from toolkit.inputs import complete_checkpoints
+
+    out = tmp_path / "out"
+    finetune.main(args(tiny_model, data, out, steps=3, extra=["--report-to", "none"]))
+    assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
+    before = losses(out)
+    finetune.main(args(tiny_model, data, out, steps=4, extra=["--report-to", "none", "--resume", "auto",
+                                                                 "--continue-finished"]))
+    assert f"resumed from {out / 'checkpoint-3'}: continuing at step 4 of 4" in capsys.readouterr().out
+    assert losses(out)[:3] == before and [s for s, _ in losses(out)] == [1, 2, 3, 4]
 
 
 def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference):
@@ -294,7 +314,7 @@ def parallel_resumed(tmp_path_factory, tiny_model, data):
     assert p.returncode != 0
     for n, m in PARALLEL[1:]:
         shutil.copytree(refs[key(n, m)]["out"], root / key(n, m))
-        for later in ("checkpoint-4", "final"):
+        for later in ("checkpoint-4", "checkpoint-6", "final"):  # checkpoint-6: its last step's
             shutil.rmtree(root / key(n, m) / later)
     resumed = launch_layouts(root, [], {key(n, m): flags(tiny_model, data, m, 6, [*LAYOUTS[n], "--resume", "auto"])
                                         for n, m in PARALLEL}, nproc=2)

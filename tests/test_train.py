@@ -477,6 +477,58 @@ def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, d
     assert logged[6] == pytest.approx((by_step[4] + by_step[5] + by_step[6]) / 3, rel=0.05)
 
 
+def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, tiny_model, data_files, monkeypatch,
+                                                                    capsys):
+    """--compile auto, the default: on this CPU eager, said in one line, its batches unpadded. Where auto
+    compiles (a GPU; here the seam lets it, with aot_eager), it times steps 2-3 eager and compiles from step
+    4 when the steps left repay the compile: the losses are the eager run's (1e-4 relative), step 4's record
+    is the warm-up, later records count the compiled graphs, and the compile's measured seconds are kept,
+    so the next run of this shape weighs them, not the cold guess (and stays eager when they do not pay)."""
+    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.train import compiling
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    args = (tiny_model, data_files["chat"], "--method", "full")
+    eager = [r["loss"] for r in records(run(tmp_path / "cpu", *args)[1]) if "loss" in r]
+    said = capsys.readouterr().out
+    assert said.count("compile: auto: eager on cpu (inductor's C++ build takes minutes") == 1
+    monkeypatch.setenv(compiling.AUTO_DEVICES_ENV, "cpu,cuda")  # as auto runs on a GPU
+    monkeypatch.setattr(compiling, "COLD_S", 1e-6)  # any compile pays
+    result, out = run(tmp_path / "auto", *args)
+    said = capsys.readouterr().out
+    assert "compile: auto: compiling the decoder blocks from step 4: eager steps take" in said
+    assert "a cold-cache guess" in said and "compile: step 4 compiled the blocks in" in said
+    got = [r for r in records(out) if "loss" in r]
+    assert [r["loss"] for r in got] == pytest.approx(eager, rel=1e-4)
+    assert [r["step"] for r in got if r.get("compile_warmup")] == [4]
+    assert all(r["compiled_graphs"] >= 1 for r in got if r["step"] > 4) and "compiled_graphs" not in got[0]
+    assert all(b._compiled_call_impl is not None for b in decoder_layers(result.model))
+    kept = json.loads((tmp_path / "cache" / "compile_seconds.json").read_text())
+    assert len(kept) == 1 and list(kept.values())[0] > 0
+    monkeypatch.setattr(compiling, "GAIN", 1e-9)  # nothing left to repay the measured compile
+    result, out = run(tmp_path / "again", *args)
+    said = capsys.readouterr().out
+    assert "compile: auto: eager: eager steps take" in said and "(measured on the last run of this shape)" in said
+    assert not any(r.get("compile_warmup") for r in records(out))
+    assert all(b._compiled_call_impl is None for b in decoder_layers(result.model))
+
+
+def test_compile_auto_says_why_a_layout_runs_eager_and_buckets_what_compiles():
+    """Layouts that refuse --compile run eager under auto, in the refusal's words; batches that may
+    compile are padded to few widths: a multiple of 64 unpacked, the packing width packed."""
+    from toolkit.data import bucket_width
+    from toolkit.train import compiling
+
+    for flags, words in ((["--zero-stage", "3"], "compile: auto: eager: --compile with --zero-stage 3 is not supported"),
+                         (["--pp", "2"], "compile: auto: eager: --compile with --pp 2 is not supported yet")):
+        cfg, said = parse_config(["--dataset", "x.json", *flags], check_dataset=False), []
+        assert compiling.plan(cfg, "cuda", None, 2, Path("."), said.append).mode == "off"
+        assert len(said) == 1 and said[0].startswith(words), (flags, said)
+    assert [bucket_width(n, 64) for n in (1, 64, 65, 200)] == [64, 64, 128, 256] and bucket_width(37, 1) == 37
+    assert compiling.pays(100, 0.5, 12.0) and not compiling.pays(100, 0.5, 12.6)  # 100 x 0.5 s x 25%
+
+
 @pytest.mark.parametrize("extra", [["--method", "lora", "--gradient-checkpointing", "--packing"], ["--method", "full"]],
                          ids=["lora-gc-packing", "full"])
 def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, monkeypatch, extra):

@@ -385,8 +385,10 @@ def cmd_plan(args) -> None:
     from toolkit.objective_spec import plan_terms
 
     terms = plan_terms(args.objective, args.method, args.loss)  # a preference pair: two sequences, full logits
+    from toolkit.parallel.tree import tree_problem
+
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
-                    nodes=args.nodes, cpu_memory=cpu_memory, cpu_memory_unknown=unknown,
+                    nodes=args.nodes, cpu_memory=cpu_memory, cpu_memory_unknown=unknown, tree_check=tree_problem,
                     sequences=terms["sequences"],
                     extra_forwards=terms["extra_forwards"],
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,

@@ -52,6 +52,9 @@ class ModelConfig:
                                          "each adapted layer's input (benchmarks/lora_dropout.md)")
     lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
+    merge_adapter: bool = _f(False, "with --model a LoRA adapter folder: fold it into its base first (as python -m "
+                                    "toolkit merge does) and train a new adapter, or the full model, on the merged "
+                                    "weights; by default LoRA trains the same adapter on")
     router_aux_loss_coef: Optional[float] = _f(None, "MoE models: the router load-balancing loss's coefficient, "
                                                      "added to the loss as the model adds it (0 = off; unset = "
                                                      "the config's, on where it sets output_router_logits)")
@@ -111,8 +114,11 @@ class TrainConfig:
                            "asked: slower on real packed data; cce refuses fp32); on CPU chunked; full under --pp or "
                            "with a non-linear LM head",
                    ("auto", "full", "chunked", "liger", "cce"))
-    compile: bool = _f(False, "compile each decoder block with torch.compile (regional); the first step compiles, "
-                              "and its metrics record says so (warmup)")
+    compile: Optional[bool] = _f(None, "compile each decoder block with torch.compile (regional); unset (auto, the "
+                                       "default): on CUDA from step 4 where the steps left repay the compile, timed "
+                                       "on steps 2-3, eager on CPU and on layouts that cannot compile, said in one "
+                                       "line; --compile: from step 1; --no-compile: never. The compile step's "
+                                       "metrics record says so (compile_warmup)")
     objective: str = _f("sft", "what to train on: sft = next-token loss on the completions; dpo, orpo, simpo = "
                                "preference pairs (prompt, chosen, rejected): DPO against the model as loaded (LoRA: "
                                "the adapters disabled; full: its log-probabilities computed once before step 1), "
@@ -252,7 +258,7 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
     section, f = _fields()[key]
     tp, optional = _field_type(section, f)
     where = f"--{key.replace('_', '-')}" if origin == "flag" else f"'{name or key}' in {origin}"
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "auto")):
         if optional:
             return None
         raise UserError(f"{where} needs a value")
@@ -529,7 +535,7 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and d.eval_split == 0),
          "--eval-every needs held-out data: set --eval-split (for example 0.05)")
-    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile, m.attn))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn))
     p.extend(objective_problems(cfg))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")

@@ -8,6 +8,7 @@ cache, once; every later run loads that folder through the normal `from_pretrain
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import inspect
 import json
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -95,11 +97,13 @@ def resolve_model(name: str) -> str:
         return str(prepare_default_model())
     path = Path(name).expanduser()
     if path.exists():
+        if is_adapter_dir(path) and not (path / "config.json").is_file():
+            return adapter_base_path(path)
         if not (path / "config.json").is_file():
-            hint = " (it looks like a LoRA adapter: merge it first with `python -m toolkit merge`)" \
-                if (path / "adapter_config.json").is_file() else ""
-            raise UserError(f"--model {name}: folder has no config.json{hint}")
-        return str(path)
+            raise UserError(f"--model {name}: folder has no config.json")
+        # absolute: what from_pretrained is given becomes config._name_or_path, which peft records as an
+        # adapter's base; a path relative to this working directory would not load from any other
+        return os.path.abspath(path)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UserError(f"--model {name}: folder not found")
     from huggingface_hub import try_to_load_from_cache
@@ -226,8 +230,8 @@ def load_model(cfg: Config, path: str):
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     if cfg.model.method in ("lora", "qlora"):
-        model = apply_lora(model, cfg)
-    if cfg.train.compile:
+        model = apply_lora(model, cfg, path)
+    if cfg.train.compile is True:  # --compile; auto decides in the loop, once steps are timed
         compile_blocks(model)
     return model
 
@@ -350,9 +354,71 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+# rows of the probe's input: divisible by every group count up to 16, for a forward that splits its rows
+# into groups (meta tensors: the size costs nothing)
+PROBE_ROWS = 720720
+
+
+def keeps_linear_contract(module: torch.nn.Linear) -> bool:
+    """Whether peft's LoRA can wrap this Linear: its wrapper adds x A^T B^T, of shape (..., out_features),
+    to whatever the module returns. torch's own forward returns that tensor. A subclass that overrides
+    forward may not: an MoE router that returns (scores, logits) (Llama 4's, PhiMoE's) crashes peft,
+    which reads `.dtype` from the tuple; so does DeepSeek-V4's grouped output projection, whose tensor has
+    another shape. Such a forward runs once on a weightless replica (its parameters and buffers as meta
+    tensors: no memory, no arithmetic, the module itself untouched, partitioned ZeRO-3 weights by their
+    full shape) with PROBE_ROWS rows of in_features, and must return one tensor of PROBE_ROWS rows of
+    out_features. Where that probe cannot run (a kernel without a meta version), the forward's return
+    annotation decides: a tuple is refused, anything else kept."""
+    forward = type(module).forward
+    if forward is torch.nn.Linear.forward or type(module.weight) not in (torch.nn.Parameter, torch.Tensor):
+        return True  # torch's forward; or a quantized layer (bitsandbytes' Params4bit), which peft dispatches itself
+
+    def meta(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty(tuple(getattr(t, "ds_shape", t.shape)), dtype=t.dtype, device="meta")
+
+    replica = copy.copy(module)
+    replica._parameters = {k: meta(v) for k, v in module._parameters.items()}
+    replica._buffers = {k: meta(v) for k, v in module._buffers.items()}
+    replica.training = False  # no jitter noise or sampling in the probe
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # whatever the probe's forward says of meta tensors is not the user's
+            rows = torch.empty(PROBE_ROWS, module.in_features, dtype=replica.weight.dtype, device="meta")
+            out = forward(replica, rows)
+        return isinstance(out, torch.Tensor) and tuple(out.shape) == (PROBE_ROWS, module.out_features)
+    except Exception:  # noqa: BLE001 - the probe could not run: the annotation is what is known
+        returns = inspect.signature(forward).return_annotation
+        text = returns if isinstance(returns, str) else repr(returns)
+        return not text.lower().startswith(("tuple", "typing.tuple"))
+
+
+def untargetable_linears(model) -> dict[str, str]:
+    """{module name: class name} of the Linears LoRA must leave alone (`keeps_linear_contract`), each
+    class probed once."""
+    verdicts: dict[type, bool] = {}
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            kind = type(module)
+            if kind not in verdicts:
+                verdicts[kind] = keeps_linear_contract(module)
+            if not verdicts[kind]:
+                found[name] = kind.__name__
+    return found
+
+
 def check_lora_targets(model, targets: list[str]) -> None:
-    present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
-               or type(mod).__name__.startswith("Linear")}
+    """Each name in --lora-targets is the leaf name of some Linear that LoRA can wrap; one that is only
+    a Linear LoRA cannot wrap (`keeps_linear_contract`) is named as such."""
+    skipped = untargetable_linears(model)
+    present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if n not in skipped and (
+        isinstance(mod, torch.nn.Linear) or type(mod).__name__.startswith("Linear"))}
+    refused = {n.rsplit(".", 1)[-1]: kind for n, kind in skipped.items()}
+    for t in targets:
+        if t not in present and t in refused:
+            raise UserError(f"--lora-targets {t}: {refused[t]} subclasses nn.Linear but does not return one tensor "
+                            "of its out_features (an MoE router returns scores and logits), so LoRA cannot wrap it; "
+                            "leave it out")
     missing = [t for t in targets if t not in present]
     if missing:
         raise UserError(f"--lora-targets {', '.join(missing)} match no module of this model; "
@@ -431,13 +497,16 @@ def check_model(cfg: Config, path: str) -> str:
     if m.router_aux_loss_coef is not None and not hasattr(config.get_text_config(), "router_aux_loss_coef"):
         raise UserError(f"--router-aux-loss-coef: {type(skeleton).__name__} has no router load-balancing loss "
                         "(no router_aux_loss_coef in its config); leave the flag out")
-    if m.method in ("lora", "qlora") and m.lora_targets != "all-linear":
+    if m.method in ("lora", "qlora") and m.lora_targets != "all-linear" and sft_adapter(cfg) is None:
         check_lora_targets(skeleton, [t.strip() for t in m.lora_targets.split(",") if t.strip()])
     return attention_line
 
 
-def apply_lora(model, cfg: Config):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def apply_lora(model, cfg: Config, base: str | None = None):
+    """The LoRA (QLoRA) model: a new adapter on the --lora-* flags' targets, less the Linears it cannot
+    wrap (`untargetable_linears`), or the SFT adapter `--model` names, trainable (`sft_adapter`). The
+    adapter records `base` (default: the path the model was loaded from) as `recorded_base` gives it."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     m = cfg.model
     if m.method == "qlora":
@@ -446,13 +515,21 @@ def apply_lora(model, cfg: Config):
             gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.train.gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
-    targets: str | list[str] = m.lora_targets
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-        check_lora_targets(model, targets)
-    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, lora)
+    adapter = sft_adapter(cfg)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    else:
+        targets: str | list[str] = m.lora_targets
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+            check_lora_targets(model, targets)
+        lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
+                          exclude_modules=sorted(untargetable_linears(model)) or None, task_type="CAUSAL_LM",
+                          bias="none")
+        model = get_peft_model(model, lora)
+    model.peft_config[model.active_adapter].base_model_name_or_path = recorded_base(
+        base or model.get_base_model().name_or_path)
+    return model
 
 
 def count_parameters(model) -> tuple[int, int]:
@@ -479,6 +556,116 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
+def adapter_base(folder: str | Path, flag: str = "--model") -> str:
+    """The base model an adapter folder names: adapter_config.json's base_model_name_or_path."""
+    try:
+        base = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{flag} {folder}: its adapter_config.json is unreadable ({e})") from None
+    if not base:
+        raise UserError(f"{flag} {folder}: its adapter_config.json names no base model (base_model_name_or_path); "
+                        "merge it with `python -m toolkit merge --adapter ... --base DIR` and pass the merged folder")
+    return base
+
+
+def adapter_base_path(folder: str | Path, flag: str = "--model") -> str:
+    """`resolve_model` of the base an adapter folder names. An error names the adapter and the field it
+    was read from, not a `--model` the user never passed."""
+    base = adapter_base(folder, flag)
+    if is_adapter_dir(base):
+        raise UserError(f"{flag} {folder}: its base model {base} is itself an adapter; merge that one first "
+                        "(python -m toolkit merge)")
+    try:
+        return resolve_model(base)
+    except UserError as e:
+        why = str(e).replace(f"--model {base}", base).split("; ")[0]  # its advice is for a --model of the user's
+        raise UserError(f"{flag} {folder} is a LoRA adapter on {base} (adapter_config.json's base_model_name_or_path), "
+                        f"which cannot be opened: {why}; put the base model there, or set base_model_name_or_path "
+                        "to its folder or hub id") from None
+
+
+def recorded_base(path: str) -> str:
+    """What a saved adapter records as its base (base_model_name_or_path): a local folder's absolute
+    path, or the hub id it came from; never a path relative to the working directory, which loads
+    from no other one."""
+    local = Path(path).expanduser()
+    return os.path.abspath(local) if local.is_dir() else path
+
+
+def sft_adapter(cfg: Config) -> str | None:
+    """The LoRA adapter `--model` names when this run trains it on (TRL's way with a peft model:
+    DPO straight after SFT), as an absolute path; None where `--model` is a model, or where the
+    adapter is merged first (--merge-adapter, or --method full, which has no adapter to train)."""
+    m = cfg.model
+    if m.method == "full" or m.merge_adapter or not is_adapter_dir(Path(m.model).expanduser()):
+        return None
+    return os.path.abspath(Path(m.model).expanduser())
+
+
+def training_model(cfg: Config) -> tuple[str, str | None]:
+    """(what `from_pretrained` opens for this run, a line on where it came from when `--model` is a
+    LoRA adapter folder). An adapter trained on: its base, the adapter loaded onto it by `load_model`.
+    Merged (--merge-adapter, or --method full): the merged folder (`merged_model_dir`)."""
+    from toolkit.inputs import TRAINER_STATE
+
+    m = cfg.model
+    folder = Path(m.model).expanduser()
+    if is_adapter_dir(folder) and (folder / TRAINER_STATE).is_file():  # its adapter is in sharded state/
+        raise UserError(f"--model {m.model} is a step checkpoint: write its adapter folder first with `python -m "
+                        f"toolkit convert-checkpoint {m.model} --output DIR`, then pass --model DIR")
+    path = resolve_model(m.model)
+    if not is_adapter_dir(folder):
+        if m.merge_adapter:
+            raise UserError(f"--merge-adapter: --model {m.model} is not a LoRA adapter folder (no "
+                            "adapter_config.json); leave the flag out")
+        return path, None
+    adapter = sft_adapter(cfg)
+    if adapter is not None:
+        lora = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        return path, (f"model: {m.model} is a LoRA adapter on {path}: trained on as it is (its r {lora.get('r')}, "
+                      f"alpha {lora.get('lora_alpha')}; --lora-r, --lora-alpha, --lora-targets do not apply); "
+                      "--merge-adapter trains a new one on the merged model instead")
+    merged = merged_model_dir(m.model, path, m.trust_remote_code)
+    why = "--merge-adapter" if m.merge_adapter else "--method full"
+    return merged, f"model: {m.model} merged into its base {path} ({why}), in {merged}"
+
+
+def merged_model_dir(adapter: str, base: str, trust_remote_code: bool = False) -> str:
+    """The adapter folded into its base, as `python -m toolkit merge` writes it (`load_for_inference`,
+    peft's merge_and_unload, the adapter's tokenizer), once per adapter and base in the toolkit cache:
+    the run's adapter then records that folder as its base. Ranks started together wait on a file lock;
+    the folder is written under a temporary name and renamed into place whole."""
+    import hashlib
+
+    from filelock import FileLock
+
+    folder = Path(adapter).expanduser()
+    h = hashlib.sha256(os.path.abspath(base).encode() if Path(base).is_dir() else base.encode())
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\x00{st.st_size}\x00{st.st_mtime_ns}\x00".encode())
+    target = cache_dir() / "merged" / f"{folder.resolve().name}-{h.hexdigest()[:16]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return str(target)
+        model = load_for_inference(str(folder), base=base, trust_remote_code=trust_remote_code).merge_and_unload()
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(tokenizer_dir(str(folder), base), trust_remote_code).save_pretrained(tmp)
+        os.replace(tmp, target)
+    return str(target)
+
+
+def tokenizer_dir(model: str, path: str) -> str:
+    """Where the run's tokenizer comes from: an adapter folder's own where it holds one (the SFT run
+    saved its tokenizer, chat template included, beside the adapter), else `path`."""
+    folder = Path(model).expanduser()
+    return str(folder) if is_adapter_dir(folder) and (folder / "tokenizer_config.json").is_file() else path
+
+
 def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = torch.float32,
                        trust_remote_code: bool = False, flag: str = "--model"):
     """A full model folder or an adapter folder (base from `base` or from the adapter's config). A
@@ -490,9 +677,9 @@ def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = 
         if is_adapter_dir(path):
             from peft import PeftModel
 
-            base = base or json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
-            where = f"the base model {base}"
-            base_model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=dtype,
+            base_path = resolve_model(base) if base else adapter_base_path(path, flag)
+            where = f"the base model {base or adapter_base(path, flag)}"
+            base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype,
                                                               trust_remote_code=trust_remote_code)
             return PeftModel.from_pretrained(base_model, path)
         return AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype,

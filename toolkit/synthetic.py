@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.data.tokenize import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly mix potions near "
          "old towers and bright rivers under cold northern skies with purple dragons").split()
@@ -125,3 +129,49 @@ def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None =
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return Path(path)
+
+
+# Each planner preset (`toolkit.planner.presets`) as a tiny runnable model: the published config with its
+# widths shrunk and its structure kept (issue 57). Kept: the model type, the layer pattern (`layer_types`,
+# one period of it at least), which layers are dense and which routed (`mlp_only_layers`,
+# `decoder_sparse_step`, `first_k_dense_replace`), shared experts, group-limited routing, GQA against MHA,
+# a head_dim apart from hidden/heads, sliding windows (shrunk below the tests' sequence length), biases,
+# dropout, tied embeddings, every other published or default value. Shrunk: the widths below, the experts
+# to 4 (top 2), the kv heads in the published ratio (at least 1).
+_TINY_WIDTHS = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32,
+                    vocab_size=384, max_position_embeddings=256, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=16, v_head_dim=16, sliding_window=16)
+_TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                     topk_group=1)
+
+
+def tiny_preset(name: str) -> PretrainedConfig:
+    """The config of preset `name`'s tiny model (its `layer_types` and class defaults resolved as the
+    published model's are; `AutoModelForCausalLM.from_config` builds it, `build_zoo_model_dir`'s steps
+    save it). The block count: 2, or one period of the layer pattern and the first routed layer, whichever
+    is more (Gemma 3's 5 sliding : 1 full, 6 blocks; DeepSeek-V3's 3 dense blocks then a routed one, 4)."""
+    from transformers import AutoConfig
+
+    from toolkit.planner.presets import PRESETS
+
+    values = dict(PRESETS[name])
+    model_type = values.pop("model_type")
+    published = AutoConfig.for_model(model_type, **values)
+    kinds = list(getattr(published, "layer_types", None) or [])
+    period = next((p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))), 1)
+    layers = max(2, period, (getattr(published, "first_k_dense_replace", 0) or 0) + 1,
+                 getattr(published, "decoder_sparse_step", 1) or 1)
+    tiny = {k: v for k, v in _TINY_WIDTHS.items() if getattr(published, k, None) is not None}
+    tiny |= {k: v for k, v in _TINY_EXPERTS.items() if (getattr(published, k, None) or 0) > 1}
+    heads, kv = published.num_attention_heads, published.num_key_value_heads or published.num_attention_heads
+    tiny["num_key_value_heads"] = max(1, 4 * kv // heads)
+    if getattr(published, "head_dim", None) and "qk_rope_head_dim" not in values:  # MLA derives its own
+        tiny["head_dim"] = 16 if published.head_dim * heads == published.hidden_size else 32
+    if getattr(published, "query_pre_attn_scalar", None):  # Gemma: hidden/heads, or the head_dim
+        tiny["query_pre_attn_scalar"] = 16 if published.query_pre_attn_scalar == published.hidden_size // heads \
+            else tiny.get("head_dim", 16)
+    if kinds:
+        tiny["layer_types"] = kinds[:layers]
+    if getattr(published, "mlp_only_layers", None) is not None:
+        tiny["mlp_only_layers"] = [i for i in published.mlp_only_layers if i < layers]
+    return AutoConfig.for_model(model_type, **{**values, **tiny, "num_hidden_layers": layers})

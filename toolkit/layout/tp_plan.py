@@ -27,7 +27,8 @@ whose entries are column projections and one row projection:
 
 Regions may sit inside one another's path (Qwen3-MoE's dense `mlp` and its MoE `mlp.experts`): each
 applies to the blocks that hold its projections, and a block holding two nested ones is refused when
-the plan is applied.
+the plan is applied. A model with one kind of those blocks only (Qwen3-30B-A3B routes every layer)
+leaves the other region unmatched, which is no error (`toolkit.parallel.tp.plan.tp_fit`).
 
 Entries outside the decoder blocks (a vocab-parallel embedding) stay whole on every rank, as do the
 LM head and the norms: always correct, only less memory saved. Any other style inside a block

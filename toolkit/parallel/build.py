@@ -185,7 +185,8 @@ def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: 
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:
-    """What the model's architecture refuses for --tp / --pp / --cp / --ep (read from its config, no weights)."""
+    """What the model's architecture refuses for --tp / --pp / --cp / --ep (read from its config and its module
+    tree on the meta device, no weights)."""
     par = cfg.parallel
     if not model_path or (par.tp == 1 and par.pp == 1 and par.cp == 1 and par.ep == 1):
         return []
@@ -209,4 +210,8 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
         from toolkit.parallel.pp import pipeline_problems
 
         problems += pipeline_problems(config, cfg.model.trust_remote_code)
+    if par.tp > 1 and not problems:  # the plan's regions against the blocks, on a meta-device copy
+        from toolkit.parallel.tp.plan import tp_tree_problems
+
+        problems += tp_tree_problems(config, cfg.model.trust_remote_code)
     return problems

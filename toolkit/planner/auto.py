@@ -3,6 +3,8 @@ whatever the plan chose: a 1-D strategy (DDP/ZeRO/FSDP/offload) or a mesh layout
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 from pathlib import Path
@@ -142,15 +144,16 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
     return "; ".join(parts)
 
 
-def apply_auto_strategy(cfg: Config, model_path: str, precision: str) -> tuple[Config, Plan, str]:
-    """(the config with the plan's choices, the plan, its table for the log)."""
+def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check=None) -> tuple[Config, Plan, str]:
+    """(the config with the plan's choices, the plan, its table for the log). `tree_check`: the run's
+    check of a layout on the model's module tree (`toolkit.parallel.tree.tree_problem`; `PlanInput.tree_check`)."""
     per_node, memory, nodes, what = detect_hardware()
     model_cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else None
     if model_cfg is None:
         from transformers import AutoConfig
 
         model_cfg = AutoConfig.from_pretrained(model_path).to_dict()
-    inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
+    inp = replace(plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what), tree_check=tree_check)
     try:
         result = plan(inp)
     except (KeyError, ValueError) as e:

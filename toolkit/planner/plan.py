@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from toolkit.errors import UserError
 from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
@@ -107,6 +107,9 @@ class PlanInput:
     sequences: int = 1  # sequences per example: 2 for a preference pair (chosen and rejected, one micro-batch)
     extra_forwards: int = 0  # no-grad forwards per sequence (`toolkit.objective_spec.extra_forwards`): LoRA DPO's
     # reference (the base model's forward before each policy forward), KTO's KL estimate
+    # what the run refuses of --tp ("tp") or --pp ("pp") on the config's module tree, '' where it runs
+    # (`toolkit.parallel.tree.tree_problem`, handed in by the caller: the planner stays below the parallel layer)
+    tree_check: Callable[[dict[str, Any], str], str] | None = None
 
     @property
     def hw(self) -> Hardware:
@@ -375,12 +378,21 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
     hw = inp.hw
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))
     why = not_runnable(d, inp.method, inp.precision, inp.loss) \
-        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method, ep=d.ep)), "")  # the run's rules
+        or next(iter(model_problems(inp.model, d.tp, d.pp, d.cp, d.world_size, inp.method, ep=d.ep)), "") \
+        or tree_problems(inp, d)
     terms = mesh_step_terms(inp, d, checkpointing, rows, hw)
     short = shortfall(b["total"], 0, inp)
     return Candidate(layout_name(d), checkpointing, micro_batch, b, 0, comm, not short, terms,
                      micro_batch * d.dp, dims={k: getattr(d, k) for k in (*MESH_DIMS, "ep")}, runnable=not why,
                      why_not=why, short=short)
+
+
+def tree_problems(inp: PlanInput, d: ParallelDims) -> str:
+    """What the run refuses of this layout on the model's module tree (`inp.tree_check`, the run's own
+    check handed in by the caller: `toolkit.parallel.tree.tree_problem`), '' where it runs or nobody asked."""
+    if inp.tree_check is None:
+        return ""
+    return (inp.tree_check(inp.model, "tp") if d.tp > 1 else "") or (inp.tree_check(inp.model, "pp") if d.pp > 1 else "")
 
 
 def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:

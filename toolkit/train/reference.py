@@ -1,7 +1,8 @@
 """DPO's and KTO's reference for a full finetune, without a second model: the log-probabilities of every
 pair's two sequences (a KTO example's sequence and its KL sequence) under the model as loaded, computed
-in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). LoRA needs none of this: its reference is the base model with
-the adapters disabled (`toolkit.preference.PreferenceLoss.reference_logps`).
+in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). A new LoRA needs none of this: its reference is the base model with
+the adapters disabled (`toolkit.preference.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
+adapter `--model` names does (`toolkit.models.sft_adapter`): its reference is that adapter, on, as loaded.
 
 The pass is cached, keyed by the rows' tokens, the model's weight files and the compute precision,
 and written beside the run (`reference_logps.safetensors` in the output folder), so a resume reads
@@ -27,14 +28,18 @@ def rows_key(rows_digest: str, precision: str) -> str:
     return hashlib.sha256(f"{rows_digest}\x00{precision}".encode()).hexdigest()
 
 
-def cache_key(rows_key: str, model_dir: str) -> str:
-    """The shared cache's key: `rows_key` and the model's weight files (name, size, mtime)."""
+def cache_key(rows_key: str, *model_dirs: str) -> str:
+    """The shared cache's key: `rows_key` and the model's weight files (name, size, mtime): the base's,
+    and an SFT adapter's trained on, whose output the reference is."""
     h = hashlib.sha256(rows_key.encode())
-    path = Path(model_dir)
-    for f in sorted(path.iterdir()) if path.is_dir() else []:
-        if f.suffix in (".safetensors", ".bin", ".json") and f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}\x00{st.st_size}\x00{st.st_mtime_ns}\x00".encode())
+    for i, model_dir in enumerate(model_dirs):
+        path = Path(model_dir)
+        if i:  # one folder hashes as it always did: older cache entries still match
+            h.update(f"{i}\x00".encode())
+        for f in sorted(path.iterdir()) if path.is_dir() else []:
+            if f.suffix in (".safetensors", ".bin", ".json") and f.is_file():
+                st = f.stat()
+                h.update(f"{f.name}\x00{st.st_size}\x00{st.st_mtime_ns}\x00".encode())
     return h.hexdigest()
 
 
@@ -74,6 +79,7 @@ def save(path: Path, name: str, key: str, values: torch.Tensor, log=print) -> No
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> torch.Tensor:
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
@@ -103,13 +109,15 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
     import time
 
     from toolkit.cache import cache_dir
-    from toolkit.models import resolved_precision
+    from toolkit.models import resolved_precision, sft_adapter
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
     unit = "examples" if run.cfg.train.objective == "kto" else "pairs"
     key = rows_key(rows.digest(), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
-    cached = cache_dir() / "reference" / f"{cache_key(key, strategy.unwrap(run.model).config._name_or_path)}.safetensors"
+    adapter = sft_adapter(run.cfg)
+    dirs = (strategy.unwrap(run.model).config._name_or_path, *([adapter] if adapter else []))
+    cached = cache_dir() / "reference" / f"{cache_key(key, *dirs)}.safetensors"
     for path in (mine, cached) if resuming else (cached,):
         found = read_saved(path, name, key)
         if found is not None:

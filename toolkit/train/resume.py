@@ -31,10 +31,11 @@ RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
                "loss", "streaming", "router_aux_loss_coef", "objective", "beta", "simpo_gamma", "label_smoothing",
-               "desirable_weight", "undesirable_weight")
+               "desirable_weight", "undesirable_weight", "merge_adapter")
 NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None, "objective": "sft", "beta": None,
                      "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0,
-                     "desirable_weight": 1.0, "undesirable_weight": 1.0}  # what older checkpoints ran with
+                     "desirable_weight": 1.0, "undesirable_weight": 1.0,
+                     "merge_adapter": False}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
@@ -66,15 +67,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json"
 
 
 def model_identity(name: str) -> dict | None:
-    """What `--model` holds, beyond its name: config.json's SHA-256 and each weight file's size and
-    the SHA-256 of its first and last MiB (hashing whole files would read an 8B model at every
-    checkpoint; the ends hold the header and tensors at both ends). None: a hub id that is not in
-    the local cache."""
+    """What `--model` holds, beyond its name: config.json's SHA-256 (an adapter folder's:
+    adapter_config.json's) and each weight file's size and the SHA-256 of its first and last MiB
+    (hashing whole files would read an 8B model at every checkpoint; the ends hold the header and
+    tensors at both ends). None: a hub id that is not in the local cache."""
     from toolkit.config import DEFAULT_MODEL
-    from toolkit.models import default_model_dir
+    from toolkit.models import default_model_dir, is_adapter_dir
 
     folder = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
-    if not (folder / "config.json").is_file():
+    adapter = is_adapter_dir(folder) and not (folder / "config.json").is_file()
+    config = "adapter_config.json" if adapter else "config.json"
+    if not (folder / config).is_file():
         from huggingface_hub import try_to_load_from_cache
 
         try:
@@ -85,7 +88,7 @@ def model_identity(name: str) -> dict | None:
             return None
         folder = Path(cached).parent
     weights = {f.name: _ends(f) for f in sorted(folder.iterdir()) if f.name.endswith(WEIGHT_SUFFIXES)}
-    return {"config": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(), "weights": weights}
+    return {"config": hashlib.sha256((folder / config).read_bytes()).hexdigest(), "weights": weights}
 
 
 def _ends(path: Path, span: int = 1 << 20) -> str:

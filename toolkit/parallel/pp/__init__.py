@@ -28,13 +28,10 @@ def pipeline_problems(model_config, trust_remote_code: bool = False) -> list[str
     """Whether the model can be cut into stages by its config's `base_model_pp_plan` (`split.decoder_parts`),
     found on a meta-device copy of the architecture (no weights are read). Stages against blocks, the
     world size and the router loss: `toolkit.layout.rules.model_problems`."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from toolkit.parallel.meta import meta_model
 
-    with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
     try:
-        decoder_parts(skeleton)
+        decoder_parts(meta_model(model_config, trust_remote_code))
     except UserError as e:
         return [str(e)]
     return []

@@ -1,7 +1,9 @@
 """The tensor-parallel plan applied in place to a loaded model (full or peft-LoRA) by slicing its full
 weights. What is split comes from the config's `base_model_tp_plan` (transformers' own), read by
 `toolkit.layout.tp_plan` into regions; the layout rules ask the same reading before the weights load,
-so a plan the layers cannot express never gets here.
+so a plan the layers cannot express never gets here. Which blocks each region splits is `tp_fit`,
+asked of a meta-device copy of the model before the weights load too (and by the planner of each
+tp row), then again here on the loaded model.
 
 Per region of every decoder block, with t ranks:
     local     columns keep their output split: rank i keeps q heads i*n/t .. (i+1)*n/t - 1 and the
@@ -144,10 +146,7 @@ def _linear(parent: nn.Module, name: str) -> nn.Module:
 
 def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str,
                       parts: tuple[int, ...] | None = None, gathered: bool = False) -> None:
-    target, base = parent.get_submodule(name), _linear(parent, name)
-    if type(base) is not nn.Linear:
-        raise UserError(f"--tp: {where}.{name} is a {type(base).__name__}, not the linear layer the plan's "
-                        f"{kind} projection splits")
+    target, base = parent.get_submodule(name), _linear(parent, name)  # an nn.Linear: `_check_region`
     try:
         if kind == "column":
             sharded = ColumnParallelLinear.from_linear(base, group, gather_output=gathered, copy_input=gathered,
@@ -218,12 +217,25 @@ def nested_regions(block: nn.Module, regions: tuple[Region, ...]) -> tuple[str, 
 
 
 def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None:
+    """Block i's module for `region` against the plan, before anything is split: every projection and
+    replicated module it names, each projection an nn.Linear, and (a region split locally) no parameter
+    between them without a style."""
     module = block.get_submodule(region.path)
     missing = [f"{region.path}.{n}" for n in (*region.columns, region.row, *region.replicated) if not _has(module, n)]
     if missing:
         found = ", ".join(f"{n}: {type(m).__name__}" for n, m in module.named_children())
         raise UserError(f"--tp: block {i} ({type(block).__name__}) has no {', '.join(missing)}; its "
                         f"base_model_tp_plan does not fit '{blocks}.{i}.{region.path}' (found {found})")
+    owned = (*region.columns, region.row, *region.replicated)
+    stray = [n for n, _ in module.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
+    if stray and not region.gathered:  # a per-head weight (Cohere's qk norms) would not fit this rank's heads
+        raise UserError(f"--tp: {blocks}.{i}.{region.path}.{stray[0]} sits between the column and row projections "
+                        "but base_model_tp_plan gives it no style; drop --tp for this model")
+    for kind, name in [*(("column", c) for c in region.columns), ("row", region.row)]:
+        base = _linear(module, name)
+        if type(base) is not nn.Linear:
+            raise UserError(f"--tp: {blocks}.{i}.{region.path}.{name} is a {type(base).__name__}, not the linear "
+                            f"layer the plan's {kind} projection splits")
 
 
 def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
@@ -266,13 +278,8 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str) 
     if region.gathered:
         found = _region_parts(module, region, config, t)
         local, parts = found is not None, found or {}
-    else:
+    else:  # a parameter between the projections without a style: refused by `tp_fit`
         local = True
-        owned = (*region.columns, region.row, *region.replicated)
-        stray = [n for n, _ in module.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
-        if stray:  # a per-head weight (Cohere's qk norms) would not fit this rank's heads
-            raise UserError(f"--tp: {where}.{stray[0]} sits between the column and row projections but "
-                            "base_model_tp_plan gives it no style; drop --tp for this model")
     for column in region.columns:
         _shard_projection(module, column, "column", group, where, parts.get(column), gathered=not local)
     _shard_projection(module, region.row, "row", group, where, gathered=not local)
@@ -291,6 +298,57 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str) 
     return f"{region.path} {columns} -> {region.row}"
 
 
+def tp_fit(model: nn.Module, plan: TPPlan) -> list[tuple[int, Region]]:
+    """Where each region of `plan` applies: (block index, region) for every block that holds it (MoE and
+    dense blocks differ), checked against the module tree only (no weights, no group: the layout rules
+    and the planner ask it of a meta-device copy, `tp_tree_problems`). A region that no block holds is
+    no error where another region in the same module of the block applies: the plan names every kind
+    of that module (Qwen3-MoE's dense `mlp` and routed `mlp.experts`) and this model has some only
+    (every layer routed: `mlp_only_layers` empty). Refused, in the run's words: no decoder
+    blocks, nested regions in one block, a region whose module lacks a projection the plan names, has one
+    that is not an nn.Linear or an unstyled parameter between them, a region matching nothing with no
+    such alternative (a plan whose names this model does not use)."""
+    blocks = decoder_blocks(model, plan.blocks)
+    for i, block in enumerate(blocks):
+        nested = nested_regions(block, plan.regions)
+        if nested:
+            raise UserError(f"--tp: block {i} holds both '{nested[0]}' and '{nested[1]}', which "
+                            "base_model_tp_plan splits as regions of their own: the TP layers do not nest them")
+    fit = [(i, region) for region in plan.regions for i, block in enumerate(blocks) if _applies(block, region, plan)]
+    held = {region.path for _, region in fit}
+    for region in plan.regions:
+        slot = region.path.split(".")[0]  # the block's module the region sits in: `mlp`, `self_attn`
+        if not any(path.split(".")[0] == slot for path in held):
+            raise UserError(f"--tp: base_model_tp_plan region '{plan.blocks}.*.{region.path}' matches no module in "
+                            f"{type(blocks[0]).__name__}")
+    for i, region in fit:
+        if not region.experts:  # an experts module's weights are checked as they are split
+            _check_region(i, blocks[i], region, plan.blocks)
+    return fit
+
+
+def _applies(block: nn.Module, region: Region, plan: TPPlan) -> bool:
+    """Whether `region` splits `block`: it holds the region's projections, or (a dense region) it has the
+    region's module and no region nested in it applies instead (`_check_region` then names what is missing)."""
+    return _holds(block, region) or (_has(block, region.path) and not region.experts and not any(
+        _holds(block, r) for r in plan.regions if r.path.startswith(region.path + ".")))
+
+
+def tp_tree_problems(config, trust_remote_code: bool = False) -> list[str]:
+    """`tp_fit` on a meta-device copy of the architecture (no weights are read): the module-tree part of
+    --tp's rules, asked before the weights load and by the planner of each tp row. The plan's own
+    reading and the divisibility of the widths: `toolkit.layout.rules.tp_plan_problems` and
+    `tp_divisibility_problems`."""
+    from toolkit.parallel.meta import meta_model
+
+    skeleton = meta_model(config, trust_remote_code)
+    try:
+        tp_fit(skeleton, tp_plan_of(skeleton.config))
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
 def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     """Shard `model` in place over `group`; returns it. Every rank must call this with identical
     full weights (same checkpoint, same seed for LoRA init)."""
@@ -301,22 +359,9 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     config = text_config(model.config)
     blocks = decoder_blocks(model, plan.blocks)
     how = {}
-    for i, block in enumerate(blocks):  # a region applies where the block holds it (MoE and dense layers differ)
-        nested = nested_regions(block, plan.regions)
-        if nested:
-            raise UserError(f"--tp: block {i} holds both '{nested[0]}' and '{nested[1]}', which "
-                            "base_model_tp_plan splits as regions of their own: the TP layers do not nest them")
-    for region in plan.regions:
-        for i, block in enumerate(blocks):
-            if _holds(block, region) or (_has(block, region.path) and not region.experts and not any(
-                    _holds(block, r) for r in plan.regions if r.path.startswith(region.path + "."))):
-                if not region.experts:  # an experts module's weights are checked as they are split
-                    _check_region(i, block, region, plan.blocks)
-                how[region.path] = _split_region(block.get_submodule(region.path), region, group, config,
-                                                 f"{plan.blocks}.{i}.{region.path}")
-        if region.path not in how:
-            raise UserError(f"--tp: base_model_tp_plan region '{plan.blocks}.*.{region.path}' matches no module in "
-                            f"{type(blocks[0]).__name__}")
+    for i, region in tp_fit(model, plan):
+        how[region.path] = _split_region(blocks[i].get_submodule(region.path), region, group, config,
+                                         f"{plan.blocks}.{i}.{region.path}")
     outside = ", ".join(plan.outside + ("lm_head",))
     # not `tp_size`: transformers reserves that for its own TP
     model.toolkit_tp = (f"tensor parallel over {t} ranks from base_model_tp_plan, per block: "
