@@ -6,7 +6,7 @@
    has it, else transformers' fallback) and batched_mm; rounds interleaved, the median per arm, and
    each arm's output and weight gradients against eager's (relative max difference).
 2. Expert parallel's all-to-all (`toolkit.parallel.ep`), 2 gloo ranks: the bytes each rank sent in one
-   forward and backward (`toolkit.parallel.ep.comm.TRAFFIC`) against the count the planner prices,
+   forward and backward (`toolkit.parallel.traffic.counting("ep")`) against the count the planner prices,
    2 x T x top-k x hidden x bytes x (ep-1)/ep in forward (dispatch and combine) and again in backward
    (uniform routing), and a step's time at ep 1 and ep 2
    (each rank half the experts; on a 2-core CPU that ratio says little about GPUs: recorded, not claimed).
@@ -100,7 +100,7 @@ def _ep_rank(rank: int, n: int, shape: dict, rounds: int) -> dict:
     from torch import nn
 
     from toolkit.parallel.ep import apply_expert_parallel
-    from toolkit.parallel.ep.comm import TRAFFIC
+    from toolkit.parallel.traffic import counting
 
     torch.set_num_threads(1)
     whole = experts_module(shape, "cpu", torch.float32, "grouped_mm")
@@ -111,13 +111,13 @@ def _ep_rank(rank: int, n: int, shape: dict, rounds: int) -> dict:
     times = {"ep1": [], "ep2": []}
     for _ in range(rounds + 1):
         for name, m in (("ep1", whole), ("ep2", holder.experts)):
-            TRAFFIC.clear()
-            dist.barrier()
-            t0 = time.perf_counter()
-            m(x.requires_grad_(), index, weights).square().sum().backward()
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
-            sent = dict(TRAFFIC)
+            with counting("ep") as traffic:
+                dist.barrier()
+                t0 = time.perf_counter()
+                m(x.requires_grad_(), index, weights).square().sum().backward()
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+            sent = dict(traffic)
     # dispatch and combine: T x k rows of hidden x 4 bytes each, (n-1)/n of them to other ranks
     expected = 2 * shape["tokens"] * shape["num_experts_per_tok"] * shape["hidden_size"] * 4 * (n - 1) / n
     return {"sent_forward": sent["forward"], "sent_backward": sent["backward"], "expected": expected,

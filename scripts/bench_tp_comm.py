@@ -5,7 +5,7 @@ Megatron's count for a transformer block split over t ranks: two all-reduces of 
 inputs), each of b*s*h elements (Shoeybi et al. 2019, "Megatron-LM", section 3, figure 4). Per step:
     expected = 2 * L * b * s * h * bytes_per_element   forward, and the same in backward
 With gradient checkpointing the forward all-reduces run again during backward's recompute.
-Measured: `toolkit.parallel.tp.comm.TRAFFIC`, which every all-reduce adds its bytes to.
+Measured: `toolkit.parallel.traffic.counting("tp")`, which every all-reduce adds its bytes to.
 
     python scripts/bench_tp_comm.py            # writes benchmarks/tp_comm.{json,md}
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
 
     from toolkit.models import enable_checkpointing
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
-    from toolkit.parallel.tp.comm import TRAFFIC
+    from toolkit.parallel.traffic import counting
     from toolkit.loss import token_loss_sum
 
     layout = make_layout(world)
@@ -85,12 +85,12 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
             dist.barrier()
 
         step()  # warms up; neither its time nor its traffic is counted
-        TRAFFIC.clear()
-        step_s = median_seconds(step, STEPS)
+        with counting("tp") as sent:
+            step_s = median_seconds(step, STEPS)
         rows.append({"case": name, "micro_batch": b, "seq": s, "method": method, "checkpointing": gc,
-                     "forward_bytes": TRAFFIC["forward"] // STEPS, "backward_bytes": TRAFFIC["backward"] // STEPS,
-                     "backward_param_bytes": TRAFFIC["backward_param"] // STEPS,
-                     "forward_calls": TRAFFIC["forward_calls"] // STEPS, "backward_calls": TRAFFIC["backward_calls"] // STEPS,
+                     "forward_bytes": sent["forward"] // STEPS, "backward_bytes": sent["backward"] // STEPS,
+                     "backward_param_bytes": sent["backward_param"] // STEPS,
+                     "forward_calls": sent["forward_calls"] // STEPS, "backward_calls": sent["backward_calls"] // STEPS,
                      "step_s": step_s})
     return rows
 

@@ -50,7 +50,7 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
     dist = _init()
     from toolkit.layout.dims import ParallelDims
     from toolkit.parallel.ep import apply_expert_parallel
-    from toolkit.parallel.ep.comm import TRAFFIC
+    from toolkit.parallel.traffic import counting
     from toolkit.parallel.mesh import build_mesh
     from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
 
@@ -70,10 +70,10 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
             split = {**cuts.split, **shards.split}
             g = torch.Generator().manual_seed(mesh.get_local_rank("dp_shard"))  # data-parallel ranks: other tokens
             ids = torch.randint(4, 96, (2, 16), generator=g)
-            TRAFFIC.clear()
-            got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-            got.loss.backward()
-            want.loss.backward()
+            with counting("ep") as traffic:
+                got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+                got.loss.backward()
+                want.loss.backward()
             diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
             assert {n for n, p in ep.named_parameters() if p.grad is not None} == set(ref_grads), model_type
@@ -90,7 +90,7 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
             weights = max((gathered[k] - v).abs().max().item() for k, v in ref.state_dict().items())
             out[f"{model_type}/{method}"] = {**diffs, "grad": worst, "weights": weights,
                                              "split": sorted(shards.split), "line": shards.line,
-                                             "sent": TRAFFIC["forward"], "returned": TRAFFIC["backward"]}
+                                             "sent": traffic["forward"], "returned": traffic["backward"]}
     dist.destroy_process_group()
     return out
 

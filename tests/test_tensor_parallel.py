@@ -182,7 +182,7 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
 
     from toolkit.loss import token_loss_sum
     from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
-    from toolkit.parallel.tp.comm import TRAFFIC
+    from toolkit.parallel.traffic import counting
 
     layout = make_layout(tp)
     out = {}
@@ -209,15 +209,15 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
             loss_ref = token_loss_sum(ref(input_ids=ids, attention_mask=mask).logits, ids)
             logits_ref = ref(input_ids=ids, attention_mask=mask).logits
             loss_ref.backward()
-            TRAFFIC.clear()
-            logits = tpm(input_ids=ids, attention_mask=mask).logits
-            token_loss_sum(logits, ids).backward()
+            with counting("tp") as traffic:
+                logits = tpm(input_ids=ids, attention_mask=mask).logits
+                token_loss_sum(logits, ids).backward()
             key = f"{name}/{method}"
             if method == "full" and "gathered" not in tpm.toolkit_tp and "experts" not in tpm.toolkit_tp:
                 # Megatron's: 2 all-reduces of b*s*h per block each way (an MoE block's experts copy in their
                 # routing weights too, and DeepSeek-V3's attention stays whole)
                 expected = 2 * tpm.config.num_hidden_layers * ids.numel() * tpm.config.hidden_size * 4
-                out[key + "/bytes_off"] = abs(TRAFFIC["forward"] - expected) + abs(TRAFFIC["backward"] - expected)
+                out[key + "/bytes_off"] = abs(traffic["forward"] - expected) + abs(traffic["backward"] - expected)
             out[key + "/logits"] = (logits - logits_ref).abs().max().item()
             out[key + "/grads"], out[key + "/n_grads"] = _grads_off(ref, tpm, layout)
             assert out[key + "/n_grads"] == sum(p.requires_grad for p in ref.parameters()), key

@@ -183,7 +183,7 @@ def output_dir_problems(output_dir: str, overwrite: bool, resume: str, continue_
         return ["--continue-finished goes with --resume auto (it continues the finished run in --output-dir)"]
     if resume == "auto":
         return finished_problems(output_dir, continue_finished, max_steps)
-    if out.is_dir() and any(out.iterdir()) and not overwrite and not resume:
+    if out.is_dir() and any(not f.name.startswith(PROBE) for f in out.iterdir()) and not overwrite and not resume:
         return [_not_empty(output_dir)]
     return []
 
@@ -204,6 +204,9 @@ def _not_empty(output_dir: str) -> str:
             "to replace this toolkit's files in it (others are kept), or choose another folder")
 
 
+PROBE = ".toolkit-probe-"  # `_unwritable`'s file: another rank checking the same folder at once may see it
+
+
 def _unwritable(out: Path) -> str | None:
     """Why `out` cannot be created or written (None: it can): a file is made and removed in it, or
     in the nearest folder above it that exists, so root on a read-only mount is caught too."""
@@ -216,7 +219,7 @@ def _unwritable(out: Path) -> str | None:
     if not here.is_dir():
         return f"{here} is a file, so no folder can be made under it"
     try:
-        fd, probe = tempfile.mkstemp(dir=here, prefix=".toolkit-probe-")
+        fd, probe = tempfile.mkstemp(dir=here, prefix=PROBE)
     except OSError as e:
         why = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e)).lower()
         return f"{here} cannot be written ({why})"

@@ -420,7 +420,9 @@ def loss_head_for(model: torch.nn.Module, choice: str, device_type: str, logits_
     kind = choose_loss(choice, device_type, linear, logits_fit)
     if kind == "full":
         return None
-    softcap = LogitTransform.of(model).softcap is not None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, head.weight.dtype)
-    kernel = fused_kernel(kind, device_type, head.bias is not None, softcap, dtype) if kind in FUSED and linear else None
+    kernel = None
+    if kind in FUSED and linear:
+        softcap = LogitTransform.of(model).softcap is not None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, head.weight.dtype)
+        kernel = fused_kernel(kind, device_type, head.bias is not None, softcap, dtype)
     return FusedLossHead(model, kind, compiled=device_type == "cuda" if compiled is None else compiled, kernel=kernel)

@@ -5,6 +5,7 @@ CPU) and the strategy for the layout the flags and the launched world give
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from toolkit.config import Config
 from toolkit.errors import UserError
@@ -134,10 +135,10 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     mesh it needs; its loss computes the preference objective where --objective asks for one."""
     from toolkit.preference import PreferenceLoss
 
-    strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
+    kind, strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
     strategy.loss.objective = PreferenceLoss.from_config(cfg)
     if strategy.loss.objective is not None:
-        if cfg.parallel.pp > 1 and getattr(strategy, "layout", True) is None:
+        if kind == "naive_pipeline":
             raise UserError(f"--objective {cfg.train.objective} with --pp {cfg.parallel.pp} runs one process per "
                             f"stage: launch {cfg.parallel.pp} (torchrun --nproc_per_node {cfg.parallel.pp})")
         strategy.loss.objective.forward_logps = strategy.sequence_logps
@@ -152,7 +153,31 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     return strategy
 
 
-def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: LossFn) -> Strategy:
+def _on_mesh(accelerator, dims):
+    from toolkit.parallel.mesh import build_mesh
+
+    return build_mesh(dims, accelerator.device.type)
+
+
+def _strategies() -> dict[str, Callable]:
+    """`toolkit.layout.rules.runtime`'s kind -> what builds it: (accelerator, dims, cfg, loss_fn) -> Strategy."""
+    from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
+    from toolkit.parallel.pp.strategy import PipelineStrategy
+    from toolkit.parallel.sharded import MeshStrategy
+
+    return {
+        "accelerate": lambda a, d, cfg, fn: AccelerateStrategy(a, d, cfg, fn),
+        "deepspeed": lambda a, d, cfg, fn: DeepSpeedStrategy(a, d, cfg, fn),
+        "naive_pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, None, cfg, fn),  # every stage in one process
+        "pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, _on_mesh(a, d), cfg, fn),
+        "mesh_sharded": lambda a, d, cfg, fn: MeshStrategy(a, d, _on_mesh(a, d), cfg, fn, sharded=True),
+        "tensor_parallel": lambda a, d, cfg, fn: MeshStrategy(a, d, _on_mesh(a, d), cfg, fn, sharded=False),  # DDP
+        "context_parallel": lambda a, d, cfg, fn: AccelerateStrategy(a, d, cfg, fn, _on_mesh(a, d)),  # cp x DDP
+    }
+
+
+def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: LossFn) -> tuple[str, Strategy]:
+    """(the runtime's kind, its strategy), once the layout's problems are none."""
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
@@ -162,26 +187,7 @@ def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: 
     if problems:
         raise UserError("; ".join(problems))
     kind = rules.runtime(par, dims)
-    from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
-    from toolkit.parallel.pp.strategy import PipelineStrategy
-
-    if kind == "accelerate":
-        return AccelerateStrategy(accelerator, dims, cfg, loss_fn)
-    if kind == "deepspeed":
-        return DeepSpeedStrategy(accelerator, dims, cfg, loss_fn)
-    if kind == "naive_pipeline":
-        return PipelineStrategy(accelerator, dims, None, cfg, loss_fn)
-    from toolkit.parallel.mesh import build_mesh
-    from toolkit.parallel.sharded import MeshStrategy
-
-    mesh = build_mesh(dims, accelerator.device.type)
-    if kind == "pipeline":
-        return PipelineStrategy(accelerator, dims, mesh, cfg, loss_fn)
-    if kind == "mesh_sharded":
-        return MeshStrategy(accelerator, dims, mesh, cfg, loss_fn, sharded=True)
-    if kind == "tensor_parallel":
-        return MeshStrategy(accelerator, dims, mesh, cfg, loss_fn, sharded=False)
-    return AccelerateStrategy(accelerator, dims, cfg, loss_fn, mesh)  # cp x DDP: accelerate's DDP over every rank
+    return kind, _strategies()[kind](accelerator, dims, cfg, loss_fn)
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:

@@ -13,8 +13,9 @@ from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 from toolkit.parallel.mesh import expert_groups, fsdp_mesh, grad_dim
+from toolkit.parallel.parallelize import Parallelized, parallelize
 from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead, Strategy, accumulate
-from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
+from toolkit.parallel.tp import TPShards, make_layout
 
 
 class MeshStrategy(Strategy):
@@ -27,7 +28,7 @@ class MeshStrategy(Strategy):
                  sharded: bool = True):
         self.accelerator, self.dims, self.cfg, self.sharded = accelerator, dims, cfg, sharded
         self.layout = make_layout(dims.tp, mesh, grad_dim(dims)) if dims.tp > 1 else None
-        self.tp = TPShards(self.layout.tp_group if self.layout else None)
+        self.cut = Parallelized(TPShards(self.layout.tp_group if self.layout else None))  # until `shard_model`
         self.shard_mesh = fsdp_mesh(mesh, dims) if sharded else None
         self.shard_group = mesh.get_group(grad_dim(dims, sharded=True)) if sharded else None
         self.data = DataShard(accelerator, dims, mesh.get_local_rank("dp"))
@@ -37,19 +38,20 @@ class MeshStrategy(Strategy):
         # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
         # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)
         self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
-        self.experts = None  # what apply_expert_parallel cut (`shard_model`)
+
+    @property
+    def tp(self) -> TPShards:
+        return self.cut.tp
+
+    @property
+    def experts(self):
+        """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
+        return self.cut.experts
 
     def shard_model(self, model):
-        """Every rank loads the full weights and keeps its TP slice (LoRA adapters are created first, so
-        TP=1 and TP=t start from the same adapter init)."""
-        model = self.context.attach(model)
-        if self.layout is not None:
-            model = apply_tensor_parallel(model, self.layout.tp_group)
-        if self.ep_group is not None:
-            from toolkit.parallel.ep import apply_expert_parallel
-
-            self.experts = apply_expert_parallel(model, self.ep_group)
-        self.tp.read(model)
+        """Every rank loads the full weights and keeps its slices (LoRA adapters are created first, so
+        TP=1 and TP=t start from the same adapter init): `toolkit.parallel.parallelize`."""
+        model, self.cut = parallelize(model, self.tp.group, self.ep_group, self.context)
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
@@ -95,29 +97,20 @@ class MeshStrategy(Strategy):
 
     def clip_grad_norm(self, model, max_norm: float):
         """The full model's norm: TP slices' squares summed over the TP group, FSDP2 shards' over the
-        shard group (`toolkit.parallel.grad_norm`)."""
+        shard group, the experts' over theirs (`Parallelized.norm_parts`)."""
         from toolkit.parallel.grad_norm import clip_grad_norm
 
         named = dict(self.unwrap(model).named_parameters())
-        experts = self.experts.split if self.experts else {}
-        split = [p for n, p in named.items() if n in self.tp.split]
-        rest = [p for n, p in named.items() if n not in self.tp.split and n not in experts]
-        tp = (self.tp.group,) if self.tp.group is not None else ()
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        mine = self.experts.norm_parts(named, tp, (self.expert_shard_group, self.ep_group)) if self.experts else []
-        return clip_grad_norm(list(named.values()), max_norm, [(split, (*tp, *shard)), *mine, (rest, shard)])
+        parts = self.cut.norm_parts(named, shard, expert_groups=(self.expert_shard_group, self.ep_group))
+        return clip_grad_norm(list(named.values()), max_norm, parts)
 
     def state_dict(self, model) -> dict:
         """The TP shards and expert-parallel slices gathered back into the full tensors a one-process
         run would save."""
-        if self.experts:
-            from toolkit.parallel.tp import full_state_dict
-
-            return full_state_dict(self.unwrap(model), {**self.tp.split, **self.experts.split}, self.tp.group)
-        return self.tp.state_dict(self.unwrap(model))
+        return self.cut.state_dict(self.unwrap(model))
 
     def named_trainable(self, model) -> list:
-        """`Strategy.named_trainable`, an expert-parallel slice placed by its `ExpertSplit`."""
-        experts = self.experts.split if self.experts else {}
-        return [(n, p, self.tp.split.get(n, experts.get(n))) for n, p in self.unwrap(model).named_parameters()
-                if p.requires_grad]
+        """`Strategy.named_trainable`, each slice placed by its cut (a TP dim, an `ExpertSplit`)."""
+        cuts = self.cut.cuts
+        return [(n, p, cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]

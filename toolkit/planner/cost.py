@@ -149,7 +149,7 @@ def expert_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, hidden: in
 
     (torchtitan, `distributed/expert_parallel.py` `ExpertParallel` dispatch/combine; Megatron-Core,
     `transformer/moe/token_dispatcher.py` `MoEAlltoAllTokenDispatcher`; this toolkit's
-    `toolkit.parallel.ep.comm`, whose `TRAFFIC` counts the same rows). The per-expert counts'
+    `toolkit.parallel.ep.comm`, whose bytes `toolkit.parallel.traffic` counts the same way). The per-expert counts'
     all-to-all (E integers per layer and forward) is left out."""
     return (4 + 2 * checkpointing) * moe_layers * tokens * top_k * hidden * act_bytes * (ep - 1) / ep
 

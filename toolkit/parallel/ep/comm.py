@@ -7,27 +7,25 @@ and receiving `recv[j]` rows from it:
                                backward dY = [dY_0->r; ...]  ->  [dY_r->0; ...] (all_to_all(dY, send, recv))
 
 Dispatch is `all_to_all(tokens, recv, send)`, combine the same call with the sizes swapped: each is
-the other's backward. `TRAFFIC` counts the bytes each rank sends, so a benchmark can compare them
-with the planner's count.
+the other's backward. The bytes each rank sends are counted while a benchmark asks
+(`toolkit.parallel.traffic.counting("ep")`), to compare them with the planner's count.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 
-TRAFFIC: Counter = Counter()  # "forward"/"backward" -> bytes this rank sent; "*_calls" -> count
+from toolkit.parallel import traffic
 
 
 def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group, phase: str) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    row = x[0].numel() * x.element_size() if len(x) else 0
-    TRAFFIC[phase] += (len(x) - send[dist.get_rank(group)]) * row  # what leaves this rank
-    TRAFFIC[phase + "_calls"] += 1
+    if traffic.wanted("ep"):
+        row = x[0].numel() * x.element_size() if len(x) else 0
+        traffic.add("ep", phase, (len(x) - send[dist.get_rank(group)]) * row)  # what leaves this rank
     return out
 
 

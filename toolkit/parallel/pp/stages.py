@@ -249,21 +249,18 @@ class StagePipeline(nn.Module):
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
 
-    def clip_grad_norm(self, max_norm: float, tp_group=None, tp_split=(), shard_group=None,
-                       experts: tuple | None = None) -> torch.Tensor:
-        """The full model's gradient norm: squares summed over the stages (a tied weight once), over
-        the TP group for the TP slices (`tp_split`: their names), over the shard group of FSDP2, and
-        (`experts`: expert parallel's `ExpertShards` and its groups) the experts' over theirs."""
+    def clip_grad_norm(self, max_norm: float, cut=None, shard_group=None, expert_groups: tuple = ()) -> torch.Tensor:
+        """The full model's gradient norm: squares summed over the stages (a tied weight once), and
+        over the groups that hold the rest of each parameter (`cut`: `toolkit.parallel.parallelize.
+        Parallelized.norm_parts`: TP slices over the TP group, FSDP2 shards over `shard_group`, the
+        experts over `expert_groups`)."""
         params = list(self.stage.parameters())
         counted = {n: p for n, p in self.names.items() if not (self.tied is not None and p is self.tied and not self.first)}
         shard = (shard_group,) if shard_group is not None else ()
-        tp = (tp_group,) if tp_group is not None else ()
-        mine = experts[0].norm_parts(counted, tp, (self.layout.pp_group, *experts[1])) if experts else []
-        cut = experts[0].split if experts else {}
-        split = [p for n, p in counted.items() if n in tp_split and n not in cut]
-        rest = [p for n, p in counted.items() if n not in tp_split and n not in cut]
-        return clip_grad_norm(params, max_norm, [(split, (self.layout.pp_group, *tp, *shard)), *mine,
-                                                 (rest, (self.layout.pp_group, *shard))])
+        if cut is None:
+            return clip_grad_norm(params, max_norm, [(list(counted.values()), (self.layout.pp_group, *shard))])
+        parts = cut.norm_parts(counted, shard, outer=(self.layout.pp_group,), expert_groups=expert_groups)
+        return clip_grad_norm(params, max_norm, parts)
 
     def _unshard_outside_blocks(self) -> None:
         """Plain whole parameters in place of the stage root's FSDP2 shards (collective over the shard

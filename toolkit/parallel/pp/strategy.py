@@ -13,6 +13,7 @@ import torch
 from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import LogitTransform, token_loss_sum
+from toolkit.parallel.parallelize import Parallelized, parallelize
 from toolkit.parallel.strategy import DataShard, LossFn, LossHead, Strategy
 from toolkit.parallel.tp import TPShards
 
@@ -34,9 +35,9 @@ class PipelineStrategy(Strategy):
             from toolkit.parallel.tp import make_layout
 
             self.tp_layout = make_layout(dims.tp, mesh)
-        self.tp = TPShards(self.tp_layout.tp_group if self.tp_layout else None)
+        self.cut = Parallelized(TPShards(self.tp_layout.tp_group if self.tp_layout else None))  # until `shard_model`
         self.shard_mesh = self.shard_group = None
-        self.ep_group = self.expert_mesh = self.expert_shard_group = self.experts = None
+        self.ep_group = self.expert_mesh = self.expert_shard_group = None
         if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
             from toolkit.parallel.mesh import expert_groups, fsdp_mesh
 
@@ -47,16 +48,19 @@ class PipelineStrategy(Strategy):
         self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)  # full logits on the last stage: never a fused head
         self.pipe = None  # built in prepare(); None again once exported
 
+    @property
+    def tp(self) -> TPShards:
+        return self.cut.tp
+
+    @property
+    def experts(self):
+        """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
+        return self.cut.experts
+
     def shard_model(self, model):
-        if self.tp_layout is not None:
-            from toolkit.parallel.tp import apply_tensor_parallel
-
-            model = apply_tensor_parallel(model, self.tp_layout.tp_group)
-        if self.ep_group is not None:
-            from toolkit.parallel.ep import apply_expert_parallel
-
-            self.experts = apply_expert_parallel(model, self.ep_group)
-        self.tp.read(model)
+        """TP and EP on the whole model before the stages are cut from it (`toolkit.parallel.parallelize`;
+        no context parallel under --pp)."""
+        model, self.cut = parallelize(model, self.tp.group, self.ep_group)
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
@@ -117,8 +121,7 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, model, max_norm: float):
         if self.layout is None:  # the naive pipeline: every stage in this process
             return self.pipe.clip_grad_norm(max_norm)
-        experts = (self.experts, (self.expert_shard_group, self.ep_group)) if self.experts else None
-        return self.pipe.clip_grad_norm(max_norm, self.tp.group, self.tp.split, self.shard_group, experts)
+        return self.pipe.clip_grad_norm(max_norm, self.cut, self.shard_group, (self.expert_shard_group, self.ep_group))
 
     def eval_device(self, model) -> torch.device:
         return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
@@ -135,17 +138,13 @@ class PipelineStrategy(Strategy):
             return Strategy.named_trainable(self, model)
         embed = self.pipe.model.get_input_embeddings().weight
         embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
-        split = self._splits()
+        split = self.cut.cuts
         out = []
         for n, p in self.pipe.names.items():
             if p.requires_grad:
                 name = embed_name if self.pipe.tied is not None and p is self.pipe.tied and embed_name else n
                 out.append((name, p, split.get(n, split.get(name))))
         return out
-
-    def _splits(self) -> dict:
-        """Every cut parameter's split by name: the TP slices' and the expert-parallel ones'."""
-        return {**self.tp.split, **(self.experts.split if self.experts else {})}
 
     def export(self, model, final: bool = True):
         """Every stage's weights back in one HF model on every rank (collective). After training it
@@ -156,6 +155,4 @@ class PipelineStrategy(Strategy):
         return exported
 
     def state_dict(self, model) -> dict:
-        from toolkit.parallel.tp import full_state_dict
-
-        return full_state_dict(model, self._splits(), self.tp.group)
+        return self.cut.state_dict(model)

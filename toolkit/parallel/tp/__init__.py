@@ -1,9 +1,12 @@
-"""Tensor parallelism composed with data parallelism: world = tp x dp.
+"""Tensor parallelism's runtime pieces: the TP and data-parallel groups of the mesh (`make_layout`),
+what the plan cut (`TPShards`), the full state dict gathered back (`full_state_dict`), and DDP over
+the data-parallel group for TP without FSDP2 (`prepare_tensor_parallel`).
 
-Ranks are laid out tp-inner (Megatron's order): with tp=2, dp=2 the TP groups are {0,1} and {2,3}
-and the data-parallel groups {0,2} and {1,3}. Consecutive ranks share a node, so the per-layer
-all-reduces stay inside it; gradients are averaged across TP groups by DDP over the dp group; the
-data is sharded by dp rank only (both ranks of a TP group see the same micro-batches).
+tp is the mesh's innermost dimension (Megatron's order: with tp=2 and 2 data-parallel ranks the TP
+groups are {0,1} and {2,3}), so the per-layer all-reduces stay inside a node; TP peers read the same
+micro-batches. The layers are `layers.py`, their conjugate collectives `comm.py`, the plan read from
+the model's `base_model_tp_plan` `plan.py` (`toolkit.layout.tp_plan` is its torch-free reading of the
+config, for the rules and the planner).
 """
 
 from __future__ import annotations

@@ -7,18 +7,16 @@
                        backward dX_r -> [dX_1 ... dX_t] (all-gather along the last dim)
     gather_from_tp(X)  forward  X_r -> [X_1 ... X_t]    backward  dX -> dX_r
 
-Each is the identity when the group has one rank. `TRAFFIC` counts the bytes each all-reduce
-carries (forward and backward apart), so a benchmark can compare them with the expected count.
+Each is the identity when the group has one rank. The bytes each all-reduce carries (forward and
+backward apart) are counted while a benchmark asks (`toolkit.parallel.traffic.counting("tp")`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 
-TRAFFIC: Counter = Counter()  # "forward"/"backward" -> bytes all-reduced; "*_calls" -> count
+from toolkit.parallel import traffic
 
 
 def group_size(group) -> int:
@@ -28,8 +26,8 @@ def group_size(group) -> int:
 def _all_reduce(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     x = x.contiguous().clone()  # never reduce into a tensor autograd may still need
     dist.all_reduce(x, group=group)
-    TRAFFIC[phase] += x.numel() * x.element_size()
-    TRAFFIC[phase + "_calls"] += 1
+    if traffic.wanted("tp"):
+        traffic.add("tp", phase, x.numel() * x.element_size())
     return x
 
 
