@@ -345,7 +345,7 @@ def test_the_router_load_balancing_loss_is_trained_and_reported(model_type):
     """With output_router_logits (the zoo's coefficient 0.5), the micro-batch loss is the model's own:
     cross-entropy sum + coef x aux_loss x targets, so divided by the targets it is `model(labels=...)`'s
     loss; `take_aux` reports the aux loss x targets once. At coefficient 0 none is added."""
-    from toolkit.parallel.strategy import LossHead
+    from toolkit.loss_head import LossHead
 
     model = zoo_model(model_type)
     ids, labels = zoo_batch()
@@ -408,7 +408,7 @@ def test_the_loss_checks_window_holds_targets_and_bounds_the_logits_it_makes():
     they fit. The window's head loss still equals the model's own on it."""
     from toolkit.data.labels import CHECK_BYTES, check_window, count_targets
     from toolkit.data.packing import model_inputs
-    from toolkit.parallel.strategy import LossHead
+    from toolkit.loss_head import LossHead
 
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (3, 300))

@@ -11,7 +11,8 @@ from typing import Callable
 from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
-from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead, Strategy, accumulate
+from toolkit.loss_head import LossFn, LossHead
+from toolkit.parallel.strategy import ContextSlices, DataShard, Strategy, accumulate
 from toolkit.parallel.tp import TPShards
 
 

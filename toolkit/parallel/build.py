@@ -11,7 +11,8 @@ from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.layout.rules import accelerate_plugin
 from toolkit.loss import token_loss_sum
-from toolkit.parallel.strategy import LossFn, Strategy
+from toolkit.loss_head import LossFn
+from toolkit.parallel.strategy import Strategy
 
 
 def make_accelerator(cfg: Config, model_path: str | None = None):

@@ -14,7 +14,8 @@ from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 from toolkit.parallel.mesh import expert_groups, fsdp_mesh, grad_dim
 from toolkit.parallel.parallelize import Parallelized, parallelize
-from toolkit.parallel.strategy import ContextSlices, DataShard, LossFn, LossHead, Strategy, accumulate
+from toolkit.loss_head import LossFn, LossHead
+from toolkit.parallel.strategy import ContextSlices, DataShard, Strategy, accumulate
 from toolkit.parallel.tp import TPShards, make_layout
 
 

@@ -14,7 +14,8 @@ from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import LogitTransform, token_loss_sum
 from toolkit.parallel.parallelize import Parallelized, parallelize
-from toolkit.parallel.strategy import DataShard, LossFn, LossHead, Strategy
+from toolkit.loss_head import LossFn, LossHead
+from toolkit.parallel.strategy import DataShard, Strategy
 from toolkit.parallel.tp import TPShards
 
 

@@ -1,0 +1,141 @@
+"""What a strategy's step computes as its loss: one micro-batch's summed token loss through full logits
+or a fused head (`toolkit.loss`), a preference objective's (`toolkit.preference`), and the router
+load-balancing loss the model adds (`toolkit.router_load` counts its experts' tokens). Every strategy
+composes one `LossHead`; the layout only decides how the batch reaches it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from toolkit.loss import target_loss_sum, token_loss_sum
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
+
+
+class LossHead:
+    """One micro-batch's summed token loss: full logits and `loss_fn`, or the LM head replaced by a
+    fused loss head (`toolkit.loss.loss_head_for`) that returns the sum itself, so (B, T, V) logits
+    never exist. Context parallel batches carry labels already shifted (`targets`)."""
+
+    def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no"):
+        self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
+        self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
+        self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
+        self.objective = None  # a preference objective (`toolkit.preference.PreferenceLoss`): pairs, full logits
+        self.router_load = None  # an MoE model's tokens per expert (`toolkit.router_load.RouterLoad`)
+
+    def choose(self, model, choice: str) -> None:
+        """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
+        one (only for the standard token loss, which it computes exactly); and the model's router
+        load-balancing loss, which its forward returns where its config sets `output_router_logits`.
+        A preference objective keeps full logits and turns the model's dropout off (`prepare`)."""
+        from toolkit.loss import loss_head_for
+
+        self.choice = choice
+        if self.objective is not None:
+            self.objective.prepare(model)
+        if self.loss_fn is token_loss_sum and self.objective is None:
+            self.head = loss_head_for(model, choice, self.device_type, precision=self.precision)
+        self.aux_coef = router_aux_coef(model.config)
+        if self.router_load is None:
+            from toolkit.router_load import RouterLoad
+
+            self.router_load = RouterLoad.attach(model)  # tokens per expert, for the metrics
+
+    def full_logits(self) -> None:
+        """Back to full logits (`--loss auto` after a failed loss check): the LM head restored."""
+        if self.head is not None:
+            self.head.restore()
+            self.head = None
+
+    @property
+    def fused(self) -> bool:
+        """The head computes the loss on target tokens only (fewer LM-head FLOPs: the MFU count): on a CPU it
+        finds them itself, on a GPU it is handed them (`target_rows`, whole batches only)."""
+        return self.head is not None and (self.device_type != "cuda" or self.rows_given)
+
+    def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.objective is None:
+            return self.token_sum(model, batch)
+        from toolkit.data.packing import model_inputs
+
+        from toolkit.preference import pairs_in
+
+        inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
+        total, out = self.objective(model, batch, inputs)
+        return total + self.aux(out, batch.get("labels"), False, count=pairs_in(batch))
+
+    def token_sum(self, model, batch: dict) -> torch.Tensor:
+        """The summed token loss of `batch` (and the router's, x its target tokens)."""
+        from toolkit.data.packing import model_inputs
+
+        if "targets" in batch:  # context parallel: this rank's slice, labels shifted before the split
+            inputs, labels, shifted = batch["inputs"], batch["targets"], True
+        else:
+            inputs, labels, shifted = model_inputs(batch), batch["labels"], False
+        if self.head is not None:  # the head returns the loss sum in place of logits
+            rows = batch.get("target_rows")  # found by the collate on the CPU: no read-back to skip the others
+            self.rows_given = rows is not None
+            with self.head.labels(labels, shifted, rows=rows):
+                out = model(**inputs)
+            total = out.logits
+        else:
+            out = model(**inputs)
+            total = (target_loss_sum if shifted else self.loss_fn)(out.logits, labels)
+        return total + self.aux(out, labels, shifted)
+
+    def aux(self, out, labels: torch.Tensor, shifted: bool, count: int | None = None) -> torch.Tensor | float:
+        """coef x the router load-balancing loss x this micro-batch's target tokens: what the model adds to
+        its mean loss when given labels, as a sum, so the global-token normalisation gives the model's
+        own loss on one micro-batch (and over several, their aux losses weighted by target tokens). Its
+        sum is kept for the metrics (`take_aux`)."""
+        value = out.get("aux_loss") if self.aux_coef else None
+        if value is None:
+            return 0.0
+        from toolkit.data.labels import count_targets
+
+        n = count if count is not None else (labels != -100).sum() if shifted else count_targets(labels)
+        weighted = value.float() * n
+        self.aux_sum = weighted.detach().double() + (self.aux_sum if self.aux_sum is not None else 0.0)
+        return self.aux_coef * weighted
+
+    def take_aux(self) -> torch.Tensor | None:
+        """The summed aux loss x target tokens of the micro-batches since the last call (None: no aux loss)."""
+        taken, self.aux_sum = self.aux_sum, None
+        return taken
+
+    @torch.no_grad()
+    def check(self, model, few: dict, context=None) -> tuple[float, float]:
+        """(this head's loss per target token, the model's own loss) on `few` rows (`check_window`):
+        under context parallel the slices' losses summed over the cp group, against the model's own
+        forward on the whole rows (outside a slice the Ulysses wrapper is the model's own attention)."""
+        from toolkit.data.labels import count_targets
+        from toolkit.data.packing import model_inputs
+
+        if context is not None and context.context is not None:
+            with context.slice(few) as part:
+                ours = context.total(self.token_sum(model, part).double().reshape(1)).squeeze(0)
+        else:
+            ours = self.token_sum(model, few)
+        ours = ours / count_targets(few["labels"]).clamp(min=1)
+        self.take_aux()
+        own = model(**model_inputs(few), labels=few["labels"]).loss
+        return ours.item(), own.item()
+
+    def describe(self) -> str:
+        aux = f"; the router load-balancing loss x {self.aux_coef:g} added (aux_loss)" if self.aux_coef else ""
+        if self.objective is not None:
+            return f"loss: {self.objective.describe()}{aux}"
+        return "loss: " + (self.head.describe() if self.head else "full logits + cross-entropy") + aux
+
+
+def router_aux_coef(config) -> float:
+    """The coefficient of the router load-balancing loss the model adds to its loss when given labels:
+    `router_aux_loss_coef` where the config asks for router logits (`output_router_logits`), else 0."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "output_router_logits", False):
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
