@@ -355,18 +355,28 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
 
 
 def test_a_package_is_left_out_only_where_no_installed_distribution_requires_it(tmp_path, monkeypatch):
-    from toolkit.startup import required_elsewhere
+    """The toolkit's own requirements do not count; another distribution's do, unless they are an
+    extra's, another platform's, or a longer name (the installed set stood in for, whatever this
+    machine has installed)."""
+    from importlib import metadata
 
+    from toolkit import startup
+
+    def dist(name: str, *requires: str):
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                             + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        return metadata.PathDistribution(info)
+
+    ours = dist("toolkit", "scipy", "deepspeed>=0.17", "bitsandbytes")
+    other = dist("sklearnish", "scipy>=1.0", "boto3; extra == 's3'", "deepspeed; sys_platform == 'nonexistent'",
+                 "scipy-stubs")
     names = ["scipy", "boto3", "deepspeed", "bitsandbytes"]
-    assert required_elsewhere(names) == set()  # this environment: only the toolkit itself requires them
-    info = tmp_path / "sklearnish-1.0.dist-info"
-    info.mkdir()
-    info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: sklearnish\nVersion: 1.0\n"
-                                         "Requires-Dist: scipy>=1.0\nRequires-Dist: boto3; extra == 's3'\n"
-                                         "Requires-Dist: deepspeed; sys_platform == 'nonexistent'\n"
-                                         "Requires-Dist: scipy-stubs\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert required_elsewhere(names) == {"scipy"}  # not an extra's, another platform's, or a longer name
+    monkeypatch.setattr(startup.metadata, "distributions", lambda: [ours])
+    assert startup.required_elsewhere(names) == set()
+    monkeypatch.setattr(startup.metadata, "distributions", lambda: [ours, other])
+    assert startup.required_elsewhere(names) == {"scipy"}
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model, data_files, monkeypatch, capsys):
@@ -484,15 +494,20 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     4 when the steps left repay the compile: the losses are the eager run's (1e-4 relative), step 4's record
     is the warm-up, later records count the compiled graphs, and the compile's measured seconds are kept,
     so the next run of this shape weighs them, not the cold guess (and stays eager when they do not pay)."""
+    from toolkit.data import Collate
     from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
     from toolkit.train import compiling
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    bucketed, collate = [], Collate.__call__
+    monkeypatch.setattr(Collate, "__call__", lambda self, batch: bucketed.append(self.bucket) or collate(self, batch))
     args = (tiny_model, data_files["chat"], "--method", "full")
     eager = [r["loss"] for r in records(run(tmp_path / "cpu", *args)[1]) if "loss" in r]
     said = capsys.readouterr().out
     assert said.count("compile: auto: eager on cpu (inductor's C++ build takes minutes") == 1
+    assert bucketed and not any(bucketed)  # eager: each batch as wide as its longest row
+    bucketed.clear()
     monkeypatch.setenv(compiling.AUTO_DEVICES_ENV, "cpu,cuda")  # as auto runs on a GPU
     monkeypatch.setattr(compiling, "COLD_S", 1e-6)  # any compile pays
     result, out = run(tmp_path / "auto", *args)
@@ -504,6 +519,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     assert [r["step"] for r in got if r.get("compile_warmup")] == [4]
     assert all(r["compiled_graphs"] >= 1 for r in got if r["step"] > 4) and "compiled_graphs" not in got[0]
     assert all(b._compiled_call_impl is not None for b in decoder_layers(result.model))
+    assert not any(bucketed[:3]) and bucketed[-1]  # padded to few widths once the blocks compile
     kept = json.loads((tmp_path / "cache" / "compile_seconds.json").read_text())
     assert len(kept) == 1 and list(kept.values())[0] > 0
     monkeypatch.setattr(compiling, "GAIN", 1e-9)  # nothing left to repay the measured compile
@@ -526,7 +542,42 @@ def test_compile_auto_says_why_a_layout_runs_eager_and_buckets_what_compiles():
         assert compiling.plan(cfg, "cuda", None, 2, Path("."), said.append).mode == "off"
         assert len(said) == 1 and said[0].startswith(words), (flags, said)
     assert [bucket_width(n, 64) for n in (1, 64, 65, 200)] == [64, 64, 128, 256] and bucket_width(37, 1) == 37
+    assert bucket_width(65, 64, cap=100) == 100 and bucket_width(120, 64, cap=100) == 120  # never past --seq-len
     assert compiling.pays(100, 0.5, 12.0) and not compiling.pays(100, 0.5, 12.6)  # 100 x 0.5 s x 25%
+
+
+def test_batches_bucket_to_few_widths_once_blocks_compile():
+    """The loader's collate pads to its longest row until the blocks compile, then SFT, pair and KTO
+    batches to a multiple of 64 up to --seq-len, packed rows (a pair's: 2 x --seq-len) to the packing
+    width, their padding's positions below --seq-len; the real tokens and labels are the same."""
+    from toolkit.data import Collate
+    from toolkit.data.packing import PackedRows
+
+    def rows(*lengths):
+        return [{"input_ids": list(range(5, 5 + n)), "labels": [-100] + list(range(6, 5 + n))} for n in lengths]
+
+    def widths(collate, batch):
+        out = collate(batch)
+        return out["input_ids"].shape[1], out
+
+    sft = Collate(0, whole=True, packed=False, width=100, seq_len=100)
+    assert widths(sft, rows(3, 7))[0] == 7
+    sft.bucket = True
+    (w, out), (w2, _) = widths(sft, rows(3, 7)), widths(sft, rows(70, 90))
+    assert (w, w2) == (64, 100) and out["labels"][1, :7].tolist() == rows(7)[0]["labels"]
+    assert (out["attention_mask"].sum(1) == torch.tensor([3, 7])).all()
+    pairs = [{"input_ids": r["input_ids"], "labels": r["labels"], "rejected_input_ids": q["input_ids"],
+              "rejected_labels": q["labels"]} for r, q in zip(rows(3, 9), rows(5, 4))]
+    kto = [{"input_ids": r["input_ids"], "labels": r["labels"], "kl_input_ids": r["input_ids"][:2],
+            "kl_labels": r["labels"][:2], "desirable": True} for r in rows(3, 9)]
+    assert widths(sft, pairs)[0] == 64 and widths(sft, kto)[1]["kl_input_ids"].shape[1] == 64
+    packed = Collate(0, whole=True, packed=True, width=200, seq_len=100)  # a pair's row: 2 x --seq-len
+    docs = [{"input_ids": r["input_ids"], "labels": r["labels"], "position_ids": list(range(len(r["input_ids"])))}
+            for r in rows(30)]
+    assert widths(packed, docs)[0] == 30
+    packed.bucket = True
+    w, out = widths(packed, docs)
+    assert w == 200 and out["position_ids"].max() < 100 and out["position_ids"][0, :30].tolist() == list(range(30))
 
 
 @pytest.mark.parametrize("extra", [["--method", "lora", "--gradient-checkpointing", "--packing"], ["--method", "full"]],

@@ -156,11 +156,12 @@ def cmd_prepare_data(args) -> None:
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.cache import cache_dir
-    from toolkit.models import load_tokenizer, resolve_model
+    from toolkit.models import load_tokenizer, resolve_model, tokenizer_dir
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
-    tokenizer = load_tokenizer(resolve_model(cfg.model.model), cfg.model.trust_remote_code)
+    # the tokenizer finetune.py will use (an SFT adapter's own, saved beside it), so the run reads this cache
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, resolve_model(cfg.model.model)), cfg.model.trust_remote_code)
     ensure_chat_template(tokenizer)
     data = prepare_data(cfg, tokenizer)
     for what, stats in (("training", data.stats), ("eval", data.eval_stats)):

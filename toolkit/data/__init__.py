@@ -184,32 +184,61 @@ def longest_row(rows, seq_len: int) -> int:
     return max(len(r["input_ids"]) for r in rows)
 
 
-def collate(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1,
+            cap: int | None = None) -> dict[str, torch.Tensor]:
     """`collate_sequences`; a micro-batch of preference pairs (`toolkit.data.pairs`) as its two sequences
-    each, with the pairs' count and reference log-probabilities; KTO's examples with their KL sequences."""
+    each, with the pairs' count and reference log-probabilities; KTO's examples with their KL sequences.
+    Each sequence's width is `bucket_width(longest, multiple, cap)`."""
     if "rejected_input_ids" in batch[0]:
         from toolkit.data.pairs import pair_extras, pair_rows
 
-        return {**collate_sequences(pair_rows(batch), pad_id, whole, multiple), **pair_extras(batch)}
+        return {**collate_sequences(pair_rows(batch), pad_id, whole, multiple, cap), **pair_extras(batch)}
     if "kl_input_ids" in batch[0]:  # KTO's examples, each with its KL estimate's sequence
         from toolkit.data.pairs import kl_rows, kto_extras
 
         rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]
-        return {**collate_sequences(rows, pad_id, whole), **kto_extras(batch, collate_sequences(kl_rows(batch), pad_id))}
-    return collate_sequences(batch, pad_id, whole)
+        return {**collate_sequences(rows, pad_id, whole, multiple, cap),
+                **kto_extras(batch, collate_sequences(kl_rows(batch), pad_id, False, multiple, cap))}
+    return collate_sequences(batch, pad_id, whole, multiple, cap)
 
 
-def bucket_width(longest: int, multiple: int) -> int:
-    """`longest` rounded up to a multiple of `multiple` (1: itself), so compiled graphs see few widths."""
-    return -(-longest // multiple) * multiple
+def bucket_width(longest: int, multiple: int, cap: int | None = None) -> int:
+    """`longest` rounded up to a multiple of `multiple` (1: itself), so compiled graphs see few widths;
+    at most `cap` (--seq-len, the packing width), never below `longest`."""
+    width = -(-longest // multiple) * multiple
+    return max(longest, min(width, cap)) if cap else width
 
 
-def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1) -> dict[str, torch.Tensor]:
+class Collate:
+    """The training loader's collate_fn: `collate` (or `collate_packed` for packed rows) padding each
+    micro-batch to its longest row, or, once `bucket` is set (the decoder blocks compile:
+    `toolkit.train.compiling`), to few widths, so a compiled graph serves many steps: packed rows to the
+    packing width `width`, unpacked batches to a multiple of BUCKET tokens up to `width` (--seq-len).
+    `seq_len`: packed padding's positions restart below it (a pair's row is two --seq-len wide)."""
+
+    BUCKET = 64
+
+    def __init__(self, pad_id: int, whole: bool, packed: bool, width: int, seq_len: int):
+        self.pad_id, self.whole, self.packed, self.width, self.seq_len = pad_id, whole, packed, width, seq_len
+        self.bucket = False
+
+    def __call__(self, batch: list[dict]) -> dict:
+        multiple = (self.width if self.packed else self.BUCKET) if self.bucket else 1
+        cap = self.width if self.bucket else None
+        if self.packed:
+            from toolkit.data.packing import collate_packed
+
+            return collate_packed(batch, self.pad_id, self.whole, multiple, cap, self.seq_len)
+        return collate(batch, self.pad_id, self.whole, multiple, cap)
+
+
+def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1,
+                      cap: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example (to `bucket_width`); padding gets attention 0 and label -100. `whole`: the batch
     reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
     so `target_rows` are added, the positions with a target found here on the CPU: the loss head
     then needs no read-back from the GPU to skip the others (`toolkit.loss.target_rows`)."""
-    width = bucket_width(max(len(x["input_ids"]) for x in batch), multiple)
+    width = bucket_width(max(len(x["input_ids"]) for x in batch), multiple, cap)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)

@@ -83,14 +83,17 @@ def pack_rows(rows: list[dict], seq_len: int) -> list[dict]:
     return [packed[k] for k in range(len(packed))]
 
 
-def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multiple: int = 1) -> dict[str, torch.Tensor | int]:
+def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multiple: int = 1, cap: int | None = None,
+                   restart: int | None = None) -> dict[str, torch.Tensor | int]:
     """`collate` plus position_ids: the padding is a block of its own (positions restart at 0) with
     label -100. `attention_mask` marks real tokens for counting; it is not given to the model.
     `bounds`: also the documents' boundaries for padding-free attention, computed here on the CPU so
     the forward needs no device-to-host copy (`toolkit.attention.document_bounds`): `cu_seq_lens`,
     over the rows laid end to end, and `max_length` (an int). Only for a batch that reaches the model
-    whole: splitting its rows (pipeline micro-batches) would leave them describing the whole."""
-    out = collate(batch, pad_id, bounds, multiple)
+    whole: splitting its rows (pipeline micro-batches) would leave them describing the whole.
+    `multiple`/`cap`: the width (`bucket_width`); `restart`: the padding's positions restart every
+    `restart` tokens (a pair's row is 2 x --seq-len wide: one pad block could pass the model's positions)."""
+    out = collate(batch, pad_id, bounds, multiple, cap)
     if "pairs" in batch[0]:  # packed preference pairs (`toolkit.data.pairs`): documents chosen, rejected, ...
         out["pairs"] = torch.tensor(sum(x["pairs"] for x in batch))
         out["documents"] = 2 * sum(x["pairs"] for x in batch)  # an int: the loss needs no read-back for it
@@ -101,7 +104,8 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
     for i, x in enumerate(batch):
         n = len(x["input_ids"])
         positions[i, :n] = torch.tensor(x["position_ids"])
-        positions[i, n:] = torch.arange(width - n)
+        pad = torch.arange(width - n)
+        positions[i, n:] = pad % restart if restart else pad  # `restart`: pad documents below --seq-len
     if not bounds:
         return {**out, "position_ids": positions}
     from toolkit.attention import document_bounds

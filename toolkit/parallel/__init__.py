@@ -5,13 +5,26 @@
 from __future__ import annotations
 
 
+def rank_max(accelerator, values):
+    """The elementwise max of `values` (a tensor on the accelerator's device) over every rank: one
+    all-reduce, none with one process. torch's own op: accelerate's `reduce` takes "max" only from 1.14,
+    and its 1.10-1.13 (within our floor) sum whatever they are asked."""
+    if accelerator.num_processes == 1:
+        return values
+    import torch.distributed as dist
+
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def any_rank(accelerator, flag: bool) -> bool:
     """True on every rank when `flag` is True on any (one all-reduce; none with one process)."""
     if accelerator.num_processes == 1:
         return flag
     import torch
 
-    return accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "max").item() > 0
+    return rank_max(accelerator, torch.tensor([float(flag)], device=accelerator.device)).item() > 0
 
 
 _HOST_GROUP: dict = {}  # the default group it was made beside -> the group

@@ -27,7 +27,6 @@ from typing import Any, Callable, Protocol
 import torch
 
 from toolkit.layout.dims import ParallelDims
-from toolkit.loss import token_loss_sum
 from toolkit.loss_head import LossHead
 from toolkit.parallel.tp import TPShards
 

@@ -14,7 +14,9 @@ that refuses --compile (`toolkit.layout.rules`) runs eager under auto, saying wh
 The compile step's record is marked `compile_warmup` and its time, less an eager step's, is the
 compile's measured seconds (said in one line, kept for the next run). Later records carry
 `compiled_graphs`, dynamo's count of graphs compiled so far; a run that keeps compiling new graphs after
-its warm-up step (changing shapes) says so once. Inductor's cache lives under `cache_dir()/inductor`
+its warm-up step (changing shapes) says so once. Once the blocks compile, the loader pads its batches to
+few widths (`toolkit.data.Collate`). Every rank decides alike: on the slowest rank's eager step and the
+costliest node's expected compile; the main process keeps the measured seconds. Inductor's cache lives under `cache_dir()/inductor`
 (unless TORCHINDUCTOR_CACHE_DIR is set), so the second run of a shape starts warm.
 """
 
@@ -66,15 +68,19 @@ def expected_compile_s(path: Path, key: str) -> tuple[float, str]:
 
 
 def remember_compile_s(path: Path, key: str, seconds: float) -> None:
+    """Kept for the next run of this shape (by one process; a write that fails only loses the figure)."""
     try:
         seen = json.loads(path.read_text())
     except (OSError, ValueError):
         seen = {}
     seen[key] = round(seconds, 2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(seen, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes of other runs may write beside it
+        tmp.write_text(json.dumps(seen, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -84,11 +90,19 @@ class Compiling:
     mode: str
     at: int | None = None
     key: str = ""
-    path: Path | None = None
+    path: Path | None = None  # where the measured seconds are kept; None: not kept (or not this process)
+    keeps: bool = True  # this process writes the measured seconds to `path` (the main one)
+    collate: object | None = None  # the loader's `toolkit.data.Collate`, whose widths bucket once blocks compile
     eager_step_s: float | None = None
     graphs_after_warmup: int | None = None
     said_recompiles: bool = False
     _t0: float = field(default=0.0, repr=False)
+
+    def bucket(self) -> None:
+        """Batches padded to few widths from now on (`toolkit.data.Collate`): one compiled graph each. A
+        batch the loader fetched ahead still has its own width (one graph more, at most)."""
+        if self.collate is not None:
+            self.collate.bucket = True
 
     def start_timing(self, sync) -> None:
         """After the first step: the eager steps to decide on start now (`sync`: waits for the device)."""
@@ -102,11 +116,13 @@ class Compiling:
         self.eager_step_s = agree((time.perf_counter() - self._t0) / EAGER_STEPS)
         left = total_steps - step
         cost, source = expected_compile_s(self.path, self.key) if self.path else (COLD_S, "a cold-cache guess")
+        cost = agree(cost)  # each node reads its own cache: the costliest decides for all
         saved = left * self.eager_step_s * GAIN
         figures = (f"eager steps take {self.eager_step_s:.3f} s; the {left} steps left would save ~{saved:.0f} s at "
                    f"{GAIN:.0%} a step, against ~{cost:.0f} s of compile ({source})")
         if pays(left, self.eager_step_s, cost):
             compile_now()
+            self.bucket()
             self.at = step + 1
             say(f"compile: auto: compiling the decoder blocks from step {step + 1}: {figures}")
         else:
@@ -116,7 +132,7 @@ class Compiling:
     def warmed_up(self, step: int, seconds: float, say) -> None:
         """The compile step's record: its seconds less an eager step's are the compile's, kept for the next run."""
         compile_s = max(0.0, seconds - (self.eager_step_s or 0.0))
-        if self.path is not None:
+        if self.path is not None and self.keeps:
             remember_compile_s(self.path, self.key, compile_s)
         self.graphs_after_warmup = compiled_graphs()
         say(f"compile: step {step} compiled the blocks in {compile_s:.1f} s ({compiled_graphs()} graphs); "
@@ -141,9 +157,10 @@ CPU_EAGER = ("inductor's C++ build takes minutes on a few cores, and a CPU step 
              "compiles anyway")
 
 
-def plan(cfg, device_type: str, model, world: int, cache: Path, say) -> Compiling:
+def plan(cfg, device_type: str, model, world: int, cache: Path, say, keeps: bool = True) -> Compiling:
     """The run's compile mode, said in one line where auto stays eager from the start: on a CPU, on a
-    layout that refuses --compile (the refusal's words), on a model without decoder blocks."""
+    layout that refuses --compile (the refusal's words), on a model without decoder blocks. `keeps`:
+    this process writes the measured compile seconds (the main one; every process reads them)."""
     from toolkit.layout.rules import layout_problems
     from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
 
@@ -166,4 +183,4 @@ def plan(cfg, device_type: str, model, world: int, cache: Path, say) -> Compilin
              "backend": os.environ.get(COMPILE_BACKEND_ENV, "inductor")}
     # --compile's measured seconds are kept too: a later auto run of this shape weighs them
     return Compiling("on" if t.compile else "auto", key=shape_key(model.config.to_dict(), flags),
-                     path=cache / "compile_seconds.json")
+                     path=cache / "compile_seconds.json", keeps=keeps)

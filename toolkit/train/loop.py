@@ -27,13 +27,13 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.cache import cache_dir
 from toolkit.config import Config
 from toolkit.inputs import sample_prompts
-from toolkit.data import collate
-from toolkit.data.packing import PackedRows, collate_packed, pack_bins
+from toolkit.data import Collate
+from toolkit.data.packing import PackedRows, pack_bins
 from toolkit.errors import UserError
-from toolkit.parallel import any_rank
+from toolkit.parallel import any_rank, rank_max
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.train.compiling import BUCKET, EAGER_STEPS, Compiling
+from toolkit.train.compiling import EAGER_STEPS, Compiling
 from toolkit.train.compiling import plan as compile_plan
 from toolkit.train.evaluate import eval_loss, eval_preference, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
@@ -155,18 +155,18 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
 
 
 def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False,
-                multiple: int = 1) -> DataLoader:
+                width: int | None = None) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
     With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
     page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
     the batches reach the model uncut, so the collate adds what it finds on the CPU (target rows, packed
-    documents' boundaries) for the forward to skip its read-backs."""
+    documents' boundaries) for the forward to skip its read-backs. `width`: the packing width, the
+    widest a batch gets where blocks compile (`toolkit.data.Collate`; default --seq-len)."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
-                      collate_fn=partial(collate_packed, pad_id=pad_id, bounds=whole, multiple=multiple)
-                      if cfg.data.packing else partial(collate, pad_id=pad_id, whole=whole, multiple=multiple),
+                      collate_fn=Collate(pad_id, whole, cfg.data.packing, width or cfg.data.seq_len, cfg.data.seq_len),
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
@@ -310,9 +310,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
 
     t, streamed = cfg.train, cfg.data.streaming
     device = strategy.accelerator.device
-    compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log)
-    loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda", whole=strategy.whole_batches,
-                             bucket=compiling.mode != "off")
+    compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log,
+                             keeps=strategy.accelerator.is_main_process)
+    loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda", whole=strategy.whole_batches)
+    compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
     sampler = None if streamed else loader.sampler
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
@@ -345,6 +346,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     saved = restore(run, resume, log) if resume is not None else None
     if compiling.mode == "on":  # --compile: compiled in load_model, its first forward the warm-up
         compiling.at = run.first_step
+        compiling.bucket()
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
     epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
@@ -364,14 +366,12 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     return run
 
 
-def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool, bucket: bool = False) -> DataLoader:
+def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool) -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
-    to pack), or the stream's: tokenized per micro-batch as it is read. `bucket` (blocks may compile):
-    packed rows all padded to the packing width, unpacked batches to a multiple of BUCKET tokens, so
-    compiled graphs see one width, or a few, rather than a new one nearly every step."""
+    to pack), or the stream's: tokenized per micro-batch as it is read."""
     if cfg.data.streaming:
         return stream_loader(train_rows, cfg, tokenizer, whole)
-    multiple = BUCKET if bucket else 1
+    width = None
     if cfg.data.packing:
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
@@ -381,8 +381,7 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
         fill = sum(lengths) / (len(train_rows) * width)
         unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
         log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
-        multiple = width if bucket else 1
-    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, multiple)
+    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, width)
 
 
 def restore(run: Run, resume, log) -> dict:
@@ -482,9 +481,7 @@ def compile_auto(run: Run, step: int) -> None:
             torch.cuda.synchronize(accelerator.device)
 
     def slowest(seconds: float) -> float:
-        if accelerator.num_processes == 1:
-            return seconds
-        return float(accelerator.reduce(torch.tensor([seconds], device=accelerator.device), "max").item())
+        return float(rank_max(accelerator, torch.tensor([seconds], device=accelerator.device)).item())
 
     if step == run.first_step:
         c.start_timing(sync)
