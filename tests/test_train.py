@@ -494,7 +494,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     4 when the steps left repay the compile: the losses are the eager run's (1e-4 relative), step 4's record
     is the warm-up, later records count the compiled graphs, and the compile's measured seconds are kept,
     so the next run of this shape weighs them, not the cold guess (and stays eager when they do not pay)."""
-    from toolkit.data import Collate
+    from toolkit.data.packing import Collate
     from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
     from toolkit.train import compiling
 
@@ -550,7 +550,7 @@ def test_batches_bucket_to_few_widths_once_blocks_compile():
     """The loader's collate pads to its longest row until the blocks compile, then SFT, pair and KTO
     batches to a multiple of 64 up to --seq-len, packed rows (a pair's: 2 x --seq-len) to the packing
     width, their padding's positions below --seq-len; the real tokens and labels are the same."""
-    from toolkit.data import Collate
+    from toolkit.data.packing import Collate
     from toolkit.data.packing import PackedRows
 
     def rows(*lengths):

@@ -209,29 +209,6 @@ def bucket_width(longest: int, multiple: int, cap: int | None = None) -> int:
     return max(longest, min(width, cap)) if cap else width
 
 
-class Collate:
-    """The training loader's collate_fn: `collate` (or `collate_packed` for packed rows) padding each
-    micro-batch to its longest row, or, once `bucket` is set (the decoder blocks compile:
-    `toolkit.train.compiling`), to few widths, so a compiled graph serves many steps: packed rows to the
-    packing width `width`, unpacked batches to a multiple of BUCKET tokens up to `width` (--seq-len).
-    `seq_len`: packed padding's positions restart below it (a pair's row is two --seq-len wide)."""
-
-    BUCKET = 64
-
-    def __init__(self, pad_id: int, whole: bool, packed: bool, width: int, seq_len: int):
-        self.pad_id, self.whole, self.packed, self.width, self.seq_len = pad_id, whole, packed, width, seq_len
-        self.bucket = False
-
-    def __call__(self, batch: list[dict]) -> dict:
-        multiple = (self.width if self.packed else self.BUCKET) if self.bucket else 1
-        cap = self.width if self.bucket else None
-        if self.packed:
-            from toolkit.data.packing import collate_packed
-
-            return collate_packed(batch, self.pad_id, self.whole, multiple, cap, self.seq_len)
-        return collate(batch, self.pad_id, self.whole, multiple, cap)
-
-
 def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1,
                       cap: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example (to `bucket_width`); padding gets attention 0 and label -100. `whole`: the batch

@@ -15,7 +15,7 @@ The compile step's record is marked `compile_warmup` and its time, less an eager
 compile's measured seconds (said in one line, kept for the next run). Later records carry
 `compiled_graphs`, dynamo's count of graphs compiled so far; a run that keeps compiling new graphs after
 its warm-up step (changing shapes) says so once. Once the blocks compile, the loader pads its batches to
-few widths (`toolkit.data.Collate`). Every rank decides alike: on the slowest rank's eager step and the
+few widths (`toolkit.data.packing.Collate`). Every rank decides alike: on the slowest rank's eager step and the
 costliest node's expected compile; the main process keeps the measured seconds. Inductor's cache lives under `cache_dir()/inductor`
 (unless TORCHINDUCTOR_CACHE_DIR is set), so the second run of a shape starts warm.
 """
@@ -92,14 +92,14 @@ class Compiling:
     key: str = ""
     path: Path | None = None  # where the measured seconds are kept; None: not kept (or not this process)
     keeps: bool = True  # this process writes the measured seconds to `path` (the main one)
-    collate: object | None = None  # the loader's `toolkit.data.Collate`, whose widths bucket once blocks compile
+    collate: object | None = None  # the loader's `toolkit.data.packing.Collate`, whose widths bucket once blocks compile
     eager_step_s: float | None = None
     graphs_after_warmup: int | None = None
     said_recompiles: bool = False
     _t0: float = field(default=0.0, repr=False)
 
     def bucket(self) -> None:
-        """Batches padded to few widths from now on (`toolkit.data.Collate`): one compiled graph each. A
+        """Batches padded to few widths from now on (`toolkit.data.packing.Collate`): one compiled graph each. A
         batch the loader fetched ahead still has its own width (one graph more, at most)."""
         if self.collate is not None:
             self.collate.bucket = True

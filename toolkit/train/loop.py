@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 from toolkit.cache import cache_dir
 from toolkit.config import Config
 from toolkit.inputs import sample_prompts
-from toolkit.data import Collate
-from toolkit.data.packing import PackedRows, pack_bins
+from toolkit.data.packing import Collate, PackedRows, pack_bins
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank, rank_max
 from toolkit.parallel.grad_norm import full
@@ -161,7 +160,7 @@ def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, w
     page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
     the batches reach the model uncut, so the collate adds what it finds on the CPU (target rows, packed
     documents' boundaries) for the forward to skip its read-backs. `width`: the packing width, the
-    widest a batch gets where blocks compile (`toolkit.data.Collate`; default --seq-len)."""
+    widest a batch gets where blocks compile (`toolkit.data.packing.Collate`; default --seq-len)."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
