@@ -199,7 +199,8 @@ def run_toolkit(args, flags: list[str] = ()) -> dict:
     from toolkit.train.loop import train
 
     cfg, model, tok, _, rows, out = setup(args, flags)
-    train(cfg, make_strategy(cfg, make_accelerator(cfg)), model, tok, rows, [], Path(out), log=lambda *a, **k: None)
+    strategy = make_strategy(cfg, make_accelerator(cfg))
+    train(cfg, strategy, strategy.shard_model(model), tok, rows, [], Path(out), log=lambda *a, **k: None)
     recs = [r for r in read_metrics(out) if "tokens_per_sec" in r]
     first, last = next(r for r in recs if r["step"] == args.warmup), recs[-1]
     assert last["step"] == args.warmup + args.steps

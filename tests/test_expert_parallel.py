@@ -51,24 +51,23 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
     from toolkit.layout.dims import ParallelDims
     from toolkit.parallel.ep import apply_expert_parallel
     from toolkit.parallel.traffic import counting
-    from toolkit.parallel.mesh import build_mesh
-    from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
+    from toolkit.parallel.mesh import Mesh
+    from toolkit.parallel.tp import apply_tensor_parallel, full_state_dict
 
     world = dist.get_world_size()
-    mesh = build_mesh(ParallelDims(world, dp_shard=world // tp, tp=tp, ep=world // tp), "cpu")
-    group, dp = mesh.ep.get_group("ep"), mesh.get_group("dp_shard")
-    tp_group = mesh.get_group("tp") if tp > 1 else None
+    mesh = Mesh(ParallelDims(world, dp_shard=world // tp, tp=tp, ep=world // tp), "cpu")
+    group, dp = mesh.group("ep"), mesh.group("dp_shard")
+    tp_group = mesh.group("tp") if tp > 1 else None
     out = {}
     for model_type in MOE if tp == 1 else ("qwen3_moe", "mixtral", "deepseek_v3"):
         for method in ("full", "lora") if tp == 1 else ("full",):
             ref, ep = _build(model_type, method), _build(model_type, method)
+            split = {}  # the run's table of cuts (`toolkit.parallel.cut`): TP's, then EP's
             if tp_group is not None:
-                apply_tensor_parallel(ep, tp_group)
-            shards = apply_expert_parallel(ep, group)
-            cuts = TPShards(tp_group)
-            cuts.read(ep)
-            split = {**cuts.split, **shards.split}
-            g = torch.Generator().manual_seed(mesh.get_local_rank("dp_shard"))  # data-parallel ranks: other tokens
+                apply_tensor_parallel(ep, tp_group, split)
+            shards = apply_expert_parallel(ep, group, split)
+            experts = {n for n, cut in split.items() if cut.ep is not None}
+            g = torch.Generator().manual_seed(mesh.local_rank("dp_shard"))  # data-parallel ranks: other tokens
             ids = torch.randint(4, 96, (2, 16), generator=g)
             with counting("ep") as traffic:
                 got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -83,13 +82,13 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
                 full = full.clone()
                 dist.all_reduce(full, group=dp)  # what FSDP sums over the data-parallel ranks
                 mine = grads[name].clone()
-                if name not in shards.split:  # an expert's owner already holds every rank's tokens' sum
+                if name not in experts:  # an expert's owner already holds every rank's tokens' sum
                     dist.all_reduce(mine, group=dp)
                 worst = max(worst, (mine - full).abs().max().item())
             gathered = full_state_dict(ep, split, tp_group)
             weights = max((gathered[k] - v).abs().max().item() for k, v in ref.state_dict().items())
             out[f"{model_type}/{method}"] = {**diffs, "grad": worst, "weights": weights,
-                                             "split": sorted(shards.split), "line": shards.line,
+                                             "split": sorted(experts), "line": shards.line,
                                              "sent": traffic["forward"], "returned": traffic["backward"]}
     dist.destroy_process_group()
     return out
@@ -167,7 +166,8 @@ def _no_tokens_on_rank_one(dist, implementation: str) -> float:
         torch.nn.init.normal_(p, std=0.1)
     holder.experts = Qwen3MoeExperts(config)
     holder.experts.load_state_dict(whole.state_dict())
-    shards = apply_expert_parallel(holder, dist.group.WORLD)
+    cuts = {}
+    apply_expert_parallel(holder, dist.group.WORLD, cuts)
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(6, config.hidden_size, generator=g)
     index = torch.tensor([[0, 1], [1, 0]] * 3)
@@ -184,7 +184,7 @@ def _no_tokens_on_rank_one(dist, implementation: str) -> float:
     for name, p in holder.experts.named_parameters():
         full = whole.get_parameter(name).grad.clone()
         dist.all_reduce(full)
-        worst = max(worst, rel(shards.split[f"experts.{name}"].gather(p.grad), full))
+        worst = max(worst, rel(cuts[f"experts.{name}"].gather(p.grad), full))
     return worst
 
 
@@ -445,14 +445,13 @@ def _ep_groups() -> dict:
     import torch.distributed as dist
 
     from toolkit.layout.dims import ParallelDims
-    from toolkit.parallel.mesh import build_mesh, expert_fsdp_mesh
+    from toolkit.parallel.mesh import Mesh
 
     dist.init_process_group("gloo")
-    dims = ParallelDims(4, dp_shard=4, ep=2)
-    mesh = build_mesh(dims, "cpu")
-    out = {"ep": dist.get_process_group_ranks(mesh.ep.get_group("ep")),
-           "experts": dist.get_process_group_ranks(expert_fsdp_mesh(mesh.ep, dims).get_group()),
-           "dense": dist.get_process_group_ranks(mesh.get_group("dp_shard"))}
+    mesh = Mesh(ParallelDims(4, dp_shard=4, ep=2), "cpu")
+    out = {"ep": dist.get_process_group_ranks(mesh.group("ep")),
+           "experts": dist.get_process_group_ranks(mesh.expert_fsdp().get_group()),
+           "dense": dist.get_process_group_ranks(mesh.group("dp_shard"))}
     dist.destroy_process_group()
     return out
 

@@ -183,15 +183,15 @@ def _mesh_saved(batch: int, seq: int) -> dict[str, int]:
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
     from toolkit.layout.dims import ParallelDims
-    from toolkit.parallel.mesh import build_mesh
+    from toolkit.parallel.mesh import Mesh
     from toolkit.parallel.pp.split import DecoderStage, decoder_parts
     from toolkit.parallel.tp import apply_tensor_parallel
     from toolkit.planner.layouts import stage_blocks
 
     dist.init_process_group("gloo")
     try:
-        mesh = build_mesh(ParallelDims(4, cp=2, tp=2), "cpu")
-        tp_group, cp_group = mesh.get_group("tp"), mesh.get_group("cp")
+        mesh = Mesh(ParallelDims(4, cp=2, tp=2), "cpu")
+        tp_group, cp_group = mesh.group("tp"), mesh.group("cp")
         ids = torch.randint(0, CFG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
         rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         out = {}

@@ -201,7 +201,8 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
                                                      init_lora_weights=False))
                 return m
 
-            ref, tpm = build(), apply_tensor_parallel(build(), layout.tp_group)
+            cuts = {}  # how the plan cut each parameter, by name (`toolkit.parallel.cut`)
+            ref, tpm = build(), apply_tensor_parallel(build(), layout.tp_group, cuts)
             g = torch.Generator().manual_seed(layout.dp_rank)  # dp groups see different data, TP peers the same
             ids = torch.randint(5, 300, (2, 12), generator=g)
             mask = torch.ones_like(ids)
@@ -219,10 +220,9 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
                 expected = 2 * tpm.config.num_hidden_layers * ids.numel() * tpm.config.hidden_size * 4
                 out[key + "/bytes_off"] = abs(traffic["forward"] - expected) + abs(traffic["backward"] - expected)
             out[key + "/logits"] = (logits - logits_ref).abs().max().item()
-            out[key + "/grads"], out[key + "/n_grads"] = _grads_off(ref, tpm, layout)
+            out[key + "/grads"], out[key + "/n_grads"] = _grads_off(ref, tpm, layout, cuts)
             assert out[key + "/n_grads"] == sum(p.requires_grad for p in ref.parameters()), key
-            shards = TPShards(layout.tp_group)
-            shards.read(tpm)
+            shards = TPShards(layout.tp_group, cuts)
             gathered = shards.state_dict(tpm)
             ref_state = ref.state_dict()
             assert gathered.keys() == ref_state.keys()
@@ -234,7 +234,7 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
     return out
 
 
-def _grads_off(ref, tpm, layout) -> tuple[float, int]:
+def _grads_off(ref, tpm, layout, cuts: dict) -> tuple[float, int]:
     """The largest difference of a TP parameter's gradient from its slice of the unsharded one, and
     how many were compared. fp32 rounding of a split sum grows with the tensor's scale (gradients up
     to ~12 here): the difference is taken relative to the largest entry where that exceeds 1."""
@@ -243,19 +243,21 @@ def _grads_off(ref, tpm, layout) -> tuple[float, int]:
     for pname, p in tpm.named_parameters():
         if p.grad is None:
             continue
-        expect = _my_slice(ref_params[pname].grad, p, layout)
+        expect = _my_slice(ref_params[pname].grad, cuts.get(pname), layout)
         assert p.grad.shape == expect.shape, (pname, p.grad.shape, expect.shape)
         worst, n = max(worst, ((p.grad - expect).abs().max() / expect.abs().max().clamp(min=1.0)).item()), n + 1
     return worst, n
 
 
-def _my_slice(full: torch.Tensor, p, layout) -> torch.Tensor:
-    """This TP rank's part of `full` as the plan cut `p`: a slice along `tp_split_dim`, a packed
-    projection's slice of every part."""
-    dim = getattr(p, "tp_split_dim", None)
-    if dim is None:
+def _my_slice(full: torch.Tensor, cut, layout) -> torch.Tensor:
+    """This TP rank's part of `full` as the plan cut it (`cut`: its `toolkit.parallel.cut.Cut`): a slice
+    along the dim it names, a packed projection's slice of every part."""
+    from toolkit.parallel.tp.layers import Packed
+
+    split = cut.tp if cut is not None else None
+    if split is None:
         return full
-    parts = p.tp_packed.parts if hasattr(p, "tp_packed") else (full.shape[dim],)
+    dim, parts = (split.dim, split.parts) if isinstance(split, Packed) else (split, (full.shape[split],))
     return torch.cat([part.chunk(layout.tp, dim)[layout.tp_rank] for part in full.split(list(parts), dim)], dim)
 
 
@@ -273,7 +275,7 @@ def _checkpoint_off(ref, tpm, shards, layout, folder: str) -> dict:
     opt_ref, opt_tp = torch.optim.Adam(ref.parameters(), lr=0.0), torch.optim.Adam(tpm.parameters(), lr=0.0)
     opt_ref.step()
     opt_tp.step()
-    named = [(n, p, shards.split.get(n)) for n, p in tpm.named_parameters() if p.requires_grad]
+    named = [(n, p, shards.cuts.get(n)) for n, p in tpm.named_parameters() if p.requires_grad]
     save_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp)
     dist.barrier()
     out = {}
@@ -290,7 +292,7 @@ def _checkpoint_off(ref, tpm, shards, layout, folder: str) -> dict:
             p.zero_()
     assert load_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp) == []
     out["reloaded"] = max((p - before[n]).abs().max().item() for n, p, _ in named)
-    out["packed_params"] = float(sum(isinstance(s, Packed) for s in shards.split.values()))
+    out["packed_params"] = float(sum(isinstance(s.tp, Packed) for s in shards.cuts.values()))
     return out
 
 
@@ -347,7 +349,7 @@ def test_zoo_tp_support_matrix(tmp_path):
 
 def test_reading_the_plan():
     """What the TP layers make of transformers' styles, and the entry a refusal names."""
-    from toolkit.layout.tp_plan import NotExpressible, Region, packed_parts, read_tp_plan
+    from toolkit.layout.tp_regions import NotExpressible, Region, packed_parts, read_tp_plan
 
     plan = read_tp_plan({"embed_in": "embedding_rowwise", "layers.*.attention.query_key_value": "colwise",
                          "layers.*.attention.dense": "rowwise",

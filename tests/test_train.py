@@ -70,8 +70,13 @@ def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):
 
 
 def test_gradient_checkpointing_gives_the_same_losses(tmp_path, tiny_model, data_files):
-    _, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
-    _, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
+    """The blocks really recompute (transformers' per-layer flag, set by `toolkit.parallel.parallelize`)."""
+    from toolkit.models import decoder_layers
+
+    plain, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
+    checkpointed, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
+    assert [layer.gradient_checkpointing for layer in decoder_layers(checkpointed.model)] == [True] * 2
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(plain.model))
     la = [r["loss"] for r in records(a)]
     lb = [r["loss"] for r in records(b)]
     assert la == pytest.approx(lb, rel=1e-5)

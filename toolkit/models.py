@@ -198,9 +198,9 @@ def load_dtype(cfg: Config) -> torch.dtype:
 
 def load_model(cfg: Config, path: str):
     """Load the causal LM (`load_dtype`), then wrap it for LoRA/QLoRA. QLoRA stores the frozen base
-    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model: a layout that splits it
-    (`Strategy.shard_model`) does so after this, so every layout starts from the same weights and
-    adapter init."""
+    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model, nothing else applied:
+    TP, EP, checkpointing, compile and FSDP2 follow in `toolkit.parallel.parallelize` (the strategy's
+    `shard_model`), so every layout starts from the same weights and adapter init."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg), **router_kwargs(cfg)}
@@ -227,12 +227,8 @@ def load_model(cfg: Config, path: str):
         model.set_attn_implementation(name)
     if cfg.train.kernels == "liger":
         apply_liger(model)
-    if cfg.train.gradient_checkpointing:
-        enable_checkpointing(model)
     if cfg.model.method in ("lora", "qlora"):
         model = apply_lora(model, cfg, path)
-    if cfg.train.compile is True:  # --compile; auto decides in the loop, once steps are timed
-        compile_blocks(model)
     return model
 
 
@@ -510,11 +506,8 @@ def apply_lora(model, cfg: Config, base: str | None = None):
 
     m = cfg.model
     if m.method == "qlora":
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=cfg.train.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif cfg.train.gradient_checkpointing:
-        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
+        # checkpointing is `toolkit.parallel.parallelize`'s step, as for every method
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     adapter = sft_adapter(cfg)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)

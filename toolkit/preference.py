@@ -26,13 +26,19 @@ pass before step 1 (`toolkit.train.reference`), so the first step's DPO loss is 
 those of a LoRA that trains on the SFT adapter `--model` names (`toolkit.models.sft_adapter`): its
 reference is the SFT policy, the adapter on, which disabling the adapter would not give.
 The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `toolkit.objective_spec`.
+
+The loss in parts: `ObjectiveSpec`, the settings, read from the config once; one `Objective` per
+objective (`DPO`, `ORPO`, `SimPO`, `KTO`: its loss and metrics, from `OBJECTIVE_TYPES`); `StepState`,
+what a step sets and gathers; `LayoutHooks`, what the layout decides, passed in by `make_strategy`
+(`PreferenceLoss.bind`). `PreferenceLoss` puts them together, and its `reference_logps` is the one
+place that decides which reference a forward is compared against.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,17 +65,26 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
 
 
 @torch.no_grad()
-def whole_row_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
-    """`sequence_logps` of whole rows through `model` without gradients; `reference`: LoRA's base, the
-    adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
+def no_grad_logps(model, inputs: dict, logps: Callable[[torch.Tensor], torch.Tensor],
+                  reference: bool = False) -> torch.Tensor:
+    """`logps` of `model(**inputs)`'s logits without gradients; `reference`: LoRA's base, the adapters
+    disabled. The one place that forward is written: whole rows (`whole_row_logps`) and the training
+    forward's own rows (`PreferenceLoss.reference_logps`) both come through here."""
     from contextlib import nullcontext
 
     from accelerate.utils import extract_model_from_parallel
 
+    with extract_model_from_parallel(model).disable_adapter() if reference else nullcontext():
+        return logps(model(**inputs).logits)
+
+
+def whole_row_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
+    """`sequence_logps` of whole rows through `model` without gradients; `reference`: LoRA's base, the
+    adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
     from toolkit.data.packing import model_inputs
 
-    with extract_model_from_parallel(model).disable_adapter() if reference else nullcontext():
-        return sequence_logps(model(**model_inputs(batch)).logits, batch["labels"])[0]
+    return no_grad_logps(model, model_inputs(batch), lambda logits: sequence_logps(logits, batch["labels"])[0],
+                         reference)
 
 
 def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
@@ -164,6 +179,30 @@ def orpo_nll_tokens(batch: dict) -> torch.Tensor:
     return batch["attention_mask"][0::2, 1:].sum()
 
 
+def orpo_rows(batch: dict) -> dict:
+    """The rows ORPO's NLL scores as a batch of their own (evaluation's whole-row forward, which a
+    pipeline gives no logits for): the chosen sequences, on `orpo_labels`."""
+    return {"input_ids": batch["input_ids"][0::2], "attention_mask": batch["attention_mask"][0::2],
+            "labels": orpo_labels(batch)}
+
+
+def orpo_nll(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """ORPO's summed NLL of the chosen sequences (the even rows of `logits`) on `orpo_labels` (`shifted`:
+    a context-parallel slice's targets, `orpo_targets`, whose shares over the slices add up to the whole);
+    the loop scales it by the global pairs / `orpo_nll_tokens` (`begin_step`)."""
+    return -sequence_logps(logits[0::2], labels, shifted)[0].sum()
+
+
+def kl_batch(batch: dict) -> dict:
+    """KTO's KL sequences (mismatched completions, `toolkit.data.pairs.kl_sequences`) as a batch of their own,
+    with their precomputed reference where the rows carry one (`ref_kl_logps`)."""
+    kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
+          "labels": batch["kl_labels"]}
+    if "ref_kl_logps" in batch:
+        kl["ref_logps"] = batch["ref_kl_logps"]
+    return kl
+
+
 # Said once, in the objective's line: a `kl` of 0.0 is the clamp (TRL's), not a missing term. The estimate,
 # the mean policy-minus-reference log-probability of mismatched completions, is exactly 0 while the policy is
 # the reference (step 1; step 2 too under warmup, which starts the learning rate at 0) and often negative
@@ -171,42 +210,228 @@ def orpo_nll_tokens(batch: dict) -> torch.Tensor:
 KL_CLAMP = "clamped at 0 as TRL's (kl 0.0: the policy is the reference, or scores those completions below it)"
 
 
-@dataclass
-class PreferenceLoss:
-    """One micro-batch's summed pair loss for `objective`; its metrics' sums are kept for the step's
-    record (`take_metrics`). `reference`: "adapters" (LoRA: the base, adapters disabled, no gradients),
-    "precomputed" (the batch's `ref_logps`, `toolkit.train.reference`) or None (ORPO, SimPO)."""
-    objective: str
+# --- the objective's settings, read from the config once; each reference as the objective's line names it
+REFERENCES = {"adapters": "the base model, adapters disabled",
+              "precomputed": "log-probabilities computed before step 1"}
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What `--objective` trains, fixed for the run. `reference`: "adapters" (LoRA: the base, adapters
+    disabled, no gradients), "precomputed" (the batch's `ref_logps`, `toolkit.train.reference`) or None
+    (ORPO, SimPO); `PreferenceLoss.reference_logps` is the one place that reads it to get them."""
+    name: str
     beta: float
     simpo_gamma: float = DEFAULT_SIMPO_GAMMA
     label_smoothing: float = 0.0
     reference: str | None = None
-    nll_scale: torch.Tensor | float = 1.0  # ORPO: the global pairs / the global NLL tokens, set per step
-    sums: torch.Tensor | None = None
-    dropouts_off: int = 0
-    sum_slices: Any = None  # context parallel: a sequence's slices summed over the cp group (`sliced_logps`)
-    cp: int = 1
-    # the layout's whole-sequence log-probabilities without gradients (`Strategy.sequence_logps`: a pipeline's
-    # are its last stage's, sent to every stage), set by `make_strategy`
-    forward_logps: Any = None
     desirable_weight: float = 1.0  # KTO's weights
     undesirable_weight: float = 1.0
-    kl: torch.Tensor | float = 0.0  # KTO: z0, the step's KL estimate (`begin_step`)
 
     @classmethod
-    def from_config(cls, cfg) -> "PreferenceLoss | None":
+    def from_config(cls, cfg) -> "ObjectiveSpec | None":
+        """None for SFT."""
         t = cfg.train
-        if t.objective == "sft":
+        kind = OBJECTIVE_TYPES.get(t.objective)
+        if kind is None:
             return None
         from toolkit.models import sft_adapter
 
         # a LoRA that trains an SFT adapter on: its reference is that adapter as loaded (the policy at
         # step 0), not the base that disabling it would give; its log-probabilities computed before step 1
-        reference = None if t.objective not in ("dpo", "kto") else \
+        reference = None if not kind.referenced else \
             "precomputed" if cfg.model.method == "full" or sft_adapter(cfg) else "adapters"
         return cls(t.objective, t.beta if t.beta is not None else DEFAULT_BETA[t.objective], t.simpo_gamma,
-                   t.label_smoothing, reference, desirable_weight=t.desirable_weight,
-                   undesirable_weight=t.undesirable_weight)
+                   t.label_smoothing, reference, t.desirable_weight, t.undesirable_weight)
+
+    @property
+    def reference_pass(self) -> bool:
+        """Whether the rows need their reference log-probabilities computed before step 1."""
+        return self.reference == "precomputed"
+
+
+@dataclass
+class StepState:
+    """What a step sets and gathers, apart from the settings: ORPO's NLL scale and KTO's z0, set before
+    the global batch's first forward (`PreferenceLoss.begin_step`), and the metrics' sums since they
+    were last taken."""
+    nll_scale: torch.Tensor | float = 1.0  # ORPO: the global pairs / the global NLL tokens
+    kl: torch.Tensor | float = 0.0  # KTO: z0, the step's KL estimate
+    sums: torch.Tensor | None = None
+
+    def add(self, sums: torch.Tensor) -> None:
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def take(self) -> torch.Tensor | None:
+        taken, self.sums = self.sums, None
+        return taken
+
+
+# --- one object per objective: its summed loss from per-sequence log-probabilities, and its metrics
+@dataclass(frozen=True)
+class Objective:
+    """A preference objective on a micro-batch's per-sequence log-probabilities (and target counts, the
+    reference's, KTO's labels): its summed loss, its metrics' sums kept in `state`."""
+    spec: ObjectiveSpec
+    referenced: ClassVar[bool] = False  # trained against a reference (`ObjectiveSpec.reference`)
+    nll: ClassVar[bool] = False  # ORPO: + the chosen sequences' NLL (`orpo_nll`)
+    estimates_kl: ClassVar[bool] = False  # KTO: z0 estimated before each step (`PreferenceLoss.kl_estimate`)
+    width: ClassVar[int] = len(METRICS)  # the length of its metrics' sums
+    unit: ClassVar[str] = "pairs"  # what its examples are called
+
+    def loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
+             desirable: torch.Tensor | None, state: StepState) -> torch.Tensor:
+        raise NotImplementedError
+
+    def metric_values(self, sums: torch.Tensor, examples: float | torch.Tensor) -> dict[str, float]:
+        """The metrics (TRL's names) from the sums over `examples`: means over pairs."""
+        return {name: float(v) / float(examples) for name, v in zip(METRICS, sums)}
+
+    def settings(self) -> str:
+        """Its settings after beta, for the objective's line."""
+        raise NotImplementedError
+
+
+class PairObjective(Objective):
+    """Interleaved (chosen, rejected) sequences."""
+    means: ClassVar[bool] = True  # on mean token log-probabilities, which TRL's logps/* then report too
+
+    def loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
+             desirable: torch.Tensor | None, state: StepState) -> torch.Tensor:
+        chosen, rejected = logps[0::2], logps[1::2]
+        if self.means:
+            chosen, rejected = chosen / counts[0::2].clamp(min=1), rejected / counts[1::2].clamp(min=1)
+        loss, r_chosen, r_rejected = self.pair_loss(chosen, rejected, ref)
+        state.add(torch.stack([r_chosen.sum(), r_rejected.sum(), (r_chosen > r_rejected).float().sum(),
+                               (r_chosen - r_rejected).sum(), chosen.detach().sum(), rejected.detach().sum()]).double())
+        return loss.sum()
+
+    def pair_loss(self, chosen: torch.Tensor, rejected: torch.Tensor,
+                  ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(per-pair loss, chosen reward, rejected reward)."""
+        raise NotImplementedError
+
+
+class DPO(PairObjective):
+    """`dpo_loss`: on the sequences' summed log-probabilities, against the reference's."""
+    referenced, means = True, False
+
+    def pair_loss(self, chosen, rejected, ref):
+        return dpo_loss(chosen, rejected, ref[0::2], ref[1::2], self.spec.beta, self.spec.label_smoothing)
+
+    def settings(self) -> str:
+        return f", label smoothing {self.spec.label_smoothing:g}; reference: {REFERENCES[self.spec.reference]}"
+
+
+class SimPO(PairObjective):
+    """`simpo_loss`: on mean token log-probabilities, with no reference."""
+
+    def pair_loss(self, chosen, rejected, ref):
+        return simpo_loss(chosen, rejected, self.spec.beta, self.spec.simpo_gamma, self.spec.label_smoothing)
+
+    def settings(self) -> str:
+        return f", gamma {self.spec.simpo_gamma:g}, label smoothing {self.spec.label_smoothing:g}"
+
+
+class ORPO(PairObjective):
+    """`orpo_odds_loss` on mean token log-probabilities, plus the chosen sequences' NLL (`orpo_nll`)."""
+    nll = True
+
+    def pair_loss(self, chosen, rejected, ref):
+        return orpo_odds_loss(chosen, rejected, self.spec.beta)
+
+    def settings(self) -> str:
+        return " + the chosen sequences' NLL"
+
+
+class KTO(Objective):
+    """Single completions labelled desirable or not; its metrics over the desirable and the undesirable
+    ones apart (TRL's)."""
+    referenced, estimates_kl, width, unit = True, True, 7, "examples"
+
+    def loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
+             desirable: torch.Tensor | None, state: StepState) -> torch.Tensor:
+        desirable = desirable.to(logps.device).bool()
+        s = self.spec
+        loss, rewards = kto_loss(logps, ref, desirable, state.kl, s.beta, s.desirable_weight, s.undesirable_weight)
+        good, bad = desirable.double(), (~desirable).double()
+        kl = torch.as_tensor(state.kl, dtype=torch.float64, device=logps.device)
+        state.add(torch.stack([(rewards * good).sum(), (rewards * bad).sum(), good.sum(), bad.sum(),
+                               (logps.detach() * good).sum(), (logps.detach() * bad).sum(), kl * len(logps)]).double())
+        return loss.sum()
+
+    def metric_values(self, sums: torch.Tensor, examples: float | torch.Tensor) -> dict[str, float]:
+        """Means over the desirable and the undesirable examples apart (each where there were some), and
+        the KL estimate's mean."""
+        r_good, r_bad, n_good, n_bad, l_good, l_bad, kl = [float(v) for v in sums]
+        out = {}
+        if n_good:
+            out.update({"rewards/chosen": r_good / n_good, "logps/chosen": l_good / n_good})
+        if n_bad:
+            out.update({"rewards/rejected": r_bad / n_bad, "logps/rejected": l_bad / n_bad})
+        if n_good and n_bad:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out["kl"] = kl / max(float(examples), 1.0)
+        return {name: out[name] for name in KTO_METRICS if name in out}
+
+    def settings(self) -> str:
+        s = self.spec
+        return (f", weights desirable {s.desirable_weight:g} undesirable {s.undesirable_weight:g}; reference: "
+                f"{REFERENCES[s.reference]}; KL estimate from mismatched completions, over the global batch, "
+                f"{KL_CLAMP}")
+
+
+OBJECTIVE_TYPES: dict[str, type[Objective]] = {"dpo": DPO, "orpo": ORPO, "simpo": SimPO, "kto": KTO}
+
+
+# --- what the layout decides, passed in by `make_strategy` (`PreferenceLoss.bind`)
+LogpsFn = Callable[..., torch.Tensor]  # (model, batch, reference=False) -> each whole row's log-probability
+SumFn = Callable[[torch.Tensor], torch.Tensor]  # a sum over the cp group
+
+
+@dataclass(frozen=True)
+class LayoutHooks:
+    """`forward_logps`: the layout's whole-row log-probabilities without gradients (`Strategy.sequence_logps`:
+    a pipeline's are its last stage's, sent to every stage). Under context parallel, `sum_slices` sums a
+    sequence's slices over the cp group (`sliced_logps`) of `cp` ranks."""
+    forward_logps: LogpsFn = whole_row_logps
+    sum_slices: SumFn | None = None
+    cp: int = 1
+
+
+class PreferenceLoss:
+    """One micro-batch's summed loss under a preference objective: `kind` (its loss and metrics, from
+    `spec`) on the per-sequence log-probabilities this layout computes (`hooks`); what a step sets and
+    gathers kept apart (`state`), its metrics' sums for the step's record (`take_metrics`)."""
+
+    def __init__(self, spec: ObjectiveSpec | str, beta: float | None = None, *, hooks: LayoutHooks = LayoutHooks(),
+                 **settings: Any) -> None:
+        """`spec`, or its fields: `PreferenceLoss("dpo", 0.1, reference="adapters")`."""
+        self.spec = spec if isinstance(spec, ObjectiveSpec) else ObjectiveSpec(spec, beta, **settings)
+        self.kind: Objective = OBJECTIVE_TYPES[self.spec.name](self.spec)
+        self.hooks, self.state, self.dropouts_off = hooks, StepState(), 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "PreferenceLoss | None":
+        spec = ObjectiveSpec.from_config(cfg)
+        return cls(spec) if spec is not None else None
+
+    def bind(self, forward_logps: LogpsFn, sum_slices: SumFn | None = None, cp: int = 1) -> "PreferenceLoss":
+        """This objective under a layout (`make_strategy`), with a fresh step state."""
+        return PreferenceLoss(self.spec, hooks=LayoutHooks(forward_logps, sum_slices, cp))
+
+    # the step state's values under their earlier names (the TRL parity tests set and read them)
+    @property
+    def nll_scale(self) -> torch.Tensor | float:
+        return self.state.nll_scale
+
+    @nll_scale.setter
+    def nll_scale(self, value: torch.Tensor | float) -> None:
+        self.state.nll_scale = value
+
+    @property
+    def kl(self) -> torch.Tensor | float:
+        return self.state.kl
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Dropout off, as TRL does (`disable_dropout`): with it on, the policy's forward would not be the
@@ -219,26 +444,19 @@ class PreferenceLoss:
                 module.attention_dropout, self.dropouts_off = 0.0, self.dropouts_off + 1
 
     def describe(self) -> str:
-        reference = "; reference: " + ("the base model, adapters disabled" if self.reference == "adapters"
-                                       else "log-probabilities computed before step 1")
-        extra = {"dpo": f", label smoothing {self.label_smoothing:g}{reference}",
-                 "kto": f", weights desirable {self.desirable_weight:g} undesirable {self.undesirable_weight:g}"
-                        f"{reference}; KL estimate from mismatched completions, over the global batch, "
-                        f"{KL_CLAMP}",
-                 "simpo": f", gamma {self.simpo_gamma:g}, label smoothing {self.label_smoothing:g}",
-                 "orpo": " + the chosen sequences' NLL"}[self.objective]
         off = f"; dropout off in {self.dropouts_off} places (as TRL)" if self.dropouts_off else ""
-        return f"objective: {self.objective}, beta {self.beta:g}{extra}; full logits, per-sequence log-probabilities{off}"
+        return (f"objective: {self.spec.name}, beta {self.spec.beta:g}{self.kind.settings()}; full logits, "
+                f"per-sequence log-probabilities{off}")
 
     def begin_step(self, model, micro: list[dict], reduce, replicas: int, pairs: torch.Tensor) -> None:
         """What the global batch sets before its first forward (`reduce`: the sum over ranks, each
         data shard counted `replicas` times): ORPO's NLL scale, global pairs / global NLL tokens; KTO's
         KL estimate."""
-        if self.objective == "orpo":
+        if self.kind.nll:
             tokens = reduce(sum(orpo_nll_tokens(b) for b in micro).double().reshape(1)) / replicas
-            self.nll_scale = pairs / tokens.clamp(min=1)[0]
-        if self.objective == "kto":
-            self.kl = self.kl_estimate(model, micro, reduce, replicas)
+            self.state.nll_scale = pairs / tokens.clamp(min=1)[0]
+        if self.kind.estimates_kl:
+            self.state.kl = self.kl_estimate(model, micro, reduce, replicas)
 
     @torch.no_grad()
     def kl_estimate(self, model, micro: list[dict], reduce, replicas: int) -> torch.Tensor:
@@ -248,28 +466,33 @@ class PreferenceLoss:
         gradients. Every rank runs the same forwards (whole sequences, as evaluation does under each layout)."""
         total = None
         for b in micro:
-            kl = {"input_ids": b["kl_input_ids"], "attention_mask": b["kl_attention_mask"], "labels": b["kl_labels"]}
-            forward = self.forward_logps or whole_row_logps
-            policy = forward(model, kl)
-            ref = b["ref_kl_logps"] if self.reference == "precomputed" else forward(model, kl, reference=True)
+            kl = kl_batch(b)
+            policy = self.hooks.forward_logps(model, kl)
+            ref = self.reference_logps(model, kl)
             part = torch.stack([(policy - ref.to(policy.device)).sum().double(),
                                 torch.tensor(float(len(policy)), dtype=torch.float64, device=policy.device)])
             total = part if total is None else total + part
         total = reduce(total) / replicas
         return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
 
-    def reference_logps(self, model, batch: dict, inputs: dict) -> torch.Tensor:
-        """The base model's sequence log-probabilities, adapters disabled, without gradients."""
-        from accelerate.utils import extract_model_from_parallel
-
-        with torch.no_grad(), extract_model_from_parallel(model).disable_adapter():
-            return self.logps(model(**inputs).logits, batch)[0]
+    def reference_logps(self, model, batch: dict, inputs: dict | None = None) -> torch.Tensor | None:
+        """The reference's per-sequence log-probabilities, or None (ORPO, SimPO): where "which reference"
+        is decided, for the loss, a pipeline, evaluation and KTO's KL. "precomputed": the batch's;
+        "adapters": LoRA's base without gradients, through `inputs` as the training forward lays them out
+        (packed rows, a context-parallel slice), or else whole rows through the layout's `forward_logps`."""
+        if self.spec.reference == "precomputed":
+            return batch["ref_logps"]
+        if self.spec.reference is None:
+            return None
+        if inputs is None:
+            return self.hooks.forward_logps(model, batch, reference=True)
+        return no_grad_logps(model, inputs, lambda logits: self.logps(logits, batch)[0], reference=True)
 
     def logps(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence (padded rows; a context-parallel slice's summed over the group) or per document
         (packed rows): chosen, rejected, chosen, ..."""
         if "targets" in batch:
-            return sliced_logps(logits, batch["targets"], self.sum_slices)
+            return sliced_logps(logits, batch["targets"], self.hooks.sum_slices)
         if "position_ids" in batch:
             return document_logps(logits, batch["labels"], batch["position_ids"], batch["attention_mask"],
                                   batch["documents"])
@@ -277,17 +500,16 @@ class PreferenceLoss:
 
     def __call__(self, model, batch: dict, inputs: dict) -> tuple[torch.Tensor, Any]:
         """(the summed pair loss of `batch` (plus ORPO's scaled NLL), the model's output)."""
-        ref = self.reference_logps(model, batch, inputs) if self.reference == "adapters" else \
-            batch["ref_logps"] if self.reference == "precomputed" else None
+        ref = self.reference_logps(model, batch, inputs)
         out = model(**inputs)
         logps, counts = self.logps(out.logits, batch)
         total = self.loss_of(logps, counts, ref, batch.get("desirable"))
-        if "targets" in batch:  # every cp rank holds the whole pair loss: the value once over the group, the
-            total = total - total.detach() * (1 - 1 / self.cp)  # gradient whole through each rank's slice
-        if self.objective == "orpo" and "targets" in batch:  # a slice's share of the NLL: the slices' shares add up
-            total = total - token_logps(out.logits[0::2], batch["orpo_targets"]).sum() * self.nll_scale
-        elif self.objective == "orpo":
-            total = total + self.orpo_nll(out.logits, orpo_labels(batch)) * self.nll_scale
+        sliced = "targets" in batch
+        if sliced:  # every cp rank holds the whole pair loss: the value once over the group, the
+            total = total - total.detach() * (1 - 1 / self.hooks.cp)  # gradient whole through each rank's slice
+        if self.kind.nll:  # ORPO's NLL; under cp this slice's share (the slices' shares add up)
+            labels = batch["orpo_targets"] if sliced else orpo_labels(batch)
+            total = total + orpo_nll(out.logits, labels, shifted=sliced) * self.state.nll_scale
         return total, out
 
     def loss_of(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
@@ -295,13 +517,7 @@ class PreferenceLoss:
         """The summed objective of a micro-batch's sequences from their log-probabilities (and target
         counts, the reference's, KTO's labels); the metrics' sums kept."""
         ref = ref.to(logps.device) if ref is not None else None
-        if self.objective == "kto":
-            return self.kto_loss(logps, ref, desirable)
-        return self.pair_loss(logps, counts, ref)
-
-    def orpo_nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """ORPO's summed NLL of the chosen sequences (even rows; `orpo_labels`)."""
-        return -sequence_logps(logits[0::2], labels)[0].sum()
+        return self.kind.loss(logps, counts, ref, desirable, self.state)
 
     # --- under a pipeline, the last stage gets the logits and one target tensor per micro-batch
     def pipeline_target(self, batch: dict) -> torch.Tensor:
@@ -313,7 +529,7 @@ class PreferenceLoss:
         ref, desirable = batch.get("ref_logps"), batch.get("desirable")
         cols = [labels.double(), (ref if ref is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device),
                 (desirable if desirable is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device)]
-        if self.objective == "orpo":
+        if self.kind.nll:
             cols.append(orpo_labels(batch).repeat_interleave(2, 0).double())  # each pair's chosen labels, twice
         return torch.cat(cols, 1)
 
@@ -322,64 +538,21 @@ class PreferenceLoss:
         width = logits.shape[1]
         labels = target[:, :width].long()
         logps, counts = sequence_logps(logits, labels)
-        ref = target[:, width] if self.reference is not None else None
+        ref = target[:, width] if self.spec.reference is not None else None
         total = self.loss_of(logps, counts, ref, target[:, width + 1].bool())
-        if self.objective == "orpo":
-            total = total + self.orpo_nll(logits, target[0::2, width + 2:].long()) * self.nll_scale
+        if self.kind.nll:
+            total = total + orpo_nll(logits, target[0::2, width + 2:].long()) * self.state.nll_scale
         return total
 
     @property
     def metric_width(self) -> int:
         """The length of `take_metrics`' sums."""
-        return 7 if self.objective == "kto" else len(METRICS)
+        return self.kind.width
 
-    def pair_loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-        """The summed loss of interleaved (chosen, rejected) sequences; their metrics kept."""
-        chosen, rejected = logps[0::2], logps[1::2]
-        if self.objective == "dpo":
-            loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[0::2], ref[1::2], self.beta, self.label_smoothing)
-        else:  # on mean token log-probabilities, which TRL's logps/* then report too
-            chosen, rejected = chosen / counts[0::2].clamp(min=1), rejected / counts[1::2].clamp(min=1)
-            loss, r_chosen, r_rejected = simpo_loss(chosen, rejected, self.beta, self.simpo_gamma,
-                                                    self.label_smoothing) if self.objective == "simpo" else \
-                orpo_odds_loss(chosen, rejected, self.beta)
-        sums = torch.stack([r_chosen.sum(), r_rejected.sum(), (r_chosen > r_rejected).float().sum(),
-                            (r_chosen - r_rejected).sum(), chosen.detach().sum(), rejected.detach().sum()]).double()
-        self.sums = sums if self.sums is None else self.sums + sums
-        return loss.sum()
-
-    def kto_loss(self, logps: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor) -> torch.Tensor:
-        """The summed loss of KTO's examples; their metrics kept (TRL's, over the desirable and the
-        undesirable ones apart)."""
-        desirable = desirable.to(logps.device).bool()
-        loss, rewards = kto_loss(logps, ref, desirable, self.kl, self.beta, self.desirable_weight,
-                                 self.undesirable_weight)
-        good, bad = desirable.double(), (~desirable).double()
-        kl = torch.as_tensor(self.kl, dtype=torch.float64, device=logps.device)
-        sums = torch.stack([(rewards * good).sum(), (rewards * bad).sum(), good.sum(), bad.sum(),
-                            (logps.detach() * good).sum(), (logps.detach() * bad).sum(), kl * len(logps)]).double()
-        self.sums = sums if self.sums is None else self.sums + sums
-        return loss.sum()
-
-    def metric_values(self, sums, examples) -> dict[str, float]:
-        """The metrics (TRL's names) from `take_metrics`' sums over `examples` (pairs, or KTO's):
-        means over pairs; KTO's over its desirable and undesirable examples apart (each where there
-        were some), and its KL estimate's mean."""
-        sums = [float(v) for v in sums]
-        if self.objective != "kto":
-            return {name: v / float(examples) for name, v in zip(METRICS, sums)}
-        r_good, r_bad, n_good, n_bad, l_good, l_bad, kl = sums
-        out = {}
-        if n_good:
-            out.update({"rewards/chosen": r_good / n_good, "logps/chosen": l_good / n_good})
-        if n_bad:
-            out.update({"rewards/rejected": r_bad / n_bad, "logps/rejected": l_bad / n_bad})
-        if n_good and n_bad:
-            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-        out["kl"] = kl / max(float(examples), 1.0)
-        return {name: out[name] for name in KTO_METRICS if name in out}
+    def metric_values(self, sums: torch.Tensor, examples: float | torch.Tensor) -> dict[str, float]:
+        """The metrics (TRL's names) from `take_metrics`' sums over `examples` (pairs, or KTO's)."""
+        return self.kind.metric_values(sums, examples)
 
     def take_metrics(self) -> torch.Tensor | None:
-        """The METRICS' sums over pairs since the last call."""
-        taken, self.sums = self.sums, None
-        return taken
+        """The metrics' sums since the last call."""
+        return self.state.take()

@@ -14,7 +14,7 @@ from typing import Any
 
 from toolkit.layout.dims import ParallelDims, infer_dims
 from toolkit.layout.flags import ParallelConfig
-from toolkit.layout.tp_plan import NotExpressible, read_tp_plan
+from toolkit.layout.tp_regions import NotExpressible, read_tp_plan
 
 # Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
@@ -79,24 +79,24 @@ def pipeline_schedule(d: ParallelDims, micro_batch: int) -> tuple[str, int]:
 
 
 def runtime(par: ParallelConfig, dims: ParallelDims) -> str:
-    """Which strategy builds the layout (`toolkit.parallel.build.make_strategy`): 'accelerate'
-    (DDP, or one process), 'deepspeed', 'naive_pipeline' (--pp in one process),
-    'pipeline', 'mesh_sharded' (FSDP2 on the mesh, TP inside when tp > 1), 'tensor_parallel' (TP and
-    DDP over dp), or 'context_parallel' (cp x DDP through accelerate)."""
+    """Which strategy builds the layout (`toolkit.parallel.build.make_strategy`), named after its class
+    and variant: 'accelerate' (DDP, or one process), 'accelerate_cp' (cp x DDP through accelerate),
+    'deepspeed', 'pipeline_one_process' (--pp in one process), 'pipeline', 'mesh_fsdp' (FSDP2 on the
+    mesh, TP inside when tp > 1) or 'mesh_ddp' (TP layers, DDP over dp)."""
     on_mesh = dims.world_size > 1 and (dims.pp > 1 or dims.tp > 1 or dims.cp > 1
                                        or (mesh_sharded(par) and dims.dp_shard > 1))
     if not on_mesh:
         if par.pp > 1:
-            return "naive_pipeline"
+            return "pipeline_one_process"
         if accelerate_plugin(par) == "deepspeed":
             return "deepspeed"
         # --fsdp on one rank shards nothing, but gathers in the compute dtype without autocast's copies
-        return "mesh_sharded" if par.fsdp and dims.world_size == 1 else "accelerate"
+        return "mesh_fsdp" if par.fsdp and dims.world_size == 1 else "accelerate"
     if dims.pp > 1:
         return "pipeline"
     if dims.dp_shard > 1 and mesh_sharded(par):
-        return "mesh_sharded"
-    return "tensor_parallel" if dims.tp > 1 else "context_parallel"
+        return "mesh_fsdp"
+    return "mesh_ddp" if dims.tp > 1 else "accelerate_cp"
 
 
 def checkpoint_format(par: ParallelConfig) -> str:
@@ -269,7 +269,7 @@ def tp_divisibility_problems(cfg: dict[str, Any], t: int) -> list[str]:
 def tp_plan_problems(cfg: dict[str, Any], t: int, method: str = "full") -> list[str]:
     """--tp t against the config's `base_model_tp_plan` (the config class's attribute, which `to_dict()`
     leaves out: the caller puts it under that key; where the key is absent it is not checked): the
-    TP layers must express it (`toolkit.layout.tp_plan`), and LoRA's adapters on stacked MoE experts
+    TP layers must express it (`toolkit.layout.tp_regions`), and LoRA's adapters on stacked MoE experts
     (peft's target_parameters) are not split."""
     if "base_model_tp_plan" not in cfg:
         return []

@@ -12,7 +12,8 @@ from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 from toolkit.loss_head import LossFn, LossHead
-from toolkit.parallel.strategy import ContextSlices, DataShard, Strategy, accumulate
+from toolkit.parallel.parallelize import parallelize
+from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy, accumulate
 from toolkit.parallel.tp import TPShards
 
 
@@ -20,12 +21,12 @@ class AccelerateStrategy(Strategy):
     """DDP over every rank, or one process; with a mesh, context parallel inside (cp x DDP, the
     data sharded by dp rank only, since cp peers read the same rows)."""
 
-    def __init__(self, accelerator, dims: ParallelDims | None = None, cfg: Config | None = None,
+    def __init__(self, accelerator, dims: ParallelDims | None = None, settings: Settings = Settings(),
                  loss_fn: LossFn = token_loss_sum, mesh=None):
         n = accelerator.num_processes
-        self.accelerator, self.cfg = accelerator, cfg
+        self.accelerator, self.settings = accelerator, settings
         self.dims = dims or ParallelDims(n, dp_replicate=n)
-        self.data = DataShard(accelerator, self.dims, mesh.get_local_rank("dp") if mesh is not None else None)
+        self.data = DataShard(accelerator, self.dims, mesh.local_rank("dp") if mesh is not None else None)
         self.context = ContextSlices(mesh, self.dims)
         self.loss, self.tp = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision), TPShards()
 
@@ -34,7 +35,9 @@ class AccelerateStrategy(Strategy):
         return self.dims.cp == 1
 
     def shard_model(self, model):
-        return self.context.attach(model)
+        """Context parallel's attention, checkpointing, compile (`toolkit.parallel.parallelize`)."""
+        model, _ = parallelize(model, self.settings.parallelism(context=self.context))
+        return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         optimizer = optimizer_fn(model)
@@ -43,7 +46,7 @@ class AccelerateStrategy(Strategy):
             loader = self.data.loader(loader)
         else:
             model, optimizer, loader = self.accelerator.prepare(model, optimizer, loader)
-        self.loss.choose(self.unwrap(model), self.cfg.train.loss if self.cfg else "auto")
+        self.loss.choose(self.unwrap(model), self.settings.loss)
         return model, optimizer, loader
 
     def describe(self) -> str:
@@ -84,7 +87,9 @@ class DeepSpeedStrategy(Strategy):
         self.file_schedule: dict | None = None  # a --deepspeed file's "scheduler", as it runs
 
     def shard_model(self, model):
-        """ZeRO-3 partitions inside `from_pretrained` itself; nothing to do here."""
+        """Checkpointing and compile (`toolkit.parallel.parallelize`); ZeRO-3 partitions inside
+        `from_pretrained` itself, and DeepSpeed's engine shards at `prepare`."""
+        model, _ = parallelize(model, Settings.of(self.cfg).parallelism())
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):

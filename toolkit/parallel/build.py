@@ -137,43 +137,47 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     from toolkit.preference import PreferenceLoss
 
     kind, strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
-    strategy.loss.objective = PreferenceLoss.from_config(cfg)
-    if strategy.loss.objective is not None:
-        if kind == "naive_pipeline":
+    objective = PreferenceLoss.from_config(cfg)
+    if objective is not None:
+        if kind == "pipeline_one_process":
             raise UserError(f"--objective {cfg.train.objective} with --pp {cfg.parallel.pp} runs one process per "
                             f"stage: launch {cfg.parallel.pp} (torchrun --nproc_per_node {cfg.parallel.pp})")
-        strategy.loss.objective.forward_logps = strategy.sequence_logps
-    context = getattr(strategy, "context", None)
-    if strategy.loss.objective is not None and context is not None and context.group is not None:
-        from functools import partial
+        context = getattr(strategy, "context", None)
+        if context is not None and context.group is not None:  # a sequence's slices summed over the cp group
+            from functools import partial
 
-        from toolkit.parallel.tp.comm import reduce_from_tp
+            from toolkit.parallel.tp.comm import reduce_from_tp
 
-        strategy.loss.objective.sum_slices = partial(reduce_from_tp, group=context.group)  # a sequence's slices
-        strategy.loss.objective.cp = context.cp
+            objective = objective.bind(strategy.sequence_logps, partial(reduce_from_tp, group=context.group),
+                                       context.cp)
+        else:
+            objective = objective.bind(strategy.sequence_logps)
+    strategy.loss.objective = objective
     return strategy
 
 
-def _on_mesh(accelerator, dims):
-    from toolkit.parallel.mesh import build_mesh
-
-    return build_mesh(dims, accelerator.device.type)
-
-
 def _strategies() -> dict[str, Callable]:
-    """`toolkit.layout.rules.runtime`'s kind -> what builds it: (accelerator, dims, cfg, loss_fn) -> Strategy."""
+    """`toolkit.layout.rules.runtime`'s kind -> what builds it: (accelerator, dims, cfg, loss_fn) -> Strategy.
+    The config stops here: a strategy is given the `Settings` it reads (DeepSpeed's, which fills its file
+    from the config, apart)."""
     from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
     from toolkit.parallel.pp.strategy import PipelineStrategy
     from toolkit.parallel.sharded import MeshStrategy
+    from toolkit.parallel.strategy import Settings
+
+    def mesh(a, d):
+        from toolkit.parallel.mesh import Mesh
+
+        return Mesh(d, a.device.type)
 
     return {
-        "accelerate": lambda a, d, cfg, fn: AccelerateStrategy(a, d, cfg, fn),
+        "accelerate": lambda a, d, cfg, fn: AccelerateStrategy(a, d, Settings.of(cfg), fn),
+        "accelerate_cp": lambda a, d, cfg, fn: AccelerateStrategy(a, d, Settings.of(cfg), fn, mesh(a, d)),
         "deepspeed": lambda a, d, cfg, fn: DeepSpeedStrategy(a, d, cfg, fn),
-        "naive_pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, None, cfg, fn),  # every stage in one process
-        "pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, _on_mesh(a, d), cfg, fn),
-        "mesh_sharded": lambda a, d, cfg, fn: MeshStrategy(a, d, _on_mesh(a, d), cfg, fn, sharded=True),
-        "tensor_parallel": lambda a, d, cfg, fn: MeshStrategy(a, d, _on_mesh(a, d), cfg, fn, sharded=False),  # DDP
-        "context_parallel": lambda a, d, cfg, fn: AccelerateStrategy(a, d, cfg, fn, _on_mesh(a, d)),  # cp x DDP
+        "pipeline_one_process": lambda a, d, cfg, fn: PipelineStrategy(a, d, None, cfg.parallel, Settings.of(cfg), fn),
+        "pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, mesh(a, d), cfg.parallel, Settings.of(cfg), fn),
+        "mesh_fsdp": lambda a, d, cfg, fn: MeshStrategy(a, d, mesh(a, d), Settings.of(cfg), fn, sharded=True),
+        "mesh_ddp": lambda a, d, cfg, fn: MeshStrategy(a, d, mesh(a, d), Settings.of(cfg), fn, sharded=False),
     }
 
 

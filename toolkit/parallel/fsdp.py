@@ -53,7 +53,7 @@ def sum_gradients(module) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def compute_dtype(mixed_precision: str) -> torch.dtype | None:
+def half_dtype(mixed_precision: str) -> torch.dtype | None:
     """The dtype the policy gathers parameters in for accelerate's `mixed_precision` ('bf16' or 'no':
     fp16 is refused on the mesh, which has no loss scaling)."""
     return torch.bfloat16 if mixed_precision == "bf16" else None

@@ -1,35 +1,44 @@
-"""One place where a loaded model is cut for a layout, in torchtitan's order (`parallelize_llama`):
-context parallel's attention, the project's TP layers, expert parallel's experts; FSDP2 follows at
-`prepare` over what this leaves (`toolkit.parallel.fsdp.apply_fsdp`), for a mesh strategy on the whole
-model and for a pipeline on each stage. A mesh strategy and a pipeline strategy both call `parallelize`.
+"""One place where a loaded model is made ready for a layout, in torchtitan's order (`parallelize_llama`,
+`torchtitan/models/llama3/infra/parallelize.py`): context parallel's attention, the project's TP layers,
+expert parallel's experts, activation checkpointing, compile, then FSDP2 (`toolkit.parallel.fsdp.apply_fsdp`).
+`toolkit.models.load_model` only loads the weights and adds LoRA; every strategy kind calls `parallelize`
+once (`Strategy.shard_model`), with what its layout applies (`Parallelism`). A pipeline cuts its stages
+after, at `prepare`, from the whole TP/EP-cut model (so the stage split and the parameter names stay the
+full model's); each stage is FSDP2-sharded as it is cut, by `shard_stage` here, the same step in the
+same order.
 
 What the rest of the run needs of the cut is one object, `Parallelized`: the TP shards (their group,
 the dim or packing each slice was cut along, the replicated parameters whose gradients are partial
 sums), the expert shards, and from them the table of every cut parameter by name, the gradient norm's
 parts (which squares sum over which groups) and the full state dict. The table is read right after the
-cut: FSDP2 replaces the parameters later, and with them the attributes the TP plan set on them.
+cut, before FSDP2 replaces the parameters.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from toolkit.parallel.cut import Cut
 from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
 
 
 @dataclass
 class Parallelized:
-    """How a model was cut: `tp` (TPShards) and `experts` (expert parallel's ExpertShards, or None)."""
+    """How a model was cut: `tp` (TPShards: the TP group, the plan's line, and the run's table of cuts)
+    and `experts` (expert parallel's ExpertShards, or None)."""
     tp: TPShards
     experts: Any = None
 
     @property
-    def cuts(self) -> dict[str, Any]:
-        """Every cut parameter's split by name: a TP slice's dim (or `Packed`), an expert slice's `ExpertSplit`."""
-        return {**self.tp.split, **(self.experts.split if self.experts else {})}
+    def cuts(self) -> dict[str, Cut]:
+        """The one table of how each cut parameter was cut, by name (`toolkit.parallel.cut.Cut`: its TP
+        slice, its expert slice, or a TP-partial gradient), as the TP plan and then expert parallel
+        recorded it; a parameter not in it is whole. What checkpoints, the gradient norm, the full state
+        dict and the trainable-parameter listing read."""
+        return self.tp.cuts
 
     def norm_parts(self, named: dict[str, nn.Parameter], shard: tuple = (), outer: tuple = (),
                    expert_groups: tuple = ()) -> list[tuple[list, tuple]]:
@@ -38,30 +47,87 @@ class Parallelized:
         the experts over `expert_groups` (their shards, the ep group; and TP where it cut them), the rest
         over `shard`; all of them over `outer` (a pipeline's stages)."""
         tp = (self.tp.group,) if self.tp.group is not None else ()
-        experts = self.experts.split if self.experts else {}
-        split = [p for n, p in named.items() if n in self.tp.split and n not in experts]
-        rest = [p for n, p in named.items() if n not in self.tp.split and n not in experts]
-        mine = self.experts.norm_parts(named, tp, (*outer, *expert_groups)) if self.experts else []
-        return [(split, (*outer, *tp, *shard)), *mine, (rest, (*outer, *shard))]
+        whole = Cut()
+        cut = {n: self.cuts.get(n, whole) for n in named}
+
+        def members(tp_cut: bool, ep_cut: bool) -> list[nn.Parameter]:
+            return [p for n, p in named.items()
+                    if (cut[n].tp is not None) == tp_cut and (cut[n].ep is not None) == ep_cut]
+
+        parts = [(members(True, False), (*outer, *tp, *shard))]
+        if self.experts:  # both expert parts, empty or not: every rank reduces the same parts
+            groups = (*outer, *expert_groups)
+            parts += [(members(True, True), (*tp, *groups)), (members(False, True), groups)]
+        return [*parts, (members(False, False), (*outer, *shard))]
 
     def state_dict(self, model: nn.Module) -> dict:
         """The full tensors a one-process run would save (collective): FSDP2, TP and EP slices gathered."""
         return full_state_dict(model, self.cuts, self.tp.group)
 
 
-def parallelize(model: nn.Module, tp_group=None, ep_group=None, context=None) -> tuple[nn.Module, Parallelized]:
-    """Context parallel's attention (`context.attach`, where it splits sequences), TP over `tp_group`,
-    EP over `ep_group`, in that order; every rank calls it with the same full weights (and LoRA init),
-    so TP=1 and TP=t start alike. Returns the model and how it was cut."""
-    if context is not None:
-        model = context.attach(model)
-    if tp_group is not None:
-        model = apply_tensor_parallel(model, tp_group)
+@dataclass(frozen=True)
+class Shard:
+    """FSDP2's part of a layout: the mesh the dense parts shard over, whether parameters reshard after each
+    block's forward (ZeRO-3-like; False keeps them gathered to backward, ZeRO-2-like), the dtype they are
+    gathered in (None: as stored), and the experts' own mesh under expert parallel."""
+    mesh: Any
+    reshard: bool = True
+    compute_dtype: torch.dtype | None = None
+    experts_mesh: Any = None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What `parallelize` applies, decided once by the strategy from the flags and the mesh."""
+    tp_group: Any = None
+    ep_group: Any = None
+    context: Any = None  # `toolkit.parallel.strategy.ContextSlices`: Ulysses attention where cp > 1
+    checkpointing: bool = False  # --gradient-checkpointing
+    compile: bool = False  # --compile (auto compiles later, from the loop, once steps are timed)
+    fsdp: Shard | None = None
+    device: Any = None  # where the model goes before FSDP2 shards it
+    stages: bool = False  # a pipeline: FSDP2 waits for the stages (`shard_stage`)
+
+
+def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Parallelized]:
+    """In order: context parallel's attention, TP over `p.tp_group`, EP over `p.ep_group`, activation
+    checkpointing, compile, FSDP2 over `p.fsdp` (the whole model; a pipeline's stages later). Every rank
+    calls it with the same full weights (and LoRA init), so TP=1 and TP=t start alike. Returns the model
+    and how it was cut."""
+    from toolkit.models import compile_blocks, enable_checkpointing
+
+    if p.context is not None:
+        model = p.context.attach(model)
+    cuts: dict[str, Cut] = {}  # how each parameter is cut, by name (`toolkit.parallel.cut`): TP's, then EP's
+    if p.tp_group is not None:
+        model = apply_tensor_parallel(model, p.tp_group, cuts)
     experts = None
-    if ep_group is not None:
+    if p.ep_group is not None:
         from toolkit.parallel.ep import apply_expert_parallel
 
-        experts = apply_expert_parallel(model, ep_group)
-    tp = TPShards(tp_group)
-    tp.read(model)
+        experts = apply_expert_parallel(model, p.ep_group, cuts)
+    tp = TPShards(p.tp_group, cuts, getattr(model, "toolkit_tp", ""))
+    if p.checkpointing:
+        enable_checkpointing(model)
+        if not model.get_input_embeddings().weight.requires_grad:  # LoRA: checkpointed blocks need a grad input
+            model.enable_input_require_grads()
+    if p.compile:
+        compile_blocks(model)
+    if p.fsdp is not None and not p.stages:
+        from toolkit.parallel.tp.plan import decoder_blocks
+
+        model = model.to(p.device)
+        _shard(model, decoder_blocks(model), p.fsdp, experts.holders if experts else ())
     return model, Parallelized(tp, experts)
+
+
+def shard_stage(stage: nn.Module, blocks: list[nn.Module], shard: Shard, experts=()) -> None:
+    """FSDP2 on a pipeline stage as it is cut: its blocks, then the stage; `experts`: this stage's expert
+    holders, sharded first over the experts' mesh."""
+    _shard(stage, blocks, shard, experts)
+
+
+def _shard(root: nn.Module, blocks: list[nn.Module], shard: Shard, experts) -> None:
+    from toolkit.parallel.fsdp import apply_fsdp
+
+    apply_fsdp(root, blocks, shard.mesh, shard.reshard, shard.compute_dtype, experts, shard.experts_mesh)

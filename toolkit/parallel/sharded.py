@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
-from toolkit.parallel.mesh import expert_groups, fsdp_mesh, grad_dim
-from toolkit.parallel.parallelize import Parallelized, parallelize
+from toolkit.parallel.mesh import Mesh, grad_dim
+from toolkit.parallel.parallelize import Parallelized, Shard, parallelize
 from toolkit.loss_head import LossFn, LossHead
-from toolkit.parallel.strategy import ContextSlices, DataShard, Strategy, accumulate
+from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy, accumulate
 from toolkit.parallel.tp import TPShards, make_layout
 
 
@@ -25,20 +24,23 @@ class MeshStrategy(Strategy):
     by dp rank. Gradients reduce-scatter over the shard group (all-reduce over `dp_replicate`), or
     all-reduce over dp under DDP."""
 
-    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum,
-                 sharded: bool = True):
-        self.accelerator, self.dims, self.cfg, self.sharded = accelerator, dims, cfg, sharded
+    def __init__(self, accelerator, dims: ParallelDims, mesh: Mesh, settings: Settings = Settings(),
+                 loss_fn: LossFn = token_loss_sum, sharded: bool = True):
+        from toolkit.parallel.fsdp import half_dtype
+
+        self.accelerator, self.dims, self.settings, self.sharded = accelerator, dims, settings, sharded
         self.layout = make_layout(dims.tp, mesh, grad_dim(dims)) if dims.tp > 1 else None
         self.cut = Parallelized(TPShards(self.layout.tp_group if self.layout else None))  # until `shard_model`
-        self.shard_mesh = fsdp_mesh(mesh, dims) if sharded else None
-        self.shard_group = mesh.get_group(grad_dim(dims, sharded=True)) if sharded else None
-        self.data = DataShard(accelerator, dims, mesh.get_local_rank("dp"))
+        self.shard_group = mesh.group(grad_dim(dims, sharded=True)) if sharded else None
+        self.data = DataShard(accelerator, dims, mesh.local_rank("dp"))
         self.context = ContextSlices(mesh, dims)
         self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)
         self.whole_batches = dims.cp == 1
         # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
         # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)
-        self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
+        self.ep_group, self.expert_mesh, self.expert_shard_group = mesh.expert_groups()
+        self.fsdp = Shard(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
+                          self.expert_mesh) if sharded else None
 
     @property
     def tp(self) -> TPShards:
@@ -51,25 +53,21 @@ class MeshStrategy(Strategy):
 
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its slices (LoRA adapters are created first, so
-        TP=1 and TP=t start from the same adapter init): `toolkit.parallel.parallelize`."""
-        model, self.cut = parallelize(model, self.tp.group, self.ep_group, self.context)
+        TP=1 and TP=t start from the same adapter init): `toolkit.parallel.parallelize`, FSDP2 last."""
+        model, self.cut = parallelize(model, self.settings.parallelism(
+            tp_group=self.tp.group, ep_group=self.ep_group, context=self.context, fsdp=self.fsdp,
+            device=self.accelerator.device))
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         a = self.accelerator
-        if self.sharded:
-            from toolkit.parallel.fsdp import apply_fsdp, compute_dtype
-            from toolkit.parallel.tp.plan import decoder_blocks
-
-            model = model.to(a.device)
-            apply_fsdp(model, decoder_blocks(model), self.shard_mesh, self.cfg.parallel.fsdp_sharding != "grad_op",
-                       compute_dtype(a.mixed_precision), self.experts.holders if self.experts else (), self.expert_mesh)
+        if self.sharded:  # FSDP2 applied by `shard_model`
             optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
         else:
             from toolkit.parallel.tp import prepare_tensor_parallel
 
             model, optimizer = prepare_tensor_parallel(a, self.layout, model, optimizer_fn(model))
-        self.loss.choose(self.unwrap(model), self.cfg.train.loss)
+        self.loss.choose(self.unwrap(model), self.settings.loss)
         return model, optimizer, self.data.loader(loader)
 
     def describe(self) -> str:
@@ -83,9 +81,9 @@ class MeshStrategy(Strategy):
             return f"layout: FSDP2 on one process (nothing to shard; each block's parameters gathered for its " \
                 f"forward and backward{bf16 or ' in fp32'}, without autocast's weight copies)\n" + tail
         inside = ", TP layers inside" if self.dims.tp > 1 else ""
-        how = ("parameters resharded after each block's forward (ZeRO-3-like)" if self.cfg.parallel.fsdp_sharding
-               != "grad_op" else "parameters kept gathered from forward to backward (ZeRO-2-like)")
-        return f"layout: device mesh {self.dims.describe()} (FSDP2 over {self.shard_mesh.mesh_dim_names}{inside}: " \
+        how = ("parameters resharded after each block's forward (ZeRO-3-like)" if self.settings.reshard
+               else "parameters kept gathered from forward to backward (ZeRO-2-like)")
+        return f"layout: device mesh {self.dims.describe()} (FSDP2 over {self.fsdp.mesh.mesh_dim_names}{inside}: " \
             f"parameters, gradients and optimizer state sharded; {how}{bf16})\n" + tail
 
     def forward_backward(self, model, micro: list[dict], scale):
@@ -112,6 +110,6 @@ class MeshStrategy(Strategy):
         return self.cut.state_dict(self.unwrap(model))
 
     def named_trainable(self, model) -> list:
-        """`Strategy.named_trainable`, each slice placed by its cut (a TP dim, an `ExpertSplit`)."""
+        """`Strategy.named_trainable`, each slice placed by its cut (`Parallelized.cuts`: TP, EP)."""
         cuts = self.cut.cuts
         return [(n, p, cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -30,6 +31,32 @@ from toolkit.layout.dims import ParallelDims
 from toolkit.loss_head import LossHead
 from toolkit.parallel.tp import TPShards
 
+if TYPE_CHECKING:
+    from toolkit.parallel.parallelize import Parallelism
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a strategy reads of the run's config, taken once by `toolkit.parallel.build.make_strategy`:
+    the strategies do not carry the config (DeepSpeed's, which fills its file from it, apart)."""
+    loss: str = "auto"  # --loss
+    checkpointing: bool = False  # --gradient-checkpointing
+    compile: bool = False  # --compile given (auto compiles later, from the loop)
+    reshard: bool = True  # --fsdp-sharding full (grad_op keeps parameters gathered from forward to backward)
+    seq_len: int = 2048  # --seq-len: a pipeline times its stage split on the longest row it reads
+
+    @classmethod
+    def of(cls, cfg) -> "Settings":
+        """From a `toolkit.config.Config`."""
+        t = cfg.train
+        return cls(t.loss, t.gradient_checkpointing, t.compile is True, cfg.parallel.fsdp_sharding != "grad_op",
+                   cfg.data.seq_len)
+
+    def parallelism(self, **groups) -> "Parallelism":
+        """What `parallelize` applies for these settings and a layout's groups (`Parallelism`'s fields)."""
+        from toolkit.parallel.parallelize import Parallelism
+
+        return Parallelism(checkpointing=self.checkpointing, compile=self.compile, **groups)
 
 
 class Strategy(Protocol):
@@ -49,7 +76,8 @@ class Strategy(Protocol):
     # --- model and optimizer
     @abstractmethod
     def shard_model(self, model):
-        """Applied right after loading, before `prepare` (splits, attention swaps)."""
+        """Applied right after loading, before `prepare`: the layout's one `toolkit.parallel.parallelize`
+        call (context parallel, TP, EP, checkpointing, compile, FSDP2)."""
 
     @abstractmethod
     def prepare(self, model, optimizer_fn: Callable, loader) -> tuple[Any, Any, Any]:
@@ -118,10 +146,11 @@ class Strategy(Protocol):
     def state_dict(self, model) -> dict:
         """The full state dict (collective where the layout is sharded); complete on the main process."""
 
-    def named_trainable(self, model) -> list[tuple[str, torch.nn.Parameter, int | None]]:
-        """(full-model name, this rank's parameter, TP split dim) of each trainable parameter this rank
-        holds: what a sharded checkpoint saves, the optimizer state keyed by the same names."""
-        return [(n, p, self.tp.split.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+    def named_trainable(self, model) -> list:
+        """(full-model name, this rank's parameter, its cut: `toolkit.parallel.cut.Cut` or None) of each
+        trainable parameter this rank holds: what a sharded checkpoint saves, the optimizer state keyed by
+        the same names."""
+        return [(n, p, self.tp.cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
 
     def tp_coordinates(self) -> tuple[int, int]:
         """(this rank's TP rank, TP degree): where its TP slices sit in the full tensors."""
@@ -172,7 +201,7 @@ class ContextSlices:
     attention exchanged with Ulysses all-to-alls; absent (cp = 1) every method is the identity."""
 
     def __init__(self, mesh, dims: ParallelDims):
-        self.group = mesh.get_group("cp") if mesh is not None and dims.cp > 1 else None
+        self.group = mesh.group("cp") if mesh is not None and dims.cp > 1 else None
         self.cp, self.context = dims.cp, None
 
     def attach(self, model):

@@ -148,7 +148,7 @@ def at_rest(total: int, experts: int, d: ParallelDims) -> int:
     """What one rank keeps at rest of `total` (bytes or parameters of its stage before sharding,
     `experts` of them its routed experts'): FSDP2 shards the dense part over dp_shard x cp and, under
     ep, the rank's E/ep experts over the dp_shard/ep x cp ranks that hold the same ones
-    (`toolkit.parallel.mesh.expert_fsdp_mesh`): (dense + ep x experts) / (dp_shard x cp), E/(dp_shard
+    (`toolkit.parallel.mesh.Mesh.expert_fsdp`): (dense + ep x experts) / (dp_shard x cp), E/(dp_shard
     x cp) experts' worth, the same as FSDP2 without ep. Without dp_shard (DDP) all of it."""
     if d.dp_shard == 1:
         return total

@@ -139,7 +139,7 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     estimate from each batch alone (TRL's, in evaluation)."""
     from toolkit.data.labels import shift_labels
     from toolkit.data.tokenize import IGNORE_INDEX
-    from toolkit.preference import orpo_labels, orpo_nll_tokens, pairs_in
+    from toolkit.preference import orpo_nll_tokens, orpo_rows, pairs_in
 
     accelerator, objective = strategy.accelerator, strategy.loss.objective
     model.eval()
@@ -147,17 +147,14 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     try:
         for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
             logps = strategy.sequence_logps(model, batch)
-            ref = batch["ref_logps"] if objective.reference == "precomputed" else \
-                strategy.sequence_logps(model, batch, reference=True) if objective.reference == "adapters" else None
-            if objective.objective == "kto":
-                objective.kl = objective.kl_estimate(model, [batch], lambda x: x, 1)
+            ref = objective.reference_logps(model, batch)  # through the layout's `strategy.sequence_logps`
+            if objective.kind.estimates_kl:
+                objective.state.kl = objective.kl_estimate(model, [batch], lambda x: x, 1)
             counts = (shift_labels(batch["labels"]) != IGNORE_INDEX).sum(1).to(logps.device)
             loss = objective.loss_of(logps, counts, ref, batch.get("desirable"))
             nll = torch.zeros((), device=logps.device)
-            if objective.objective == "orpo":
-                chosen = {"input_ids": batch["input_ids"][0::2], "attention_mask": batch["attention_mask"][0::2],
-                          "labels": orpo_labels(batch)}
-                nll = -strategy.sequence_logps(model, chosen).sum()
+            if objective.kind.nll:
+                nll = -strategy.sequence_logps(model, orpo_rows(batch)).sum()
             parts = torch.stack([t.to(accelerator.device, torch.float64) for t in
                                  (loss, torch.tensor(float(pairs_in(batch))), nll, orpo_nll_tokens(batch))])
             part = bool(held) * torch.cat([parts, objective.take_metrics().to(accelerator.device)])
@@ -166,5 +163,5 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
         model.train()
     total = accelerator.reduce(total, "sum")
     pairs = total[1].clamp(min=1)
-    loss = total[0] / pairs + (total[2] / total[3].clamp(min=1) if objective.objective == "orpo" else 0.0)
+    loss = total[0] / pairs + (total[2] / total[3].clamp(min=1) if objective.kind.nll else 0.0)
     return {"eval_loss": float(loss), **{f"eval_{m}": v for m, v in objective.metric_values(total[4:], pairs).items()}}

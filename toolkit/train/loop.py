@@ -336,14 +336,14 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
               compiling=compiling)
-    if strategy.loss.objective is not None and strategy.loss.objective.reference == "precomputed":
+    if strategy.loss.objective is not None and strategy.loss.objective.spec.reference_pass:
         from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
 
         for rows, name in ((train_rows, "train"), (eval_rows, "eval")):
             if rows:
                 attach_reference(run, rows, name, log, resuming=resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
-    if compiling.mode == "on":  # --compile: compiled in load_model, its first forward the warm-up
+    if compiling.mode == "on":  # --compile: compiled by `parallelize`, its first forward the warm-up
         compiling.at = run.first_step
         compiling.bucket()
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when

@@ -84,6 +84,7 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank."""
+    from toolkit.preference import kl_batch
     from toolkit.train.evaluate import sharded_batches
 
     accelerator = strategy.accelerator
@@ -92,9 +93,7 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         logps = strategy.sequence_logps(model, batch)
         if "kl_input_ids" in batch:  # KTO: one sequence per example, and its KL sequence
-            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
-                  "labels": batch["kl_labels"]}
-            logps = torch.stack([logps, strategy.sequence_logps(model, kl)], 1)
+            logps = torch.stack([logps, strategy.sequence_logps(model, kl_batch(batch))], 1)
         if held:
             out[torch.tensor(held, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
     model.train()
@@ -112,7 +111,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
     from toolkit.models import resolved_precision, sft_adapter
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
-    unit = "examples" if run.cfg.train.objective == "kto" else "pairs"
+    unit = strategy.loss.objective.kind.unit
     key = rows_key(rows.digest(), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
     adapter = sft_adapter(run.cfg)

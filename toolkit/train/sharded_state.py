@@ -8,9 +8,9 @@ Where a rank's piece sits in the full tensor follows from the layout that cut it
 - DDP, context parallel, one process: the whole tensor at offset 0 (replicas write it once: DCP's
   planner keeps one copy of identical chunks);
 - FSDP2: a DTensor, placed by DTensor's own `compute_local_shape_and_global_offset`;
-- the TP layers (`toolkit.parallel.tp`): slice `tp_rank` of `tp` along the parameter's
-  `tp_split_dim` (a packed projection's: that slice of each part, one box per part), the FSDP2
-  shard (if any) inside it;
+- the TP layers (`toolkit.parallel.tp`): slice `tp_rank` of `tp` along the dim its `Cut` names
+  (`toolkit.parallel.cut`; a packed projection's: that slice of each part, one box per part), the
+  FSDP2 shard (if any) inside it;
 - pipeline stages: only the stage's own parameters, under the full model's names;
 - expert parallel: slice `ep_rank` of `ep` of the experts (dim 0; LoRA's B by its expert columns),
   placed as a TP slice, the FSDP2 shard (over the ranks holding the same experts) inside it.
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from toolkit.parallel.cut import Cut
 
 
 @dataclass
@@ -67,10 +68,10 @@ class Piece:
         return next(view for offsets, view in self.boxes if offsets == index.offset)
 
 
-def piece(t: torch.Tensor, tp_dim=None, tp_rank: int = 0, tp: int = 1) -> Piece:
-    """Where this rank's `t` (a parameter or its optimizer state) sits in the full tensor. `tp_dim`:
-    the dim its TP slice was cut along, or a packed projection's split (`toolkit.parallel.tp.layers.
-    Packed`: a slice of each part); None: not TP-split."""
+def piece(t: torch.Tensor, cut: Cut | None = None, tp_rank: int = 0, tp: int = 1) -> Piece:
+    """Where this rank's `t` (a parameter or its optimizer state) sits in the full tensor. `cut`: how
+    the parameter was cut (`toolkit.parallel.cut.Cut`: a TP slice along a dim, a packed projection's
+    slice of each part, an expert slice); None: whole. (`tp_rank`, `tp`): this rank's TP coordinates."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):  # FSDP2: the shard within what the DTensor calls the full tensor
@@ -81,14 +82,16 @@ def piece(t: torch.Tensor, tp_dim=None, tp_rank: int = 0, tp: int = 1) -> Piece:
         offsets, shape = list(offsets), list(t.shape)
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
-    if hasattr(tp_dim, "ep"):  # an expert-parallel slice (`toolkit.parallel.ep.ExpertSplit`): placed as a TP one
-        if tp_dim.tp is not None:  # cut by TP first: the TP slice's boxes, shifted to this rank's experts
-            inner, d, at = piece(t, tp_dim.tp, tp_rank, tp), tp_dim.split, tp_dim.rank
+    tp_dim = cut.tp if cut is not None else None
+    if cut is not None and cut.ep is not None:  # an expert slice: placed as a TP one
+        ep = cut.ep
+        if cut.tp is not None:  # cut by TP first: the TP slice's boxes, shifted to this rank's experts
+            inner, d, at = piece(t, Cut(tp=cut.tp), tp_rank, tp), ep.split, ep.rank
             shifted = [(torch.Size([o + at * inner.shape[d] if i == d else o for i, o in enumerate(offsets)]), view)
                        for offsets, view in inner.boxes]
-            return Piece(inner.local, torch.Size([n * tp_dim.ep if i == d else n for i, n in enumerate(inner.shape)]),
+            return Piece(inner.local, torch.Size([n * ep.size if i == d else n for i, n in enumerate(inner.shape)]),
                          shifted)
-        tp_dim, tp_rank, tp = tp_dim.split, tp_dim.rank, tp_dim.ep
+        tp_dim, tp_rank, tp = ep.split, ep.rank, ep.size
     if tp_dim is None or tp == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
     if isinstance(tp_dim, int):  # the TP slice: contiguous, slice tp_rank of tp equal ones
@@ -176,13 +179,13 @@ class _LoadPlanner(DefaultLoadPlanner):
         raise ValueError(f"{read_item.dest_index.fqn}: a sharded checkpoint holds tensors only")
 
 
-def _named_state(named: Iterable[tuple[str, torch.Tensor, int | None]], optimizer, tp_rank: int, tp: int,
+def _named_state(named: Iterable[tuple[str, torch.Tensor, Cut | None]], optimizer, tp_rank: int, tp: int,
                  create_from=None) -> dict:
     """{"model": {name: Piece}, "optimizer": {name: {key: Piece or scalar tensor}}}. `create_from`: a
     checkpoint's metadata, from which missing optimizer state (before the first step) is created."""
     model, optim = {}, {}
-    for name, p, tp_dim in named:
-        model[name] = piece(p, tp_dim, tp_rank, tp)
+    for name, p, cut in named:
+        model[name] = piece(p, cut, tp_rank, tp)
         state = optimizer.state[p]
         if create_from is not None and not state:
             for key, md in create_from.items():
@@ -190,7 +193,7 @@ def _named_state(named: Iterable[tuple[str, torch.Tensor, int | None]], optimize
                 if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
                     state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == model[name].shape  # a moment
                                                 else torch.zeros(md.size, dtype=md.properties.dtype))  # step
-        optim[name] = {k: piece(v, tp_dim, tp_rank, tp) if v.dim() and v.shape == p.shape else v
+        optim[name] = {k: piece(v, cut, tp_rank, tp) if v.dim() and v.shape == p.shape else v
                        for k, v in state.items() if isinstance(v, torch.Tensor)}
     return {"model": model, "optimizer": optim}
 
@@ -213,7 +216,7 @@ def _dcp():
 
 
 def save_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1) -> None:
-    """Collective over every rank: each writes its pieces of `named` = [(name, parameter, tp_dim)]
+    """Collective over every rank: each writes its pieces of `named` = [(name, parameter, cut)]
     and of their optimizer state under `folder` (DCP: one file per rank, `.metadata` from rank 0)."""
     state = _drop_empty(_named_state(named, optimizer, tp_rank, tp))
     with _dcp() as no_dist:

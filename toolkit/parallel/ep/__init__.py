@@ -3,6 +3,6 @@
 modules' own forwards run on what arrives (`experts`)."""
 
 from toolkit.parallel.ep.comm import all_to_all, exchange_counts
-from toolkit.parallel.ep.experts import ExpertShards, ExpertSplit, apply_expert_parallel
+from toolkit.parallel.ep.experts import ExpertShards, apply_expert_parallel
 
-__all__ = ["all_to_all", "exchange_counts", "ExpertShards", "ExpertSplit", "apply_expert_parallel"]
+__all__ = ["all_to_all", "exchange_counts", "ExpertShards", "apply_expert_parallel"]

@@ -29,31 +29,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.parallel.cut import Cut, ExpertSlice, Packed
 from toolkit.parallel.ep.comm import all_to_all, exchange_counts
-from toolkit.parallel.tp.layers import Packed, gather
-
-
-@dataclass
-class ExpertSplit:
-    """How a parameter was cut over the ep group: slice `rank` of `ep` along `split` (a dim, contiguous),
-    or of every part of a `Packed` split; `tp`: how the TP layers cut it first (an expert's intermediate
-    under --tp, `toolkit.parallel.tp.plan`), None if they did not. Checkpoints place it like a TP slice
-    (`toolkit.train.sharded_state.piece`); `gather` puts the (TP-gathered) full tensor back."""
-    split: int | Packed
-    rank: int
-    ep: int
-    group: Any = field(default=None, compare=False, repr=False)
-    tp: int | Packed | None = None
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        return gather(local, self.split, self.group)
 
 
 def _peft_wrappers(model: nn.Module, experts: nn.Module) -> list[nn.Module]:
@@ -66,18 +49,11 @@ def _keep(p: nn.Parameter, rows: slice) -> nn.Parameter:
     return nn.Parameter(p.detach()[rows].clone(), requires_grad=p.requires_grad)
 
 
-def _tp_split(p: nn.Parameter) -> int | Packed | None:
-    """How the TP layers cut `p` (its `tp_split_dim`/`tp_packed` marks), which the EP slice carries on:
-    the new parameter is not marked, so TP's own bookkeeping leaves it to EP's."""
-    return getattr(p, "tp_packed", getattr(p, "tp_split_dim", None))
-
-
 @dataclass
 class ExpertShards:
-    """What `apply_expert_parallel` cut: each parameter's split by name, the modules that hold the
-    experts' parameters (the experts modules, or their outermost peft wrapper: what FSDP2 shards over
-    the expert mesh), and a line for the layout's describe."""
-    split: dict[str, ExpertSplit]
+    """What `apply_expert_parallel` leaves besides the cuts it records: the modules that hold the experts'
+    parameters (the experts modules, or their outermost peft wrapper: what FSDP2 shards over the expert
+    mesh), and a line for the layout's describe."""
     holders: list[nn.Module]
     line: str
 
@@ -86,17 +62,12 @@ class ExpertShards:
         return (f"{self.line} (each rank's experts FSDP2-sharded over {' x '.join(fsdp_mesh.mesh_dim_names)}: "
                 f"{fsdp_mesh.size()} rank(s))\n")
 
-    def norm_parts(self, named: dict[str, nn.Parameter], tp: tuple, groups: tuple) -> list[tuple[list, tuple]]:
-        """The experts' parts of `toolkit.parallel.grad_norm.clip_grad_norm`: their squares summed over
-        `groups` (the expert shards, the ep group, any pipeline group), and over `tp` too where TP cut them."""
-        mine = {n: p for n, p in named.items() if n in self.split}
-        return [([p for n, p in mine.items() if (self.split[n].tp is not None) == cut], (*tp, *groups) if cut else groups)
-                for cut in (True, False)]
 
-
-def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
+def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None) -> ExpertShards:
     """Keep this rank's experts of every MoE layer of `model` (in place) and route their tokens over
-    `group`. Every rank must call it with the same full weights (and the same LoRA init)."""
+    `group`, recording each expert parameter's slice in `cuts` (the run's table, by name:
+    `toolkit.parallel.cut`; an expert's TP cut, recorded there by the TP plan, carries on). Every rank
+    must call it with the same full weights (and the same LoRA init)."""
     import torch.distributed as dist
 
     from toolkit.models import experts_modules
@@ -106,7 +77,9 @@ def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
     if not modules:
         raise UserError(f"--ep {n}: found no routed-experts module (a forward taking hidden_states, top_k_index, "
                         "top_k_weights) in this model; drop --ep")
-    cut: dict[int, ExpertSplit] = {}
+    cuts = cuts if cuts is not None else {}
+    names = {id(p): n for n, p in model.named_parameters()}  # the TP plan's cuts, by the names before the slice
+    cut: dict[int, Cut] = {}
     holders = []
     for module in modules:
         experts = module.num_experts
@@ -121,7 +94,8 @@ def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
                 raise UserError(f"--ep {n}: {type(module).__name__}.{name} {tuple(p.shape)} is not stacked by expert "
                                 f"(dim 0 of {experts}); this experts form is not split by --ep yet: drop --ep")
             setattr(module, name, _keep(p, rows))
-            cut[id(getattr(module, name))] = ExpertSplit(0, rank, n, group, _tp_split(p))
+            before = cuts.get(names.get(id(p)), Cut())  # TP's cut of it, if any: the slice carries it on
+            cut[id(getattr(module, name))] = replace(before, ep=ExpertSlice(0, rank, n, group))
         for wrapper in _peft_wrappers(model, module):
             for adapter in wrapper.lora_A:
                 a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
@@ -131,18 +105,18 @@ def apply_expert_parallel(model: nn.Module, group) -> ExpertShards:
                 b.weight = nn.Parameter(b_cols.reshape(b.weight.shape[0], r * local).clone(),
                                         requires_grad=b.weight.requires_grad)
                 a.out_features, b.in_features = a.weight.shape[0], b.weight.shape[1]
-                cut[id(a.weight)] = ExpertSplit(0, rank, n, group)
-                cut[id(b.weight)] = ExpertSplit(Packed(1, (experts,) * r), rank, n, group)
+                cut[id(a.weight)] = Cut(ep=ExpertSlice(0, rank, n, group))
+                cut[id(b.weight)] = Cut(ep=ExpertSlice(Packed(1, (experts,) * r), rank, n, group))
             wrapper.num_experts = local
         module.num_experts, module.ep_experts = local, experts  # ep_experts: the global count (router_load)
         owner = (_peft_wrappers(model, module) or [module])[0]  # the outermost: holds every expert parameter
         holders.append(owner)
         module.forward = _routed_forward(owner, module.forward, group, experts)
-    split = {name: cut[id(p)] for name, p in model.named_parameters() if id(p) in cut}
+    cuts.update({name: cut[id(p)] for name, p in model.named_parameters() if id(p) in cut})
     layers = f"{len(modules)} MoE layer{'s' if len(modules) > 1 else ''}"
     line = (f"expert parallel over {n} ranks: {layers}, {local} of {experts} experts each per rank, "
             "tokens dispatched and combined by all-to-all")
-    return ExpertShards(split, holders, line)
+    return ExpertShards(holders, line)
 
 
 def _routed_forward(owner: nn.Module, local_forward, group, experts: int):

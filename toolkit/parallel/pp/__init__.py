@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.config import Config
+from toolkit.layout.flags import ParallelConfig
 from toolkit.errors import UserError
 from toolkit.parallel.pp.naive import NaivePipeline, bubble_fraction
 from toolkit.parallel.pp.split import balance, decoder_parts, param_costs, time_costs
@@ -37,19 +37,19 @@ def pipeline_problems(model_config, trust_remote_code: bool = False) -> list[str
     return []
 
 
-def pipeline_devices(cfg: Config) -> list[torch.device]:
+def pipeline_devices(par: ParallelConfig) -> list[torch.device]:
     """The naive pipeline's stage devices: --pp-devices, else the first N GPUs, else cpu for all."""
-    n = cfg.parallel.pp
-    if cfg.parallel.pp_devices:
-        names = [x.strip() for x in cfg.parallel.pp_devices.split(",") if x.strip()]
+    n = par.pp
+    if par.pp_devices:
+        names = [x.strip() for x in par.pp_devices.split(",") if x.strip()]
         try:
             devices = [torch.device(x) for x in names]
         except RuntimeError as e:
-            raise UserError(f"--pp-devices {cfg.parallel.pp_devices}: {e}") from None
+            raise UserError(f"--pp-devices {par.pp_devices}: {e}") from None
         gpus = torch.cuda.device_count()
         bad = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= gpus]
         if bad:
-            raise UserError(f"--pp-devices {cfg.parallel.pp_devices}: {', '.join(bad)} not present "
+            raise UserError(f"--pp-devices {par.pp_devices}: {', '.join(bad)} not present "
                             f"({gpus} GPU{'s' if gpus != 1 else ''} visible)")
         return devices
     if not torch.cuda.is_available():
@@ -60,16 +60,15 @@ def pipeline_devices(cfg: Config) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(n)]
 
 
-def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, model, sample_shape: tuple[int, int],
-                   pad_id: int, loss_fn, shard_mesh=None, experts: tuple | None = None):
+def build_pipeline(par: ParallelConfig, accelerator, layout: PipelineLayout | None, model,
+                   sample_shape: tuple[int, int], pad_id: int, loss_fn, shard=None, experts=()):
     """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
-    over `shard_mesh` when given; `experts`: expert parallel's (holders, their FSDP2 mesh))."""
-    par = cfg.parallel
-    from toolkit.parallel.fsdp import compute_dtype
+    as `shard` says, a `toolkit.parallel.parallelize.Shard`; `experts`: expert parallel's holders)."""
+    from toolkit.parallel.fsdp import half_dtype
 
-    compute = compute_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's
+    compute = half_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's
     if layout is None:
-        return NaivePipeline(model, pipeline_devices(cfg), par.pp_microbatches, par.pp_balance,
+        return NaivePipeline(model, pipeline_devices(par), par.pp_microbatches, par.pp_balance,
                              (sample_shape[0] // par.pp_microbatches, sample_shape[1]), compute, loss_fn)
     import torch.distributed as dist
 
@@ -83,4 +82,4 @@ def build_pipeline(cfg: Config, accelerator, layout: PipelineLayout | None, mode
         blocks, first, last = param_costs(parts)
     sizes = balance(blocks, par.pp, first, last)
     return StagePipeline(model, layout, sizes, par.pp_microbatches, par.pp_schedule, accelerator.device,
-                         pad_id, compute, loss_fn, shard_mesh, par.fsdp_sharding != "grad_op", experts)
+                         pad_id, compute, loss_fn, shard, experts)

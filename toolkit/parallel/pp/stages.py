@@ -46,12 +46,12 @@ def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
     from toolkit.parallel.mesh import local_mesh
 
     mesh = mesh if mesh is not None else local_mesh(pp=pp)
-    pipelines = mesh.mesh.reshape(mesh["pp"].size(), -1).T.tolist()  # each row: one pipeline's ranks, stage order
+    pipelines = mesh.world.mesh.reshape(mesh.size("pp"), -1).T.tolist()  # each row: one pipeline's ranks, stage order
     ties = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
-    dp = mesh.get_group("dp")  # by name: a flattened dimension is not sliced (torch deprecates that)
+    dp = mesh.group("dp")
     mine = next(i for i, ranks in enumerate(pipelines) if dist.get_rank() in ranks)
-    return PipelineLayout(mesh["pp"].size(), dist.get_world_size(dp), mesh.get_local_rank("pp"),
-                          mesh.get_local_rank("dp"), mesh.get_group("pp"), dp, ties[mine])
+    return PipelineLayout(mesh.size("pp"), dist.get_world_size(dp), mesh.local_rank("pp"), mesh.local_rank("dp"),
+                          mesh.group("pp"), dp, ties[mine])
 
 
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ class StagePipeline(nn.Module):
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
                  schedule: str, device: torch.device, pad_id: int, compute_dtype: torch.dtype | None = None,
-                 loss_fn=token_loss_sum, shard_mesh=None, reshard: bool = True, experts: tuple | None = None):
+                 loss_fn=token_loss_sum, shard=None, experts=()):
         super().__init__()
         self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
         parts = decoder_parts(model)
@@ -89,18 +89,16 @@ class StagePipeline(nn.Module):
         start, stop = stage_bounds(sizes)[layout.pp_rank]
         first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
         # mixed precision: FSDP2's policy where the stage is sharded, else autocast (fp32 weights)
-        autocast_dtype = None if shard_mesh is not None else compute_dtype
+        autocast_dtype = None if shard is not None else compute_dtype
         self.stage = DecoderStage(parts, start, stop, first, last, autocast_dtype).to(device)
         self.first, self.last = first, last
         tied = parts.head.weight is parts.embed.weight and layout.pp > 1
-        self.sharded = shard_mesh is not None
-        if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 over the shard mesh
-            from toolkit.parallel.fsdp import apply_fsdp
+        self.sharded = shard is not None
+        if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 (`parallelize.shard_stage`)
+            from toolkit.parallel.parallelize import shard_stage
 
             mine = {id(m) for m in self.stage.modules()}  # expert parallel: this stage's experts, on their mesh
-            holders = [h for h in experts[0] if id(h) in mine] if experts else []
-            apply_fsdp(self.stage, list(self.stage.layers), shard_mesh, reshard, compute_dtype, holders,
-                       experts[1] if experts else None)
+            shard_stage(self.stage, list(self.stage.layers), shard, [h for h in experts if id(h) in mine])
         # the tied weight as this stage holds it (FSDP2 replaced the parameters it shards)
         self.tied = (self.stage.embed.weight if first else self.stage.head.weight if last else None) if tied else None
         names = {id(p): n for n, p in model.named_parameters()}
@@ -165,7 +163,7 @@ class StagePipeline(nn.Module):
         self._losses, self._metrics = [], []
         kept = None
         if self._objective is not None:  # the step's sums so far, apart from this batch's (`_loss` takes them)
-            kept, self._objective.sums = self._objective.sums, None
+            kept = self._objective.take_metrics()
         (schedule.step if train else schedule.eval)(*args, target=target, losses=[] if self.last else None,
                                                     return_outputs=False, **extra)
         # the last m records are this step's micro-batches (a schedule's first step also calls the
@@ -182,7 +180,7 @@ class StagePipeline(nn.Module):
             sums = (torch.stack(self._metrics[-m:]).sum(0).to(self.device) if self.last
                     else torch.zeros(self._objective.metric_width, dtype=torch.float64, device=self.device))
             dist.broadcast(sums, group=self.layout.pp_group, group_src=self.layout.pp - 1)
-            self._objective.sums = sums if kept is None else kept + sums
+            self._objective.state.add(sums if kept is None else kept + sums)
         return total
 
     def train_step(self, batch: dict[str, torch.Tensor], scale: float | torch.Tensor, objective=None) -> torch.Tensor:

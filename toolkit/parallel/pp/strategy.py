@@ -10,12 +10,12 @@ from typing import Callable
 
 import torch
 
-from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
+from toolkit.layout.flags import ParallelConfig
 from toolkit.loss import LogitTransform, token_loss_sum
-from toolkit.parallel.parallelize import Parallelized, parallelize
+from toolkit.parallel.parallelize import Parallelized, Shard, parallelize
 from toolkit.loss_head import LossFn, LossHead
-from toolkit.parallel.strategy import DataShard, Strategy
+from toolkit.parallel.strategy import DataShard, Settings, Strategy
 from toolkit.parallel.tp import TPShards
 
 
@@ -24,27 +24,30 @@ class PipelineStrategy(Strategy):
 
     whole_batches = False  # cut into pipeline micro-batches
 
-    def __init__(self, accelerator, dims: ParallelDims, mesh, cfg: Config, loss_fn: LossFn = token_loss_sum):
+    def __init__(self, accelerator, dims: ParallelDims, mesh, par: ParallelConfig, settings: Settings = Settings(),
+                 loss_fn: LossFn = token_loss_sum):
         from toolkit.parallel.pp import make_pipeline_layout, pipeline_devices
 
-        self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
+        self.accelerator, self.dims, self.par, self.settings = accelerator, dims, par, settings
         self.layout = make_pipeline_layout(dims.pp, mesh) if mesh is not None else None
         if self.layout is None:
-            pipeline_devices(cfg)  # a missing GPU fails now, before any weights are read
+            pipeline_devices(par)  # a missing GPU fails now, before any weights are read
         self.tp_layout = None
         if dims.tp > 1:  # pp x tp: every stage holds TP layers over the mesh's tp groups
             from toolkit.parallel.tp import make_layout
 
             self.tp_layout = make_layout(dims.tp, mesh)
         self.cut = Parallelized(TPShards(self.tp_layout.tp_group if self.tp_layout else None))  # until `shard_model`
-        self.shard_mesh = self.shard_group = None
+        self.shard_group = self.fsdp = None
         self.ep_group = self.expert_mesh = self.expert_shard_group = None
         if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
-            from toolkit.parallel.mesh import expert_groups, fsdp_mesh
+            from toolkit.parallel.fsdp import half_dtype
 
-            self.shard_mesh, self.shard_group = fsdp_mesh(mesh, dims), mesh.get_group("dp_shard")
             # pp x ep: each stage's experts split over its ep group (`toolkit.parallel.ep`), as MeshStrategy's
-            self.ep_group, self.expert_mesh, self.expert_shard_group = expert_groups(mesh, dims)
+            self.ep_group, self.expert_mesh, self.expert_shard_group = mesh.expert_groups()
+            self.shard_group = mesh.group("dp_shard")
+            self.fsdp = Shard(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
+                              self.expert_mesh)
         self.data = DataShard(accelerator, dims, self.layout.dp_rank if self.layout else 0)
         self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)  # full logits on the last stage: never a fused head
         self.pipe = None  # built in prepare(); None again once exported
@@ -59,9 +62,10 @@ class PipelineStrategy(Strategy):
         return self.cut.experts
 
     def shard_model(self, model):
-        """TP and EP on the whole model before the stages are cut from it (`toolkit.parallel.parallelize`;
-        no context parallel under --pp)."""
-        model, self.cut = parallelize(model, self.tp.group, self.ep_group)
+        """TP, EP and checkpointing on the whole model before the stages are cut from it, FSDP2 on each
+        stage as `prepare` cuts it (`toolkit.parallel.parallelize`; no context parallel or compile under --pp)."""
+        model, self.cut = parallelize(model, self.settings.parallelism(
+            tp_group=self.tp.group, ep_group=self.ep_group, fsdp=self.fsdp, stages=True))
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
@@ -69,14 +73,13 @@ class PipelineStrategy(Strategy):
         from toolkit.parallel.pp import build_pipeline
 
         # the stage split may be timed on a real micro-batch's shape; padding as the loader pads
-        sample = (loader.batch_size, longest_row(loader.dataset, self.cfg.data.seq_len))
+        sample = (loader.batch_size, longest_row(loader.dataset, self.settings.seq_len))
         fn = loader.collate_fn  # a partial of collate, or a stream's StreamCollate
         pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
         # full logits on the last stage; a preference objective's dropout off, an MoE model's load counted
         self.loss.choose(model, "full")
-        experts = (self.experts.holders, self.expert_mesh) if self.experts else None
-        self.pipe = build_pipeline(self.cfg, self.accelerator, self.layout, model, sample, pad_id, self.loss.loss_fn,
-                                   self.shard_mesh, experts)
+        self.pipe = build_pipeline(self.par, self.accelerator, self.layout, model, sample, pad_id, self.loss.loss_fn,
+                                   self.fsdp, self.experts.holders if self.experts else ())
         return self.pipe, optimizer_fn(self.pipe), self.data.loader(loader)
 
     def describe(self) -> str:
@@ -104,11 +107,12 @@ class PipelineStrategy(Strategy):
         total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         objective = self.loss.objective
         for batch in micro:  # the stages run forward and backward themselves
-            if objective is not None and objective.reference == "adapters":
-                batch = {**batch, "ref_logps": self.sequence_logps(model, batch, reference=True)}
+            ref = objective.reference_logps(model, batch) if objective is not None else None
+            if ref is not None:  # LoRA's through `sequence_logps`, adapters off; a precomputed one as it came
+                batch = {**batch, "ref_logps": ref}
             total += self.pipe.train_step(batch, scale=scale, objective=objective).to(total.device)
         self.pipe.finish_grads()  # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
-        if self.shard_mesh is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
+        if self.fsdp is not None:  # the TP gradient hooks went with the parameters FSDP2 replaced
             self.tp.reduce_partial_grads(self.pipe.model)
         return total
 
@@ -132,19 +136,20 @@ class PipelineStrategy(Strategy):
             return self.pipe.loss_sum(batch)
         return Strategy.eval_loss_sum(self, model, batch)
 
-    def named_trainable(self, model) -> list[tuple[str, torch.nn.Parameter, int | None]]:
-        """This stage's trainable parameters under the full model's names; a tied LM head is saved
-        under its embedding's name, as a model without stages names it."""
+    def named_trainable(self, model) -> list:
+        """This stage's trainable parameters under the full model's names, each with its cut
+        (`Parallelized.cuts`); a tied LM head is saved under its embedding's name, as a model without
+        stages names it."""
         if self.layout is None:  # the naive pipeline: every stage in this process
             return Strategy.named_trainable(self, model)
         embed = self.pipe.model.get_input_embeddings().weight
         embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
-        split = self.cut.cuts
+        cuts = self.cut.cuts
         out = []
         for n, p in self.pipe.names.items():
             if p.requires_grad:
                 name = embed_name if self.pipe.tied is not None and p is self.pipe.tied and embed_name else n
-                out.append((name, p, split.get(n, split.get(name))))
+                out.append((name, p, cuts.get(n, cuts.get(name))))
         return out
 
     def export(self, model, final: bool = True):

@@ -5,7 +5,7 @@ the data-parallel group for TP without FSDP2 (`prepare_tensor_parallel`).
 tp is the mesh's innermost dimension (Megatron's order: with tp=2 and 2 data-parallel ranks the TP
 groups are {0,1} and {2,3}), so the per-layer all-reduces stay inside a node; TP peers read the same
 micro-batches. The layers are `layers.py`, their conjugate collectives `comm.py`, the plan read from
-the model's `base_model_tp_plan` `plan.py` (`toolkit.layout.tp_plan` is its torch-free reading of the
+the model's `base_model_tp_plan` `plan.py` (`toolkit.layout.tp_regions` is its torch-free reading of the
 config, for the rules and the planner).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from toolkit.parallel import grad_norm
-from toolkit.parallel.tp.layers import Packed, gather
+from toolkit.parallel.cut import Cut
 from toolkit.parallel.tp.plan import apply_tensor_parallel
 
 __all__ = ["Layout", "make_layout", "apply_tensor_parallel", "TPShards", "full_state_dict",
@@ -43,9 +43,9 @@ def make_layout(tp: int, mesh=None, grads: str = "dp") -> Layout:
     import torch.distributed as dist
 
     mesh = mesh if mesh is not None else local_mesh(tp=tp)
-    dp = mesh.get_group(grads)  # by name: a flattened dimension is not sliced (torch deprecates that)
-    return Layout(mesh["tp"].size(), dist.get_world_size(dp), mesh.get_local_rank("tp"), mesh.get_local_rank("dp"),
-                  mesh.get_group("tp"), dp)
+    dp = mesh.group(grads)
+    return Layout(mesh.size("tp"), dist.get_world_size(dp), mesh.local_rank("tp"), mesh.local_rank("dp"),
+                  mesh.group("tp"), dp)
 
 
 def prepare_tensor_parallel(accelerator, layout: Layout, model, optimizer):
@@ -74,22 +74,20 @@ def autocast_forward(accelerator, model) -> None:
 
 
 class TPShards:
-    """Which parameters the TP plan split (and along which dim) and which TP-replicated ones get a
-    per-rank partial gradient, by name: FSDP2 replaces the parameters, and with them the attributes
-    and gradient hooks the plan put on them, so the names are read once, right after the split."""
+    """TP's part of a layout: its group, the run's table of cuts (`toolkit.parallel.cut`: how the TP plan,
+    then expert parallel, cut each parameter, by name) and the plan's describe line. The table is by name:
+    FSDP2 replaces the parameters, and with them the gradient hooks the plan put on the replicated ones
+    whose gradients are partial sums (`reduce_partial_grads` does their work again)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, cuts: dict[str, Cut] | None = None, plan: str = ""):
         self.group = group
-        # parameter name -> the dim its TP slice was cut along, or how a packed projection's was (`Packed`)
-        self.split: dict[str, int | Packed] = {}
-        self.partial: list[str] = []  # TP-replicated parameters whose gradient is a per-rank partial sum
-        self.plan = ""  # what the plan split and what it kept whole
+        self.cuts: dict[str, Cut] = cuts if cuts is not None else {}
+        self.plan = plan  # what the plan split and what it kept whole
 
-    def read(self, model) -> None:
-        self.split = {n: getattr(p, "tp_packed", p.tp_split_dim) for n, p in model.named_parameters()
-                      if hasattr(p, "tp_split_dim")}
-        self.partial = [n for n, p in model.named_parameters() if getattr(p, "tp_partial_grad", False)]
-        self.plan = getattr(model, "toolkit_tp", "")
+    @property
+    def partial(self) -> list[str]:
+        """TP-replicated parameters whose gradient is a per-rank partial sum, by name."""
+        return [n for n, cut in self.cuts.items() if cut.partial]
 
     def describe(self) -> str:
         """What TP split, per block, and what every rank keeps whole (a line of the strategy's describe)."""
@@ -104,35 +102,30 @@ class TPShards:
     def reduce_partial_grads(self, model) -> None:
         """What the TP plan's gradient hooks do, on FSDP2's reduced shards: the sum over the TP group
         commutes with the mean over data-parallel ranks, and TP peers hold the same shard of these."""
-        if not self.partial or self.group is None:
+        partial = self.partial
+        if not partial or self.group is None:
             return
         import torch.distributed as dist
 
         params = dict(model.named_parameters())
-        for name in self.partial:
+        for name in partial:
             if name in params and params[name].grad is not None:
                 dist.all_reduce(grad_norm.local(params[name].grad), group=self.group)
 
     def state_dict(self, model) -> dict:
-        return full_state_dict(model, self.split, self.group)
+        return full_state_dict(model, self.cuts, self.group)
 
 
-def full_state_dict(model, tp_split: dict, tp_group) -> dict:
-    """The full state dict on every rank (collective): FSDP2 shards all-gathered, then TP slices
-    concatenated along the dim each was cut, a packed projection's part by part (the one TP gather
-    path: plain TP, TP under FSDP2, stages), and expert-parallel slices gathered over their ep group."""
-    import torch.distributed as dist
-
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+def full_state_dict(model, cuts: dict[str, Cut], tp_group) -> dict:
+    """The full state dict on every rank (collective): FSDP2 shards all-gathered, then each cut
+    parameter put back by its `Cut` (`cuts`, by name): TP slices concatenated along the dim each was
+    cut, a packed projection's part by part (the one TP gather path: plain TP, TP under FSDP2, stages),
+    then expert-parallel slices gathered over their ep group."""
     out = {}
     for key, v in model.state_dict().items():
         v = grad_norm.full(v)
-        split = tp_split.get(key)
-        experts = split if hasattr(split, "gather") else None  # an expert-parallel slice (`ExpertSplit`)
-        split = experts.tp if experts is not None else split
-        if split is not None and tp > 1:
-            v = gather(v, split, tp_group)
-        if experts is not None:
-            v = experts.gather(v)
+        cut = cuts.get(key)
+        if cut is not None:
+            v = cut.gather(v, tp_group)
         out[key] = v.detach()
     return out

@@ -1,62 +1,26 @@
 """Megatron-style parallel linear layers, built by slicing a full `nn.Linear` so that TP=1 and
 TP=t start from identical weights. Shapes follow `nn.Linear`: weight A is (out, in), Y = X A^T + b.
 
-Each sharded parameter carries `tp_split_dim` (the dimension of the full tensor it is a slice of),
-and a packed projection's (a fused qkv or gate_up, split part by part) `tp_packed` too: what the
-saving code needs to gather a standard state dict back.
+How each parameter was cut (the dim of the full tensor it is a slice of; a packed projection's, a
+fused qkv or gate_up split part by part, `Packed`) is not marked on it: the plan records it in the run's
+table of cuts (`toolkit.parallel.cut`), what the saving code reads to gather a standard state dict back.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.parallel.cut import Packed, gather, split_of
 from toolkit.parallel.tp.comm import copy_to_tp, gather_from_tp, group_size, reduce_from_tp, split_to_tp
 
-
-@dataclass(frozen=True)
-class Packed:
-    """A packed projection's TP split: along `dim` the full tensor holds `parts` (sizes: q, k, v heads;
-    gate, up), each cut into t equal slices; rank r holds slice r of every part, in order. Its rows
-    are not one contiguous slice of the full tensor, so gathering and checkpoints place each run."""
-    dim: int
-    parts: tuple[int, ...]
-
-    def runs(self, start: int, length: int, rank: int, t: int) -> list[tuple[int, int, int]]:
-        """Indices [start, start + length) along `dim` of rank `rank`'s tensor, as (index there,
-        index in the full tensor, count) runs, one per part they cross."""
-        out, local_at, full_at = [], 0, 0
-        for size in self.parts:
-            piece = size // t
-            lo, hi = max(start, local_at), min(start + length, local_at + piece)
-            if lo < hi:
-                out.append((lo, full_at + rank * piece + lo - local_at, hi - lo))
-            local_at, full_at = local_at + piece, full_at + size
-        return out
-
-    def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's tensor, in rank order."""
-        t = len(slices)
-        cut = [s.split([size // t for size in self.parts], self.dim) for s in slices]
-        return torch.cat([cut[r][i] for i in range(len(self.parts)) for r in range(t)], self.dim)
-
-
-def gather(local: torch.Tensor, split: "int | Packed", group) -> torch.Tensor:
-    """The full tensor from every rank's slice of it (collective over `group`): all-gathered, then
-    concatenated along `split`, or assembled part by part where it is `Packed`."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return split.assemble(parts) if isinstance(split, Packed) else torch.cat(parts, dim=split)
+__all__ = ["Packed", "gather", "shard", "ColumnParallelLinear", "RowParallelLinear", "ShardedDropout"]
 
 
 def shard(full: torch.Tensor, dim: int, group, parts: tuple[int, ...] | None = None) -> nn.Parameter:
-    """My contiguous 1/t slice of `full` along `dim`, as a new parameter marked with `tp_split_dim`;
-    with `parts` (sizes along `dim` summing to it), my 1/t slice of each part, concatenated."""
+    """My contiguous 1/t slice of `full` along `dim`, as a new parameter; with `parts` (sizes along
+    `dim` summing to it), my 1/t slice of each part, concatenated (`split_of(dim, parts)` says how)."""
     import torch.distributed as dist
 
     t = group_size(group)
@@ -66,11 +30,7 @@ def shard(full: torch.Tensor, dim: int, group, parts: tuple[int, ...] | None = N
         raise ValueError(f"dimension {dim} of size {full.size(dim)} (parts {list(sizes)}) is not divisible by "
                          f"tensor-parallel size {t}")
     pieces = [part.chunk(t, dim=dim)[rank] for part in full.detach().split(list(sizes), dim)]
-    p = nn.Parameter(torch.cat(pieces, dim).clone().contiguous(), requires_grad=full.requires_grad)
-    p.tp_split_dim = dim
-    if parts is not None and len(parts) > 1:
-        p.tp_packed = Packed(dim, tuple(parts))
-    return p
+    return nn.Parameter(torch.cat(pieces, dim).clone().contiguous(), requires_grad=full.requires_grad)
 
 
 def _empty_linear(cls, in_features: int, out_features: int) -> nn.Linear:
@@ -101,7 +61,12 @@ class ColumnParallelLinear(nn.Linear):
         layer.weight = shard(linear.weight, 0, group, parts)
         layer.bias = shard(linear.bias, 0, group, parts) if linear.bias is not None else None
         layer.group, layer.gather_output, layer.copy_input = group, gather_output, copy_input
+        layer.split = split_of(0, parts)
         return layer
+
+    def cuts(self) -> list[tuple[nn.Parameter, "int | Packed"]]:
+        """Its TP-cut parameters, each with how it was cut: the weight's rows and the bias, by parts."""
+        return [(p, self.split) for p in (self.weight, self.bias) if p is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -131,9 +96,12 @@ class RowParallelLinear(nn.Linear):
         layer.bias = None
         if linear.bias is not None:  # full on every rank; its gradient comes from the reduced output
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-            layer.bias.tp_full_grad = True
         layer.group, layer.input_is_parallel = group, input_is_parallel
         return layer
+
+    def cuts(self) -> list[tuple[nn.Parameter, "int | Packed"]]:
+        """Its TP-cut parameters, each with how it was cut: the weight's columns (the bias is whole)."""
+        return [(self.weight, 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

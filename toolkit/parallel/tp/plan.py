@@ -1,6 +1,6 @@
 """The tensor-parallel plan applied in place to a loaded model (full or peft-LoRA) by slicing its full
 weights. What is split comes from the config's `base_model_tp_plan` (transformers' own), read by
-`toolkit.layout.tp_plan` into regions; the layout rules ask the same reading before the weights load,
+`toolkit.layout.tp_regions` into regions; the layout rules ask the same reading before the weights load,
 so a plan the layers cannot express never gets here. Which blocks each region splits is `tp_fit`,
 asked of a meta-device copy of the model before the weights load too (and by the planner of each
 tp row), then again here on the loaded model.
@@ -30,6 +30,11 @@ full-width mask and keeps its slice (ShardedDropout), so TP and non-TP runs drop
 In a gathered region adapters stay whole: they see the whole input and add to the whole output.
 Replicated modules the plan names inside a local region (Qwen3's q/k norms) get a gradient
 all-reduce hook. Embeddings, norms, the LM head and plan entries outside the blocks stay whole.
+
+How each parameter was cut is recorded in the run's table of cuts (`toolkit.parallel.cut.Cut`, by the
+full model's parameter names), not on the parameters: a slice's dim (`Packed` by parts), and the
+replicated parameters whose gradients are per-rank partial sums (`Cut.partial`), which FSDP2, replacing
+the parameters and their hooks, reduces again (`TPShards.reduce_partial_grads`).
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ import inspect
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.layout.tp_plan import NotExpressible, Region, TPPlan, packed_parts, read_tp_plan
+from toolkit.layout.tp_regions import NotExpressible, Region, TPPlan, packed_parts, read_tp_plan
+from toolkit.parallel.cut import Cut, split_of
 from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, reduce_from_tp
 from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
 
 LOCAL_SIZES = ("num_attention_heads", "num_heads", "num_key_value_heads", "intermediate_size")
+
+Record = dict[int, Cut]  # id(parameter) -> its cut while the plan cuts (the model's names are read after)
 
 
 def text_config(config):
@@ -144,7 +152,15 @@ def _linear(parent: nn.Module, name: str) -> nn.Module:
     return getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
 
 
-def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str,
+def _shard(full: nn.Parameter, dim: int, group, record: Record,
+           parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    """`shard`, recording how the new parameter was cut."""
+    p = shard(full, dim, group, parts)
+    record[id(p)] = Cut(tp=split_of(dim, parts))
+    return p
+
+
+def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str, record: Record,
                       parts: tuple[int, ...] | None = None, gathered: bool = False) -> None:
     target, base = parent.get_submodule(name), _linear(parent, name)  # an nn.Linear: `_check_region`
     try:
@@ -155,6 +171,7 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
             sharded = RowParallelLinear.from_linear(base, group, input_is_parallel=not gathered)
     except ValueError as e:
         raise UserError(f"--tp {group_size(group)}: {where}.{name}: {e}") from None
+    record.update({id(p): Cut(tp=split) for p, split in sharded.cuts()})
     if target is base:
         owner, _, leaf = name.rpartition(".")
         setattr(parent.get_submodule(owner) if owner else parent, leaf, sharded)
@@ -166,27 +183,25 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
     for adapter in target.lora_A:
         lora_a, lora_b = target.lora_A[adapter], target.lora_B[adapter]
         if kind == "column":
-            lora_b.weight = shard(lora_b.weight, 0, group, parts)
+            lora_b.weight = _shard(lora_b.weight, 0, group, record, parts)
             if lora_b.bias is not None:
-                lora_b.bias = shard(lora_b.bias, 0, group, parts)
+                lora_b.bias = _shard(lora_b.bias, 0, group, record, parts)
             lora_b.out_features = lora_b.weight.shape[0]
             for p in lora_a.parameters():  # replicated inside the region: each rank's gradient is partial
-                _sum_grad(p, group)
-        else:
-            lora_a.weight = shard(lora_a.weight, 1, group)
+                _sum_grad(p, group, record)
+        else:  # lora_B stays whole: its gradient comes from the reduced output
+            lora_a.weight = _shard(lora_a.weight, 1, group, record)
             lora_a.in_features = lora_a.weight.shape[1]
             lora_a.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
-            for p in lora_b.parameters():
-                p.tp_full_grad = True
             dropout = target.lora_dropout[adapter]
             if isinstance(dropout, nn.Dropout) and dropout.p > 0:
                 target.lora_dropout[adapter] = ShardedDropout(dropout.p, group)
 
 
-def _sum_grad(p: nn.Parameter, group) -> None:
+def _sum_grad(p: nn.Parameter, group, record: Record) -> None:
     if p.requires_grad:
         p.register_hook(all_reduce_grad(group))
-        p.tp_partial_grad = True  # for FSDP2, which replaces the parameter (and its hook)
+        record[id(p)] = Cut(partial=True)  # for FSDP2, which replaces the parameter (and its hook)
 
 
 def _copy_input(module: nn.Module, group):
@@ -238,7 +253,7 @@ def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None
                             f"layer the plan's {kind} projection splits")
 
 
-def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
+def _split_experts(module: nn.Module, region: Region, group, where: str, record: Record) -> str:
     """Split a routed-experts module's stacked projections in place (module docstring)."""
     t = group_size(group)
     for name in (*region.columns, region.row):
@@ -250,8 +265,8 @@ def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
         for name in region.columns:  # a fused gate_up is [gate; up], chunked in two by every transformers 5
             full = getattr(module, name)  # experts forward, so split by parts even where the plan says colwise
             parts = (full.shape[1] // 2,) * 2 if name in region.packed or "gate_up" in name else None
-            setattr(module, name, shard(full, 1, group, parts))
-        setattr(module, region.row, shard(getattr(module, region.row), 2, group))
+            setattr(module, name, _shard(full, 1, group, record, parts))
+        setattr(module, region.row, _shard(getattr(module, region.row), 2, group, record))
     except ValueError as e:
         raise UserError(f"--tp {t}: {where}: {e}") from None
     for attr in ("intermediate_dim", "intermediate_size", "moe_intermediate_size"):
@@ -269,11 +284,12 @@ def _split_experts(module: nn.Module, region: Region, group, where: str) -> str:
     return f"{region.path} {' '.join(region.columns)} -> {region.row} (every expert's intermediate)"
 
 
-def _split_region(module: nn.Module, region: Region, group, config, where: str) -> str:
-    """Split one block's `region` in place; returns how (for the describe line)."""
+def _split_region(module: nn.Module, region: Region, group, config, where: str, record: Record) -> str:
+    """Split one block's `region` in place, recording each parameter's cut; returns how (for the
+    describe line)."""
     t = group_size(group)
     if region.experts:
-        return _split_experts(module, region, group, where)
+        return _split_experts(module, region, group, where, record)
     parts = {c: (_linear(module, c).out_features // 2,) * 2 for c in region.packed}
     if region.gathered:
         found = _region_parts(module, region, config, t)
@@ -281,14 +297,14 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str) 
     else:  # a parameter between the projections without a style: refused by `tp_fit`
         local = True
     for column in region.columns:
-        _shard_projection(module, column, "column", group, where, parts.get(column), gathered=not local)
-    _shard_projection(module, region.row, "row", group, where, gathered=not local)
+        _shard_projection(module, column, "column", group, where, record, parts.get(column), gathered=not local)
+    _shard_projection(module, region.row, "row", group, where, record, gathered=not local)
     if not local:
         return f"{region.path} {' '.join(region.columns)} -> {region.row} (gathered in between)"
     module.register_forward_pre_hook(_copy_input(module, group), with_kwargs=True)
     for name in region.replicated:
         for p in module.get_submodule(name).parameters():
-            _sum_grad(p, group)
+            _sum_grad(p, group, record)
     for attr in LOCAL_SIZES:  # some modules keep their own head counts
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, getattr(module, attr) // t)
@@ -349,8 +365,9 @@ def tp_tree_problems(config, trust_remote_code: bool = False) -> list[str]:
     return []
 
 
-def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
-    """Shard `model` in place over `group`; returns it. Every rank must call this with identical
+def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None) -> nn.Module:
+    """Shard `model` in place over `group`; returns it, and records how it cut each parameter in
+    `cuts` (the run's table, by name: `toolkit.parallel.cut`). Every rank must call this with identical
     full weights (same checkpoint, same seed for LoRA init)."""
     t = group_size(group)
     if t == 1:
@@ -358,10 +375,12 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
     plan = tp_plan_of(model.config)
     config = text_config(model.config)
     blocks = decoder_blocks(model, plan.blocks)
-    how = {}
+    how, record = {}, {}
     for i, region in tp_fit(model, plan):
         how[region.path] = _split_region(blocks[i].get_submodule(region.path), region, group, config,
-                                         f"{plan.blocks}.{i}.{region.path}")
+                                         f"{plan.blocks}.{i}.{region.path}", record)
+    if cuts is not None:
+        cuts.update({n: record[id(p)] for n, p in model.named_parameters() if id(p) in record})
     outside = ", ".join(plan.outside + ("lm_head",))
     # not `tp_size`: transformers reserves that for its own TP
     model.toolkit_tp = (f"tensor parallel over {t} ranks from base_model_tp_plan, per block: "
