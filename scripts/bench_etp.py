@@ -2,7 +2,7 @@
 complexity? Issue 58. Four layouts of the same 4 ranks, side by side in one launch, on one MoE model:
 
     dp4_ep2        --ep 2, no TP: dp_shard 4, ep groups {0,1} {2,3}; whole experts, E/2 a rank
-    tp2_ep2_etp    --tp 2 --ep 2 as the toolkit runs it today (ETP): TP {0,1} {2,3}, ep over dp_shard at
+    tp2_ep2_etp    --tp 2 --ep 2 as the toolkit ran it before issue 58 (ETP, removed): TP {0,1} {2,3}, ep over dp_shard at
                    the same TP coordinate {0,2} {1,3}; E/2 experts a rank, each cut to I/2; both TP peers
                    dispatch the same tokens (the all-to-all is repeated across TP ranks), the experts'
                    partial outputs are all-reduced over TP

@@ -171,3 +171,14 @@ def test_yaml_columns_name_one_column_each(tmp_path):
             parse_config(["--config", str(f), "--output-dir", str(tmp_path / "o")])
         assert str(e.value) == (f"'columns' in {f}: 'instruction' maps to {shape}; a column name must be a string "
                                 "without ',' or '=' (one column for each of ours, e.g. instruction: prompt)")
+
+
+def test_ep_other_than_tp_is_refused_by_the_config_in_one_line(tmp_path):
+    """Under --tp the ep group is the TP group (each expert whole, benchmarks/etp.md): --tp 2 --ep 4 is one
+    refusal naming both flags and the fix, before any launch; --tp 2 --ep 2 passes."""
+    with pytest.raises(UserError) as e:
+        parse_config(["--tp", "2", "--ep", "4", "--output-dir", str(tmp_path / "o")])
+    said = [line for line in str(e.value).splitlines() if "--ep" in line]
+    assert len(said) == 1 and "--ep 4 with --tp 2 is not supported" in said[0] and "use --ep 2 --tp 2" in said[0], said
+    cfg = parse_config(["--tp", "2", "--ep", "2", "--output-dir", str(tmp_path / "o2")])
+    assert (cfg.parallel.tp, cfg.parallel.ep) == (2, 2)

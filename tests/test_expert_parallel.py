@@ -46,27 +46,27 @@ def _build(model_type: str, method: str):
 
 def _ep_against_unsplit(tp: int = 1) -> dict:
     """Per (arch, method): the largest differences of loss, logits and gradients, and what was split.
-    tp > 1: the TP layers cut every expert's intermediate first, then EP its experts (ETP = TP)."""
+    tp > 1: `parallelize`'s TP then EP, the ep group the TP group: TP leaves the experts whole, EP splits
+    them over the TP pair, each TP rank dispatching half of the pair's tokens."""
     dist = _init()
     from toolkit.layout.dims import ParallelDims
-    from toolkit.parallel.ep import apply_expert_parallel
-    from toolkit.parallel.traffic import counting
+    from toolkit.parallel.cut import full_state_dict
     from toolkit.parallel.mesh import Mesh
-    from toolkit.parallel.tp import apply_tensor_parallel, full_state_dict
+    from toolkit.parallel.parallelize import Parallelism, parallelize
+    from toolkit.parallel.traffic import counting
 
     world = dist.get_world_size()
-    mesh = Mesh(ParallelDims(world, dp_shard=world // tp, tp=tp, ep=world // tp), "cpu")
+    mesh = Mesh(ParallelDims(world, dp_shard=world // tp, tp=tp, ep=world // tp if tp == 1 else tp), "cpu")
     group, dp = mesh.group("ep"), mesh.group("dp_shard")
     tp_group = mesh.group("tp") if tp > 1 else None
     out = {}
     for model_type in MOE if tp == 1 else ("qwen3_moe", "mixtral", "deepseek_v3"):
         for method in ("full", "lora") if tp == 1 else ("full",):
-            ref, ep = _build(model_type, method), _build(model_type, method)
-            split = {}  # the run's table of cuts (`toolkit.parallel.cut`): TP's, then EP's
-            if tp_group is not None:
-                apply_tensor_parallel(ep, tp_group, split)
-            shards = apply_expert_parallel(ep, group, split)
-            experts = {n for n, cut in split.items() if cut.ep is not None}
+            ref = _build(model_type, method)
+            ep, cut = parallelize(_build(model_type, method), Parallelism(tp_group=tp_group, ep_group=group))
+            split, shards = cut.cuts, cut.experts  # the run's table of cuts (`toolkit.parallel.cut`)
+            experts = {n for n, c in split.items() if c.ep is not None}
+            assert not any(c.ep is not None and c.tp is not None for c in split.values())
             g = torch.Generator().manual_seed(mesh.local_rank("dp_shard"))  # data-parallel ranks: other tokens
             ids = torch.randint(4, 96, (2, 16), generator=g)
             with counting("ep") as traffic:
@@ -76,13 +76,15 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
             diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
             assert {n for n, p in ep.named_parameters() if p.grad is not None} == set(ref_grads), model_type
-            grads = full_state_dict(_Grads(ep), split, tp_group)  # TP slices, then EP slices, gathered
+            grads = full_state_dict(_Grads(ep), split, tp_group)  # TP slices or EP slices, gathered
             worst = 0.0
             for name, full in ref_grads.items():
                 full = full.clone()
                 dist.all_reduce(full, group=dp)  # what FSDP sums over the data-parallel ranks
                 mine = grads[name].clone()
-                if name not in experts:  # an expert's owner already holds every rank's tokens' sum
+                # an expert's owner already holds every data-parallel rank's tokens' sum where the ep group is
+                # dp_shard; under TP (the ep group is the TP pair) its experts' sum over dp_shard is FSDP's
+                if name not in experts or tp > 1:
                     dist.all_reduce(mine, group=dp)
                 worst = max(worst, (mine - full).abs().max().item())
             gathered = full_state_dict(ep, split, tp_group)
@@ -129,12 +131,14 @@ def test_expert_parallel_equals_the_unsplit_model(ep2, model_type, method):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_expert_parallel_inside_tensor_parallel_equals_the_unsplit_model(ep2_tp2, model_type):
-    """--tp 2 x --ep 2 on 4 ranks: every expert's intermediate split over the TP pair, the experts over the
-    ep pair (ranks of one tp coordinate); the same checks, the gradients gathered over both."""
+    """--tp 2 x --ep 2 on 4 ranks: the experts whole, split over the TP pair (the ep group is the TP group),
+    each TP rank dispatching half the pair's tokens, the outputs summed over TP; the same checks, the
+    experts' gradients summed over dp_shard as FSDP2 sums them."""
     for rank, result in enumerate(ep2_tp2):
         r = result[f"{model_type}/full"]
         assert r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5 and r["weights"] == 0, (rank, r)
         assert r["sent"] > 0
+        assert "expert parallel over the TP group's 2 ranks" in r["line"] and "2 of 4 experts" in r["line"], r["line"]
 
 
 def _all_to_rank_zero() -> dict:
@@ -264,7 +268,11 @@ def runs(tmp_path_factory, data_files, tiny_model):
     four["qwen3_moe-lora-ep2_hsdp"] = [*q, "--method", "lora", "--ep", "2", "--dp-shard", "2", "--dp-replicate", "2",
                                        "--micro-batch-size", "2", *PARITY]
     four["qwen3_moe-full-ep2_tp2"] = [*q, "--method", "full", "--ep", "2", "--tp", "2", "--micro-batch-size", "2",
-                                      "--grad-accum", "2", *PARITY]
+                                      "--grad-accum", "2", *PARITY, "--save-every", "2"]
+    # the next run of the launch resumes it with the experts over dp_shard instead of the TP pair
+    four["qwen3_moe-full-ep2_tp2_resumed"] = [*q, "--method", "full", "--ep", "2", "--dp-shard", "4",
+                                              "--micro-batch-size", "2", *PARITY, "--resume",
+                                              str(root / "ranks4" / "qwen3_moe-full-ep2_tp2" / "checkpoint-2")]
     four.update({f"routed-{m}-{name}": [*routed, "--method", m, *flags, *PARITY] for m in ("full", "lora")
                  for name, (ranks, flags) in ROUTED.items() if ranks == 4})
     four.update({f"qwen3_moe-{m}-ep2_pp2": [*q, "--method", m, "--ep", "2", "--pp", "2", "--pp-microbatches", "2",
@@ -294,9 +302,10 @@ def _ran(run) -> str:
     return said
 
 
-# what each layout's experts are FSDP2-sharded over (the ranks that hold the same experts)
+# what each layout's experts are FSDP2-sharded over (the ranks that hold the same experts; under --tp the ep group is
+# the TP pair, so the dense parts' dp_shard ranks at the same TP coordinate hold the same experts)
 EXPERT_SHARDS = {"ep2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_shard4": "over dp_shard_mod_ep: 2 rank(s)",
-                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard_mod_ep: 1 rank(s)",
+                 "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard: 2 rank(s)",
                  "ep2_pp2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
 
 
@@ -338,9 +347,13 @@ def test_every_layer_routed_as_published_trains_like_one_process_or_is_refused_i
         assert not (run["out"] / "metrics.jsonl").exists()
         return
     said = _ran(run)
-    if "tp" in layout:  # the routed experts split, and no dense MLP region applied
+    if layout == "tp2":  # the routed experts split, and no dense MLP region applied
         assert "mlp.experts gate_up_proj -> down_proj (every expert's intermediate)" in said, said[-2000:]
         assert "mlp gate_proj" not in said, said[-2000:]
+    if layout == "ep2_tp2":  # the experts whole, split over the TP pair by expert parallel
+        assert "mlp.experts whole (expert parallel over the TP group)" in said, said[-2000:]
+        assert "every expert's intermediate" not in said and "mlp gate_proj" not in said, said[-2000:]
+        assert "expert parallel over the TP group's 2 ranks" in said, said[-2000:]
     if "ep" in layout:
         assert "2 of 4 experts each per rank" in said, said[-2000:]
     want = _losses(runs[f"routed-{method}-one"])
@@ -392,11 +405,12 @@ def test_ep_on_a_dense_model_is_refused_in_one_line_before_the_weights_load(runs
 
 
 @pytest.mark.parametrize(("method", "resumed"), [("full", "ep4_resumed"), ("lora", "ep4_resumed"),
-                                                 ("full", "shard2_resumed")])
+                                                 ("full", "shard2_resumed"), ("full", "ep2_tp2_resumed")])
 def test_a_checkpoint_of_ep2_resumes_on_another_ep_or_dp_degree(runs, method, resumed):
     """checkpoint-2 of the --ep 2 run (each rank's two experts, LoRA's adapters on them split alike)
-    resumed on 4 ranks holding one expert each, or on 2 ranks without ep (every expert, FSDP2-sharded):
-    steps 3 and 4 equal the uninterrupted one-process run's."""
+    resumed on 4 ranks holding one expert each, or on 2 ranks without ep (every expert, FSDP2-sharded);
+    and the --ep 2 --tp 2 run's (the experts split over the TP pair) resumed under --ep 2 --dp-shard 4
+    (over dp_shard pairs): steps 3 and 4 equal the uninterrupted one-process run's."""
     said = _ran(runs[f"qwen3_moe-{method}-{resumed}"])
     assert ("1 of 4 experts each per rank" in said) == (resumed == "ep4_resumed")
     got, want = _losses(runs[f"qwen3_moe-{method}-{resumed}"]), _losses(runs[f"qwen3_moe-{method}-one"])
@@ -429,6 +443,15 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     assert layout_problems(ParallelConfig(ep=2), "qlora", "no", "auto", 2) == [
         "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
     assert refused(ep=2, cp=2) == refused(ep=2, tp=2) == refused(ep=2, dp_shard=4, dp_replicate=2) == []
+    # under --tp the ep group is the TP group (no expert cut over TP): --ep must equal --tp, one line
+    assert refused(ep=4, tp=2) == refused(ep=4, tp=2, dp_shard=2) == [
+        "--ep 4 with --tp 2 is not supported; under tensor parallel the experts are split over the TP group itself "
+        "(each expert whole, each TP rank dispatching its share of the tokens), so --ep must equal --tp: use --ep 2 "
+        "--tp 2, or drop --tp (--ep 4 then borrows from --dp-shard)"]
+    assert refused(ep=2, tp=4)[0].startswith("--ep 2 with --tp 4 is not supported;")
+    dims, problems = dims_for(ParallelConfig(ep=2, tp=2), 2, 2)  # the TP pair is the ep group: no dp_shard needed
+    assert not problems and (dims.tp, dims.ep, dims.dp_shard) == (2, 2, 1)
+    assert dims.describe() == "tp 2 x ep 2 (the tp group)"
     assert refused(ep=2, pp=2, pp_microbatches=2) == []
     assert layout_problems(ParallelConfig(ep=2), "full", "no", "auto", 2, compiled=True) == [
         "--compile with --ep 2 is not supported yet (the experts' token exchange reads its counts on the host inside "
@@ -441,19 +464,29 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
     assert ep_problems({"model_type": "qwen3_moe", "num_experts": 6}, 3) == []
 
 
-def _ep_groups() -> dict:
+def _ep_groups(world: int = 4, degrees: dict | None = None) -> dict:
     import torch.distributed as dist
 
     from toolkit.layout.dims import ParallelDims
     from toolkit.parallel.mesh import Mesh
 
     dist.init_process_group("gloo")
-    mesh = Mesh(ParallelDims(4, dp_shard=4, ep=2), "cpu")
-    out = {"ep": dist.get_process_group_ranks(mesh.group("ep")),
-           "experts": dist.get_process_group_ranks(mesh.expert_fsdp().get_group()),
+    mesh = Mesh(ParallelDims(world, **(degrees or {"dp_shard": 4, "ep": 2})), "cpu")
+    experts = mesh.expert_fsdp()
+    out = {"ep": dist.get_process_group_ranks(mesh.group("ep")), "experts_mesh": experts.mesh.tolist(),
+           "experts": dist.get_process_group_ranks(experts.get_group()) if experts.ndim == 1 else None,
            "dense": dist.get_process_group_ranks(mesh.group("dp_shard"))}
     dist.destroy_process_group()
     return out
+
+
+def test_hsdp_cp_ep_shards_the_experts_over_replicas_and_cp_ranks_of_the_same_experts():
+    """dp_replicate 2 x dp_shard 2 x cp 2 with ep 2 (8 ranks, rank = 4 r + 2 s + c): the ep groups pair the
+    dp_shard ranks; the experts of ep coordinate s shard over its cp ranks, replicated across dp_replicate."""
+    got = run_distributed(_ep_groups, 8, 8, dict(dp_replicate=2, dp_shard=2, cp=2, ep=2))
+    assert [g["ep"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]
+    assert [g["experts_mesh"] for g in got] == [[[0, 1], [4, 5]], [[0, 1], [4, 5]], [[2, 3], [6, 7]],
+                                                [[2, 3], [6, 7]]] * 2
 
 
 def test_an_ep_group_is_consecutive_dp_shard_ranks_and_the_experts_shard_across_groups():

@@ -42,10 +42,15 @@ def test_ep_without_the_ranks_for_it_says_how_many_processes_to_launch():
     _, problems = dims_for(ParallelConfig(ep=2), 1, 1)
     assert problems == ["--ep 2 needs at least 2 data-parallel ranks to split the experts over (ep borrows them "
                         "from dp_shard); this launch has 1 process: launch with torchrun --nproc_per_node 2"]
-    _, problems = dims_for(ParallelConfig(ep=4, tp=2), 4, 4)  # tp 2 leaves 2 dp_shard ranks of 4
+    _, problems = dims_for(ParallelConfig(ep=4, cp=2), 4, 4)  # cp 2 leaves 2 dp_shard ranks of 4
     assert problems == ["--ep 4 needs at least 4 data-parallel ranks to split the experts over (ep borrows them "
-                        "from dp_shard); this launch has 4 processes, which leave 2 after tp 2: launch with torchrun "
+                        "from dp_shard); this launch has 4 processes, which leave 2 after cp 2: launch with torchrun "
                         "--nproc_per_node 8"]
+    # under --tp the ep group is the TP group (no dp_shard ranks borrowed): --ep must equal --tp, one line
+    _, problems = dims_for(ParallelConfig(ep=4, tp=2), 4, 4)
+    assert problems == ["--ep 4 with --tp 2 is not supported; under tensor parallel the experts are split over the TP "
+                        "group itself (each expert whole, each TP rank dispatching its share of the tokens), so --ep "
+                        "must equal --tp: use --ep 2 --tp 2, or drop --tp (--ep 4 then borrows from --dp-shard)"]
     assert ParallelDims(2, dp_replicate=2, ep=2).problems()[0].endswith(
         "which leave 1 after dp_replicate 2: launch with torchrun --nproc_per_node 4 or lower --dp-replicate")
     assert ParallelDims(6, dp_shard=3, ep=2).problems()[0].endswith("; use --ep 3")  # enough ranks: which ep fits

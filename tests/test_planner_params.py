@@ -319,3 +319,33 @@ def test_expert_parallel_rank_params_equal_the_split_model(monkeypatch, rank):
         base = ours.params + (ours.trainable if method == "lora" else 0)  # LoRA: the base, then its adapters
         assert (base, ours.trainable) == (sum(p.numel() for p in params),
                                           sum(p.numel() for p in params if p.requires_grad)), method
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_over_tp_rank_params_equal_the_split_model(monkeypatch, rank):
+    """--tp 2 --ep 2 (the ep group is the TP group): the planner's parameters per rank before FSDP2
+    (`layouts.stage_params`: the dense blocks 1/tp, E/ep whole experts, no TP cut of them) and the
+    gathered block (`layouts.gathered_block`) equal what TP (experts skipped) then EP leave on a rank of
+    the zoo's Qwen3-MoE (its first layer dense), full finetune, on the meta device."""
+    import torch.distributed as dist
+
+    from toolkit.layout.dims import ParallelDims
+    from toolkit.parallel.ep import apply_expert_parallel
+    from toolkit.parallel.tp import apply_tensor_parallel
+    from toolkit.planner.layouts import gathered_block, stage_params
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    hf = hf_config(ZOO["qwen3_moe"], "qwen3_moe")
+    d = ParallelDims(4, dp_shard=2, tp=2, ep=2)
+    model = meta_model(hf)
+    apply_tensor_parallel(model, None, skip_experts=True)
+    apply_expert_parallel(model, None)
+    params = [p for _, p in unique(model)]
+    ours = stage_params(hf.to_dict(), d, 0, "full", 8, "all-linear")
+    assert ours.params == sum(p.numel() for p in params)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert ours.experts == sum(p.numel() for p in experts)
+    blocks = model.model.layers
+    assert gathered_block(hf.to_dict(), d) == max(sum(p.numel() for p in b.parameters()) for b in blocks)

@@ -636,7 +636,8 @@ MOE_30B = ["--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--gpu-memory", "
 
 
 def test_expert_parallel_rows_moe_only(capsys):
-    """An MoE model's mesh layouts come again with every ep dividing both dp_shard and its 128 experts,
+    """An MoE model's mesh layouts come again with every ep dividing both dp_shard and its 128 experts
+    (under tp: ep = tp),
     each row runnable exactly when the run's own rules take its flags (--ep in them), and the LoRA plan
     of Qwen3-30B-A3B at PlanInput's defaults runs --ep; a dense model has no ep row and no ep line."""
     from toolkit.layout import rules
@@ -652,7 +653,8 @@ def test_expert_parallel_rows_moe_only(capsys):
         assert {s["dims"]["ep"] for s in rows} == {2, 4, 8} and any(s["runnable"] and s["fits"] for s in rows)
         for s in rows:
             d = ParallelDims(8, **s["dims"])
-            assert d.dp_shard % d.ep == 0 and f"ep{d.ep}" in s["name"]
+            # without tp ep borrows from dp_shard; under tp the ep group is the TP group (ep = tp)
+            assert (d.ep == d.tp if d.tp > 1 else d.dp_shard % d.ep == 0) and f"ep{d.ep}" in s["name"]
             mb = s["micro_batch"]
             printed = flags(d, mb)
             assert printed[printed.index("--ep") + 1] == str(d.ep)

@@ -198,9 +198,10 @@ def load_dtype(cfg: Config) -> torch.dtype:
 
 def load_model(cfg: Config, path: str):
     """Load the causal LM (`load_dtype`), then wrap it for LoRA/QLoRA. QLoRA stores the frozen base
-    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model, nothing else applied:
-    TP, EP, checkpointing, compile and FSDP2 follow in `toolkit.parallel.parallelize` (the strategy's
-    `shard_model`), so every layout starts from the same weights and adapter init."""
+    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model, with the kernels the flags
+    name (--attn, --experts, --kernels): TP, EP, checkpointing, compile and FSDP2 follow in
+    `toolkit.parallel.parallelize` (the strategy's `shard_model`), so every layout starts from the same
+    weights and adapter init."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg), **router_kwargs(cfg)}
@@ -311,8 +312,9 @@ COMPILE_BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
 def compile_blocks(model) -> None:
     """--compile: each decoder block compiled in place (`nn.Module.compile`: regional compilation, as
     torchtitan compiles per block), so one compiled graph serves every block, the parameters and
-    state-dict keys stay the module's own, and a layout's later changes to the blocks (TP's split
-    projections, context parallel's attention, FSDP2's hooks) are traced at the first step. Padded and
+    state-dict keys stay the module's own, and the layout's changes to the blocks (TP's split
+    projections and context parallel's attention before, FSDP2's hooks after:
+    `toolkit.parallel.parallelize`) are traced at the first step. Padded and
     packed batches change width from step to step: the second width compiles again, with dynamic
     shapes (dynamo's automatic dynamic), and later widths reuse it. The first step's record says it
     was the warm-up."""

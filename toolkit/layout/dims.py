@@ -8,11 +8,15 @@ outermost, since stages exchange only activations at their boundaries. `cp` (con
 ranks that hold different tokens of the same sequences) sits inside data parallel and outside TP,
 as in torchtitan. One degree is inferred from the rest: the data-parallel one.
 
-`ep` (expert parallel) adds no ranks: it borrows from `dp_shard`, whose ranks read different tokens
-(torchtitan's rule, without its borrowing from cp and tp): dp_shard = dp_shard_mod_ep x ep, ep
-innermost, so an ep group is ep consecutive dp_shard coordinates. Every MoE layer's experts are
-split over an ep group and FSDP-sharded over the ranks that hold the same experts (dp_shard_mod_ep,
-x cp); the dense parts shard over dp_shard (x cp) as always (`toolkit.parallel.ep`).
+`ep` (expert parallel) adds no ranks. Without TP it borrows from `dp_shard`, whose ranks read
+different tokens: dp_shard = dp_shard_mod_ep x ep, ep innermost, so an ep group is ep consecutive
+dp_shard coordinates, and every MoE layer's experts are split over an ep group and FSDP-sharded over
+the ranks that hold the same experts (dp_shard_mod_ep, x cp). Under TP (tp > 1) the ep group IS the
+TP group (torchtitan's etp=1 with ep = tp; `--ep` must equal `--tp`: `toolkit.layout.rules`): the TP
+plan leaves the routed experts whole, E/ep of them a rank, each TP rank dispatches its 1/tp of the
+tokens, and the experts FSDP-shard over the dense parts' dp_shard (x cp) ranks at the same TP
+coordinate (benchmarks/etp.md). The dense parts shard over dp_shard (x cp) as always
+(`toolkit.parallel.ep`).
 
 Pure Python: the planner and config checks import this without torch.distributed.
 """
@@ -32,7 +36,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # borrowed from dp_shard: not a dimension of its own (module docstring)
+    ep: int = 1  # borrowed from dp_shard, or the TP group under tp > 1: not a dimension of its own (module docstring)
 
     @property
     def dp(self) -> int:
@@ -45,6 +49,17 @@ class ParallelDims:
         return self.pp * self.cp * self.tp
 
     @property
+    def ep_over_tp(self) -> bool:
+        """Expert parallel over the TP group (tp > 1 and ep > 1): whole experts, no ranks borrowed from
+        dp_shard (module docstring)."""
+        return self.tp > 1 and self.ep > 1
+
+    @property
+    def ep_in_dp_shard(self) -> int:
+        """The part of ep borrowed from dp_shard: ep without TP, 1 under TP (the ep group is the TP group)."""
+        return 1 if self.ep_over_tp else self.ep
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
@@ -53,6 +68,8 @@ class ParallelDims:
         p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
         if self.ep < 1:
             p.append(f"--ep must be >= 1 (got {self.ep})")
+        elif self.ep_over_tp:  # the TP group: --ep against --tp is `toolkit.layout.rules`' refusal
+            pass
         elif self.dp_shard < self.ep:
             p.append(self._too_few_for_ep())
         elif self.dp_shard % self.ep:
@@ -81,7 +98,7 @@ class ParallelDims:
     def describe(self) -> str:
         """'pp 2 x dp_replicate 2' (the dimensions above 1)."""
         parts = [f"{d} {getattr(self, d)}" for d in MESH_DIMS if getattr(self, d) > 1]
-        parts += [f"ep {self.ep} (in dp_shard)"] * (self.ep > 1)
+        parts += [f"ep {self.ep} ({'the tp group' if self.ep_over_tp else 'in dp_shard'})"] * (self.ep > 1)
         return " x ".join(parts) or "one rank"
 
 

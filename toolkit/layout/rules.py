@@ -211,7 +211,19 @@ def _ep_problems(par: ParallelConfig, method: str, precision: str) -> list[str]:
     other = off_mesh_layout(par)
     p = [f"--ep {par.ep} with {other} is not supported; expert parallel runs on the device mesh, with --dp-shard "
          "(FSDP2), --dp-replicate, --cp, --tp and --pp (drop one of them)"] if other else []
+    p += ep_tp_problems(par.tp, par.ep)
     return p + _method_problems(f"--ep {par.ep}", "shard", method, precision)
+
+
+def ep_tp_problems(tp: int, ep: int) -> list[str]:
+    """Under TP the ep group is the TP group (`toolkit.layout.dims`: whole experts, E/ep a rank, each TP
+    rank dispatching its 1/tp of the tokens; no expert is cut over TP, benchmarks/etp.md): --ep must
+    equal --tp."""
+    if tp > 1 and ep > 1 and ep != tp:
+        return [f"--ep {ep} with --tp {tp} is not supported; under tensor parallel the experts are split over the "
+                f"TP group itself (each expert whole, each TP rank dispatching its share of the tokens), so --ep must "
+                f"equal --tp: use --ep {tp} --tp {tp}, or drop --tp (--ep {ep} then borrows from --dp-shard)"]
+    return []
 
 
 def _pipeline_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int) -> list[str]:
@@ -369,9 +381,10 @@ def dims_for(par: ParallelConfig, world: int, local_world: int) -> tuple[Paralle
     replicate = par.dp_replicate
     if par.fsdp and par.fsdp_sharding == "hybrid" and not (par.dp_shard or par.dp_replicate):
         replicate = world // local_world
-    return infer_dims(world, tp=par.tp, pp=par.pp if world > 1 else 1,
-                      sharded=par.fsdp or par.zero_stage is not None or par.ep > 1, dp_shard=par.dp_shard,
-                      dp_replicate=replicate, cp=par.cp, ep=par.ep)
+    dims, problems = infer_dims(world, tp=par.tp, pp=par.pp if world > 1 else 1,
+                                sharded=par.fsdp or par.zero_stage is not None or par.ep > 1, dp_shard=par.dp_shard,
+                                dp_replicate=replicate, cp=par.cp, ep=par.ep)
+    return dims, ep_tp_problems(par.tp, par.ep) + problems
 
 
 def world_problems(par: ParallelConfig, world: int) -> list[str]:

@@ -2,7 +2,7 @@
 full model's parameter names (`dict[str, Cut]`). `toolkit.parallel.parallelize` makes the table; the TP
 plan (`toolkit.parallel.tp.plan.apply_tensor_parallel`) and then expert parallel
 (`toolkit.parallel.ep.apply_expert_parallel`) fill it in as they cut; the gradient norm
-(`Parallelized.norm_parts`), the full state dict (`toolkit.parallel.tp.full_state_dict`), the sharded
+(`Parallelized.norm_parts`), the full state dict (`full_state_dict` here), the sharded
 checkpoints (`toolkit.train.sharded_state.piece`) and the trainable-parameter listing
 (`Strategy.named_trainable`) read it. A parameter not in the table is whole on every rank.
 
@@ -64,7 +64,8 @@ def gather(local: torch.Tensor, split: "int | Packed", group) -> torch.Tensor:
 @dataclass(frozen=True)
 class ExpertSlice:
     """Expert parallel's cut: slice `rank` of `size` (the ep group's) along `split` (dim 0, the stacked
-    experts; LoRA's B by its expert-minor columns, a `Packed` split of r parts of E), over `group`."""
+    experts; LoRA's B by its expert-minor columns, a `Packed` split of r parts of E), over `group` (the
+    ep group: dp_shard ranks, or under TP the TP group itself)."""
     split: int | Packed
     rank: int
     size: int
@@ -73,22 +74,44 @@ class ExpertSlice:
 
 @dataclass(frozen=True)
 class Cut:
-    """How one parameter was cut. `tp`: the dim of the full tensor its TP slice was cut along (the TP
-    group's rank r holds slice r of t), or how a packed projection's was (`Packed`); None: whole over
-    TP. `ep`: the expert slice it then is (`ExpertSlice`; an expert's TP slice where `tp` is set too),
-    None if expert parallel did not cut it. `partial`: TP-replicated, but each TP rank's gradient is a
-    partial sum (a column region's LoRA A, Qwen3's q/k norms), summed over the TP group after backward."""
+    """How one parameter was cut: by TP or by expert parallel, never both (under TP the experts stay
+    whole and expert parallel splits them over the TP group: `toolkit.layout.dims`). `tp`: the dim of the
+    full tensor its TP slice was cut along (the TP group's rank r holds slice r of t), or how a packed
+    projection's was (`Packed`); None: whole over TP. `ep`: the expert slice it is (`ExpertSlice`), None
+    if expert parallel did not cut it. `partial`: TP-replicated, but each TP rank's gradient is a partial
+    sum (a column region's LoRA A, Qwen3's q/k norms), summed over the TP group after backward."""
     tp: int | Packed | None = None
     ep: ExpertSlice | None = None
     partial: bool = False
 
+    def __post_init__(self):
+        if self.tp is not None and self.ep is not None:
+            raise ValueError("a parameter is cut by TP or by expert parallel, not both")
+
     def gather(self, local: torch.Tensor, tp_group=None) -> torch.Tensor:
-        """The full tensor from this rank's `local` (collective): the TP slices over `tp_group` (where it
-        has more than one rank), then the expert slices over their ep group."""
+        """The full tensor from this rank's `local` (collective): its expert slices over their ep group,
+        or its TP slices over `tp_group` (where it has more than one rank)."""
         import torch.distributed as dist
 
-        if self.tp is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
-            local = gather(local, self.tp, tp_group)
         if self.ep is not None:
-            local = gather(local, self.ep.split, self.ep.group)
+            return gather(local, self.ep.split, self.ep.group)
+        if self.tp is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            return gather(local, self.tp, tp_group)
         return local
+
+
+def full_state_dict(model, cuts: dict[str, Cut], tp_group) -> dict:
+    """The full state dict on every rank (collective): FSDP2 shards all-gathered, then each cut
+    parameter put back by its `Cut` (`cuts`, by name): TP slices concatenated along the dim each was
+    cut, a packed projection's part by part (the one TP gather path: plain TP, TP under FSDP2, stages),
+    expert-parallel slices gathered over their ep group (never both: `Cut`)."""
+    from toolkit.parallel import grad_norm
+
+    out = {}
+    for key, v in model.state_dict().items():
+        v = grad_norm.full(v)
+        cut = cuts.get(key)
+        if cut is not None:
+            v = cut.gather(v, tp_group)
+        out[key] = v.detach()
+    return out

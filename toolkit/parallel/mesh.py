@@ -1,7 +1,8 @@
 """The device mesh for a `ParallelDims` and its named views, looked up by name as torchtitan's
 `ParallelDims.get_mesh("dp_shard")` does: one `init_device_mesh` with the named dimensions, the
-flattened ones (`dp`, `dp_cp`, `dp_shard_cp`) and, under expert parallel, `dp_shard` unflattened
-into (dp_shard_mod_ep, ep) from the same world mesh. Nothing is attached to torch's objects."""
+flattened ones (`dp`, `dp_cp`, `dp_shard_cp`) and, under expert parallel without TP, `dp_shard`
+unflattened into (dp_shard_mod_ep, ep) from the same world mesh; under TP the `ep` view is the `tp`
+one (`toolkit.layout.dims`). Nothing is attached to torch's objects."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ class Mesh:
             views["dp_cp"] = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             views["dp_shard_cp"] = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp too
         self.experts = None
-        if dims.ep > 1:  # dp_shard = (dp_shard_mod_ep, ep), ep inner: dp_shard coordinate d = m * ep + e
+        if dims.ep_over_tp:  # the ep group is the TP group: whole experts, sharded as the dense parts are
+            if dims.ep != dims.tp:
+                raise ValueError(f"--ep {dims.ep} with --tp {dims.tp}: under TP --ep must equal --tp "
+                                 "(toolkit.layout.rules.ep_tp_problems)")
+            views["ep"] = views["tp"]
+        elif dims.ep > 1:  # dp_shard = (dp_shard_mod_ep, ep), ep inner: dp_shard coordinate d = m * ep + e
             self.experts = self.world._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep),
                                                  ("dp_shard_mod_ep", "ep"))
             views["ep"], views["dp_shard_mod_ep"] = self.experts["ep"], self.experts["dp_shard_mod_ep"]
@@ -55,15 +61,23 @@ class Mesh:
 
     def expert_fsdp(self) -> DeviceMesh | None:
         """What FSDP2 shards the experts over: the ranks that hold the same experts, dp_shard_mod_ep (x cp),
-        replicated across dp_replicate (HSDP) as the dense parts are; None without --ep."""
+        replicated across dp_replicate (HSDP) as the dense parts are; under TP (the ep group is the TP
+        group) the dense parts' own mesh, dp_shard (x cp) at this TP coordinate; None without --ep."""
+        if self.dims.ep_over_tp:
+            return self.fsdp()
         if self.experts is None:
             return None
         inner = "dp_shard_mod_ep_cp" if self.dims.cp > 1 else "dp_shard_mod_ep"
-        return self.experts["dp_replicate", inner] if self.dims.dp_replicate > 1 else self.get(inner)
+        if self.dims.dp_replicate > 1:  # a flattened view is registered on the world mesh, not the unflattened one
+            return (self.world if self.dims.cp > 1 else self.experts)["dp_replicate", inner]
+        return self.get(inner)
 
     def expert_groups(self) -> tuple:
         """(the ep group, the expert FSDP mesh, the expert shard group: what the experts' gradient norm sums
-        over, replicas apart), or (None, None, None) without --ep."""
+        over, replicas apart), or (None, None, None) without --ep. Under TP: the TP group, and the dense
+        parts' shard mesh and group (dp_shard, x cp)."""
+        if self.dims.ep_over_tp:
+            return self.group("tp"), self.expert_fsdp(), self.group(grad_dim(self.dims, sharded=True))
         if self.experts is None:
             return None, None, None
         inner = "dp_shard_mod_ep_cp" if self.dims.cp > 1 else "dp_shard_mod_ep"

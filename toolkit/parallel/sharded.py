@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 from toolkit.parallel.mesh import Mesh, grad_dim
-from toolkit.parallel.parallelize import Parallelized, Shard, parallelize
+from toolkit.parallel.parallelize import Parallelized, FsdpSpec, parallelize
 from toolkit.loss_head import LossFn, LossHead
 from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy, accumulate
-from toolkit.parallel.tp import TPShards, make_layout
+from toolkit.parallel.tp import Layout, TPShards, make_layout
 
 
 class MeshStrategy(Strategy):
@@ -30,7 +32,7 @@ class MeshStrategy(Strategy):
 
         self.accelerator, self.dims, self.settings, self.sharded = accelerator, dims, settings, sharded
         self.layout = make_layout(dims.tp, mesh, grad_dim(dims)) if dims.tp > 1 else None
-        self.cut = Parallelized(TPShards(self.layout.tp_group if self.layout else None))  # until `shard_model`
+        self.parallelized = Parallelized(TPShards(self.layout.tp_group if self.layout else None))  # until `shard_model`
         self.shard_group = mesh.group(grad_dim(dims, sharded=True)) if sharded else None
         self.data = DataShard(accelerator, dims, mesh.local_rank("dp"))
         self.context = ContextSlices(mesh, dims)
@@ -39,22 +41,22 @@ class MeshStrategy(Strategy):
         # expert parallel (`toolkit.parallel.ep`): the ep group exchanges tokens; the experts shard over
         # the ranks holding the same ones (`shard_group` for their gradient norm, replicas apart)
         self.ep_group, self.expert_mesh, self.expert_shard_group = mesh.expert_groups()
-        self.fsdp = Shard(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
+        self.fsdp = FsdpSpec(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
                           self.expert_mesh) if sharded else None
 
     @property
     def tp(self) -> TPShards:
-        return self.cut.tp
+        return self.parallelized.tp
 
     @property
     def experts(self):
         """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
-        return self.cut.experts
+        return self.parallelized.experts
 
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its slices (LoRA adapters are created first, so
         TP=1 and TP=t start from the same adapter init): `toolkit.parallel.parallelize`, FSDP2 last."""
-        model, self.cut = parallelize(model, self.settings.parallelism(
+        model, self.parallelized = parallelize(model, self.settings.parallelism(
             tp_group=self.tp.group, ep_group=self.ep_group, context=self.context, fsdp=self.fsdp,
             device=self.accelerator.device))
         return model
@@ -64,14 +66,13 @@ class MeshStrategy(Strategy):
         if self.sharded:  # FSDP2 applied by `shard_model`
             optimizer = a.prepare_optimizer(optimizer_fn(model))  # over this rank's shards
         else:
-            from toolkit.parallel.tp import prepare_tensor_parallel
-
             model, optimizer = prepare_tensor_parallel(a, self.layout, model, optimizer_fn(model))
         self.loss.choose(self.unwrap(model), self.settings.loss)
         return model, optimizer, self.data.loader(loader)
 
     def describe(self) -> str:
-        tail = self.tp.describe() + (self.experts.describe(self.expert_mesh) if self.experts else "")
+        experts = self.experts.describe(self.expert_mesh if self.sharded else None) if self.experts else ""
+        tail = self.tp.describe() + experts
         tail += self.context.describe() + self.loss.describe()
         if not self.sharded:
             over = "dp x cp" if self.dims.cp > 1 else "dp"
@@ -101,15 +102,40 @@ class MeshStrategy(Strategy):
 
         named = dict(self.unwrap(model).named_parameters())
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        parts = self.cut.norm_parts(named, shard, expert_groups=(self.expert_shard_group, self.ep_group))
+        parts = self.parallelized.norm_parts(named, shard, expert_groups=(self.expert_shard_group, self.ep_group))
         return clip_grad_norm(list(named.values()), max_norm, parts)
 
     def state_dict(self, model) -> dict:
         """The TP shards and expert-parallel slices gathered back into the full tensors a one-process
         run would save."""
-        return self.cut.state_dict(self.unwrap(model))
+        return self.parallelized.state_dict(self.unwrap(model))
 
     def named_trainable(self, model) -> list:
         """`Strategy.named_trainable`, each slice placed by its cut (`Parallelized.cuts`: TP, EP)."""
-        cuts = self.cut.cuts
+        cuts = self.parallelized.cuts
         return [(n, p, cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+
+
+def prepare_tensor_parallel(accelerator, layout: Layout, model, optimizer):
+    """What `accelerator.prepare` does for the model, with DDP over the dp group only
+    (accelerate's own DDP would average over every rank, TP peers included)."""
+    model = model.to(accelerator.device)
+    if accelerator.mixed_precision == "bf16":
+        autocast_forward(accelerator, model)
+    if layout.dp > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=layout.dp_group,
+            device_ids=[accelerator.local_process_index] if accelerator.device.type == "cuda" else None)
+    return model, accelerator.prepare_optimizer(optimizer)
+
+
+def autocast_forward(accelerator, model) -> None:
+    """`accelerator.autocast()` around `model.forward` (fp32 weights, bf16 compute): what accelerate's
+    own `prepare` adds, for models it does not prepare."""
+    forward = model.forward
+
+    def autocast(*args, **kwargs):
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = autocast

@@ -139,7 +139,8 @@ def fsdp_bytes(ranks: int, grads: float, gathered: float, gathers: int) -> float
 def expert_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, hidden: int, ep: int, act_bytes: int,
                             checkpointing: bool) -> float:
     """Bytes a rank sends per micro-batch under expert parallel degree `ep`: in each MoE layer each of
-    its `tokens` x `top_k` (token, expert) rows, `hidden` wide in the compute dtype, goes to its
+    its `tokens` (the ones it dispatches: under tp x ep, whose ep group is the TP group, its 1/tp of the
+    TP group's) x `top_k` (token, expert) rows, `hidden` wide in the compute dtype, goes to its
     expert's rank (dispatch) and its output comes back (combine), twice per MoE layer in forward and
     again in backward (the conjugate all-to-alls of the gradients), and once more in forward under
     activation checkpointing (the recomputed forward); with balanced routing (ep - 1)/ep of the rows

@@ -9,10 +9,13 @@ How the runtime lays a model out (`toolkit.parallel`), which the formulas follow
 - cp: every rank holds the whole (tp/pp-sliced) model and s/cp tokens of each row;
 - dp_shard > 1: FSDP2 shards the rank's slice over dp_shard x cp (torchtitan's `dp_shard_cp`),
   replicated over dp_replicate (HSDP); dp_shard = 1: DDP over dp_replicate x cp;
-- ep (borrowed from dp_shard, MoE models): each rank keeps E/ep of every MoE layer's routed experts,
-  FSDP2-sharded over the dp_shard/ep x cp ranks that hold the same ones, so a block's gather brings
-  E/ep experts and the state at rest is E/(dp_shard x cp) experts' worth, as without ep; tokens go to
-  their experts' ranks and back by all-to-all (`cost.expert_all_to_all_bytes`).
+- ep (MoE models): each rank keeps E/ep of every MoE layer's routed experts, whole; tokens go to
+  their experts' ranks and back by all-to-all (`cost.expert_all_to_all_bytes`). Without tp, ep is
+  borrowed from dp_shard: the experts are FSDP2-sharded over the dp_shard/ep x cp ranks that hold the
+  same ones, so a block's gather brings E/ep experts and the state at rest is E/(dp_shard x cp) experts'
+  worth, as without ep. Under tp the ep group is the TP group (ep = tp; no expert is TP-cut): the E/ep
+  experts FSDP2-shard over dp_shard x cp as the dense parts do, and each TP rank sends 1/tp of the
+  tokens (its share), so the all-to-all carries no token twice.
 Gradients are averaged over every data-parallel rank and cp (the ranks that see different tokens).
 Pure Python: no torch.
 """
@@ -89,13 +92,17 @@ def mesh_layouts(cfg: dict[str, Any], world: int, gpus_per_node: int, tps: list[
 
 
 def ep_degrees(cfg: dict[str, Any], d: ParallelDims) -> list[int]:
-    """The expert-parallel degrees above 1 a layout `d` can borrow from its dp_shard: those dividing
-    both dp_shard and the model's routed experts (`rules.ep_problems`; none for a dense model), where
-    the run's own rules take --ep with the layout's other degrees (`rules.not_runnable` for a full
-    bf16 run; the method's own refusals are the row's `why_not`)."""
+    """The expert-parallel degrees above 1 a layout `d` can take: without tp those dividing dp_shard (ep
+    borrows its ranks), under tp the TP degree itself (the ep group is the TP group; not over DDP's
+    replicas: the flags --ep infers shard them); each dividing the
+    model's routed experts (`rules.ep_problems`; none for a dense model), where the run's own rules take
+    --ep with the layout's other degrees (`rules.not_runnable` for a full bf16 run; the method's own
+    refusals are the row's `why_not`)."""
     if not num_experts(cfg):
         return []
-    return [ep for ep in divisors(d.dp_shard)[1:]
+    if d.tp > 1 and d.dp_shard == 1 and d.dp_replicate > 1:  # --ep shards the data-parallel ranks it is given
+        return []
+    return [ep for ep in ([d.tp] if d.tp > 1 else divisors(d.dp_shard)[1:])
             if not ep_problems(cfg, ep) and not not_runnable(replace(d, ep=ep), "full", "bf16", "auto")]
 
 
@@ -149,16 +156,21 @@ def at_rest(total: int, experts: int, d: ParallelDims) -> int:
     `experts` of them its routed experts'): FSDP2 shards the dense part over dp_shard x cp and, under
     ep, the rank's E/ep experts over the dp_shard/ep x cp ranks that hold the same ones
     (`toolkit.parallel.mesh.Mesh.expert_fsdp`): (dense + ep x experts) / (dp_shard x cp), E/(dp_shard
-    x cp) experts' worth, the same as FSDP2 without ep. Without dp_shard (DDP) all of it."""
+    x cp) experts' worth, the same as FSDP2 without ep. Under tp x ep (the ep group is the TP group) the
+    E/ep experts shard over dp_shard x cp as the dense part does: total / (dp_shard x cp). Without
+    dp_shard (DDP) all of it."""
     if d.dp_shard == 1:
         return total
-    return (total + (d.ep - 1) * experts) // (d.dp_shard * d.cp)
+    return (total + (d.ep_in_dp_shard - 1) * experts) // (d.dp_shard * d.cp)
 
 
 def gathered_block(cfg: dict[str, Any], d: ParallelDims) -> int:
     """Parameters of the largest block as FSDP2 gathers it on one rank: 1/tp of it, and under ep the
     E/ep routed experts the rank holds instead of all E (their own FSDP2 unit, gathered over the
-    expert mesh, torchtitan's `apply_fsdp` with ep)."""
+    expert mesh, torchtitan's `apply_fsdp` with ep); under tp x ep the block's TP slice (`per_rank`: its
+    split linears 1/tp) with the E/ep experts whole."""
+    if d.ep_over_tp:
+        return max(b.per_rank(d.tp, d.ep) for b in model_blocks(cfg))
     return max(b.per_rank(1, d.ep) for b in model_blocks(cfg)) // d.tp
 
 
@@ -242,12 +254,15 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
         sent = ulysses_comm_bytes(blocks, h, kv, micro_batch, inp.seq_len, d.cp, act) / d.tp
         out.append(Traffic(sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks,
                            "blocking", "cp"))
-    if d.ep > 1:  # tokens to their experts' ranks and back: ep consecutive dp_shard ranks, stride cp x tp
+    if d.ep > 1:  # tokens to their experts' ranks and back: ep consecutive dp_shard ranks, stride cp x tp;
+        # under tp the TP group itself, each TP rank sending its 1/tp of the tokens
         e = next(b.experts for b in model_blocks(cfg) if b.experts)
         moe = moe_layers(cfg, d)
-        sent = expert_all_to_all_bytes(moe, micro_batch * tokens, e.top_k, e.hidden, d.ep, act, checkpointing)
+        sent = expert_all_to_all_bytes(moe, micro_batch * tokens // (d.tp if d.ep_over_tp else 1), e.top_k, e.hidden,
+                                       d.ep, act, checkpointing)
         calls = (4 + 2 * checkpointing + 1 + checkpointing) * moe  # + the per-expert counts, each forward
-        out.append(Traffic(sent, hw.link(d.ep * d.cp * d.tp, G), calls, "blocking", "ep"))
+        span = d.tp if d.ep_over_tp else d.ep * d.cp * d.tp
+        out.append(Traffic(sent, hw.link(span, G), calls, "blocking", "ep"))
     p = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     dp = d.dp_replicate * d.dp_shard * d.cp
     if dp > 1:
@@ -255,9 +270,10 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
         grads = 4 * p.trainable
         if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
             shard, gathers, width = d.dp_shard * d.cp, 2 + checkpointing, gathered_bytes_per_param(inp.precision)
-            # the dense part over dp_shard x cp; under ep the rank's E/ep experts over dp_shard/ep x cp
+            # the dense part over dp_shard x cp; under ep the rank's E/ep experts over dp_shard/ep x cp (under
+            # tp x ep over dp_shard x cp, as the dense part)
             sent = fsdp_bytes(shard, 4 * (p.trainable - p.experts_trainable), width * (p.params - p.experts), gathers) \
-                + fsdp_bytes(shard // d.ep, 4 * p.experts_trainable, width * p.experts, gathers)
+                + fsdp_bytes(shard // d.ep_in_dp_shard, 4 * p.experts_trainable, width * p.experts, gathers)
             sent += ring_factor(d.dp_replicate) * at_rest(grads, 4 * p.experts_trainable, d)  # HSDP: shards all-reduced
             units = blocks + (moe_layers(cfg, d) if d.ep > 1 else 0)  # under ep the experts are units of their own
             out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * units, "overlapped", "dp"))

@@ -114,11 +114,14 @@ class Block:
 
     def experts_per_rank(self, tp: int = 1, ep: int = 1) -> int:
         """The routed experts' parameters one rank holds: E/ep whole experts (expert parallel,
-        `toolkit.parallel.ep`: rank r keeps experts r E/ep .. (r+1) E/ep - 1), each one's weights 1/tp
-        along I (biases whole); 0 in a dense block."""
+        `toolkit.parallel.ep`: rank r keeps experts r E/ep .. (r+1) E/ep - 1; under tp the ep group is
+        the TP group and no expert is TP-cut), or without ep all E, each one's weights 1/tp along I
+        (biases whole); 0 in a dense block."""
         e = self.experts
         if not e:
             return 0
+        if ep > 1:
+            tp = 1
         weights = 3 * e.hidden * e.intermediate
         return e.count // ep * (e.per_expert - weights + weights // tp)
 
@@ -372,7 +375,9 @@ class Adapter:
         """Per rank under tensor parallel degree `tp`: a column-parallel layer keeps A whole and 1/tp of
         B's rows, a row-parallel one 1/tp of A's columns and B whole. Under expert parallel degree `ep`
         an experts' adapter keeps its E/ep experts' factors (`toolkit.parallel.ep` splits them with
-        the experts)."""
+        the experts; whole experts under tp, whose ep group is the TP group)."""
+        if self.expert and ep > 1:
+            tp = 1
         fan_in = self.fan_in // tp if self.tp == "row" else self.fan_in
         fan_out = self.fan_out // tp if self.tp == "column" else self.fan_out
         return (self.count // ep if self.expert else self.count) * self.rank * (fan_in + fan_out)

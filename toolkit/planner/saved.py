@@ -174,11 +174,12 @@ def moe_merged(e: "params.Experts", adapters: list, d: Dtypes, tp: int = 1, ep: 
     inside the forward (`torch.baddbmm(W, B, A)` for the experts, `W + B A` for the router), in the
     weight's dtype: grouped_mm and the router's linear keep the merged weight, and the factors' casts
     are kept for their gradients. Under expert parallel degree `ep` a rank merges only the E/ep experts
-    it holds (`toolkit.parallel.ep` splits the adapters with them)."""
+    it holds (`toolkit.parallel.ep` splits the adapters with them), whole under tp (the ep group is the
+    TP group)."""
     w, out = d.residual, 0
     for a in adapters:
         if a.expert:
-            out += w * (a.count // ep * a.fan_in * a.fan_out // tp + a.params(tp, ep))
+            out += w * (a.count // ep * a.fan_in * a.fan_out // (1 if ep > 1 else tp) + a.params(tp, ep))
         elif a.name == "gate":
             out += w * (e.count * e.hidden + a.params())
     return out
@@ -199,7 +200,8 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
     experts, shared experts), the nn.Linear adapters. Under expert parallel degree `ep` the per-token
     terms stay (with balanced routing a rank's experts take T k copies, as many as it sends; the
     combine's routing-weight multiply saves the h-wide output the module's own would), the merged
-    LoRA experts are E/ep (`moe_merged`)."""
+    LoRA experts are E/ep (`moe_merged`); under tp x ep (the ep group is the TP group) each TP rank
+    routes 1/tp of the tokens to whole experts, so the routed copies' terms are 1/tp."""
     b = params.blocks(cfg)[index]
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     ads = params.adapters(cfg, index, r, targets) if targets else []
@@ -225,8 +227,11 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
     shared = sum(x.fan_out for x in b.linears if x.name == "gate_proj")  # DeepSeek's / Qwen2-MoE's shared experts
     router_trains = d.trains_base or any(a.name == "gate" for a in ads)
     experts_train = d.trains_base or any(a.expert for a in ads)
-    per_token += moe_router(h, e.count, e.top_k, d, router_trains) + moe_dispatch(e.top_k) \
-        + moe_experts(h, e.intermediate, e.top_k, d, experts_train, tp)
+    if ep > 1 and tp > 1:  # the ep group is the TP group: each TP rank routes 1/tp of the tokens to whole experts
+        routed = (moe_dispatch(e.top_k) + moe_experts(h, e.intermediate, e.top_k, d, experts_train)) // tp
+    else:  # under tp without ep every expert's I is cut, and every TP rank routes every token
+        routed = moe_dispatch(e.top_k) + moe_experts(h, e.intermediate, e.top_k, d, experts_train, tp)
+    per_token += moe_router(h, e.count, e.top_k, d, router_trains) + routed
     if shared:
         per_token += mlp_inputs(h, shared, d, tp) + mlp(shared, d) // tp
     # backward: the residual's gradients, and each copy's through its expert (3 I, in the experts' dtype)

@@ -83,15 +83,8 @@ def piece(t: torch.Tensor, cut: Cut | None = None, tp_rank: int = 0, tp: int = 1
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
     tp_dim = cut.tp if cut is not None else None
-    if cut is not None and cut.ep is not None:  # an expert slice: placed as a TP one
-        ep = cut.ep
-        if cut.tp is not None:  # cut by TP first: the TP slice's boxes, shifted to this rank's experts
-            inner, d, at = piece(t, Cut(tp=cut.tp), tp_rank, tp), ep.split, ep.rank
-            shifted = [(torch.Size([o + at * inner.shape[d] if i == d else o for i, o in enumerate(offsets)]), view)
-                       for offsets, view in inner.boxes]
-            return Piece(inner.local, torch.Size([n * ep.size if i == d else n for i, n in enumerate(inner.shape)]),
-                         shifted)
-        tp_dim, tp_rank, tp = ep.split, ep.rank, ep.size
+    if cut is not None and cut.ep is not None:  # an expert slice (never TP-cut too): placed as a TP one
+        tp_dim, tp_rank, tp = cut.ep.split, cut.ep.rank, cut.ep.size
     if tp_dim is None or tp == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
     if isinstance(tp_dim, int):  # the TP slice: contiguous, slice tp_rank of tp equal ones

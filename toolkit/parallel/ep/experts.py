@@ -17,11 +17,12 @@ forward, over T tokens with k experts each:
        each token's k outputs, as the module would have
 
 The routing weights are applied on the token's own rank, so the router's gradient never travels.
-Under --tp the experts were cut first (each expert's intermediate, `toolkit.parallel.tp.plan`): TP
-peers hold the same tokens and route them alike, each within its own ep group (same tp coordinate),
-and the TP hooks around the experts module all-reduce the combined partial outputs (torchtitan's
-ETP = TP). LoRA
-on the experts (peft's `ParamWrapper`, target_parameters) is split with them: A [E*r, in] by its
+Under --tp the ep group is the TP group (torchtitan's etp=1 with ep = tp; benchmarks/etp.md): the TP
+plan leaves the experts whole (`apply_tensor_parallel(skip_experts=True)`), TP peers hold the same
+tokens and route them alike (the router is replicated), and each dispatches only its 1/tp of them
+(`_split_tokens`, torchtitan's ReordererSequenceParallel); the experts' output, zero on the peers'
+tokens, is summed over TP (Partial -> Replicate), so no token travels twice and no expert GEMM is cut.
+LoRA on the experts (peft's `ParamWrapper`, target_parameters) is split with them: A [E*r, in] by its
 expert-major rows, B [out, r*E] by its expert-minor columns (a `Packed` split of r parts of E).
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,21 +59,29 @@ class ExpertShards:
     line: str
 
     def describe(self, fsdp_mesh) -> str:
-        """The layout's line: the split, and what each rank's experts are sharded over."""
+        """The layout's line: the split, and what each rank's experts are sharded over (None: not sharded)."""
+        if fsdp_mesh is None:
+            return f"{self.line} (each rank's experts whole, not sharded)\n"
         return (f"{self.line} (each rank's experts FSDP2-sharded over {' x '.join(fsdp_mesh.mesh_dim_names)}: "
                 f"{fsdp_mesh.size()} rank(s))\n")
 
 
-def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None) -> ExpertShards:
+def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None,
+                          tp_group=None) -> ExpertShards:
     """Keep this rank's experts of every MoE layer of `model` (in place) and route their tokens over
     `group`, recording each expert parameter's slice in `cuts` (the run's table, by name:
-    `toolkit.parallel.cut`; an expert's TP cut, recorded there by the TP plan, carries on). Every rank
-    must call it with the same full weights (and the same LoRA init)."""
+    `toolkit.parallel.cut`). `tp_group`: under TP, the TP group, which `group` is: each TP rank then
+    dispatches its 1/tp of the tokens and the outputs are summed over it (module docstring); the TP
+    plan must have left the experts whole. Every rank must call it with the same full weights (and the
+    same LoRA init)."""
     import torch.distributed as dist
 
     from toolkit.models import experts_modules
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tp_group is not None and dist.get_world_size(tp_group) != n:
+        raise UserError(f"--ep {n} with --tp {dist.get_world_size(tp_group)}: under TP the ep group is the TP "
+                        "group; --ep must equal --tp")
     modules = experts_modules(model)
     if not modules:
         raise UserError(f"--ep {n}: found no routed-experts module (a forward taking hidden_states, top_k_index, "
@@ -93,9 +102,11 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
             if p.dim() < 1 or p.shape[0] != experts:
                 raise UserError(f"--ep {n}: {type(module).__name__}.{name} {tuple(p.shape)} is not stacked by expert "
                                 f"(dim 0 of {experts}); this experts form is not split by --ep yet: drop --ep")
+            if cuts.get(names.get(id(p)), Cut()).tp is not None:
+                raise RuntimeError(f"{names.get(id(p))}: cut by TP already; under --tp the TP plan leaves the "
+                                   "routed experts to expert parallel (apply_tensor_parallel(skip_experts=True))")
             setattr(module, name, _keep(p, rows))
-            before = cuts.get(names.get(id(p)), Cut())  # TP's cut of it, if any: the slice carries it on
-            cut[id(getattr(module, name))] = replace(before, ep=ExpertSlice(0, rank, n, group))
+            cut[id(getattr(module, name))] = Cut(ep=ExpertSlice(0, rank, n, group))
         for wrapper in _peft_wrappers(model, module):
             for adapter in wrapper.lora_A:
                 a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
@@ -112,11 +123,40 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
         owner = (_peft_wrappers(model, module) or [module])[0]  # the outermost: holds every expert parameter
         holders.append(owner)
         module.forward = _routed_forward(owner, module.forward, group, experts)
+        if tp_group is not None:
+            module.forward = _split_tokens(module.forward, tp_group)
     cuts.update({name: cut[id(p)] for name, p in model.named_parameters() if id(p) in cut})
     layers = f"{len(modules)} MoE layer{'s' if len(modules) > 1 else ''}"
-    line = (f"expert parallel over {n} ranks: {layers}, {local} of {experts} experts each per rank, "
-            "tokens dispatched and combined by all-to-all")
+    over = "the TP group's " if tp_group is not None else ""
+    line = (f"expert parallel over {over}{n} ranks: {layers}, {local} of {experts} experts each per rank, "
+            "tokens dispatched and combined by all-to-all"
+            + (" (each TP rank its 1/tp of the tokens, the outputs summed over TP)" if tp_group is not None else ""))
     return ExpertShards(holders, line)
+
+
+def _split_tokens(routed, tp_group):
+    """Under TP, around the routed forward (torchtitan's ReordererSequenceParallel with Partial ->
+    Replicate): TP peers hold the same tokens; rank r dispatches rows r*T/t .. (r+1)*T/t - 1 of them, and
+    its output, zero on the peers' rows, is all-reduced over TP. `copy_to_tp` on the tokens and their
+    routing weights: each rank's gradient covers its own rows, summed over TP in backward."""
+    import torch.distributed as dist
+
+    from toolkit.parallel.tp.comm import copy_to_tp, reduce_from_tp
+
+    t, r = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    signature = inspect.signature(routed)
+
+    @functools.wraps(routed)
+    def forward(*args, **kwargs):
+        hidden, index, weights = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+        hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
+        n = hidden.shape[0]
+        rows = slice(r * n // t, (r + 1) * n // t)
+        mine = routed(hidden[rows], index[rows], weights[rows])
+        partial = torch.nn.functional.pad(mine, (0, 0, rows.start, n - rows.stop))
+        return reduce_from_tp(partial, tp_group)
+
+    return forward
 
 
 def _routed_forward(owner: nn.Module, local_forward, group, experts: int):

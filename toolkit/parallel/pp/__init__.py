@@ -63,7 +63,7 @@ def pipeline_devices(par: ParallelConfig) -> list[torch.device]:
 def build_pipeline(par: ParallelConfig, accelerator, layout: PipelineLayout | None, model,
                    sample_shape: tuple[int, int], pad_id: int, loss_fn, shard=None, experts=()):
     """The naive pipeline in one process (no layout), this rank's stage with several (FSDP2-sharded
-    as `shard` says, a `toolkit.parallel.parallelize.Shard`; `experts`: expert parallel's holders)."""
+    as `shard` says, a `toolkit.parallel.parallelize.FsdpSpec`; `experts`: expert parallel's holders)."""
     from toolkit.parallel.fsdp import half_dtype
 
     compute = half_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's

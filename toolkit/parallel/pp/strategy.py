@@ -13,7 +13,7 @@ import torch
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.flags import ParallelConfig
 from toolkit.loss import LogitTransform, token_loss_sum
-from toolkit.parallel.parallelize import Parallelized, Shard, parallelize
+from toolkit.parallel.parallelize import Parallelized, FsdpSpec, parallelize
 from toolkit.loss_head import LossFn, LossHead
 from toolkit.parallel.strategy import DataShard, Settings, Strategy
 from toolkit.parallel.tp import TPShards
@@ -37,16 +37,17 @@ class PipelineStrategy(Strategy):
             from toolkit.parallel.tp import make_layout
 
             self.tp_layout = make_layout(dims.tp, mesh)
-        self.cut = Parallelized(TPShards(self.tp_layout.tp_group if self.tp_layout else None))  # until `shard_model`
+        self.parallelized = Parallelized(TPShards(self.tp_layout.tp_group if self.tp_layout else None))  # until `shard_model`
         self.shard_group = self.fsdp = None
         self.ep_group = self.expert_mesh = self.expert_shard_group = None
+        if mesh is not None:  # pp x ep: each stage's experts split over its ep group (`toolkit.parallel.ep`),
+            # as MeshStrategy's (dp_shard ranks, or under tp the TP group, with or without dp_shard)
+            self.ep_group, self.expert_mesh, self.expert_shard_group = mesh.expert_groups()
         if dims.dp_shard > 1:  # pp x dp_shard: each stage FSDP2-sharded over its dp group
             from toolkit.parallel.fsdp import half_dtype
 
-            # pp x ep: each stage's experts split over its ep group (`toolkit.parallel.ep`), as MeshStrategy's
-            self.ep_group, self.expert_mesh, self.expert_shard_group = mesh.expert_groups()
             self.shard_group = mesh.group("dp_shard")
-            self.fsdp = Shard(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
+            self.fsdp = FsdpSpec(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
                               self.expert_mesh)
         self.data = DataShard(accelerator, dims, self.layout.dp_rank if self.layout else 0)
         self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)  # full logits on the last stage: never a fused head
@@ -54,17 +55,17 @@ class PipelineStrategy(Strategy):
 
     @property
     def tp(self) -> TPShards:
-        return self.cut.tp
+        return self.parallelized.tp
 
     @property
     def experts(self):
         """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
-        return self.cut.experts
+        return self.parallelized.experts
 
     def shard_model(self, model):
         """TP, EP and checkpointing on the whole model before the stages are cut from it, FSDP2 on each
         stage as `prepare` cuts it (`toolkit.parallel.parallelize`; no context parallel or compile under --pp)."""
-        model, self.cut = parallelize(model, self.settings.parallelism(
+        model, self.parallelized = parallelize(model, self.settings.parallelism(
             tp_group=self.tp.group, ep_group=self.ep_group, fsdp=self.fsdp, stages=True))
         return model
 
@@ -84,7 +85,7 @@ class PipelineStrategy(Strategy):
 
     def describe(self) -> str:
         mesh = f"layout: device mesh {self.dims.describe()}\n" if self.layout is not None else "layout: "
-        mesh += self.experts.describe(self.expert_mesh) if self.experts else ""
+        mesh += self.experts.describe(self.expert_mesh if self.fsdp is not None else None) if self.experts else ""
         transform = LogitTransform.of(self.pipe.model)
         how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
         if self.loss.objective is not None:
@@ -126,7 +127,7 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, model, max_norm: float):
         if self.layout is None:  # the naive pipeline: every stage in this process
             return self.pipe.clip_grad_norm(max_norm)
-        return self.pipe.clip_grad_norm(max_norm, self.cut, self.shard_group, (self.expert_shard_group, self.ep_group))
+        return self.pipe.clip_grad_norm(max_norm, self.parallelized, self.shard_group, (self.expert_shard_group, self.ep_group))
 
     def eval_device(self, model) -> torch.device:
         return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
@@ -144,7 +145,7 @@ class PipelineStrategy(Strategy):
             return Strategy.named_trainable(self, model)
         embed = self.pipe.model.get_input_embeddings().weight
         embed_name = next((n for n, p in self.pipe.model.named_parameters() if p is embed), None)
-        cuts = self.cut.cuts
+        cuts = self.parallelized.cuts
         out = []
         for n, p in self.pipe.names.items():
             if p.requires_grad:
@@ -161,4 +162,4 @@ class PipelineStrategy(Strategy):
         return exported
 
     def state_dict(self, model) -> dict:
-        return self.cut.state_dict(model)
+        return self.parallelized.state_dict(model)

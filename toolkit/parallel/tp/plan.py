@@ -21,7 +21,10 @@ A routed-experts region (`moe_tp_experts`: Megatron's expert tensor parallel) sp
 intermediate: the stacked column [E, 2I, H] by rows (gate and up part by part), the row [E, H, I] by
 columns; the experts module's inputs (the tokens, their routing weights) are copied in and its output
 all-reduced, so the router, whole on every rank, gets whole gradients and the same top-k everywhere.
-LoRA on stacked experts (peft's target_parameters) is not split: refused in one line.
+LoRA on stacked experts (peft's target_parameters) is not split: refused in one line. Under expert
+parallel (`skip_experts`) the routed experts are left whole: expert parallel splits them over the TP
+group instead, each TP rank dispatching its 1/tp of the tokens (`toolkit.parallel.ep`; an expert is cut
+by TP or by EP, never both).
 
 LoRA adapters follow their base layer in a local region: column -> lora_A replicated (its gradient
 summed over ranks), lora_B split by output rows (by parts where packed); row -> lora_A split by input
@@ -365,10 +368,12 @@ def tp_tree_problems(config, trust_remote_code: bool = False) -> list[str]:
     return []
 
 
-def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None,
+                          skip_experts: bool = False) -> nn.Module:
     """Shard `model` in place over `group`; returns it, and records how it cut each parameter in
-    `cuts` (the run's table, by name: `toolkit.parallel.cut`). Every rank must call this with identical
-    full weights (same checkpoint, same seed for LoRA init)."""
+    `cuts` (the run's table, by name: `toolkit.parallel.cut`). `skip_experts`: leave the routed-experts
+    regions whole (expert parallel then splits the experts over this TP group: `toolkit.parallel.ep`).
+    Every rank must call this with identical full weights (same checkpoint, same seed for LoRA init)."""
     t = group_size(group)
     if t == 1:
         return model
@@ -377,6 +382,9 @@ def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
     blocks = decoder_blocks(model, plan.blocks)
     how, record = {}, {}
     for i, region in tp_fit(model, plan):
+        if region.experts and skip_experts:
+            how[region.path] = f"{region.path} whole (expert parallel over the TP group)"
+            continue
         how[region.path] = _split_region(blocks[i].get_submodule(region.path), region, group, config,
                                          f"{plan.blocks}.{i}.{region.path}", record)
     if cuts is not None:
