@@ -31,7 +31,8 @@ class Mesh:
                                  "(toolkit.layout.rules.ep_tp_problems)")
             views["ep"] = views["tp"]
         elif dims.ep > 1:  # dp_shard = (dp_shard_mod_ep, ep), ep inner: dp_shard coordinate d = m * ep + e
-            self.experts = self.world._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep),
+            # by index: torch 2.11's `_unflatten` refuses a dimension given by its name (its check is inverted)
+            self.experts = self.world._unflatten(MESH_DIMS.index("dp_shard"), (dims.dp_shard // dims.ep, dims.ep),
                                                  ("dp_shard_mod_ep", "ep"))
             views["ep"], views["dp_shard_mod_ep"] = self.experts["ep"], self.experts["dp_shard_mod_ep"]
             if dims.cp > 1:
