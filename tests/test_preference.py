@@ -14,7 +14,8 @@ import torch
 from conftest import CHATML, build_model_dir
 from toolkit.synthetic import corpus
 
-from toolkit.preference import PreferenceLoss, orpo_nll_tokens, sequence_logps
+from toolkit.preference import PreferenceLoss
+from toolkit.preference_functions import orpo_nll_tokens, sequence_logps
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")

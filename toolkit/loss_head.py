@@ -62,7 +62,7 @@ class LossHead:
             return self.token_sum(model, batch)
         from toolkit.data.packing import model_inputs
 
-        from toolkit.preference import pairs_in
+        from toolkit.preference_functions import pairs_in
 
         inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
         total, out = self.objective(model, batch, inputs)

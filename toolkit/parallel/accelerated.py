@@ -12,7 +12,7 @@ from toolkit.config import Config
 from toolkit.layout.dims import ParallelDims
 from toolkit.loss import token_loss_sum
 from toolkit.loss_head import LossFn, LossHead
-from toolkit.parallel.parallelize import parallelize
+from toolkit.parallel.parallelize import Parallelized, parallelize
 from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy, accumulate
 from toolkit.parallel.tp import TPShards
 
@@ -28,7 +28,8 @@ class AccelerateStrategy(Strategy):
         self.dims = dims or ParallelDims(n, dp_replicate=n)
         self.data = DataShard(accelerator, self.dims, mesh.local_rank("dp") if mesh is not None else None)
         self.context = ContextSlices(mesh, self.dims)
-        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision), TPShards()
+        self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)
+        self.parallelized = Parallelized(TPShards())  # nothing cut: TP and EP run on the mesh strategies
 
     @property
     def whole_batches(self) -> bool:
@@ -36,7 +37,7 @@ class AccelerateStrategy(Strategy):
 
     def shard_model(self, model):
         """Context parallel's attention, checkpointing, compile (`toolkit.parallel.parallelize`)."""
-        model, _ = parallelize(model, self.settings.parallelism(context=self.context))
+        model, self.parallelized = parallelize(model, self.settings.parallelism(context=self.context))
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):
@@ -83,13 +84,14 @@ class DeepSpeedStrategy(Strategy):
         self.accelerator, self.dims, self.cfg = accelerator, dims, cfg
         self.data = DataShard(accelerator, dims)
         self.context = ContextSlices(None, dims)  # no context parallel under DeepSpeed (toolkit.layout.rules)
-        self.loss, self.tp = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision), TPShards()
+        self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)
+        self.parallelized = Parallelized(TPShards())  # nothing cut: TP and EP run on the mesh strategies
         self.file_schedule: dict | None = None  # a --deepspeed file's "scheduler", as it runs
 
     def shard_model(self, model):
         """Checkpointing and compile (`toolkit.parallel.parallelize`); ZeRO-3 partitions inside
         `from_pretrained` itself, and DeepSpeed's engine shards at `prepare`."""
-        model, _ = parallelize(model, Settings.of(self.cfg).parallelism())
+        model, self.parallelized = parallelize(model, Settings.of(self.cfg).parallelism())
         return model
 
     def prepare(self, model, optimizer_fn: Callable, loader):

@@ -44,15 +44,6 @@ class MeshStrategy(Strategy):
         self.fsdp = FsdpSpec(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision),
                           self.expert_mesh) if sharded else None
 
-    @property
-    def tp(self) -> TPShards:
-        return self.parallelized.tp
-
-    @property
-    def experts(self):
-        """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
-        return self.parallelized.experts
-
     def shard_model(self, model):
         """Every rank loads the full weights and keeps its slices (LoRA adapters are created first, so
         TP=1 and TP=t start from the same adapter init): `toolkit.parallel.parallelize`, FSDP2 last."""

@@ -32,7 +32,7 @@ from toolkit.loss_head import LossHead
 from toolkit.parallel.tp import TPShards
 
 if TYPE_CHECKING:
-    from toolkit.parallel.parallelize import Parallelism
+    from toolkit.parallel.parallelize import Parallelism, Parallelized
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,21 @@ class Strategy(Protocol):
     dims: ParallelDims
     data: "DataShard"  # which shard of every global batch this rank reads
     loss: "LossHead"  # the loss of one micro-batch (full logits, or a head that returns the loss sum)
-    tp: TPShards  # the parameters TP split, by name (none where the layout has no TP)
+    parallelized: "Parallelized"  # how `parallelize` cut the model (nothing cut before `shard_model`, or without TP/EP)
     checkpoint_format: str = "sharded"  # toolkit.layout.rules.checkpoint_format
     whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
     always_steps: bool = False  # the optimizer must step even on a non-finite loss (DeepSpeed's engine)
     frees_grads: bool = False  # gradients are freed inside backward, so none can be measured after it
+
+    @property
+    def tp(self) -> TPShards:
+        """The parameters TP split, by name (none where the layout has no TP)."""
+        return self.parallelized.tp
+
+    @property
+    def experts(self):
+        """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
+        return self.parallelized.experts
 
     # --- model and optimizer
     @abstractmethod
@@ -120,7 +130,7 @@ class Strategy(Protocol):
         """Each whole row's summed target log-probability, without gradients (a preference objective's
         reference pass, KL estimate and evaluation; under context parallel the rows are whole, as in
         evaluation); `reference`: the base model, LoRA's adapters disabled. Every rank gets them."""
-        from toolkit.preference import whole_row_logps
+        from toolkit.preference_functions import whole_row_logps
 
         return whole_row_logps(model, batch, reference)
 

@@ -139,7 +139,7 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     estimate from each batch alone (TRL's, in evaluation)."""
     from toolkit.data.labels import shift_labels
     from toolkit.data.tokenize import IGNORE_INDEX
-    from toolkit.preference import orpo_nll_tokens, orpo_rows, pairs_in
+    from toolkit.preference_functions import orpo_nll_tokens, orpo_rows, pairs_in
 
     accelerator, objective = strategy.accelerator, strategy.loss.objective
     model.eval()

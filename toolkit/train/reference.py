@@ -84,7 +84,7 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank."""
-    from toolkit.preference import kl_batch
+    from toolkit.preference_functions import kl_batch
     from toolkit.train.evaluate import sharded_batches
 
     accelerator = strategy.accelerator

@@ -119,7 +119,7 @@ class StagePipeline(nn.Module):
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._logps_only:  # a row's log-probability per record; nothing to back-propagate
-            from toolkit.preference import sequence_logps
+            from toolkit.preference_functions import sequence_logps
 
             self._losses.append(sequence_logps(logits, target)[0].detach().double())
             return logits.new_zeros(())

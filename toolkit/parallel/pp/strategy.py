@@ -53,15 +53,6 @@ class PipelineStrategy(Strategy):
         self.loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision)  # full logits on the last stage: never a fused head
         self.pipe = None  # built in prepare(); None again once exported
 
-    @property
-    def tp(self) -> TPShards:
-        return self.parallelized.tp
-
-    @property
-    def experts(self):
-        """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
-        return self.parallelized.experts
-
     def shard_model(self, model):
         """TP, EP and checkpointing on the whole model before the stages are cut from it, FSDP2 on each
         stage as `prepare` cuts it (`toolkit.parallel.parallelize`; no context parallel or compile under --pp)."""

@@ -1,0 +1,171 @@
+"""The preference objectives' pure functions (`toolkit.preference` puts them together): each sequence's
+log-probability of its completion, whole or sliced (context parallel) or per packed document, and the
+objectives as functions of those, written as TRL writes them (trl 1.16: `DPOTrainer._compute_loss`
+"sigmoid", the experimental `ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo",
+`KTOTrainer._compute_loss` "kto"); the rows ORPO's NLL and KTO's KL are computed on."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.data.labels import shift_labels
+from toolkit.data.tokenize import IGNORE_INDEX
+
+
+# --- the objectives: pure functions of per-sequence log-probabilities, (P,) tensors
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probability of each shifted target (0 where there is none), in fp32, as TRL's
+    `selective_log_softmax`: the one cross-entropy every per-sequence sum below is made of."""
+    targets = targets.to(logits.device)
+    return -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                            reduction="none").view(targets.shape)
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the target tokens' log-probabilities, their count) per row: logits (B, T, V), labels
+    (B, T) (`shifted`: already targets) -> (B,), (B,)."""
+    targets = (labels if shifted else shift_labels(labels)).to(logits.device)
+    return token_logps(logits, targets).sum(1), (targets != IGNORE_INDEX).sum(1)
+
+
+@torch.no_grad()
+def no_grad_logps(model, inputs: dict, logps: Callable[[torch.Tensor], torch.Tensor],
+                  reference: bool = False) -> torch.Tensor:
+    """`logps` of `model(**inputs)`'s logits without gradients; `reference`: LoRA's base, the adapters
+    disabled. The one place that forward is written: whole rows (`whole_row_logps`) and the training
+    forward's own rows (`PreferenceLoss.reference_logps`) both come through here."""
+    from contextlib import nullcontext
+
+    from accelerate.utils import extract_model_from_parallel
+
+    with extract_model_from_parallel(model).disable_adapter() if reference else nullcontext():
+        return logps(model(**inputs).logits)
+
+
+def whole_row_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
+    """`sequence_logps` of whole rows through `model` without gradients; `reference`: LoRA's base, the
+    adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
+    from toolkit.data.packing import model_inputs
+
+    return no_grad_logps(model, model_inputs(batch), lambda logits: sequence_logps(logits, batch["labels"])[0],
+                         reference)
+
+
+def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of packed rows (`toolkit.data.packing`): per document, the `n` of them in the
+    order the rows lay them out. A document starts where a real token's position is 0; a document's
+    first label is unset by the packing, so no token is scored against the next document's first."""
+    targets = shift_labels(labels).to(logits.device)
+    logp = token_logps(logits, targets).reshape(-1)
+    starts = ((position_ids == 0) & (attention_mask == 1)).reshape(-1).to(logits.device)
+    doc = (starts.cumsum(0) - 1).clamp(min=0)
+    scored = (targets.reshape(-1) != IGNORE_INDEX)
+    logps = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, doc, logp)
+    counts = torch.zeros(n, dtype=torch.long, device=logp.device).index_add(0, doc, scored.long())
+    return logps, counts
+
+
+def sliced_logps(logits: torch.Tensor, targets: torch.Tensor, sum_slices) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` under context parallel: this rank's slice of each row (its targets already
+    shifted, `toolkit.parallel.cp`), summed over the cp group by `sum_slices`: an all-reduce whose
+    backward is the identity (Megatron's reduce-from region, `toolkit.parallel.tp.comm.reduce_from_tp`),
+    since every cp rank computes the same pair loss from the sums and back-propagates it through its own
+    slice only, and the slices' gradients add up to the whole."""
+    logps, counts = sequence_logps(logits, targets, shifted=True)
+    return sum_slices(logps), sum_slices(counts)
+
+
+def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-log sigmoid(z), with conservative label smoothing (cDPO, Mitchell 2023; TRL's CPO form):
+    the preference is taken as flipped with probability `label_smoothing`."""
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+             beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss, chosen reward, rejected reward): DPO (Rafailov et al. 2023, eq. 7),
+    -log sigmoid(beta x ((chosen - ref chosen) - (rejected - ref rejected))), rewards beta x the log ratios."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    loss = smoothed_sigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def simpo_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO (Meng et al. 2024, eq. 6): -log sigmoid(beta x (mean log p chosen - mean log p rejected) - gamma),
+    no reference; rewards beta x the mean log-probabilities."""
+    loss = smoothed_sigmoid_loss(beta * (chosen_mean - rejected_mean) - gamma, label_smoothing)
+    return loss, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_odds_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor,
+                   beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term (Hong et al. 2024, eqs. 4 and 7): -beta x log sigmoid(log odds(chosen) -
+    log odds(rejected)) on mean token log-probabilities; rewards beta x those. The NLL term is added by
+    `PreferenceLoss` (its normaliser is the global batch's chosen tokens)."""
+    log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+    return -beta * F.logsigmoid(log_odds), beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def kto_loss(logps: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-example loss, reward): KTO (Ethayarajh et al. 2024, eq. 8, the value function's sigmoid): a
+    desirable completion's loss is w_d x (1 - sigmoid(beta x (log ratio - z0))), an undesirable one's
+    w_u x (1 - sigmoid(beta x (z0 - log ratio))); z0 is the KL estimate (`kl`, no gradient); rewards
+    beta x the log ratios (policy - reference log-probabilities)."""
+    ratio = logps - ref
+    z = beta * (ratio - kl)
+    loss = torch.where(desirable.to(z.device), desirable_weight * (1 - torch.sigmoid(z)),
+                       undesirable_weight * (1 - torch.sigmoid(-z)))
+    return loss, beta * ratio.detach()
+
+
+def pairs_in(batch: dict) -> int | torch.Tensor:
+    """A preference objective's examples in a collated micro-batch: pairs (two rows each, or as the
+    packing counted them); KTO's single completions (the collate's `pairs` counts them)."""
+    return batch["pairs"] if "pairs" in batch else batch["input_ids"].shape[0] // 2
+
+
+def orpo_labels(batch: dict) -> torch.Tensor:
+    """ORPO's NLL labels, TRL's: the chosen sequences' (even rows') input ids where attended."""
+    return batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
+
+
+def orpo_nll_tokens(batch: dict) -> torch.Tensor:
+    """The tokens ORPO's NLL averages over: every real token of the chosen sequences but the first (TRL's
+    ORPO trains the chosen sequence's prompt too)."""
+    return batch["attention_mask"][0::2, 1:].sum()
+
+
+def orpo_rows(batch: dict) -> dict:
+    """The rows ORPO's NLL scores as a batch of their own (evaluation's whole-row forward, which a
+    pipeline gives no logits for): the chosen sequences, on `orpo_labels`."""
+    return {"input_ids": batch["input_ids"][0::2], "attention_mask": batch["attention_mask"][0::2],
+            "labels": orpo_labels(batch)}
+
+
+def orpo_nll(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """ORPO's summed NLL of the chosen sequences (the even rows of `logits`) on `orpo_labels` (`shifted`:
+    a context-parallel slice's targets, `orpo_targets`, whose shares over the slices add up to the whole);
+    the loop scales it by the global pairs / `orpo_nll_tokens` (`begin_step`)."""
+    return -sequence_logps(logits[0::2], labels, shifted)[0].sum()
+
+
+def kl_batch(batch: dict) -> dict:
+    """KTO's KL sequences (mismatched completions, `toolkit.data.pairs.kl_sequences`) as a batch of their own,
+    with their precomputed reference where the rows carry one (`ref_kl_logps`)."""
+    kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
+          "labels": batch["kl_labels"]}
+    if "ref_kl_logps" in batch:
+        kl["ref_logps"] = batch["ref_kl_logps"]
+    return kl
