@@ -84,15 +84,17 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
 
 def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], nproc: int = 1,
                    launcher: str = "torchrun", launcher_args: list[str] = (), env: dict | None = None,
-                   timeout: float = 900, cuda_path: tuple[str, ...] = ()) -> dict[str, dict]:
+                   timeout: float = 900, cuda_path: tuple[str, ...] = (),
+                   run_env: dict[str, dict] | None = None) -> dict[str, dict]:
     """Every run in `runs` ({name: flags}) in one launch and one process group (`tests/layouts.py`);
     each writes out/name. Returns {name: {"exit": code, "out": folder}}; the launch's output is kept
-    in out/stdout.txt and out/stderr.txt."""
+    in out/stdout.txt and out/stderr.txt. `run_env`: {name: {variable: value}} for a run of its own."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"common": common, "runs": runs, "out": str(out), "cuda_path": list(cuda_path)}))
+    spec.write_text(json.dumps({"common": common, "runs": runs, "out": str(out), "cuda_path": list(cuda_path),
+                                "env": run_env or {}}))
     p = launch([str(spec)], nproc=nproc, env=env, timeout=timeout, launcher=launcher, script=ROOT / "tests" / "layouts.py",
                launcher_args=launcher_args)
     (out / "stdout.txt").write_text(p.stdout)

@@ -8,7 +8,8 @@ ACCELERATE_USE_* into it), so each layout sees what a run of its own would. The 
 up until the last run: accelerate and DeepSpeed join the one that exists.
 
     <launcher> tests/layouts.py SPEC.json
-SPEC: {"common": [flags every run takes], "runs": {name: [flags]}, "out": folder, "cuda_path": [names]}.
+SPEC: {"common": [flags every run takes], "runs": {name: [flags]}, "out": folder, "cuda_path": [names],
+"env": {name: {variable: value}} (a run's own environment on top of the launch's, e.g. a TOOLKIT_FAULT)}.
 Each run writes OUT/name and its stdout and stderr to OUT/name.stdout.txt and OUT/name.stderr.txt; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
 named in "cuda_path" take the launch set-up's GPU branch on this CPU (`toolkit.parallel.launch.on_cuda`
 answers True): one process only, where accelerate then runs DeepSpeed as on one GPU.
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> None:
     for name, flags in spec["runs"].items():
         os.environ.clear()
         os.environ.update(launched_env)
+        os.environ.update(spec.get("env", {}).get(name, {}))
         reset_process_state()
         launch.on_cuda = (lambda: True) if name in spec.get("cuda_path", ()) else on_cuda
         group_before = dist.is_initialized()  # a run after the first finds the group up: only the first sets it up

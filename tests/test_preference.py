@@ -366,7 +366,7 @@ def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
     assert "objective: dpo, beta 0.1" in said and "adapters disabled" in said
     said = run_stdout(runs("one", "full", "dpo"))
     assert "log-probabilities computed before step 1" in said
-    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said
+    assert "reference: 20 of 48 train pairs' log-probabilities computed before step 1" in said  # 5 steps x 4
 
 
 FORMS = {  # each form of one pair: prompt "Name a colour.", chosen "Blue.", rejected "Loud."
@@ -456,9 +456,11 @@ def test_preference_mistakes_are_one_line(tmp_path, tiny_model, argv, data, says
 
 
 def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeypatch, tiny_model, pairs_file, capsys):
-    """A full finetune's reference pass is saved beside the run and cached: a resume reads it (its
-    weights are trained: a new pass would move the reference) and continues the losses exactly; a
-    resume that finds it nowhere stops in one line. The final folder reloads (the run's integrity gate)."""
+    """A full finetune's reference pass scores only the pairs the run's steps read (4 steps x 4 of the
+    file's 48), is saved beside the run and cached: a resume reads it (its weights are trained: a new pass
+    would move the reference) and continues the losses exactly; a resume that finds it nowhere stops in
+    one line; a longer fresh run scores only the pairs the cache lacks. The final folder reloads (the
+    run's integrity gate)."""
     import shutil
 
     import finetune
@@ -470,7 +472,8 @@ def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeyp
             "--report-to", "none", "--verify", "load"]
     finetune.main(argv)
     said = capsys.readouterr().out
-    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said and "reloads with plain" in said
+    assert ("reference: 16 of 48 train pairs' log-probabilities computed before step 1 (the model as loaded; the 16 "
+            "the run's 4 steps read)") in said and "reloads with plain" in said
     whole = records(first)
     assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     summary = json.loads((first / "summary.json").read_text())
@@ -492,7 +495,16 @@ def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeyp
         finetune.main([*argv[:argv.index("--output-dir")], "--output-dir", str(third),
                        *argv[argv.index("--output-dir") + 2:], "--resume", str(first / "checkpoint-2")])
     err = capsys.readouterr().err
-    assert "reference log-probabilities (train pairs) are in neither" in err and "Traceback" not in err
+    assert "reference log-probabilities of 16 train pairs this run reads are in neither" in err and "Traceback" not in err
+
+    longer = tmp_path / "longer"
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    finetune.main([*argv[:argv.index("--output-dir")], "--output-dir", str(longer),
+                   *argv[argv.index("--output-dir") + 2:], "--max-steps", "8", "--verify", "none"])
+    said = capsys.readouterr().out
+    assert "reference: 16 of 48 train pairs' log-probabilities computed before step 1 (the model as loaded; the 32 " \
+           "the run's 8 steps read, 16 of them from the cache)" in said
+    assert records(longer)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_checkpointing_and_dropout_leave_dpo_as_it_was(runs):
@@ -744,7 +756,7 @@ def test_dpo_straight_after_a_lora_sft_trains_its_adapter_on_from_ln_2(tmp_path,
                    "2", "--lr", "1e-3", *common])
     said = capsys.readouterr().out
     assert f"model: sft/final is a LoRA adapter on {work / 'base'}: trained on as it is (its r 4, alpha 8" in said
-    assert "reference: 48 train pairs' log-probabilities computed before step 1" in said
+    assert "reference: 8 of 48 train pairs' log-probabilities computed before step 1" in said  # 2 steps x 4
     got = records(work / "dpo")
     assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[1]["loss"] != got[0]["loss"]
     sft, dpo = (load_file(work / run / "final" / "adapter_model.safetensors") for run in ("sft", "dpo"))

@@ -350,3 +350,60 @@ def tensor_bytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
+
+
+SHORT_EPOCH = {"fsdp": ["--fsdp"], "zero2": ["--zero-stage", "2"]}
+TERM_AT = 2  # the real SIGTERM: the step before the epoch's short last one
+
+
+@pytest.fixture(scope="module")
+def short_epoch(tmp_path_factory, tiny_model):
+    """10 records, micro-batch 2 on 2 ranks: 3 steps an epoch, the third reading 2 examples, which
+    accelerate's even_batches fills on rank 1 with the epoch's first; 4 steps (into epoch 2), a checkpoint
+    at each. Per layout: the uninterrupted run, one SIGTERMed at step 2 (a real preemption: checkpoint,
+    exit 143), in one launch; then a resume from every step of the epoch (1 and 3 from copies of the
+    uninterrupted run's folder with the later checkpoints taken away, 2 the preempted run's) in another."""
+    from conftest import make_records
+
+    data = tmp_path_factory.mktemp("short") / "ten.json"
+    data.write_text(json.dumps(make_records("alpaca", 10)))
+
+    def argv(layout, extra=()):
+        return flags(tiny_model, data, "full", 4, ["--micro-batch-size", "2", "--save-every", "1", "--report-to",
+                                                    "none", "--verify", "none", *SHORT_EPOCH[layout], *extra])
+
+    first = launch_layouts(tmp_path_factory.mktemp("short_first"), [],
+                           {f"{kind}_{layout}": argv(layout) for layout in SHORT_EPOCH for kind in ("ref", "term")},
+                           nproc=2, run_env={f"term_{layout}": {"TOOLKIT_FAULT": f"step:{TERM_AT}:signal=term"}
+                                             for layout in SHORT_EPOCH})
+    root = tmp_path_factory.mktemp("short_resumed")
+    for layout in SHORT_EPOCH:
+        for k in (1, 3):
+            shutil.copytree(first[f"ref_{layout}"]["out"], root / f"{layout}_{k}")
+            for later in [f"checkpoint-{s}" for s in range(k + 1, 5)] + ["final"]:
+                shutil.rmtree(root / f"{layout}_{k}" / later)
+        shutil.copytree(first[f"term_{layout}"]["out"], root / f"{layout}_{TERM_AT}")
+    resumed = launch_layouts(root, [], {f"{layout}_{k}": argv(layout, ["--resume", "auto"])
+                                        for layout in SHORT_EPOCH for k in (1, 2, 3)}, nproc=2)
+    return first, resumed
+
+
+@pytest.mark.parametrize("layout", list(SHORT_EPOCH))
+def test_resume_at_every_step_of_a_short_epoch(short_epoch, layout):
+    """Issue 64: a resume at any step of an epoch whose last global batch is short (2 ranks, FSDP2 and
+    ZeRO-2) reads the uninterrupted run's examples at every later step, the short one included (before,
+    the short batch was filled from the resume point's examples: other tokens, another loss), and its
+    losses equal that run's within 1e-6; the SIGTERMed run saved its step and exited with 143."""
+    first, resumed = short_epoch
+    assert first[f"term_{layout}"]["exit"] == 143, first
+    assert "preempted at step 2" in first[f"term_{layout}"]["stdout"].read_text()
+    ref = records(first[f"ref_{layout}"]["out"])
+    assert [r["epoch"] for r in ref] == [0, 0, 0, 1]  # step 3 is the epoch's short last one
+    for k in (1, 2, 3):
+        run = resumed[f"{layout}_{k}"]
+        assert run["exit"] == 0, run["stderr"].read_text()[-3000:]
+        assert f"checkpoint-{k}: continuing at step {k + 1}" in run["stdout"].read_text()
+        got = records(run["out"])
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in ref], k  # the same examples at every step
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], abs=1e-6, rel=1e-6), k

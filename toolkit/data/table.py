@@ -251,6 +251,9 @@ class Rows:
             row["desirable"] = self._desirable[r]
         if self.reference is not None:
             row["ref_logps"] = self.reference[i].tolist()
+            if row["ref_logps"] != row["ref_logps"]:  # NaN: a row the reference pass did not score
+                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.train.reference.rows_read "
+                                   "and the loader disagree on the rows the run reads)")
         return row
 
     def __iter__(self):

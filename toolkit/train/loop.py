@@ -46,17 +46,14 @@ class EpochShuffleSampler(Sampler[int]):
     world size, so sharding it gives disjoint, reproducible data per rank."""
 
     def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch, self.skip = n, seed, 0, 0
+        self.n, self.seed, self.epoch = n, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        """The epoch's permutation; a resume sets `skip` to start mid-epoch without loading the
-        skipped examples (it applies to one pass only)."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        skip, self.skip = self.skip, 0
-        return iter(torch.randperm(self.n, generator=g).tolist()[skip:])
+        return iter(torch.randperm(self.n, generator=g).tolist())
 
     def __len__(self) -> int:
         return self.n
@@ -178,24 +175,46 @@ def stream_loader(stream, cfg: Config, tokenizer, whole: bool = False) -> DataLo
                       collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing, whole))
 
 
-def global_batches(loader, grad_accum: int, sampler: EpochShuffleSampler | None = None, start: tuple[int, int] = (0, 0),
-                   ) -> Iterator[tuple[int, list[dict]]]:
+def global_batches(loader, grad_accum: int, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, list[dict]]]:
     """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short.
-    `start` = (epoch, sampler indices already consumed in it) resumes mid-epoch."""
+    `start` = (epoch, micro-batches this rank already read in it) resumes mid-epoch.
+
+    The skip is of this rank's micro-batches, after the epoch is sharded (accelerate's
+    `skip_first_batches`, as transformers' Trainer resumes; only index lists are skipped, no example is
+    loaded): the shards, and the examples accelerate's `even_batches` repeats from the epoch's start to
+    fill the last, short global batch on every rank, are then those of the uninterrupted run. Skipping
+    examples before the split instead would fill that batch from the resume point's examples."""
+    from accelerate.data_loader import skip_first_batches
+
     epoch, skip = start
     while True:
         loader.set_epoch(epoch)
-        if skip:
-            sampler.skip, skip = skip, 0
         chunk: list[dict] = []
-        for batch in loader:
+        for batch in skip_first_batches(loader, skip) if skip else loader:
             chunk.append(batch)
             if len(chunk) == grad_accum:
                 yield epoch, chunk
                 chunk = []
         if chunk:
             yield epoch, chunk
-        epoch += 1
+        epoch, skip = epoch + 1, 0
+
+
+def rows_read(loader, grad_accum: int, steps_per_epoch: int, steps: int) -> set[int]:
+    """The indices of the rows this rank's `loader` reads in steps 1..`steps`, as `global_batches` reads
+    them, from the index lists alone (no row is loaded); a packed row counts as the examples in it."""
+    read: set[int] = set()
+    sampler = getattr(loader, "batch_sampler", None) or loader.sampler
+    bins = getattr(loader.dataset, "bins", None)  # PackedRows: each packed row's example indices
+    for epoch in range(math.ceil(steps / steps_per_epoch)):
+        loader.set_epoch(epoch)
+        micro = min(steps - epoch * steps_per_epoch, steps_per_epoch) * grad_accum
+        for k, indices in enumerate(sampler):
+            if k == micro:
+                break
+            read.update(j for i in indices for j in (bins[i] if bins is not None else (i,)))
+    loader.set_epoch(0)
+    return read
 
 
 def keep_records_through(path: Path, step: int) -> None:
@@ -313,7 +332,6 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
                              keeps=strategy.accelerator.is_main_process)
     loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda", whole=strategy.whole_batches)
     compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
-    sampler = None if streamed else loader.sampler
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
     world = strategy.data.ranks
@@ -339,9 +357,11 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     if strategy.loss.objective is not None and strategy.loss.objective.spec.reference_pass:
         from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
 
-        for rows, name in ((train_rows, "train"), (eval_rows, "eval")):
+        # the training rows the run's steps read (of a 15-step run, 15 global batches' worth, not the file)
+        read = rows_read(loader, t.grad_accum, steps_per_epoch, total_steps)
+        for rows, name, needed in ((train_rows, "train", read), (eval_rows, "eval", None)):
             if rows:
-                attach_reference(run, rows, name, log, resuming=resume is not None)
+                attach_reference(run, rows, name, log, resuming=resume is not None, needed=needed)
     saved = restore(run, resume, log) if resume is not None else None
     if compiling.mode == "on":  # --compile: compiled by `parallelize`, its first forward the warm-up
         compiling.at = run.first_step
@@ -351,8 +371,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
     if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
         train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
-    run.batches = global_batches(loader, t.grad_accum, sampler,
-                                 (epoch0, step_in_epoch * t.grad_accum * t.micro_batch_size * world))
+    run.batches = global_batches(loader, t.grad_accum, (epoch0, step_in_epoch * t.grad_accum))
     if on_start is not None:  # before the bar: what it prints stays whole
         on_start(model)
     run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,

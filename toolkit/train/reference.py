@@ -4,10 +4,15 @@ in one pass before step 1 and carried by the rows into each micro-batch (`ref_lo
 the adapters disabled (`toolkit.preference.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
 adapter `--model` names does (`toolkit.models.sft_adapter`): its reference is that adapter, on, as loaded.
 
+The pass scores only the training rows the run's steps read (`toolkit.train.loop.rows_read`: a 15-step
+run scores 15 global batches, not the file); a row it did not score holds NaN, and reading one is an
+error, never a silent loss. Eval rows are scored whole.
+
 The pass is cached, keyed by the rows' tokens, the model's weight files and the compute precision,
 and written beside the run (`reference_logps.safetensors` in the output folder), so a resume reads
 what the first run computed: computing it again from the trained weights would move the reference.
-A fresh run reads only the cache (an old run's file in an output folder it overwrites is not its own).
+A fresh run reads the cache and scores only the rows it lacks (a longer run after a short one pays for
+the difference); it reads no old run's file in an output folder it overwrites (not its own).
 """
 
 from __future__ import annotations
@@ -78,6 +83,13 @@ def save(path: Path, name: str, key: str, values: torch.Tensor, log=print) -> No
         log(f"reference: could not write {path} ({e.strerror or e}); a resume of this run then cannot find it")
 
 
+def unscored(values: torch.Tensor | None, needed: torch.Tensor) -> torch.Tensor:
+    """The rows of `needed` (indices) that `values` ((N, 2), NaN where not scored) holds no score for."""
+    if values is None:
+        return needed
+    return needed[torch.isnan(values[needed]).any(1)]
+
+
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
 def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> torch.Tensor:
@@ -100,11 +112,21 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> to
     return (accelerator.reduce(out, "sum") / strategy.data.replicas).float().cpu()
 
 
-def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
-    """Give `rows` (training or eval pairs, or KTO's examples) their reference log-probabilities: from the run's output
-    folder (a resume), the cache, or a pass over them now, saved to both. A resume that finds neither
-    stops in one line: its weights are no longer the reference's (a DeepSpeed-format checkpoint's are
-    already loaded, the others' about to be)."""
+def needed_rows(accelerator, n: int, read: set[int] | None) -> torch.Tensor:
+    """The indices any rank reads (`read`: this rank's; None: all `n`), the same on every rank."""
+    if read is None:
+        return torch.arange(n)
+    mask = torch.zeros(n, dtype=torch.float32, device=accelerator.device)
+    mask[torch.tensor(sorted(read), dtype=torch.long, device=mask.device)] = 1
+    return torch.nonzero(accelerator.reduce(mask, "sum").cpu() > 0).flatten()
+
+
+def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: set[int] | None = None) -> None:
+    """Give `rows` (training or eval pairs, or KTO's examples) their reference log-probabilities: from the run's
+    output folder (a resume), the cache, or a pass now over those of them the run reads (`needed`: this rank's
+    row indices; None: all) that the cache lacks, saved to both. A resume that finds them in neither stops in one
+    line: its weights are no longer the reference's (a DeepSpeed-format checkpoint's are already loaded, the
+    others' about to be)."""
     import time
 
     from toolkit.cache import cache_dir
@@ -117,27 +139,37 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False) -> None:
     adapter = sft_adapter(run.cfg)
     dirs = (strategy.unwrap(run.model).config._name_or_path, *([adapter] if adapter else []))
     cached = cache_dir() / "reference" / f"{cache_key(key, *dirs)}.safetensors"
+    need = needed_rows(accelerator, len(rows), needed)
+    have = None
     for path in (mine, cached) if resuming else (cached,):
         found = read_saved(path, name, key)
-        if found is not None:
+        if found is not None and not len(unscored(found, need)):
             rows.reference = found
             log(f"reference: {name} {unit}' log-probabilities read from {path}")
             if path != mine and accelerator.is_main_process:
                 save(mine, name, key, found, log)
             return
+        if path == cached:
+            have = found  # what the cache holds, of other runs' rows: only the rest is scored
+    todo = unscored(have, need)
     if resuming:
-        raise UserError(f"--resume: this run's reference log-probabilities ({name} {unit}) are in neither {mine} "
-                        f"nor {cached}, and the checkpoint's weights are trained, no longer the reference; start the "
-                        "run again without --resume")
+        raise UserError(f"--resume: the reference log-probabilities of {len(todo)} {name} {unit} this run reads are in "
+                        f"neither {mine} nor {cached} (its first run scored those its own steps read), and the "
+                        "checkpoint's weights are trained, no longer the reference; start the run again without --resume")
     start = time.perf_counter()
     try:
-        rows.reference = compute_reference(strategy, run.model, rows, run.cfg.train.micro_batch_size,
-                                           run.tokenizer.pad_token_id)
+        scores = compute_reference(strategy, run.model, torch.utils.data.Subset(rows, todo.tolist()),
+                                   run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory in the reference pass over the {name} {unit} (a forward at --micro-batch-size "
                         f"{run.cfg.train.micro_batch_size}): lower --micro-batch-size") from None
-    log(f"reference: {len(rows)} {name} {unit}' log-probabilities computed before step 1 (the model as loaded), "
-        f"in {time.perf_counter() - start:.1f} s")
+    values = torch.full((len(rows), 2), float("nan")) if have is None else have.clone()
+    values[todo] = scores
+    rows.reference = values
+    read = "" if needed is None else f"; the {len(need)} the run's {run.total_steps} steps read" + (
+        f", {len(need) - len(todo)} of them from the cache" if len(todo) < len(need) else "")
+    log(f"reference: {len(todo)} of {len(rows)} {name} {unit}' log-probabilities computed before step 1 (the model as "
+        f"loaded{read}), in {time.perf_counter() - start:.1f} s")
     if accelerator.is_main_process:
         for path in (mine, cached):
-            save(path, name, key, rows.reference, log)
+            save(path, name, key, values, log)
