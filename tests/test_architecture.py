@@ -14,13 +14,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "toolkit"
 # Lowest first; a module imports only modules of its own layer or of the layers before it.
 LAYERS = [
     ("leaves", ["errors", "hardware", "console", "cache", "dataset_spec", "tracker_spec", "objective_spec", "inputs",
-                "numerics"]),
+                "numerics", "rewards"]),
     ("layout", ["layout"]),
     ("config", ["config"]),
-    ("models", ["models", "attention"]),
+    ("models", ["models", "attention", "sampling"]),
     ("data", ["data"]),
     ("planner", ["planner"]),
-    ("loss", ["loss", "preference_functions", "preference", "router_load", "loss_head"]),
+    ("loss", ["loss", "preference_functions", "preference", "grpo_functions", "router_load", "loss_head"]),
     ("parallel", ["parallel"]),
     ("train", ["train"]),
     ("command line", ["__main__", "startup", "calibrate", "synthetic"]),

@@ -1,0 +1,438 @@
+"""GRPO's parts (issue 65): the loss, its gradient and metrics equal TRL 1.16's `GRPOTrainer._compute_loss` (run on
+a stand-in trainer with fixed log-probabilities), on one micro-batch and on TRL's equal micro-batches and ranks;
+any split of the global batch gives the same loss; the advantages equal what TRL's
+`_generate_and_score_completions` computes (run with stubs, its rewards from TRL's own `_calculate_rewards`);
+reward functions get TRL's arguments and fail in one line; a sampled completion depends only on its seed."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from toolkit import grpo_functions as gf
+from toolkit import rewards as rw
+from toolkit import sampling as sm
+from toolkit.errors import UserError
+
+trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")
+TOL = dict(atol=1e-6, rtol=1e-6)
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+# --- the policy loss against GRPOTrainer._compute_loss
+def rollout(seed: int = 0) -> dict:
+    """6 completions of lengths 7, 3, 5, 1, 6, 4: old log-probabilities a row-wise shift (+-0.5) and some noise
+    from the new ones, so both clips fire at token and at sequence level; advantages of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 3, 5, 1, 6, 4])
+    mask = (torch.arange(7)[None] < lengths[:, None]).long()
+    logps = -3 * torch.rand(6, 7, generator=g)
+    shift = torch.tensor([0.5, -0.5, 0.5, -0.5, 0.1, -0.1]).unsqueeze(1)
+    return dict(mask=mask, logps=logps, old=logps - shift + 0.2 * torch.randn(6, 7, generator=g),
+                ref=logps + 0.3 * torch.randn(6, 7, generator=g), entropies=torch.rand(6, 7, generator=g),
+                advantages=torch.tensor([1.2, -0.8, -1.0, 0.7, 0.3, -0.4]))
+
+
+def trl_trainer(loss_type: str, level: str, beta: float, logps: torch.Tensor, entropies: torch.Tensor,
+                accumulation: int = 1, processes: int = 1, steps_per_generation: int = 1, max_len: int = 7):
+    """The attributes `GRPOTrainer._compute_loss` reads, TRL's defaults otherwise; the model's forward replaced
+    by fixed per-token log-probabilities (a leaf) and entropies."""
+    identity = SimpleNamespace(num_processes=processes, gather=lambda t: t, reduce=lambda t, reduction="sum": t)
+    return SimpleNamespace(
+        beta=beta, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type=loss_type, importance_sampling_level=level,
+        max_completion_length=max_len, model=SimpleNamespace(training=True), accelerator=identity,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=True, steps_per_generation=steps_per_generation),
+        _metrics={"train": defaultdict(list)}, current_gradient_accumulation_steps=accumulation,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None))
+
+
+def trl_loss(r: dict, rows, loss_type: str, level: str, beta: float, leaf: torch.Tensor, num_items, **kw):
+    """TRL's loss on `rows` of the rollout (its metrics beside), the log-probabilities a slice of `leaf`."""
+    trainer = trl_trainer(loss_type, level, beta, leaf[rows], r["entropies"][rows], **kw)
+    n, t = r["mask"][rows].shape
+    inputs = dict(prompt_ids=torch.ones(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
+                  completion_ids=torch.ones(n, t, dtype=torch.long), completion_mask=r["mask"][rows],
+                  advantages=r["advantages"][rows], old_per_token_logps=r["old"][rows],
+                  ref_per_token_logps=r["ref"][rows], num_items_in_batch=torch.as_tensor(num_items))
+    return trl.GRPOTrainer._compute_loss(trainer, None, inputs), trainer._metrics["train"]
+
+
+def our_loss(r: dict, pieces, loss_type: str, level: str, beta: float, leaf: torch.Tensor) -> torch.Tensor:
+    """The toolkit's loss: each piece's sum over the global batch's normaliser, summed as the loop sums them."""
+    counts = sum(gf.completion_counts(r["mask"][rows]) for rows in pieces)
+    norm = gf.loss_normaliser(loss_type, counts[0], counts[1], 7)
+    total = 0
+    for rows in pieces:
+        terms = gf.policy_loss_terms(leaf[rows], r["old"][rows], r["advantages"][rows], r["mask"][rows], EPS_LOW,
+                                     EPS_HIGH, level, beta, r["ref"][rows])
+        total = total + gf.loss_sum(terms.loss, r["mask"][rows], loss_type) / norm
+    return total
+
+
+def leaf_of(r: dict) -> torch.Tensor:
+    return r["logps"].clone().requires_grad_()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_the_loss_its_gradient_and_metrics_equal_trls_compute_loss(loss_type, level, beta):
+    r = rollout()
+    theirs_leaf, ours_leaf = leaf_of(r), leaf_of(r)
+    everything = slice(None)
+    theirs, metrics = trl_loss(r, everything, loss_type, level, beta, theirs_leaf, r["mask"].sum())
+    theirs.backward()
+    ours = our_loss(r, [everything], loss_type, level, beta, ours_leaf)
+    ours.backward()
+    torch.testing.assert_close(ours, theirs, **TOL)
+    torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, **TOL)
+    assert theirs_leaf.grad.abs().sum() > 0
+
+    assert metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0  # both clips fired
+    terms = gf.policy_loss_terms(r["logps"], r["old"], r["advantages"], r["mask"], EPS_LOW, EPS_HIGH, level, beta,
+                                 r["ref"])
+    mine = gf.policy_metrics(terms, r["advantages"], r["mask"], EPS_LOW, EPS_HIGH, r["entropies"])
+    assert set(mine.sums) | set(mine.minimum) | set(mine.maximum) == set(metrics)
+    for name, (total, count) in mine.sums.items():
+        assert (total / count).item() == pytest.approx(metrics[name][0], abs=1e-6), name
+    for name, value in {**mine.minimum, **mine.maximum}.items():
+        assert value.item() == pytest.approx(metrics[name][0], abs=1e-6), name
+
+
+@pytest.mark.parametrize("processes, accumulation", [(1, 3), (3, 1), (2, 3)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_trls_equal_micro_batches_and_ranks_give_our_global_loss_except_bnpo(loss_type, processes, accumulation):
+    """TRL's accumulation: each micro-batch's loss / its accumulation steps (dapo: / the generation batch's
+    tokens per rank), DDP's mean over ranks. That sum equals ours (one normaliser over the global batch) for
+    grpo, dr_grpo and dapo; TRL's bnpo divides by each micro-batch's own tokens, so with micro-batches of
+    different token counts it is another loss, where ours stays the one-micro-batch loss."""
+    r = rollout(1)
+    micro = 6 // (processes * accumulation)
+    pieces = [slice(i, i + micro) for i in range(0, 6, micro)]
+    theirs_leaf, ours_leaf = leaf_of(r), leaf_of(r)
+    theirs = sum(trl_loss(r, rows, loss_type, "token", 0.04, theirs_leaf, r["mask"].sum(), accumulation=accumulation,
+                          processes=processes, steps_per_generation=accumulation)[0] for rows in pieces) / processes
+    theirs.backward()
+    ours = our_loss(r, pieces, loss_type, "token", 0.04, ours_leaf)
+    ours.backward()
+    whole_leaf = leaf_of(r)
+    whole, _ = trl_loss(r, slice(None), loss_type, "token", 0.04, whole_leaf, r["mask"].sum())
+    whole.backward()
+    torch.testing.assert_close(ours, whole, **TOL)  # ours does not depend on the split
+    torch.testing.assert_close(ours_leaf.grad, whole_leaf.grad, **TOL)
+    if loss_type == "bnpo":
+        assert abs(theirs.item() - ours.item()) > 1e-3
+    else:
+        torch.testing.assert_close(ours, theirs, **TOL)
+        torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, **TOL)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_any_split_of_the_global_batch_gives_the_same_loss_and_gradient(loss_type):
+    """Micro-batches of 1, 4 and 1 completions (no equal split TRL could run) against the whole batch at once."""
+    r = rollout(2)
+    whole_leaf, split_leaf = leaf_of(r), leaf_of(r)
+    whole = our_loss(r, [slice(None)], loss_type, "sequence", 0.04, whole_leaf)
+    split = our_loss(r, [slice(0, 1), slice(1, 5), slice(5, 6)], loss_type, "sequence", 0.04, split_leaf)
+    whole.backward()
+    split.backward()
+    torch.testing.assert_close(split, whole, **TOL)
+    torch.testing.assert_close(split_leaf.grad, whole_leaf.grad, **TOL)
+
+
+def test_nanstd_is_trls():
+    from trl.trainer.utils import nanstd
+
+    x = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [float("nan")] * 3 + [5.0], [3.0] * 4])
+    torch.testing.assert_close(gf.nanstd(x, dim=1), nanstd(x, dim=1), equal_nan=True)
+    torch.testing.assert_close(gf.nanstd(x), nanstd(x), equal_nan=True)
+
+
+# --- the advantages against GRPOTrainer._generate_and_score_completions
+G = 4
+COMPLETIONS = ["aa", "ab", "xb", "abc",  # one left out by `length`
+               "xxa", "xxb", "a", "aaaa",  # two unscorable (both functions None)
+               "xxc", "b", "xxd", "xxe",  # one scorable: its group's std is NaN
+               "bb", "bb", "bb", "bb"]  # all alike: std 0
+COMPLETION_IDS = [[5] * (i % 5 + 1) + ([2] if i % 3 else []) for i in range(len(COMPLETIONS))]  # 2: EOS
+
+
+def length(prompts, completions, completion_ids, **kw):
+    return [None if c.startswith("x") else float(len(c)) for c in completions]
+
+
+def count_a(prompts, completions, **kw):
+    return [None if c.startswith("xx") else float(c.count("a")) for c in completions]
+
+
+def trl_scorer(scale_rewards: str, mask_truncated: bool, funcs=(length, count_a), weights=(1.0, 0.5)):
+    """The attributes `_generate_and_score_completions` and `_calculate_rewards` read: generation replaced by
+    fixed completions, the reward functions TRL's own code calls; one process, one generation per step."""
+    from accelerate.state import PartialState
+
+    PartialState()  # TRL's logger needs accelerate's state
+    s = SimpleNamespace(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, process_index=0, num_processes=1,
+                                    is_main_process=True),
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False), environment_factories=None,
+        environments=None, tools=None, pad_to_multiple_of=None, _tokenizer=SimpleNamespace(pad_token_id=0),
+        mask_truncated_completions=mask_truncated, eos_token_ids=[2], num_iterations=1, use_vllm=False, beta=0.0,
+        args=SimpleNamespace(per_device_train_batch_size=len(COMPLETIONS), gradient_checkpointing_kwargs=None,
+                             steps_per_generation=1, gradient_accumulation_steps=1, report_to=[]),
+        reward_funcs=list(funcs), reward_processing_classes=[None] * len(funcs),
+        reward_func_names=[f.__name__ for f in funcs], state=SimpleNamespace(global_step=3),
+        _log_completion_extra=lambda *a: None, _log_metric=lambda *a: None, num_generations=G,
+        multi_objective_aggregation="sum_then_normalize", reward_weights=torch.tensor(weights),
+        scale_rewards=scale_rewards, _metrics={"train": defaultdict(list)}, _pending_extra_logs=defaultdict(list),
+        _pending_metrics=defaultdict(list), _logs={"prompt": deque(), "completion": deque(),
+                                                   "rewards": defaultdict(deque), "advantages": deque(),
+                                                   "extra": defaultdict(deque)})
+    s._generate = lambda prompts: ([[1, 1]] * len(prompts), COMPLETION_IDS, None, COMPLETIONS, None, {}, None, [])
+    s._calculate_rewards = lambda *a: trl.GRPOTrainer._calculate_rewards(s, *a)
+    return s
+
+
+def records() -> list[dict]:
+    return [{"prompt": f"question {i // G}", "answer": str(i)} for i in range(len(COMPLETIONS))]
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trls_generate_and_score_completions(scale_rewards, mask_truncated):
+    trainer = trl_scorer(scale_rewards, mask_truncated)
+    theirs = trl.GRPOTrainer._generate_and_score_completions(trainer, records())
+    rewards = [rw.Reward("length", "length", length, 1.0), rw.Reward("count_a", "count_a", count_a, 0.5)]
+    prompts = [x["prompt"] for x in records()]
+    scores = rw.score(rewards, prompts, COMPLETIONS, COMPLETION_IDS, {"answer": [x["answer"] for x in records()]}, G)
+    per_func = torch.tensor(scores.rewards)
+    total = gf.weighted_rewards(per_func, torch.tensor([r.weight for r in rewards]))
+    advantages = gf.group_advantages(total, G, scale_rewards)
+    torch.testing.assert_close(advantages, theirs["advantages"], **TOL)
+    assert (advantages[4:6] == 0).all() and (advantages[8:12] == 0).all() and advantages[:4].abs().min() > 0.1
+
+    if scale_rewards != "batch":  # TRL's zero-std count is of the group std it computed
+        assert gf.zero_std_groups(total, G).float().mean().item() == theirs_metric(trainer, "frac_reward_zero_std")
+    truncated = torch.tensor([ids[-1] != 2 for ids in COMPLETION_IDS])
+    full = (torch.arange(6)[None] < torch.tensor([len(ids) for ids in COMPLETION_IDS])[:, None]).long()
+    mask = gf.truncated_mask(full, truncated) if mask_truncated else full
+    assert torch.equal(mask, theirs["completion_mask"].long())
+    assert gf.completion_counts(mask)[1].item() == theirs["num_items_in_batch"].item()
+
+
+def theirs_metric(trainer, name: str) -> float:
+    return trainer._metrics["train"][name][0]
+
+
+# --- reward functions: TRL's call, the built-ins, loading, and mistakes in one line
+def test_a_reward_function_gets_the_arguments_trl_gives_it():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **kw):
+        seen.setdefault("calls", []).append(dict(prompts=prompts, completions=completions,
+                                                 completion_ids=completion_ids, **kw))
+        return [0.0] * len(completions)
+
+    trainer = trl_scorer("group", False, funcs=(spy,), weights=(1.0,))
+    trl.GRPOTrainer._generate_and_score_completions(trainer, records())
+    prompts = [x["prompt"] for x in records()]
+    rw.score([rw.Reward("spy", "spy", spy)], prompts, COMPLETIONS, COMPLETION_IDS,
+             {"prompt": prompts, "answer": [x["answer"] for x in records()]}, G, state=rw.RewardState(global_step=3))
+    theirs, ours = seen["calls"]
+    assert set(ours) == set(theirs)
+    for key in ("prompts", "completions", "completion_ids", "answer"):
+        assert ours[key] == theirs[key], key
+    assert ours["trainer_state"].global_step == theirs["trainer_state"].global_step
+    assert rw.completions_for(["a", [{"role": "user", "content": "q"}]], ["x", "y"]) == \
+        ["x", [{"role": "assistant", "content": "y"}]]  # TRL's `_generate`: conversational prompts get a message
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("She has 72 clips.", "48 + 24 = 72\n#### 72", 1.0),
+    ("The total is $1,234.50.", "#### 1234.5", 1.0),
+    ("so 3.50", "3.5", 1.0),
+    ("It drops to -7 degrees", "#### -7", 1.0),
+    ("It drops to 7 degrees", "#### -7", 0.0),
+    ("from 5-7, the answer is 12.", "#### 12", 1.0),
+    ("72 then 73", "#### 72", 0.0),  # the last number counts
+    ("no idea", "#### 72", 0.0),
+    ("1,000 apples", "#### 1000", 1.0),
+    ("costs $-5", "#### -5", 1.0),
+])
+def test_math_answer_reads_gsm8k_answers(completion, answer, reward):
+    assert rw.math_answer(["q"], [completion], answer=[answer]) == [reward]
+    conversational = [{"role": "assistant", "content": completion}]
+    assert rw.math_answer([[{"role": "user", "content": "q"}]], [conversational], answer=[answer]) == [reward]
+
+
+def test_regex_reward_searches_across_lines():
+    name, fn = rw.load_reward(r"builtin:regex:^<think>.*</think>\s*<answer>\d+</answer>$")
+    done = "<think>a\nb</think>\n<answer>42</answer>"
+    assert name == "regex" and fn(["q"] * 3, [done, "x" + done, "<answer>42</answer>"]) == [1.0, 0.0, 0.0]
+    assert rw.load_reward("builtin:regex:answer")[1](["q"] * 2, ["the answer: 4", "none"]) == [1.0, 0.0]
+
+
+def test_a_reward_file_loads_once_and_its_mistakes_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(
+        "from dataclasses import dataclass\nLOADS = []\nLOADS.append(1)\nLIMIT = 3\n"
+        "@dataclass\nclass Box:\n    n: int\n"
+        "def short(prompts, completions, **kw):\n    return [float(len(c) < LIMIT) for c in completions]\n"
+        "def other(completions, **kw):\n    return [Box(1).n * 1.0 for _ in completions]\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    rewards = rw.load_rewards(["mine.py:short", "mine.py:other", "builtin:math_answer"], [1.0, 0.5, 2.0])
+    assert [(r.name, r.weight) for r in rewards] == [("short", 1.0), ("other", 0.5), ("math_answer", 2.0)]
+    assert rewards[0].fn.__globals__["LOADS"] == [1]  # executed once for both functions
+    assert rw.score(rewards[:2], ["q", "q"], ["ab", "abcd"], [[1], [1]]).rewards == [[1.0, 1.0], [0.0, 1.0]]
+    for spec, says in [("gone.py:f", "--reward gone.py:f: no file gone.py"),
+                       ("mine.py:nope", "mine.py has no 'nope' (its functions: other, short)"),
+                       ("mine.py:LIMIT", "'LIMIT' in mine.py is a int, not a function"),
+                       ("broken.py:f", "--reward broken.py:f: loading"),
+                       ("mine.py", "write path.py:function"),
+                       ("builtin:length", "no such built-in"),
+                       ("builtin:regex:(", "not a regular expression")]:
+        with pytest.raises(UserError, match=None) as e:
+            rw.load_reward(spec)
+        assert says in str(e.value) and "\n" not in str(e.value), spec
+    with pytest.raises(UserError, match="gives 1 weights for 2 --reward functions"):
+        rw.load_rewards(["mine.py:short", "mine.py:other"], [1.0])
+
+
+def bad(kind):
+    def fn(prompts, completions, **kw):
+        if kind == "raises":
+            return [1 / 0 if c == "boom" else 1.0 for c in completions]
+        return {"short": [1.0], "text": ["1.0"] * len(completions), "nan": [float("nan")] * len(completions),
+                "inf": [1.0, math.inf] + [1.0] * (len(completions) - 2), "scalar": 1.0}[kind]
+    return fn
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("raises", "reward mine.py:bad failed on prompt 1 completion 1 (record 11): ZeroDivisionError: division by zero"),
+    ("short", "reward mine.py:bad returned 1 rewards for 4 completions"),
+    ("text", "reward mine.py:bad returned a str for prompt 0 completion 0 (record 10): a reward is a number, or None"),
+    ("nan", "reward mine.py:bad returned nan for prompt 0 completion 0 (record 10): return None to leave"),
+    ("inf", "reward mine.py:bad returned inf for prompt 0 completion 1 (record 10)"),
+    ("scalar", "reward mine.py:bad returned a float, not a list of 4 rewards"),
+])
+def test_a_reward_function_that_misbehaves_stops_the_run_in_one_line_naming_the_completion(kind, says):
+    completions = ["a", "b", "c", "boom"]
+    with pytest.raises(UserError) as e:
+        rw.score([rw.Reward("mine.py:bad", "bad", bad(kind))], ["p", "p", "q", "q"], completions, [[1]] * 4,
+                 num_generations=2, records=[10, 10, 11, 11])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_math_answer_without_an_answer_column_names_the_record():
+    with pytest.raises(UserError, match=r"builtin:math_answer failed on prompt 0 completion 0 \(record 7\): needs an "
+                                        r"'answer' column; the records have: solution$"):
+        rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q"], ["4"], [[1]],
+                 {"solution": ["4"]}, records=[7])
+
+
+# --- sampling
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def tiny(request, tmp_path_factory):
+    """Llama (RoPE: an offset of every position changes nothing) and GPT-2 (learned absolute positions: a
+    prompt's positions must start at 0 whatever its left padding)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.synthetic import build_zoo_model_dir
+
+    path = build_zoo_model_dir(tmp_path_factory.mktemp("grpo") / request.param, request.param)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+PROMPTS = [[3, 17, 90, 41], [8], [200, 12, 77, 5, 60, 61, 62, 9, 10], [55, 56]]
+CFG = sm.SamplingConfig(max_completion_length=12, temperature=0.8, top_k=40, top_p=0.9)
+EOS = list(range(20, 384, 20))  # 19 EOS ids: two of the four rows stop early
+
+
+def seeds_for(prompt_indices, generation=0):
+    return [sm.completion_seed(7, 3, p, generation) for p in prompt_indices]
+
+
+def test_a_completion_depends_only_on_its_seed_not_on_its_batch(tiny):
+    together = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    assert together.truncated.tolist().count(True) not in (0, 4)  # some stopped at an EOS, some ran to the end
+    reordered = sm.sample(tiny, [PROMPTS[2], PROMPTS[0]], seeds_for([2, 0]), CFG, EOS, pad_id=0)
+    for i, prompt in enumerate(PROMPTS):
+        alone = sm.sample(tiny, [prompt], seeds_for([i]), CFG, EOS, pad_id=0)
+        n = int(alone.mask.sum())
+        assert together.token_lists()[i] == alone.token_lists()[0], i
+        assert together.truncated[i] == alone.truncated[0]
+        assert together.mask[i].tolist() == [1] * n + [0] * (together.mask.shape[1] - n)
+        assert (together.ids[i, n:] == 0).all()
+        ended = together.token_lists()[i][-1] in EOS
+        assert ended != bool(together.truncated[i]) and (ended or n == CFG.max_completion_length)
+    assert reordered.token_lists() == [together.token_lists()[2], together.token_lists()[0]]
+    other = sm.sample(tiny, PROMPTS[:1], seeds_for([0], generation=1), CFG, EOS, pad_id=0)
+    assert other.token_lists()[0] != together.token_lists()[0]  # another generation, another stream
+
+
+def test_the_cached_decode_draws_what_one_full_forward_gives(tiny):
+    """Each sampled token is the inverse CDF, at its uniform, of the distribution a plain forward over the
+    prompt and the tokens so far gives (no cache, left-padded batch): the cache, positions and masks are right."""
+    out = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, [], pad_id=0)  # no EOS: every row runs to the end
+    prompt_ids, prompt_mask = sm.left_pad(PROMPTS, 0)
+    ids = torch.cat([prompt_ids, out.ids], 1)
+    mask = torch.cat([prompt_mask, out.mask], 1)
+    with torch.no_grad():
+        logits = tiny(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    steps = out.ids.shape[1]
+    scores = logits[:, prompt_ids.shape[1] - 1:-1].float()  # (B, L, V): the distribution of each completion token
+    u = sm.uniforms(seeds_for(range(4)), CFG.max_completion_length)
+    warp = sm.logits_warpers(CFG)
+    redrawn = torch.stack([sm.inverse_cdf(torch.softmax(warp(ids, scores[:, t]), -1), u[:, t])
+                           for t in range(steps)], 1)
+    assert torch.equal(redrawn, out.ids)
+
+
+def test_the_warpers_are_those_generate_applies(tiny):
+    from transformers import GenerationConfig
+
+    scores = torch.randn(3, 384, generator=torch.Generator().manual_seed(0))
+    for cfg in [CFG, sm.SamplingConfig(temperature=1.3, top_p=0.5), sm.SamplingConfig(top_k=5, min_p=0.05),
+                sm.SamplingConfig()]:
+        theirs = tiny._get_logits_processor(GenerationConfig(do_sample=True, temperature=cfg.temperature,
+                                                             top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p))
+        torch.testing.assert_close(sm.logits_warpers(cfg)(None, scores.clone()), theirs(None, scores.clone()))
+        assert [type(w).__name__ for w in sm.logits_warpers(cfg)] == [type(w).__name__ for w in theirs]
+
+
+def test_inverse_cdf_draws_each_token_in_proportion_and_never_a_filtered_one():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]])
+    k = 10_000
+    u = (torch.arange(k, dtype=torch.float64) + 0.5) / k
+    drawn = sm.inverse_cdf(probs.expand(k, -1), u)
+    counts = torch.bincount(drawn, minlength=5)
+    assert counts.tolist() == [1000, 0, 6000, 3000, 0]
+    assert sm.inverse_cdf(probs, torch.tensor([1 - 1e-17])).item() == 3
+
+
+def test_sampling_runs_without_dropout_and_restores_each_modules_mode(tmp_path):
+    from conftest import build_model_dir
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = build_model_dir(tmp_path / "model", attention_dropout=0.5)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    evaluated = sm.sample(model, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    model.train()
+    model.model.layers[0].eval()  # a module the caller keeps in eval mode stays so
+    trained = sm.sample(model, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    assert trained.token_lists() == evaluated.token_lists()
+    assert model.training and model.model.layers[1].training and not model.model.layers[0].training
+
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # B = 0: the base
+    assert sm.sample(peft, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0).token_lists() == evaluated.token_lists()
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    assert sm.sample(peft, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0).token_lists() != evaluated.token_lists()
