@@ -37,7 +37,7 @@ def main() -> None:
                     d = r.chosen_detail
                     tokens = d.examples_per_step * r.grad_accum * seq / d.step_time_s / r.world
                     second = next((x for x in r.ranking if x["name"] != d.name or x["checkpointing"] != d.checkpointing),
-                                  None)  # the runner-up: the ranking lists the chosen in its place by time
+                                  None)  # the runner-up: the ranking lists the chosen first, then the rest
                     lost = f"{second['name']}{' +gc' if second['checkpointing'] else ''}: {second['reason']}" if second else ""
                     print(f"{head} {d.name}{' +gc' if d.checkpointing else ''} | {d.micro_batch} x {r.grad_accum} | "
                           f"{d.bytes['total'] / GiB:.0f} | {tokens:,.0f} | {lost} |")

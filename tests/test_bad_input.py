@@ -169,14 +169,18 @@ def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name
 
 def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp_path, tiny_model, data_files):
     """`accelerate launch --num_processes 2` on a machine without a GPU starts one process unless
-    --multi_gpu is given; it must say so in one line instead of training alone."""
+    --multi_gpu is given; it must say so in one line instead of training alone, and say that the
+    traceback accelerate's launcher prints next is its report of this exit (issue 64)."""
     out = tmp_path / "out"
     p = launch(["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--output-dir", str(out)],
                nproc=2, launcher="accelerate", multi_gpu=False, env={"HF_HUB_OFFLINE": "1"}, timeout=120)
     assert p.returncode != 0, p.stderr[-2000:]  # finetune.py exits 2; accelerate's launcher then exits 1 with its own traceback
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
-    assert errors == ["finetune.py: error: accelerate launch --num_processes N started one process, not N (without "
-                      "a GPU it needs --multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
+    assert errors == ["finetune.py: error: accelerate launch --num_processes 2 started one process, not 2: accelerate "
+                      "starts several only with --multi_gpu (or by itself where it sees more than one GPU); run "
+                      "accelerate launch --multi_gpu --num_processes 2 finetune.py ..., or torchrun --nproc_per_node 2 "
+                      "finetune.py ...; the traceback accelerate prints below (CalledProcessError, exit status 2) is "
+                      "its report of this exit, not a second error"]
     assert "returned non-zero exit status 2" in p.stderr and "model:" not in p.stdout and not out.exists()
 
 

@@ -124,6 +124,30 @@ def test_launch_source_names_the_flags_or_the_config(tmp_path):
         f"accelerate config {home / 'accelerate' / 'default_config.yaml'}"
 
 
+
+def test_a_single_process_launch_names_its_count_and_accelerates_traceback(monkeypatch, tmp_path):
+    """Issue 64: `accelerate launch --num_processes 2 finetune.py` on a machine without a GPU starts one
+    process (accelerate's simple launcher); the toolkit refused it in a line that said "N", and then
+    accelerate's CalledProcessError traceback followed, which read as a second failure. The line now
+    names the count asked for and the two commands that start it, and says the traceback is accelerate's
+    report of this exit, except under accelerate's --quiet, which prints none."""
+    for k in [k for k in os.environ if k.startswith(("ACCELERATE_", "WORLD_SIZE", "MASTER_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what accelerate's simple launcher exports
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setattr(L, "_parent_cmdline", lambda: ["python", "-m", "accelerate.commands.launch", "--num_processes", "3"])
+    with pytest.raises(UserError) as e:
+        parse_config(["--output-dir", str(tmp_path / "o")])
+    line = str(e.value)
+    assert line.startswith("accelerate launch --num_processes 3 started one process, not 3: ")
+    assert "accelerate launch --multi_gpu --num_processes 3 finetune.py" in line
+    assert "torchrun --nproc_per_node 3 finetune.py" in line
+    assert line.endswith("the traceback accelerate prints below (CalledProcessError, exit status 2) is its report of "
+                         "this exit, not a second error")
+    quiet = L.single_process_refusal(["accelerate", "launch", "-q", "--num-processes=4"])
+    assert "not 4:" in quiet and "traceback" not in quiet
+
+
 # ----------------------------------------------------------------------------- launcher settings vs flags
 
 def _cfg(monkeypatch, env: dict, flags: list[str], tmp_path):

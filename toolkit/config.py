@@ -562,12 +562,12 @@ def _adopt_launcher(values: _Settings, given: set[str], notes: list[str]) -> lis
     must agree with our flags. What only the launcher says is adopted (an accelerate config alone
     works) and said in one line (`notes`); a flag the user gave that disagrees is refused. Returns the
     refusals; (stage, launcher) beside a --deepspeed file is left in `values` for `_adopt_deepspeed_file`."""
-    from toolkit.layout.launcher import accelerate_fsdp_sharding, launch_source, single_process_launch
+    from toolkit.layout.launcher import (accelerate_fsdp_sharding, launch_source, single_process_launch,
+                                         single_process_refusal)
 
     env = os.environ
     if single_process_launch(env):
-        return ["accelerate launch --num_processes N started one process, not N (without a GPU it needs "
-                "--multi_gpu to start several); add --multi_gpu, or use torchrun --nproc_per_node N"]
+        return [single_process_refusal()]
     deepspeed = env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if not (deepspeed or fsdp):

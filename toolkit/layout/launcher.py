@@ -95,6 +95,35 @@ def single_process_launch(env) -> bool:
     return "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
 
 
+def single_process_refusal(parent_cmdline: list[str] | None = None) -> str:
+    """The one line that refuses `single_process_launch`: the processes asked for, the two commands
+    that start them, and, unless accelerate runs with --quiet, that the traceback it prints next is
+    its report of this exit: its simple launcher raises CalledProcessError for any child that exits
+    non-zero (accelerate/commands/launch.py, `simple_launcher`), which read as a second failure.
+    The child cannot start the N processes itself soundly: the launch's port, its CPU affinity
+    variables and a second machine's rank are the launcher's, and a launcher inside a launcher is
+    one more path to keep working for a mistake that one flag fixes."""
+    if parent_cmdline is None:
+        parent_cmdline = _parent_cmdline()
+    n = _flag_value(parent_cmdline, ("--num_processes", "--num-processes")) or "N"
+    line = (f"accelerate launch --num_processes {n} started one process, not {n}: accelerate starts several only "
+            f"with --multi_gpu (or by itself where it sees more than one GPU); run accelerate launch --multi_gpu "
+            f"--num_processes {n} finetune.py ..., or torchrun --nproc_per_node {n} finetune.py ...")
+    if not {"--quiet", "-q"} & set(parent_cmdline):
+        line += ("; the traceback accelerate prints below (CalledProcessError, exit status 2) is its report of "
+                 "this exit, not a second error")
+    return line
+
+
+def _flag_value(cmdline: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of `names` on a command line, given as `--flag value` or `--flag=value`."""
+    for i, arg in enumerate(cmdline):
+        name, eq, rest = arg.partition("=")
+        if name in names:
+            return rest if eq else (cmdline[i + 1] if i + 1 < len(cmdline) else None)
+    return None
+
+
 FSDP1_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                     "5": "HYBRID_SHARD_ZERO2"}
 

@@ -11,9 +11,9 @@ offload > the least predicted time per example (`cost.step_terms`) > the simpler
 names the term of the time or memory model that decided it (`decision`), and for an MoE model one
 line says why expert parallel wins or loses (`expert_parallel_line`). Every line that compares two
 rows prints one number in one direction, the other's time per example against the chosen's
-(`time_against`); the top 5 are printed in the order above, the chosen in its place; a choice
-within `HEADROOM` of a memory limit says what it leaves (`memory_line`). On one GPU nothing is
-sharded: only DDP and the offload variants are planned.
+(`time_against`); the top list (`listed`) is the chosen, the rows as fast as it, then the others that
+fit in the order above; a choice within `HEADROOM` of a memory limit says what it leaves
+(`memory_line`). On one GPU nothing is sharded: only DDP and the offload variants are planned.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ FRAMEWORK_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator 
 DDP_BUCKET = 25 * 1024**2  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator slack, as a fraction of everything else
 TIE = 0.05  # predicted times closer than this are treated as equal
+EQUAL = 0.0005  # times closer than this print as +0.0% (`time_against`): the top list keeps them together
+TOP = 5  # rows in the top list (`listed`), more where rows as fast as the last one shown follow it
 HEADROOM = 0.05  # a choice that leaves less than this fraction of a memory limit says so (`memory_line`)
 QLORA_BITS = 4.127  # NF4 + double-quantized constants (QLoRA paper, sec. 3: 0.127 bits/param)
 ORDER = ["ddp", "zero1", "zero2", "fsdp_grad_op", "zero3", "fsdp_full", "zero2_offload", "zero3_offload",
@@ -245,7 +247,7 @@ class Plan:
     gpu_memory: int = 0
     cpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
-    ranking: list[dict[str, Any]] = field(default_factory=list)  # the chosen and the next 4, each with why it lost
+    ranking: list[dict[str, Any]] = field(default_factory=list)  # `listed`'s rows, each with why it lost
     hardware: str = ""  # the time model's figures (`cost.Hardware.name`)
     global_batch: int = 0  # examples per optimizer step asked for (`target_batch`)
     batch: str = ""  # how the chosen layout splits the global batch, in one line (`batch_line`)
@@ -467,14 +469,48 @@ def rank_key(c: Candidate, target: int) -> tuple:
             simplicity(c))
 
 
+def tie_key(c: Candidate) -> tuple:
+    """Which of the rows within `TIE` of the fastest `choose` prefers: the simpler (`simplicity`),
+    then the one without checkpointing, then the faster. The last decides between equally simple
+    layouts (cp2_dp_shard4 and tp2_dp_shard4), which the order the search listed them in once did:
+    a 1.6% slower row was chosen for coming first, which told the reader nothing."""
+    return simplicity(c), c.checkpointing, c.seconds_per_example
+
+
 def choose(rows: list[Candidate], target: int) -> Candidate:
     """The first by `rank_key`, except that predictions within `TIE` of the fastest count as equal
-    (the time model is not that accurate) and the simpler layout among them wins (no checkpointing
-    first)."""
+    (the time model is not that accurate) and the first among them by `tie_key` wins."""
     best = min(rows, key=lambda c: rank_key(c, target))
     near = [c for c in rows if rank_key(c, target)[:3] == rank_key(best, target)[:3]
             and c.seconds_per_example <= (1 + TIE) * best.seconds_per_example]
-    return min(near, key=lambda c: (simplicity(c), c.checkpointing))
+    return min(near, key=tie_key)
+
+
+def same_time(c: Candidate, other: Candidate) -> bool:
+    """Predicted times per example the plan prints as equal: `time_against` reads +0.0% or -0.0%."""
+    return abs(time_ratio(c, other)) < EQUAL
+
+
+def listed(best: Candidate, ranked: list[Candidate]) -> list[Candidate]:
+    """The rows of the top list, in its order. Where a layout is chosen: it first (the plan's answer
+    is the line a reader looks for); then the other rows that run and fit, those as fast as it
+    (`same_time`) next to it, then the rest in the plan's order (`ranked`, by `rank_key`), to `TOP`
+    rows, a row as fast as the last one shown kept with it. Issue 64: the chosen stood fifth under
+    faster rows it did not choose, fsdp_full, as fast as the chosen zero3, was cut off below them,
+    and a row that does not fit filled a place the table already says it cannot have. Where nothing
+    fits: the first `TOP` in the plan's order, the nearest to a choice among them."""
+    if not (best.fits and best.runnable):
+        rest = [c for c in ranked if c is not best][:TOP - 1]
+        return [c for c in ranked if c is best or any(c is x for x in rest)]
+    others = [c for c in ranked if c is not best and c.fits and c.runnable]
+    top = [best] + [c for c in others if same_time(c, best)]
+    for c in others:
+        if any(c is x for x in top):
+            continue
+        if len(top) >= TOP and not same_time(c, top[-1]):
+            break
+        top.append(c)
+    return top
 
 
 def reestimate(inp: PlanInput, c: Candidate, micro_batch: int) -> Candidate:
@@ -765,7 +801,7 @@ def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candida
     ratio = time_ratio(c, chosen)
     if ratio <= TIE and (ratio >= -TIE or not chosen.asked):
         return (f"{time_against(c, chosen)}, within {TIE:.0%}: "
-                + ("the layout asked for stays" if chosen.asked else "the simpler layout wins")), None
+                + ("the layout asked for stays" if chosen.asked else preferred(chosen, c, rows, target))), None
     scale = chosen.global_batch / c.global_batch  # per optimizer step of the chosen's global batch
     diff = {k: c.seconds[k] * scale - chosen.seconds[k] for k in chosen.seconds}
     term = (max if ratio > 0 else min)(diff, key=diff.get)  # what makes it slower, or faster
@@ -779,6 +815,30 @@ def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candida
                  f"chosen does not (activations {gib(chosen.bytes['activations'])} GiB"
                  + (f": {because})" if because else ")"))
     return text, term
+
+
+def preferred(chosen: Candidate, c: Candidate, rows: list[Candidate], target: int) -> str:
+    """Why `choose` took the chosen over `c`, a row within `TIE` of it, in words: what makes the chosen
+    first by `tie_key`; or, where `c` is first by it, that `c` is more than `TIE` slower than the
+    fastest row and so out of the tie. "The simpler layout wins" once said it for two layouts equally
+    simple, and for a faster one that was not simpler."""
+    if tie_key(c) < tie_key(chosen):
+        fastest = min(rows, key=lambda r: rank_key(r, target))
+        return f"{label(c)} is the simpler, but more than {TIE:.0%} slower than the fastest, {label(fastest)}"
+    a, b = simplicity(chosen), simplicity(c)
+    if a == b:
+        if c.checkpointing != chosen.checkpointing:
+            return "the chosen needs no gradient checkpointing"
+        return "as simple as the chosen" + (", and slower" if time_ratio(c, chosen) > 0 else ": the chosen was found first")
+    if a[0] == b[0] == 0:
+        return f"{c.name} comes after the chosen in the 1-D order ({', '.join(ORDER[a[1]:b[1] + 1])})"
+    if a[0] == 0:
+        return f"the chosen is a 1-D strategy, {c.name} a device mesh"
+    if a[0] != b[0]:
+        return f"the chosen's mesh has {a[0] - 1} dimension{'s' * (a[0] != 2)}, {c.name}'s {b[0] - 1}"
+    if a[1] != b[1]:
+        return f"the chosen's model-parallel degrees (pp x cp x tp x ep) multiply to {a[1]}, {c.name}'s to {b[1]}"
+    return f"the chosen's ep is {a[2]}, {c.name}'s {b[2]} (its predicted time assumes a balanced router)"
 
 
 def batch_line(inp: PlanInput, c: Candidate) -> str:
@@ -868,11 +928,10 @@ def plan(inp: PlanInput) -> Plan:
     if asked is not None and asked.fits and asked.runnable:
         best = asked
     ranked = sorted(rows, key=lambda c: rank_key(c, target))
-    top = sorted([best] + [c for c in ranked if c is not best][:4], key=lambda c: rank_key(c, target))
     result.ranking = []
-    for c in top:
+    for c in listed(best, ranked):
         reason, term = decision(c, best, inp, rows)
-        if c is best and top[0] is not best and not best.asked and best.fits and best.runnable:
+        if c is best and ranked[0] is not best and not best.asked and best.fits and best.runnable:
             reason += f": the simplest of the layouts within {TIE:.0%} of the fastest"
         result.ranking.append({"name": c.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
                                "grad_accum": c.grad_accum, "gib_per_gpu": round(c.bytes["total"] / GiB, 2),
@@ -949,17 +1008,27 @@ def table_legend(p: Plan, shown: list[Candidate], mesh: int) -> str:
     return (f"each row at its split of the global batch of {p.global_batch} (mb x acc: micro-batch x accumulation "
             f"per data-parallel rank; micro-batch 1 where none fits"
             + ("; (asked): the run's own layout at its own split" if p.asked else "")
-            + f"); step s: predicted seconds per optimizer step ({p.hardware}); fits: no names what is short "
+            + "); step s: predicted seconds per optimizer step; fits: no names what is short "
             f"({short}; RAM: the node's host RAM that CPU offload fills)"
             + ("; RAM?: fits the GPU, host RAM not checked" if unchecked else "")
-            + f"; {mesh} mesh layouts (pp x dp x cp x tp) predicted, those in the top 5 shown (all in --json)")
+            + f"; {mesh} mesh layouts (pp x dp x cp x tp) predicted, those in the top list shown (all in --json)")
+
+
+def top_heading(p: Plan) -> str:
+    """The line over the top list, saying the order `listed` gives it."""
+    order = "keeps the global batch, no CPU offload, then the least predicted time per example"
+    if not p.chosen:
+        return f"nothing fits; the first {len(p.ranking)} in the plan's order ({order}), each with what is short:"
+    fewer = f" (only {len(p.ranking)} run and fit)" if len(p.ranking) < TOP else ""
+    return (f"top {len(p.ranking)}{fewer}: the chosen first, then the other layouts that run and fit, those as fast as "
+            f"it (+0.0%) next, then in the plan's order ({order}), each with what decided it against the chosen:")
 
 
 def render_table(p: Plan) -> str:
     """Where the trainable parameters sit, the 1-D strategies' memory breakdown, the mesh layouts
-    among the top 5 (and the layout a run asks for), each row's fits saying what is short, then the
-    top 5 in the plan's order (`rank_key`: among rows that fit, by predicted time per example; the
-    chosen in its place, marked) with why each lost, then the choice: its split of the global batch,
+    among the top list (and the layout a run asks for), each row's fits saying what is short, then the
+    top list (`listed`: the chosen first, the rows as fast as it, then the others that run and fit by
+    `rank_key`) with why each lost, then the choice: its split of the global batch,
     its headroom where it is tight (`memory_line`), its predicted step term by term, what decided it,
     and its flags. Each figure is printed once, and every GiB figure as `gib` rounds it."""
     cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
@@ -972,8 +1041,8 @@ def render_table(p: Plan) -> str:
     mesh = len([c for c in p.strategies if c.dims is not None and not c.asked])
     world = f"{p.world} GPU{'s' * (p.world != 1)}" if gpu else f"{p.world} CPU process{'es' * (p.world != 1)}"
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {world}  "
-             f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  host RAM per node {ram}  "
-             f"(GiB per {per} below)", parts_line(p), *p.notes,
+             f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  step times for {p.hardware}  "
+             f"host RAM per node {ram}  (GiB per {per} below)", parts_line(p), *p.notes,
              f"{'layout':<26}" + "".join(f"{c:>{max(12, len(c) + 1)}}" for c in cols)
              + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}  {'fits'}"]
     for c in shown:
@@ -981,8 +1050,7 @@ def render_table(p: Plan) -> str:
                      + f"{gib(c.cpu_bytes_per_node):>10}{f'{c.micro_batch} x {c.grad_accum}':>10}"
                      f"{c.step_time_s:>8.3g}  {fits_word(c, p)}")
     lines.append(table_legend(p, shown, mesh))
-    lines.append("top 5 in the plan's order (runs and fits, keeps the global batch, no CPU offload, then the least "
-                 "predicted time per example), each with what decided it against the chosen:")
+    lines.append(top_heading(p))
     for r in p.ranking:
         name = r["name"] + (" +gc" if r["checkpointing"] else "") + (" (asked)" if r.get("asked") else "")
         split = f"{r['micro_batch']} x {r['grad_accum']}"
