@@ -369,3 +369,22 @@ def test_their_names_without_a_counterpart_say_what_to_use(tmp_path, argv, yaml_
         parse_config(["--config", str(run), *argv, "--output-dir", str(tmp_path / "o")])
     assert said.replace("RUN", str(run)) in str(e.value)
     assert "--strategy" not in str(e.value) and "--dp-replicate" not in str(e.value)
+
+
+def test_parsing_their_names_and_the_new_flags_imports_nothing_heavy(tmp_path):
+    """Flag parsing stays light (bad flags fail before anything heavy loads): their names, --chat-template and
+    --push-to-hub are read without importing torch, transformers, peft or huggingface_hub."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    argv = ["--load_in_4bit", "--lr_scheduler_type", "linear", "--chat-template", str(tmp_path / "t.jinja"),
+            "--push-to-hub", "me/run", "--output-dir", str(tmp_path / "o")]
+    code = (f"import sys; from toolkit.config import parse_config; cfg = parse_config({argv!r}); "
+            "print(cfg.model.method, sorted(m for m in ('torch', 'transformers', 'peft', 'huggingface_hub') "
+            "if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "qlora []"
