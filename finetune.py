@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
+    if cfg.output.push_to_hub:  # refused now, not after training: offline, no token, the hub out of reach
+        from toolkit.hub import check_push
+
+        check_push(cfg.output.push_to_hub)
     if argv is None:  # the command line's own process: packages this layout never uses stay unimported
         leave_unimported(cfg)
     quiet()  # third-party notices the user cannot act on (shown with --debug)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None):
 
     model_path, source = training_model(cfg)  # a LoRA adapter folder: its base (or, merged, the merged folder)
     attention = check_model(cfg, model_path)  # LoRA targets, the attention it runs: on a weightless skeleton
-    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
+                               cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
     data = prepare_data(cfg, tokenizer)  # tokenized once into the cache; bad data fails here, before the model
     train_rows, eval_rows = data.train, data.eval
@@ -98,6 +103,13 @@ def main(argv: list[str] | None = None):
     run = summarize(log, cfg, out_dir, result, scores, accelerator, model)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
+    if cfg.output.push_to_hub and accelerator.is_main_process:  # saved and checked; no collective waits on the upload
+        from huggingface_hub import HfApi
+
+        from toolkit.hub import push_final
+
+        url = push_final(HfApi(), out_dir / "final", cfg.output.push_to_hub, cfg.output.hub_private)
+        print(f"hub: {out_dir / 'final'} uploaded to {url}")
     return run
 
 

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "toolkit"
 # Lowest first; a module imports only modules of its own layer or of the layers before it.
 LAYERS = [
     ("leaves", ["errors", "hardware", "console", "cache", "dataset_spec", "tracker_spec", "objective_spec", "inputs",
-                "numerics", "rewards"]),
+                "numerics", "rewards", "foreign_names", "chat_template", "hub"]),
     ("layout", ["layout"]),
     ("config", ["config"]),
     ("models", ["models", "attention", "sampling"]),

@@ -119,34 +119,157 @@ def sampling_options(args) -> dict:
     return options
 
 
+def read_prompts(path: str, system: str) -> list[tuple[object, list[dict[str, str]]]]:
+    """`generate --prompt-file`: (what the line gave, the conversation to answer) for each prompt of a
+    file of one prompt per line, or JSON Lines of {"prompt": ...} or {"messages": [...]} (ending with
+    the user's turn). `system` is added where a conversation has no system message, as in training."""
+    import json
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--prompt-file {path}: file not found")
+    lines = [(n, line) for n, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if line.strip()]
+    out = []
+    for n, line in lines:
+        if file.suffix != ".jsonl":
+            given, messages = line.strip(), [{"role": "user", "content": line.strip()}]
+        else:
+            try:
+                record = json.loads(line)
+                given = record["prompt"] if "prompt" in record else record["messages"]
+                messages = [{"role": "user", "content": str(given)}] if "prompt" in record else \
+                    [{"role": str(m["role"]), "content": str(m["content"])} for m in given]
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"--prompt-file {path}: line {n} is not a JSON object with a \"prompt\" or "
+                                "\"messages\" ([{\"role\": ..., \"content\": ...}, ...])") from None
+            if not messages or messages[-1]["role"] != "user":
+                last = f"the {messages[-1]['role']}'s turn" if messages else "nothing"
+                raise UserError(f"--prompt-file {path}: line {n}'s messages end with {last}; end them with the "
+                                "user's turn, the one to answer")
+        out.append((given, with_system(messages, system)))
+    if not out:
+        raise UserError(f"--prompt-file {path} holds no prompt")
+    return out
+
+
+def with_system(messages: list[dict[str, str]], system: str) -> list[dict[str, str]]:
+    """The conversation with `system` first, unless it has a system message of its own (as training adds
+    --system-prompt)."""
+    if not system or any(m["role"] == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def generate_checks(args) -> None:
+    """What `generate` is asked, checked before any model loads: one source of prompts, and no chat
+    setting beside --raw (which continues plain text, no template)."""
+    from toolkit.chat_template import template_problems
+
+    sources = [flag for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file),
+                                        ("--chat", args.chat)) if given]
+    if len(sources) != 1:
+        raise UserError(f"{' and '.join(sources)} both give prompts; use one" if sources else
+                        "give the prompt: --prompt TEXT, --prompt-file FILE (one per line, or .jsonl), or --chat "
+                        "(turns read from stdin)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("--prompt is empty; give the text to continue or answer")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    if args.raw:
+        chat = [f for f, given in (("--chat", args.chat), ("--system-prompt", args.system_prompt),
+                                   ("--chat-template", args.chat_template)) if given]
+        if chat:
+            raise UserError(f"--raw continues the text as it is, with no chat template; {' and '.join(chat)} "
+                            f"{'need' if len(chat) > 1 else 'needs'} one: leave out --raw")
+    problems = template_problems(args.chat_template or "")
+    if problems:
+        raise UserError(problems[0])
+
+
+def complete(model, tok, texts: list[str], options: dict, raw: bool, max_new_tokens: int,
+             batch_size: int) -> list[str]:
+    """Completions of `texts` (rendered prompts, or plain text with `raw`), `batch_size` at a time,
+    left-padded so every row's completion starts at the same position."""
+    import torch
+
+    out, side = [], tok.padding_side
+    tok.padding_side = "left"
+    try:
+        for start in range(0, len(texts), batch_size):
+            enc = tok(texts[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=raw)
+            with torch.no_grad():
+                ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **options)
+            out += [t.strip() for t in tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
+    finally:
+        tok.padding_side = side
+    return out
+
+
 def cmd_generate(args) -> None:
+    """Completions from a model or adapter folder of one --prompt, each prompt of a --prompt-file
+    (batched; JSON Lines out), or a --chat read from stdin turn by turn, its history kept; each
+    conversation rendered with the chat template, as training renders its data. The prompts and the
+    template are read and checked before the model loads."""
+    import json
     import tempfile
 
-    import torch
-    from transformers import AutoTokenizer
-
     from toolkit.data.tokenize import ensure_chat_template, prompt_text
-    from toolkit.models import load_for_inference, resolve_model
+    from toolkit.models import load_for_inference, load_tokenizer, resolve_model
 
     options = sampling_options(args)
-    if not args.prompt.strip():
-        raise UserError("--prompt is empty; give the text to continue or answer")
+    generate_checks(args)
+    system = args.system_prompt or ""
+    if args.prompt is not None:
+        prompts = [(args.prompt, with_system([{"role": "user", "content": args.prompt}], system))]
+    else:
+        prompts = read_prompts(args.prompt_file, system) if args.prompt_file else []
+    if args.raw and not all(isinstance(given, str) for given, _ in prompts):
+        raise UserError(f"--raw continues plain text; --prompt-file {args.prompt_file} holds messages, which need the "
+                        "chat template: leave out --raw")
+
+    def render(messages: list[dict[str, str]]) -> str:
+        try:
+            return prompt_text(tok, messages)
+        except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (a system role, say)
+            raise UserError(f"the chat template refused the conversation ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:200]})") from None
+
     with tempfile.TemporaryDirectory() as work:
         src = args.model if Path(args.model).exists() else resolve_model(args.model)
         src = _checkpoint_as_folder(src, work)
+        tok = load_tokenizer(src, args.trust_remote_code, args.chat_template or "")
+        ensure_chat_template(tok)
+        texts = [given if args.raw else render(messages) for given, messages in prompts]
         model = load_for_inference(src, trust_remote_code=args.trust_remote_code).eval()
-        tok = AutoTokenizer.from_pretrained(src)
-    ensure_chat_template(tok)
-    text = args.prompt if args.raw else prompt_text(tok, [{"role": "user", "content": args.prompt}])
-    enc = tok(text, return_tensors="pt", add_special_tokens=args.raw)
     if args.do_sample:
         from transformers import set_seed
 
         set_seed(options.pop("seed"))
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id,
-                             **options)
-    print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+
+    def answer(texts: list[str]) -> list[str]:
+        return complete(model, tok, texts, options, args.raw, args.max_new_tokens, args.batch_size)
+
+    if args.prompt is not None:
+        print(answer(texts)[0])
+    elif args.prompt_file:
+        for (given, _), text in zip(prompts, answer(texts)):
+            print(json.dumps({"prompt" if isinstance(given, str) else "messages": given, "completion": text},
+                             ensure_ascii=False), flush=True)
+    else:
+        history = with_system([], system)
+        while True:
+            if sys.stdin.isatty():
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line.strip()})
+            reply = answer([render(history)])[0]
+            history.append({"role": "assistant", "content": reply})
+            print(reply, flush=True)
 
 
 def cmd_prepare_data(args) -> None:
@@ -161,7 +284,8 @@ def cmd_prepare_data(args) -> None:
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
     # the tokenizer finetune.py will use (an SFT adapter's own, saved beside it), so the run reads this cache
-    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, resolve_model(cfg.model.model)), cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, resolve_model(cfg.model.model)),
+                               cfg.model.trust_remote_code, cfg.model.chat_template)
     ensure_chat_template(tokenizer)
     data = prepare_data(cfg, tokenizer)
     for what, stats in (("training", data.stats), ("eval", data.eval_stats)):
@@ -449,12 +573,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true")
     s.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
     s.set_defaults(fn=cmd_merge)
-    s = sub.add_parser("generate", help="print a completion from a model or adapter folder",
-                       description="Greedy decoding unless --do-sample; --temperature, --top-p, --top-k and --seed "
-                                   "shape sampling and need --do-sample.", formatter_class=_DefaultsShown)
+    s = sub.add_parser("generate", help="print completions from a model or adapter folder: a prompt, a file of "
+                                        "them, or a chat on stdin",
+                       description="One of --prompt, --prompt-file or --chat. Greedy decoding unless --do-sample; "
+                                   "--temperature, --top-p, --top-k and --seed shape sampling and need --do-sample.",
+                       formatter_class=_DefaultsShown)
     s.add_argument("--model", required=True,
                    help="model folder, adapter folder, step checkpoint (checkpoint-N), or the default name")
-    s.add_argument("--prompt", required=True, help="the text to answer (or, with --raw, to continue)")
+    s.add_argument("--prompt", help="the text to answer (or, with --raw, to continue)")
+    s.add_argument("--prompt-file", metavar="FILE", help="instead, every prompt of a file, in batches: one per line, "
+                                                         "or JSON Lines of {\"prompt\": ...} or {\"messages\": [...]}; "
+                                                         "prints a JSON line {\"prompt\" (or \"messages\"), "
+                                                         "\"completion\"} for each")
+    s.add_argument("--chat", action="store_true", help="instead, a conversation: each line read from stdin is the "
+                                                       "user's next turn, answered with the whole conversation so far, "
+                                                       "until end of input")
+    s.add_argument("--system-prompt", help="a system message before the conversation, where it has none of its own "
+                                           "(default: none)")
+    s.add_argument("--chat-template", help="a Jinja template file, or the name of a template the tokenizer carries "
+                                           "(default: the one saved with the model; a trained final/ holds its run's)")
+    s.add_argument("--batch-size", type=int, default=8, help="--prompt-file: prompts generated together")
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     s.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
     s.add_argument("--temperature", type=float, help=f"with --do-sample: softmax temperature, > 0 (default: "

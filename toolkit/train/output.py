@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolkit.chat_template import is_inline
 from toolkit.config import Config
 from toolkit.inputs import parse_columns
 
@@ -68,7 +69,11 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
     if stats.dropped - stats.empty:
         log(f"data: {stats.dropped - stats.empty} more {unit[:-1]}(s) dropped, not counted above: no answer tokens "
             "left after truncation")
-    if added_template:
+    if cfg.model.chat_template:
+        spec = cfg.model.chat_template
+        log(f"data: chat template {'written out in the config' if is_inline(spec) else spec} (--chat-template), "
+            "saved with the tokenizer")
+    elif added_template:
         log("data: the tokenizer has no chat template; using the toolkit's fallback "
             "(<|role|>\\ncontent<eos>), saved with the tokenizer")
 

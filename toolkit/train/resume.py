@@ -31,11 +31,11 @@ RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_
                "system_prompt", "seq_len", "train_on_prompt", "eval_split", "packing", "lr", "lr_schedule",
                "warmup_steps", "weight_decay", "max_grad_norm", "epochs", "max_steps", "seed", "mixed_precision",
                "loss", "streaming", "router_aux_loss_coef", "objective", "beta", "simpo_gamma", "label_smoothing",
-               "desirable_weight", "undesirable_weight", "merge_adapter")
+               "desirable_weight", "undesirable_weight", "merge_adapter", "chat_template")
 NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None, "objective": "sft", "beta": None,
                      "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0,
                      "desirable_weight": 1.0, "undesirable_weight": 1.0,
-                     "merge_adapter": False}  # what older checkpoints ran with
+                     "merge_adapter": False, "chat_template": ""}  # what older checkpoints ran with
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
