@@ -11,6 +11,7 @@ import json
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,7 +48,7 @@ class DataSource:
         """How the user wrote mapping `entry`, for a message."""
         return f"{self.flag} {self.path}:{entry}" if self.own else f"--columns {entry}"
 
-    @property
+    @cached_property
     def turns(self) -> Turns:
         return turn_mapping(self.columns)
 
