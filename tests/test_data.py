@@ -538,6 +538,11 @@ def test_eval_dataset_is_its_own_file_detected_mapped_and_cached_on_its_own(data
     with pytest.raises(UserError, match="--eval-dataset .*nope.jsonl: file not found"):
         _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(tmp_path / "nope.jsonl"))
     assert _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(held), "--eval-on-start").output.eval_on_start
+    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}] * 3)
+    good = _jsonl(tmp_path / "good.jsonl", [{"question": "Name a shape.", "good": "Round.", "bad": "Sad."}] * 2)
+    dpo = prepare_data(_cfg(tmp_path, pairs, "--objective", "dpo", "--eval-dataset",
+                            f"{good}:prompt=question;chosen=good;rejected=bad"), tok)
+    assert len(dpo.eval) == 2 and dpo.eval_format == "pairs" and "rejected_input_ids" in dpo.eval[0]  # pairs to score
 
 
 def test_a_resume_may_change_the_eval_file_but_not_the_training_data(data_files, tmp_path):
