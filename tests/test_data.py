@@ -554,8 +554,8 @@ def test_a_resume_may_change_the_eval_file_but_not_the_training_data(data_files,
     assert fingerprint(one, 1) != fingerprint(_cfg(tmp_path, data_files["chat"], "--eval-split", "0.1"), 1)
 
 
-@pytest.mark.parametrize("case", ["no_format", "mapped_missing", "turn_keys", "speaker", "all_empty", "empty_object",
-                                  "kto_columns"])
+@pytest.mark.parametrize("case", ["no_format", "mapped_missing", "turn_keys", "speaker", "all_empty",
+                                  "own_columns_all_empty", "empty_object", "kto_columns"])
 def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatch):
     """`toolkit.data.peek` reads the columns (and a small JSON file whole) before torch loads, and says
     exactly what reading the file with datasets says later, word for word."""
@@ -570,10 +570,12 @@ def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatc
         "turn_keys": (dialog, ["--columns", "conversations=dialog"]),
         "speaker": (dialog, ["--columns", "conversations=dialog,role=who,content=says,user_role=customer"]),
         "all_empty": ([{"instruction": f"q{i}", "output": " "} for i in range(3)], []),
+        "own_columns_all_empty": ([{"instruction": "q", "reply": ""}], []),
         "empty_object": ([{}], []),
         "kto_columns": ([{"prompt": "q", "reply": "a", "ok": True}], ["--objective", "kto", "--columns", "completion=reply"]),
     }[case]
-    cfg = _cfg(tmp_path, _jsonl(tmp_path / "d.jsonl", rows), *flags)
+    spec = f"{_jsonl(tmp_path / 'd.jsonl', rows)}" + (":output=reply" if case.startswith("own") else "")
+    cfg = _cfg(tmp_path, spec, *flags)
     with pytest.raises(UserError) as early:
         check_data(cfg)
     with pytest.raises(UserError) as full:

@@ -2,8 +2,9 @@
 Lines file of up to `PEEK_BYTES` parsed whole, a CSV file's header, a Parquet file's schema) and put
 through the same functions the full read puts them through (`column_renames`, `source_format`), so a
 file no format fits, a mapping naming a column the file lacks or a field its format does not read, data
-that does not fit --objective, an empty file or one of `{}` is one line in about a second, not after
-torch, transformers, the model's skeleton and the tokenizer have loaded (12 s on 2 cores).
+that does not fit --objective, an empty file or one of `{}` is one line half a second after the command,
+not after torch, transformers, the model's skeleton and the tokenizer have loaded (a median 14.6 s on 2
+shared cores, docs/data.md#bad-records).
 
 Only what the full read would say too is said here: a file this reader cannot parse the way `datasets`
 does (a larger file, a pretty-printed object, a CSV header with an empty or repeated name, a hub or
@@ -22,8 +23,8 @@ from toolkit.data.table import DataStats
 from toolkit.data.tokenize import empty_answers
 from toolkit.errors import UserError
 
-PEEK_BYTES = 8 << 20  # JSON read whole up to this (0.3 s for 8 MiB of alpaca, 2 shared cores); a larger file's
-# columns are the full read's
+PEEK_BYTES = 8 << 20  # JSON read whole up to this (0.19 s for 8 MiB of alpaca records, 2 shared cores): more
+# is the full read's
 
 
 def check_data(cfg: Config) -> None:
@@ -49,8 +50,9 @@ def _check_records(rows: list[dict], fmt: str, cfg: Config, source: DataSource, 
     tokenizing (`check_trainable`)."""
     empty = sum(empty_answers(as_example(r, fmt, i, cfg, source)[0])[0] for i, r in enumerate(rows))
     if alone and empty == len(rows) and cfg.data.eval_split == 0:
-        what = "eval" if source.flag == "--eval-dataset" else "training"
-        check_trainable(DataStats(examples=empty, dropped=empty, empty=empty), cfg, what, f"{source.flag} {source.path}")
+        held = source.flag == "--eval-dataset"  # named as the full read names it (`prepare_data`)
+        check_trainable(DataStats(examples=empty, dropped=empty, empty=empty), cfg, "eval" if held else "training",
+                        f"{source.flag} {source.path}" if held else "")
 
 
 def peek(source: DataSource) -> tuple[list[str], list[dict]] | None:
@@ -63,6 +65,8 @@ def peek(source: DataSource) -> tuple[list[str], list[dict]] | None:
     if local is None:
         return None
     kind, files = local
+    if kind == "json" and sum(f.stat().st_size for f in files) > PEEK_BYTES:
+        return None
     read = {"json": _json_columns, "csv": _csv_columns, "parquet": _parquet_columns}[kind]
     columns: dict[str, None] = {}
     rows: list[dict] = []
@@ -96,8 +100,6 @@ def _as_datasets_gives(rows: list[dict], columns: list[str]) -> list[dict]:
 
 def _json_columns(path: Path, flag: str) -> tuple[list[str], list[dict]] | None:
     """A JSON array or JSON Lines file of objects: the keys of all its records, in the order first met."""
-    if path.stat().st_size > PEEK_BYTES:
-        return None
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
