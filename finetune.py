@@ -14,6 +14,7 @@ from functools import partial
 
 from toolkit.config import parse_config, save_config
 from toolkit.console import quiet
+from toolkit.data.peek import check_data
 from toolkit.errors import exit_on_user_error
 from toolkit.startup import leave_unimported
 from toolkit.tracker_spec import requested
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
+    check_data(cfg)  # so do the data's columns: read from the files' first bytes, by the full read's rules
     if cfg.output.push_to_hub:  # refused now, not after training: offline, no token, the hub out of reach
         from toolkit.hub import check_push
 

@@ -1,6 +1,7 @@
 """Bad input: non-zero exit, one line naming the problem, no traceback, nothing loaded or clobbered."""
 
 import json
+from pathlib import Path
 
 import pytest
 from distributed import free_port, launch
@@ -25,6 +26,18 @@ def case(tmp_path, name):
     if name == "empty_json_array":
         (d / "empty.json").write_text("[]")
         return ["--dataset", str(d / "empty.json")], "empty.json: holds no records"
+    if name == "empty_object_file":  # datasets said 'Instruction "train" corresponds to no data!'
+        (d / "obj.json").write_text("{}")
+        return ["--dataset", str(d / "obj.json")], "obj.json: holds no records (only {}, an object without fields)"
+    if name == "every_answer_empty":  # trained the end-of-turn token alone, 4 of 4, no line said so
+        (d / "blank.jsonl").write_text("".join(json.dumps({"instruction": f"q{i}", "output": " "}) + "\n" for i in range(4)))
+        return ["--dataset", str(d / "blank.jsonl")], \
+            "blank.jsonl: no training example is left: 4 of 4 have an empty or whitespace-only answer"
+    if name == "sharegpt_with_other_keys":
+        (d / "dialog.jsonl").write_text(json.dumps({"dialog": [{"who": "customer", "says": "my order is late"},
+                                                               {"who": "agent", "says": "sorry, it ships today"}]}) + "\n")
+        return ["--dataset", str(d / "dialog.jsonl")], \
+            "e.g. --columns conversations=dialog,role=who,content=says,user_role=customer,assistant_role=agent"
     if name == "malformed_jsonl":
         (d / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
         return ["--dataset", str(d / "bad.jsonl")], "bad.jsonl: invalid JSON on line 2"
@@ -133,7 +146,8 @@ def case(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["missing_file", "unknown_columns", "wrong_format_name", "wrong_format_for_columns",
-                                  "empty_dataset", "empty_json_array", "malformed_jsonl", "record_without_answer",
+                                  "empty_dataset", "empty_json_array", "empty_object_file", "every_answer_empty",
+                                  "sharegpt_with_other_keys", "malformed_jsonl", "record_without_answer",
                                   "streaming_without_max_steps", "unknown_flag",
                                   "missing_model", "uncached_hub_id", "unreachable_hub", "mapped_column_missing",
                                   "system_prompt_on_text", "tp_without_ranks", "tp_not_dividing_heads",
@@ -165,6 +179,21 @@ def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name
     assert "Traceback" not in p.stderr and "model:" not in p.stdout
     assert sorted(x.name for x in out.iterdir()) == ["notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_a_data_error_comes_before_torch_transformers_and_datasets_load(tmp_path):
+    """Bad columns were said after 11-13 s of imports, the model's skeleton and the tokenizer (a bad flag
+    after 0.3 s): the records' columns are now checked right after the flags (`toolkit.data.peek`)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    code = ("import sys, finetune\ntry:\n    finetune.main(['--dataset', sys.argv[1], '--output-dir', sys.argv[2]])\n"
+            "except SystemExit as e:\n    print(e.code, sorted({'torch', 'transformers', 'datasets'} & set(sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "qa.jsonl"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert p.stdout.split("\n")[0] == "2 []", p.stdout + p.stderr
+    assert "cannot tell the format from columns answer, question" in p.stderr
 
 
 def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp_path, tiny_model, data_files):

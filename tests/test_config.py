@@ -52,6 +52,18 @@ def test_unknown_yaml_key_suggests_closest(tmp_path):
         parse_config(["--config", str(f)])
 
 
+def test_yaml_typos_and_bad_values_are_said_together(tmp_path):
+    """Typo'd keys were said and `micro_batch_size: 0` beside them was not (the keys raised before any value
+    was checked): every problem of the file is in the one line."""
+    f = tmp_path / "run.yaml"
+    f.write_text(f"lerning_rate: 1e-4\nmicro_batch_size: 0\ngrad_accum: 2.5\nwarmup_step: 3\noutput_dir: {tmp_path / 'o'}\n")
+    with pytest.raises(UserError) as e:
+        parse_config(["--config", str(f)])
+    assert str(e.value).split("; ") == [
+        f"unknown key 'lerning_rate' in {f} (did you mean 'lr'?)", f"unknown key 'warmup_step' in {f} (did you mean "
+        f"'warmup_steps'?)", f"'grad_accum' in {f} must be an integer, got 2.5", "--micro-batch-size must be >= 1 (got 0)"]
+
+
 def test_yaml_wrong_type(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("grad_accum: 2.5\n")

@@ -387,3 +387,197 @@ def test_loss_png_shows_a_reward_accuracy_of_1(tmp_path, monkeypatch):
     right = drawn[0].axes[1]
     low, high = right.get_ylim()
     assert low == 0 and 1.0 < high <= 1.1 and 1.0 in list(right.get_yticks())
+
+
+# --- what a newcomer hit (issue 64): empty answers, other key names, an eval file, errors before the model
+def _data_lines(tmp_path, monkeypatch, rows, *flags, tok=None):
+    """(prepare_data's result, its data lines) for SFT records (`flags` added)."""
+    from toolkit.data.prepare import prepare_data
+    from toolkit.train.output import report_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tmp_path.mkdir(exist_ok=True)
+    cfg = _cfg(tmp_path, _jsonl(tmp_path / "sft.jsonl", rows), "--seq-len", "256", *flags)
+    data = prepare_data(cfg, tok or build_tokenizer(CHATML))
+    said = []
+    report_data(said.append, cfg, data, False)
+    return data, said
+
+
+def test_empty_answers_are_dropped_and_counted_and_a_file_of_them_is_one_error(tmp_path, monkeypatch):
+    """`output: ""` trained the end-of-turn token alone (and that the user turn's: "" is found anywhere), 50 of
+    50 records trained and no line said so. Now: a record whose answers are all empty is dropped and counted
+    in the data line, under --train-on-prompt too; an empty turn among others is left untrained and counted; a
+    file left with none is one error naming it, before the model loads (prepare_data runs first)."""
+    tok = build_tokenizer(CHATML)
+    chat = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "  "},
+            {"role": "user", "content": "second question"}, {"role": "assistant", "content": "second answer"}]
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(4)]
+    rows += [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+             {"messages": chat}]
+    data, said = _data_lines(tmp_path, monkeypatch, rows, tok=tok)
+    assert (data.stats.examples, data.stats.dropped, data.stats.empty, data.stats.blank_turns) == (6, 1, 1, 1)
+    assert len(data.train) == 5 and "5 training examples" in said[0]
+    assert "data: 1 more example(s) dropped, not counted above: an empty or whitespace-only answer" in said
+    assert "data: 1 empty or whitespace-only assistant turn(s) left untrained in the conversations kept (their " \
+           "other answers train)" in said
+    trained = [tok.decode([t for t in r["labels"] if t != IGNORE_INDEX]) for r in data.train]
+    assert trained[-1] == "second answer<|im_end|>"  # the empty turn's end-of-turn (or its user's) untrained
+    whole, said = _data_lines(tmp_path / "p", monkeypatch, rows, "--train-on-prompt", tok=tok)
+    assert (whole.stats.dropped, whole.stats.empty, len(whole.train)) == (1, 1, 5)  # an empty answer still teaches one
+    alpaca = [{"instruction": f"q{i}", "output": "" if i % 2 else f"a{i}"} for i in range(50)]
+    data, said = _data_lines(tmp_path / "a", monkeypatch, alpaca, tok=tok)
+    assert len(data.train) == 25 and "data: 25 more example(s) dropped, not counted above: an empty or " \
+                                      "whitespace-only answer" in said
+    for row in alpaca:
+        row["output"] = " \n"
+    with pytest.raises(UserError, match=r"sft.jsonl: no training example is left: 50 of 50 have an empty or "
+                                        r"whitespace-only answer; fill in"):
+        _data_lines(tmp_path / "e", monkeypatch, alpaca, tok=tok)
+
+
+def test_your_turn_keys_and_speakers_map_as_llama_factorys_tags_do(tmp_path):
+    """ShareGPT with other key names, a dialogue with its own speakers, chat messages alike: `role=`,
+    `content=` name a turn's keys, `user_role=` ... its speakers (LLaMA-Factory's role_tag, content_tag,
+    user_tag ...); without them the hint names the mapping this file needs."""
+    turns = _jsonl(tmp_path / "turns.jsonl", [{"turns": [{"speaker": "human", "text": "hi"},
+                                                         {"speaker": "gpt", "text": "hello"}]}])
+    with pytest.raises(UserError, match=r"name yours with --columns, e.g. --columns conversations=turns,role=speaker,"
+                                        r"content=text$"):
+        load_examples(_cfg(tmp_path, turns))
+    ex = load_examples(_cfg(tmp_path, turns, "--columns", "conversations=turns,role=speaker,content=text"))
+    assert ex.format == "sharegpt" and ex.train == [[{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"}]]
+    dialog = _jsonl(tmp_path / "dialog.jsonl", [{"dialog": [{"who": "customer", "says": "late"},
+                                                            {"who": "agent", "says": "sorry"}]}])
+    with pytest.raises(UserError, match="e.g. --columns conversations=dialog,role=who,content=says,user_role=customer,"
+                                        "assistant_role=agent"):
+        load_examples(_cfg(tmp_path, dialog))
+    with pytest.raises(UserError, match=r"record 1 \(line 1\): 'conversations' must be a list of \{from, value\} "
+                                        r"objects \(its turns' keys are who, says: map them with --columns role=who,"
+                                        r"content=says\)"):
+        load_examples(_cfg(tmp_path, dialog, "--columns", "conversations=dialog"))
+    with pytest.raises(UserError, match="unknown ShareGPT speaker 'customer' .* user_role=customer"):
+        load_examples(_cfg(tmp_path, dialog, "--columns", "conversations=dialog,role=who,content=says"))
+    mapped = "conversations=dialog,role=who,content=says,user_role=customer,assistant_role=agent"
+    assert load_examples(_cfg(tmp_path, dialog, "--columns", mapped)).train == [
+        [{"role": "user", "content": "late"}, {"role": "assistant", "content": "sorry"}]]
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"who": "customer", "says": "late"},
+                                                          {"who": "agent", "says": "sorry"}]}])
+    mapped = "role=who,content=says,user_role=customer,assistant_role=agent"
+    assert load_examples(_cfg(tmp_path, chat, "--columns", mapped)).train == [
+        [{"role": "user", "content": "late"}, {"role": "assistant", "content": "sorry"}]]
+    with pytest.raises(UserError, match=r"--columns role=who: --dataset .*qa.jsonl was read as alpaca, which does not "
+                                        r"read 'role' \(its records hold no turns\); alpaca reads instruction, output, "
+                                        r"input, system"):
+        load_examples(_cfg(tmp_path, _jsonl(tmp_path / "qa.jsonl", [{"instruction": "q", "output": "a"}]),
+                           "--columns", "role=who"))
+
+
+def test_a_name_that_does_not_fit_gets_a_hint_that_does_the_same_job():
+    """'completion' was "not a field the formats read (did you mean 'conversations'?)": KTO's completion and
+    label are fields now, and a hint names only a field doing the same job ('from' offered 'prompt')."""
+    from toolkit.inputs import column_problems
+
+    assert column_problems("completion=response,label=ok,role=speaker,content=text,user_role=customer") == []
+    (from_,) = column_problems("from=speaker")
+    assert "'from' is not a field the formats read (did you mean 'role'?)" in from_
+    assert "(did you mean 'input'?)" in column_problems("context=ctx")[0]  # not 'content'
+    assert "(did you mean 'output'?)" in column_problems("response=r")[0]
+    assert "did you mean" not in column_problems("target_text=t")[0]  # not 'text': nothing that does its job
+
+
+def test_kto_reads_your_completion_and_label_columns(tmp_path, monkeypatch):
+    rows = [{"question": f"Q{i}?", "reply": f"A{i}.", "ok": i % 2 == 0} for i in range(4)]
+    data, said = _pair_data(tmp_path, monkeypatch, rows, "--objective", "kto", "--columns",
+                            "prompt=question,completion=reply,label=ok")
+    assert len(data.train) == 4 and data.train.desirable() == [True, False, True, False]
+
+
+def test_each_mixture_source_maps_its_own_columns(data_files, tmp_path):
+    """One --columns applied to every source, so a source that needed a mapping made the others fail: each
+    source's own columns follow it (';' between them), in YAML a list of {path, weight, columns}."""
+    qa = _jsonl(tmp_path / "qa.jsonl", [{"q": f"question {i}", "a": f"answer {i}"} for i in range(8)])
+    spec = f"{qa}:0.5:instruction=q;output=a,{data_files['sharegpt']}:0.5"
+    with pytest.raises(UserError, match="sharegpt.jsonl has no column 'q'"):
+        load_examples(_cfg(tmp_path, f"{qa}:0.5,{data_files['sharegpt']}:0.5", "--columns", "instruction=q,output=a"))
+    ex = load_examples(_cfg(tmp_path, spec))
+    assert [(f, n) for _, f, _, n in ex.sources] == [("alpaca", 8), ("sharegpt", 32)]
+    assert [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "answer 0"}] in ex.train
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"dataset:\n  - {{path: {qa}, weight: 0.5, columns: {{instruction: q, output: a}}}}\n"
+                    f"  - {{path: {data_files['sharegpt']}, weight: 0.5}}\noutput_dir: {tmp_path / 'o'}\n")
+    assert parse_config(["--config", str(yaml)]).data.dataset == spec
+    with pytest.raises(UserError, match="'output=a' reads as a source of its own; separate a source's columns with ';'"):
+        _cfg(tmp_path, f"{qa}:0.5:instruction=q,output=a,{data_files['sharegpt']}:0.5")
+    with pytest.raises(UserError, match="--columns text=body applies to no source"):
+        _cfg(tmp_path, f"{spec}:conversations=conversations", "--columns", "text=body")
+
+
+def test_eval_dataset_is_its_own_file_detected_mapped_and_cached_on_its_own(data_files, tmp_path, monkeypatch):
+    """--eval-dataset: held-out rows from a file read as --dataset is (its own format, its own columns), the
+    rows tokenizing it would give, in a cache entry of its own (a new eval file leaves the training table
+    as it was); with --eval-split one line; a missing file one line before anything loads."""
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    tok = build_tokenizer(CHATML)
+    held = _jsonl(tmp_path / "held.jsonl", [{"q": f"held question {i}", "a": f"held answer {i}"} for i in range(5)])
+    cfg = _cfg(tmp_path, data_files["chat"], "--seq-len", "64", "--eval-dataset", f"{held}:instruction=q;output=a")
+    data = prepare_data(cfg, tok)
+    want = [encode(tok, [{"role": "user", "content": f"held question {i}"},
+                         {"role": "assistant", "content": f"held answer {i}"}], 64, False) for i in range(5)]
+    assert [(r["input_ids"], r["labels"]) for r in data.eval] == [(w.input_ids, w.labels) for w in want]
+    assert (data.format, data.eval_format, len(data.train)) == ("chat", "alpaca", 32)
+    other = _jsonl(tmp_path / "other.jsonl", make_records("text", 3))
+    again = prepare_data(_cfg(tmp_path, data_files["chat"], "--seq-len", "64", "--eval-dataset", str(other)), tok)
+    assert again.stats.cached and not again.eval_stats.cached and again.eval_format == "text" and len(again.eval) == 3
+    with pytest.raises(UserError, match="--eval-dataset and --eval-split 0.1 both give the held-out data; drop one"):
+        _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(held), "--eval-split", "0.1")
+    with pytest.raises(UserError, match="--eval-dataset .*nope.jsonl: file not found"):
+        _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(tmp_path / "nope.jsonl"))
+    assert _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(held), "--eval-on-start").output.eval_on_start
+    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}] * 3)
+    good = _jsonl(tmp_path / "good.jsonl", [{"question": "Name a shape.", "good": "Round.", "bad": "Sad."}] * 2)
+    dpo = prepare_data(_cfg(tmp_path, pairs, "--objective", "dpo", "--eval-dataset",
+                            f"{good}:prompt=question;chosen=good;rejected=bad"), tok)
+    assert len(dpo.eval) == 2 and dpo.eval_format == "pairs" and "rejected_input_ids" in dpo.eval[0]  # pairs to score
+
+
+def test_a_resume_may_change_the_eval_file_but_not_the_training_data(data_files, tmp_path):
+    from toolkit.train.resume import fingerprint
+
+    one = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["alpaca"]))
+    other = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["text"]))
+    assert fingerprint(one, 1) == fingerprint(other, 1) == fingerprint(_cfg(tmp_path, data_files["chat"]), 1)
+    assert fingerprint(one, 1) != fingerprint(_cfg(tmp_path, data_files["chat"], "--eval-split", "0.1"), 1)
+
+
+@pytest.mark.parametrize("case", ["no_format", "mapped_missing", "turn_keys", "speaker", "all_empty",
+                                  "own_columns_all_empty", "empty_object", "kto_columns"])
+def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatch):
+    """`toolkit.data.peek` reads the columns (and a small JSON file whole) before torch loads, and says
+    exactly what reading the file with datasets says later, word for word."""
+    from toolkit.data.peek import check_data
+    from toolkit.data.prepare import prepare_data
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    dialog = [{"dialog": [{"who": "customer", "says": f"late {i}"}, {"who": "agent", "says": "sorry"}]} for i in range(3)]
+    rows, flags = {
+        "no_format": ([{"question": "q", "answer": "a"}], []),
+        "mapped_missing": ([{"prompt": "q", "response": "a"}], ["--columns", "instruction=prompt,output=reply"]),
+        "turn_keys": (dialog, ["--columns", "conversations=dialog"]),
+        "speaker": (dialog, ["--columns", "conversations=dialog,role=who,content=says,user_role=customer"]),
+        "all_empty": ([{"instruction": f"q{i}", "output": " "} for i in range(3)], []),
+        "own_columns_all_empty": ([{"instruction": "q", "reply": ""}], []),
+        "empty_object": ([{}], []),
+        "kto_columns": ([{"prompt": "q", "reply": "a", "ok": True}], ["--objective", "kto", "--columns", "completion=reply"]),
+    }[case]
+    spec = f"{_jsonl(tmp_path / 'd.jsonl', rows)}" + (":output=reply" if case.startswith("own") else "")
+    cfg = _cfg(tmp_path, spec, *flags)
+    with pytest.raises(UserError) as early:
+        check_data(cfg)
+    with pytest.raises(UserError) as full:
+        prepare_data(cfg, build_tokenizer(CHATML))
+    assert str(early.value) == str(full.value)

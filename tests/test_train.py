@@ -55,10 +55,26 @@ def test_each_format_and_method_trains_and_saves(tmp_path, tiny_model, data_file
     assert result.summary["steps"] == 6
 
 
-def test_eval_split_records_eval_loss(tmp_path, tiny_model, data_files):
-    _, out = run(tmp_path, tiny_model, data_files["chat"], "--eval-split", "0.25", "--eval-every", "3")
-    evals = [r for r in records(out) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [3, 6] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+def test_eval_split_records_eval_loss_and_an_eval_file_gives_the_same(tmp_path, tiny_model, data_files):
+    """--eval-split's held-out records are evaluated every --eval-every steps (and at step 0 with
+    --eval-on-start); the same records given as --eval-dataset beside those it trains on give the same eval
+    records and losses."""
+    from toolkit.data import split_indices
+
+    quick = ["--eval-every", "3", "--eval-on-start", "--report-to", "none", "--verify", "none"]
+    _, split = run(tmp_path / "split", tiny_model, data_files["chat"], "--eval-split", "0.25", *quick)
+    lines = data_files["chat"].read_text().splitlines()
+    train, held = split_indices(len(lines), parse_config(["--eval-split", "0.25", "--output-dir", str(tmp_path / "o")]), "")
+    (tmp_path / "train.jsonl").write_text("".join(lines[i] + "\n" for i in train))
+    (tmp_path / "held.jsonl").write_text("".join(lines[i] + "\n" for i in held))
+    _, out = run(tmp_path / "file", tiny_model, tmp_path / "train.jsonl", "--eval-dataset", str(tmp_path / "held.jsonl"),
+                 *quick)
+    evals = [[r for r in records(o) if "eval_loss" in r] for o in (split, out)]
+    assert [r["step"] for r in evals[0]] == [0, 3, 6] and evals[0][2]["eval_loss"] < evals[0][1]["eval_loss"]
+    assert [r["step"] for r in evals[1]] == [0, 3, 6]
+    assert [r["eval_loss"] for r in evals[1]] == pytest.approx([r["eval_loss"] for r in evals[0]], rel=1e-6)
+    assert [r["loss"] for r in records(out) if "loss" in r] == pytest.approx(
+        [r["loss"] for r in records(split) if "loss" in r], rel=1e-6)
 
 
 def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):

@@ -276,6 +276,7 @@ def cmd_prepare_data(args) -> None:
     """Tokenize a run's data into the cache its training run will read (no model, no GPU): what a
     login node can do before the job starts. Takes finetune.py's flags or --config."""
     from toolkit.config import parse_config
+    from toolkit.data.peek import check_data
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.cache import cache_dir
@@ -283,6 +284,7 @@ def cmd_prepare_data(args) -> None:
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
+    check_data(cfg)  # the data's columns, before the tokenizer loads
     # the tokenizer finetune.py will use (an SFT adapter's own, saved beside it), so the run reads this cache
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, resolve_model(cfg.model.model)),
                                cfg.model.trust_remote_code, cfg.model.chat_template)

@@ -25,8 +25,8 @@ from toolkit.chat_template import template_problems
 from toolkit.errors import UserError
 from toolkit.foreign_names import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
 from toolkit.hub import repo_problems
-from toolkit.inputs import (column_problems, dataset_problems, output_dir_problems, sample_problems,
-                            streaming_problems)
+from toolkit.inputs import (column_problems, dataset_problems, eval_dataset_problems, output_dir_problems,
+                            sample_problems, streaming_problems, unused_columns_problems)
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.rules import layout_problems
 from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA, OBJECTIVES, objective_problems
@@ -80,13 +80,22 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = _f(DEFAULT_DATASET, "json/jsonl/csv/parquet file, hub id, or builtin:NAME; a mixture: "
-                                       "a.jsonl:0.7,b.json:0.3 (sampled by weight with --seed)")
+                                       "a.jsonl:0.7,b.json:0.3 (sampled by weight with --seed); a source's own "
+                                       "columns after it, ';' between them: 'a.jsonl:0.7:instruction=q;output=a' "
+                                       "(in YAML also a list of {path, weight, columns})")
     format: str = _f("auto", "record layout", ("auto", "alpaca", "chat", "sharegpt", "text"))
     seq_len: int = _f(1024, "tokens per example; longer ones are truncated")
     eval_split: float = _f(0.0, "fraction of the data held out for eval loss (0 = none)")
+    eval_dataset: str = _f("", "held-out data from a file of its own (json/jsonl/csv/parquet file, folder or hub id), "
+                               "read as --dataset is (its own format detection, --columns, or its own columns after "
+                               "it: 'eval.jsonl:instruction=q'); evaluated where --eval-split's rows would be; not "
+                               "with --eval-split")
     columns: str = _f("", "use your own column names: OURS=YOURS pairs, e.g. instruction=prompt,output=response "
                           "(in YAML also a mapping); ours are instruction, input, output, system, messages, "
-                          "conversations, text, and for preference pairs prompt, chosen, rejected")
+                          "conversations, text, and for preference data prompt, chosen, rejected, completion, label; "
+                          "in the turns of messages/conversations the keys role and content, and your speakers "
+                          "for user_role, assistant_role, system_role (conversations=dialog,role=who,content=says,"
+                          "user_role=customer,assistant_role=agent)")
     system_prompt: str = _f("", "system message added to every conversation that has none")
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
@@ -261,7 +270,53 @@ def _field_type(section: str, f: dataclasses.Field) -> tuple[type, bool]:
 
 # keys whose YAML value may take more than one shape: what to say when it has another
 SHAPES = {"columns": "a mapping of ours: yours (instruction: prompt) or a string OURS=YOURS,...",
-          "lora_targets": "a list of module names, a comma-separated string, or all-linear"}
+          "lora_targets": "a list of module names, a comma-separated string, or all-linear",
+          "dataset": "a path (a.jsonl, or a mixture a.jsonl:0.7,b.json:0.3), or a list of sources, each a path or "
+                     "{path, weight, columns}",
+          "eval_dataset": "a path, or {path, columns}"}
+
+
+def _column_mapping(value: dict, where: str, forbidden: str = ",=") -> str:
+    """A YAML mapping of ours: yours as --columns writes it, each name checked to be one column."""
+    for ours, yours in value.items():
+        if not isinstance(yours, (str, int, float)) or isinstance(yours, bool) or any(c in str(yours)
+                                                                                      for c in forbidden):
+            shape = {list: "a list", dict: "a mapping"}.get(type(yours))
+            got = f"{shape} ({yours!r})" if shape else repr(yours)
+            raise UserError(f"{where}: '{ours}' maps to {got}; a column name must be a string without "
+                            f"{' or '.join(repr(c) for c in forbidden)} (one column for each of ours, e.g. "
+                            f"{ours}: prompt)")
+    return ",".join(f"{k}={v}" for k, v in value.items())
+
+
+def _dataset_sources(value: Any, where: str) -> str:
+    """YAML's list of sources (each a path string or `{path, weight, columns}`; one mapping alone is one
+    source) as `toolkit.dataset_spec` writes them: a.json:0.5:instruction=prompt;output=response,b.json."""
+    from toolkit.dataset_spec import source_spec
+
+    out = []
+    for entry in value if isinstance(value, list) else [value]:
+        if isinstance(entry, str):
+            out.append(entry)
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise UserError(f"{where}: each source is a path or a mapping with a path ({{path: a.jsonl, weight: 0.5, "
+                            f"columns: {{instruction: prompt}}}}), got {entry!r}")
+        unknown = sorted(set(entry) - {"path", "weight", "columns"})
+        if unknown:
+            raise UserError(f"{where}: source {entry['path']} has unknown key(s) {', '.join(map(str, unknown))}; a "
+                            "source takes path, weight and columns")
+        weight, columns = entry.get("weight"), entry.get("columns") or {}
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+            raise UserError(f"{where}: source {entry['path']}'s weight must be a number, got {weight!r}")
+        if isinstance(columns, str):
+            columns = {k: v for k, v in (e.split("=", 1) for e in columns.split(",") if "=" in e)}
+        if not isinstance(columns, dict):
+            raise UserError(f"{where}: source {entry['path']}'s columns must be a mapping of ours: yours, got "
+                            f"{columns!r}")
+        _column_mapping(columns, f"{where}: source {entry['path']}'s columns", ",;:=")
+        out.append(source_spec(entry["path"], None if weight is None else float(weight), columns))
+    return ",".join(out)
 
 
 def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
@@ -296,14 +351,9 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
             if isinstance(value, (list, tuple)) and key == "lora_targets":
                 value = ",".join(map(str, value))
             if isinstance(value, dict) and key == "columns":
-                for ours, yours in value.items():
-                    if not isinstance(yours, (str, int, float)) or isinstance(yours, bool) or any(
-                            c in str(yours) for c in ",="):
-                        shape = {list: "a list", dict: "a mapping"}.get(type(yours))
-                        got = f"{shape} ({yours!r})" if shape else repr(yours)
-                        raise UserError(f"{where}: '{ours}' maps to {got}; a column name must be a string without "
-                                        f"',' or '=' (one column for each of ours, e.g. {ours}: prompt)")
-                value = ",".join(f"{k}={v}" for k, v in value.items())
+                value = _column_mapping(value, where)
+            if isinstance(value, (list, dict)) and key in ("dataset", "eval_dataset"):
+                value = _dataset_sources(value, where)
             if not isinstance(value, (str, int, float)):
                 raise ValueError
             out = str(value)
@@ -568,34 +618,41 @@ def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: boo
         raise UserError(f"unexpected argument '{extra[0]}' (flags take the form --name value)")
     given = vars(ns)
     values: dict[str, Any] = {}
+    problems: list[str] = []  # every problem of the YAML and the values, said together in one line
     if "config" in given:
         path = given.pop("config")
         loaded = translate_keys(load_yaml(path), path, typed, given)
         unknown = [k for k in loaded if k not in _fields() and (k not in ALIASES or k in HINT_ONLY)
                    and k not in PRECISION_ALIASES]
-        if unknown:
-            raise UserError("; ".join(str(_unknown(k, path)) for k in unknown))
-        for k, v in loaded.items():
+        problems += [str(_unknown(k, path)) for k in unknown]
+        for k, v in ((k, v) for k, v in loaded.items() if k not in unknown):
             ours = "mixed_precision" if k in PRECISION_ALIASES else ALIASES.get(k, k)
             if ours != k and ours not in given:  # a flag, if given, is what the run reads
                 typed.setdefault(f"--{ours.replace('_', '-')}", f"'{k}' in {path}")
-            if k in PRECISION_ALIASES:  # Trainer's bf16: true
-                if _coerce("overwrite_output_dir", v, path, name=k):  # a boolean, read as our booleans are
-                    values["mixed_precision"] = k
-                continue
-            values[ours] = _coerce(ours, v, path, name=k)
+            try:
+                if k in PRECISION_ALIASES:  # Trainer's bf16: true
+                    if _coerce("overwrite_output_dir", v, path, name=k):  # a boolean, read as our booleans are
+                        values["mixed_precision"] = k
+                    continue
+                values[ours] = _coerce(ours, v, path, name=k)
+            except UserError as e:  # said with the others; the key keeps its default meanwhile
+                problems.append(str(e))
     for k, v in given.items():
-        values[k] = _coerce(k, v, "flag")
+        try:
+            values[k] = _coerce(k, v, "flag")
+        except UserError as e:
+            problems.append(str(e))
     settings, notes = _Settings(values), []
-    problems = _adopt_launcher(settings, set(values), notes) or _adopt_deepspeed_file(settings, set(values), notes)
-    if problems:
-        raise UserError("; ".join(problems))
+    adopted = _adopt_launcher(settings, set(values), notes) or _adopt_deepspeed_file(settings, set(values), notes)
+    if adopted:
+        raise UserError("; ".join(problems + adopted))
     cfg = Config.from_values({k: v for k, v in settings.items() if k in _fields()}, tuple(notes))
-    problems = validate(cfg)
+    checked = validate(cfg)
     if not check_dataset:
-        problems = [p for p in problems if p not in dataset_problems(cfg.data.dataset)]
-    if problems:
-        raise UserError("; ".join(problems))
+        files = dataset_problems(cfg.data.dataset) + eval_dataset_problems(cfg.data.eval_dataset, cfg.data.eval_split)
+        checked = [p for p in checked if p not in files]
+    if problems + checked:
+        raise UserError("; ".join(problems + checked))
     return cfg
 
 
@@ -626,8 +683,9 @@ def validate(cfg: Config) -> list[str]:
     need(o.log_every >= 0, f"--log-every must be >= 0 (got {o.log_every}; 0 = about 50 records per run)")
     need(o.sample_every >= 0, f"--sample-every must be >= 0 (got {o.sample_every})")
     need(o.sample_max_new_tokens >= 1, f"--sample-max-new-tokens must be >= 1 (got {o.sample_max_new_tokens})")
-    need(not (o.eval_on_start and d.eval_split == 0),
-         "--eval-on-start needs held-out data: set --eval-split (for example 0.05)")
+    held_out = d.eval_split > 0 or bool(d.eval_dataset)
+    need(not (o.eval_on_start and not held_out),
+         "--eval-on-start needs held-out data: set --eval-split (for example 0.05) or --eval-dataset FILE")
     p.extend(tracker_problems(o.report_to))
     p.extend(sample_problems(o.sample_prompts, cfg.parallel.pp, cfg.parallel.cp))
     need(o.eval_every >= 0, f"--eval-every must be >= 0 (got {o.eval_every})")
@@ -636,8 +694,8 @@ def validate(cfg: Config) -> list[str]:
     need(t.max_bad_steps >= 1, f"--max-bad-steps must be >= 1 (got {t.max_bad_steps})")
     need(not (o.resume and o.overwrite_output_dir),
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
-    need(not (o.eval_every > 0 and d.eval_split == 0),
-         "--eval-every needs held-out data: set --eval-split (for example 0.05)")
+    need(not (o.eval_every > 0 and not held_out),
+         "--eval-every needs held-out data: set --eval-split (for example 0.05) or --eval-dataset FILE")
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn))
     p.extend(objective_problems(cfg))
     if d.data_workers < 0:
@@ -648,7 +706,9 @@ def validate(cfg: Config) -> list[str]:
     p.extend(template_problems(m.chat_template))
     p.extend(repo_problems(o.push_to_hub))
     need(not (o.hub_private and not o.push_to_hub), "--hub-private goes with --push-to-hub REPO")
+    p.extend(unused_columns_problems(d.columns, d.dataset, d.eval_dataset))
     p.extend(dataset_problems(d.dataset))
+    p.extend(eval_dataset_problems(d.eval_dataset, d.eval_split))
     p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume, o.continue_finished, t.max_steps))
     return p
 

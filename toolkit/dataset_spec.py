@@ -3,7 +3,11 @@ beyond the standard library: config validation reads it before anything heavy lo
 
 A source is a file, folder, hub id or `builtin:NAME`; a trailing `:WEIGHT` that parses as a number
 is its weight (so `builtin:gsm8k` is a source, `builtin:gsm8k:0.5` a weighted one). Weights are
-given for every source of a mixture or for none (then each source counts by its size).
+given for every source of a mixture or for none (then each source counts by its size). A source may
+end with its own column mapping, `:OURS=YOURS;OURS=YOURS` (`;` inside a source, as `,` separates the
+sources): `a.json:0.5:instruction=prompt;output=response,b.json:0.5`. It is used instead of
+`--columns` for that source. In YAML the same is a list of `{path, weight, columns}` mappings
+(`toolkit.config`), written back in this form.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Source:
-    spec: str
+    spec: str  # the file, folder, hub id or builtin:NAME
     weight: float | None = None
+    columns: str = ""  # its own mapping, as --columns writes it ("a=b,c=d"); "": --columns applies
+
+
+MAPPING_SEPARATOR = ";"  # between a source's own OURS=YOURS entries
 
 
 def _weight(text: str) -> float | None:
@@ -31,9 +39,19 @@ def parse_sources(spec: str) -> list[Source]:
     sources = []
     for part in (p.strip() for p in spec.split(",")):
         head, sep, tail = part.rpartition(":")
+        columns = ""
+        if sep and "=" in tail:  # its own mapping (a path may hold '=', but not after its last ':')
+            part, columns = head, ",".join(e.strip() for e in tail.split(MAPPING_SEPARATOR) if e.strip())
+            head, sep, tail = part.rpartition(":")
         weight = _weight(tail) if sep else None
-        sources.append(Source(head, weight) if weight is not None else Source(part))
+        sources.append(Source(head, weight, columns) if weight is not None else Source(part, None, columns))
     return sources
+
+
+def source_spec(path: str, weight: float | None = None, columns: dict[str, str] | None = None) -> str:
+    """One source as `parse_sources` reads it (YAML's `{path, weight, columns}`)."""
+    mapping = MAPPING_SEPARATOR.join(f"{ours}={yours}" for ours, yours in (columns or {}).items())
+    return path + (f":{weight}" if weight is not None else "") + (f":{mapping}" if mapping else "")
 
 
 def is_mixture(spec: str) -> bool:
@@ -41,20 +59,31 @@ def is_mixture(spec: str) -> bool:
     return len(sources) > 1 or sources[0].weight is not None
 
 
-def spec_problems(spec: str) -> list[str]:
-    """What is wrong with a mixture's syntax (the sources' paths are checked one by one elsewhere)."""
-    if not is_mixture(spec):
-        return []
+def first_source(spec: str) -> Source:
+    """The source of a dataset that is not a mixture (its path, and its own columns if it gives any)."""
+    return parse_sources(spec)[0]
+
+
+def spec_problems(spec: str, flag: str = "--dataset") -> list[str]:
+    """What is wrong with a mixture's syntax (the sources' paths and columns are checked one by one
+    elsewhere, `toolkit.inputs.dataset_problems`)."""
     sources = parse_sources(spec)
+    if not is_mixture(spec):
+        return [] if sources[0].spec else [f"{flag} {spec}: no file before its columns; write FILE:OURS=YOURS"]
     problems = []
+    stray = [s.spec for s in sources if "=" in s.spec and not Path(s.spec).exists()]
+    if stray:  # `a.json:0.5:instruction=prompt,output=response`: the comma ended the source
+        problems.append(f"{flag} {spec}: {stray[0]!r} reads as a source of its own; separate a source's columns "
+                        f"with ';' (e.g. a.json:0.5:instruction=prompt;output=response,b.json:0.5)")
+        return problems
     if any(not s.spec for s in sources):
-        problems.append(f"--dataset {spec}: an empty source; write a.jsonl:0.7,b.json:0.3")
+        problems.append(f"{flag} {spec}: an empty source; write a.jsonl:0.7,b.json:0.3")
     weighted = [s.weight is not None for s in sources]
     if any(weighted) and not all(weighted):
-        problems.append(f"--dataset {spec}: give a weight to every source or to none (e.g. a.jsonl:0.7,b.json:0.3)")
+        problems.append(f"{flag} {spec}: give a weight to every source or to none (e.g. a.jsonl:0.7,b.json:0.3)")
     bad = [s for s in sources if s.weight is not None and not s.weight > 0]
     if bad:
-        problems.append(f"--dataset {spec}: weights must be > 0 (got {', '.join(f'{s.weight:g}' for s in bad)})")
+        problems.append(f"{flag} {spec}: weights must be > 0 (got {', '.join(f'{s.weight:g}' for s in bad)})")
     return problems
 
 
@@ -62,8 +91,9 @@ def dataset_digest(spec: str) -> str:
     """sha256 of the dataset's bytes: a file's, a folder's data files' (names and contents), or of a
     mixture, each source's digest with its weight; "spec:NAME" for a built-in or hub dataset (which
     a name identifies). Memoized on each file's size and mtime: a run checkpoints many times."""
-    if is_mixture(spec):
-        parts = [f"{dataset_digest(s.spec)}:{s.weight}" for s in parse_sources(spec)]
+    sources = parse_sources(spec)
+    if is_mixture(spec) or sources[0].columns:  # a source's own columns decide its tokens, as --columns does
+        parts = [f"{dataset_digest(s.spec)}:{s.weight}" + (f":{s.columns}" if s.columns else "") for s in sources]
         return hashlib.sha256(",".join(parts).encode()).hexdigest()
     path = Path(spec)
     if path.is_dir():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.dataset_spec import is_mixture, parse_sources, spec_problems
@@ -13,7 +14,22 @@ from toolkit.errors import UserError
 
 # the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
 DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text",
-               "prompt", "chosen", "rejected")  # the last three: preference pairs (toolkit.preference)
+               "prompt", "chosen", "rejected", "completion", "label")  # from prompt on: preference data (pairs, KTO)
+# how the turns of messages / conversations (and of preference data's message lists) are written, as LLaMA-
+# Factory's dataset_info `tags`: the key of a turn's speaker (ours: role, ShareGPT's from) and of its text
+# (content, ShareGPT's value), and your speaker values for our three roles (beside ShareGPT's own names)
+TURN_FIELDS = ("role", "content", "user_role", "assistant_role", "system_role")
+ROLE_FIELDS = {"user_role": "user", "assistant_role": "assistant", "system_role": "system"}
+# names people give our fields, for "did you mean": a hint names only a field that does the same job
+# (difflib alone offered 'conversations' for 'completion', 'prompt' for 'from', 'content' for 'context')
+SAME_JOB = {"response": "output", "answer": "output", "reply": "output", "target": "output",
+            "question": "instruction", "query": "instruction", "context": "input", "system_prompt": "system",
+            "dialog": "conversations", "dialogue": "conversations", "turns": "conversations",
+            "history": "conversations", "from": "role", "speaker": "role", "role_tag": "role", "value": "content",
+            "content_tag": "content", "user": "user_role", "human": "user_role", "user_tag": "user_role",
+            "assistant": "assistant_role", "gpt": "assistant_role", "assistant_tag": "assistant_role",
+            "system_tag": "system_role", "good": "chosen", "preferred": "chosen", "bad": "rejected",
+            "kto_tag": "label"}
 
 
 def parse_columns(spec: str) -> dict[str, str]:
@@ -22,21 +38,65 @@ def parse_columns(spec: str) -> dict[str, str]:
     return {ours.strip(): yours.strip() for ours, *rest in pairs for yours in rest}
 
 
-def column_problems(spec: str) -> list[str]:
+def same_job(name: str) -> str | None:
+    """The field `name` most likely means: a name people use for it (`SAME_JOB`), or a typo of one."""
+    if name in SAME_JOB:
+        return SAME_JOB[name]
+    hint = difflib.get_close_matches(name, DATA_FIELDS + TURN_FIELDS, n=1, cutoff=0.8)
+    return hint[0] if hint else None
+
+
+def column_problems(spec: str, where: str = "--columns") -> list[str]:
+    """What is wrong with a column mapping (`where`: --columns, or the --dataset source that gives its own)."""
     problems, seen = [], []
     for item in (i for i in spec.split(",") if i.strip()):
         ours, sep, yours = (x.strip() for x in item.partition("="))
         seen.append(ours)
         if not sep or not ours or not yours:
-            problems.append(f"--columns {item.strip()!r}: write OURS=YOURS, e.g. --columns instruction=prompt,output=response")
-        elif ours not in DATA_FIELDS:
-            hint = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
-            problems.append(f"--columns {item.strip()}: '{ours}' is not a field the formats read"
-                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; use one of {', '.join(DATA_FIELDS)}")
+            problems.append(f"{where} {item.strip()!r}: write OURS=YOURS, e.g. --columns "
+                            "instruction=prompt,output=response")
+        elif ours not in DATA_FIELDS + TURN_FIELDS:
+            hint = same_job(ours)
+            problems.append(f"{where} {item.strip()}: '{ours}' is not a field the formats read"
+                            + (f" (did you mean '{hint}'?)" if hint else "")
+                            + f"; use one of {', '.join(DATA_FIELDS)}, or for the turns of messages/conversations "
+                            f"{', '.join(TURN_FIELDS)}")
     twice = sorted({k for k in seen if seen.count(k) > 1})
     if twice:
-        problems.append(f"--columns maps {', '.join(twice)} more than once; give one column for each")
+        problems.append(f"{where} maps {', '.join(twice)} more than once; give one column for each")
     return problems
+
+
+def record_columns(spec: str) -> dict[str, str]:
+    """{ours: yours} of the mapping's record columns (`DATA_FIELDS`): the renames a dataset gets."""
+    return {k: v for k, v in parse_columns(spec).items() if k not in TURN_FIELDS}
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How a file writes a turn: the key of its speaker and of its text ("": the format's own), and your
+    speaker values for our roles, (yours, ours) pairs, read beside ShareGPT's names."""
+
+    role: str = ""
+    content: str = ""
+    roles: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.role or self.content or self.roles)
+
+    def keys(self, role: str, content: str) -> tuple[str, str]:
+        """The speaker's and the text's key: yours, else the format's (`role`, `content`)."""
+        return self.role or role, self.content or content
+
+    def role_of(self, speaker: str) -> str | None:
+        return dict(self.roles).get(speaker)
+
+
+def turn_mapping(spec: str) -> Turns:
+    """The turn keys and role values of a column mapping (`TURN_FIELDS`)."""
+    mapping = parse_columns(spec)
+    return Turns(mapping.get("role", ""), mapping.get("content", ""),
+                 tuple((yours, ROLE_FIELDS[ours]) for ours, yours in mapping.items() if ours in ROLE_FIELDS))
 
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -54,21 +114,53 @@ def streaming_problems(dataset: str, eval_split: float, max_steps: int) -> list[
     return p
 
 
-def dataset_problems(spec: str) -> list[str]:
-    """One source, or each source of a mixture (`toolkit.dataset_spec`)."""
-    problems = spec_problems(spec)
-    return problems or [p for s in parse_sources(spec) for p in _dataset_path_problems(s.spec)]
+def dataset_problems(spec: str, flag: str = "--dataset") -> list[str]:
+    """One source, or each source of a mixture (`toolkit.dataset_spec`): its path, and its own columns."""
+    problems = spec_problems(spec, flag)
+    if problems:
+        return problems
+    sources = parse_sources(spec)
+    return [p for s in sources for p in column_problems(s.columns, f"{flag} {s.spec}:")] + \
+        [p for s in sources for p in _dataset_path_problems(s.spec, flag)]
 
 
-def _dataset_path_problems(spec: str) -> list[str]:
+def unused_columns_problems(columns: str, dataset: str, eval_dataset: str) -> list[str]:
+    """--columns where every source gives its own columns (which are used instead): it would be ignored."""
+    sources = parse_sources(dataset) + (parse_sources(eval_dataset) if eval_dataset else [])
+    if not columns or not all(s.columns for s in sources):
+        return []
+    both = " and --eval-dataset" if eval_dataset else ""
+    return [f"--columns {columns} applies to no source: each source of --dataset{both} gives its own columns, "
+            "used instead; drop --columns, or add its entries to a source's own"]
+
+
+def eval_dataset_problems(spec: str, eval_split: float) -> list[str]:
+    """`--eval-dataset`: one file, folder or hub id, held out as --eval-split's rows are, never both."""
+    if not spec:
+        return []
+    if eval_split > 0:
+        return [f"--eval-dataset and --eval-split {eval_split:g} both give the held-out data; drop one"]
+    if is_mixture(spec):
+        return [f"--eval-dataset {spec}: give one file, folder or hub id (a mixture's weights draw training "
+                "examples; held-out data is evaluated whole)"]
+    if spec.startswith("builtin:"):
+        return [f"--eval-dataset {spec}: built-in data holds out its own eval split; use --eval-split with "
+                "--dataset builtin:NAME"]
+    return dataset_problems(spec, "--eval-dataset")
+
+
+def _dataset_path_problems(spec: str, flag: str = "--dataset") -> list[str]:
     if spec.startswith("builtin:"):
         return []
     path = Path(spec)
     if path.suffix.lower() in DATA_SUFFIXES or os.sep in spec and not _looks_like_hub_id(spec):
         if not path.exists():
-            return [f"--dataset {spec}: file not found"]
+            return [f"{flag} {spec}: file not found"]
         if path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
-            return [f"--dataset {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
+            return [f"{flag} {spec}: unsupported file type '{path.suffix}' (use .json, .jsonl, .csv or .parquet)"]
+        if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+            return [f"{flag} {spec}: cannot be read (permission denied); make it readable, or copy it somewhere "
+                    "you can read it"]
     return []
 
 

@@ -9,16 +9,18 @@ held in memory, one example at a time (the reference the prepared path is tested
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.config import Config
-from toolkit.dataset_spec import is_mixture, parse_sources
+from toolkit.dataset_spec import first_source, is_mixture, parse_sources
 from toolkit.data.table import DataStats
-from toolkit.data.formats import (detect_format, load_records, map_columns, record_place, to_conversation,
-                                  with_system_prompt)
+from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
+                                  to_conversation, unread_mapping, with_system_prompt)
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
+
+if TYPE_CHECKING:  # imported inside the functions that make tensors: `toolkit.data.peek` checks a run's
+    import torch  # records before torch (and transformers, datasets) load, and importing it runs this module
 
 
 @dataclass
@@ -35,53 +37,76 @@ class Examples:
     sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
 
 
-def as_example(row: dict, fmt: str, index: int, cfg: Config, spec: str) -> tuple[list[dict] | str, bool]:
+def data_sources(cfg: Config) -> list[DataSource]:
+    """The training sources, each with the column mapping in force for it: its own, else --columns."""
+    return [DataSource(s.spec, s.columns or cfg.data.columns, "--dataset", bool(s.columns))
+            for s in parse_sources(cfg.data.dataset)]
+
+
+def eval_source(cfg: Config) -> DataSource | None:
+    """`--eval-dataset`'s file (None: none given), read as a training source is."""
+    if not cfg.data.eval_dataset:
+        return None
+    s = first_source(cfg.data.eval_dataset)
+    return DataSource(s.spec, s.columns or cfg.data.columns, "--eval-dataset", bool(s.columns))
+
+
+def as_example(row: dict, fmt: str, index: int, cfg: Config, source: DataSource) -> tuple[list[dict] | str, bool]:
     """(one record as a conversation or text, whether --system-prompt was added to it); a record
     with nothing to train on is an error naming its index."""
     try:
-        conv = to_conversation(row, fmt)
+        conv = to_conversation(row, fmt, turns=source.turns)
     except UserError as e:
-        raise UserError(f"--dataset {record_place(spec, index)}: {e}") from None
+        raise UserError(f"{source.flag} {record_place(source.path, index)}: {e}") from None
     if fmt == "text":
         return conv, False
     given = with_system_prompt(conv, cfg.data.system_prompt)
     if not cfg.data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
-        raise UserError(f"--dataset {record_place(spec, index)} has no assistant turn, so it has nothing to "
-                        "train on (pass --train-on-prompt to train on whole conversations)")
+        raise UserError(f"{source.flag} {record_place(source.path, index)} has no assistant turn, so it has nothing "
+                        "to train on (pass --train-on-prompt to train on whole conversations)")
     return given, given is not conv
 
 
-def source_format(columns: list[str], cfg: Config, spec: str) -> str:
+def source_format(columns: list[str], cfg: Config, source: DataSource, sample: dict | None = None) -> str:
     """The source's format, from its columns or --format (text takes no --system-prompt); under a
     preference objective the pairs' format (`toolkit.data.pairs.PAIR_FORMATS`). Pairs where no SFT
-    format fits are refused under SFT in one line, SFT data under a preference objective."""
-    from toolkit.data.pairs import check_data_fits
+    format fits are refused under SFT in one line, SFT data under a preference objective, and a
+    mapping that names a field the format does not read (it would be ignored). `sample`: a record, for
+    the hint on columns no format fits."""
+    from toolkit.data.formats import FORMAT_COLUMNS
+    from toolkit.data.pairs import PREFERENCE_READS, check_data_fits
 
+    spec, flag = source.path, source.flag
     if cfg.train.objective != "sft":
-        return check_data_fits(columns, cfg.train.objective, spec)
+        fmt = check_data_fits(columns, cfg.train.objective, spec, flag)
+        unread_mapping(fmt, PREFERENCE_READS[fmt], source)
+        return fmt
     try:
-        fmt = detect_format(columns, cfg.data.format, spec)
+        fmt = detect_format(columns, cfg.data.format, spec, sample, flag)
     except UserError:
-        check_data_fits(columns, "sft", spec)  # pairs: say so, rather than that the format is unknown
+        check_data_fits(columns, "sft", spec, flag)  # pairs: say so, rather than that the format is unknown
         raise
+    unread_mapping(fmt, FORMAT_COLUMNS[fmt] + OPTIONAL_COLUMNS.get(fmt, ()), source)
     if fmt == "text" and cfg.data.system_prompt:
-        raise UserError(f"--system-prompt applies to conversations; --dataset {spec} is plain text (format text), "
+        raise UserError(f"--system-prompt applies to conversations; {flag} {spec} is plain text (format text), "
                         "which has no turns to put it in front of")
     return fmt
 
 
-def _conversations(cfg: Config, spec: str) -> tuple[str, list, int]:
+def _conversations(cfg: Config, source: DataSource) -> tuple[str, list, int]:
     """(format, each record as a conversation or text, how many got --system-prompt) of one source,
     its format detected on its own columns."""
-    records = map_columns(load_records(spec), cfg.data.columns, spec)
-    fmt = source_format(records.column_names, cfg, spec)
-    pairs = [as_example(r, fmt, i, cfg, spec) for i, r in enumerate(records)]
+    records = map_columns(load_records(source.path, source.flag), source)
+    fmt = source_format(records.column_names, cfg, source, records[0])
+    pairs = [as_example(r, fmt, i, cfg, source) for i, r in enumerate(records)]
     return fmt, [c for c, _ in pairs], sum(added for _, added in pairs)
 
 
 def split_indices(n: int, cfg: Config, what: str) -> tuple[list[int], list[int]]:
     """(train, held out) record indices: --eval-split of `n` records, drawn with the run's seed,
     order kept."""
+    import torch
+
     if cfg.data.eval_split <= 0:
         return list(range(n)), []
     n_eval = max(1, round(n * cfg.data.eval_split))
@@ -102,16 +127,22 @@ def load_examples(cfg: Config) -> Examples:
     spec, system = cfg.data.dataset, cfg.data.system_prompt
     if is_mixture(spec):
         return _load_mixture(cfg)
-    fmt, convs, added = _conversations(cfg, spec)
+    fmt, convs, added = _conversations(cfg, data_sources(cfg)[0])
     if spec.startswith("builtin:"):
         from toolkit.data.builtin import builtin_records
 
         held = builtin_records(spec.split(":", 1)[1], split="eval")
         scored = [with_system_prompt(r["messages"], system) for r in held]
-        eval_convs = scored if cfg.data.eval_split > 0 else []
+        eval_convs = scored if cfg.data.eval_split > 0 else _eval_file(cfg)
         return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, scored, [r["answer"] for r in held], added)
     train, held_out = _split_eval(convs, cfg, "")
-    return Examples(fmt, cfg.data.format == "auto", train, held_out, system_added=added)
+    return Examples(fmt, cfg.data.format == "auto", train, held_out or _eval_file(cfg), system_added=added)
+
+
+def _eval_file(cfg: Config) -> list:
+    """`--eval-dataset`'s records as conversations or texts (none without it)."""
+    source = eval_source(cfg)
+    return _conversations(cfg, source)[1] if source else []
 
 
 def _load_mixture(cfg: Config) -> Examples:
@@ -122,8 +153,8 @@ def _load_mixture(cfg: Config) -> Examples:
 
     sources = parse_sources(cfg.data.dataset)
     formats, trains, held, added = [], [], [], 0
-    for source in sources:
-        fmt, convs, n = _conversations(cfg, source.spec)
+    for source, read in zip(sources, data_sources(cfg)):
+        fmt, convs, n = _conversations(cfg, read)
         train, held_out = _split_eval(convs, cfg, source.spec)
         formats.append(fmt)
         trains.append(train)
@@ -132,9 +163,9 @@ def _load_mixture(cfg: Config) -> Examples:
     weights = [s.weight if s.weight is not None else len(t) for s, t in zip(sources, trains)]
     order = mixture_order([len(t) for t in trains], weights, cfg.train.seed)
     fmt = "+".join(dict.fromkeys(formats))
-    return Examples(fmt, cfg.data.format == "auto", [trains[s][i] for s, i in order], held, system_added=added,
-                    sources=[(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(sources, formats, weights,
-                                                                                         trains)])
+    return Examples(fmt, cfg.data.format == "auto", [trains[s][i] for s, i in order], held or _eval_file(cfg),
+                    system_added=added, sources=[(s.spec, f, w / sum(weights), len(t))
+                                                 for s, f, w, t in zip(sources, formats, weights, trains)])
 
 
 def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training"):
@@ -154,20 +185,22 @@ def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training
     return Rows(table, keep), stats
 
 
-def check_trainable(stats: DataStats, cfg: Config, what: str) -> None:
+def check_trainable(stats: DataStats, cfg: Config, what: str, named: str = "") -> None:
     """One line, before the model loads, where nothing is left to train: a run that trained on no
-    example would exit 0 having learnt nothing. Empty preference completions (`stats.empty`) name the
-    file and the columns to fill; otherwise every example was cut to no answer by --seq-len."""
+    example would exit 0 having learnt nothing. Empty answers (`stats.empty`: SFT's answers or text,
+    preference completions) name the file (`named`: "--dataset FILE", the default, or "--eval-dataset FILE")
+    and the columns to fill; otherwise every example was cut to no answer by --seq-len."""
     if not stats.examples or stats.dropped < stats.examples:
         return
     if stats.empty:
-        kto = cfg.train.objective == "kto"
-        unit, sides = ("example", "completion") if kto else ("pair", "'chosen' or 'rejected'")
+        objective = cfg.train.objective
+        unit, sides = {"sft": ("example", "answer"), "kto": ("example", "completion")}.get(
+            objective, ("pair", "'chosen' or 'rejected'"))
         cut = stats.dropped - stats.empty
-        raise UserError(f"--dataset {cfg.data.dataset}: no {what} {unit} is left: {stats.empty} of "
+        raise UserError(f"{named or '--dataset ' + cfg.data.dataset}: no {what} {unit} is left: {stats.empty} of "
                         f"{stats.examples} have an empty or whitespace-only {sides}"
-                        + (f", the other {cut} no completion tokens after truncation to --seq-len {cfg.data.seq_len}"
-                           if cut else "")
+                        + (f", the other {cut} no {'answer' if objective == 'sft' else 'completion'} tokens after "
+                           f"truncation to --seq-len {cfg.data.seq_len}" if cut else "")
                         + f"; fill in the {sides} text (or point --columns at the columns that hold it)")
     raise UserError(f"every {what} example is left with no answer tokens after truncation to "
                     f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
@@ -176,6 +209,8 @@ def check_trainable(stats: DataStats, cfg: Config, what: str) -> None:
 def longest_row(rows, seq_len: int) -> int:
     """Tokens in the longest row: from `lengths` where the rows carry them (a table, packed rows),
     --seq-len for a stream (not read ahead)."""
+    import torch
+
     lengths = getattr(rows, "lengths", None)
     if lengths is not None:
         return int(max(lengths))
@@ -215,6 +250,8 @@ def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multi
     reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
     so `target_rows` are added, the positions with a target found here on the CPU: the loss head
     then needs no read-back from the GPU to skip the others (`toolkit.loss.target_rows`)."""
+    import torch
+
     width = bucket_width(max(len(x["input_ids"]) for x in batch), multiple, cap)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)

@@ -12,11 +12,14 @@ table and a full finetune's reference can be computed once). The objectives that
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from toolkit.data.tokenize import blank
 from toolkit.errors import UserError
+from toolkit.inputs import Turns
+
+if TYPE_CHECKING:  # torch is imported where a batch is made: the early data check runs before it loads
+    import torch
 
 PAIR_FORMATS: dict[str, tuple[str, ...]] = {  # detection order
     "sharegpt-pairs": ("conversations", "chosen", "rejected"),  # LLaMA-Factory's ranking form
@@ -25,6 +28,8 @@ PAIR_FORMATS: dict[str, tuple[str, ...]] = {  # detection order
     "implicit-pairs": ("chosen", "rejected"),  # TRL's implicit prompt: two whole conversations
 }
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # KTO's form
+PREFERENCE_READS = {**PAIR_FORMATS, "alpaca-pairs": ("instruction", "input", "system", "chosen", "rejected"),
+                    "pairs": ("prompt", "chosen", "rejected"), "unpaired": UNPAIRED_COLUMNS}  # every field each reads
 
 
 def preference_format(columns: list[str]) -> str | None:
@@ -35,102 +40,101 @@ def preference_format(columns: list[str]) -> str | None:
     return next((fmt for fmt, need in PAIR_FORMATS.items() if all(c in cols for c in need)), None)
 
 
-def check_data_fits(columns: list[str], objective: str, source: str) -> str | None:
+def check_data_fits(columns: list[str], objective: str, source: str, flag: str = "--dataset") -> str | None:
     """The preference format of a source (None for SFT data), or one line where the data and
     --objective disagree: pairs are never trained as SFT (`toolkit.data.source_format` asks only where
     no SFT format fits the columns), nor SFT data as pairs; KTO's unpaired form only under kto."""
     fmt = preference_format(columns)
     if fmt == "unpaired" and objective != "kto":
-        raise UserError(f"--dataset {source}: unpaired preference data (prompt, completion, label) is KTO's form; "
+        raise UserError(f"{flag} {source}: unpaired preference data (prompt, completion, label) is KTO's form; "
                         f"pass --objective kto{'' if objective == 'sft' else ', or give pairs (prompt, chosen, rejected)'}")
     if fmt is not None and objective == "sft":
-        raise UserError(f"--dataset {source} holds preference pairs ({', '.join(PAIR_FORMATS[fmt])}), which SFT "
+        raise UserError(f"{flag} {source} holds preference pairs ({', '.join(PAIR_FORMATS[fmt])}), which SFT "
                         "would not train on as pairs; pass --objective dpo (or orpo, simpo, kto)")
     if objective != "sft" and fmt is None:
         raise UserError(f"--objective {objective} trains on preference {'data' if objective == 'kto' else 'pairs'}, "
-                        f"and --dataset {source} has none (columns {', '.join(sorted(columns))}); it needs prompt, "
+                        f"and {flag} {source} has none (columns {', '.join(sorted(columns))}); it needs prompt, "
                         "chosen and rejected (or instruction/conversations with chosen and rejected"
                         f"{'; or prompt, completion and label' if objective == 'kto' else ''}); map yours with "
                         "--columns, or use --objective sft")
     return fmt
 
 
-def _answer(value: Any, what: str) -> str:
-    """A completion as text: a string, a {from/role, value/content} turn, or a list holding one
-    assistant turn (TRL's conversational form)."""
+def _answer(value: Any, what: str, turns: Turns = Turns()) -> str:
+    """A completion as text: a string, a {from/role, value/content} turn (or the text key `turns` names),
+    or a list holding one assistant turn (TRL's conversational form)."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
-        text = value.get("content", value.get("value"))
+        text = value.get(turns.content) if turns.content else value.get("content", value.get("value"))
         if isinstance(text, str):
             return text
     if isinstance(value, list) and len(value) == 1:
-        return _answer(value[0], what)
+        return _answer(value[0], what, turns)
     raise UserError(f"'{what}' must be a string or one assistant turn ({{role, content}}); got "
                     f"{type(value).__name__}{f' of {len(value)} turns' if isinstance(value, list) else ''}")
 
 
-def _messages(value: Any, what: str) -> list[dict[str, str]]:
+def _messages(value: Any, what: str, turns: Turns = Turns()) -> list[dict[str, str]]:
+    """A prompt (or a whole conversation) as messages: a string is one user turn; a list of {role, content}
+    (or of the keys and speakers `turns` names)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return [{"role": str(m["role"]), "content": str(m["content"] or "")} for m in value]
-    raise UserError(f"'{what}' must be a string or a list of {{role, content}} messages")
+    role, content = turns.keys("role", "content")
+    if isinstance(value, list) and all(isinstance(m, dict) and role in m and content in m for m in value):
+        return [{"role": turns.role_of(str(m[role])) or str(m[role]), "content": str(m[content] or "")} for m in value]
+    raise UserError(f"'{what}' must be a string or a list of {{{role}, {content}}} messages")
 
 
-def to_pair(row: dict[str, Any], fmt: str) -> tuple[list[dict[str, str]], str, str]:
-    """One preference record as (the prompt's messages, the chosen completion, the rejected one)."""
+def to_pair(row: dict[str, Any], fmt: str, turns: Turns = Turns()) -> tuple[list[dict[str, str]], str, str]:
+    """One preference record as (the prompt's messages, the chosen completion, the rejected one); `turns`:
+    the turn keys and speakers a column mapping names."""
     from toolkit.data.formats import to_conversation
 
     if fmt == "pairs" and isinstance(row["chosen"], list) and len(row["chosen"]) > 1:
         fmt = "implicit-pairs"  # whole conversations beside a prompt (UltraFeedback's): their shared turns are it
     if fmt == "pairs":
-        prompt = _messages(row["prompt"], "prompt")
+        prompt = _messages(row["prompt"], "prompt", turns)
     elif fmt == "alpaca-pairs":
         prompt = to_conversation({**row, "output": ""}, "alpaca")[:-1]
     elif fmt == "sharegpt-pairs":
-        prompt = to_conversation(row, "sharegpt")
+        prompt = to_conversation(row, "sharegpt", turns=turns)
     else:  # implicit: the shared leading messages are the prompt, each side's last turn its completion
-        chosen, rejected = _messages(row["chosen"], "chosen"), _messages(row["rejected"], "rejected")
+        chosen, rejected = _messages(row["chosen"], "chosen", turns), _messages(row["rejected"], "rejected", turns)
         if len(chosen) < 2 or chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant":
             raise UserError("'chosen' and 'rejected' must be conversations that differ only in their last, "
                             "assistant turn (or give a 'prompt' column)")
         return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
     if not prompt or prompt[-1]["role"] == "assistant":
         raise UserError("the prompt must end with a user turn (the completions answer it)")
-    return prompt, _answer(row["chosen"], "chosen"), _answer(row["rejected"], "rejected")
+    return prompt, _answer(row["chosen"], "chosen", turns), _answer(row["rejected"], "rejected", turns)
 
 
-def to_unpaired(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, bool]:
+def to_unpaired(row: dict[str, Any], turns: Turns = Turns()) -> tuple[list[dict[str, str]], str, bool]:
     """One KTO record as (the prompt's messages, the completion, whether it is desirable)."""
     label = row["label"]
     if not (isinstance(label, bool) or label in (0, 1)):
         raise UserError(f"'label' must be true (desirable) or false; got {label!r}")
-    prompt = _messages(row["prompt"], "prompt")
+    prompt = _messages(row["prompt"], "prompt", turns)
     if not prompt or prompt[-1]["role"] == "assistant":
         raise UserError("the prompt must end with a user turn (the completion answers it)")
-    return prompt, _answer(row["completion"], "completion"), bool(label)
+    return prompt, _answer(row["completion"], "completion", turns), bool(label)
 
 
-# beside the chosen's; `empty`: a completion empty or whitespace-only (`blank`), the row kept untrained
+# beside the chosen's; `empty`: a completion empty or whitespace-only (`blank`), the row kept untrained: its
+# end-of-turn token alone would be trained as the answer, so the objective would push a model towards, or
+# away from, saying nothing. Its `targets` stay 0, so `table_stats` drops it, and the data line says why
+# (`toolkit.train.output.report_data`)
 PAIR_COLUMNS = {"rejected_input_ids": ("int32",), "rejected_labels": ("int32",), "empty": "bool"}
 KTO_COLUMNS = {"kl_input_ids": ("int32",), "kl_labels": ("int32",), "desirable": "bool", "empty": "bool"}
 
 
-def blank(completion: str) -> bool:
-    """An empty or whitespace-only completion: a per-record problem, dropped and counted, not trained
-    (its end-of-turn token alone would be trained as the answer, so the objective would push a model
-    towards, or away from, saying nothing). Its row keeps `targets` 0, so `table_stats` drops it, and
-    `empty` set, so the data line says why (`toolkit.train.output.report_data`)."""
-    return not completion.strip()
-
-
-def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
+def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, source, tokenizer) -> dict[str, list]:
     """Preference records as the prepared table's columns: the chosen sequence in `input_ids`/`labels`,
     the rejected one in `rejected_*`, each prompt + completion through the chat template with labels on
     the completion (its last assistant turn) only; `length` is both sequences' tokens, `targets` the
     fewer of their completion tokens (a pair left without one on either side is not trained), 0 for a
-    pair with a `blank` side (`empty`)."""
+    pair with a `blank` side (`empty`). `source`: the `toolkit.data.formats.DataSource` read."""
     from toolkit.data.formats import with_system_prompt
     from toolkit.data.formats import record_place
     from toolkit.data.table import token_columns
@@ -139,9 +143,9 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str,
     chats, added, empty = [], [], []
     for row, i in zip(rows, indices):
         try:
-            prompt, chosen, rejected = to_pair(row, fmt)
+            prompt, chosen, rejected = to_pair(row, fmt, source.turns)
         except UserError as e:
-            raise UserError(f"--dataset {record_place(spec, i)}: {e}") from None
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
         given = with_system_prompt(prompt, cfg.data.system_prompt)
         added.append(given is not prompt)
         empty.append(blank(chosen) or blank(rejected))
@@ -182,7 +186,7 @@ def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int,
     return out_ids, out_labels
 
 
-def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, tokenizer) -> dict[str, list]:
+def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, source, tokenizer) -> dict[str, list]:
     """KTO's records (or pairs, split into a desirable and an undesirable example) as the prepared
     table's columns: each prompt + completion through the chat template with labels on the completion,
     `desirable`, and the KL estimate's sequence (`kl_sequences`; not trained, so not in `length`); an
@@ -195,13 +199,13 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, spec: str, t
     for row, i in zip(rows, indices):
         try:
             if fmt == "unpaired":
-                prompt, completion, good = to_unpaired(row)
+                prompt, completion, good = to_unpaired(row, source.turns)
                 sides = [(completion, good)]
             else:
-                prompt, chosen, rejected = to_pair(row, fmt)
+                prompt, chosen, rejected = to_pair(row, fmt, source.turns)
                 sides = [(chosen, True), (rejected, False)]
         except UserError as e:
-            raise UserError(f"--dataset {record_place(spec, i)}: {e}") from None
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
         given = with_system_prompt(prompt, cfg.data.system_prompt)
         for completion, good in sides:
             chats.append(given + [{"role": "assistant", "content": completion}])
@@ -243,6 +247,8 @@ def kto_extras(batch: list[dict], kl: dict[str, torch.Tensor]) -> dict[str, torc
     """A KTO micro-batch's extras beside its padded sequences: `pairs` (here the examples: the loss's
     normaliser), `desirable`, the KL sequences padded as their own batch (`kl`, as `kl_*`), and the
     precomputed reference log-probabilities (`ref_logps`, `ref_kl_logps`) where the rows carry them."""
+    import torch
+
     out = {"pairs": torch.tensor(len(batch)), "desirable": torch.tensor([bool(x["desirable"]) for x in batch]),
            **{f"kl_{k}": v for k, v in kl.items()}}
     if "ref_logps" in batch[0]:
@@ -261,6 +267,8 @@ def pair_rows(batch: list[dict]) -> list[dict]:
 def pair_extras(batch: list[dict]) -> dict[str, torch.Tensor]:
     """`pairs`, the loss's normaliser (`toolkit.train.step.batch_counts`), and each pair's precomputed
     reference log-probabilities (`ref_logps`, (2P,)) where the rows carry them."""
+    import torch
+
     out = {"pairs": torch.tensor(len(batch))}
     if "ref_logps" in batch[0]:
         out["ref_logps"] = torch.tensor([v for x in batch for v in x["ref_logps"]], dtype=torch.float32)

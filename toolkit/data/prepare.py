@@ -12,6 +12,9 @@ cores, since one process per node builds while the others wait on the lock). A b
 line naming its index, from whichever worker met it. --eval-split and the mixture draw select rows
 by index, exactly as `toolkit.data.load_examples` orders the records, so the rows equal today's
 per-example path (tested).
+
+`--eval-dataset FILE` is prepared on its own, into a cache entry of its own keyed the same way: changing
+the eval file re-tokenizes only it, and a streamed run evaluates on it too.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config import Config
-from toolkit.data import DataStats, as_example, check_trainable, source_format, split_indices
-from toolkit.data.table import CACHE_VERSION, Rows, built_once, features, map_processes, open_table, table_stats, \
-    token_columns, tokenizer_digest
-from toolkit.dataset_spec import Source, dataset_digest, is_mixture, parse_sources
+from toolkit.data import DataStats, as_example, check_trainable, data_sources, eval_source, source_format, split_indices
+from toolkit.data.formats import DataSource
+from toolkit.data.table import ANSWER_COLUMNS, CACHE_VERSION, Rows, answer_columns, built_once, features, \
+    map_processes, open_table, table_stats, token_columns, tokenizer_digest
+from toolkit.dataset_spec import dataset_digest, is_mixture, parse_sources
 from toolkit.data.pairs import KTO_COLUMNS, PAIR_COLUMNS, PAIR_FORMATS, encode_kto, encode_pairs
 
 # Settings that change the tokens, or which records are trained and which held out.
@@ -46,38 +50,53 @@ class PreparedData:
     em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
     answers: list[str] | None = None
     streamed: bool = False  # `train` is a `toolkit.data.stream.RecordStream`
+    eval_format: str | None = None  # --eval-dataset's format (None: no eval file)
 
 
 def data_key(cfg: Config, tokenizer) -> str:
-    """The cache folder's name: a hash of everything that decides the prepared tables."""
+    """The cache folder's name: a hash of everything that decides the prepared tables (the training data's;
+    --eval-dataset's are keyed apart, `eval_key`)."""
     d = cfg.data
-    spec = d.dataset
+    flat = cfg.flat()
+    seeded = d.eval_split > 0 or is_mixture(d.dataset)  # the seed draws the eval split and the mixture
+    parts = [CACHE_VERSION, "prepared", _identity(d.dataset), tokenizer_digest(tokenizer),
+             *(f"{k}={flat[k]!r}" for k in TOKEN_SETTINGS), f"seed={cfg.train.seed if seeded else None}"]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def eval_key(cfg: Config, tokenizer) -> str:
+    """The cache folder of --eval-dataset's table: the file and every setting that decides its tokens."""
+    flat = cfg.flat()
+    parts = [CACHE_VERSION, "eval-dataset", _identity(cfg.data.eval_dataset), tokenizer_digest(tokenizer),
+             *(f"{k}={flat[k]!r}" for k in TOKEN_SETTINGS if k != "eval_split")]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _identity(spec: str) -> str:
+    """The data's content: its files' sha256 (`dataset_digest`), a hub dataset's fingerprint."""
     identity = dataset_digest(spec)
     if any(dataset_digest(s.spec).startswith("spec:") and not s.spec.startswith("builtin:")
            for s in parse_sources(spec)):  # a hub id: its name does not pin its content
         from toolkit.data.formats import load_records
 
         identity += "".join(load_records(s.spec)._fingerprint for s in parse_sources(spec))
-    flat = cfg.flat()
-    seeded = d.eval_split > 0 or is_mixture(spec)  # the seed draws the eval split and the mixture
-    parts = [CACHE_VERSION, "prepared", identity, tokenizer_digest(tokenizer),
-             *(f"{k}={flat[k]!r}" for k in TOKEN_SETTINGS), f"seed={cfg.train.seed if seeded else None}"]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+    return identity
 
 
 def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedData:
     """The run's training and eval rows, from the cache or built into it (with --streaming, the
     record stream, read as training goes)."""
+    from toolkit.cache import cache_dir
+
+    cache = cache or cache_dir() / "data"
     if cfg.data.streaming:
         from toolkit.data.stream import RecordStream
 
         stream = RecordStream(cfg, tokenizer)  # reads the first record: format and columns are checked here
-        return PreparedData(stream.format, cfg.data.format == "auto", stream, [], DataStats(), DataStats(),
-                            streamed=True)
+        held, held_stats, held_format = _prepared_eval(cfg, tokenizer, cache)
+        return PreparedData(stream.format, cfg.data.format == "auto", stream, held, DataStats(), held_stats,
+                            streamed=True, eval_format=held_format)
 
-    from toolkit.cache import cache_dir
-
-    cache = cache or cache_dir() / "data"
     path = cache / data_key(cfg, tokenizer)
     hit = built_once(path, lambda tmp: _build(cfg, tokenizer, tmp, cache))
     meta = json.loads((path / "meta.json").read_text())
@@ -85,9 +104,8 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
     stats, keep = table_stats(train)
     stats.cached = hit
     check_trainable(stats, cfg, "training")
-    eval_rows: Rows | list = []
-    held_stats = DataStats()
-    if (path / "eval").is_dir():
+    eval_rows, held_stats, held_format = _prepared_eval(cfg, tokenizer, cache)  # --eval-dataset's, if any
+    if (path / "eval").is_dir():  # --eval-split's (never beside an eval file: `inputs.eval_dataset_problems`)
         held = open_table(path / "eval")
         held_stats, held_keep = table_stats(held)
         check_trainable(held_stats, cfg, "eval")
@@ -97,7 +115,33 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
         em, answers = _builtin_scored(cfg)
     return PreparedData(meta["format"], cfg.data.format == "auto", Rows(train, keep), eval_rows, stats, held_stats,
                         meta["system_added"], [tuple(s) for s in meta["sources"]] if meta["sources"] else None,
-                        em, answers)
+                        em, answers, eval_format=held_format)
+
+
+def _prepared_eval(cfg: Config, tokenizer, cache: Path) -> tuple[Rows | list, DataStats, str | None]:
+    """(--eval-dataset's rows, their stats, its format), from its own cache entry or built into it; no
+    eval file: nothing."""
+    source = eval_source(cfg)
+    if source is None:
+        return [], DataStats(), None
+    path = cache / eval_key(cfg, tokenizer)
+
+    def build(out: Path) -> None:
+        import datasets
+
+        datasets.disable_progress_bars()
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            fmt, table = _tokenized_source(cfg, source, tokenizer, Path(tmp))
+            out.mkdir(parents=True)
+            table.remove_columns("system_added").save_to_disk(str(out / "eval"))
+            (out / "meta.json").write_text(json.dumps({"format": fmt}))
+
+    hit = built_once(path, build)
+    table = open_table(path / "eval")
+    stats, keep = table_stats(table)
+    stats.cached = hit
+    check_trainable(stats, cfg, "eval", f"--eval-dataset {source.path}")
+    return Rows(table, keep), stats, json.loads((path / "meta.json").read_text())["format"]
 
 
 def _builtin_scored(cfg: Config) -> tuple[list, list[str]]:
@@ -108,42 +152,43 @@ def _builtin_scored(cfg: Config) -> tuple[list, list[str]]:
     return [with_system_prompt(r["messages"], cfg.data.system_prompt) for r in held], [r["answer"] for r in held]
 
 
-def preference_columns(cfg: Config, fmt: str) -> dict:
-    """The table's columns beside the tokens: KTO's, a pair's rejected sequence, or none (SFT)."""
-    return KTO_COLUMNS if cfg.train.objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else {}
+def table_columns(cfg: Config, fmt: str) -> dict:
+    """The table's columns beside the tokens: KTO's, a pair's rejected sequence, or SFT's empty answers."""
+    return KTO_COLUMNS if cfg.train.objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else ANSWER_COLUMNS
 
 
-def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, spec: str, tokenizer) -> dict:
+def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, source: DataSource, tokenizer) -> dict:
     from toolkit.data.tokenize import encode_batch
 
     names = list(batch)
     if cfg.train.objective == "kto":
-        return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, spec,
+        return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, source,
                           tokenizer)
     if fmt in PAIR_FORMATS:
-        return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, spec,
+        return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, source,
                             tokenizer)
-    pairs = [as_example({c: batch[c][j] for c in names}, fmt, i, cfg, spec) for j, i in enumerate(indices)]
+    pairs = [as_example({c: batch[c][j] for c in names}, fmt, i, cfg, source) for j, i in enumerate(indices)]
     encs = encode_batch(tokenizer, [ex for ex, _ in pairs], cfg.data.seq_len, cfg.data.train_on_prompt)
-    return {**token_columns(encs), "system_added": [added for _, added in pairs]}
+    return {**token_columns(encs), **answer_columns(encs), "system_added": [added for _, added in pairs]}
 
 
-def _tokenized_source(cfg: Config, spec: str, tokenizer, work: Path):
+def _tokenized_source(cfg: Config, source: DataSource, tokenizer, work: Path):
     """(format, the source's records tokenized in their order, with a `system_added` column)."""
     from toolkit.data.formats import load_records, map_columns, read_problem
 
-    records = map_columns(load_records(spec), cfg.data.columns, spec)
-    fmt = source_format(records.column_names, cfg, spec)
+    spec = source.path
+    records = map_columns(load_records(spec, source.flag), source)
+    fmt = source_format(records.column_names, cfg, source, records[0])
     try:
         table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
                             remove_columns=records.column_names,
-                            features=features({"system_added": "bool", **preference_columns(cfg, fmt)}),
+                            features=features({"system_added": "bool", **table_columns(cfg, fmt)}),
                             num_proc=map_processes(len(records), cfg.data.data_workers),
-                            fn_kwargs={"fmt": fmt, "cfg": cfg, "spec": spec, "tokenizer": tokenizer},
+                            fn_kwargs={"fmt": fmt, "cfg": cfg, "source": source, "tokenizer": tokenizer},
                             cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
                             new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])
     except UnicodeDecodeError as e:  # pyarrow keeps bytes that are not UTF-8 until a row is read
-        raise read_problem(spec, e) from None
+        raise read_problem(spec, e, source.flag) from None
     return fmt, table
 
 
@@ -157,13 +202,13 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
 
     spec = cfg.data.dataset
     mixed = is_mixture(spec)
-    sources = parse_sources(spec) if mixed else [Source(spec)]
+    sources = parse_sources(spec)
     builtin = spec.startswith("builtin:") and not mixed  # it holds out its own eval split, scored too
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # map's per-process files, until saved
         work = Path(tmp)
         formats, trains, evals, added = [], [], [], 0
-        for s in sources:
-            fmt, table = _tokenized_source(cfg, s.spec, tokenizer, work)
+        for s, read in zip(sources, data_sources(cfg)):
+            fmt, table = _tokenized_source(cfg, read, tokenizer, work)
             added += int(table.data.column("system_added").to_numpy().sum())
             table = table.remove_columns("system_added")
             train_idx, eval_idx = (list(range(len(table))), []) if builtin else \
@@ -177,16 +222,16 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
 
             held = datasets.Dataset.from_list(builtin_records(spec.split(":", 1)[1], split="eval"))
             evals = [held.map(_encode_records, batched=True, with_indices=True, remove_columns=held.column_names,
-                              features=features({"system_added": "bool", **preference_columns(cfg, formats[0])}),
-                              fn_kwargs={"fmt": formats[0], "cfg": cfg, "spec": spec, "tokenizer": tokenizer}
-                              ).remove_columns("system_added")]
+                              features=features({"system_added": "bool", **table_columns(cfg, formats[0])}),
+                              fn_kwargs={"fmt": formats[0], "cfg": cfg, "source": DataSource(spec),
+                                         "tokenizer": tokenizer}).remove_columns("system_added")]
         elif builtin and cfg.data.eval_split > 0:
             scored, _ = _builtin_scored(cfg)
             evals = [datasets.Dataset.from_dict({"messages": scored}).map(
                 _encode_records, batched=True, with_indices=True, remove_columns=["messages"],
-                features=features({"system_added": "bool"}),
-                fn_kwargs={"fmt": "chat", "cfg": cfg, "spec": spec, "tokenizer": tokenizer}).remove_columns(
-                "system_added")]
+                features=features({"system_added": "bool", **ANSWER_COLUMNS}),
+                fn_kwargs={"fmt": "chat", "cfg": cfg, "source": DataSource(spec), "tokenizer": tokenizer}
+            ).remove_columns("system_added")]
         meta_sources = None
         if mixed:
             weights = [s.weight if s.weight is not None else len(t) for s, t in zip(sources, trains)]

@@ -20,7 +20,8 @@ layout that keeps the global batch). Packing: each micro-batch's examples are pa
 fewer rows.
 
 Needs --max-steps (a stream has no length to count epochs by); no --eval-split, mixture or
-built-in data (use the map-style path for those).
+built-in data (use the map-style path for those). `--eval-dataset FILE` is prepared map-style
+(`toolkit.data.prepare`) and evaluated as in any run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Iterator
 import torch
 
 from toolkit.config import Config
-from toolkit.data import as_example, collate, source_format
+from toolkit.data import as_example, collate, data_sources, source_format
 from toolkit.data.tokenize import encode_batch
 from toolkit.errors import UserError
 
@@ -43,7 +44,8 @@ class RecordStream(torch.utils.data.IterableDataset):
 
         from toolkit.data.formats import column_renames, data_files, datasets_log_silenced, read_problem
 
-        spec = cfg.data.dataset
+        source = data_sources(cfg)[0]
+        spec = source.path
         local = data_files(spec)  # the map-style reader's files and checks
         try:
             with datasets_log_silenced():
@@ -54,9 +56,10 @@ class RecordStream(torch.utils.data.IterableDataset):
             raise read_problem(spec, e) from None
         if first is None:
             raise UserError(f"--dataset {spec}: holds no records")
-        self.renames = column_renames(list(first), cfg.data.columns, spec)
-        self.format = source_format([self.renames.get(c, c) for c in first], cfg, spec)
-        self.records, self.cfg, self.spec, self.tokenizer, self.start = records, cfg, spec, tokenizer, 0
+        self.renames = column_renames(list(first), source)
+        self.format = source_format([self.renames.get(c, c) for c in first], cfg, source, self._renamed(first))
+        self.records, self.cfg, self.source, self.spec = records, cfg, source, spec
+        self.tokenizer, self.start = tokenizer, 0
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
         skip = self.start
@@ -68,7 +71,7 @@ class RecordStream(torch.utils.data.IterableDataset):
                 yield i, self._renamed(row)
 
     def tokenize(self, batch: list[tuple[int, dict]]) -> list[dict]:
-        pairs = [as_example(row, self.format, i, self.cfg, self.spec) for i, row in batch]
+        pairs = [as_example(row, self.format, i, self.cfg, self.source) for i, row in batch]
         encs = encode_batch(self.tokenizer, [ex for ex, _ in pairs], self.cfg.data.seq_len,
                             self.cfg.data.train_on_prompt)
         return [{"input_ids": e.input_ids, "labels": e.labels} for e in encs]

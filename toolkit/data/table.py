@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_VERSION = "3"  # bump when encode() or the tables' layout changes (3: preference rows' `empty`)
+CACHE_VERSION = "4"  # bump when encode() or the tables' layout changes (3: preference rows' `empty`; 4: SFT's
+# empty answers untrained and counted, `empty` and `blank_turns`)
 
 
 @dataclass
@@ -28,7 +29,8 @@ class DataStats:
     examples: int = 0
     truncated: int = 0
     dropped: int = 0  # nothing left to train: after truncation, or `empty`
-    empty: int = 0  # of `dropped`: preference rows with an empty or whitespace-only completion (`pairs.blank`)
+    empty: int = 0  # of `dropped`: rows whose answers (a pair: a completion) are empty or whitespace-only (`blank`)
+    blank_turns: int = 0  # empty assistant turns left untrained in the rows kept (`tokenize.Encoded.blank_turns`)
     tokens: int = 0
     target_tokens: int = 0
     cached: bool = False  # read from the tokenized-data cache (this module)
@@ -37,7 +39,8 @@ class DataStats:
 def _encode_batch(batch: dict, tokenizer, seq_len: int, train_on_prompt: bool) -> dict:
     from toolkit.data.tokenize import encode_batch
 
-    return token_columns(encode_batch(tokenizer, [json.loads(t) for t in batch["example"]], seq_len, train_on_prompt))
+    encs = encode_batch(tokenizer, [json.loads(t) for t in batch["example"]], seq_len, train_on_prompt)
+    return {**token_columns(encs), **answer_columns(encs)}
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -70,6 +73,7 @@ def map_processes(rows: int, workers: int) -> int | None:
 
 
 FEATURES = {"input_ids": ("int32",), "labels": ("int32",), "length": "int32", "targets": "int32", "truncated": "bool"}
+ANSWER_COLUMNS = {"empty": "bool", "blank_turns": "int32"}  # SFT's: `answer_columns`
 
 
 def features(extra: dict | None = None):
@@ -88,6 +92,12 @@ def token_columns(encs: list) -> dict[str, list]:
             "length": [len(e.input_ids) for e in encs],
             "targets": [sum(1 for x in e.labels[1:] if x != IGNORE_INDEX) for e in encs],
             "truncated": [e.truncated for e in encs]}
+
+
+def answer_columns(encs: list) -> dict[str, list]:
+    """SFT's empty answers, for the data line: `empty` (the row has no label, `table_stats` drops it) and
+    `blank_turns`."""
+    return {"empty": [e.empty for e in encs], "blank_turns": [e.blank_turns for e in encs]}
 
 
 def built_once(path: Path, build) -> bool:
@@ -133,7 +143,8 @@ def tokenized_table(convs: list, tokenizer, seq_len: int, train_on_prompt: bool,
     def build(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(dir=cache) as work:  # map's per-process files, then one table
             table = datasets.Dataset.from_dict({"example": texts}).map(
-                _encode_batch, batched=True, batch_size=256, remove_columns=["example"], features=features(),
+                _encode_batch, batched=True, batch_size=256, remove_columns=["example"],
+                features=features(ANSWER_COLUMNS),
                 num_proc=map_processes(len(texts), workers),
                 fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "train_on_prompt": train_on_prompt},
                 cache_file_name=str(Path(work) / "part.arrow"), new_fingerprint=path.name[:32])
@@ -157,9 +168,12 @@ def table_stats(table):
     from whole columns."""
     targets, lengths, truncated = (column(table, c) for c in ("targets", "length", "truncated"))
     kept = (targets > 0).nonzero()[0]
-    empty = int(column(table, "empty").sum()) if "empty" in table.column_names else 0
+    names = table.column_names
+    empty = int(column(table, "empty").sum()) if "empty" in names else 0
+    blanks = int(column(table, "blank_turns")[kept].sum()) if "blank_turns" in names else 0
     stats = DataStats(examples=table.num_rows, truncated=int(truncated.sum()), dropped=table.num_rows - len(kept),
-                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()), empty=empty)
+                      tokens=int(lengths[kept].sum()), target_tokens=int(targets[kept].sum()), empty=empty,
+                      blank_turns=blanks)
     return stats, (kept if len(kept) < table.num_rows else None)
 
 

@@ -42,17 +42,19 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
     how = "detected from columns" if examples.detected else "from --format"
     if cfg.data.columns:
         how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(cfg.data.columns).items())
+    paired = cfg.train.objective in ("dpo", "orpo", "simpo")
+    unit = "pairs" if paired else "examples"
     if data.streamed:
         log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
+        _eval_file_line(log, cfg, data, unit)
         return
-    paired = cfg.train.objective in ("dpo", "orpo", "simpo")
-    unit = "pairs" if paired else "examples"
     log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
         f"{n_eval} eval; {token_counts(stats, cfg.train.objective)}"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
+    _eval_file_line(log, cfg, data, unit)
     if cfg.train.objective == "kto":
         from toolkit.data.pairs import kto_balance
 
@@ -63,9 +65,14 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
         log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
     empty = stats.empty + data.eval_stats.empty
     if empty:
-        sides = "'chosen' or 'rejected'" if paired else "completion"
-        held = f" ({data.eval_stats.empty} of them from the eval split)" if data.eval_stats.empty else ""
+        texts = "text" if examples.format == "text" else "answer or text" if "text" in examples.format else "answer"
+        sides = {"sft": texts, "kto": "completion"}.get(cfg.train.objective, "'chosen' or 'rejected'")
+        held = f" ({data.eval_stats.empty} of them from the eval data)" if data.eval_stats.empty else ""
         log(f"data: {empty} more {unit[:-1]}(s) dropped, not counted above: an empty or whitespace-only {sides}{held}")
+    blanks = stats.blank_turns + data.eval_stats.blank_turns
+    if blanks:
+        log(f"data: {blanks} empty or whitespace-only assistant turn(s) left untrained in the conversations kept "
+            "(their other answers train)")
     if stats.dropped - stats.empty:
         log(f"data: {stats.dropped - stats.empty} more {unit[:-1]}(s) dropped, not counted above: no answer tokens "
             "left after truncation")
@@ -76,6 +83,14 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
     elif added_template:
         log("data: the tokenizer has no chat template; using the toolkit's fallback "
             "(<|role|>\\ncontent<eos>), saved with the tokenizer")
+
+
+def _eval_file_line(log, cfg: Config, data, unit: str) -> None:
+    if data.eval_format:
+        held = data.eval_stats
+        log(f"data: eval from --eval-dataset {cfg.data.eval_dataset}: format {data.eval_format}; "
+            f"{held.examples - held.dropped} {unit}, {held.tokens} tokens"
+            + (" (tokenized data read from the cache)" if held.cached else ""))
 
 
 def token_counts(stats: DataStats, objective: str) -> str:
