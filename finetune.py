@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None):
     report_data(log, cfg, data, added_template)
     trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)  # or stop here
 
-    model = strategy.shard_model(resumed_weights(load_model(cfg, model_path), resume, cfg.model.method))
+    # loaded, then shaped in one place (`parallelize`: adapters, kernels, the layout); a DeepSpeed checkpoint's weights
+    model = resumed_weights(strategy.shard_model(load_model(cfg, model_path)), resume, cfg.model.method)
     trainable, total = count_parameters(model)
     per = " on this rank" if cfg.parallel.tp > 1 or cfg.parallel.ep > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method}); "

@@ -215,16 +215,16 @@ def test_boundaries_are_derived_once_per_forward(model, documents, monkeypatch):
 
 
 def test_checkpointed_layers_reuse_the_boundaries(documents, alone, monkeypatch):
-    """Activation checkpointing (as `toolkit.models` enables it) recomputes each layer's attention in
+    """Activation checkpointing (as `toolkit.parallel.parallelize` enables it) recomputes each layer's attention in
     the backward, handed the same position tensor: 4 kernel calls, 1 derivation."""
-    from toolkit.models import enable_checkpointing
+    from toolkit.parallel.parallelize import apply_checkpointing
 
     calls, kernels = [], []
     derive = attention.document_bounds
     monkeypatch.setattr(attention, "document_bounds", lambda p: calls.append(1) or derive(p))
     monkeypatch.setattr(attention, "_varlen_kernel", lambda *_: kernels.append(1) or attention.reference_varlen)
     model = tiny()
-    enable_checkpointing(model)
+    apply_checkpointing(model)
     model.train()
     losses, grads = run(model, attention.register("varlen"), model_inputs_of(packed(documents)))
     assert_documents(losses, grads, alone)

@@ -16,7 +16,7 @@ import torch
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.models import apply_lora, check_lora_targets, untargetable_linears
+from toolkit.models import ModelShape, apply_lora, check_lora_targets, untargetable_linears
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, vocab_size=384)
@@ -78,7 +78,8 @@ def test_lora_leaves_a_linear_that_breaks_its_contract_and_trains(cls):
     leaf = next(iter(skipped)).rsplit(".", 1)[-1]
     with pytest.raises(UserError, match=f"--lora-targets {leaf}: {cls} subclasses nn.Linear but does not return"):
         check_lora_targets(model, [leaf])
-    peft_model = apply_lora(model, parse_config(["--model", "unused", "--lora-r", "4", "--lora-alpha", "8"]))
+    shape = ModelShape.of(parse_config(["--model", "unused", "--lora-r", "4", "--lora-alpha", "8"]))
+    peft_model = apply_lora(model, shape)
     for name in skipped:
         assert type(peft_model.get_base_model().get_submodule(name)).__name__ == cls  # not wrapped
     x = torch.randint(5, 300, (2, 12))
@@ -92,7 +93,7 @@ def test_a_linear_subclass_that_returns_its_tensor_stays_a_target():
     """Falcon's Linear (its own bias add) returns one tensor of its width: LoRA wraps it as any Linear."""
     model = tiny("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=384))
     assert not untargetable_linears(model)
-    peft_model = apply_lora(model, parse_config(["--model", "unused"]))
+    peft_model = apply_lora(model, ModelShape.of(parse_config(["--model", "unused"])))
     assert any(type(m).__name__ == "FalconLinear" for n, m in peft_model.named_modules() if n.endswith("base_layer"))
 
 

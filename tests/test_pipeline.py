@@ -183,14 +183,14 @@ def _train(model_dir, method: str, stages: int, microbatches: int, gc: bool = Fa
 def _train_steps(model_dir, method: str, stages: int, microbatches: int, gc: bool):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.models import enable_checkpointing
+    from toolkit.parallel.parallelize import apply_checkpointing
     from toolkit.parallel.pp import NaivePipeline
     from toolkit.loss import count_targets, token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if gc:
-        enable_checkpointing(model)
+        apply_checkpointing(model)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 

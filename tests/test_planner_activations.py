@@ -21,16 +21,18 @@ def shaped_model(tmp_path_factory):
 
 
 def _load(model_dir, method: str, precision: str, dropout: float = 0.0, checkpointing: bool = False):
-    """The model as `toolkit.models.load_model` loads it for `method`."""
+    """The model as `toolkit.models.load_model` loads it and `parallelize` adds `method`'s adapters."""
     from toolkit.config import parse_config
-    from toolkit.models import enable_checkpointing, load_model
+    from toolkit.models import ModelShape, load_model
+    from toolkit.parallel.parallelize import Parallelism, apply_checkpointing, parallelize
 
     cfg = parse_config(["--model", str(model_dir), "--output-dir", str(model_dir.parent / "o"), "--method", method,
                         "--mixed-precision", precision, "--lora-dropout", str(dropout)])
     torch.manual_seed(0)
-    model = load_model(cfg, str(model_dir)).train()
+    model, _ = parallelize(load_model(cfg, str(model_dir)), Parallelism(ModelShape.of(cfg)))
+    model.train()
     if checkpointing:
-        enable_checkpointing(model)
+        apply_checkpointing(model)
     return model
 
 

@@ -276,10 +276,11 @@ def test_strategy_auto_refuses_manual_sharding_flags(tmp_path):
     ("lora", "fp16", torch.float16, torch.float32),
 ])
 def test_parameter_dtypes_per_method_and_precision(tmp_path, tiny_model, method, precision, base, trainable):
-    from toolkit.models import load_model
+    from toolkit.models import ModelShape, load_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", method, "--mixed-precision", precision, "--output-dir", str(tmp_path / "o")])
-    model = load_model(cfg, str(tiny_model))
+    model, _ = parallelize(load_model(cfg, str(tiny_model)), Parallelism(ModelShape.of(cfg)))
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     trained = {p.dtype for p in model.parameters() if p.requires_grad}
     assert trained == {trainable} and frozen in (set(), {base})

@@ -696,7 +696,8 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and not held_out),
          "--eval-every needs held-out data: set --eval-split (for example 0.05) or --eval-dataset FILE")
-    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn,
+                             t.objective))
     p.extend(objective_problems(cfg))
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")

@@ -19,7 +19,7 @@ from toolkit.errors import debug
 
 WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # transformers 5 deprecates the property that peft and accelerate still read on every run, and
-    # the older name of the method checkpointing is enabled by (`toolkit.models.enable_checkpointing`)
+    # the older name of the method checkpointing is enabled by (`toolkit.parallel.parallelize.apply_checkpointing`)
     (r"`is_gradient_checkpointing` is deprecated", FutureWarning),
     (r"`gradient_checkpointing_enable` is deprecated", FutureWarning),
     # torch 2.13 renamed the collectives DeepSpeed 0.19 calls on every ZeRO step

@@ -1,18 +1,52 @@
 """What a strategy's step computes as its loss: one micro-batch's summed token loss through full logits
-or a fused head (`toolkit.loss`), a preference objective's (`toolkit.preference`), and the router
-load-balancing loss the model adds (`toolkit.router_load` counts its experts' tokens). Every strategy
-composes one `LossHead`; the layout only decides how the batch reaches it.
+or a fused head (`toolkit.loss`), an objective's (`toolkit.objective`: the preference objectives of
+`toolkit.preference`), and the router load-balancing loss the model adds (`toolkit.router_load` counts its
+experts' tokens). Every strategy composes one `LossHead`, given at construction with the objective
+`build_objective` made; the layout only decides how the batch reaches it. The loop reads what it
+gathered once a step (`take_metrics`), never its parts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from toolkit.loss import target_loss_sum, token_loss_sum
+from toolkit.objective import LayoutHooks, Objective
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
+
+
+def build_objective(cfg, hooks: LayoutHooks = LayoutHooks()) -> Objective | None:
+    """The run's --objective, built once under the layout's `hooks` (None: the token loss). The one place
+    an objective type is chosen: a new one adds its builder here, and no strategy changes."""
+    from toolkit.preference import OBJECTIVE_TYPES, PreferenceLoss
+
+    builders: dict[str, Callable] = {name: PreferenceLoss.from_config for name in OBJECTIVE_TYPES}
+    build = builders.get(cfg.train.objective)
+    return build(cfg, hooks) if build is not None else None
+
+
+@dataclass
+class LossMetrics:
+    """What the loss gathered over the micro-batches since the last read, on the device (nothing is read
+    back): `LossHead.take_metrics`, the one read of a step's loss besides its value."""
+    aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens
+    objective: torch.Tensor | None = None  # the objective's metrics' sums
+    load: torch.Tensor | None = None  # tokens per expert, (MoE layers, experts)
+    fused: bool = False  # the head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
+    layers: tuple[str, ...] = ()  # the MoE layers, the rows of `load`
+
+
+@dataclass(frozen=True)
+class LossCheck:
+    """The loss this layout trains against the model's own on a few rows (`Strategy.loss_check`)."""
+    ours: float | None  # per target token; None where this rank computes no loss (a pipeline's earlier stages)
+    own: float | None
+    head: str  # what computed `ours`: the loss line's words
+    fused: bool = False  # a fused head computed it: full logits remain to fall back on (--loss auto)
 
 
 class LossHead:
@@ -20,21 +54,21 @@ class LossHead:
     fused loss head (`toolkit.loss.loss_head_for`) that returns the sum itself, so (B, T, V) logits
     never exist. Context parallel batches carry labels already shifted (`targets`)."""
 
-    def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no"):
+    def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no",
+                 objective: Objective | None = None):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
         self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
-        self.choice, self.aux_coef, self.aux_sum = "full", 0.0, None
-        self.objective = None  # a preference objective (`toolkit.preference.PreferenceLoss`): pairs, full logits
+        self.aux_coef, self.aux_sum = 0.0, None
+        self.objective = objective  # an objective other than the token loss (`build_objective`): full logits
         self.router_load = None  # an MoE model's tokens per expert (`toolkit.router_load.RouterLoad`)
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
         one (only for the standard token loss, which it computes exactly); and the model's router
         load-balancing loss, which its forward returns where its config sets `output_router_logits`.
-        A preference objective keeps full logits and turns the model's dropout off (`prepare`)."""
+        An objective keeps full logits and turns the model's dropout off (`prepare`)."""
         from toolkit.loss import loss_head_for
 
-        self.choice = choice
         if self.objective is not None:
             self.objective.prepare(model)
         if self.loss_fn is token_loss_sum and self.objective is None:
@@ -50,6 +84,13 @@ class LossHead:
         if self.head is not None:
             self.head.restore()
             self.head = None
+
+    def take_metrics(self, device: torch.device) -> LossMetrics:
+        """What the micro-batches since the last call gathered: the aux loss, the objective's sums, the
+        tokens per expert (zeros on a rank whose forwards reached no MoE layer)."""
+        load = self.router_load.take(device) if self.router_load is not None else None
+        return LossMetrics(self.take_aux(), self.objective.take_metrics() if self.objective is not None else None,
+                           load, self.fused, tuple(self.router_load.layers) if self.router_load is not None else ())
 
     @property
     def fused(self) -> bool:

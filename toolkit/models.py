@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -182,9 +183,8 @@ def load_dtype(cfg: Config) -> torch.dtype:
 
 
 def load_model(cfg: Config, path: str):
-    """Load the causal LM (`load_dtype`), then wrap it for LoRA/QLoRA. QLoRA stores the frozen base
-    in NF4 (bitsandbytes) and computes in the run's dtype. The whole model, with the kernels the flags
-    name (--attn, --experts, --kernels): TP, EP, checkpointing, compile and FSDP2 follow in
+    """Load the causal LM (`load_dtype`; QLoRA's frozen base in NF4, bitsandbytes, computing in the run's
+    dtype), nothing else: the kernels, the adapters and every layout's changes follow in one place,
     `toolkit.parallel.parallelize` (the strategy's `shard_model`), so every layout starts from the same
     weights and adapter init."""
     from transformers import AutoModelForCausalLM
@@ -206,26 +206,53 @@ def load_model(cfg: Config, path: str):
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
-    if cfg.model.experts != "auto":  # checked against the architecture by check_model
-        model.set_experts_implementation(cfg.model.experts)
-    name, _ = attention(cfg, model)
-    if name is not None:
-        model.set_attn_implementation(name)
-    if cfg.train.kernels == "liger":
-        apply_liger(model)
-    if cfg.model.method in ("lora", "qlora"):
-        model = apply_lora(model, cfg, path)
     return model
 
 
-def attention(cfg: Config, model) -> tuple[str | None, str]:
+@dataclass(frozen=True)
+class ModelShape:
+    """What the flags ask of the loaded model before any layout cuts it: its kernels (--attn, --experts,
+    --kernels) and its adapters (LoRA or QLoRA on the --lora-* flags, or the SFT adapter `--model`
+    names). Read from the config once (`of`); `toolkit.parallel.parallelize` applies it first."""
+    method: str = "full"
+    attn: str = "auto"
+    packing: bool = False  # packed rows reach the model whole (--packing without --cp)
+    seq_len: int = 2048
+    experts: str = "auto"
+    kernels: str = "none"
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"
+    adapter: str | None = None  # the SFT adapter trained on (`sft_adapter`)
+
+    @classmethod
+    def of(cls, cfg: Config) -> "ModelShape":
+        m = cfg.model
+        return cls(m.method, m.attn, cfg.data.packing and cfg.parallel.cp == 1, cfg.data.seq_len, m.experts,
+                   cfg.train.kernels, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(cfg))
+
+
+def apply_kernels(model, shape: ModelShape) -> None:
+    """--experts, --attn and --kernels liger on the loaded model (each checked against the architecture
+    by `check_model` before the weights were read)."""
+    if shape.experts != "auto":
+        model.set_experts_implementation(shape.experts)
+    name, _ = attention(shape, model)
+    if name is not None:
+        model.set_attn_implementation(name)
+    if shape.kernels == "liger":
+        apply_liger(model)
+
+
+def attention(shape: ModelShape, model) -> tuple[str | None, str]:
     """`--attn` for this model (`toolkit.attention.choose_attention`): the kernel to set after loading
     (None: the one transformers picked, sdpa where the model supports it, else eager) and its line.
     Rows cut by --cp go through the Ulysses wrapper of the model's own attention."""
     from toolkit.attention import choose_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose_attention(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1, model, cfg.data.seq_len)
+    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len)
 
 
 INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
@@ -289,26 +316,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(getattr(getattr(base, "model", None), "layers", None) or [])
 
 
-# torch.compile's backend for --compile; a test seam: the suite compiles with "aot_eager" (dynamo and
-# AOTAutograd, without inductor's C++ build on a 2-core CPU)
+# torch.compile's backend for --compile (`toolkit.parallel.parallelize.apply_compile`); a test seam: the suite
+# compiles with "aot_eager" (dynamo and AOTAutograd, without inductor's C++ build on a 2-core CPU)
 COMPILE_BACKEND_ENV = "TOOLKIT_COMPILE_BACKEND"
-
-
-def compile_blocks(model) -> None:
-    """--compile: each decoder block compiled in place (`nn.Module.compile`: regional compilation, as
-    torchtitan compiles per block), so one compiled graph serves every block, the parameters and
-    state-dict keys stay the module's own, and the layout's changes to the blocks (TP's split
-    projections and context parallel's attention before, FSDP2's hooks after:
-    `toolkit.parallel.parallelize`) are traced at the first step. Padded and
-    packed batches change width from step to step: the second width compiles again, with dynamic
-    shapes (dynamo's automatic dynamic), and later widths reuse it. The first step's record says it
-    was the warm-up."""
-    blocks = decoder_layers(model)
-    if not blocks:
-        raise UserError(f"--compile: no decoder blocks at model.layers in {type(model).__name__}; leave --compile out")
-    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
-    for block in blocks:
-        block.compile(backend=backend)
 
 
 def apply_liger(model) -> None:
@@ -325,16 +335,6 @@ def apply_liger(model) -> None:
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"--kernels liger: Liger-Kernel has no kernels for this model ({model.config.model_type}: "
                         f"{e}); leave --kernels out") from None
-
-
-def enable_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing of every block, by the name transformers >= 5.2x gives it
-    (`gradient_checkpointing_enable` warns that it goes in v6), or the old one where it is all there is."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 # rows of the probe's input: divisible by every group count up to 16, for a forward that splits its rows
@@ -475,7 +475,7 @@ def check_model(cfg: Config, path: str) -> str:
         raise
     finally:
         hf_logging.set_verbosity(level)
-    _, attention_line = attention(cfg, skeleton)  # a kernel this model or machine cannot run: one line now
+    _, attention_line = attention(ModelShape.of(cfg), skeleton)  # a kernel this model or machine cannot run: one line now
     attention_line += experts_line(cfg, skeleton)
     if m.router_aux_loss_coef is not None and not hasattr(config.get_text_config(), "router_aux_loss_coef"):
         raise UserError(f"--router-aux-loss-coef: {type(skeleton).__name__} has no router load-balancing loss "
@@ -485,27 +485,25 @@ def check_model(cfg: Config, path: str) -> str:
     return attention_line
 
 
-def apply_lora(model, cfg: Config, base: str | None = None):
+def apply_lora(model, shape: ModelShape, base: str | None = None):
     """The LoRA (QLoRA) model: a new adapter on the --lora-* flags' targets, less the Linears it cannot
     wrap (`untargetable_linears`), or the SFT adapter `--model` names, trainable (`sft_adapter`). The
     adapter records `base` (default: the path the model was loaded from) as `recorded_base` gives it."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
-    m = cfg.model
-    if m.method == "qlora":
+    if shape.method == "qlora":
         # checkpointing is `toolkit.parallel.parallelize`'s step, as for every method
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    adapter = sft_adapter(cfg)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    if shape.adapter is not None:
+        model = PeftModel.from_pretrained(model, shape.adapter, is_trainable=True)
     else:
-        targets: str | list[str] = m.lora_targets
+        targets: str | list[str] = shape.lora_targets
         if targets != "all-linear":
             targets = [t.strip() for t in targets.split(",") if t.strip()]
             check_lora_targets(model, targets)
-        lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
-                          exclude_modules=sorted(untargetable_linears(model)) or None, task_type="CAUSAL_LM",
-                          bias="none")
+        lora = LoraConfig(r=shape.lora_r, lora_alpha=shape.lora_alpha, lora_dropout=shape.lora_dropout,
+                          target_modules=targets, exclude_modules=sorted(untargetable_linears(model)) or None,
+                          task_type="CAUSAL_LM", bias="none")
         model = get_peft_model(model, lora)
     model.peft_config[model.active_adapter].base_model_name_or_path = recorded_base(
         base or model.get_base_model().name_or_path)

@@ -5,6 +5,15 @@ planner, so a leaf below them all."""
 from __future__ import annotations
 
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+# the objectives that sample completions from the policy during training (online RL: `--objective grpo`,
+# issue 65); what the layout rules refuse of them is said by `toolkit.layout.rules.generation_problems`
+GENERATING = ("grpo",)
+
+
+def generates(objective: str) -> bool:
+    """Whether `objective` samples from the policy while it trains (`Strategy.generating`)."""
+    return objective in GENERATING
+
 # beta: TRL's DPOConfig, ORPOConfig and KTOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
 # beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
 DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}

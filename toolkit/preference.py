@@ -30,22 +30,23 @@ The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `t
 
 The loss in parts: `ObjectiveSpec`, the settings, read from the config once; one `Objective` per
 objective (`DPO`, `ORPO`, `SimPO`, `KTO`: its loss and metrics, from `OBJECTIVE_TYPES`); `StepState`,
-what a step sets and gathers; `LayoutHooks`, what the layout decides, passed in by `make_strategy`
-(`PreferenceLoss.bind`). `PreferenceLoss` puts them together, and its `reference_logps` is the one
-place that decides which reference a forward is compared against.
+what a step sets and gathers; `toolkit.objective.LayoutHooks`, what the layout decides (the
+context-parallel slices, a pipeline's forwards), given by `make_strategy` when it builds the objective
+(`toolkit.loss_head.build_objective`). `PreferenceLoss` puts them together, and its `reference_logps` is
+the one place that decides which reference a forward is compared against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from toolkit.objective import LayoutHooks
 from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
-from toolkit.preference_functions import (document_logps, dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_labels,
-                                          orpo_nll, orpo_nll_tokens, orpo_odds_loss, sequence_logps, simpo_loss,
-                                          sliced_logps, whole_row_logps)
+from toolkit.preference_functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll, orpo_nll_tokens,
+                                          orpo_odds_loss, simpo_loss)
 
 
 # Said once, in the objective's line: a `kl` of 0.0 is the clamp (TRL's), not a missing term. The estimate,
@@ -229,21 +230,6 @@ class KTO(Objective):
 OBJECTIVE_TYPES: dict[str, type[Objective]] = {"dpo": DPO, "orpo": ORPO, "simpo": SimPO, "kto": KTO}
 
 
-# --- what the layout decides, passed in by `make_strategy` (`PreferenceLoss.bind`)
-LogpsFn = Callable[..., torch.Tensor]  # (model, batch, reference=False) -> each whole row's log-probability
-SumFn = Callable[[torch.Tensor], torch.Tensor]  # a sum over the cp group
-
-
-@dataclass(frozen=True)
-class LayoutHooks:
-    """`forward_logps`: the layout's whole-row log-probabilities without gradients (`Strategy.sequence_logps`:
-    a pipeline's are its last stage's, sent to every stage). Under context parallel, `sum_slices` sums a
-    sequence's slices over the cp group (`sliced_logps`) of `cp` ranks."""
-    forward_logps: LogpsFn = whole_row_logps
-    sum_slices: SumFn | None = None
-    cp: int = 1
-
-
 class PreferenceLoss:
     """One micro-batch's summed loss under a preference objective: `kind` (its loss and metrics, from
     `spec`) on the per-sequence log-probabilities this layout computes (`hooks`); what a step sets and
@@ -257,13 +243,20 @@ class PreferenceLoss:
         self.hooks, self.state, self.dropouts_off = hooks, StepState(), 0
 
     @classmethod
-    def from_config(cls, cfg) -> "PreferenceLoss | None":
+    def from_config(cls, cfg, hooks: LayoutHooks = LayoutHooks()) -> "PreferenceLoss | None":
+        """--objective's, under the layout's `hooks` (`toolkit.loss_head.build_objective`); None for SFT."""
         spec = ObjectiveSpec.from_config(cfg)
-        return cls(spec) if spec is not None else None
+        return cls(spec, hooks=hooks) if spec is not None else None
 
-    def bind(self, forward_logps: LogpsFn, sum_slices: SumFn | None = None, cp: int = 1) -> "PreferenceLoss":
-        """This objective under a layout (`make_strategy`), with a fresh step state."""
-        return PreferenceLoss(self.spec, hooks=LayoutHooks(forward_logps, sum_slices, cp))
+    @property
+    def reference_pass(self) -> bool:
+        """Whether the rows need their reference log-probabilities computed before step 1."""
+        return self.spec.reference_pass
+
+    @property
+    def unit(self) -> str:
+        """What its examples are called: pairs, or KTO's examples."""
+        return self.kind.unit
 
     # the step state's values under their earlier names (the TRL parity tests set and read them)
     @property
@@ -331,31 +324,23 @@ class PreferenceLoss:
             return None
         if inputs is None:
             return self.hooks.forward_logps(model, batch, reference=True)
-        return no_grad_logps(model, inputs, lambda logits: self.logps(logits, batch)[0], reference=True)
-
-    def logps(self, logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence (padded rows; a context-parallel slice's summed over the group) or per document
-        (packed rows): chosen, rejected, chosen, ..."""
-        if "targets" in batch:
-            return sliced_logps(logits, batch["targets"], self.hooks.sum_slices)
-        if "position_ids" in batch:
-            return document_logps(logits, batch["labels"], batch["position_ids"], batch["attention_mask"],
-                                  batch["documents"])
-        return sequence_logps(logits, batch["labels"])
+        return no_grad_logps(model, inputs, lambda logits: self.hooks.logps(logits, batch)[0], reference=True)
 
     def __call__(self, model, batch: dict, inputs: dict) -> tuple[torch.Tensor, Any]:
         """(the summed pair loss of `batch` (plus ORPO's scaled NLL), the model's output)."""
         ref = self.reference_logps(model, batch, inputs)
         out = model(**inputs)
-        logps, counts = self.logps(out.logits, batch)
-        total = self.loss_of(logps, counts, ref, batch.get("desirable"))
-        sliced = "targets" in batch
-        if sliced:  # every cp rank holds the whole pair loss: the value once over the group, the
-            total = total - total.detach() * (1 - 1 / self.hooks.cp)  # gradient whole through each rank's slice
+        return self.logits_loss(out.logits, batch, ref), out
+
+    def logits_loss(self, logits: torch.Tensor, batch: dict, ref: torch.Tensor | None) -> torch.Tensor:
+        """The summed pair loss of `batch` (plus ORPO's scaled NLL) from its logits, per sequence as the
+        layout lays the rows out (`LayoutHooks.logps`; a pipeline's last stage calls this itself)."""
+        logps, counts = self.hooks.logps(logits, batch)
+        total = self.hooks.whole(self.loss_of(logps, counts, ref, batch.get("desirable")), batch)
         if self.kind.nll:  # ORPO's NLL; under cp this slice's share (the slices' shares add up)
-            labels = batch["orpo_targets"] if sliced else orpo_labels(batch)
-            total = total + orpo_nll(out.logits, labels, shifted=sliced) * self.state.nll_scale
-        return total, out
+            labels, shifted = self.hooks.chosen_targets(batch)
+            total = total + orpo_nll(logits, labels, shifted=shifted) * self.state.nll_scale
+        return total
 
     def loss_of(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
                 desirable: torch.Tensor | None) -> torch.Tensor:
@@ -363,31 +348,6 @@ class PreferenceLoss:
         counts, the reference's, KTO's labels); the metrics' sums kept."""
         ref = ref.to(logps.device) if ref is not None else None
         return self.kind.loss(logps, counts, ref, desirable, self.state)
-
-    # --- under a pipeline, the last stage gets the logits and one target tensor per micro-batch
-    def pipeline_target(self, batch: dict) -> torch.Tensor:
-        """(rows, T + 2 [+ T]) float64, split with the rows into pipeline micro-batches: the labels, each
-        row's reference log-probability and KTO label, and ORPO's NLL labels; all a pipeline schedule
-        hands its loss function besides the logits (token ids and -100 are exact in float64)."""
-        labels = batch["labels"]
-        rows = labels.shape[0]
-        ref, desirable = batch.get("ref_logps"), batch.get("desirable")
-        cols = [labels.double(), (ref if ref is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device),
-                (desirable if desirable is not None else torch.zeros(rows)).double().reshape(rows, 1).to(labels.device)]
-        if self.kind.nll:
-            cols.append(orpo_labels(batch).repeat_interleave(2, 0).double())  # each pair's chosen labels, twice
-        return torch.cat(cols, 1)
-
-    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The summed objective of a pipeline micro-batch from `pipeline_target`'s columns."""
-        width = logits.shape[1]
-        labels = target[:, :width].long()
-        logps, counts = sequence_logps(logits, labels)
-        ref = target[:, width] if self.spec.reference is not None else None
-        total = self.loss_of(logps, counts, ref, target[:, width + 1].bool())
-        if self.kind.nll:
-            total = total + orpo_nll(logits, target[0::2, width + 2:].long()) * self.state.nll_scale
-        return total
 
     @property
     def metric_width(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 from toolkit.layout.dims import ParallelDims, infer_dims
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.tp_regions import NotExpressible, read_tp_plan
+from toolkit.objective_spec import generates
 
 # Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
@@ -108,10 +109,10 @@ def checkpoint_format(par: ParallelConfig) -> str:
 # ----------------------------------------------------------------------------- what may run
 
 def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int,
-                    compiled: bool = False, attn: str = "auto") -> list[str]:
+                    compiled: bool = False, attn: str = "auto", objective: str = "sft") -> list[str]:
     """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
-    precision ("fp16" is the one that matters), --loss, micro-batch and --compile, that needs neither
-    the model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
+    precision ("fp16" is the one that matters), --loss, micro-batch, --compile and --objective, that
+    needs neither the model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
     p: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
@@ -151,7 +152,19 @@ def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str,
     if par.cp > 1 and attn not in ("auto", "sdpa"):
         p.append(f"--attn {attn} with --cp {par.cp} is not supported: context parallel's Ulysses attention wraps "
                  "sdpa (and --attn auto takes sdpa under --cp); drop --attn")
-    return p
+    return p + generation_problems(par, objective)
+
+
+def generation_problems(par: ParallelConfig, objective: str) -> list[str]:
+    """An objective that samples from the policy while it trains (`toolkit.objective_spec.generates`) needs
+    the whole model's forward, token by token, on every rank (`Strategy.generating`): refused under pipeline
+    stages and context-parallel slices, which hold neither."""
+    off = [f"--{name} {degree}" for name, degree in (("pp", par.pp), ("cp", par.cp)) if degree > 1]
+    if not generates(objective) or not off:
+        return []
+    return [f"--objective {objective} does not run under --pp / --cp yet: it samples completions token by token "
+            f"from the whole model, which pipeline stages and context-parallel slices do not hold; drop "
+            f"{' and '.join(off)}"]
 
 
 # What the mesh dimensions allow of a method and a precision: QLoRA's 4-bit base and fp16's loss scaling

@@ -1,18 +1,23 @@
 """What a run is built on, decided once: the `Accelerator` (DDP, or DeepSpeed ZeRO's plugin; gloo on
 CPU) and the strategy for the layout the flags and the launched world give
-(`toolkit.layout.rules.runtime`), checked against the model's config before any weights are read."""
+(`toolkit.layout.rules.runtime`), checked against the model's config before any weights are read, built
+from its parts in one place (`compose`)."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable
 
 from toolkit.config import Config
 from toolkit.errors import UserError
+from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import accelerate_plugin
 from toolkit.loss import token_loss_sum
-from toolkit.loss_head import LossFn
-from toolkit.parallel.strategy import Strategy
+from toolkit.loss_head import LossFn, LossHead, build_objective
+from toolkit.objective import LayoutHooks, Objective
+from toolkit.parallel.parallelize import DdpSpec, Parallelism, StageSpec
+from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy
 
 
 def make_accelerator(cfg: Config, model_path: str | None = None):
@@ -132,57 +137,9 @@ def cpu_threads_per_rank(local_ranks: int) -> int:
 def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
                   loss_fn: LossFn = token_loss_sum) -> Strategy:
     """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
-    against the model's config (one line for every problem, before any weights are read), build the
-    mesh it needs; its loss computes the preference objective where --objective asks for one."""
-    from toolkit.preference import PreferenceLoss
-
-    kind, strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
-    objective = PreferenceLoss.from_config(cfg)
-    if objective is not None:
-        if kind == "pipeline_one_process":
-            raise UserError(f"--objective {cfg.train.objective} with --pp {cfg.parallel.pp} runs one process per "
-                            f"stage: launch {cfg.parallel.pp} (torchrun --nproc_per_node {cfg.parallel.pp})")
-        context = getattr(strategy, "context", None)
-        if context is not None and context.group is not None:  # a sequence's slices summed over the cp group
-            from functools import partial
-
-            from toolkit.parallel.tp.comm import reduce_from_tp
-
-            objective = objective.bind(strategy.sequence_logps, partial(reduce_from_tp, group=context.group),
-                                       context.cp)
-        else:
-            objective = objective.bind(strategy.sequence_logps)
-    strategy.loss.objective = objective
-    return strategy
-
-
-def _strategies() -> dict[str, Callable]:
-    """`toolkit.layout.rules.runtime`'s kind -> what builds it: (accelerator, dims, cfg, loss_fn) -> Strategy.
-    The config stops here: a strategy is given the `Settings` it reads (DeepSpeed's, which fills its file
-    from the config, apart)."""
-    from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
-    from toolkit.parallel.pp.strategy import PipelineStrategy
-    from toolkit.parallel.sharded import MeshStrategy
-    from toolkit.parallel.strategy import Settings
-
-    def mesh(a, d):
-        from toolkit.parallel.mesh import Mesh
-
-        return Mesh(d, a.device.type)
-
-    return {
-        "accelerate": lambda a, d, cfg, fn: AccelerateStrategy(a, d, Settings.of(cfg), fn),
-        "accelerate_cp": lambda a, d, cfg, fn: AccelerateStrategy(a, d, Settings.of(cfg), fn, mesh(a, d)),
-        "deepspeed": lambda a, d, cfg, fn: DeepSpeedStrategy(a, d, cfg, fn),
-        "pipeline_one_process": lambda a, d, cfg, fn: PipelineStrategy(a, d, None, cfg.parallel, Settings.of(cfg), fn),
-        "pipeline": lambda a, d, cfg, fn: PipelineStrategy(a, d, mesh(a, d), cfg.parallel, Settings.of(cfg), fn),
-        "mesh_fsdp": lambda a, d, cfg, fn: MeshStrategy(a, d, mesh(a, d), Settings.of(cfg), fn, sharded=True),
-        "mesh_ddp": lambda a, d, cfg, fn: MeshStrategy(a, d, mesh(a, d), Settings.of(cfg), fn, sharded=False),
-    }
-
-
-def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: LossFn) -> tuple[str, Strategy]:
-    """(the runtime's kind, its strategy), once the layout's problems are none."""
+    against the model's config (one line for every problem, before any weights are read), and build the
+    strategy from its parts (`compose`). The config stops here: what the strategies and `parallelize` read
+    of it is `Settings`; the objective is built from it once (`toolkit.loss_head.build_objective`)."""
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
@@ -192,7 +149,85 @@ def _layout_strategy(cfg: Config, accelerator, model_path: str | None, loss_fn: 
     if problems:
         raise UserError("; ".join(problems))
     kind = rules.runtime(par, dims)
-    return kind, _strategies()[kind](accelerator, dims, cfg, loss_fn)
+    if kind == "pipeline_one_process" and cfg.train.objective != "sft":
+        raise UserError(f"--objective {cfg.train.objective} with --pp {par.pp} runs one process per stage: launch "
+                        f"{par.pp} (torchrun --nproc_per_node {par.pp})")
+    return compose(kind, accelerator, dims, Settings.of(cfg), partial(build_objective, cfg), loss_fn)
+
+
+def compose(kind: str, accelerator, dims: ParallelDims, settings: Settings,
+            objective: Callable[[LayoutHooks], Objective | None] = lambda hooks: None,
+            loss_fn: LossFn = token_loss_sum) -> Strategy:
+    """The one construction every strategy shares: the mesh `kind` needs, context parallel's slices, what the
+    layout decides for the objective (`LayoutHooks`), the objective built under them and the loss head given
+    it, the data shard, and what `parallelize` applies (`Parallelism`); then `kind`'s class
+    (`toolkit.layout.rules.runtime`'s kind -> `_strategies()`), which adds its step only."""
+    from toolkit.parallel.mesh import Mesh
+
+    mesh = Mesh(dims, accelerator.device.type) if kind not in ("accelerate", "deepspeed", "pipeline_one_process") \
+        else None
+    context = ContextSlices(mesh, dims)
+    hooks = _hooks(kind, context, dims)
+    loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision, objective(hooks))
+    data = DataShard(accelerator, dims, mesh.local_rank("batch") if mesh is not None else None)
+    parallelism = _parallelism(kind, accelerator, dims, settings, mesh, context)
+    return _strategies()[kind](accelerator, dims, settings, data, loss, parallelism, hooks, context, mesh)
+
+
+def _hooks(kind: str, context: ContextSlices, dims: ParallelDims) -> LayoutHooks:
+    """What the layout decides for an objective: a pipeline's rows run through its stages; under context
+    parallel a sequence's slices are summed over the cp group."""
+    if kind.startswith("pipeline"):
+        from toolkit.parallel.pp.strategy import pipeline_logps
+
+        return LayoutHooks(forward_logps=pipeline_logps)
+    if context.group is not None:
+        from toolkit.parallel.tp.comm import reduce_from_tp
+
+        return LayoutHooks(sum_slices=partial(reduce_from_tp, group=context.group), cp=dims.cp)
+    return LayoutHooks()
+
+
+def _parallelism(kind: str, accelerator, dims: ParallelDims, settings: Settings, mesh, context) -> Parallelism:
+    """What `parallelize` applies for `kind` on this mesh: every kind its kernels, adapters, checkpointing and
+    compile; the mesh's kinds their TP and EP groups and FSDP2 (sharded) or DDP; a pipeline its stages."""
+    from toolkit.parallel.fsdp import FsdpSpec, half_dtype
+
+    common = {"model": settings.model, "checkpointing": settings.checkpointing, "compile": settings.compile}
+    if kind in ("accelerate", "accelerate_cp", "deepspeed"):
+        return Parallelism(**common, context=context if kind == "accelerate_cp" else None)
+    if kind == "pipeline_one_process":
+        from toolkit.parallel.pp import pipeline_devices
+
+        devices = tuple(pipeline_devices(settings.pp, settings.pp_devices))  # a missing GPU fails now, not later
+        return Parallelism(**common, stages=StageSpec(settings.pp, settings.pp_microbatches, settings.pp_schedule,
+                                                      settings.pp_balance, devices=devices))
+    ep_group, experts_mesh, _ = mesh.expert_groups()
+    groups = {"tp_group": mesh.optional_group("tp"), "ep_group": ep_group, "device": accelerator.device}
+    fsdp = FsdpSpec(mesh.fsdp(), settings.reshard, half_dtype(accelerator.mixed_precision), experts_mesh)
+    if kind == "pipeline":
+        from toolkit.parallel.pp import make_pipeline_layout
+
+        stages = StageSpec(dims.pp, settings.pp_microbatches, settings.pp_schedule, settings.pp_balance,
+                           make_pipeline_layout(dims.pp, mesh))
+        return Parallelism(**common, **groups, fsdp=fsdp if dims.dp_shard > 1 else None, stages=stages)
+    if kind == "mesh_fsdp":
+        return Parallelism(**common, **groups, context=context, fsdp=fsdp)
+    cuda = accelerator.device.type == "cuda"
+    ddp = DdpSpec(mesh.optional_group("loss"), [accelerator.local_process_index] if cuda else None,
+                  accelerator.autocast if accelerator.mixed_precision == "bf16" else None)
+    return Parallelism(**common, **groups, context=context, ddp=ddp)
+
+
+def _strategies() -> dict[str, Callable]:
+    """`toolkit.layout.rules.runtime`'s kind -> the class that runs its step."""
+    from toolkit.parallel.accelerated import AccelerateStrategy, DeepSpeedStrategy
+    from toolkit.parallel.pp.strategy import PipelineStrategy
+    from toolkit.parallel.sharded import MeshStrategy
+
+    return {"accelerate": AccelerateStrategy, "accelerate_cp": AccelerateStrategy, "deepspeed": DeepSpeedStrategy,
+            "pipeline_one_process": PipelineStrategy, "pipeline": PipelineStrategy, "mesh_fsdp": MeshStrategy,
+            "mesh_ddp": MeshStrategy}
 
 
 def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str]:

@@ -11,8 +11,23 @@ docs/parallelism.md#mixed-precision-under-fsdp2."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class FsdpSpec:
+    """FSDP2's part of a layout: the mesh the dense parts shard over, whether parameters reshard after each
+    block's forward (ZeRO-3-like; False keeps them gathered to backward, ZeRO-2-like), the dtype they are
+    gathered in (None: as stored), and the experts' own mesh under expert parallel."""
+    mesh: Any
+    reshard: bool = True
+    compute_dtype: torch.dtype | None = None
+    experts_mesh: Any = None
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype | None, cast_inputs: bool = True):
@@ -57,3 +72,24 @@ def half_dtype(mixed_precision: str) -> torch.dtype | None:
     """The dtype the policy gathers parameters in for accelerate's `mixed_precision` ('bf16' or 'no':
     fp16 is refused on the mesh, which has no loss scaling)."""
     return torch.bfloat16 if mixed_precision == "bf16" else None
+
+
+@contextmanager
+def unsharded(model: nn.Module, reshard: bool) -> Iterator[nn.Module]:
+    """`model` with every FSDP2 unit's parameters all-gathered once (`FSDPModule.unshard`) for a block of
+    forwards without gradients (generation), not once per forward: resharding after forward is off
+    meanwhile, so each unit's pre-forward hook finds its parameters unsharded and gathers nothing, and its
+    post-forward hook keeps them. After it every unit reshards and resumes what `apply_fsdp` gave it:
+    `reshard` (--fsdp-sharding), the root's included (given explicitly, FSDP2 does not turn the root's off)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)

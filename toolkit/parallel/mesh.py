@@ -2,7 +2,14 @@
 `ParallelDims.get_mesh("dp_shard")` does: one `init_device_mesh` with the named dimensions, the
 flattened ones (`dp`, `dp_cp`, `dp_shard_cp`) and, under expert parallel without TP, `dp_shard`
 unflattened into (dp_shard_mod_ep, ep) from the same world mesh; under TP the `ep` view is the `tp`
-one (`toolkit.layout.dims`). Nothing is attached to torch's objects."""
+one (`toolkit.layout.dims`). Nothing is attached to torch's objects.
+
+The views a layout asks for by what they do are named by role, as torchtitan names them: `batch` (the
+ranks that read different data: dp), `loss` (the ranks a gradient averages over: dp, x cp), `fsdp` (the
+ranks FSDP2 shards a parameter over: dp_shard, x cp) and `efsdp` (the experts' shard ranks). `optional`
+answers None for a dimension that is off (one rank), so a layout asks `mesh.optional_group("tp")` and
+gets its TP group or none. A pipeline's groups are views too: `pp`, `batch`, and `pp_ends`, each
+pipeline's first and last stage (a tied embedding's two halves)."""
 
 from __future__ import annotations
 
@@ -37,16 +44,43 @@ class Mesh:
             views["ep"], views["dp_shard_mod_ep"] = self.experts["ep"], self.experts["dp_shard_mod_ep"]
             if dims.cp > 1:
                 views["dp_shard_mod_ep_cp"] = self.experts["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
-        self.views = views
+        views["batch"] = views["dp"]
+        views["loss"] = views[grad_dim(dims)]
+        views["fsdp"] = views[grad_dim(dims, sharded=True)]
+        efsdp = "dp_shard_mod_ep_cp" if dims.cp > 1 else "dp_shard_mod_ep"
+        views["efsdp"] = views["fsdp"] if dims.ep_over_tp else views.get(efsdp)
+        self.views = {k: v for k, v in views.items() if v is not None}
+        self.pp_ends = self._pipeline_ends() if dims.pp > 1 else None
+
+    def _pipeline_ends(self):
+        """This rank's pipeline's {first stage, last stage} group; every rank creates every pipeline's, in
+        order. pp is the outermost dimension: a pipeline is one column of the (pp, rest) world."""
+        pipelines = self.world.mesh.reshape(self.dims.pp, -1).T.tolist()
+        ends = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
+        return ends[next(i for i, ranks in enumerate(pipelines) if dist.get_rank() in ranks)]
 
     def get(self, name: str) -> DeviceMesh:
-        """The 1-D mesh of a dimension, flattened or not (`dp`, `dp_shard_cp`, `ep`, ...)."""
+        """The 1-D mesh of a dimension, flattened or not (`dp`, `dp_shard_cp`, `ep`, ...), or of a role
+        (`batch`, `loss`, `fsdp`, `efsdp`)."""
         if name not in self.views:
             raise KeyError(f"no mesh dimension {name!r} in this layout (has {', '.join(self.views)})")
         return self.views[name]
 
+    def optional(self, name: str) -> DeviceMesh | None:
+        """`get`, or None where the dimension is off: absent, or one rank."""
+        view = self.views.get(name)
+        return view if view is not None and view.size() > 1 else None
+
     def group(self, name: str):
+        """The process group of a view; `pp_ends`: this rank's pipeline's first and last stage."""
+        if name == "pp_ends" and self.pp_ends is not None:
+            return self.pp_ends
         return self.get(name).get_group()
+
+    def optional_group(self, name: str):
+        """`group`, or None where the dimension is off (`optional`)."""
+        view = self.optional(name)
+        return view.get_group() if view is not None else None
 
     def local_rank(self, name: str) -> int:
         return self.get(name).get_local_rank()
@@ -77,12 +111,9 @@ class Mesh:
         """(the ep group, the expert FSDP mesh, the expert shard group: what the experts' gradient norm sums
         over, replicas apart), or (None, None, None) without --ep. Under TP: the TP group, and the dense
         parts' shard mesh and group (dp_shard, x cp)."""
-        if self.dims.ep_over_tp:
-            return self.group("tp"), self.expert_fsdp(), self.group(grad_dim(self.dims, sharded=True))
-        if self.experts is None:
+        if not self.dims.ep_over_tp and self.experts is None:
             return None, None, None
-        inner = "dp_shard_mod_ep_cp" if self.dims.cp > 1 else "dp_shard_mod_ep"
-        return self.group("ep"), self.expert_fsdp(), self.group(inner)
+        return self.group("ep"), self.expert_fsdp(), self.group("efsdp")
 
 
 def grad_dim(dims: ParallelDims, sharded: bool = False) -> str:

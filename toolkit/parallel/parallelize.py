@@ -1,27 +1,46 @@
-"""One place where a loaded model is made ready for a layout, in torchtitan's order (`parallelize_llama`,
-`torchtitan/models/llama3/infra/parallelize.py`): context parallel's attention, the project's TP layers,
-expert parallel's experts, activation checkpointing, compile, then FSDP2 (`toolkit.parallel.fsdp.apply_fsdp`).
-`toolkit.models.load_model` only loads the weights and adds LoRA; every strategy kind calls `parallelize`
-once (`Strategy.shard_model`), with what its layout applies (`Parallelism`). A pipeline cuts its stages
-after, at `prepare`, from the whole TP/EP-cut model (so the stage split and the parameter names stay the
-full model's); each stage is FSDP2-sharded as it is cut, by `shard_stage` here, the same step in the
-same order.
+"""The one place where a loaded model is shaped for a run, in torchtitan's order (`parallelize_llama`,
+`torchtitan/models/llama3/infra/parallelize.py`); `toolkit.models.load_model` only reads the weights.
 
-What the rest of the run needs of the cut is one object, `Parallelized`: the TP shards (their group,
-the dim or packing each slice was cut along, the replicated parameters whose gradients are partial
-sums), the expert shards, and from them the table of every cut parameter by name, the gradient norm's
-parts (which squares sum over which groups) and the full state dict. The table is read right after the
-cut, before FSDP2 replaces the parameters.
+`parallelize(model, Parallelism)`, once per run, right after loading (`Strategy.shard_model`):
+
+    1. kernels and adapters  --attn, --experts, --kernels liger; LoRA or QLoRA (`toolkit.models`)
+    2. context parallel      Ulysses attention (`toolkit.parallel.cp`)
+    3. TP                    the project's layers from `base_model_tp_plan` (`toolkit.parallel.tp`)
+    4. EP                    each MoE layer's experts over the ep group (`toolkit.parallel.ep`)
+    5. checkpointing         every block, non-reentrant (`apply_checkpointing`)
+    6. compile               every block in place (`apply_compile`)
+    7. data parallel         FSDP2 (`toolkit.parallel.fsdp.apply_fsdp`), or DDP over the mesh (`apply_ddp`)
+
+Two steps run at the strategy's `prepare`, from this module too:
+
+- the pipeline's stage cut, with FSDP2 per stage (`apply_stages`): the blocks' balance may time a
+  micro-batch of the loader's shape, and the stages are cut from the whole TP/EP-cut model, so the split
+  and the parameter names stay the full model's;
+- accelerate's engines (`apply_engine`: DDP and one process through accelerate, DeepSpeed's ZeRO engine):
+  they wrap the model themselves, built from the model and its optimizer together.
+
+`--compile auto` compiles later, from the loop, through `apply_compile`: `nn.Module.compile` compiles the
+block's call, which runs the hooks FSDP2 put on it whenever they were put, so a block compiled after FSDP2
+runs as one compiled before it. Nothing else in the package calls `fully_shard`, DDP, accelerate's
+`prepare` on a model, `compile` on a block or the checkpoint wrapper (tests/test_architecture.py).
+
+What the rest of the run needs of the cut is one object, `Parallelized`: the TP shards (the dim or packing
+each slice was cut along, the replicated parameters whose gradients are partial sums), the expert shards,
+and from them the table of every cut parameter by name, the gradient norm's parts and the full state dict.
+The table is read right after the cut, before FSDP2 replaces the parameters.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from toolkit.models import ModelShape
 from toolkit.parallel.cut import Cut
+from toolkit.parallel.fsdp import FsdpSpec, apply_fsdp
 from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
 
 
@@ -29,7 +48,7 @@ from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
 class Parallelized:
     """How a model was cut: `tp` (TPShards: the TP group, the plan's line, and the run's table of cuts)
     and `experts` (expert parallel's ExpertShards, or None)."""
-    tp: TPShards
+    tp: TPShards = field(default_factory=TPShards)
     experts: Any = None
 
     @property
@@ -66,38 +85,53 @@ class Parallelized:
 
 
 @dataclass(frozen=True)
-class FsdpSpec:
-    """FSDP2's part of a layout: the mesh the dense parts shard over, whether parameters reshard after each
-    block's forward (ZeRO-3-like; False keeps them gathered to backward, ZeRO-2-like), the dtype they are
-    gathered in (None: as stored), and the experts' own mesh under expert parallel."""
-    mesh: Any
-    reshard: bool = True
-    compute_dtype: torch.dtype | None = None
-    experts_mesh: Any = None
+class DdpSpec:
+    """DDP over the mesh (TP layers, with or without context parallel): the group gradients average over
+    (`loss`: dp, x cp; none for TP alone), the GPU it runs on, and autocast around the forward (bf16 on fp32
+    weights: what accelerate's own `prepare` adds)."""
+    group: Any = None
+    device_ids: list[int] | None = None
+    autocast: Callable | None = None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """The pipeline's part of a layout: its stages (one per rank of `layout`'s pp group, or every stage in
+    this process on `devices` where `layout` is None), micro-batches, schedule and balance."""
+    stages: int
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    balance: str = "params"  # blocks split by parameter count, or by measured time
+    layout: Any = None  # `toolkit.parallel.pp.PipelineLayout`
+    devices: tuple = ()
 
 
 @dataclass(frozen=True)
 class Parallelism:
-    """What `parallelize` applies, decided once by the strategy from the flags and the mesh."""
+    """What `parallelize` applies, decided once by `toolkit.parallel.build.make_strategy` from the settings
+    and the mesh."""
+    model: ModelShape = ModelShape()
+    context: Any = None  # `toolkit.parallel.strategy.ContextSlices`: Ulysses attention where cp > 1
     tp_group: Any = None
     ep_group: Any = None
-    context: Any = None  # `toolkit.parallel.strategy.ContextSlices`: Ulysses attention where cp > 1
     checkpointing: bool = False  # --gradient-checkpointing
     compile: bool = False  # --compile (auto compiles later, from the loop, once steps are timed)
     fsdp: FsdpSpec | None = None
-    device: Any = None  # where the model goes before FSDP2 shards it
-    stages: bool = False  # a pipeline: FSDP2 waits for the stages (`shard_stage`)
+    ddp: DdpSpec | None = None
+    device: Any = None  # where the model goes before FSDP2 or DDP
+    stages: StageSpec | None = None  # a pipeline: FSDP2 waits for the stages (`apply_stages`)
 
 
 def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Parallelized]:
-    """In order: context parallel's attention, TP over `p.tp_group`, EP over `p.ep_group`, activation
-    checkpointing, compile, FSDP2 over `p.fsdp` (the whole model; a pipeline's stages later). With both
-    TP and EP the ep group is the TP group (`toolkit.layout.dims`): TP leaves the routed experts whole,
-    and EP splits them over it, each TP rank dispatching its 1/tp of the tokens. Every rank calls it with
-    the same full weights (and LoRA init), so TP=1 and TP=t start alike. Returns the model and how it
-    was cut."""
-    from toolkit.models import compile_blocks, enable_checkpointing
+    """The model ready for its layout, in the module docstring's order. With both TP and EP the ep group is
+    the TP group (`toolkit.layout.dims`): TP leaves the routed experts whole, and EP splits them over it,
+    each TP rank dispatching its 1/tp of the tokens. Every rank calls it with the same full weights (and
+    the same seed for LoRA's init), so TP=1 and TP=t start alike. Returns the model and how it was cut."""
+    from toolkit.models import apply_kernels, apply_lora
 
+    apply_kernels(model, p.model)
+    if p.model.method in ("lora", "qlora"):
+        model = apply_lora(model, p.model)
     if p.context is not None:
         model = p.context.attach(model)
     cuts: dict[str, Cut] = {}  # how each parameter is cut, by name (`toolkit.parallel.cut`): TP's, then EP's
@@ -109,25 +143,104 @@ def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Paralleliz
 
         experts = apply_expert_parallel(model, p.ep_group, cuts, tp_group=p.tp_group)
     tp = TPShards(p.tp_group, cuts, getattr(model, "toolkit_tp", ""))
-    if p.checkpointing:  # transformers also makes the embeddings' output require grad (LoRA's frozen ones)
-        enable_checkpointing(model)
+    if p.checkpointing:
+        apply_checkpointing(model)
     if p.compile:
-        compile_blocks(model)
-    if p.fsdp is not None and not p.stages:
+        apply_compile(model)
+    if p.fsdp is not None and p.stages is None:
         from toolkit.parallel.tp.plan import decoder_blocks
 
         model = model.to(p.device)
-        _fully_shard(model, decoder_blocks(model), p.fsdp, experts.holders if experts else ())
+        shard(model, decoder_blocks(model), p.fsdp, experts.holders if experts else ())
+    elif p.ddp is not None:
+        model = apply_ddp(model.to(p.device), p.ddp)
     return model, Parallelized(tp, experts)
 
 
-def shard_stage(stage: nn.Module, blocks: list[nn.Module], shard: FsdpSpec, experts=()) -> None:
-    """FSDP2 on a pipeline stage as it is cut: its blocks, then the stage; `experts`: this stage's expert
-    holders, sharded first over the experts' mesh."""
-    _fully_shard(stage, blocks, shard, experts)
+def shard(root: nn.Module, blocks: list[nn.Module], spec: FsdpSpec, experts=()) -> None:
+    """FSDP2 as `spec` says (`toolkit.parallel.fsdp.apply_fsdp`): `experts` first, each block, then `root`."""
+    apply_fsdp(root, blocks, spec.mesh, spec.reshard, spec.compute_dtype, experts, spec.experts_mesh)
 
 
-def _fully_shard(root: nn.Module, blocks: list[nn.Module], shard: FsdpSpec, experts) -> None:
-    from toolkit.parallel.fsdp import apply_fsdp
+def apply_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every block, by the name transformers >= 5.2x gives it
+    (`gradient_checkpointing_enable` warns that it goes in v6), or the old one where it is all there is;
+    transformers also makes the embeddings' output require grad (LoRA's frozen ones)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    apply_fsdp(root, blocks, shard.mesh, shard.reshard, shard.compute_dtype, experts, shard.experts_mesh)
+
+def apply_compile(model: nn.Module) -> None:
+    """--compile: each decoder block compiled in place (`nn.Module.compile`: regional compilation, as
+    torchtitan compiles per block), so one compiled graph serves every block, the parameters and
+    state-dict keys stay the module's own, and the layout's changes to the blocks (TP's split projections
+    and context parallel's attention before, FSDP2's hooks after) are traced at the first step. Padded and
+    packed batches change width from step to step: the second width compiles again, with dynamic shapes
+    (dynamo's automatic dynamic), and later widths reuse it. The backend: `COMPILE_BACKEND_ENV`, inductor."""
+    from toolkit.errors import UserError
+    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+
+    blocks = decoder_layers(model)
+    if not blocks:
+        raise UserError(f"--compile: no decoder blocks at model.layers in {type(model).__name__}; leave --compile out")
+    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
+    for block in blocks:
+        block.compile(backend=backend)
+
+
+def apply_ddp(model: nn.Module, spec: DdpSpec) -> nn.Module:
+    """What accelerate's `prepare` does for a model it does not prepare (the TP layers, whose DDP must
+    average over the dp group only, not over TP peers): autocast around the forward where asked, DDP over
+    `spec.group` where it has more than one rank."""
+    if spec.autocast is not None:
+        forward = model.forward
+
+        def autocast(*args, **kwargs):
+            with spec.autocast():
+                return forward(*args, **kwargs)
+
+        model.forward = autocast
+    if spec.group is None:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, process_group=spec.group, device_ids=spec.device_ids)
+
+
+def apply_engine(accelerator, model: nn.Module, optimizer, *loader):
+    """accelerate's `prepare` of the model and its optimizer (and the loader, where given): DDP over every
+    rank or one process (autocast as the precision asks), or DeepSpeed's ZeRO engine, built from both. The
+    one exception to `parallelize`: these engines wrap the model themselves, at the strategy's `prepare`."""
+    return accelerator.prepare(model, optimizer, *loader)
+
+
+def apply_stages(model: nn.Module, p: Parallelism, sample: tuple[int, int], pad_id: int, loss_fn, accelerator,
+                 experts: list[nn.Module] = ()):
+    """The pipeline's stage cut, on the TP/EP-cut whole model `parallelize` returned: its blocks balanced
+    into `p.stages` (by parameters, or by a micro-batch of `sample`'s shape timed once on rank 0, so every
+    rank cuts alike) and this rank's stage, FSDP2-sharded where `p.fsdp` (its blocks, then the stage; its
+    `experts` (expert parallel's holders) first, over theirs); in one process, every stage on its device
+    (the naive pipeline)."""
+    import torch.distributed as dist
+
+    from toolkit.parallel.fsdp import half_dtype
+    from toolkit.parallel.pp import NaivePipeline, StagePipeline, balance, decoder_parts, param_costs, time_costs
+
+    s, compute = p.stages, half_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's
+    micro = (sample[0] // s.microbatches, sample[1])
+    if s.layout is None:
+        return NaivePipeline(model, list(s.devices), s.microbatches, s.balance, micro, compute, loss_fn)
+    parts = decoder_parts(model)
+    if s.balance == "time":  # measured once, on rank 0, so every rank cuts the model the same way
+        costs = [time_costs(parts, *micro, accelerator.device) if accelerator.is_main_process else None]
+        dist.broadcast_object_list(costs, src=0)
+        blocks, first, last = costs[0]
+    else:
+        blocks, first, last = param_costs(parts)
+    pipe = StagePipeline(model, s.layout, balance(blocks, s.stages, first, last), s.microbatches, s.schedule,
+                         accelerator.device, pad_id, compute, loss_fn, sharded=p.fsdp is not None)
+    if p.fsdp is not None:
+        mine = {id(m) for m in pipe.stage.modules()}
+        shard(pipe.stage, list(pipe.stage.layers), p.fsdp, [h for h in experts if id(h) in mine])
+    return pipe

@@ -1,72 +1,122 @@
 """The strategy seam: everything the training loop, checkpoints and evaluation ask of a parallel
 layout, so that none of them branches on which layout runs (torchtitan's `parallelize` split).
 
-`Strategy` is the typed face. One class per runtime implements it, built by
-`toolkit.parallel.build.make_strategy` from `toolkit.layout.rules.runtime`:
+`Strategy` is the typed face. A strategy runs the step and nothing else: how a micro-batch's forward and
+backward run, the gradient norm, the pipeline's schedule, DeepSpeed's engine. What shapes the model is
+`toolkit.parallel.parallelize`'s; what every layout is built from (`Parts`: the data shard, the
+context-parallel slices, the loss head with its objective, what `parallelize` applies) is made once, by
+`toolkit.parallel.build.make_strategy`, from `toolkit.layout.rules.runtime`. One class per runtime:
 
 - `accelerated.AccelerateStrategy`: DDP, or one process, through accelerate (x cp on the mesh);
 - `accelerated.DeepSpeedStrategy`: DeepSpeed ZeRO-0..3 (+ offload) through accelerate; every
   DeepSpeed quirk lives there;
-- `sharded.MeshStrategy`: the project's TP layers over the mesh's `tp` groups, then FSDP2 over its
-  data-parallel dimensions (`--fsdp`, `--dp-shard`, HSDP: `toolkit.parallel.fsdp`) or DDP over `dp`;
+- `sharded.MeshStrategy`: FSDP2 (`--fsdp`, `--dp-shard`, HSDP) or DDP over the mesh, with the project's TP
+  layers, expert parallel and context parallel inside;
 - `pp.strategy.PipelineStrategy`: one stage per rank over the mesh's `pp` groups; in one process, the
   naive pipeline with every stage.
 
-No strategy derives from another: what several share is composed from the parts below (which shard
-of the data a rank reads, the context-parallel slice, the loss head, the accumulation loop, the TP
-shards in `toolkit.parallel.tp`), and the few defaults most of them keep are `Strategy`'s own.
+No strategy derives from another: each is its `Parts` and its step, and the few defaults most of them
+keep are `Strategy`'s own.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 
 from toolkit.layout.dims import ParallelDims
-from toolkit.loss_head import LossHead
+from toolkit.loss_head import LossCheck, LossHead, LossMetrics
+from toolkit.models import ModelShape
+from toolkit.objective import LayoutHooks
 from toolkit.parallel.tp import TPShards
 
 if TYPE_CHECKING:
+    from toolkit.objective import Objective
     from toolkit.parallel.parallelize import Parallelism, Parallelized
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What a strategy reads of the run's config, taken once by `toolkit.parallel.build.make_strategy`:
-    the strategies do not carry the config (DeepSpeed's, which fills its file from it, apart)."""
+    """What the strategies and `parallelize` read of the run's config, taken once by `of` (in
+    `toolkit.parallel.build.make_strategy`): no strategy carries the config."""
     loss: str = "auto"  # --loss
     checkpointing: bool = False  # --gradient-checkpointing
     compile: bool = False  # --compile given (auto compiles later, from the loop)
     reshard: bool = True  # --fsdp-sharding full (grad_op keeps parameters gathered from forward to backward)
     seq_len: int = 2048  # --seq-len: a pipeline times its stage split on the longest row it reads
+    model: ModelShape = ModelShape()  # the kernels and adapters `parallelize` applies first
+    # DeepSpeed's engine divides by its configured accumulation; a --deepspeed file's optimizer and schedule
+    # fill their "auto"s with the run's values
+    grad_accum: int = 1
+    micro_batch: int = 1
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    deepspeed_file: str = ""  # --deepspeed
+    # the pipeline's (--pp, --pp-*): in one process --pp stages, which the world's dimensions do not count
+    pp: int = 1
+    pp_microbatches: int = 1
+    pp_schedule: str = "gpipe"
+    pp_balance: str = "params"
+    pp_devices: str = ""
 
     @classmethod
     def of(cls, cfg) -> "Settings":
         """From a `toolkit.config.Config`."""
-        t = cfg.train
-        return cls(t.loss, t.gradient_checkpointing, t.compile is True, cfg.parallel.fsdp_sharding != "grad_op",
-                   cfg.data.seq_len)
+        t, par = cfg.train, cfg.parallel
+        return cls(t.loss, t.gradient_checkpointing, t.compile is True, par.fsdp_sharding != "grad_op",
+                   cfg.data.seq_len, ModelShape.of(cfg), t.grad_accum, t.micro_batch_size, cfg.lr, t.weight_decay,
+                   t.warmup_steps, t.max_grad_norm, par.deepspeed or "", par.pp, par.pp_microbatches,
+                   par.pp_schedule, par.pp_balance, par.pp_devices or "")
 
-    def parallelism(self, **groups) -> "Parallelism":
-        """What `parallelize` applies for these settings and a layout's groups (`Parallelism`'s fields)."""
-        from toolkit.parallel.parallelize import Parallelism
 
-        return Parallelism(checkpointing=self.checkpointing, compile=self.compile, **groups)
+@dataclass(eq=False)
+class Parts:
+    """What every strategy is built from, made once by `toolkit.parallel.build.compose`: a strategy class
+    derives from `Parts` and `Strategy` and adds its step only. Left out, a part is one process's: the
+    whole world data parallel, the token loss, nothing cut."""
+    accelerator: Any
+    dims: ParallelDims | None = None
+    settings: Settings = Settings()
+    data: "DataShard | None" = None  # which shard of every global batch this rank reads
+    loss: LossHead | None = None  # the loss of one micro-batch, with the run's objective (given at construction)
+    parallelism: "Parallelism | None" = None  # what `parallelize` applies (`shard_model`)
+    hooks: LayoutHooks = LayoutHooks()  # what the layout decides for an objective (its whole rows' forward)
+    context: "ContextSlices | None" = None  # context parallel's slices (the identity where cp = 1)
+    mesh: Any = None  # `toolkit.parallel.mesh.Mesh`, where the layout has one
+    parallelized: "Parallelized | None" = None  # how `shard_model` cut the model (nothing, until it runs)
+
+    def __post_init__(self):
+        from toolkit.parallel.parallelize import Parallelism, Parallelized
+
+        a, n = self.accelerator, self.accelerator.num_processes
+        self.dims = self.dims or ParallelDims(n, dp_replicate=n)
+        self.data = self.data or DataShard(a, self.dims)
+        self.loss = self.loss or LossHead(device_type=a.device.type, precision=a.mixed_precision)
+        self.parallelism = self.parallelism or Parallelism(self.settings.model)
+        self.context = self.context or ContextSlices(None, self.dims)
+        self.parallelized = self.parallelized or Parallelized()
 
 
 class Strategy(Protocol):
-    """What a parallel layout does for a run. Required: the attributes and the abstract methods (a class
-    that leaves one out cannot be built); the rest are defaults that layouts keep unless they differ."""
+    """What a parallel layout does for a run. Required: the attributes (`Parts`') and the abstract methods
+    (a class that leaves one out cannot be built); the rest are defaults that layouts keep unless they
+    differ."""
 
     accelerator: Any
     dims: ParallelDims
-    data: "DataShard"  # which shard of every global batch this rank reads
-    loss: "LossHead"  # the loss of one micro-batch (full logits, or a head that returns the loss sum)
+    settings: Settings
+    data: "DataShard"
+    loss: LossHead
+    parallelism: "Parallelism"
+    hooks: LayoutHooks
+    context: "ContextSlices"
     parallelized: "Parallelized"  # how `parallelize` cut the model (nothing cut before `shard_model`, or without TP/EP)
     checkpoint_format: str = "sharded"  # toolkit.layout.rules.checkpoint_format
     whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
@@ -83,15 +133,22 @@ class Strategy(Protocol):
         """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
         return self.parallelized.experts
 
+    @property
+    def objective(self) -> "Objective | None":
+        """The objective the run trains (`toolkit.loss_head.build_objective`), or None for the token loss."""
+        return self.loss.objective
+
     # --- model and optimizer
-    @abstractmethod
     def shard_model(self, model):
-        """Applied right after loading, before `prepare`: the layout's one `toolkit.parallel.parallelize`
-        call (context parallel, TP, EP, checkpointing, compile, FSDP2)."""
+        """Applied right after loading, before `prepare`: the layout's one `toolkit.parallel.parallelize`."""
+        from toolkit.parallel.parallelize import parallelize
+
+        model, self.parallelized = parallelize(model, self.parallelism)
+        return model
 
     @abstractmethod
     def prepare(self, model, optimizer_fn: Callable, loader) -> tuple[Any, Any, Any]:
-        """(model, optimizer, this rank's loader), ready to train."""
+        """(model, optimizer, this rank's loader), ready to train; the loss head chosen on the model."""
 
     def scheduler(self, optimizer, total_steps: int):
         """The learning-rate schedule the layout brings (a --deepspeed file's), or None for --lr-schedule."""
@@ -109,6 +166,11 @@ class Strategy(Protocol):
         for this layout's backend; returns the summed loss (float64, on the device, no host sync).
         Gradients are synchronised: the gradient of the global batch's mean token loss."""
 
+    def take_metrics(self) -> LossMetrics:
+        """What the loss gathered over the micro-batches since the last call, on the device: a step's one
+        read of its loss head (`toolkit.loss_head.LossHead.take_metrics`)."""
+        return self.loss.take_metrics(self.accelerator.device)
+
     @abstractmethod
     def clip_grad_norm(self, model, max_norm: float) -> torch.Tensor | None:
         """The whole model's gradient norm, clipped to `max_norm` (a tensor on the device)."""
@@ -117,7 +179,7 @@ class Strategy(Protocol):
         """Whether the optimizer step just taken changed the weights (DeepSpeed skips fp16 overflows)."""
         return True
 
-    # --- evaluation
+    # --- evaluation and generation
     def eval_device(self, model) -> torch.device:
         """Where evaluation inputs go."""
         return next(model.parameters()).device
@@ -130,19 +192,39 @@ class Strategy(Protocol):
         """Each whole row's summed target log-probability, without gradients (a preference objective's
         reference pass, KL estimate and evaluation; under context parallel the rows are whole, as in
         evaluation); `reference`: the base model, LoRA's adapters disabled. Every rank gets them."""
-        from toolkit.preference_functions import whole_row_logps
+        return self.hooks.forward_logps(model, batch, reference)
 
-        return whole_row_logps(model, batch, reference)
-
-    def loss_check(self, model, batch: dict) -> tuple[float, float] | None:
-        """(the loss this layout trains, per target token, the model's own `model(input_ids,
-        labels=...)` loss) on `batch`, without gradients: they must agree before step 1
-        (`toolkit.train.loss_check.check_loss`). None where this rank computes no loss (a pipeline's
-        earlier stages). Every rank calls it (sharded forwards are collective)."""
+    def loss_check(self, model, batch: dict, full_logits: bool = False) -> LossCheck:
+        """The loss this layout trains, per target token, against the model's own `model(input_ids,
+        labels=...)` loss on `batch`, without gradients: they must agree before step 1
+        (`toolkit.train.loss_check.check_loss`). `full_logits`: the LM head restored first, for the rest of
+        the run (--loss auto after a fused head failed it). Every rank calls it (sharded forwards are
+        collective)."""
         from toolkit.data.labels import check_window
 
+        if full_logits:
+            self.loss.full_logits()
         vocab = self.unwrap(model).config.get_text_config().vocab_size
-        return self.loss.check(model, check_window(batch, vocab), getattr(self, "context", None))
+        ours, own = self.loss.check(model, check_window(batch, vocab), self.context)
+        return LossCheck(ours, own, self.loss.describe().removeprefix("loss: "), self.loss.head is not None)
+
+    @contextmanager
+    def generating(self, model) -> Iterator[torch.nn.Module]:
+        """The HF module to sample from (`toolkit.sampling.sample`), its parameters gathered once for the
+        whole block, not once per token (`gathered`), compiled blocks run eagerly. Every rank enters it
+        together. Forwards inside may still be collective (the TP layers' all-reduces, among TP peers that
+        hold the same prompts; expert parallel's all-to-alls, among ranks that hold others): give `sample`
+        an `any_unfinished` that asks every rank. Training after it runs as it would have without it."""
+        if self.parallelism.stages is not None or self.dims.cp > 1:  # said first by `rules.generation_problems`
+            raise RuntimeError("sampling does not run under --pp / --cp yet")
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), self.gathered(model) as module:
+            yield module
+
+    def gathered(self, model):
+        """A context yielding the unwrapped model with its parameters whole (`generating`): the model as
+        it is where no parameter is sharded (one process, DDP, ZeRO-1/2, the TP layers: each rank holds
+        its slices, exchanged inside their forwards, expert parallel likewise)."""
+        return nullcontext(self.unwrap(model))
 
     # --- saving and loading
     def unwrap(self, model):
@@ -160,7 +242,8 @@ class Strategy(Protocol):
         """(full-model name, this rank's parameter, its cut: `toolkit.parallel.cut.Cut` or None) of each
         trainable parameter this rank holds: what a sharded checkpoint saves, the optimizer state keyed by
         the same names."""
-        return [(n, p, self.tp.cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+        cuts = self.parallelized.cuts
+        return [(n, p, cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
 
     def tp_coordinates(self) -> tuple[int, int]:
         """(this rank's TP rank, TP degree): where its TP slices sit in the full tensors."""

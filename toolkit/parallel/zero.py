@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -73,19 +74,52 @@ def load_partitioned(optimizer, saved: dict, rank: int, ranks: int) -> None:
         optimizer.load_state_dict(saved)
 
 
-def file_scheduler(cfg, optimizer, total_steps: int) -> tuple[dict[str, Any] | None, Any]:
+def file_optimizer(ds_config: dict, model, settings):
+    """A --deepspeed file that names an optimizer: DeepSpeed builds it (accelerate's DummyOptim stands in for
+    it in `prepare`), with the file's values ("auto" ones filled in); None where the file names none."""
+    if "optimizer" not in ds_config:
+        return None
+    from accelerate.utils import DummyOptim
+
+    params, decay = [p for p in model.parameters() if p.requires_grad], settings.weight_decay
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},  # as make_optimizer:
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay on norms, biases
+    return DummyOptim([g for g in groups if g["params"]], lr=settings.lr, weight_decay=decay)
+
+
+def file_scheduler(settings, optimizer, total_steps: int) -> tuple[dict[str, Any] | None, Any]:
     """(the file's "scheduler" section as it runs, DeepSpeed's scheduler on `optimizer`), or (None, None)
-    when the file names none. Its "auto"s: warm-up from 0 to --lr over --warmup-steps, `total_steps`."""
-    section = read_user_config(cfg.parallel.deepspeed).get("scheduler")
+    when there is no --deepspeed file or it names none: the loop steps the toolkit's (--lr-schedule). Built
+    on the prepared optimizer and stepped once per optimizer step by the loop, as DeepSpeed's engine steps
+    it. Its "auto"s: warm-up from 0 to --lr over --warmup-steps, `total_steps` (`settings`:
+    `toolkit.parallel.strategy.Settings`)."""
+    if not settings.deepspeed_file:
+        return None, None
+    section = read_user_config(settings.deepspeed_file).get("scheduler")
     if not section:
         return None, None
     from deepspeed.runtime import lr_schedules
 
-    t = cfg.train
-    filled = fill_auto({"scheduler": section}, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=1,
-                       mixed_precision="no", max_grad_norm=t.max_grad_norm, lr=cfg.lr, weight_decay=t.weight_decay,
-                       warmup_steps=t.warmup_steps, total_steps=total_steps)["scheduler"]
+    s = settings
+    filled = fill_auto({"scheduler": section}, micro_batch=s.micro_batch, grad_accum=s.grad_accum, data_ranks=1,
+                       mixed_precision="no", max_grad_norm=s.max_grad_norm, lr=s.lr, weight_decay=s.weight_decay,
+                       warmup_steps=s.warmup_steps, total_steps=total_steps)["scheduler"]
     return filled, getattr(lr_schedules, filled["type"])(optimizer, **filled.get("params", {}))
+
+
+def full_state_dict(accelerator, engine) -> dict:
+    """The engine's full state dict, gathered even where a --deepspeed file sets
+    stage3_gather_16bit_weights_on_model_save false (accelerate then refuses; the final folder needs the whole
+    model)."""
+    if hasattr(engine, "zero_gather_16bit_weights_on_model_save") and \
+            engine.zero_optimization_stage() == 3 and not engine.zero_gather_16bit_weights_on_model_save():
+        return engine._zero3_consolidated_16bit_state_dict()
+    return accelerator.get_state_dict(engine)
+
+
+def json_safe(config: dict) -> dict:
+    """The engine's config as JSON holds it: accelerate's "never" for steps_per_print is an infinity."""
+    return {**config, "steps_per_print": 2**31 - 1} if config.get("steps_per_print") == float("inf") else config
 
 
 def load_full_state_dict(model, state: dict):
@@ -106,3 +140,30 @@ def load_full_state_dict(model, state: dict):
                     param.copy_(state[name])
     return SimpleNamespace(missing_keys=[k for k in params if k not in state],
                            unexpected_keys=[k for k in state if k not in params])
+
+
+@contextmanager
+def gathered(engine) -> Iterator[torch.nn.Module]:
+    """The engine's module, for a block of forwards without gradients (generation). ZeRO-3: every
+    parameter all-gathered once for the block (`deepspeed.zero.GatheredParameters`) and ZeRO's per-module
+    fetch and release hooks off meanwhile, so no forward gathers or releases anything; the hooks and the
+    coordinator's recorded order put back after (TRL's `unwrap_model_for_generation`, trl/models/utils.py;
+    DeepSpeed's own in runtime/zero/stage3.py). ZeRO-0..2 hold whole parameters: the module as it is."""
+    module = engine.module
+    if engine.zero_optimization_stage() != 3:
+        yield module
+        return
+    import deepspeed
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield module
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()  # the generation's forwards are not training's order
+            offload._register_deepspeed_module(offload.module)

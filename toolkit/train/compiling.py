@@ -1,6 +1,6 @@
 """--compile auto | --compile | --no-compile: whether, and from which step, the decoder blocks are compiled.
 
-Compiling each block (`toolkit.models.compile_blocks`, regional, as torchtitan compiles per block) made
+Compiling each block (`toolkit.parallel.parallelize.apply_compile`, regional, as torchtitan compiles per block) made
 one H200's steps faster: the default eager run was 0.75x the compiled one's tokens/s for a full
 finetune of the Llama-3.2-1B shape and 0.62x for LoRA, at 0.82x and 0.75x its peak memory
 (benchmarks/gpu/throughput_*.json, 2026-11-26). It costs a compile first, so `auto`, the default,

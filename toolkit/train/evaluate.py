@@ -141,7 +141,7 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     from toolkit.data.tokenize import IGNORE_INDEX
     from toolkit.preference_functions import orpo_nll_tokens, orpo_rows, pairs_in
 
-    accelerator, objective = strategy.accelerator, strategy.loss.objective
+    accelerator, objective = strategy.accelerator, strategy.objective
     model.eval()
     total = None  # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
     try:

@@ -264,6 +264,8 @@ class Run:
     bad_in_a_row: int = 0
     mfu_warned: bool = False
     idle_warned: bool = False  # experts left without a token: said once a run (`toolkit.router_load.idle_warning`)
+    fused: bool = False  # the loss head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
+    moe_layers: tuple[str, ...] = ()  # the MoE layers, the rows of a step's expert load
     last_loss: float = float("nan")
 
     @property
@@ -354,7 +356,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
               compiling=compiling)
-    if strategy.loss.objective is not None and strategy.loss.objective.spec.reference_pass:
+    if strategy.objective is not None and strategy.objective.reference_pass:
         from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
 
         # the training rows the run's steps read (of a 15-step run, 15 global batches' worth, not the file)
@@ -449,12 +451,13 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
 
     strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
-    objective = strategy.loss.objective  # a preference objective, or None
+    objective = strategy.objective  # an objective other than the token loss, or None
     if objective is not None:
         objective.begin_step(run.model, micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
     loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
-    aux = strategy.loss.take_aux()  # the router load-balancing loss x target tokens, where the model has one
-    preference = objective.take_metrics() if objective is not None else None
+    taken = strategy.take_metrics()  # the loss head's, once: the router's aux loss, the objective's sums, the load
+    run.fused = taken.fused
+    aux, preference = taken.aux, taken.objective
     if preference is not None:
         preference = accelerator.reduce(preference, "sum") / run.replicas
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
@@ -481,8 +484,9 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     if aux is not None:
         aux = accelerator.reduce(aux, "sum") / run.replicas
     load = None
-    if strategy.loss.router_load is not None:  # tokens per expert: ratios are read from it, so no normaliser
-        load = accelerator.reduce(strategy.loss.router_load.take(accelerator.device), "sum")
+    if taken.load is not None:  # tokens per expert: ratios are read from it, so no normaliser
+        load = accelerator.reduce(taken.load, "sum")
+        run.moe_layers = taken.layers
     return Step(loss, counts, grad_norm, finite, aux, preference, load)
 
 
@@ -503,10 +507,10 @@ def compile_auto(run: Run, step: int) -> None:
 
     if step == run.first_step:
         c.start_timing(sync)
-    elif step == run.first_step + EAGER_STEPS:
-        from toolkit.models import compile_blocks
+    elif step == run.first_step + EAGER_STEPS:  # through `parallelize`'s own compile step
+        from toolkit.parallel.parallelize import apply_compile
 
-        c.decide(step, run.total_steps, sync, lambda: compile_blocks(run.strategy.unwrap(run.model)), run.metrics.write,
+        c.decide(step, run.total_steps, sync, lambda: apply_compile(run.strategy.unwrap(run.model)), run.metrics.write,
                  slowest)
 
 
@@ -540,8 +544,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     tokens_per_sec = w["tokens"] / (now - run.window.t0)
     shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
              w["tokens"] / w["examples"])  # context: mean example length
-    flops = step_flops(w["tokens"], w["targets"] if strategy.loss.fused else w["tokens"], *shape)
-    if strategy.loss.objective is not None:  # no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
+    flops = step_flops(w["tokens"], w["targets"] if run.fused else w["tokens"], *shape)
+    if strategy.objective is not None:  # no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
         from toolkit.objective_spec import extra_forwards
 
         flops += extra_forwards(run.cfg.train.objective, run.cfg.model.method) * step_flops(w["tokens"], w["tokens"],
@@ -567,12 +571,12 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         from toolkit.router_load import idle_warning, load_stats
 
         extra.update(load_stats(w["load"]))
-        idle = None if run.idle_warned else idle_warning(w["load"], strategy.loss.router_load.layers, step)
+        idle = None if run.idle_warned else idle_warning(w["load"], list(run.moe_layers), step)
         if idle:
             run.metrics.write(idle)
             run.idle_warned = True
     if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
-        extra.update(strategy.loss.objective.metric_values(w["preference"], w["targets"]))
+        extra.update(strategy.objective.metric_values(w["preference"], w["targets"]))
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
@@ -610,7 +614,7 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
     if run.eval_rows:
         with run.metrics.pause(f"eval, {len(run.eval_rows)} examples"):
             args = (run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
-            record = eval_preference(*args) if run.strategy.loss.objective is not None else {"eval_loss": eval_loss(*args)}
+            record = eval_preference(*args) if run.strategy.objective is not None else {"eval_loss": eval_loss(*args)}
         el = record["eval_loss"]
         run.metrics.log({"step": step, **record, "elapsed_s": run.elapsed(time.perf_counter())})
         run.last_eval = el

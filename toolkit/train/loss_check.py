@@ -51,27 +51,25 @@ def check_loss(run, batch: dict) -> None:
     strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write  # above the bar
     model_type = strategy.unwrap(run.model).config.get_text_config().model_type
     bound = mean_agreement(checked_dtype(run))
-    for attempt in range(2):
+    for attempt in range(2):  # the second: --loss auto's fall-back to full logits
         with evaluating(run.model):
-            got = strategy.loss_check(run.model, batch)
-        ours, own = got if got is not None else (0.0, 0.0)
-        gap = abs(ours - own) / max(abs(own), 1e-12) if got is not None else 0.0
+            got = strategy.loss_check(run.model, batch, full_logits=attempt == 1)
+        ours, own = (got.ours, got.own) if got.ours is not None else (0.0, 0.0)
+        gap = abs(ours - own) / max(abs(own), 1e-12) if got.ours is not None else 0.0
         gap = float(rank_max(accelerator, torch.tensor([gap], device=accelerator.device)).item())
         if gap <= bound:
             log(f"loss check: {'full logits give' if attempt else 'the loss trained is'} model type {model_type}'s "
                 f"own on the first rows (relative gap {gap:.1e})")
             run.memory["loss_check_gap"] = gap  # in step 1's record
             return
-        head = strategy.loss.describe().removeprefix("loss: ")
-        seen = f"{ours:.6f} against the model's own {own:.6f}" if got is not None else "on another rank"
-        if attempt == 0 and strategy.loss.choice == "auto" and strategy.loss.head is not None:
-            log(f"loss check: {head} gave {seen} on model type {model_type} (relative gap {gap:.1e} > "
+        seen = f"{ours:.6f} against the model's own {own:.6f}" if got.ours is not None else "on another rank"
+        if attempt == 0 and run.cfg.train.loss == "auto" and got.fused:
+            log(f"loss check: {got.head} gave {seen} on model type {model_type} (relative gap {gap:.1e} > "
                 f"{bound:.1e}): --loss auto falls back to full logits")
-            strategy.loss.full_logits()
             continue
-        raise UserError(f"loss check: the loss this run would train ({head}) is not model type {model_type}'s own: "
+        raise UserError(f"loss check: the loss this run would train ({got.head}) is not model type {model_type}'s own: "
                         f"relative gap up to {gap:.1e} (> {bound:.1e}) on the first rows; "
-                        + ("use --loss full, which runs the model's own logits" if strategy.loss.head is not None
+                        + ("use --loss full, which runs the model's own logits" if got.fused
                            else "this layout does not compute what the model computes: run it on another layout"))
 
 

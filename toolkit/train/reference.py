@@ -133,7 +133,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     from toolkit.models import resolved_precision, sft_adapter
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
-    unit = strategy.loss.objective.kind.unit
+    unit = strategy.objective.unit
     key = rows_key(rows.digest(), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
     adapter = sft_adapter(run.cfg)

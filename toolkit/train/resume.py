@@ -321,8 +321,9 @@ def resumed_config(cfg: Config, point: ResumePoint | None) -> Config:
 
 
 def resumed_weights(model, point: ResumePoint | None, method: str):
-    """`model` with a DeepSpeed-format checkpoint's weights written in, before any sharding (a sharded
-    checkpoint is read into each layout's own pieces after `prepare`: `checkpoint.restore_sharded`)."""
+    """`model` with a DeepSpeed-format checkpoint's weights written in, once `parallelize` shaped it (its
+    adapters are there; DeepSpeed's layouts cut nothing, and its engine partitions at `prepare`); a sharded
+    checkpoint is read into each layout's own pieces after `prepare` (`checkpoint.restore_sharded`)."""
     if point is not None and not point.sharded:
         from toolkit.train.checkpoint import restore_weights
 

@@ -14,6 +14,7 @@ are summed over the {first, last} pair (Megatron's embedding group) so both copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -41,17 +42,33 @@ class PipelineLayout:
 
 
 def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
-    """The pipeline, data-parallel and tied-embedding groups of `mesh` (by default one over the
-    whole world with this pipeline depth). Collective: every rank calls it, in the same order."""
+    """The pipeline, data-parallel and tied-embedding groups: views of `mesh` (by default one over the
+    whole world with this pipeline depth; built collectively, every rank in the same order)."""
     from toolkit.parallel.mesh import local_mesh
 
     mesh = mesh if mesh is not None else local_mesh(pp=pp)
-    pipelines = mesh.world.mesh.reshape(mesh.size("pp"), -1).T.tolist()  # each row: one pipeline's ranks, stage order
-    ties = [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
-    dp = mesh.group("dp")
-    mine = next(i for i, ranks in enumerate(pipelines) if dist.get_rank() in ranks)
-    return PipelineLayout(mesh.size("pp"), dist.get_world_size(dp), mesh.local_rank("pp"), mesh.local_rank("dp"),
-                          mesh.group("pp"), dp, ties[mine])
+    return PipelineLayout(mesh.size("pp"), mesh.size("batch"), mesh.local_rank("pp"), mesh.local_rank("batch"),
+                          mesh.group("pp"), mesh.group("batch"), mesh.group("pp_ends"))
+
+
+def pack_rows(batch: dict) -> tuple[torch.Tensor, tuple]:
+    """Every per-row tensor of `batch` ((B, T) or (B,)) as columns of one float64 (B, n) tensor, and how to
+    read them back (`unpack_rows`): what a schedule hands the last stage's loss besides the logits, split
+    by rows into pipeline micro-batches with them (token ids, masks, -100 and a row's log-probability are
+    exact in float64). An objective's rows reach its `logits_loss` as they reach its own forward."""
+    rows = len(batch["input_ids"])
+    keys = tuple((k, v.shape[1] if v.dim() == 2 else 0, v.dtype) for k, v in batch.items()
+                 if torch.is_tensor(v) and v.dim() in (1, 2) and len(v) == rows)
+    return torch.cat([batch[k].double().reshape(rows, max(w, 1)) for k, w, _ in keys], 1), keys
+
+
+def unpack_rows(target: torch.Tensor, keys: tuple) -> dict[str, torch.Tensor]:
+    """`pack_rows`' tensors back, from (a micro-batch's rows of) its columns."""
+    out, at = {}, 0
+    for k, w, dtype in keys:
+        column = target[:, at:at + max(w, 1)]
+        out[k], at = (column if w else column[:, 0]).to(dtype), at + max(w, 1)
+    return out
 
 
 def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -79,7 +96,9 @@ class StagePipeline(nn.Module):
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, sizes: list[int], microbatches: int,
                  schedule: str, device: torch.device, pad_id: int, compute_dtype: torch.dtype | None = None,
-                 loss_fn=token_loss_sum, shard=None, experts=()):
+                 loss_fn=token_loss_sum, sharded: bool = False):
+        """This rank's stage of `model`, blocks by `sizes`; `sharded`: FSDP2 shards the stage
+        (`toolkit.parallel.parallelize.apply_stages`, after this), and its policy is the mixed precision."""
         super().__init__()
         self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
         parts = decoder_parts(model)
@@ -87,29 +106,30 @@ class StagePipeline(nn.Module):
         self.layout, self.sizes, self.microbatches = layout, sizes, microbatches
         self.schedule_name, self.device, self.pad_id = schedule, device, pad_id
         start, stop = stage_bounds(sizes)[layout.pp_rank]
-        first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
+        self.first, self.last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
         # mixed precision: FSDP2's policy where the stage is sharded, else autocast (fp32 weights)
-        autocast_dtype = None if shard is not None else compute_dtype
-        self.stage = DecoderStage(parts, start, stop, first, last, autocast_dtype).to(device)
-        self.first, self.last = first, last
-        tied = parts.head.weight is parts.embed.weight and layout.pp > 1
-        self.sharded = shard is not None
-        if self.sharded:  # pp x dp_shard: the stage's blocks, then the stage, FSDP2 (`parallelize.shard_stage`)
-            from toolkit.parallel.parallelize import shard_stage
-
-            mine = {id(m) for m in self.stage.modules()}  # expert parallel: this stage's experts, on their mesh
-            shard_stage(self.stage, list(self.stage.layers), shard, [h for h in experts if id(h) in mine])
-        # the tied weight as this stage holds it (FSDP2 replaced the parameters it shards)
-        self.tied = (self.stage.embed.weight if first else self.stage.head.weight if last else None) if tied else None
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.names = {n: p for p in self.stage.parameters() if (n := names.get(id(p)))}
+        self.stage = DecoderStage(parts, start, stop, self.first, self.last, None if sharded else compute_dtype).to(device)
+        self.sharded, self._tied = sharded, parts.head.weight is parts.embed.weight and layout.pp > 1
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
-        # what the last stage computes from the logits: the token loss, a preference objective's
-        # (`toolkit.preference.PreferenceLoss.pipeline_loss`, with its metrics' sums per micro-batch), or
-        # each row's log-probability (`sequence_logps`)
-        self._objective, self._metrics, self._logps_only = None, [], False
+        # what the last stage computes from the logits: the token loss, an objective's (its `logits_loss` on
+        # the rows `pack_rows` carried, with its metrics' sums per micro-batch), or each row's log-probability
+        self._objective, self._metrics, self._logps_only, self._rows = None, [], False, ()
+
+    @cached_property
+    def tied(self) -> nn.Parameter | None:
+        """The tied embedding / LM head weight as this stage holds it (FSDP2 replaced the parameters it
+        shards: read after the stage is sharded), or None."""
+        if not self._tied:
+            return None
+        return self.stage.embed.weight if self.first else self.stage.head.weight if self.last else None
+
+    @cached_property
+    def names(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters by the full model's names (read after the stage is sharded)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {n: p for p in self.stage.parameters() if (n := names.get(id(p)))}
 
     def describe(self) -> str:
         bounds = ", ".join(f"stage {i}: blocks {a}-{b - 1}" for i, (a, b) in enumerate(stage_bounds(self.sizes)))
@@ -124,7 +144,8 @@ class StagePipeline(nn.Module):
             self._losses.append(sequence_logps(logits, target)[0].detach().double())
             return logits.new_zeros(())
         if self._objective is not None:
-            loss = self._objective.pipeline_loss(logits, target)
+            rows = unpack_rows(target, self._rows)
+            loss = self._objective.logits_loss(logits, rows, rows.get("ref_logps"))
             self._metrics.append(self._objective.take_metrics())
         else:
             loss = self.loss_fn(logits, target)
@@ -158,7 +179,9 @@ class StagePipeline(nn.Module):
         args = (batch["input_ids"].to(self.device),) if self.first else ()
         target = None
         if self.last:
-            target = self._objective.pipeline_target({**given, **batch}) if self._objective is not None else batch["labels"]
+            target = batch["labels"]
+            if self._objective is not None:  # the padded sequences, and the rows' own values (a reference's)
+                target, self._rows = pack_rows({**given, **batch})
             target = target.to(self.device)
         self._losses, self._metrics = [], []
         kept = None
@@ -232,6 +255,18 @@ class StagePipeline(nn.Module):
             if self.sharded:
                 self.stage.reshard()
         return (total / count_targets(batch["labels"]).clamp(min=1)).item(), own.item()
+
+    def named_trainable(self, cuts: dict) -> list:
+        """(full-model name, parameter, its cut) of this stage's trainable parameters, a sharded checkpoint's
+        pieces; a tied LM head under its embedding's name, as a model without stages names it."""
+        embed = self.model.get_input_embeddings().weight
+        embed_name = next((n for n, p in self.model.named_parameters() if p is embed), None)
+        out = []
+        for n, p in self.names.items():
+            if p.requires_grad:
+                name = embed_name if self.tied is not None and p is self.tied and embed_name else n
+                out.append((name, p, cuts.get(n, cuts.get(name))))
+        return out
 
     def finish_grads(self) -> None:
         """Sum the tied embedding's two halves; sum gradients over data-parallel replicas (the loss is
