@@ -111,3 +111,55 @@ def test_named_boundaries(lower, upper):
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         bad = [n for n in names if n == upper or n.startswith((f"toolkit.{upper}", f"{upper}."))]
         assert not bad, f"{f.relative_to(PACKAGE)} imports {bad}"
+
+
+# What wraps or reshapes a model (docs/architecture.md, "The one parallelize path"): DDP, accelerate's `prepare`,
+# FSDP2's `fully_shard`, torch.compile on a module or a block, the activation-checkpoint wrapper
+WRAPPING = {"DistributedDataParallel", "DDP", "fully_shard", "checkpoint_wrapper", "apply_activation_checkpointing",
+            "gradient_checkpointing_enable", "activation_checkpointing_enable"}
+# torch.compile of a function (a kernel), not of a model or a block
+KERNELS = {("attention.py", "_compiled_on"), ("loss.py", "compiled_softmax_grad")}
+
+
+def wrapping_calls(path: Path) -> list[tuple[str, int, str]]:
+    """(the enclosing function, line, what) of every call in `path` that wraps or compiles a model."""
+    source = path.read_text()
+    found, stack = [], []
+
+    class Visit(ast.NodeVisitor):
+        def visit_FunctionDef(self, node):
+            stack.append(node.name)
+            self.generic_visit(node)
+            stack.pop()
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Call(self, node):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            receiver = ast.get_source_segment(source, f.value) if isinstance(f, ast.Attribute) else ""
+            what = (name if name in WRAPPING else
+                    f"{receiver}.{name}" if name in ("prepare", "prepare_model") and receiver.endswith("accelerator")
+                    else f"{receiver}.compile" if name == "compile" and receiver != "re" else None)
+            if what:
+                found.append((stack[-1] if stack else "<module>", node.lineno, what))
+            self.generic_visit(node)
+
+    Visit().visit(ast.parse(source))
+    return found
+
+
+def test_only_parallelize_wraps_the_model():
+    """DDP, accelerate's prepare, fully_shard, compile on a block and the checkpoint wrapper are called from
+    parallel/parallelize.py and the apply_* helpers of parallel/ only: one place shapes the model."""
+    elsewhere, seen = [], set()
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(PACKAGE)
+        for function, line, what in wrapping_calls(f):
+            seen.add(what.rsplit(".", 1)[-1])
+            allowed = str(rel) == "parallel/parallelize.py" or (rel.parts[0] == "parallel" and function.startswith("apply_"))
+            if not allowed and (rel.name, function) not in KERNELS:
+                elsewhere.append(f"{rel}:{line} {function}: {what}")
+    assert not elsewhere, "\n".join(elsewhere)
+    # the search sees them (a rename would empty it): each is called where it belongs
+    assert {"DistributedDataParallel", "fully_shard", "compile", "prepare", "activation_checkpointing_enable"} <= seen

@@ -76,7 +76,7 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
             diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
             assert {n for n, p in ep.named_parameters() if p.grad is not None} == set(ref_grads), model_type
-            grads = full_state_dict(_Grads(ep), split, tp_group)  # TP slices or EP slices, gathered
+            grads = full_state_dict(_Grads(ep), split)  # TP slices or EP slices, gathered
             worst = 0.0
             for name, full in ref_grads.items():
                 full = full.clone()
@@ -87,7 +87,7 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
                 if name not in experts or tp > 1:
                     dist.all_reduce(mine, group=dp)
                 worst = max(worst, (mine - full).abs().max().item())
-            gathered = full_state_dict(ep, split, tp_group)
+            gathered = full_state_dict(ep, split)
             weights = max((gathered[k] - v).abs().max().item() for k, v in ref.state_dict().items())
             out[f"{model_type}/{method}"] = {**diffs, "grad": worst, "weights": weights,
                                              "split": sorted(experts), "line": shards.line,

@@ -181,7 +181,8 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.loss import token_loss_sum
-    from toolkit.parallel.tp import TPShards, apply_tensor_parallel, make_layout
+    from toolkit.parallel.parallelize import Parallelized
+    from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.traffic import counting
 
     layout = make_layout(tp)
@@ -222,7 +223,7 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
             out[key + "/logits"] = (logits - logits_ref).abs().max().item()
             out[key + "/grads"], out[key + "/n_grads"] = _grads_off(ref, tpm, layout, cuts)
             assert out[key + "/n_grads"] == sum(p.requires_grad for p in ref.parameters()), key
-            shards = TPShards(layout.tp_group, cuts)
+            shards = Parallelized(cuts, layout.tp_group)
             gathered = shards.state_dict(tpm)
             ref_state = ref.state_dict()
             assert gathered.keys() == ref_state.keys()
@@ -254,7 +255,7 @@ def _my_slice(full: torch.Tensor, cut, layout) -> torch.Tensor:
     along the dim it names, a packed projection's slice of every part."""
     from toolkit.parallel.tp.layers import Packed
 
-    split = cut.tp if cut is not None else None
+    split = cut.tp.split if cut is not None and cut.tp is not None else None
     if split is None:
         return full
     dim, parts = (split.dim, split.parts) if isinstance(split, Packed) else (split, (full.shape[split],))
@@ -276,7 +277,7 @@ def _checkpoint_off(ref, tpm, shards, layout, folder: str) -> dict:
     opt_ref.step()
     opt_tp.step()
     named = [(n, p, shards.cuts.get(n)) for n, p in tpm.named_parameters() if p.requires_grad]
-    save_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp)
+    save_sharded(folder, named, opt_tp)
     dist.barrier()
     out = {}
     whole = full_tensors(folder, prefix="")
@@ -290,9 +291,9 @@ def _checkpoint_off(ref, tpm, shards, layout, folder: str) -> dict:
     with torch.no_grad():
         for _, p, _ in named:
             p.zero_()
-    assert load_sharded(folder, named, opt_tp, layout.tp_rank, layout.tp) == []
+    assert load_sharded(folder, named, opt_tp) == []
     out["reloaded"] = max((p - before[n]).abs().max().item() for n, p, _ in named)
-    out["packed_params"] = float(sum(isinstance(s.tp, Packed) for s in shards.cuts.values()))
+    out["packed_params"] = float(sum(s.tp is not None and isinstance(s.tp.split, Packed) for s in shards.cuts.values()))
     return out
 
 

@@ -1,10 +1,12 @@
-"""How a parameter was cut across ranks: one record per parameter (`Cut`), kept in one table keyed by the
-full model's parameter names (`dict[str, Cut]`). `toolkit.parallel.parallelize` makes the table; the TP
-plan (`toolkit.parallel.tp.plan.apply_tensor_parallel`) and then expert parallel
-(`toolkit.parallel.ep.apply_expert_parallel`) fill it in as they cut; the gradient norm
-(`Parallelized.norm_parts`), the full state dict (`full_state_dict` here), the sharded
+"""How a parameter was cut across ranks, stored once: one record per parameter (`Cut`: its TP or expert
+`Slice`, which says the dim or parts, this rank's place and the group), kept in one table keyed by the full
+model's parameter names (`dict[str, Cut]`). `toolkit.parallel.parallelize` makes the table; the TP plan
+(`toolkit.parallel.tp.plan.apply_tensor_parallel`) and then expert parallel
+(`toolkit.parallel.ep.apply_expert_parallel`) write each parameter's cut into it by name as they cut; the
+gradient norm (`Parallelized.norm_parts`), the full state dict (`full_state_dict` here), the sharded
 checkpoints (`toolkit.train.sharded_state.piece`) and the trainable-parameter listing
-(`Strategy.named_trainable`) read it. A parameter not in the table is whole on every rank.
+(`Strategy.named_trainable`) read it. A parameter not in the table is whole on every rank. The layers keep
+only the group their forwards exchange over; FSDP2's placements, inside a slice, are torch's own.
 
 The table is read by name, not kept on the parameters: FSDP2 and the pipeline's stages replace the
 parameter objects, the names stay the full model's.
@@ -62,45 +64,47 @@ def gather(local: torch.Tensor, split: "int | Packed", group) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ExpertSlice:
-    """Expert parallel's cut: slice `rank` of `size` (the ep group's) along `split` (dim 0, the stacked
-    experts; LoRA's B by its expert-minor columns, a `Packed` split of r parts of E), over `group` (the
-    ep group: dp_shard ranks, or under TP the TP group itself)."""
+class Slice:
+    """Slice `rank` of `size` along `split` (a dim of the full tensor; a packed projection's parts, `Packed`;
+    expert parallel's stacked experts, dim 0, and LoRA's B by its expert-minor columns, a `Packed` split of
+    r parts of E), over `group`: the TP group for a TP slice, the ep group (dp_shard ranks, or under TP the TP
+    group itself) for an expert slice."""
     split: int | Packed
     rank: int
     size: int
     group: Any = field(default=None, compare=False, repr=False)
 
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from this rank's slice (collective over `group`)."""
+        return gather(local, self.split, self.group) if self.size > 1 else local
+
 
 @dataclass(frozen=True)
 class Cut:
     """How one parameter was cut: by TP or by expert parallel, never both (under TP the experts stay
-    whole and expert parallel splits them over the TP group: `toolkit.layout.dims`). `tp`: the dim of the
-    full tensor its TP slice was cut along (the TP group's rank r holds slice r of t), or how a packed
-    projection's was (`Packed`); None: whole over TP. `ep`: the expert slice it is (`ExpertSlice`), None
-    if expert parallel did not cut it. `partial`: TP-replicated, but each TP rank's gradient is a partial
-    sum (a column region's LoRA A, Qwen3's q/k norms), summed over the TP group after backward."""
-    tp: int | Packed | None = None
-    ep: ExpertSlice | None = None
+    whole and expert parallel splits them over the TP group: `toolkit.layout.dims`). `tp`: its TP slice
+    (None: whole over TP); `ep`: its expert slice (None: expert parallel did not cut it). `partial`:
+    TP-replicated, but each TP rank's gradient is a partial sum (a column region's LoRA A, Qwen3's q/k
+    norms), summed over the TP group after backward."""
+    tp: Slice | None = None
+    ep: Slice | None = None
     partial: bool = False
 
     def __post_init__(self):
         if self.tp is not None and self.ep is not None:
             raise ValueError("a parameter is cut by TP or by expert parallel, not both")
 
-    def gather(self, local: torch.Tensor, tp_group=None) -> torch.Tensor:
-        """The full tensor from this rank's `local` (collective): its expert slices over their ep group,
-        or its TP slices over `tp_group` (where it has more than one rank)."""
-        import torch.distributed as dist
+    @property
+    def slice(self) -> Slice | None:
+        """The one slice this parameter is (TP's or expert parallel's), or None: whole."""
+        return self.ep or self.tp
 
-        if self.ep is not None:
-            return gather(local, self.ep.split, self.ep.group)
-        if self.tp is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
-            return gather(local, self.tp, tp_group)
-        return local
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from this rank's `local` (collective over the slice's group)."""
+        return self.slice.gather(local) if self.slice is not None else local
 
 
-def full_state_dict(model, cuts: dict[str, Cut], tp_group) -> dict:
+def full_state_dict(model, cuts: dict[str, Cut]) -> dict:
     """The full state dict on every rank (collective): FSDP2 shards all-gathered, then each cut
     parameter put back by its `Cut` (`cuts`, by name): TP slices concatenated along the dim each was
     cut, a packed projection's part by part (the one TP gather path: plain TP, TP under FSDP2, stages),
@@ -112,6 +116,6 @@ def full_state_dict(model, cuts: dict[str, Cut], tp_group) -> dict:
         v = grad_norm.full(v)
         cut = cuts.get(key)
         if cut is not None:
-            v = cut.gather(v, tp_group)
+            v = cut.gather(v)
         out[key] = v.detach()
     return out

@@ -24,10 +24,11 @@ block's call, which runs the hooks FSDP2 put on it whenever they were put, so a 
 runs as one compiled before it. Nothing else in the package calls `fully_shard`, DDP, accelerate's
 `prepare` on a model, `compile` on a block or the checkpoint wrapper (tests/test_architecture.py).
 
-What the rest of the run needs of the cut is one object, `Parallelized`: the TP shards (the dim or packing
-each slice was cut along, the replicated parameters whose gradients are partial sums), the expert shards,
-and from them the table of every cut parameter by name, the gradient norm's parts and the full state dict.
-The table is read right after the cut, before FSDP2 replaces the parameters.
+What the rest of the run needs of the cut is one object, `Parallelized`: the table of every cut parameter
+by name (`toolkit.parallel.cut`: each slice's dim or parts, this rank's place and group, the replicated
+parameters whose gradients are partial sums), the TP group, the expert shards, and from them the gradient
+norm's parts and the full state dict. The TP plan and expert parallel write the table by name as they cut,
+so FSDP2 replacing the parameters after changes nothing in it.
 """
 from __future__ import annotations
 
@@ -39,25 +40,26 @@ import torch
 from torch import nn
 
 from toolkit.models import ModelShape
-from toolkit.parallel.cut import Cut
+from toolkit.parallel.cut import Cut, full_state_dict
 from toolkit.parallel.fsdp import FsdpSpec, apply_fsdp
-from toolkit.parallel.tp import TPShards, apply_tensor_parallel, full_state_dict
+from toolkit.parallel.tp import apply_tensor_parallel
 
 
 @dataclass
 class Parallelized:
-    """How a model was cut: `tp` (TPShards: the TP group, the plan's line, and the run's table of cuts)
-    and `experts` (expert parallel's ExpertShards, or None)."""
-    tp: TPShards = field(default_factory=TPShards)
+    """How `parallelize` cut the model: the one table of how each parameter was cut, by name
+    (`toolkit.parallel.cut.Cut`: its TP slice, its expert slice, or a TP-partial gradient; a parameter not in
+    it is whole), the TP group the TP layers exchange over, what expert parallel left (`ExpertShards`, or
+    None) and the TP plan's line. What checkpoints, the gradient norm, the full state dict and the
+    trainable-parameter listing read."""
+    cuts: dict[str, Cut] = field(default_factory=dict)
+    tp_group: Any = None
     experts: Any = None
+    plan: str = ""  # what TP split, per block, and what it kept whole
 
-    @property
-    def cuts(self) -> dict[str, Cut]:
-        """The one table of how each cut parameter was cut, by name (`toolkit.parallel.cut.Cut`: its TP
-        slice, its expert slice, or a TP-partial gradient), as the TP plan and then expert parallel
-        recorded it; a parameter not in it is whole. What checkpoints, the gradient norm, the full state
-        dict and the trainable-parameter listing read."""
-        return self.tp.cuts
+    def describe(self) -> str:
+        """The TP plan's line of the layout's description (none without TP)."""
+        return self.plan + "\n" if self.plan else ""
 
     def norm_parts(self, named: dict[str, nn.Parameter], shard: tuple = (), outer: tuple = (),
                    expert_groups: tuple = ()) -> list[tuple[list, tuple]]:
@@ -66,7 +68,7 @@ class Parallelized:
         the experts over `expert_groups` (their shards, the ep group: under TP the TP group itself), the
         rest over `shard`; all of them over `outer` (a pipeline's stages). A parameter is cut by TP or by
         EP, never both (`Cut`)."""
-        tp = (self.tp.group,) if self.tp.group is not None else ()
+        tp = (self.tp_group,) if self.tp_group is not None else ()
         whole = Cut()
         cut = {n: self.cuts.get(n, whole) for n in named}
 
@@ -79,9 +81,25 @@ class Parallelized:
             parts.append((members("ep"), (*outer, *expert_groups)))
         return [*parts, (members("whole"), (*outer, *shard))]
 
+    def reduce_partial_grads(self, model: nn.Module) -> None:
+        """What the TP plan's gradient hooks do, on FSDP2's reduced shards (FSDP2 replaced the parameters, and
+        with them the hooks): the sum over the TP group commutes with the mean over data-parallel ranks, and
+        TP peers hold the same shard of these."""
+        partial = [n for n, cut in self.cuts.items() if cut.partial]
+        if not partial or self.tp_group is None:
+            return
+        import torch.distributed as dist
+
+        from toolkit.parallel import grad_norm
+
+        params = dict(model.named_parameters())
+        for name in partial:
+            if name in params and params[name].grad is not None:
+                dist.all_reduce(grad_norm.local(params[name].grad), group=self.tp_group)
+
     def state_dict(self, model: nn.Module) -> dict:
         """The full tensors a one-process run would save (collective): FSDP2, TP and EP slices gathered."""
-        return full_state_dict(model, self.cuts, self.tp.group)
+        return full_state_dict(model, self.cuts)
 
 
 @dataclass(frozen=True)
@@ -137,12 +155,12 @@ def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Paralleliz
     cuts: dict[str, Cut] = {}  # how each parameter is cut, by name (`toolkit.parallel.cut`): TP's, then EP's
     if p.tp_group is not None:
         model = apply_tensor_parallel(model, p.tp_group, cuts, skip_experts=p.ep_group is not None)
+    plan = getattr(model, "toolkit_tp", "")  # what TP split: read before a DDP wrapper hides it
     experts = None
     if p.ep_group is not None:
         from toolkit.parallel.ep import apply_expert_parallel
 
         experts = apply_expert_parallel(model, p.ep_group, cuts, tp_group=p.tp_group)
-    tp = TPShards(p.tp_group, cuts, getattr(model, "toolkit_tp", ""))
     if p.checkpointing:
         apply_checkpointing(model)
     if p.compile:
@@ -154,7 +172,7 @@ def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Paralleliz
         shard(model, decoder_blocks(model), p.fsdp, experts.holders if experts else ())
     elif p.ddp is not None:
         model = apply_ddp(model.to(p.device), p.ddp)
-    return model, Parallelized(tp, experts)
+    return model, Parallelized(cuts, p.tp_group, experts, plan)
 
 
 def shard(root: nn.Module, blocks: list[nn.Module], spec: FsdpSpec, experts=()) -> None:
@@ -166,9 +184,8 @@ def apply_checkpointing(model: nn.Module) -> None:
     """Non-reentrant activation checkpointing of every block, by the name transformers >= 5.2x gives it
     (`gradient_checkpointing_enable` warns that it goes in v6), or the old one where it is all there is;
     transformers also makes the embeddings' output require grad (LoRA's frozen ones)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

@@ -34,15 +34,15 @@ class MeshStrategy(Parts, Strategy):
     def describe(self) -> str:
         fsdp = self.parallelism.fsdp
         experts = self.experts.describe(fsdp.experts_mesh if fsdp else None) if self.experts else ""
-        return mesh_layout(self.dims, fsdp, self.accelerator.mixed_precision) + "\n" + self.tp.describe() + experts \
-            + self.context.describe() + self.loss.describe()
+        return mesh_layout(self.dims, fsdp, self.accelerator.mixed_precision) + "\n" + self.parallelized.describe() \
+            + experts + self.context.describe() + self.loss.describe()
 
     def forward_backward(self, model, micro: list[dict], scale):
         """FSDP2 sums the shards' gradients (its division is off); DDP averages over dp (x cp)."""
         averaged_over = 1 if self.sharded else self.dims.dp * self.dims.cp
         total = accumulate(self.accelerator, model, micro, scale, self.loss, self.context, averaged_over)
         if self.sharded:  # FSDP2 replaced the parameters, and with them the TP plan's gradient hooks
-            self.tp.reduce_partial_grads(self.unwrap(model))
+            self.parallelized.reduce_partial_grads(self.unwrap(model))
         return total
 
     def clip_grad_norm(self, model, max_norm: float):

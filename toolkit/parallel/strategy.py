@@ -33,7 +33,6 @@ from toolkit.layout.dims import ParallelDims
 from toolkit.loss_head import LossCheck, LossHead, LossMetrics
 from toolkit.models import ModelShape
 from toolkit.objective import LayoutHooks
-from toolkit.parallel.tp import TPShards
 
 if TYPE_CHECKING:
     from toolkit.objective import Objective
@@ -122,11 +121,6 @@ class Strategy(Protocol):
     whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
     always_steps: bool = False  # the optimizer must step even on a non-finite loss (DeepSpeed's engine)
     frees_grads: bool = False  # gradients are freed inside backward, so none can be measured after it
-
-    @property
-    def tp(self) -> TPShards:
-        """The parameters TP split, by name (none where the layout has no TP)."""
-        return self.parallelized.tp
 
     @property
     def experts(self):
@@ -244,10 +238,6 @@ class Strategy(Protocol):
         the same names."""
         cuts = self.parallelized.cuts
         return [(n, p, cuts.get(n)) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
-
-    def tp_coordinates(self) -> tuple[int, int]:
-        """(this rank's TP rank, TP degree): where its TP slices sit in the full tensors."""
-        return self.tp.coordinates()
 
     def save_run_config(self, out_dir: Path) -> None:
         """Write what the layout ran with beside the metrics (DeepSpeed's JSON), if anything."""

@@ -177,7 +177,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
     failed = None
     try:
         if sharded:
-            save_sharded(tmp / STATE_DIR, strategy.named_trainable(model), inner, *strategy.tp_coordinates())
+            save_sharded(tmp / STATE_DIR, strategy.named_trainable(model), inner)
             _write_model_files(accelerator, strategy.unwrap(model), tokenizer, tmp)
         else:
             _write_model(accelerator, strategy.unwrap(saved), tokenizer, tmp, model_state)
@@ -305,7 +305,7 @@ def restore_sharded(strategy, model, optimizer, folder: Path) -> None:
     if any_rank(strategy.accelerator, bool(missing)):  # every rank stops, none waits in DCP's collectives
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model (missing "
                         f"{missing[:3] or 'on another rank'}); it is from another model or method")
-    load_sharded(folder / STATE_DIR, named, torch_optimizer(optimizer), *strategy.tp_coordinates(), meta=saved)
+    load_sharded(folder / STATE_DIR, named, torch_optimizer(optimizer), meta=saved)
 
 
 def convert_checkpoint(ckpt: Path, output: Path) -> str:

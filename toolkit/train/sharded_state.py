@@ -8,12 +8,12 @@ Where a rank's piece sits in the full tensor follows from the layout that cut it
 - DDP, context parallel, one process: the whole tensor at offset 0 (replicas write it once: DCP's
   planner keeps one copy of identical chunks);
 - FSDP2: a DTensor, placed by DTensor's own `compute_local_shape_and_global_offset`;
-- the TP layers (`toolkit.parallel.tp`): slice `tp_rank` of `tp` along the dim its `Cut` names
-  (`toolkit.parallel.cut`; a packed projection's: that slice of each part, one box per part), the
-  FSDP2 shard (if any) inside it;
+- the TP layers (`toolkit.parallel.tp`): the slice its `Cut` names (`toolkit.parallel.cut.Slice`: this
+  rank's of the TP degree along a dim; a packed projection's: that slice of each part, one box per part),
+  the FSDP2 shard (if any) inside it;
 - pipeline stages: only the stage's own parameters, under the full model's names;
-- expert parallel: slice `ep_rank` of `ep` of the experts (dim 0; LoRA's B by its expert columns),
-  placed as a TP slice, the FSDP2 shard (over the ranks holding the same experts) inside it.
+- expert parallel: the experts' slice its `Cut` names (dim 0; LoRA's B by its expert columns), placed
+  as a TP slice, the FSDP2 shard (over the ranks holding the same experts) inside it.
 
 Saved: the trainable parameters (all for a full finetune, the adapter for LoRA/QLoRA: the frozen
 base is never written) and the optimizer's per-parameter state keyed by the same names, so Adam's
@@ -68,10 +68,10 @@ class Piece:
         return next(view for offsets, view in self.boxes if offsets == index.offset)
 
 
-def piece(t: torch.Tensor, cut: Cut | None = None, tp_rank: int = 0, tp: int = 1) -> Piece:
+def piece(t: torch.Tensor, cut: Cut | None = None) -> Piece:
     """Where this rank's `t` (a parameter or its optimizer state) sits in the full tensor. `cut`: how
     the parameter was cut (`toolkit.parallel.cut.Cut`: a TP slice along a dim, a packed projection's
-    slice of each part, an expert slice); None: whole. (`tp_rank`, `tp`): this rank's TP coordinates."""
+    slice of each part, an expert slice, each with this rank's place); None: whole."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):  # FSDP2: the shard within what the DTensor calls the full tensor
@@ -82,12 +82,11 @@ def piece(t: torch.Tensor, cut: Cut | None = None, tp_rank: int = 0, tp: int = 1
         offsets, shape = list(offsets), list(t.shape)
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
-    tp_dim = cut.tp if cut is not None else None
-    if cut is not None and cut.ep is not None:  # an expert slice (never TP-cut too): placed as a TP one
-        tp_dim, tp_rank, tp = cut.ep.split, cut.ep.rank, cut.ep.size
-    if tp_dim is None or tp == 1:
+    cut_slice = cut.slice if cut is not None else None  # a TP or an expert slice (never both), placed alike
+    if cut_slice is None or cut_slice.size == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
-    if isinstance(tp_dim, int):  # the TP slice: contiguous, slice tp_rank of tp equal ones
+    tp_dim, tp_rank, tp = cut_slice.split, cut_slice.rank, cut_slice.size
+    if isinstance(tp_dim, int):  # contiguous: slice tp_rank of tp equal ones
         offsets[tp_dim] += tp_rank * shape[tp_dim]
         shape[tp_dim] *= tp
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
@@ -172,13 +171,12 @@ class _LoadPlanner(DefaultLoadPlanner):
         raise ValueError(f"{read_item.dest_index.fqn}: a sharded checkpoint holds tensors only")
 
 
-def _named_state(named: Iterable[tuple[str, torch.Tensor, Cut | None]], optimizer, tp_rank: int, tp: int,
-                 create_from=None) -> dict:
+def _named_state(named: Iterable[tuple[str, torch.Tensor, Cut | None]], optimizer, create_from=None) -> dict:
     """{"model": {name: Piece}, "optimizer": {name: {key: Piece or scalar tensor}}}. `create_from`: a
     checkpoint's metadata, from which missing optimizer state (before the first step) is created."""
     model, optim = {}, {}
     for name, p, cut in named:
-        model[name] = piece(p, cut, tp_rank, tp)
+        model[name] = piece(p, cut)
         state = optimizer.state[p]
         if create_from is not None and not state:
             for key, md in create_from.items():
@@ -186,7 +184,7 @@ def _named_state(named: Iterable[tuple[str, torch.Tensor, Cut | None]], optimize
                 if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
                     state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == model[name].shape  # a moment
                                                 else torch.zeros(md.size, dtype=md.properties.dtype))  # step
-        optim[name] = {k: piece(v, cut, tp_rank, tp) if v.dim() and v.shape == p.shape else v
+        optim[name] = {k: piece(v, cut) if v.dim() and v.shape == p.shape else v
                        for k, v in state.items() if isinstance(v, torch.Tensor)}
     return {"model": model, "optimizer": optim}
 
@@ -208,10 +206,10 @@ def _dcp():
         yield not (dist.is_available() and dist.is_initialized())
 
 
-def save_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1) -> None:
+def save_sharded(folder: Path, named, optimizer) -> None:
     """Collective over every rank: each writes its pieces of `named` = [(name, parameter, cut)]
     and of their optimizer state under `folder` (DCP: one file per rank, `.metadata` from rank 0)."""
-    state = _drop_empty(_named_state(named, optimizer, tp_rank, tp))
+    state = _drop_empty(_named_state(named, optimizer))
     with _dcp() as no_dist:
         dcp.save(state, storage_writer=_RankFileWriter(str(folder), save_distributed=True),
                  planner=_SavePlanner(), no_dist=no_dist)
@@ -221,7 +219,7 @@ def read_metadata(folder: Path):
     return HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
 
 
-def load_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1, meta=None) -> list[str]:
+def load_sharded(folder: Path, named, optimizer, meta=None) -> list[str]:
     """Collective: read this layout's pieces of `named` and of their optimizer state from `folder`,
     whatever layout wrote it, in place. Returns the names the checkpoint lacks (it does not fit).
     `meta`: `read_metadata(folder)` where the caller has it (it opens every rank file's header)."""
@@ -230,7 +228,7 @@ def load_sharded(folder: Path, named, optimizer, tp_rank: int = 0, tp: int = 1, 
     missing = [n for n, _, _ in named if f"model.{n}" not in meta]
     if missing:
         return missing
-    state = _drop_empty(_named_state(named, optimizer, tp_rank, tp, create_from=meta))
+    state = _drop_empty(_named_state(named, optimizer, create_from=meta))
     with torch.no_grad(), _dcp() as no_dist:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), planner=_LoadPlanner(), no_dist=no_dist)
     return []

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.parallel.cut import Cut, ExpertSlice, Packed
+from toolkit.parallel.cut import Cut, Packed, Slice
 from toolkit.parallel.ep.comm import all_to_all, exchange_counts
 
 
@@ -69,7 +69,7 @@ class ExpertShards:
 def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None,
                           tp_group=None) -> ExpertShards:
     """Keep this rank's experts of every MoE layer of `model` (in place) and route their tokens over
-    `group`, recording each expert parameter's slice in `cuts` (the run's table, by name:
+    `group`, writing each expert parameter's slice into `cuts` (the run's table, by name:
     `toolkit.parallel.cut`). `tp_group`: under TP, the TP group, which `group` is: each TP rank then
     dispatches its 1/tp of the tokens and the outputs are summed over it (module docstring); the TP
     plan must have left the experts whole. Every rank must call it with the same full weights (and the
@@ -87,8 +87,7 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
         raise UserError(f"--ep {n}: found no routed-experts module (a forward taking hidden_states, top_k_index, "
                         "top_k_weights) in this model; drop --ep")
     cuts = cuts if cuts is not None else {}
-    names = {id(p): n for n, p in model.named_parameters()}  # the TP plan's cuts, by the names before the slice
-    cut: dict[int, Cut] = {}
+    names = {id(m): n for n, m in model.named_modules()}  # the experts modules stay, their parameters change
     holders = []
     for module in modules:
         experts = module.num_experts
@@ -102,11 +101,12 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
             if p.dim() < 1 or p.shape[0] != experts:
                 raise UserError(f"--ep {n}: {type(module).__name__}.{name} {tuple(p.shape)} is not stacked by expert "
                                 f"(dim 0 of {experts}); this experts form is not split by --ep yet: drop --ep")
-            if cuts.get(names.get(id(p)), Cut()).tp is not None:
-                raise RuntimeError(f"{names.get(id(p))}: cut by TP already; under --tp the TP plan leaves the "
+            full_name = f"{names[id(module)]}.{name}"
+            if cuts.get(full_name, Cut()).tp is not None:
+                raise RuntimeError(f"{full_name}: cut by TP already; under --tp the TP plan leaves the "
                                    "routed experts to expert parallel (apply_tensor_parallel(skip_experts=True))")
             setattr(module, name, _keep(p, rows))
-            cut[id(getattr(module, name))] = Cut(ep=ExpertSlice(0, rank, n, group))
+            cuts[full_name] = Cut(ep=Slice(0, rank, n, group))
         for wrapper in _peft_wrappers(model, module):
             for adapter in wrapper.lora_A:
                 a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
@@ -116,8 +116,9 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
                 b.weight = nn.Parameter(b_cols.reshape(b.weight.shape[0], r * local).clone(),
                                         requires_grad=b.weight.requires_grad)
                 a.out_features, b.in_features = a.weight.shape[0], b.weight.shape[1]
-                cut[id(a.weight)] = Cut(ep=ExpertSlice(0, rank, n, group))
-                cut[id(b.weight)] = Cut(ep=ExpertSlice(Packed(1, (experts,) * r), rank, n, group))
+                at = names[id(wrapper)]
+                cuts[f"{at}.lora_A.{adapter}.weight"] = Cut(ep=Slice(0, rank, n, group))
+                cuts[f"{at}.lora_B.{adapter}.weight"] = Cut(ep=Slice(Packed(1, (experts,) * r), rank, n, group))
             wrapper.num_experts = local
         module.num_experts, module.ep_experts = local, experts  # ep_experts: the global count (router_load)
         owner = (_peft_wrappers(model, module) or [module])[0]  # the outermost: holds every expert parameter
@@ -125,7 +126,6 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
         module.forward = _routed_forward(owner, module.forward, group, experts)
         if tp_group is not None:
             module.forward = _split_tokens(module.forward, tp_group)
-    cuts.update({name: cut[id(p)] for name, p in model.named_parameters() if id(p) in cut})
     layers = f"{len(modules)} MoE layer{'s' if len(modules) > 1 else ''}"
     over = "the TP group's " if tp_group is not None else ""
     line = (f"expert parallel over {over}{n} ranks: {layers}, {local} of {experts} experts each per rank, "

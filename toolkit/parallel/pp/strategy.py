@@ -87,7 +87,7 @@ class PipelineStrategy(Parts, Strategy):
             total += self.pipe.train_step(batch, scale=scale, objective=objective).to(total.device)
         self.pipe.finish_grads()  # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
         if self.sharded:  # the TP gradient hooks went with the parameters FSDP2 replaced
-            self.tp.reduce_partial_grads(self.pipe.model)
+            self.parallelized.reduce_partial_grads(self.pipe.model)
         return total
 
     def clip_grad_norm(self, model, max_norm: float):

@@ -2,8 +2,9 @@
 TP=t start from identical weights. Shapes follow `nn.Linear`: weight A is (out, in), Y = X A^T + b.
 
 How each parameter was cut (the dim of the full tensor it is a slice of; a packed projection's, a
-fused qkv or gate_up split part by part, `Packed`) is not marked on it: the plan records it in the run's
-table of cuts (`toolkit.parallel.cut`), what the saving code reads to gather a standard state dict back.
+fused qkv or gate_up split part by part, `Packed`; this rank's place) is not kept by the layers: the plan
+records it once, in the run's table of cuts (`toolkit.parallel.cut`), what the saving code reads to gather
+a standard state dict back. A layer keeps only the group its forward exchanges over.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.parallel.cut import Packed, gather, split_of
+from toolkit.parallel.cut import Packed, gather
 from toolkit.parallel.tp.comm import copy_to_tp, gather_from_tp, group_size, reduce_from_tp, split_to_tp
 
 __all__ = ["Packed", "gather", "shard", "ColumnParallelLinear", "RowParallelLinear", "ShardedDropout"]
@@ -20,7 +21,8 @@ __all__ = ["Packed", "gather", "shard", "ColumnParallelLinear", "RowParallelLine
 
 def shard(full: torch.Tensor, dim: int, group, parts: tuple[int, ...] | None = None) -> nn.Parameter:
     """My contiguous 1/t slice of `full` along `dim`, as a new parameter; with `parts` (sizes along
-    `dim` summing to it), my 1/t slice of each part, concatenated (`split_of(dim, parts)` says how)."""
+    `dim` summing to it), my 1/t slice of each part, concatenated (`toolkit.parallel.cut.split_of(dim,
+    parts)` says how)."""
     import torch.distributed as dist
 
     t = group_size(group)
@@ -61,12 +63,7 @@ class ColumnParallelLinear(nn.Linear):
         layer.weight = shard(linear.weight, 0, group, parts)
         layer.bias = shard(linear.bias, 0, group, parts) if linear.bias is not None else None
         layer.group, layer.gather_output, layer.copy_input = group, gather_output, copy_input
-        layer.split = split_of(0, parts)
         return layer
-
-    def cuts(self) -> list[tuple[nn.Parameter, "int | Packed"]]:
-        """Its TP-cut parameters, each with how it was cut: the weight's rows and the bias, by parts."""
-        return [(p, self.split) for p in (self.weight, self.bias) if p is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -98,10 +95,6 @@ class RowParallelLinear(nn.Linear):
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         layer.group, layer.input_is_parallel = group, input_is_parallel
         return layer
-
-    def cuts(self) -> list[tuple[nn.Parameter, "int | Packed"]]:
-        """Its TP-cut parameters, each with how it was cut: the weight's columns (the bias is whole)."""
-        return [(self.weight, 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

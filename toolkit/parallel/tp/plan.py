@@ -34,10 +34,11 @@ In a gathered region adapters stay whole: they see the whole input and add to th
 Replicated modules the plan names inside a local region (Qwen3's q/k norms) get a gradient
 all-reduce hook. Embeddings, norms, the LM head and plan entries outside the blocks stay whole.
 
-How each parameter was cut is recorded in the run's table of cuts (`toolkit.parallel.cut.Cut`, by the
-full model's parameter names), not on the parameters: a slice's dim (`Packed` by parts), and the
-replicated parameters whose gradients are per-rank partial sums (`Cut.partial`), which FSDP2, replacing
-the parameters and their hooks, reduces again (`TPShards.reduce_partial_grads`).
+How each parameter was cut is written once, as it is cut, into the run's table of cuts
+(`toolkit.parallel.cut.Cut`, by the full model's parameter names), not on the parameters or the layers: a
+slice's dim (`Packed` by parts), this rank's place and the TP group (`Slice`), and the replicated parameters
+whose gradients are per-rank partial sums (`Cut.partial`), which FSDP2, replacing the parameters and their
+hooks, reduces again (`Parallelized.reduce_partial_grads`).
 """
 
 from __future__ import annotations
@@ -48,13 +49,13 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.layout.tp_regions import NotExpressible, Region, TPPlan, packed_parts, read_tp_plan
-from toolkit.parallel.cut import Cut, split_of
+from toolkit.parallel.cut import Cut, Packed, Slice, split_of
 from toolkit.parallel.tp.comm import all_reduce_grad, copy_to_tp, group_size, reduce_from_tp
 from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout, shard
 
 LOCAL_SIZES = ("num_attention_heads", "num_heads", "num_key_value_heads", "intermediate_size")
 
-Record = dict[int, Cut]  # id(parameter) -> its cut while the plan cuts (the model's names are read after)
+Record = dict[str, Cut]  # the run's table of cuts: full parameter name -> how the plan cut it
 
 
 def text_config(config):
@@ -155,16 +156,25 @@ def _linear(parent: nn.Module, name: str) -> nn.Module:
     return getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
 
 
-def _shard(full: nn.Parameter, dim: int, group, record: Record,
+def _tp_cut(split: "int | Packed", group) -> Cut:
+    """A TP slice along `split`: this rank's of the group's."""
+    import torch.distributed as dist
+
+    t = group_size(group)
+    return Cut(tp=Slice(split, dist.get_rank(group) if t > 1 else 0, t, group))
+
+
+def _shard(full: nn.Parameter, dim: int, group, record: Record, name: str,
            parts: tuple[int, ...] | None = None) -> nn.Parameter:
-    """`shard`, recording how the new parameter was cut."""
-    p = shard(full, dim, group, parts)
-    record[id(p)] = Cut(tp=split_of(dim, parts))
-    return p
+    """`shard`, recording how the new parameter (`name`, in the full model) was cut."""
+    record[name] = _tp_cut(split_of(dim, parts), group)
+    return shard(full, dim, group, parts)
 
 
-def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str, record: Record,
+def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str, record: Record, at: str,
                       parts: tuple[int, ...] | None = None, gathered: bool = False) -> None:
+    """Replace `parent`'s projection `name` (`at`: `parent`'s name in the model) by its column or row layer,
+    and its LoRA adapters by theirs, recording each cut parameter."""
     target, base = parent.get_submodule(name), _linear(parent, name)  # an nn.Linear: `_check_region`
     try:
         if kind == "column":
@@ -174,7 +184,11 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
             sharded = RowParallelLinear.from_linear(base, group, input_is_parallel=not gathered)
     except ValueError as e:
         raise UserError(f"--tp {group_size(group)}: {where}.{name}: {e}") from None
-    record.update({id(p): Cut(tp=split) for p, split in sharded.cuts()})
+    at = f"{at}.{name}"
+    layer = at if target is base else f"{at}.base_layer"
+    record[f"{layer}.weight"] = _tp_cut(split_of(0, parts) if kind == "column" else 1, group)
+    if kind == "column" and sharded.bias is not None:  # a row layer's bias is whole, added after the sum
+        record[f"{layer}.bias"] = _tp_cut(split_of(0, parts), group)
     if target is base:
         owner, _, leaf = name.rpartition(".")
         setattr(parent.get_submodule(owner) if owner else parent, leaf, sharded)
@@ -186,14 +200,14 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
     for adapter in target.lora_A:
         lora_a, lora_b = target.lora_A[adapter], target.lora_B[adapter]
         if kind == "column":
-            lora_b.weight = _shard(lora_b.weight, 0, group, record, parts)
+            lora_b.weight = _shard(lora_b.weight, 0, group, record, f"{at}.lora_B.{adapter}.weight", parts)
             if lora_b.bias is not None:
-                lora_b.bias = _shard(lora_b.bias, 0, group, record, parts)
+                lora_b.bias = _shard(lora_b.bias, 0, group, record, f"{at}.lora_B.{adapter}.bias", parts)
             lora_b.out_features = lora_b.weight.shape[0]
-            for p in lora_a.parameters():  # replicated inside the region: each rank's gradient is partial
-                _sum_grad(p, group, record)
+            for n, p in lora_a.named_parameters():  # replicated inside the region: each rank's gradient is partial
+                _sum_grad(p, group, record, f"{at}.lora_A.{adapter}.{n}")
         else:  # lora_B stays whole: its gradient comes from the reduced output
-            lora_a.weight = _shard(lora_a.weight, 1, group, record)
+            lora_a.weight = _shard(lora_a.weight, 1, group, record, f"{at}.lora_A.{adapter}.weight")
             lora_a.in_features = lora_a.weight.shape[1]
             lora_a.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
             dropout = target.lora_dropout[adapter]
@@ -201,10 +215,10 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
                 target.lora_dropout[adapter] = ShardedDropout(dropout.p, group)
 
 
-def _sum_grad(p: nn.Parameter, group, record: Record) -> None:
+def _sum_grad(p: nn.Parameter, group, record: Record, name: str) -> None:
     if p.requires_grad:
         p.register_hook(all_reduce_grad(group))
-        record[id(p)] = Cut(partial=True)  # for FSDP2, which replaces the parameter (and its hook)
+        record[name] = Cut(partial=True)  # for FSDP2, which replaces the parameter (and its hook)
 
 
 def _copy_input(module: nn.Module, group):
@@ -256,7 +270,7 @@ def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None
                             f"layer the plan's {kind} projection splits")
 
 
-def _split_experts(module: nn.Module, region: Region, group, where: str, record: Record) -> str:
+def _split_experts(module: nn.Module, region: Region, group, where: str, record: Record, at: str) -> str:
     """Split a routed-experts module's stacked projections in place (module docstring)."""
     t = group_size(group)
     for name in (*region.columns, region.row):
@@ -268,8 +282,8 @@ def _split_experts(module: nn.Module, region: Region, group, where: str, record:
         for name in region.columns:  # a fused gate_up is [gate; up], chunked in two by every transformers 5
             full = getattr(module, name)  # experts forward, so split by parts even where the plan says colwise
             parts = (full.shape[1] // 2,) * 2 if name in region.packed or "gate_up" in name else None
-            setattr(module, name, _shard(full, 1, group, record, parts))
-        setattr(module, region.row, _shard(getattr(module, region.row), 2, group, record))
+            setattr(module, name, _shard(full, 1, group, record, f"{at}.{name}", parts))
+        setattr(module, region.row, _shard(getattr(module, region.row), 2, group, record, f"{at}.{region.row}"))
     except ValueError as e:
         raise UserError(f"--tp {t}: {where}: {e}") from None
     for attr in ("intermediate_dim", "intermediate_size", "moe_intermediate_size"):
@@ -287,12 +301,12 @@ def _split_experts(module: nn.Module, region: Region, group, where: str, record:
     return f"{region.path} {' '.join(region.columns)} -> {region.row} (every expert's intermediate)"
 
 
-def _split_region(module: nn.Module, region: Region, group, config, where: str, record: Record) -> str:
-    """Split one block's `region` in place, recording each parameter's cut; returns how (for the
-    describe line)."""
+def _split_region(module: nn.Module, region: Region, group, config, where: str, record: Record, at: str) -> str:
+    """Split one block's `region` in place (`at`: its module's name in the model), recording each
+    parameter's cut; returns how (for the describe line)."""
     t = group_size(group)
     if region.experts:
-        return _split_experts(module, region, group, where, record)
+        return _split_experts(module, region, group, where, record, at)
     parts = {c: (_linear(module, c).out_features // 2,) * 2 for c in region.packed}
     if region.gathered:
         found = _region_parts(module, region, config, t)
@@ -300,14 +314,14 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str, 
     else:  # a parameter between the projections without a style: refused by `tp_fit`
         local = True
     for column in region.columns:
-        _shard_projection(module, column, "column", group, where, record, parts.get(column), gathered=not local)
-    _shard_projection(module, region.row, "row", group, where, record, gathered=not local)
+        _shard_projection(module, column, "column", group, where, record, at, parts.get(column), gathered=not local)
+    _shard_projection(module, region.row, "row", group, where, record, at, gathered=not local)
     if not local:
         return f"{region.path} {' '.join(region.columns)} -> {region.row} (gathered in between)"
     module.register_forward_pre_hook(_copy_input(module, group), with_kwargs=True)
     for name in region.replicated:
-        for p in module.get_submodule(name).parameters():
-            _sum_grad(p, group, record)
+        for n, p in module.get_submodule(name).named_parameters():
+            _sum_grad(p, group, record, f"{at}.{name}.{n}")
     for attr in LOCAL_SIZES:  # some modules keep their own head counts
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, getattr(module, attr) // t)
@@ -368,9 +382,9 @@ def tp_tree_problems(config, trust_remote_code: bool = False) -> list[str]:
     return []
 
 
-def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None = None,
+def apply_tensor_parallel(model: nn.Module, group, cuts: Record | None = None,
                           skip_experts: bool = False) -> nn.Module:
-    """Shard `model` in place over `group`; returns it, and records how it cut each parameter in
+    """Shard `model` in place over `group`; returns it, and writes how it cut each parameter into
     `cuts` (the run's table, by name: `toolkit.parallel.cut`). `skip_experts`: leave the routed-experts
     regions whole (expert parallel then splits the experts over this TP group: `toolkit.parallel.ep`).
     Every rank must call this with identical full weights (same checkpoint, same seed for LoRA init)."""
@@ -380,15 +394,18 @@ def apply_tensor_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
     plan = tp_plan_of(model.config)
     config = text_config(model.config)
     blocks = decoder_blocks(model, plan.blocks)
-    how, record = {}, {}
+    names = {id(m): n for n, m in model.named_modules()}  # the regions' modules stay, their projections change
+    how, record = {}, cuts if cuts is not None else {}
     for i, region in tp_fit(model, plan):
         if region.experts and skip_experts:
             how[region.path] = f"{region.path} whole (expert parallel over the TP group)"
             continue
-        how[region.path] = _split_region(blocks[i].get_submodule(region.path), region, group, config,
-                                         f"{plan.blocks}.{i}.{region.path}", record)
-    if cuts is not None:
-        cuts.update({n: record[id(p)] for n, p in model.named_parameters() if id(p) in record})
+        module = blocks[i].get_submodule(region.path)
+        how[region.path] = _split_region(module, region, group, config, f"{plan.blocks}.{i}.{region.path}", record,
+                                         names[id(module)])
+    unknown = set(record) - dict(model.named_parameters()).keys()
+    if unknown:  # the names the plan wrote are the model's own, or the table would miss its cuts
+        raise RuntimeError(f"--tp: cuts recorded under names the model does not have: {sorted(unknown)[:3]}")
     outside = ", ".join(plan.outside + ("lm_head",))
     # not `tp_size`: transformers reserves that for its own TP
     model.toolkit_tp = (f"tensor parallel over {t} ranks from base_model_tp_plan, per block: "
