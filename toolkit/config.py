@@ -696,6 +696,9 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and not held_out),
          "--eval-every needs held-out data: set --eval-split (for example 0.05) or --eval-dataset FILE")
+    from toolkit.layout.launcher import nproc_problem
+
+    p.extend(x for x in [nproc_problem(cfg.parallel.nproc_per_node, os.environ)] if x)
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn))
     p.extend(objective_problems(cfg))
     if d.data_workers < 0:
