@@ -66,7 +66,8 @@ class LossHead:
 
         inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
         total, out = self.objective(model, batch, inputs)
-        return total + self.aux(out, batch.get("labels"), False, count=pairs_in(batch))
+        count = batch["units"] if "units" in batch else pairs_in(batch)  # what the loop divides the sum by
+        return total + self.aux(out, batch.get("labels"), False, count=count)
 
     def token_sum(self, model, batch: dict) -> torch.Tensor:
         """The summed token loss of `batch` (and the router's, x its target tokens)."""

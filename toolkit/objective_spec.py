@@ -4,10 +4,11 @@ planner, so a leaf below them all."""
 
 from __future__ import annotations
 
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
+GENERATES = ("grpo",)  # objectives that sample from the policy in the loop (online RL)
 # beta: TRL's DPOConfig, ORPOConfig and KTOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
 # beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
-DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1, "grpo": 0.0}  # grpo's: the KL coefficient
 DEFAULT_SIMPO_GAMMA = 1.0
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # TRL's names, each a mean over pairs
@@ -20,9 +21,20 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 WHOLE = ("pairs", "ref_logps", "desirable", "ref_kl_logps", "kl_input_ids", "kl_attention_mask", "kl_labels")
 
 
+def rl_flags_given(cfg) -> list[str]:
+    """The --objective grpo settings (the config's `rl` section) set away from their defaults, as flags."""
+    from dataclasses import fields
+
+    return [f"--{f.name.replace('_', '-')}" for f in fields(cfg.rl) if getattr(cfg.rl, f.name) != f.default]
+
+
 def objective_problems(cfg) -> list[str]:
-    """What a preference objective cannot run with (one line each; none for sft)."""
+    """What an objective cannot run with (one line each; none for plain sft)."""
     t, d, par = cfg.train, cfg.data, cfg.parallel
+    rl = rl_flags_given(cfg)
+    if t.objective != "grpo" and rl:
+        return [f"{', '.join(rl)} set --objective grpo's generation, rewards or loss; pass --objective grpo or "
+                "drop them"]
     if t.objective == "sft":
         given = [f for f, v in (("--beta", t.beta is not None), ("--label-smoothing", t.label_smoothing != 0.0),
                                 ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA),
@@ -30,6 +42,8 @@ def objective_problems(cfg) -> list[str]:
                                 ("--undesirable-weight", t.undesirable_weight != 1.0)) if v]
         return [f"{', '.join(given)} set a preference objective's loss; pass --objective dpo (or orpo, simpo, kto) "
                 "or drop them"] if given else []
+    if t.objective == "grpo":
+        return grpo_problems(cfg)
     p, o = [], f"--objective {t.objective}"
     if t.beta is not None and not t.beta > 0:
         p.append(f"--beta must be > 0 (got {t.beta})")
@@ -63,6 +77,62 @@ def objective_problems(cfg) -> list[str]:
     if par.pp > 1 and d.packing:
         p.append(f"{o} does not run with --pp and --packing together yet (the last stage scores whole rows); "
                  "drop one")
+    return p
+
+
+def grpo_problems(cfg) -> list[str]:
+    """What --objective grpo cannot run with, and its settings' ranges (one line each)."""
+    t, d, par, rl = cfg.train, cfg.data, cfg.parallel, cfg.rl
+    p, o = [], "--objective grpo"
+    specs = [s for s in rl.reward.splitlines() if s.strip()]
+    if not specs:
+        p.append(f"{o} needs at least one --reward: builtin:math_answer (the last number against the answer "
+                 "column), builtin:regex:PATTERN, or path.py:function (TRL's signature)")
+    weights = [w for w in rl.reward_weights.split(",") if w.strip()]
+    if weights:
+        try:
+            values = [float(w) for w in weights]
+        except ValueError:
+            values = None
+            p.append(f"--reward-weights {rl.reward_weights}: numbers, comma-separated, one per --reward")
+        if values is not None and specs and len(values) != len(specs):
+            p.append(f"--reward-weights gives {len(values)} weight(s) for {len(specs)} --reward function(s); give "
+                     "one per function")
+    for flag, ok, want in (("--num-generations", rl.num_generations >= 2, ">= 2 (a group of one has no baseline: its "
+                                                                          "advantage is always 0)"),
+                           ("--max-completion-length", rl.max_completion_length >= 1, ">= 1"),
+                           ("--temperature", rl.temperature > 0, "> 0 (sampling; greedy completions would all agree)"),
+                           ("--top-p", 0 < rl.top_p <= 1, "in (0, 1]"), ("--top-k", rl.top_k >= 0, ">= 0 (0 = off)"),
+                           ("--epsilon", rl.epsilon > 0, "> 0"),
+                           ("--epsilon-high", rl.epsilon_high is None or rl.epsilon_high > 0, "> 0"),
+                           ("--steps-per-generation", rl.steps_per_generation >= 1, ">= 1"),
+                           ("--num-iterations", rl.num_iterations >= 1, ">= 1"),
+                           ("--log-completions-every", rl.log_completions_every >= 0, ">= 0 (0 = at each metrics "
+                                                                                       "record)"),
+                           ("--beta", t.beta is None or t.beta >= 0, ">= 0 (grpo's KL coefficient; 0 = off)")):
+        if not ok:
+            p.append(f"{flag} must be {want}")
+    prefs = [f for f, v in (("--label-smoothing", t.label_smoothing != 0.0),
+                            ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA),
+                            ("--desirable-weight", t.desirable_weight != 1.0),
+                            ("--undesirable-weight", t.undesirable_weight != 1.0)) if v]
+    if prefs:
+        p.append(f"{', '.join(prefs)} set a preference objective's loss, not grpo's; drop them")
+    if d.train_on_prompt:
+        p.append(f"{o} trains on the sampled completions; drop --train-on-prompt")
+    if d.format != "auto":
+        p.append(f"{o}: prompts are read by their columns (prompt, or instruction and input); drop --format {d.format}")
+    if t.loss not in ("auto", "full"):
+        p.append(f"{o} takes each token's log-probability from the logits; --loss {t.loss} computes only their "
+                 "summed loss: use --loss auto (or full)")
+    for flag, on in (("--packing", d.packing), ("--streaming", d.streaming)):
+        if on:
+            p.append(f"{o} does not run with {flag} yet (each step's completions are sampled, not read); drop it")
+    for flag, degree in (("--pp", par.pp), ("--cp", par.cp)):
+        if degree > 1:
+            p.append(f"{o} does not run under {flag} {degree} yet (sampling needs the whole model's forward on "
+                     f"each rank's rows: a pipeline's stages or a context-parallel slice do not give it); use DDP, "
+                     "ZeRO, FSDP (--fsdp, --dp-shard) or --tp")
     return p
 
 

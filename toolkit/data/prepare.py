@@ -88,6 +88,10 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
     record stream, read as training goes)."""
     from toolkit.cache import cache_dir
 
+    if cfg.train.objective == "grpo":  # prompts: tokenized as they are read (a prompt file is small)
+        from toolkit.data.prompts import prepare_prompts
+
+        return prepare_prompts(cfg, tokenizer)
     cache = cache or cache_dir() / "data"
     if cfg.data.streaming:
         from toolkit.data.stream import RecordStream

@@ -137,6 +137,9 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     from toolkit.preference import PreferenceLoss
 
     kind, strategy = _layout_strategy(cfg, accelerator, model_path, loss_fn)
+    if cfg.train.objective == "grpo":
+        strategy.loss.objective = _grpo_objective(cfg, kind, strategy)
+        return strategy
     objective = PreferenceLoss.from_config(cfg)
     if objective is not None:
         if kind == "pipeline_one_process":
@@ -154,6 +157,31 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
             objective = objective.bind(strategy.sequence_logps)
     strategy.loss.objective = objective
     return strategy
+
+
+def _grpo_objective(cfg: Config, kind: str, strategy: Strategy):
+    """--objective grpo's loss, its reward functions loaded (a file's errors said now, before the weights load),
+    once the global batch is known to hold whole prompt groups and the reference can be placed."""
+    from toolkit.grpo import GRPOLoss
+    from toolkit.rewards import load_rewards
+
+    t, rl = cfg.train, cfg.rl
+    completions = t.micro_batch_size * t.grad_accum * strategy.data.ranks
+    if completions % rl.num_generations:
+        raise UserError(f"--objective grpo: the global batch ({t.micro_batch_size} micro-batch x {t.grad_accum} "
+                        f"accumulation x {strategy.data.ranks} data-parallel rank(s) = {completions} completions) is not "
+                        f"a multiple of --num-generations {rl.num_generations}: a step trains whole prompt groups; "
+                        "change one of them")
+    objective = GRPOLoss.from_config(cfg)
+    if objective.spec.reference == "copy" and not (kind == "accelerate" or (kind == "deepspeed" and
+                                                                             (cfg.parallel.zero_stage or 0) < 3)):
+        raise UserError(f"--objective grpo with --beta {objective.spec.beta:g} and --method full: the reference is a "
+                        "frozen copy of the model, which this layout would have to shard like the policy (not yet); "
+                        "use DDP, ZeRO-1/2 or one process, or --method lora (its reference is the base, adapters "
+                        "disabled), or --beta 0")
+    weights = [float(w) for w in rl.reward_weights.split(",") if w.strip()] or None
+    objective.rewards = load_rewards([s for s in rl.reward.splitlines() if s.strip()], weights)
+    return objective
 
 
 def _strategies() -> dict[str, Callable]:
