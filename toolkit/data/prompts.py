@@ -76,6 +76,12 @@ class PromptRows:
     def __bool__(self) -> bool:
         return bool(self.prompt_ids)
 
+    def __getitem__(self, i):
+        """A prompt as a row of tokens (the integrity check's probe: a loss on the prompt's own tokens)."""
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return {"input_ids": self.prompt_ids[i], "labels": self.prompt_ids[i]}
+
     def columns_of(self, rows: list[int]) -> dict[str, list]:
         """The other columns of `rows`, by name, for the reward functions."""
         return {k: [v[i] for i in rows] for k, v in self.columns.items()}

@@ -334,25 +334,31 @@ class Rollouts:
         return taken.values() if taken.rewards else {}
 
     def log_samples(self, first: int, rows: list[int], texts: list[str], rewards: torch.Tensor) -> None:
-        """Every --log-completions-every steps (0: at the metrics records), the round's first step's prompts,
-        completions and rewards into completions.jsonl (main process; every rank's gathered)."""
+        """The prompts, completions and rewards of each step the round sampled for that falls on the
+        --log-completions-every cadence (0: the metrics records'), into completions.jsonl (main process;
+        every rank's gathered)."""
         run = self.run
         every = run.cfg.rl.log_completions_every or run.log_every
-        if (first - 1) % every and first != 1:
-            return
         share = self.per_step // self.data.ranks
-        mine = [(self.data.rank, [(self.prompts.prompts[r], text) for r, text in zip(rows[:share], texts[:share])])]
-        gathered = dict(x for part in gather_objects(mine) for x in part)
+        logged = [k for k in range(len(rows) // share) if (first + k) % every == 0 or first + k == 1]
+        if not logged:
+            return
+        mine = [(self.data.rank, k, [(self.prompts.prompts[r], text) for r, text in
+                                     zip(rows[k * share:(k + 1) * share], texts[k * share:(k + 1) * share])])
+                for k in logged]
+        gathered = {(rank, k): pairs for part in gather_objects(mine) for rank, k, pairs in part}
         if not run.strategy.accelerator.is_main_process:
             return
         names = [r.name for r in self.rewards]
         with open(Path(run.out_dir) / "completions.jsonl", "a") as f:
-            j = 0
-            for r in range(self.data.ranks):
-                for prompt, text in gathered[r]:
-                    scores = {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[j].tolist())}
-                    f.write(json.dumps({"step": first, "prompt": prompt, "completion": text, "rewards": scores}) + "\n")
-                    j += 1
+            for k in logged:
+                j = k * self.per_step  # the step's rows in the round's rewards: rank by rank
+                for rank in range(self.data.ranks):
+                    for prompt, text in gathered[(rank, k)]:
+                        scores = {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[j].tolist())}
+                        f.write(json.dumps({"step": first + k, "prompt": prompt, "completion": text,
+                                            "rewards": scores}) + "\n")
+                        j += 1
 
     def state_dict(self) -> dict:
         """What a checkpoint written mid-round must keep: the round's remaining micro-batches (sampled from
