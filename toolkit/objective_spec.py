@@ -144,9 +144,19 @@ def extra_forwards(objective: str, method: str) -> int:
     return int(reference) + (1 + int(reference) if objective == "kto" else 0)
 
 
-def plan_terms(objective: str, method: str, loss: str) -> dict:
+def plan_terms(objective: str, method: str, loss: str, cfg=None) -> dict:
     """What an objective changes in the planner's question (`toolkit.planner.plan.PlanInput`): a pair is
-    two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence."""
+    two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence.
+    --objective grpo (`cfg`: the run's config, for its settings): a sequence is a prompt and its completion
+    (--seq-len bounds the prompt), full logits over the completion; the old policy's forward where the policy
+    moves within a round, the reference's where beta > 0; sampling's peak (`generation`: a step's share of
+    completions at once, over prompt and completion)."""
+    if objective == "grpo":
+        rl, t = cfg.rl, cfg.train
+        tokens = cfg.data.seq_len + rl.max_completion_length
+        forwards = int(rl.steps_per_generation * rl.num_iterations > 1) + int((t.beta or 0) > 0)
+        return {"sequences": 1, "extra_forwards": forwards, "loss": "full", "seq_len": tokens,
+                "generation": (t.micro_batch_size * t.grad_accum, tokens)}
     preference = objective != "sft"
     return {"sequences": 2 if preference and objective != "kto" else 1,
             "extra_forwards": extra_forwards(objective, method), "loss": "full" if preference else loss}
