@@ -20,7 +20,7 @@ LAYERS = [
     ("models", ["models", "attention", "sampling"]),
     ("data", ["data"]),
     ("planner", ["planner"]),
-    ("loss", ["loss", "preference_functions", "preference", "grpo_functions", "router_load", "loss_head"]),
+    ("loss", ["loss", "preference_functions", "preference", "grpo_functions", "grpo", "router_load", "loss_head"]),
     ("parallel", ["parallel"]),
     ("train", ["train"]),
     ("command line", ["__main__", "startup", "calibrate", "synthetic"]),

@@ -145,8 +145,8 @@ class TrainConfig:
                                "a margin, no reference); kto = completions labelled desirable or not (prompt, "
                                "completion, label; pairs are split into one of each), against the reference as DPO",
                         OBJECTIVES)
-    beta: Optional[float] = _f(None, "preference objectives' beta; grpo's KL coefficient (default 0 as TRL: no "
-                                     "reference forward) (default: dpo, orpo and kto 0.1 as TRL, simpo 2.0 as "
+    beta: Optional[float] = _f(None, "preference objectives' beta; grpo's KL coefficient (default: dpo, orpo and "
+                                     "kto 0.1 as TRL, grpo 0 as TRL: no reference forward, simpo 2.0 as "
                                      "its authors)")
     simpo_gamma: float = _f(DEFAULT_SIMPO_GAMMA, "SimPO's target reward margin gamma (its authors' 0.5 x beta 2.0)")
     label_smoothing: float = _f(0.0, "dpo and simpo: the chance a pair's preference is flipped (conservative DPO), "

@@ -189,6 +189,9 @@ FOREIGN: dict[str, Foreign] = {
     "pref_loss": Foreign({"sigmoid": {"objective": "dpo"}, "orpo": {"objective": "orpo"},
                           "simpo": {"objective": "simpo"}}, f"{_OBJECTIVE}; other losses are not implemented",
                          hint="objective"),
+    # online RL
+    "log_completions": Foreign({True: {}, False: {}, None: {}}, "--objective grpo always writes completions.jsonl; "
+                               "--log-completions-every N sets how often", hint="log_completions_every", switch=True),
     # the hub
     "push_to_hub": Foreign({True: {"push_to_hub": _From("hub_model_id")}, **_NO},
                            "it takes the repo here: --push-to-hub USER/NAME (or Trainer's push_to_hub: true with "

@@ -116,37 +116,3 @@ def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
     """The rows `keep` of `rows`, in that order."""
     return PromptRows([rows.prompt_ids[i] for i in keep], [rows.prompts[i] for i in keep],
                       {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)
-
-
-def prepare_prompts(cfg: Config, tokenizer):
-    """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
-    --eval-split's held-out share (drawn with the seed, as SFT's), and --eval-dataset's."""
-    from toolkit.data import data_sources, eval_source, split_indices
-    from toolkit.data.prepare import PreparedData
-    from toolkit.data.table import DataStats
-
-    sources = data_sources(cfg)
-    if len(sources) > 1:
-        raise UserError(f"--objective grpo reads one prompt file (got a mixture of {len(sources)}: "
-                        f"{cfg.data.dataset}); give one --dataset")
-    whole = load_prompts(cfg, sources[0], tokenizer)
-    if not whole:
-        raise UserError(f"--dataset {cfg.data.dataset}: no prompt is left to sample from"
-                        + (f" ({whole.dropped} longer than --seq-len {cfg.data.seq_len}: raise it)" if whole.dropped
-                           else ""))
-    train, held = split_indices(len(whole), cfg, "")
-    held_rows = subset(whole, held) if held else PromptRows()
-    if cfg.data.eval_dataset:
-        held_rows = load_prompts(cfg, eval_source(cfg), tokenizer)
-    stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
-    return PreparedData(whole.format, cfg.data.format == "auto", subset(whole, train), held_rows, stats, DataStats(),
-                        eval_format=held_rows.format if cfg.data.eval_dataset else None)
-
-
-def describe(cfg: Config, data) -> str:
-    """The data line of a GRPO run."""
-    rows: PromptRows = data.train
-    columns = ", ".join(sorted(rows.columns)) or "none"
-    dropped = f"; {data.stats.dropped} longer than --seq-len {cfg.data.seq_len} dropped" if data.stats.dropped else ""
-    return (f"data: {cfg.data.dataset}: prompts ({rows.format} form); {len(rows)} training prompts, "
-            f"{len(data.eval)} eval{dropped}; the reward functions get the columns {columns}")
