@@ -16,6 +16,7 @@ from toolkit.config import parse_config, save_config
 from toolkit.console import quiet
 from toolkit.data.peek import check_data
 from toolkit.errors import exit_on_user_error
+from toolkit.parallel.launch import started_here
 from toolkit.startup import leave_unimported
 from toolkit.tracker_spec import requested
 
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None):
         from toolkit.hub import check_push
 
         check_push(cfg.output.push_to_hub)
+    if argv is None and started_here(cfg.parallel.nproc_per_node):  # --nproc-per-node N: this process starts
+        from toolkit.parallel.launch import run_ranks                 # the ranks and exits with their code
+
+        sys.exit(run_ranks(cfg.parallel.nproc_per_node, sys.argv[0], sys.argv[1:]))
     if argv is None:  # the command line's own process: packages this layout never uses stay unimported
         leave_unimported(cfg)
     quiet()  # third-party notices the user cannot act on (shown with --debug)

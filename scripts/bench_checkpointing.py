@@ -23,15 +23,16 @@ def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import enable_checkpointing, load_model, resolve_model
+    from toolkit.models import ModelShape, load_model, resolve_model
+    from toolkit.parallel.parallelize import Parallelism, apply_checkpointing, parallelize
     from toolkit.loss import token_loss_sum
 
     argv = ["--method", method, "--mixed-precision", "no", "--output-dir", "/nonexistent-bench-dir"]
     cfg = parse_config(argv + (["--gradient-checkpointing"] if gc else []))
     torch.manual_seed(0)
-    model = load_model(cfg, resolve_model(cfg.model.model)).train()
+    model = parallelize(load_model(cfg, resolve_model(cfg.model.model)), Parallelism(ModelShape.of(cfg)))[0].train()
     if gc:  # as the run applies it (`toolkit.parallel.parallelize`)
-        enable_checkpointing(model)
+        apply_checkpointing(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
 

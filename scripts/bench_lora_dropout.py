@@ -197,12 +197,13 @@ def child_saved(precision: str, dropout: float, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import decoder_layers, load_model, resolve_model
+    from toolkit.models import ModelShape, decoder_layers, load_model, resolve_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", precision, "--lora-dropout", str(dropout),
                         "--output-dir", "/nonexistent-bench-dir"])
     torch.manual_seed(0)
-    model = load_model(cfg, resolve_model(cfg.model.model)).train()
+    model = parallelize(load_model(cfg, resolve_model(cfg.model.model)), Parallelism(ModelShape.of(cfg)))[0].train()
     base = model.get_base_model()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     layers = decoder_layers(model)
@@ -235,12 +236,13 @@ def child_step(dropout: float, batch: int, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import load_model, resolve_model
+    from toolkit.models import ModelShape, load_model, resolve_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", "no", "--lora-dropout", str(dropout),
                         "--output-dir", "/nonexistent-bench-dir"])
     torch.manual_seed(0)
-    model = load_model(cfg, resolve_model(cfg.model.model)).train()
+    model = parallelize(load_model(cfg, resolve_model(cfg.model.model)), Parallelism(ModelShape.of(cfg)))[0].train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(10, 10000, (batch, seq), generator=torch.Generator().manual_seed(0))
 

@@ -73,7 +73,8 @@ def main() -> None:
     from toolkit.data import collate, load_examples, tokenize_examples
     from toolkit.data.packing import collate_packed, pack_rows
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import load_model, load_tokenizer, resolve_model
+    from toolkit.models import ModelShape, load_model, load_tokenizer, resolve_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
     from toolkit.train.loop import EpochShuffleSampler
 
     cfg = parse_config(["--dataset", a.dataset, "--method", "lora", "--seq-len", str(a.seq_len), "--mixed-precision", "no",
@@ -91,7 +92,7 @@ def main() -> None:
     assert real == sum(int(b["attention_mask"].sum()) for b in padded) == sum(int(b["attention_mask"].sum()) for b in packed)
     slots = {"padded": sum(b["input_ids"].numel() for b in padded), "packed": sum(b["input_ids"].numel() for b in packed)}
     torch.manual_seed(0)
-    model = load_model(cfg, path)
+    model = parallelize(load_model(cfg, path), Parallelism(ModelShape.of(cfg)))[0]  # the weights, then LoRA (as the run's)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     tps, times = useful_tokens_per_sec(model, opt, {"padded": padded, "packed": packed}, real, a.rounds)
     result = {"dataset": Path(a.dataset).name, "model": "SmolLM2-135M-Instruct", "method": "lora", "dtype": "float32",

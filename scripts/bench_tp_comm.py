@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from toolkit.models import enable_checkpointing
+    from toolkit.parallel.parallelize import apply_checkpointing
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.traffic import counting
     from toolkit.loss import token_loss_sum
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         if gc:
-            enable_checkpointing(model)
+            apply_checkpointing(model)
         if method == "lora":
             model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear", lora_dropout=0.0))
         model = apply_tensor_parallel(model, layout.tp_group)

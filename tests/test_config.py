@@ -284,6 +284,7 @@ SAME_JOB = {
     "logging_strategy": "log_every", "datasets": "dataset", "dataset_text_field": "columns", "rl": "objective",
     "stage": "objective", "pref_loss": "objective", "loss_type": "objective", "fsdp": ("fsdp", "fsdp_sharding"),
     "report_to": "report_to", "chat_template": "chat_template", "push_to_hub": "push_to_hub",
+    "importance_sampling_level": "importance_sampling", "log_completions": "log_completions_every",
 }
 
 

@@ -349,3 +349,32 @@ def test_expert_parallel_over_tp_rank_params_equal_the_split_model(monkeypatch, 
     assert ours.experts == sum(p.numel() for p in experts)
     blocks = model.model.layers
     assert gathered_block(hf.to_dict(), d) == max(sum(p.numel() for p in b.parameters()) for b in blocks)
+
+
+def test_the_kv_cache_term_is_the_cache_sampling_fills(tiny_model):
+    """--objective grpo's sampling holds a KV cache (`memory.kv_cache_bytes`): the bytes of the cache a forward
+    over 3 rows of 20 tokens fills, in fp32 and bf16, as transformers' DynamicCache holds them; and a plan for
+    grpo counts sampling's peak where it is the larger (a short sequence, many long completions)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from toolkit.planner.memory import kv_cache_bytes
+    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.memory import STRATEGIES
+
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.ones(3, 20, dtype=torch.long), cache=cache, past_key_values=cache, use_cache=True)
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        c = model.config
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        assert kv_cache_bytes(c.num_hidden_layers, c.num_key_value_heads * head, 3, 20, size) == held
+    cfg = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256}
+    base = dict(model=cfg, gpu_memory=80 << 30, gpus_per_node=1, seq_len=128, micro_batch=1, precision="bf16")
+    plain = estimate(PlanInput(**base), STRATEGIES["ddp"], False, 1)
+    sampling = estimate(PlanInput(**base, generation=(64, 8192)), STRATEGIES["ddp"], False, 1)
+    kv = kv_cache_bytes(16, 8 * 64, 64, 8192, 2)
+    assert sampling.bytes["allocated"] > plain.bytes["allocated"]
+    assert sampling.bytes["allocated"] >= sampling.bytes["weights"] + sampling.bytes["optimizer"] + kv

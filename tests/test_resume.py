@@ -161,6 +161,31 @@ def test_sigterm_saves_a_checkpoint_and_exits_within_a_bound(tmp_path, tiny_mode
     assert "preempted at step" in stdout + stderr and "Traceback" not in stderr
 
 
+def test_nproc_per_node_ends_in_the_ranks_words(tmp_path, tiny_model, data):
+    """Issue 64: `python finetune.py --nproc-per-node 2` starts the ranks itself, so a SIGTERM to it (a
+    scheduler's preemption) ends it as it ends the ranks: each saves, one line says so, and it exits 143,
+    with no launcher traceback (torchrun and accelerate launch raise SignalException and exit 1). A rank's
+    refusal is its one line and its exit code, 2."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "finetune.py"), "--nproc-per-node", "2",
+           *args(tiny_model, data, out, steps=100000, extra=["--save-every", "0", "--report-to", "none"])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(records(out)) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "trainer_state.json").is_file()
+    assert stdout.count("preempted at step") == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert not [x for x in stderr.splitlines() if x.strip() and not x.startswith("train:")], stderr[-2000:]
+    p = run(args(tiny_model, data, tmp_path / "bad", extra=["--nproc-per-node", "2", "--tp", "4"]))
+    lines = [x for x in p.stderr.splitlines() if x.strip() and not x.startswith("train:")]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("finetune.py: error: --tp 4"), p.stderr[-2000:]
+
+
 def test_keep_last(tmp_path, tiny_model, data):
     out = tmp_path / "out"
     p = run(args(tiny_model, data, out, extra=["--save-every", "1", "--keep-last", "2"]))

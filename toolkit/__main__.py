@@ -511,15 +511,21 @@ def cmd_plan(args) -> None:
     cpu_memory, unknown, note = host_ram(args)
     from toolkit.objective_spec import plan_terms
 
-    terms = plan_terms(args.objective, args.method, args.loss)  # a preference pair: two sequences, full logits
+    recipe = None
+    if args.objective == "grpo":  # its sampling's settings: the recipe's (plan --config), else the defaults
+        from toolkit.config import Config
+
+        recipe = Config.from_values({"objective": "grpo", "method": args.method, "seq_len": args.seq_len,
+                                     "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum})
+    terms = plan_terms(args.objective, args.method, args.loss, recipe)  # a preference pair: two sequences, full logits
     from toolkit.parallel.tree import tree_problem
 
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,
                     nodes=args.nodes, cpu_memory=cpu_memory, cpu_memory_unknown=unknown, tree_check=tree_problem,
                     sequences=terms["sequences"],
-                    extra_forwards=terms["extra_forwards"],
+                    extra_forwards=terms["extra_forwards"], generation=terms.get("generation"),
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
-                    lora_dropout=args.lora_dropout, seq_len=args.seq_len,
+                    lora_dropout=args.lora_dropout, seq_len=terms.get("seq_len", args.seq_len),
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
                     global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, loss=terms["loss"],

@@ -135,14 +135,18 @@ class TrainConfig:
                                        "on steps 2-3, eager on CPU and on layouts that cannot compile, said in one "
                                        "line; --compile: from step 1; --no-compile: never. The compile step's "
                                        "metrics record says so (compile_warmup)")
-    objective: str = _f("sft", "what to train on: sft = next-token loss on the completions; dpo, orpo, simpo = "
+    objective: str = _f("sft", "what to train on: sft = next-token loss on the completions; grpo = online RL on "
+                               "prompts: the policy samples --num-generations completions per prompt, --reward "
+                               "functions score them, and the policy moves toward the better ones (GRPO, Dr. GRPO, "
+                               "DAPO, GSPO: --loss-type, --importance-sampling); dpo, orpo, simpo = "
                                "preference pairs (prompt, chosen, rejected): DPO against the model as loaded (LoRA: "
                                "the adapters disabled; full: its log-probabilities computed once before step 1), "
                                "ORPO (the chosen sequences' NLL + an odds-ratio term), SimPO (mean log-probabilities, "
                                "a margin, no reference); kto = completions labelled desirable or not (prompt, "
                                "completion, label; pairs are split into one of each), against the reference as DPO",
                         OBJECTIVES)
-    beta: Optional[float] = _f(None, "preference objectives' beta (default: dpo, orpo and kto 0.1 as TRL, simpo 2.0 as "
+    beta: Optional[float] = _f(None, "preference objectives' beta; grpo's KL coefficient (default: dpo, orpo and "
+                                     "kto 0.1 as TRL, grpo 0 as TRL: no reference forward, simpo 2.0 as "
                                      "its authors)")
     simpo_gamma: float = _f(DEFAULT_SIMPO_GAMMA, "SimPO's target reward margin gamma (its authors' 0.5 x beta 2.0)")
     label_smoothing: float = _f(0.0, "dpo and simpo: the chance a pair's preference is flipped (conservative DPO), "
@@ -152,6 +156,47 @@ class TrainConfig:
                                         "KTO's authors keep weight x count within 1 to 4/3 between the two")
     kernels: str = _f("none", "fused kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU and RoPE "
                               "(CUDA; pip install 'toolkit[gpu]')", ("none", "liger"))
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """--objective grpo: generation, rewards and the policy loss, with TRL 1.16 GRPOConfig's names and defaults
+    (`toolkit.grpo`, `toolkit.train.rollout`)."""
+    num_generations: int = _f(8, "completions sampled per prompt (G), a group whose rewards are compared; the "
+                                 "global batch (micro-batch x accumulation x data-parallel ranks) counts "
+                                 "completions and must be a multiple of it")
+    max_completion_length: int = _f(512, "tokens sampled per completion at most (one that reaches it without "
+                                         "its end-of-turn token is truncated)")
+    temperature: float = _f(1.0, "sampling temperature; the log-probabilities the loss compares are of the logits "
+                                 "/ temperature, as TRL's")
+    top_p: float = _f(1.0, "nucleus sampling's probability mass (1 = off)")
+    top_k: int = _f(0, "sample from the k most likely tokens (0 = off)")
+    loss_type: str = _f("dapo", "how the clipped per-token losses are averaged: dapo = over every completion token "
+                                "of the global batch (TRL's default: no length bias); grpo = each completion's "
+                                "mean, then over completions; dr_grpo = their sum over completions x "
+                                "--max-completion-length (Dr. GRPO); bnpo = dapo's global token mean (TRL "
+                                "averages each micro-batch's, which depends on the split)",
+                        ("dapo", "grpo", "dr_grpo", "bnpo"))
+    importance_sampling: str = _f("token", "the importance ratio per token, or per sequence (the masked mean of "
+                                           "its tokens' log-ratios: GSPO)", ("token", "sequence"))
+    epsilon: float = _f(0.2, "the ratio's lower clip, 1 - epsilon (and the upper, unless --epsilon-high)")
+    epsilon_high: Optional[float] = _f(None, "the ratio's upper clip, 1 + epsilon_high (DAPO's clip-higher: 0.28; "
+                                             "default: --epsilon)")
+    scale_rewards: str = _f("group", "the advantage's divisor: each prompt group's reward std (GRPO), the global "
+                                     "batch's (batch), or none (Dr. GRPO)", ("group", "batch", "none"))
+    mask_truncated_completions: bool = _f(False, "leave completions that reached --max-completion-length without "
+                                                 "ending out of the loss (DAPO's overlong filtering)")
+    steps_per_generation: int = _f(1, "optimizer steps each generation round's completions serve (their "
+                                      "log-probabilities at generation are then the ratio's old ones)")
+    num_iterations: int = _f(1, "times each round's completions are trained on (mu; > 1: their old "
+                                "log-probabilities computed once after generation)")
+    reward: str = _f("", "a reward function: path.py:function (TRL's signature: fn(prompts, completions, "
+                         "completion_ids, **columns) -> a float or None per completion), builtin:math_answer (the "
+                         "last number against the answer column, GSM8K's '#### 42' read), or builtin:regex:PATTERN "
+                         "(1 where the completion matches); give the flag once per function (YAML: a list)")
+    reward_weights: str = _f("", "one weight per --reward, comma-separated (default: 1 each)")
+    log_completions_every: int = _f(0, "steps between the samples of prompts, completions and their rewards "
+                                       "written to completions.jsonl (0 = at each metrics record)")
 
 
 @dataclass(frozen=True)
@@ -201,7 +246,7 @@ class PlanConfig:
     plan_cpu_memory: str = _f("", "plan --config: host RAM per node (as plan --cpu-memory: 2TB); the run ignores it")
 
 
-SECTIONS = ("model", "data", "train", "parallel", "output", "plan")
+SECTIONS = ("model", "data", "train", "rl", "parallel", "output", "plan")
 
 
 @dataclass(frozen=True)
@@ -212,6 +257,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -245,6 +291,8 @@ class Config:
         """The learning rate in force: the user's, else the method's usual default."""
         if self.train.lr is not None:
             return self.train.lr
+        if self.train.objective == "grpo":  # TRL's GRPOConfig 1e-6 for a full model; LoRA's 10x (as SFT's)
+            return 1e-6 if self.model.method == "full" else 1e-5
         return 2e-5 if self.model.method == "full" else 2e-4
 
 
@@ -269,7 +317,8 @@ def _field_type(section: str, f: dataclasses.Field) -> tuple[type, bool]:
 
 
 # keys whose YAML value may take more than one shape: what to say when it has another
-SHAPES = {"columns": "a mapping of ours: yours (instruction: prompt) or a string OURS=YOURS,...",
+SHAPES = {"reward": "a list of reward specs, or one", "reward_weights": "a list of numbers, or 'w1,w2,...'",
+          "columns": "a mapping of ours: yours (instruction: prompt) or a string OURS=YOURS,...",
           "lora_targets": "a list of module names, a comma-separated string, or all-linear",
           "dataset": "a path (a.jsonl, or a mixture a.jsonl:0.7,b.json:0.3), or a list of sources, each a path or "
                      "{path, weight, columns}",
@@ -348,8 +397,10 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
                 raise ValueError
             out = float(value)
         else:
-            if isinstance(value, (list, tuple)) and key == "lora_targets":
+            if isinstance(value, (list, tuple)) and key in ("lora_targets", "reward_weights"):
                 value = ",".join(map(str, value))
+            if isinstance(value, (list, tuple)) and key == "reward":  # one spec per flag or list item (a spec
+                value = "\n".join(map(str, value))                    # may hold a comma: a regex)
             if isinstance(value, dict) and key == "columns":
                 value = _column_mapping(value, where)
             if isinstance(value, (list, dict)) and key in ("dataset", "eval_dataset"):
@@ -542,6 +593,8 @@ def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
             flag = f"--{key.replace('_', '-')}"
             if tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+            elif key == "reward":  # given once per function
+                group.add_argument(flag, action="append", metavar="SPEC", help=help_)
             else:
                 group.add_argument(flag, metavar="{" + ",".join(names) + "}" if names else key.upper(), help=help_)
     return parser
@@ -696,6 +749,9 @@ def validate(cfg: Config) -> list[str]:
          "--resume and --overwrite-output-dir contradict each other (overwriting deletes the checkpoints); drop one")
     need(not (o.eval_every > 0 and not held_out),
          "--eval-every needs held-out data: set --eval-split (for example 0.05) or --eval-dataset FILE")
+    from toolkit.layout.launcher import nproc_problem
+
+    p.extend(x for x in [nproc_problem(cfg.parallel.nproc_per_node, os.environ)] if x)
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn,
                              t.objective))
     p.extend(objective_problems(cfg))

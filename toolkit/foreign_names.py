@@ -29,7 +29,7 @@ ALIASES = {
     "chat_template_jinja": "chat_template", "pref_beta": "beta", "rl_beta": "beta", "dpo_beta": "beta",
     "orpo_alpha": "beta", "activation_checkpointing": "gradient_checkpointing", "tensor_parallel_size": "tp",
     "context_parallel_size": "cp", "sequence_parallel_degree": "cp", "hub_private_repo": "hub_private",
-    "eval_max_new_tokens": "sample_max_new_tokens",
+    "eval_max_new_tokens": "sample_max_new_tokens", "importance_sampling_level": "importance_sampling",
 }
 # suggested, not taken: ambiguous (global or per device? steps or a ratio? eval generations or samples?)
 HINT_ONLY = {"batch_size", "warmup", "lora_rank", "eval_max_new_tokens"}
@@ -58,7 +58,7 @@ class Foreign:
 
 _METHOD = "--method lora (or qlora: the base in 4-bit NF4) trains a LoRA adapter, --method full every weight"
 _ATTN = "--attn sdpa, flex, varlen or flash (flash-attn), or auto"
-_OBJECTIVE = "--objective sft, dpo, orpo, simpo or kto picks what is trained"
+_OBJECTIVE = "--objective sft, dpo, orpo, simpo, kto or grpo picks what is trained"
 _NEFTUNE = "NEFTune (noise on the embeddings) is not implemented here; remove it"
 _NO = {False: {}, None: {}}  # off, or left empty: nothing to set
 _SCHEDULE = Foreign({"cosine": {"lr_schedule": "cosine"}, "linear": {"lr_schedule": "linear"},
@@ -182,15 +182,16 @@ FOREIGN: dict[str, Foreign] = {
     "chat_template": Foreign({"tokenizer_default": {"chat_template": ""}}),  # axolotl's; others: ours
     # preference objectives
     "rl": Foreign({"dpo": {"objective": "dpo"}, "orpo": {"objective": "orpo"}, "simpo": {"objective": "simpo"},
-                   "kto": {"objective": "kto"}, None: {}}, f"{_OBJECTIVE}; ipo and grpo are not implemented",
-                  hint="objective"),
+                   "kto": {"objective": "kto"}, "grpo": {"objective": "grpo"}, None: {}},
+                  f"{_OBJECTIVE}; ipo is not implemented", hint="objective"),
     "stage": Foreign({"sft": {"objective": "sft"}, "dpo": {"objective": "dpo"}, "kto": {"objective": "kto"}},
                      f"{_OBJECTIVE}; pt, rm and ppo are not implemented", hint="objective"),
     "pref_loss": Foreign({"sigmoid": {"objective": "dpo"}, "orpo": {"objective": "orpo"},
                           "simpo": {"objective": "simpo"}}, f"{_OBJECTIVE}; other losses are not implemented",
                          hint="objective"),
-    "loss_type": Foreign({"nll": {}}, f"{_OBJECTIVE} (TRL's DPO loss sigmoid is --objective dpo)", hint="objective",
-                         words=True),
+    # online RL
+    "log_completions": Foreign({True: {}, False: {}, None: {}}, "--objective grpo always writes completions.jsonl; "
+                               "--log-completions-every N sets how often", hint="log_completions_every", switch=True),
     # the hub
     "push_to_hub": Foreign({True: {"push_to_hub": _From("hub_model_id")}, **_NO},
                            "it takes the repo here: --push-to-hub USER/NAME (or Trainer's push_to_hub: true with "

@@ -22,9 +22,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels
 def build_objective(cfg, hooks: LayoutHooks = LayoutHooks()) -> Objective | None:
     """The run's --objective, built once under the layout's `hooks` (None: the token loss). The one place
     an objective type is chosen: a new one adds its builder here, and no strategy changes."""
+    from toolkit.grpo import GRPOLoss
     from toolkit.preference import OBJECTIVE_TYPES, PreferenceLoss
 
     builders: dict[str, Callable] = {name: PreferenceLoss.from_config for name in OBJECTIVE_TYPES}
+    builders["grpo"] = GRPOLoss.from_config
     build = builders.get(cfg.train.objective)
     return build(cfg, hooks) if build is not None else None
 
@@ -107,7 +109,8 @@ class LossHead:
 
         inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
         total, out = self.objective(model, batch, inputs)
-        return total + self.aux(out, batch.get("labels"), False, count=pairs_in(batch))
+        count = batch["units"] if "units" in batch else pairs_in(batch)  # what the loop divides the sum by
+        return total + self.aux(out, batch.get("labels"), False, count=count)
 
     def token_sum(self, model, batch: dict) -> torch.Tensor:
         """The summed token loss of `batch` (and the router's, x its target tokens)."""

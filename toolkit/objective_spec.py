@@ -4,19 +4,19 @@ planner, so a leaf below them all."""
 
 from __future__ import annotations
 
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
-# the objectives that sample completions from the policy during training (online RL: `--objective grpo`,
-# issue 65); what the layout rules refuse of them is said by `toolkit.layout.rules.generation_problems`
-GENERATING = ("grpo",)
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
+# objectives that sample from the policy in the loop (online RL): `Strategy.generating` gives the model, and
+# `toolkit.layout.rules.generation_problems` says which layouts cannot sample yet
+GENERATES = ("grpo",)
 
 
 def generates(objective: str) -> bool:
-    """Whether `objective` samples from the policy while it trains (`Strategy.generating`)."""
-    return objective in GENERATING
+    """Whether `objective` samples from the policy while it trains."""
+    return objective in GENERATES
 
 # beta: TRL's DPOConfig, ORPOConfig and KTOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
 # beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
-DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1, "grpo": 0.0}  # grpo's: the KL coefficient
 DEFAULT_SIMPO_GAMMA = 1.0
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # TRL's names, each a mean over pairs
@@ -29,9 +29,20 @@ KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/c
 WHOLE = ("pairs", "ref_logps", "desirable", "ref_kl_logps", "kl_input_ids", "kl_attention_mask", "kl_labels")
 
 
+def rl_flags_given(cfg) -> list[str]:
+    """The --objective grpo settings (the config's `rl` section) set away from their defaults, as flags."""
+    from dataclasses import fields
+
+    return [f"--{f.name.replace('_', '-')}" for f in fields(cfg.rl) if getattr(cfg.rl, f.name) != f.default]
+
+
 def objective_problems(cfg) -> list[str]:
-    """What a preference objective cannot run with (one line each; none for sft)."""
+    """What an objective cannot run with (one line each; none for plain sft)."""
     t, d, par = cfg.train, cfg.data, cfg.parallel
+    rl = rl_flags_given(cfg)
+    if t.objective != "grpo" and rl:
+        return [f"{', '.join(rl)} set --objective grpo's generation, rewards or loss; pass --objective grpo or "
+                "drop them"]
     if t.objective == "sft":
         given = [f for f, v in (("--beta", t.beta is not None), ("--label-smoothing", t.label_smoothing != 0.0),
                                 ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA),
@@ -39,6 +50,8 @@ def objective_problems(cfg) -> list[str]:
                                 ("--undesirable-weight", t.undesirable_weight != 1.0)) if v]
         return [f"{', '.join(given)} set a preference objective's loss; pass --objective dpo (or orpo, simpo, kto) "
                 "or drop them"] if given else []
+    if t.objective == "grpo":
+        return grpo_problems(cfg)
     p, o = [], f"--objective {t.objective}"
     if t.beta is not None and not t.beta > 0:
         p.append(f"--beta must be > 0 (got {t.beta})")
@@ -75,6 +88,57 @@ def objective_problems(cfg) -> list[str]:
     return p
 
 
+def grpo_problems(cfg) -> list[str]:
+    """What --objective grpo cannot run with, and its settings' ranges (one line each)."""
+    t, d, rl = cfg.train, cfg.data, cfg.rl
+    p, o = [], "--objective grpo"
+    specs = [s for s in rl.reward.splitlines() if s.strip()]
+    if not specs:
+        p.append(f"{o} needs at least one --reward: builtin:math_answer (the last number against the answer "
+                 "column), builtin:regex:PATTERN, or path.py:function (TRL's signature)")
+    weights = [w for w in rl.reward_weights.split(",") if w.strip()]
+    if weights:
+        try:
+            values = [float(w) for w in weights]
+        except ValueError:
+            values = None
+            p.append(f"--reward-weights {rl.reward_weights}: numbers, comma-separated, one per --reward")
+        if values is not None and specs and len(values) != len(specs):
+            p.append(f"--reward-weights gives {len(values)} weight(s) for {len(specs)} --reward function(s); give "
+                     "one per function")
+    for flag, ok, want in (("--num-generations", rl.num_generations >= 2, ">= 2 (a group of one has no baseline: its "
+                                                                          "advantage is always 0)"),
+                           ("--max-completion-length", rl.max_completion_length >= 1, ">= 1"),
+                           ("--temperature", rl.temperature > 0, "> 0 (sampling; greedy completions would all agree)"),
+                           ("--top-p", 0 < rl.top_p <= 1, "in (0, 1]"), ("--top-k", rl.top_k >= 0, ">= 0 (0 = off)"),
+                           ("--epsilon", rl.epsilon > 0, "> 0"),
+                           ("--epsilon-high", rl.epsilon_high is None or rl.epsilon_high > 0, "> 0"),
+                           ("--steps-per-generation", rl.steps_per_generation >= 1, ">= 1"),
+                           ("--num-iterations", rl.num_iterations >= 1, ">= 1"),
+                           ("--log-completions-every", rl.log_completions_every >= 0, ">= 0 (0 = at each metrics "
+                                                                                       "record)"),
+                           ("--beta", t.beta is None or t.beta >= 0, ">= 0 (grpo's KL coefficient; 0 = off)")):
+        if not ok:
+            p.append(f"{flag} must be {want}")
+    prefs = [f for f, v in (("--label-smoothing", t.label_smoothing != 0.0),
+                            ("--simpo-gamma", t.simpo_gamma != DEFAULT_SIMPO_GAMMA),
+                            ("--desirable-weight", t.desirable_weight != 1.0),
+                            ("--undesirable-weight", t.undesirable_weight != 1.0)) if v]
+    if prefs:
+        p.append(f"{', '.join(prefs)} set a preference objective's loss, not grpo's; drop them")
+    if d.train_on_prompt:
+        p.append(f"{o} trains on the sampled completions; drop --train-on-prompt")
+    if d.format != "auto":
+        p.append(f"{o}: prompts are read by their columns (prompt, or instruction and input); drop --format {d.format}")
+    if t.loss not in ("auto", "full"):
+        p.append(f"{o} takes each token's log-probability from the logits; --loss {t.loss} computes only their "
+                 "summed loss: use --loss auto (or full)")
+    for flag, on in (("--packing", d.packing), ("--streaming", d.streaming)):
+        if on:
+            p.append(f"{o} does not run with {flag} yet (each step's completions are sampled, not read); drop it")
+    return p  # the layouts it cannot sample on yet (--pp, --cp): `toolkit.layout.rules.generation_problems`
+
+
 def extra_forwards(objective: str, method: str) -> int:
     """Forwards without gradients per trained sequence, beside its own (the time model's and MFU's): LoRA
     DPO's and KTO's reference (the base, adapters disabled); KTO's KL estimate, one sequence per example
@@ -83,9 +147,19 @@ def extra_forwards(objective: str, method: str) -> int:
     return int(reference) + (1 + int(reference) if objective == "kto" else 0)
 
 
-def plan_terms(objective: str, method: str, loss: str) -> dict:
+def plan_terms(objective: str, method: str, loss: str, cfg=None) -> dict:
     """What an objective changes in the planner's question (`toolkit.planner.plan.PlanInput`): a pair is
-    two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence."""
+    two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence.
+    --objective grpo (`cfg`: the run's config, for its settings): a sequence is a prompt and its completion
+    (--seq-len bounds the prompt), full logits over the completion; the old policy's forward where the policy
+    moves within a round, the reference's where beta > 0; sampling's peak (`generation`: a step's share of
+    completions at once, over prompt and completion)."""
+    if objective == "grpo":
+        rl, t = cfg.rl, cfg.train
+        tokens = cfg.data.seq_len + rl.max_completion_length
+        forwards = int(rl.steps_per_generation * rl.num_iterations > 1) + int((t.beta or 0) > 0)
+        return {"sequences": 1, "extra_forwards": forwards, "loss": "full", "seq_len": tokens,
+                "generation": (t.micro_batch_size * t.grad_accum, tokens)}
     preference = objective != "sft"
     return {"sequences": 2 if preference and objective != "kto" else 1,
             "extra_forwards": extra_forwards(objective, method), "loss": "full" if preference else loss}

@@ -96,7 +96,9 @@ def completion_text(completion: Any) -> str:
 def math_answer(prompts: list, completions: list, answer: list | None = None, **columns) -> list[float]:
     """1.0 where the completion's last number equals the record's `answer` (GSM8K's `... #### 42` or a plain
     number; compared as decimals: 3.50 is 3.5, 1,000 is 1000), else 0.0 (also when the completion has no
-    number)."""
+    number). Without an `answer` column, alpaca's `output` (or a `solution` column) is the answer."""
+    if answer is None:
+        answer = columns.get("output", columns.get("solution"))
     if answer is None:
         names = ", ".join(sorted(k for k in columns if k not in ARGUMENTS))
         raise UserError(f"needs an 'answer' column; the records have: {names or 'none besides the prompt'}")

@@ -77,6 +77,10 @@ def source_format(columns: list[str], cfg: Config, source: DataSource, sample: d
     from toolkit.data.pairs import PREFERENCE_READS, check_data_fits
 
     spec, flag = source.path, source.flag
+    if cfg.train.objective == "grpo":  # prompts, completions sampled in the loop (`toolkit.data.prompts`)
+        from toolkit.data.prompts import prompt_format
+
+        return prompt_format(columns, source)
     if cfg.train.objective != "sft":
         fmt = check_data_fits(columns, cfg.train.objective, spec, flag)
         unread_mapping(fmt, PREFERENCE_READS[fmt], source)

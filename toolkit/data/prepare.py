@@ -88,6 +88,8 @@ def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedD
     record stream, read as training goes)."""
     from toolkit.cache import cache_dir
 
+    if cfg.train.objective == "grpo":  # prompts: tokenized as they are read (a prompt file is small)
+        return prepare_prompts(cfg, tokenizer)
     cache = cache or cache_dir() / "data"
     if cfg.data.streaming:
         from toolkit.data.stream import RecordStream
@@ -249,3 +251,35 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
             held.save_to_disk(str(out / "eval"))
         (out / "meta.json").write_text(json.dumps({"format": "+".join(dict.fromkeys(formats)),
                                                    "system_added": added, "sources": meta_sources}))
+
+
+def prepare_prompts(cfg: Config, tokenizer):
+    """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
+    --eval-split's held-out share (drawn with the seed, as SFT's), and --eval-dataset's."""
+    from toolkit.data.prompts import PromptRows, load_prompts, subset
+
+    sources = data_sources(cfg)
+    if len(sources) > 1:
+        raise UserError(f"--objective grpo reads one prompt file (got a mixture of {len(sources)}: "
+                        f"{cfg.data.dataset}); give one --dataset")
+    whole = load_prompts(cfg, sources[0], tokenizer)
+    if not whole:
+        raise UserError(f"--dataset {cfg.data.dataset}: no prompt is left to sample from"
+                        + (f" ({whole.dropped} longer than --seq-len {cfg.data.seq_len}: raise it)" if whole.dropped
+                           else ""))
+    train, held = split_indices(len(whole), cfg, "")
+    held_rows = subset(whole, held) if held else PromptRows()
+    if cfg.data.eval_dataset:
+        held_rows = load_prompts(cfg, eval_source(cfg), tokenizer)
+    stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
+    return PreparedData(whole.format, cfg.data.format == "auto", subset(whole, train), held_rows, stats, DataStats(),
+                        eval_format=held_rows.format if cfg.data.eval_dataset else None)
+
+
+def describe_prompts(cfg: Config, data) -> str:
+    """The data line of a GRPO run."""
+    rows = data.train
+    columns = ", ".join(sorted(rows.columns)) or "none"
+    dropped = f"; {data.stats.dropped} longer than --seq-len {cfg.data.seq_len} dropped" if data.stats.dropped else ""
+    return (f"data: {cfg.data.dataset}: prompts ({rows.format} form); {len(rows)} training prompts, "
+            f"{len(data.eval)} eval{dropped}; the reward functions get the columns {columns}")

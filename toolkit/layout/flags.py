@@ -47,6 +47,11 @@ class ParallelConfig:
                          ("params", "time"))
     pp_devices: str = _f("", "single process: comma-separated stage devices (default cuda:0..pp-1, "
                              "or cpu for every stage on a machine without GPUs)")
+    nproc_per_node: int = _f(0, "start this many processes on this machine, each running this command, as torchrun "
+                                "--standalone --nproc_per_node N does: a signal to this process reaches every rank "
+                                "(each saves a checkpoint) and it exits with the ranks' code after their one line, "
+                                "with no launcher traceback (0: this process alone, or the processes a launcher "
+                                "started)")
     deepspeed: str = _f("", "your own DeepSpeed JSON (transformers Trainer's convention): its \"auto\" values are "
                             "filled from these settings; what it sets wins over their defaults, and a flag that "
                             "disagrees with it is an error")

@@ -88,6 +88,20 @@ def _parent_cmdline() -> list[str]:
     return args[:script]
 
 
+def nproc_problem(nproc: int, env: Mapping[str, str]) -> str | None:
+    """`--nproc-per-node N` in a process a launcher started with another number of processes (N = theirs is
+    a rank `--nproc-per-node` itself started, or the same count asked twice)."""
+    if nproc < 0:
+        return f"--nproc-per-node must be >= 0 (got {nproc})"
+    world = env.get("WORLD_SIZE")
+    if nproc > 0 and world is not None and int(world) != nproc:
+        who = "accelerate launch" if any(k.startswith("ACCELERATE_") for k in env) else \
+            "torchrun" if "TORCHELASTIC_RUN_ID" in env else "a launcher"
+        return (f"--nproc-per-node {nproc} in a launch of {world} process(es) by {who}, which started them already; "
+                "drop --nproc-per-node, or run python finetune.py --nproc-per-node N without a launcher")
+    return None
+
+
 def single_process_launch(env) -> bool:
     """accelerate's simple launcher (`--num_processes N > 1` without `--multi_gpu`, which is what a
     machine without a GPU gets) sets the rendezvous address for N processes but starts one, with no

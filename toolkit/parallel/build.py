@@ -149,10 +149,37 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     if problems:
         raise UserError("; ".join(problems))
     kind = rules.runtime(par, dims)
-    if kind == "pipeline_one_process" and cfg.train.objective != "sft":
-        raise UserError(f"--objective {cfg.train.objective} with --pp {par.pp} runs one process per stage: launch "
-                        f"{par.pp} (torchrun --nproc_per_node {par.pp})")
+    problems = _objective_problems(cfg, kind, dims)
+    if problems:
+        raise UserError("; ".join(problems))
     return compose(kind, accelerator, dims, Settings.of(cfg), partial(build_objective, cfg), loss_fn)
+
+
+def _objective_problems(cfg: Config, kind: str, dims: ParallelDims) -> list[str]:
+    """What --objective cannot run with on this layout and world (one line each): any objective but SFT on the
+    one-process pipeline; --objective grpo's global batch, which must hold whole prompt groups, and its frozen
+    reference copy (a full finetune with beta > 0), which a layout that shards the policy would shard too."""
+    t, par = cfg.train, cfg.parallel
+    if t.objective == "sft":
+        return []
+    if kind == "pipeline_one_process":
+        return [f"--objective {t.objective} with --pp {par.pp} runs one process per stage: launch {par.pp} "
+                f"(torchrun --nproc_per_node {par.pp})"]
+    if t.objective != "grpo":
+        return []
+    from toolkit.grpo import GRPOSpec
+
+    rl, spec, p = cfg.rl, GRPOSpec.from_config(cfg), []
+    completions = t.micro_batch_size * t.grad_accum * dims.dp
+    if completions % rl.num_generations:
+        p.append(f"--objective grpo: the global batch ({t.micro_batch_size} micro-batch x {t.grad_accum} accumulation x "
+                 f"{dims.dp} data-parallel rank(s) = {completions} completions) is not a multiple of --num-generations "
+                 f"{rl.num_generations}: a step trains whole prompt groups; change one of them")
+    if spec.reference == "copy" and not (kind == "accelerate" or (kind == "deepspeed" and (par.zero_stage or 0) < 3)):
+        p.append(f"--objective grpo with --beta {spec.beta:g} and --method full: the reference is a frozen copy of the "
+                 "model, which this layout would have to shard like the policy (not yet); use DDP, ZeRO-1/2 or one "
+                 "process, or --method lora (its reference is the base, adapters disabled), or --beta 0")
+    return p
 
 
 def compose(kind: str, accelerator, dims: ParallelDims, settings: Settings,

@@ -64,3 +64,35 @@ def ensure_rank_env(needs_group: bool) -> None:
     os.environ.update(rank_env(os.environ, needs_group))
 
 
+
+
+def started_here(nproc_per_node: int, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is to start the ranks itself (`--nproc-per-node N`, N > 1, and no launcher
+    started it: a rank it starts sees WORLD_SIZE and trains)."""
+    return nproc_per_node > 1 and "WORLD_SIZE" not in env
+
+
+def run_ranks(nproc: int, script: str, argv: list[str]) -> int:
+    """`torchrun --standalone --nproc_per_node N script argv`, run by torch's elastic agent in this process,
+    so that what ends the ranks ends it in their words. A signal to this process is passed on to them (each
+    saves a checkpoint and says so, `toolkit.train.faults.Preemption`), and it exits with 128 + the signal;
+    a rank that stops says why in its one line, and this process exits with its code. torchrun and
+    accelerate launch raise the same events as tracebacks of their own (SignalException, ChildFailedError)
+    and exit 1, which nothing inside the ranks can change."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # its lines on the ranks: they say what happened
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks (the ranks set their own)
+    try:
+        run(get_args_parser().parse_args(["--standalone", "--nproc_per_node", str(nproc), script, *argv]))
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code  # a rank killed by a signal: -signal
+    return 0

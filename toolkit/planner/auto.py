@@ -95,11 +95,13 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
     from toolkit.objective_spec import plan_terms
 
     t = cfg.train
-    terms = plan_terms(t.objective, cfg.model.method, t.loss)  # a preference pair: two sequences, full logits
+    terms = plan_terms(t.objective, cfg.model.method, t.loss, cfg)  # a preference pair: two sequences, full logits
     return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
                      sequences=terms["sequences"], extra_forwards=terms["extra_forwards"],
+                     generation=terms.get("generation"),
                      cpu_memory=host_memory_bytes(), method=cfg.model.method, lora_r=cfg.model.lora_r,
-                     lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout, seq_len=cfg.data.seq_len,
+                     lora_targets=cfg.model.lora_targets, lora_dropout=cfg.model.lora_dropout,
+                     seq_len=terms.get("seq_len", cfg.data.seq_len),
                      micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,
                      checkpointing=True if t.gradient_checkpointing else None, loss=terms["loss"],
                      hardware=time_model(what), device="CPU" if what.startswith("CPU") else "GPU")

@@ -118,6 +118,21 @@ def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> 
     return (act_bytes + 8) * micro_batch * seq_len * vocab
 
 
+def kv_cache_bytes(layers: int, kv_dim: int, rows: int, tokens: int, act_bytes: int) -> int:
+    """A KV cache of `rows` sequences of `tokens` (transformers' DynamicCache, which `toolkit.sampling` fills:
+    each layer's keys and values, (rows, kv heads, tokens, head dim) each): 2 x layers x rows x tokens x
+    kv heads x head dim x act_bytes (checked against the cache's own tensors: tests/test_planner_params.py)."""
+    return 2 * layers * rows * tokens * kv_dim * act_bytes
+
+
+def generation_bytes(layers: int, kv_dim: int, vocab: int, rows: int, tokens: int, act_bytes: int,
+                     gathered: int = 0) -> int:
+    """What --objective grpo's sampling holds beside the weights and optimizer state: the KV cache, the last
+    position's logits in fp32 and their probabilities (2 x 4 x rows x V), and the parameters a sharded layout
+    gathers once for the round (`gathered`: `Strategy.generating`)."""
+    return kv_cache_bytes(layers, kv_dim, rows, tokens, act_bytes) + 8 * rows * vocab + gathered
+
+
 def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_bytes: int, head_trainable: bool,
                        chunk: int = 256) -> int:
     """`--loss chunked` (toolkit.loss): one chunk's logits in the compute dtype and in fp32

@@ -33,7 +33,8 @@ from toolkit.planner.layouts import (divisors, gathered_block, loss_bytes, mesh_
                                      traffic)
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
-                                    frozen_bytes_per_param, gathered_bytes_per_param, grads_bytes, optimizer_bytes,
+                                    frozen_bytes_per_param, gathered_bytes_per_param, generation_bytes, grads_bytes,
+                                    optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
 from toolkit.hardware import PROBE_MATMUL_GPU
 from toolkit.planner import saved
@@ -109,6 +110,9 @@ class PlanInput:
     sequences: int = 1  # sequences per example: 2 for a preference pair (chosen and rejected, one micro-batch)
     extra_forwards: int = 0  # no-grad forwards per sequence (`toolkit.objective_spec.extra_forwards`): LoRA DPO's
     # reference (the base model's forward before each policy forward), KTO's KL estimate
+    # --objective grpo: (completions a rank samples at once, prompt + completion tokens): the KV cache and what
+    # sampling holds (`memory.generation_bytes`), at its own peak beside the training step's
+    generation: tuple[int, int] | None = None
     # what the run refuses of --tp ("tp") or --pp ("pp") on the config's module tree, '' where it runs
     # (`toolkit.parallel.tree.tree_problem`, handed in by the caller: the planner stays below the parallel layer)
     tree_check: Callable[[dict[str, Any], str], str] | None = None
@@ -322,6 +326,12 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
     b["buffers"] = buckets
     b["allocated"] = saved.allocated_peak(b["weights"], b["grads"], b["optimizer"], casts, forward, backward, b["logits"],
                                           checkpointing, resident, embedding_grad, 3 * PROBE_MATMUL_GPU ** 2 * act) + buckets
+    if inp.generation:  # sampling's own peak: weights, optimizer state, resident gradients, the KV cache
+        rows_g, tokens_g = inp.generation
+        b["generation"] = generation_bytes(layers, kv, vocab, rows_g, tokens_g, act,
+                                           gathered - gathered // n if s.shard_params else 0)
+        b["allocated"] = max(b["allocated"], b["weights"] + b["optimizer"] + (b["grads"] if resident else 0)
+                             + b["generation"] + buckets)
     b["total"] = total_bytes(b["allocated"])
     cpu = cpu_bytes(s, params, trainable, n, inp.precision) * inp.gpus_per_node
     # ZeRO-3 / FSDP full gather the parameters in forward and backward, and once more to recompute
@@ -376,6 +386,13 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
         buffers = 2 * DDP_BUCKET
     b["buffers"] = buffers
     b["allocated"] = sum(b.values())
+    if inp.generation:  # sampling's own peak (TP's blocks sampled as cut; FSDP2's parameters gathered once)
+        layers, _, _, kv, vocab = _dims(inp.model)
+        act = 2 if inp.precision in ("bf16", "fp16") else 4
+        whole = gathered_bytes_per_param(inp.precision) * count_params(inp.model).total // (d.tp * d.pp)
+        b["generation"] = generation_bytes(layers // d.pp, kv // d.tp, vocab, *inp.generation, act,
+                                           whole - whole // d.dp_shard if d.dp_shard > 1 else 0)
+        b["allocated"] = max(b["allocated"], b["weights"] + b["optimizer"] + b["grads"] + b["generation"] + buffers)
     b["total"] = total_bytes(b["allocated"])
     hw = inp.hw
     comm = int(sum(t.bytes for t in traffic(inp, d, checkpointing, rows, hw)))

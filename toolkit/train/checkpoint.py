@@ -149,9 +149,10 @@ def write_failure(e: BaseException, where: Path) -> str | None:
 
 
 def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path, state: dict,
-                    fault=None) -> None:
+                    fault=None, rank_extra: dict | None = None) -> None:
     """A resumable checkpoint (collective). `state` is what `trainer_state.json` records; `fault`
-    is the fault-injection hook the crash tests use (see `toolkit.train.faults`).
+    is the fault-injection hook the crash tests use (see `toolkit.train.faults`); `rank_extra`: more of this
+    rank's state (--objective grpo's round in progress), in its rank file.
 
     Sharded (every layout but DeepSpeed): each rank writes its pieces, nothing is gathered. A full
     disk on any rank is one clear error on every rank (they agree through one all-reduce after the
@@ -174,6 +175,7 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
                   "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]}
     if not sharded:
         rank_state["optimizer"] = strategy.optimizer_state(model, optimizer)
+    rank_state.update(rank_extra or {})
     failed = None
     try:
         if sharded:

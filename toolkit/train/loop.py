@@ -32,6 +32,7 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank, rank_max
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
+from toolkit.objective_spec import GENERATES
 from toolkit.train.compiling import EAGER_STEPS, Compiling
 from toolkit.train.compiling import plan as compile_plan
 from toolkit.train.evaluate import eval_loss, eval_preference, sample_completions
@@ -332,12 +333,23 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     device = strategy.accelerator.device
     compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log,
                              keeps=strategy.accelerator.is_main_process)
-    loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda", whole=strategy.whole_batches)
+    generates = t.objective in GENERATES  # the batches are sampled in the loop (`toolkit.train.rollout`)
+    if generates:  # `prepare` is handed a loader of the prompts' rows; the rollouts read the prompts themselves
+        loader = DataLoader(list(range(len(train_rows))), batch_size=t.micro_batch_size)
+        reference_model = reference_copy(cfg, strategy, model)
+    else:
+        loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda",
+                                 whole=strategy.whole_batches)
     compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
     world = strategy.data.ranks
-    steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
+    if generates:
+        from toolkit.train.rollout import steps_per_epoch as rollout_steps
+
+        steps_per_epoch = rollout_steps(cfg, len(train_rows), world)
+    else:
+        steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
@@ -345,7 +357,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
-        f"{t.micro_batch_size * t.grad_accum * world} examples")
+        f"{t.micro_batch_size * t.grad_accum * world} " + (
+            f"completions ({t.micro_batch_size * t.grad_accum * world // cfg.rl.num_generations} prompts x "
+            f"{cfg.rl.num_generations} generations); a loss near 0 is expected (the advantages of a group sum to "
+            "0: the loss moves the policy without being small or large)" if generates else "examples"))
     accelerator = strategy.accelerator
     # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
@@ -373,7 +388,17 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
     if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
         train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
-    run.batches = global_batches(loader, t.grad_accum, (epoch0, step_in_epoch * t.grad_accum))
+    if generates:
+        from toolkit.train.rollout import Rollouts
+
+        objective = strategy.objective
+        run.batches = Rollouts(run, train_rows, objective.rewards, [r.weight for r in objective.rewards],
+                               reference_model)
+        run.batches.start_at(run.first_step)
+        if saved is not None and saved.get("rollout"):  # a checkpoint written mid-round: the round's rest
+            run.batches.load_state_dict(saved["rollout"])
+    else:
+        run.batches = global_batches(loader, t.grad_accum, (epoch0, step_in_epoch * t.grad_accum))
     if on_start is not None:  # before the bar: what it prints stays whole
         on_start(model)
     run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
@@ -384,6 +409,23 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     if resume is not None:  # last: model set-up above may draw random numbers
         reseed(run, resume, saved)
     return run
+
+
+def reference_copy(cfg: Config, strategy, model):
+    """--objective grpo's reference for a full finetune with beta > 0: a frozen copy of the model as loaded (read
+    again from its folder: a resumed run's weights are trained), in eval mode (`make_strategy` allows it only
+    where the model is whole on each rank); None otherwise."""
+    if strategy.objective.spec.reference != "copy":
+        return None
+    from toolkit.models import ModelShape, load_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
+
+    # the policy's kernels (--attn, --experts, --kernels), no adapters (a full finetune) and no layout
+    path = strategy.unwrap(model).config._name_or_path
+    reference, _ = parallelize(load_model(cfg, path), Parallelism(ModelShape.of(cfg)))
+    reference = reference.to(strategy.accelerator.device).eval()
+    reference.requires_grad_(False)
+    return reference
 
 
 def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool) -> DataLoader:
@@ -577,6 +619,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
             run.idle_warned = True
     if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
         extra.update(strategy.objective.metric_values(w["preference"], w["targets"]))
+    if hasattr(run.batches, "take_metrics"):  # --objective grpo: the rounds' rewards, lengths and seconds
+        extra.update(run.batches.take_metrics())
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
@@ -614,11 +658,18 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
     if run.eval_rows:
         with run.metrics.pause(f"eval, {len(run.eval_rows)} examples"):
             args = (run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
-            record = eval_preference(*args) if run.strategy.objective is not None else {"eval_loss": eval_loss(*args)}
-        el = record["eval_loss"]
+            objective = run.strategy.objective
+            if hasattr(objective, "rewards"):  # --objective grpo: greedy completions of the held-out prompts, scored
+                from toolkit.train.rollout import eval_rewards
+
+                record = eval_rewards(run, run.eval_rows, objective.rewards, [r.weight for r in objective.rewards])
+            else:
+                record = eval_preference(*args) if objective is not None else {"eval_loss": eval_loss(*args)}
+        name = "eval_reward" if "eval_reward" in record else "eval_loss"
+        el = record[name]
         run.metrics.log({"step": step, **record, "elapsed_s": run.elapsed(time.perf_counter())})
         run.last_eval = el
-        run.metrics.write(f"step {step}: eval_loss {el:.4f}")
+        run.metrics.write(f"step {step}: {name} {el:.4f}")
     run.window.t0 += time.perf_counter() - t0
     if samples and run.prompts:
         sample(run, step)
@@ -641,7 +692,9 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
     tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
     state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.data_ranks),
              "config": run.cfg.flat(), "elapsed_s": run.elapsed(time.perf_counter())}
-    save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault)
+    rollout = run.batches.state_dict() if hasattr(run.batches, "state_dict") else None  # grpo: a round's rest
+    save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault,
+                    {"rollout": rollout} if rollout and rollout["pending"] else None)
     prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)
     return path
 

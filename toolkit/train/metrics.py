@@ -132,7 +132,9 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("step")
     accuracy = [(r["step"], r["rewards/accuracies"]) for r in records if "rewards/accuracies" in r]
     eval_accuracy = [(r["step"], r["eval_rewards/accuracies"]) for r in records if "eval_rewards/accuracies" in r]
-    ax.set_ylabel("loss (nats/token)" if not accuracy else "loss (per pair)")
+    reward = [(r["step"], r["reward"]) for r in records if isinstance(r.get("reward"), (int, float))]
+    eval_reward = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    ax.set_ylabel("loss (nats/token)" if not (accuracy or reward) else "loss (per pair)" if accuracy else "loss")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     if accuracy:  # a preference objective: the reward accuracy beside the loss
@@ -142,6 +144,13 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
             right.plot(*zip(*eval_accuracy), "s-", color="tab:red", label="eval reward accuracy")
         right.set_ylim(*ACCURACY_LIMITS)
         right.set_ylabel("reward accuracy (chosen > rejected)")
+        right.legend(loc="upper right")
+    if reward:  # --objective grpo: the sampled completions' mean reward (and the held-out prompts' greedy ones)
+        right = ax.twinx()
+        right.plot(*zip(*reward), ".-", color="tab:green", alpha=0.7, label="reward")
+        if eval_reward:
+            right.plot(*zip(*eval_reward), "s-", color="tab:red", label="eval reward (greedy)")
+        right.set_ylabel("reward")
         right.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -38,6 +38,11 @@ def prepare_output_dir(cfg: Config, accelerator) -> Path:
 
 def report_data(log, cfg: Config, data, added_template: bool) -> None:
     """`data`: a `toolkit.data.prepare.PreparedData`."""
+    if cfg.train.objective == "grpo":
+        from toolkit.data.prepare import describe_prompts
+
+        log(describe_prompts(cfg, data))
+        return
     examples, stats, n_eval = data, data.stats, len(data.eval)
     how = "detected from columns" if examples.detected else "from --format"
     if cfg.data.columns:

@@ -36,9 +36,11 @@ def sync_free(optimizer, accelerator, always_steps: bool) -> bool:
 
 
 def batch_counts(micro: list[dict], device: torch.device) -> torch.Tensor:
-    """(what the loss is normalised by: target tokens, or pairs for a preference objective; real tokens;
+    """(what the loss is normalised by: target tokens, pairs for a preference objective, --objective grpo's
+    `units` (completions or their tokens, by --loss-type); real tokens;
     examples) of this rank's micro-batches, float64 on the device."""
-    return torch.stack([sum(b["pairs"] if "pairs" in b else count_targets(b["labels"]) for b in micro),
+    return torch.stack([sum(b["units"] if "units" in b else b["pairs"] if "pairs" in b else count_targets(b["labels"])
+                            for b in micro),
                         sum(b["attention_mask"].sum() for b in micro),
                         sum(count_examples(b) for b in micro)]).to(device, torch.float64)
 

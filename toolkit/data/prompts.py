@@ -1,0 +1,118 @@
+"""Prompts for `--objective grpo`: records -> each prompt's tokens (the chat template and its generation
+prompt, as SFT renders a user turn), the prompt as reward functions see it, and the record's other columns.
+
+The forms (TRL's GRPOTrainer reads the first; alpaca's is this toolkit's SFT form):
+- `prompt`: a string (one user turn) or a list of messages ({role, content}, or the keys and speakers
+  `--columns role=...,content=...` name);
+- `instruction` (and `input`): alpaca's, joined as SFT joins them into the user turn.
+Every other column (GSM8K's `answer`, alpaca's `output`, ...) is handed to the reward functions by name,
+as TRL hands a dataset's columns. A prompt longer than --seq-len tokens is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.config import Config
+from toolkit.data.formats import DataSource, record_place, with_system_prompt
+from toolkit.errors import UserError
+
+PROMPT_FORMATS = {"prompt": ("prompt",), "alpaca": ("instruction", "input", "system")}
+
+
+def prompt_format(columns: list[str], source: DataSource) -> str:
+    """The source's prompt form from its columns, or one line naming what it needs."""
+    for fmt, (first, *_) in PROMPT_FORMATS.items():
+        if first in columns:
+            return fmt
+    raise UserError(f"--objective grpo samples completions to prompts, and {source.flag} {source.path} has none "
+                    f"(columns {', '.join(sorted(columns))}): it needs a prompt column (a string or a list of "
+                    "messages), or instruction (and input); map yours with --columns prompt=YOURS")
+
+
+def prompt_of(row: dict[str, Any], fmt: str, where: str, source: DataSource) -> str | list[dict[str, str]]:
+    """The record's prompt as reward functions get it (TRL's `prompts`): a string, or a list of messages."""
+    if fmt == "alpaca":
+        instruction, extra = row.get("instruction"), row.get("input")
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise UserError(f"{where}: 'instruction' is empty or not a string")
+        return f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UserError(f"{where}: 'prompt' is empty")
+        return prompt
+    turns = source.turns
+    role, content = turns.keys("role", "content")
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and role in m and content in m for m in prompt):
+        return [{"role": turns.role_of(str(m[role])) or str(m[role]), "content": str(m[content] or "")}
+                for m in prompt]
+    raise UserError(f"{where}: 'prompt' must be a string or a list of {{{role}, {content}}} messages")
+
+
+def prompt_messages(prompt: str | list[dict[str, str]], system: str = "", system_column: Any = None
+                    ) -> list[dict[str, str]]:
+    """The conversation the completion continues: a string prompt as one user turn (alpaca's `system`
+    column in front), --system-prompt added where it has no system message."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if isinstance(system_column, str) and system_column.strip() and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_column}, *messages]
+    return with_system_prompt(messages, system)
+
+
+@dataclass
+class PromptRows:
+    """A split's prompts: each one's tokens, the prompt as given and the record's other columns, by row."""
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    prompts: list = field(default_factory=list)
+    columns: dict[str, list] = field(default_factory=dict)
+    format: str = "prompt"
+    dropped: int = 0  # longer than --seq-len
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.prompt_ids)
+
+    def __getitem__(self, i):
+        """A prompt as a row of tokens (the integrity check's probe: a loss on the prompt's own tokens)."""
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return {"input_ids": self.prompt_ids[i], "labels": self.prompt_ids[i]}
+
+    def columns_of(self, rows: list[int]) -> dict[str, list]:
+        """The other columns of `rows`, by name, for the reward functions."""
+        return {k: [v[i] for i in rows] for k, v in self.columns.items()}
+
+
+def load_prompts(cfg: Config, source: DataSource, tokenizer, records=None) -> PromptRows:
+    """Every record of `source` (or the given `records`, a `datasets.Dataset` already mapped) as a prompt."""
+    from toolkit.data.formats import load_records, map_columns
+    from toolkit.data.tokenize import prompt_text
+
+    if records is None:
+        records = map_columns(load_records(source.path, source.flag), source)
+    fmt = prompt_format(records.column_names, source)
+    out = PromptRows(format=fmt)
+    others = [c for c in records.column_names if c not in ("prompt",)]
+    for i, row in enumerate(records):
+        where = f"{source.flag} {record_place(source.path, i)}"
+        prompt = prompt_of(row, fmt, where, source)
+        text = prompt_text(tokenizer, prompt_messages(prompt, cfg.data.system_prompt, row.get("system")))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.data.seq_len:
+            out.dropped += 1
+            continue
+        out.prompt_ids.append(ids)
+        out.prompts.append(prompt)
+        for c in others:
+            out.columns.setdefault(c, []).append(row[c])
+    return out
+
+
+def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
+    """The rows `keep` of `rows`, in that order."""
+    return PromptRows([rows.prompt_ids[i] for i in keep], [rows.prompts[i] for i in keep],
+                      {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)

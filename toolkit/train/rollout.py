@@ -1,0 +1,411 @@
+"""`--objective grpo`'s generation rounds: prompts -> sampled completions -> rewards -> group advantages ->
+the micro-batches of the next steps, which the loop trains as it trains read data (`Rollouts` is its
+`global_batches`).
+
+A step's global batch holds `micro-batch x accumulation x data-parallel ranks` completions: P prompts of the
+epoch's seeded permutation, G (`--num-generations`) each, in (prompt, generation) order. Every rank reads the
+same prompts and samples only the completions it trains: its contiguous share of that order, cut into its
+micro-batches. So no completion crosses ranks; the rewards do (every rank's, gathered: a prompt's group may
+span ranks, and `--scale-rewards batch` needs them all). A round samples `--steps-per-generation` steps'
+prompts at once and serves them `--num-iterations` times; the policy's log-probabilities at sampling (the
+ratio's old ones, where the policy moves before a later use) and the reference's (beta > 0) are computed
+then, once.
+
+Each completion draws from its own generator, seeded from (seed, the step that first trains it, the prompt's
+row, its generation index) (`toolkit.sampling.completion_seed`): one process and N ranks sample the same
+completions, so every layout is compared with one process, as SFT's global batch is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import UserError
+
+
+@dataclass
+class RoundMetrics:
+    """What the rounds since the last metrics record measured, over the global batch (every rank alike)."""
+    rewards: list[float] = field(default_factory=list)  # each completion's weighted reward (NaN: unscored)
+    per_function: dict[str, list[float]] = field(default_factory=dict)
+    zero_std: list[float] = field(default_factory=list)  # 1 where the completion's group agreed
+    lengths: list[int] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    generated_tokens: int = 0  # this rank's
+    generate_s: float = 0.0
+    score_s: float = 0.0
+
+    def values(self) -> dict[str, float]:
+        """TRL's names: the reward's mean and std, each function's mean, the share of groups without signal,
+        completion lengths, the truncated share; generation tokens/s (this rank's); the round's seconds."""
+        def mean(xs):
+            kept = [x for x in xs if not math.isnan(x)]
+            return sum(kept) / len(kept) if kept else float("nan")
+
+        def std(xs):
+            kept = [x for x in xs if not math.isnan(x)]
+            m = mean(kept)
+            return math.sqrt(sum((x - m) ** 2 for x in kept) / (len(kept) - 1)) if len(kept) > 1 else 0.0
+
+        out = {"reward": mean(self.rewards), "reward_std": std(self.rewards),
+               **{f"rewards/{name}/mean": mean(v) for name, v in self.per_function.items()},
+               "frac_reward_zero_std": mean(self.zero_std),
+               "completions/mean_length": mean([float(n) for n in self.lengths]),
+               "completions/min_length": float(min(self.lengths)), "completions/max_length": float(max(self.lengths)),
+               "completions/clipped_ratio": mean([float(t) for t in self.truncated]),
+               "time/generate_s": self.generate_s, "time/score_s": self.score_s}
+        if self.generate_s > 0:
+            out["generation_tokens_per_sec"] = self.generated_tokens / self.generate_s
+        return out
+
+
+def any_rank_unfinished(unfinished: torch.Tensor) -> bool:
+    """Whether any row of any rank still samples (a CPU all-reduce): under FSDP, ZeRO-3, TP and EP every
+    forward is collective, so every rank decodes as many steps."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(bool(unfinished.any()))])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from toolkit.parallel import host_group
+
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+    return bool(flag.item() > 0)
+
+
+def gather_objects(value) -> list:
+    """`value` from every rank, in rank order (a CPU all-gather of picklable objects)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    from toolkit.parallel import host_group
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=host_group())
+    return out
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and the generation config's (TRL's list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                    pad_id: int, device) -> dict:
+    """A micro-batch of (prompt, completion) rows: prompts left-padded so every completion starts at one
+    column, completions right-padded to the longest (C); the positions each row's forward takes (from its
+    first real token, as sampling gave them), and the labels on completion tokens (the loop's token counts)."""
+    from toolkit.sampling import left_pad
+
+    width = int(completion_mask.sum(1).max().clamp(min=1))
+    completion, mask = completion_ids[:, :width], completion_mask[:, :width]
+    prompt, prompt_mask = left_pad(prompt_ids, pad_id)
+    ids = torch.cat([prompt, completion.cpu()], 1)
+    attention = torch.cat([prompt_mask, mask.cpu()], 1)
+    labels = torch.where(attention.bool(), ids, -100)
+    labels[:, :prompt.shape[1]] = -100
+    return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
+            "positions": (attention.cumsum(-1) - 1).clamp(min=0).to(device), "labels": labels.to(device),
+            "completion_ids": completion.to(device), "completion_mask": mask.to(device)}
+
+
+def steps_per_epoch(cfg, prompts: int, data_ranks: int) -> int:
+    """Optimizer steps an epoch of `prompts` makes (`Rollouts.steps_per_epoch`, before the rollouts exist)."""
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * data_ranks
+    return prompts // max(1, per_step // cfg.rl.num_generations) * cfg.rl.num_iterations
+
+
+class Rollouts:
+    """The loop's batches under --objective grpo: (epoch, this rank's micro-batches) per optimizer step,
+    sampled a round at a time. `run`: the loop's `toolkit.train.loop.Run` (its strategy, model, tokenizer,
+    objective, metrics and window: a round's seconds are kept out of the step's tokens/s, as eval's are)."""
+
+    def __init__(self, run, prompts, rewards, weights: list[float], reference_model=None):
+        from toolkit.sampling import SamplingConfig
+
+        cfg, t = run.cfg, run.cfg.train
+        self.run, self.prompts, self.rewards, self.reference_model = run, prompts, rewards, reference_model
+        self.objective = run.strategy.objective
+        self.spec = self.objective.spec
+        self.weights = torch.tensor(weights, dtype=torch.float64)
+        self.data = run.strategy.data
+        self.per_step = t.micro_batch_size * t.grad_accum * self.data.ranks  # completions in a global batch
+        self.G = cfg.rl.num_generations
+        self.P = self.per_step // self.G  # prompts a step
+        self.per_epoch = len(prompts) // self.P  # prompt batches an epoch (its last, short one is not sampled)
+        if self.per_epoch == 0:
+            raise UserError(f"--objective grpo: {len(prompts)} training prompt(s), fewer than the {self.P} a step samples "
+                            f"from (global batch {self.per_step} completions / --num-generations {self.G}); lower "
+                            "--micro-batch-size or --grad-accum, or give more prompts")
+        self.K, self.mu = self.spec.steps_per_generation, self.spec.num_iterations
+        self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
+        self.pending: list[tuple[int, list[dict]]] = []
+        self.step = 1  # the optimizer step the next batch serves
+        self.metrics = RoundMetrics()
+        self.logs: list[dict] = []  # completions to write (main process)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps an epoch of prompts makes: each prompt batch trained --num-iterations times."""
+        return self.per_epoch * self.mu
+
+    def start_at(self, step: int) -> None:
+        """Resume at `step` (a round boundary, or the round's state restored with `load_state_dict`)."""
+        self.step = step
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, list[dict]]:
+        if not self.pending:
+            self.pending = self.round(self.step)
+        self.step += 1
+        return self.pending.pop(0)
+
+    # --- one round
+    def round(self, first: int) -> list[tuple[int, list[dict]]]:
+        """The micro-batches of the K x mu steps from `first`: K prompt batches sampled, scored and turned into
+        advantages (and old and reference log-probabilities where needed)."""
+        start = (first - 1) // (self.K * self.mu) * self.K  # the round's first prompt batch (0-based)
+        batches = [start + k for k in range(self.K)]
+        t0 = time.perf_counter()
+        rows, prompt_ids, seeds, steps = self.rows_of(batches, first)
+        completions = self.sample(prompt_ids, seeds)
+        generated = time.perf_counter()
+        texts, rewards = self.score(rows, completions, first)
+        scored = time.perf_counter()
+        advantages = self.advantages(rewards, len(batches))
+        out = self.micro_batches(batches, rows, prompt_ids, completions, advantages)
+        self.metrics.generate_s += generated - t0
+        self.metrics.score_s += scored - generated
+        self.metrics.generated_tokens += int(completions.mask.sum())
+        self.log_samples(first, rows, texts, rewards)
+        self.run.window.t0 += time.perf_counter() - t0  # kept out of the training tokens/s
+        return [(self.epoch_of(b), micro) for _ in range(self.mu) for b, micro in zip(batches, out)]
+
+    def epoch_of(self, batch: int) -> int:
+        return batch // self.per_epoch
+
+    def prompt_rows(self, batch: int) -> list[int]:
+        """The P prompt rows of prompt batch `batch`: its epoch's seeded permutation (as SFT's sampler)."""
+        epoch, k = divmod(batch, self.per_epoch)
+        g = torch.Generator().manual_seed(self.run.cfg.train.seed + epoch)
+        order = torch.randperm(len(self.prompts), generator=g).tolist()
+        return order[k * self.P:(k + 1) * self.P]
+
+    def mine(self) -> range:
+        """This rank's share of a step's completions, as indices into its (prompt, generation) order."""
+        share = self.per_step // self.data.ranks
+        return range(self.data.rank * share, (self.data.rank + 1) * share)
+
+    def rows_of(self, batches: list[int], first: int):
+        """(this rank's completions' prompt rows, their prompt ids, their seeds, the step of each), the
+        round's prompt batches in order."""
+        from toolkit.sampling import completion_seed
+
+        rows, ids, seeds, steps = [], [], [], []
+        for k, batch in enumerate(batches):
+            step = first + k  # the step that first trains it: its seed's
+            prompt_rows = self.prompt_rows(batch)
+            for j in self.mine():
+                row, g = prompt_rows[j // self.G], j % self.G
+                rows.append(row)
+                ids.append(self.prompts.prompt_ids[row])
+                seeds.append(completion_seed(self.run.cfg.train.seed, step, row, g))
+                steps.append(step)
+        return rows, ids, seeds, steps
+
+    def sample(self, prompt_ids: list[list[int]], seeds: list[int]):
+        """This rank's completions, a step's share at a time, from the policy as the layout gives it for
+        generating (its parameters gathered once: `Strategy.generating`)."""
+        from toolkit.sampling import Completions, sample
+
+        run = self.run
+        strategy = run.strategy
+        tok = run.tokenizer
+        share = self.per_step // self.data.ranks
+        parts = []
+        with strategy.generating(run.model) as model:
+            ends = eos_ids(tok, model)
+            for i in range(0, len(prompt_ids), share):
+                parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
+                                    tok.pad_token_id, any_unfinished=any_rank_unfinished))
+        width = max(p.ids.shape[1] for p in parts)
+
+        def padded(x, value):
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        return Completions(torch.cat([padded(p.ids, tok.pad_token_id) for p in parts]),
+                           torch.cat([padded(p.mask, 0) for p in parts]), torch.cat([p.truncated for p in parts]))
+
+    def score(self, rows: list[int], completions, first: int) -> tuple[list[str], torch.Tensor]:
+        """(this rank's completions as text, every rank's rewards (round completions, functions): NaN where a
+        function left one out), gathered in the round's (step, prompt, generation) order."""
+        from toolkit.rewards import RewardState, completions_for, score
+
+        tok = self.run.tokenizer
+        ids = completions.token_lists()
+        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        prompts = [self.prompts.prompts[r] for r in rows]
+        state = RewardState(first, self.run.total_steps, (first - 1) / self.steps_per_epoch())
+        scores = score(self.rewards, prompts, completions_for(prompts, texts), ids, self.prompts.columns_of(rows),
+                       self.G, rows, state)
+        lengths = [len(x) for x in ids]
+        mine = (self.data.rank, scores.rewards, lengths, completions.truncated.tolist())
+        every = {r: (s, n, t) for r, s, n, t in gather_objects(mine)}  # model-parallel peers hold the same share
+        share, K = self.per_step // self.data.ranks, len(rows) // (self.per_step // self.data.ranks)
+        ordered_rewards, ordered_lengths, ordered_truncated = [], [], []
+        for k in range(K):  # step k's completions, rank by rank
+            for r in range(self.data.ranks):
+                s, n, t = every[r]
+                ordered_rewards += s[k * share:(k + 1) * share]
+                ordered_lengths += n[k * share:(k + 1) * share]
+                ordered_truncated += t[k * share:(k + 1) * share]
+        rewards = torch.tensor(ordered_rewards, dtype=torch.float64)
+        m = self.metrics
+        for f, reward in enumerate(self.rewards):
+            m.per_function.setdefault(reward.name, []).extend(rewards[:, f].tolist())
+        m.lengths += ordered_lengths
+        m.truncated += ordered_truncated
+        return texts, rewards
+
+    def advantages(self, rewards: torch.Tensor, steps: int) -> torch.Tensor:
+        """This rank's completions' advantages, from every rank's rewards: per prompt group (G rows), scaled
+        over the group or the round's completions (TRL's generation batch)."""
+        from toolkit.grpo_functions import group_advantages, weighted_rewards, zero_std_groups
+
+        total = weighted_rewards(rewards, self.weights)
+        advantages = group_advantages(total, self.G, self.spec.scale_rewards)
+        self.metrics.rewards += total.tolist()
+        self.metrics.zero_std += zero_std_groups(total, self.G).double().tolist()
+        share = self.per_step // self.data.ranks
+        mine = [k * self.per_step + j for k in range(steps) for j in self.mine()]
+        assert len(mine) == share * steps
+        return advantages[mine].float()
+
+    def micro_batches(self, batches, rows, prompt_ids, completions, advantages) -> list[list[dict]]:
+        """Each step's micro-batches on this rank: its share cut into --grad-accum pieces of --micro-batch-size,
+        with their advantages, the units the loss type divides by, and the old and reference log-probabilities
+        where the objective needs them (computed now, without gradients, from the policy that sampled)."""
+        run, spec = self.run, self.spec
+        mb = run.cfg.train.micro_batch_size
+        device = run.strategy.accelerator.device
+        mask = completions.mask
+        if spec.mask_truncated:
+            mask = mask * (~completions.truncated).long().unsqueeze(1)
+        out, share = [], self.per_step // self.data.ranks
+        for k in range(len(batches)):
+            micro = []
+            for i in range(k * share, (k + 1) * share, mb):
+                part = slice(i, i + mb)
+                batch = collate_rollout(prompt_ids[part], completions.ids[part], mask[part], run.tokenizer.pad_token_id,
+                                        device)
+                if spec.mask_truncated:  # the labels the loop counts: the loss tokens
+                    batch["labels"][:, -batch["completion_mask"].shape[1]:][batch["completion_mask"] == 0] = -100
+                batch["advantages"] = advantages[part].to(device)
+                batch["units"] = spec.units(batch["completion_mask"])
+                micro.append(batch)
+            out.append(micro)
+        if spec.needs_old or spec.reference is not None:
+            with torch.compiler.set_stance("force_eager"):
+                for micro in out:
+                    for batch in micro:
+                        if spec.needs_old:
+                            batch["old_logps"] = self.objective.old_logps(run.model, batch)
+                        if spec.reference is not None:
+                            batch["ref_logps"] = self.objective.reference_logps(run.model, batch, self.reference_model)
+        return out
+
+    # --- what the loop reads
+    def take_metrics(self) -> dict[str, float]:
+        """The rounds' metrics since the last call (the step's record)."""
+        taken, self.metrics = self.metrics, RoundMetrics()
+        return taken.values() if taken.rewards else {}
+
+    def log_samples(self, first: int, rows: list[int], texts: list[str], rewards: torch.Tensor) -> None:
+        """The prompts, completions and rewards of each step the round sampled for that falls on the
+        --log-completions-every cadence (0: the metrics records'), into completions.jsonl (main process;
+        every rank's gathered)."""
+        run = self.run
+        every = run.cfg.rl.log_completions_every or run.log_every
+        share = self.per_step // self.data.ranks
+        logged = [k for k in range(len(rows) // share) if (first + k) % every == 0 or first + k == 1]
+        if not logged:
+            return
+        mine = [(self.data.rank, k, [(self.prompts.prompts[r], text) for r, text in
+                                     zip(rows[k * share:(k + 1) * share], texts[k * share:(k + 1) * share])])
+                for k in logged]
+        gathered = {(rank, k): pairs for part in gather_objects(mine) for rank, k, pairs in part}
+        if not run.strategy.accelerator.is_main_process:
+            return
+        names = [r.name for r in self.rewards]
+        with open(Path(run.out_dir) / "completions.jsonl", "a") as f:
+            for k in logged:
+                j = k * self.per_step  # the step's rows in the round's rewards: rank by rank
+                for rank in range(self.data.ranks):
+                    for prompt, text in gathered[(rank, k)]:
+                        scores = {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[j].tolist())}
+                        f.write(json.dumps({"step": first + k, "prompt": prompt, "completion": text,
+                                            "rewards": scores}) + "\n")
+                        j += 1
+
+    def state_dict(self) -> dict:
+        """What a checkpoint written mid-round must keep: the round's remaining micro-batches (sampled from
+        weights the checkpoint no longer holds), on the CPU."""
+        return {"pending": [(epoch, [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
+                            for epoch, micro in self.pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.run.strategy.accelerator.device
+        self.pending = [(epoch, [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
+                        for epoch, micro in state.get("pending", [])]
+
+
+@torch.no_grad()
+def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float]:
+    """Greedy completions (the most likely token each step) of the held-out prompts, each data-parallel rank
+    a strided share, scored by the run's reward functions: `eval_reward` (the weighted sum's mean: with
+    builtin:math_answer, the accuracy) and each function's mean."""
+    from toolkit.rewards import completions_for, score
+    from toolkit.sampling import SamplingConfig, sample
+
+    strategy, tok, data = run.strategy, run.tokenizer, run.strategy.data
+    cfg = SamplingConfig(run.cfg.rl.max_completion_length, 1.0, 1, 1.0)  # top-k 1: greedy
+    rows = list(range(data.rank, len(prompts), data.ranks))
+    size = run.cfg.train.micro_batch_size * run.cfg.rl.num_generations
+    n_batches = math.ceil(len(prompts) / (size * data.ranks))  # the same count on every rank (sharded forwards)
+    scored = []
+    with strategy.generating(run.model) as model:
+        ends = eos_ids(tok, model)
+        for b in range(n_batches):
+            part = rows[b * size:(b + 1) * size]
+            held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
+            out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
+                         any_unfinished=any_rank_unfinished)
+            if not part:
+                continue
+            ids = out.token_lists()
+            texts = tok.batch_decode(ids, skip_special_tokens=True)
+            given = [prompts.prompts[r] for r in part]
+            s = score(rewards, given, completions_for(given, texts), ids, prompts.columns_of(part), 1, part)
+            scored += s.rewards
+    every = [x for part in gather_objects((data.rank, scored)) for x in [part]]
+    table = torch.tensor([r for _, s in {rank: s for rank, s in every}.items() for r in s], dtype=torch.float64)
+    if not len(table):
+        return {}
+    from toolkit.grpo_functions import weighted_rewards
+
+    total = weighted_rewards(table.view(-1, len(rewards)), torch.tensor(weights, dtype=torch.float64))
+    out = {"eval_reward": float(torch.nanmean(total))}
+    for f, reward in enumerate(rewards):
+        out[f"eval_rewards/{reward.name}/mean"] = float(torch.nanmean(table.view(-1, len(rewards))[:, f]))
+    return out
