@@ -137,6 +137,7 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 # --- varlen
+@torch.compiler.disable  # its loop over the documents would tie a compiled block's graph to their count
 def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                      enable_gqa=False) -> torch.Tensor:
     """`torch.nn.attention.varlen.varlen_attn`'s contract, (T, H, D) in and out, as one SDPA call per

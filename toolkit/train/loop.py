@@ -604,8 +604,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     grad_norm = w["steps"][-1][3]
     warmup = {}
     if step == run.compiling.at:  # left out of every later record's tokens/s
-        warmup = {"compile_warmup": True}
         run.compiling.warmed_up(step, now - run.window.t0, run.metrics.write)
+        warmup = {"compile_warmup": True, "compiled_graphs": run.compiling.graphs_after_warmup}
     else:
         warmup = run.compiling.recompiles(run.metrics.write)  # graphs compiled so far, once warmed up
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
