@@ -18,8 +18,10 @@ which TRL's GRPOTrainer uses with do_sample=True), then softmax. A row stops at 
 
 Two decode paths draw the same tokens (tests/test_grpo_functions.py checks it, fp32 on the CPU):
 - dynamic: transformers' DynamicCache, every step eager, the cache grown by a concatenation a step. The CPU
-  default: there a step is the matmuls' time, and neither a preallocated cache nor a compiled step
-  measured faster (benchmarks/sampling.md).
+  default (benchmarks/sampling.md, 2 cores, fp32): a preallocated cache alone changed nothing (0.98x, 1.04x),
+  the inductor-compiled step drew 1.21x (tiny Llama) and 1.15x (56M Llama) the tokens/s once compiled, but
+  its compile took ~50 s and ~170 s: the 56M model's 10 s round saves ~1.3 s, so 130 rounds repay it (as
+  --compile auto leaves training eager on a CPU).
 - static (`StaticDecoder`): a StaticCache sized prompt + max_completion_length, the prompt's forward eager,
   then each one-token step (forward, warpers, softmax, inverse-CDF draw, EOS bookkeeping) one
   torch.compile'd function, with mode "reduce-overhead" on CUDA: CUDA graphs, so a step is one graph
@@ -282,8 +284,8 @@ def static_problem(model) -> str | None:
 
 def decoder_for(model) -> tuple[StaticDecoder | None, str]:
     """(the decoder `sample` should use, None for the dynamic path; the line naming it, for the run's log).
-    CUDA: the static path where `static_problem` finds nothing; the CPU: dynamic (measured: benchmarks/
-    sampling.md). TOOLKIT_DECODE=dynamic|static overrides the device's default; the static path compiles
+    CUDA: the static path where `static_problem` finds nothing; the CPU: dynamic (why: the module's
+    docstring). TOOLKIT_DECODE=dynamic|static overrides the device's default; the static path compiles
     with TOOLKIT_COMPILE_BACKEND's backend where it is set (the CPU tests' aot_eager)."""
     from toolkit.models import COMPILE_BACKEND_ENV
 
@@ -295,7 +297,7 @@ def decoder_for(model) -> tuple[StaticDecoder | None, str]:
     problem = static_problem(model) if want == "static" else None
     if want == "dynamic" or problem:
         why = (f"{DECODE_ENV}=dynamic" if forced == "dynamic" else problem if problem else
-               "the CPU default: a static cache and a compiled step measured no faster there")
+               "the CPU default: a compiled step's minutes of inductor build outweigh its ~1.2x there")
         return None, f"decode: dynamic KV cache, eager steps ({why})"
     decoder = StaticDecoder(os.environ.get(COMPILE_BACKEND_ENV, "inductor"), device)
     return decoder, f"decode: {decoder.describe()}"
