@@ -462,7 +462,7 @@ def test_the_static_compiled_path_draws_the_dynamic_paths_tokens(tiny):
 
 def test_the_static_cache_grows_in_buckets_and_is_kept(tiny):
     """Uncompiled (the cache alone): a prompt + completion past one bucket takes the next multiple of 128, later
-    shorter batches reuse it; the tokens stay the dynamic path's."""
+    shorter batches reuse it; the tokens stay the dynamic path's; a reserved length sizes the first cache."""
     decoder = sm.StaticDecoder(None, "cpu")
     cfg = sm.SamplingConfig(max_completion_length=8, temperature=0.8)
     long_prompt = [(7 * i) % 300 + 10 for i in range(125)]  # 125 + 8 > 128
@@ -477,6 +477,10 @@ def test_the_static_cache_grows_in_buckets_and_is_kept(tiny):
                                                                     pad_id=0).token_lists()
     assert longer.token_lists() == sm.sample(tiny, [long_prompt, PROMPTS[1]], seeds_for([5, 1]), cfg, [],
                                              pad_id=0).token_lists()
+    reserved = sm.StaticDecoder(None, "cpu")
+    reserved.reserve = 300  # a run's longest prompt + completion: every cache that long from the start
+    sm.sample(tiny, PROMPTS[:2], seeds_for([0, 1]), cfg, [], pad_id=0, decoder=reserved)
+    assert reserved.caches[2][0] == 384
 
 
 def test_a_failing_compiled_step_says_so_once_and_the_dynamic_path_samples(tiny, capsys):

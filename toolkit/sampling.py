@@ -192,7 +192,9 @@ class StaticDecoder:
     `sample` calls. Kept, because a CUDA graph records its inputs' addresses: a new cache each round would
     re-record the graph each round, and past torch's limit (`cudagraph_unexpected_rerecord_limit`, 128) it
     would run without graphs. A cache only grows (to the next multiple of CACHE_BUCKET that holds the
-    longest prompt + max_completion_length), so its shapes, and the compiles they cost, stay few.
+    longest prompt + max_completion_length, and `reserve`), so its shapes, and the compiles they cost, stay
+    few; a run reserves its longest prompt's length up front, so its training rounds see one shape (a
+    second shape recompiles, with dynamic shapes, in the middle of the run).
 
     `backend`: torch.compile's; "inductor" gets mode "reduce-overhead" on CUDA (CUDA graphs); another
     ("aot_eager": the CPU tests, as TOOLKIT_COMPILE_BACKEND) compiles without a mode; None runs the step
@@ -210,6 +212,7 @@ class StaticDecoder:
         else:
             self.step = torch.compile(_decode_step, backend=backend)
         self.caches: dict[int, tuple[int, object]] = {}  # batch size -> (length, StaticCache)
+        self.reserve = 0  # the length every cache gets at least (`Rollouts`: the longest prompt's + completion's)
         self.failed: str | None = None  # why the compiled step could not run (then `sample` goes dynamic)
 
     def describe(self) -> str:
@@ -225,7 +228,7 @@ class StaticDecoder:
 
         size, held = self.caches.get(batch, (0, None))
         if size < length:
-            size = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+            size = -(-max(length, self.reserve) // CACHE_BUCKET) * CACHE_BUCKET
             held = self.caches.pop(batch, None)  # the shorter one freed before the longer one is allocated
             held = StaticCache(config=config, max_cache_len=size)
             self.caches[batch] = (size, held)

@@ -152,6 +152,8 @@ class Rollouts:
         # the decode path (`toolkit.sampling.decoder_for`: a static cache and a compiled step on CUDA), kept for
         # the run, and the line that names it in the run's log
         self.decoder, self.decode_line = decoder_for(run.strategy.unwrap(run.model))
+        if self.decoder is not None:  # one cache length for every round: the longest prompt's
+            self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
         self.pending: list[tuple[int, list[dict]]] = []
         self.step = 1  # the optimizer step the next batch serves
         self.metrics = RoundMetrics()
