@@ -403,6 +403,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
         run.batches = Rollouts(run, train_rows, objective.rewards, [r.weight for r in objective.rewards],
                                reference_model)
         run.batches.start_at(run.first_step)
+        log(run.batches.decode_line)
         if saved is not None and saved.get("rollout"):  # a checkpoint written mid-round: the round's rest
             run.batches.load_state_dict(saved["rollout"])
     else:
