@@ -329,9 +329,14 @@ def test_a_reward_function_that_misbehaves_stops_the_run_in_one_line_naming_the_
 
 def test_math_answer_without_an_answer_column_names_the_record():
     with pytest.raises(UserError, match=r"builtin:math_answer failed on prompt 0 completion 0 \(record 7\): needs an "
-                                        r"'answer' column; the records have: solution$"):
+                                        r"'answer' column; the records have: hint$"):
         rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q"], ["4"], [[1]],
-                 {"solution": ["4"]}, records=[7])
+                 {"hint": ["4"]}, records=[7])
+    # alpaca's `output` (or a `solution` column) is the answer where there is no `answer` column
+    for column in ("output", "solution"):
+        scored = rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q", "q"], ["it is 4", "5"],
+                          [[1], [1]], {column: ["The sum is 4.", "#### 4"]})
+        assert scored.rewards == [[1.0], [0.0]]
 
 
 # --- sampling
