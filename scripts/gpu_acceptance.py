@@ -133,12 +133,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
 from bench_throughput import flag_problem, importable  # noqa: E402
-from gpu_user import part_user, part_yardstick, table as user_table  # noqa: E402
+from gpu_user import part_epoch, part_user, part_yardstick, table as user_table  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
@@ -1059,7 +1059,7 @@ def render(out: Path) -> str:
         for s in d.get("skipped", []):
             lines.append(f"| {p} | skipped: {s} | - | - | - |")
     for d in parts.values():
-        lines += user_table(d) if d["part"] in ("user", "yardstick") else arms_table(d)
+        lines += user_table(d) if d["part"] in ("user", "yardstick", "epoch_lora", "epoch_full") else arms_table(d)
     return "\n".join(lines) + "\n"
 
 
@@ -1120,6 +1120,7 @@ def main() -> None:
         for p in parts:
             print(f"{p}:", flush=True)
             fn = {"user": lambda r: part_user(r, check), "yardstick": lambda r: part_yardstick(r, check),
+                  "epoch_lora": lambda r: part_epoch(r, check, "lora"), "epoch_full": lambda r: part_epoch(r, check, "full"),
                   "throughput_full": lambda r: part_throughput(r, "full"),
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,

@@ -63,10 +63,10 @@ SMOKE_SHAPES = {"qwen3-moe-0.7b": {"model_type": "qwen3_moe", "mlp_only_layers":
 
 PACKED = ["--packing"]
 # (name, model, flags): in the order they run
-CASES = [("lora", "llama-1b", PACKED), ("full", "llama-1b", [*PACKED, "--method", "full"]),
+CASES = [("lora", "llama-1b", [*PACKED, "--profile"]), ("full", "llama-1b", [*PACKED, "--method", "full"]),
          ("lora_compile", "llama-1b", [*PACKED, "--compile"]),
          ("full_compile", "llama-1b", [*PACKED, "--method", "full", "--compile"]),
-         ("lora_unpacked", "llama-1b", []), ("lora_fp32", "llama-1b", [*PACKED, "--mixed-precision", "no"]),
+         ("lora_unpacked", "llama-1b", ["--profile"]), ("lora_fp32", "llama-1b", [*PACKED, "--mixed-precision", "no"]),
          ("qlora", "llama-1b", [*PACKED, "--method", "qlora"]), ("dpo", "llama-1b", ["--objective", "dpo"]),
          ("qwen3_moe", "qwen3-moe-0.7b", PACKED), ("gemma2", "gemma2-0.3b", PACKED)]
 GPU_ONLY = {"qlora": "QLoRA's 4-bit base needs bitsandbytes' CUDA kernels"}
@@ -116,7 +116,7 @@ def steady(records: list[dict]) -> dict:
     logged MFU's mean over the same steps."""
     steps = [r for r in records if "loss" in r and "tokens" in r and "elapsed_s" in r]
     pairs = [(b["tokens"] - a["tokens"], b["elapsed_s"] - a["elapsed_s"]) for a, b in zip(steps, steps[1:])
-             if b["step"] == a["step"] + 1 and b["step"] > WARMUP]
+             if b["step"] == a["step"] + 1 and b["step"] > WARMUP and not b.get("profiled")]  # --profile's steps
     if len(pairs) < 2:
         return {"tokens_per_s": None, "step_time_cv": None, "logged_mfu": None, "steady_steps": len(pairs)}
     times = [t for _, t in pairs]
@@ -200,6 +200,9 @@ def run_case(name: str, cmd: list[str], out: Path, env: dict, timeout: float | N
             "integrity": bool(integrity.get("ok")) if integrity else False,
             "attention": next((ln.split("; ", 1)[1] for ln in text.splitlines() if ln.startswith("model: ")), None),
             "loss": next((ln for ln in text.splitlines() if ln.startswith("loss: ")), None), "error": None}
+    if (out / "profile.json").exists():  # --profile: what a step spends, by op (issue 66: the fixed cost per step)
+        profile = json.loads((out / "profile.json").read_text())
+        case["profile"] = {"steps": profile["steps"], "per_step_top": profile["per_step_top"][:12]}
     if p.returncode != 0 or not case["integrity"]:
         case["error"] = "timed out" if timeout is not None and case["seconds"] > timeout else error_line(text)
     return case
@@ -255,6 +258,59 @@ def part_user(run, check) -> dict:
         checks.append(check("full: logged MFU", by["full"]["logged_mfu"], ">=", 0.40, judged=run.gpu))
     return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": steps, "cases": cases, "checks": checks,
             "skipped": skipped}
+
+
+def part_epoch(run, check, method: str) -> dict:
+    """Issue 66's runs as long as a user's: one epoch of the GSM8K file (every record: ~380 packed steps at 2048 x
+    4) with the default (--compile auto), --compile and --no-compile, and 30 steps with the default and
+    --no-compile, `method` LoRA or full; wall seconds from launch to exit, start-up and compile included. Checks:
+    the default within 1.03x the fastest arm, one epoch and 30 steps; a full finetune's epoch at logged MFU 0.45."""
+    work = Path(run.work) / f"epoch_{method}"
+    src = next((p for p in DATA if p.exists()), None)
+    alpaca, _, origin = data_files(work, run.smoke)
+    if src is not None and not run.smoke:  # the whole file, not the user part's first RECORDS
+        alpaca.write_text(src.read_text())
+        origin = f"{src.name}, every record"
+    seq, mb, short = (256, 2, 6) if run.smoke else (2048, 4, 30)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    arms = [("epoch_default", []), ("epoch_compile", ["--compile"]), ("epoch_eager", ["--no-compile"]),
+            (f"steps{short}_default", ["--max-steps", str(short)]),
+            (f"steps{short}_eager", ["--max-steps", str(short), "--no-compile"])]
+    cases, skipped = [], []
+    if run.smoke:  # the CPU smoke (tests/test_gpu_acceptance.py): one arm of each kind, LoRA's; the rest on a GPU
+        skipped = [f"{name}: a GPU run's" for name, _ in arms if method == "full" or name.endswith("compile")
+                   or name.startswith(f"steps{short}_eager")]
+        arms = [] if method == "full" else [a for a in arms if a[0] in ("epoch_default", "epoch_eager",
+                                                                          f"steps{short}_default")]
+    for name, flags in arms:
+        late = run.out_of_time(SECONDS * (4 if name.startswith("epoch") else 1))
+        if late:
+            skipped.append(f"{name}: {late}")
+            continue
+        out = work / name
+        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model("llama-1b"), "--dataset", str(alpaca),
+               "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb),
+               "--method", method, *PACKED, *flags]
+        print(f"  {method} {name}", flush=True)
+        case = run_case(f"{method}_{name}", cmd, out, env, run.timeout() if run.deadline else None)
+        print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
+        cases.append(case)
+    by = {c["name"].removeprefix(f"{method}_"): c for c in cases}
+    checks = [check(f"{c['name']}: started, trained, saved", float(c["error"] is None), ">=", 1.0)
+              for c in cases]
+    arms_of = {"epoch": ("epoch_default", "epoch_compile", "epoch_eager"),
+               f"{short} steps": (f"steps{short}_default", f"steps{short}_eager")}
+    for what, names in arms_of.items():
+        if all(n in by and by[n]["error"] is None for n in names):
+            fastest = min(by[n]["seconds"] for n in names)
+            checks.append(check(f"{method}, {what}: default wall / fastest arm's", by[names[0]]["seconds"] / fastest,
+                                "<=", 1.03, judged=run.gpu))
+    if method == "full" and by.get("epoch_default", {}).get("logged_mfu") is not None:
+        checks.append(check("full, epoch, default: logged MFU", by["epoch_default"]["logged_mfu"], ">=", 0.45,
+                            judged=run.gpu))
+    return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": f"one epoch, and {short}", "cases": cases,
+            "checks": checks, "skipped": skipped}
 
 
 def table(d: dict) -> list[str]:

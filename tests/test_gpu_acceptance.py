@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "moe")
 
 
@@ -52,6 +52,13 @@ def test_smoke_runs_every_part(tmp_path):
     assert grpo["started"] and grpo["integrity"] and grpo["generation_tokens_per_s"] > 0
     assert grpo["training_tokens_per_s"] > 0 and grpo["step_s"] > 0 and grpo["decode"].startswith("decode: dynamic")
     assert user["lora"]["packing_check_gap"] == 0.0 and user["lora_unpacked"]["packing_check_gap"] is None
+    for name in ("lora", "lora_unpacked"):  # --profile (issue 66): what a step spends, by op, in the report
+        top = user[name]["profile"]["per_step_top"]
+        assert user[name]["profile"]["steps"] == [4, 6] and top and all(e["self_ms"] >= 0 for e in top)
+    epoch = {c["name"]: c for c in parts["epoch_lora"]["cases"]}  # issue 66: a run as long as a user's
+    assert set(epoch) == {"lora_epoch_default", "lora_epoch_eager", "lora_steps6_default"}
+    assert all(c["seconds"] > 0 and c["integrity"] for c in epoch.values())
+    assert not parts["epoch_full"]["cases"] and parts["epoch_full"]["skipped"]
     assert all(user[n]["loss_check_gap"] <= 1e-4 for n in user)  # fp32 here
     yard = {c["name"]: c for c in parts["yardstick"]["cases"]}  # TRL's SFTTrainer beside the default
     assert set(yard) == {"lora", "sft_lora", "sft_lora_best", "full", "sft_full", "lora_200_default", "lora_200_eager",

@@ -310,6 +310,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                 profiler.before(step)
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
             if profiler is not None:
+                run.memory["profiled"] = profiler.active(step) or None  # its record: the profiler's overhead in it
+                run.memory = {k: v for k, v in run.memory.items() if v is not None}
                 profiler.after(step)
             run.metrics.advance()
             compile_auto(run, step)
