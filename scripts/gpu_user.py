@@ -231,9 +231,10 @@ def part_user(run, check) -> dict:
             continue
         out = work / name
         data = pairs if "--objective" in flags else alpaca
+        n = steps + 2 if run.smoke and "--profile" in flags else steps  # smoke: steady steps 7-8 after profiled 4-6
         cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model(model), "--dataset", str(data),
                "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size",
-               str(mb), "--max-steps", str(steps), *flags]
+               str(mb), "--max-steps", str(n), *flags]
         print(f"  {name}", flush=True)
         case = run_case(name, cmd, out, env, run.timeout() if run.deadline else None)
         print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
