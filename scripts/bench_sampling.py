@@ -1,7 +1,15 @@
-"""GRPO's sampling loop (`toolkit.sampling.sample`) against transformers' `model.generate` on the CPU: the same
-prompts, the same warpers (temperature 0.8, top-k 40, top-p 0.9), the same number of new tokens (no EOS
-stops either: ours gets no EOS ids, generate an EOS id no draw can produce), KV cache both; tokens/s of new
-tokens, the median of `--repeats` runs taken in turn (ours, generate, ours, ...) after one warm-up each.
+"""GRPO's sampling loop (`toolkit.sampling.sample`) on the CPU: its decode paths side by side, and against
+transformers' `model.generate`. The same prompts, the same warpers (temperature 0.8, top-k 40, top-p 0.9),
+the same number of new tokens (no EOS stops any: ours gets no EOS ids, generate an EOS id no draw can
+produce), a KV cache every arm; tokens/s of new tokens, the median of `--repeats` rounds, each round
+every arm in turn, after one warm-up call of each (which compiles the compiled arm).
+
+Arms:
+- dynamic: DynamicCache, eager steps (the CPU default);
+- static: a StaticCache, the step eager (what the preallocated cache alone changes);
+- static_compiled: a StaticCache and the step torch.compile'd with inductor (CUDA's default path, without
+  CUDA graphs, which the CPU has not);
+- generate: `model.generate(do_sample=True)` with its default dynamic cache, compile disabled.
 
 Models: the tests' tiny Llama (hidden 64, 2 blocks, vocab 384) and a larger random Llama (hidden 512, 8
 blocks, vocab 32000, 56M parameters), fp32, on `--threads` torch threads (default 1: on a shared machine two
@@ -26,6 +34,7 @@ import torch
 
 LARGER = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
+ARMS = ("dynamic", "static", "static_compiled", "generate")
 
 
 def model_for(name: str, folder: Path):
@@ -43,15 +52,16 @@ def prompts_for(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(10, min(vocab, 384)) for _ in range(rng.randint(16, 48))] for _ in range(n)]
 
 
-def time_ours(model, prompts, cfg) -> tuple[float, int]:
+def time_ours(model, prompts, cfg, decoder) -> tuple[float, int, list]:
     from toolkit.sampling import completion_seed, sample
 
     start = time.perf_counter()
-    out = sample(model, prompts, [completion_seed(0, 0, i, 0) for i in range(len(prompts))], cfg, [], pad_id=0)
-    return time.perf_counter() - start, int(out.mask.sum())
+    out = sample(model, prompts, [completion_seed(0, 0, i, 0) for i in range(len(prompts))], cfg, [], pad_id=0,
+                 decoder=decoder)
+    return time.perf_counter() - start, int(out.mask.sum()), out.token_lists()
 
 
-def time_generate(model, prompts, cfg, never: int) -> tuple[float, int]:
+def time_generate(model, prompts, cfg, never: int) -> tuple[float, int, None]:
     from transformers import GenerationConfig
 
     from toolkit.sampling import left_pad
@@ -63,11 +73,11 @@ def time_generate(model, prompts, cfg, never: int) -> tuple[float, int]:
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
-    return time.perf_counter() - start, (out.shape[1] - ids.shape[1]) * len(prompts)
+    return time.perf_counter() - start, (out.shape[1] - ids.shape[1]) * len(prompts), None
 
 
 def main() -> None:
-    from toolkit.sampling import SamplingConfig
+    from toolkit.sampling import SamplingConfig, StaticDecoder
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -83,28 +93,40 @@ def main() -> None:
             cfg = SamplingConfig(max_completion_length=length, temperature=0.8, top_k=40, top_p=0.9)
             prompts = prompts_for(batch, model.config.vocab_size)
             never = model.config.vocab_size  # an id past the vocabulary: no draw makes it
-            time_ours(model, prompts, cfg), time_generate(model, prompts, cfg, never)  # warm-up
-            ours, theirs = [], []
+            decoders = {"static": StaticDecoder(None, "cpu"), "static_compiled": StaticDecoder("inductor", "cpu")}
+            run = {"dynamic": lambda: time_ours(model, prompts, cfg, None),
+                   "static": lambda: time_ours(model, prompts, cfg, decoders["static"]),
+                   "static_compiled": lambda: time_ours(model, prompts, cfg, decoders["static_compiled"]),
+                   "generate": lambda: time_generate(model, prompts, cfg, never)}
+            warmup = {arm: run[arm]()[0] for arm in ARMS}  # the compiled arm compiles here
+            assert all(d.failed is None for d in decoders.values()), {k: d.failed for k, d in decoders.items()}
+            tps = {arm: [] for arm in ARMS}
+            tokens = {}
             for _ in range(args.repeats):
-                seconds, tokens = time_ours(model, prompts, cfg)
-                ours.append(tokens / seconds)
-                seconds, gen_tokens = time_generate(model, prompts, cfg, never)
-                theirs.append(gen_tokens / seconds)
-                assert tokens == gen_tokens == batch * length, (tokens, gen_tokens)
+                for arm in ARMS:
+                    seconds, n, tokens[arm] = run[arm]()
+                    assert n == batch * length, (arm, n)
+                    tps[arm].append(n / seconds)
+            same = tokens["dynamic"] == tokens["static"] == tokens["static_compiled"]  # the paths' tokens
+            med = {arm: statistics.median(v) for arm, v in tps.items()}
             params = sum(p.numel() for p in model.parameters())
-            a, b = statistics.median(ours), statistics.median(theirs)
-            data.append(dict(model=name, parameters=params, prompts=batch, new_tokens=length, ours_tok_s=ours,
-                             generate_tok_s=theirs, ours_median=a, generate_median=b, ratio=a / b))
-            rows.append([name, f"{params / 1e6:.1f}M", batch, length, f"{a:.0f} ({min(ours):.0f}-{max(ours):.0f})",
-                         f"{b:.0f} ({min(theirs):.0f}-{max(theirs):.0f})", f"{a / b:.2f}"])
+            data.append(dict(model=name, parameters=params, prompts=batch, new_tokens=length, tok_s=tps, median=med,
+                             warmup_s=warmup, same_tokens=same,
+                             ratios={arm: med[arm] / med["dynamic"] for arm in ARMS}))
+            rows.append([name, f"{params / 1e6:.1f}M", batch, length,
+                         *(f"{med[a]:.0f} ({min(tps[a]):.0f}-{max(tps[a]):.0f})" for a in ARMS),
+                         *(f"{med[a] / med['dynamic']:.2f}" for a in ARMS[1:]), f"{warmup['static_compiled']:.0f}",
+                         "yes" if same else "**no**"])
     load = os.getloadavg()[0]
-    lines = ["# GRPO sampling loop vs model.generate (CPU, fp32)", "",
+    lines = ["# GRPO sampling: decode paths and model.generate (CPU, fp32)", "",
              f"`python scripts/bench_sampling.py` ({torch.get_num_threads()} torch thread(s) on {os.cpu_count()} "
-             "cores, "
-             f"load average {load:.1f} at the end; median (min-max) of {args.repeats} runs taken in turn; new tokens "
-             "per second):", ""]
-    lines += md_table(["model", "parameters", "prompts", "new tokens each", "ours tok/s", "generate tok/s",
-                       "ours / generate"], rows)
+             f"cores, load average {load:.1f} at the end; median (min-max) of {args.repeats} rounds, each arm in turn; "
+             "new tokens per second). dynamic: DynamicCache, eager (the CPU default); static: StaticCache, eager "
+             "step; static_compiled: StaticCache, step compiled by inductor (CUDA's default path without CUDA "
+             "graphs); generate: model.generate, dynamic cache. Ratios are against dynamic; `same tokens`: the "
+             "three paths of ours drew identical completions.", ""]
+    lines += md_table(["model", "parameters", "prompts", "new tokens each", *(f"{a} tok/s" for a in ARMS),
+                       *(f"{a} / dynamic" for a in ARMS[1:]), "compile warm-up s", "same tokens"], rows)
     write_pair(args.out, {"load_average": load, "threads": torch.get_num_threads(), "cases": data}, lines)
 
 

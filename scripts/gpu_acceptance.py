@@ -4,15 +4,20 @@ Parts (`--parts`, comma-separated, default all). Issue 35's speed checks make th
 under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the commands):
   user          first on every GPU lent: `finetune.py` as users run it, a subprocess a case on 1,000 GSM8K
         records (LoRA, full, each with --compile, unpacked, --mixed-precision no, QLoRA, DPO, a Qwen3-MoE,
-        a Gemma-2; packed but where said): started, seconds to step 1, steady tokens/s, the step times'
-        spread, peak memory, the start-up checks' gaps, integrity. scripts/gpu_user.py (its docstring:
-        what and why, the time). The README's GPU figures come from this part.
+        a Gemma-2; packed but where said; and --objective grpo, G 8 x 256 tokens, on their questions): started,
+        seconds to step 1, steady tokens/s, the step times' spread, peak memory, the start-up checks' gaps,
+        integrity; GRPO's generation and training tokens/s, step seconds and decode path. scripts/gpu_user.py
+        (its docstring: what and why, the time; GPU_USER_CASES=REGEX runs some cases only). The README's GPU
+        figures come from this part.
   yardstick     issue 59's: the toolkit's default against TRL's SFTTrainer on the same file and GPU (its
         defaults with packing; its best flags: torch_compile, padding_free, use_liger_kernel where it
         imports), LoRA and full, 30 steps each (scripts/sft_trainer_user.py); then 200 steps of the default
         (--compile auto) against --no-compile, wall time with start-up and compile. Targets: LoRA >= 1.5x
-        SFTTrainer, >= 1.1x its best; full >= 1.25x; the 200-step wall no worse than eager's. Its checks
-        are written into user.json's too. Unmeasured: ~7 minutes (a guess).
+        SFTTrainer, >= 1.1x its best; full >= 1.25x; the 200-step wall no worse than eager's. Issue 65's:
+        --objective grpo (the user part's run, when it ran in the same command) against TRL's GRPOTrainer on
+        the same prompts and reward (scripts/grpo_trainer_user.py), its default generate and
+        use_transformers_continuous_batching: generation tokens/s >= 2x the first, >= 1x the second. Its
+        checks are written into user.json's too. Unmeasured: ~7 minutes, ~4 more for GRPO (guesses).
   throughput_full, throughput_lora  bf16 tokens/s on a Llama-3.2-1B-shaped model at 2048 tokens x
         micro-batch 4, full finetune and LoRA, each a call of its own: scripts/bench_throughput.py's
         arms and method (fresh process per run, alternating rounds, the same batches): the raw PyTorch
@@ -128,12 +133,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
 from bench_throughput import flag_problem, importable  # noqa: E402
-from gpu_user import part_user, part_yardstick, table as user_table  # noqa: E402
+from gpu_user import part_epoch, part_user, part_yardstick, table as user_table  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
@@ -1054,7 +1059,7 @@ def render(out: Path) -> str:
         for s in d.get("skipped", []):
             lines.append(f"| {p} | skipped: {s} | - | - | - |")
     for d in parts.values():
-        lines += user_table(d) if d["part"] in ("user", "yardstick") else arms_table(d)
+        lines += user_table(d) if d["part"] in ("user", "yardstick", "epoch_lora", "epoch_full") else arms_table(d)
     return "\n".join(lines) + "\n"
 
 
@@ -1115,6 +1120,7 @@ def main() -> None:
         for p in parts:
             print(f"{p}:", flush=True)
             fn = {"user": lambda r: part_user(r, check), "yardstick": lambda r: part_yardstick(r, check),
+                  "epoch_lora": lambda r: part_epoch(r, check, "lora"), "epoch_full": lambda r: part_epoch(r, check, "full"),
                   "throughput_full": lambda r: part_throughput(r, "full"),
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,

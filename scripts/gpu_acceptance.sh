@@ -6,6 +6,12 @@
 #   run(command="BUDGET_S=480 bash scripts/gpu_acceptance.sh user", carry=[".whl"], timeout_s=540)
 #   then commit benchmarks/gpu/user.json; issue 59's yardstick (TRL's SFTTrainer, 200 steps) fills in the rest of its checks:
 #   run(command="BUDGET_S=480 bash scripts/gpu_acceptance.sh yardstick", carry=[".whl"], timeout_s=540)
+# Issue 65's GRPO comparison alone (finetune.py --objective grpo, then TRL's GRPOTrainer with generate and with
+# continuous batching; ~6 minutes, a guess):
+#   run(command="GPU_USER_CASES=grpo BUDGET_S=480 bash scripts/gpu_acceptance.sh user,yardstick", carry=[".whl"], timeout_s=540)
+# Issue 66's runs as long as a user's (one epoch of GSM8K, default / --compile / --no-compile, and 30 steps), a call each:
+#   run(command="BUDGET_S=540 bash scripts/gpu_acceptance.sh epoch_lora", carry=[".whl"], timeout_s=600)   # ~6 min?
+#   run(command="BUDGET_S=540 bash scripts/gpu_acceptance.sh epoch_full", carry=[".whl"], timeout_s=600)   # ~6 min?
 # Issue 35's speed checks, three calls back to back (the machine stays warm ~30 s after a call, and
 # then the next call reuses the models built in /tmp/gpu_acceptance_work); each starts no run that would
 # end past BUDGET_S (default 450 s) and kills what runs 30 s past it, so a call ends inside 9 minutes.

@@ -17,15 +17,25 @@ record's answer chosen, the next record's rejected. Models (random weights: spee
 trained ones): the Llama-3.2-1B shape, a 0.73B Qwen3-MoE (every layer routed, as Qwen3-30B-A3B) and a
 0.29B Gemma-2 (logit softcaps, sliding windows), all at 2048 tokens x micro-batch 4.
 
+GRPO (issue 65): `--objective grpo` on the Llama-1B shape (LoRA, bf16), GRPO_SETTINGS' G 8 completions of
+256 tokens a step, prompts from the same GSM8K records (`{"prompt", "answer"}` JSONL) scored by
+builtin:math_answer (cheap: a regex); its generation tokens/s, training tokens/s (the round left out)
+and whole-step seconds from metrics.jsonl, and the decode path its log names. The yardstick part runs
+TRL's GRPOTrainer on the same file and reward (scripts/grpo_trainer_user.py: its default `generate`, and
+use_transformers_continuous_batching) beside it.
+
 Time on one H100 (unmeasured: a guess from the 2026-11-24 runs, 30-80 s of start-up per process there):
-~40 s a case, ~7 minutes for the 10; cases run in CASES' order (the figures the README quotes first), and
-one that would end past the budget is left out and listed.
+~40 s a case, ~7 minutes for the 10, and the GRPO case ~100 s (start-up, compiling the decode step, 6
+steps); cases run in CASES' order (the figures the README quotes first), and one that would end past
+the budget is left out and listed. GPU_USER_CASES (a regex on case names) runs only the cases it
+matches, in this part and the yardstick: `GPU_USER_CASES=grpo` is the GRPO comparison alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -53,14 +63,27 @@ SMOKE_SHAPES = {"qwen3-moe-0.7b": {"model_type": "qwen3_moe", "mlp_only_layers":
 
 PACKED = ["--packing"]
 # (name, model, flags): in the order they run
-CASES = [("lora", "llama-1b", PACKED), ("full", "llama-1b", [*PACKED, "--method", "full"]),
+CASES = [("lora", "llama-1b", [*PACKED, "--profile"]), ("full", "llama-1b", [*PACKED, "--method", "full"]),
          ("lora_compile", "llama-1b", [*PACKED, "--compile"]),
          ("full_compile", "llama-1b", [*PACKED, "--method", "full", "--compile"]),
-         ("lora_unpacked", "llama-1b", []), ("lora_fp32", "llama-1b", [*PACKED, "--mixed-precision", "no"]),
+         ("lora_unpacked", "llama-1b", ["--profile"]), ("lora_fp32", "llama-1b", [*PACKED, "--mixed-precision", "no"]),
          ("qlora", "llama-1b", [*PACKED, "--method", "qlora"]), ("dpo", "llama-1b", ["--objective", "dpo"]),
          ("qwen3_moe", "qwen3-moe-0.7b", PACKED), ("gemma2", "gemma2-0.3b", PACKED)]
 GPU_ONLY = {"qlora": "QLoRA's 4-bit base needs bitsandbytes' CUDA kernels"}
 SECONDS = 40  # a case on one H100, start-up included (a guess until measured)
+# --objective grpo against TRL's GRPOTrainer (issue 65): G completions of `completion` tokens a step, `micro`
+# completions a step (one prompt: TRL's default per_device_train_batch_size 8), `warmup` steps left out
+# (the first compiles the decode step); --seq-len bounds the prompts (GSM8K's fit: none dropped, so both
+# trainers read the same file)
+GRPO_SETTINGS = {"generations": 8, "completion": 256, "micro": 8, "steps": 6, "warmup": 2, "seq_len": 1024}
+GRPO_SMOKE = {**GRPO_SETTINGS, "completion": 16, "steps": 3, "warmup": 1}
+GRPO_SECONDS = 100  # a GRPO run on one H100, start-up and compile included (a guess until measured)
+
+
+def selected(name: str) -> bool:
+    """Whether GPU_USER_CASES (a regex; unset: every case) picks case `name`."""
+    pattern = os.environ.get("GPU_USER_CASES")
+    return not pattern or re.search(pattern, name) is not None
 
 
 def data_files(work: Path, smoke: bool) -> tuple[Path, Path, str]:
@@ -78,6 +101,9 @@ def data_files(work: Path, smoke: bool) -> tuple[Path, Path, str]:
     work.mkdir(parents=True, exist_ok=True)
     alpaca, pairs = work / "alpaca.json", work / "pairs.json"
     alpaca.write_text(json.dumps(rows))
+    (work / "prompts.jsonl").write_text("".join(  # --objective grpo's and TRL's GRPOTrainer's form; a synthetic
+        json.dumps({"prompt": "\n\n".join(x for x in (r["instruction"], r.get("input")) if x),  # record's answer: 0
+                    "answer": r["output"] if re.search(r"\d", r["output"]) else "0"}) + "\n" for r in rows))
     pairs.write_text(json.dumps([{"prompt": "\n\n".join(x for x in (r["instruction"], r.get("input")) if x),
                                   "chosen": r["output"], "rejected": rows[(i + 1) % len(rows)]["output"]}
                                  for i, r in enumerate(rows)]))
@@ -90,7 +116,7 @@ def steady(records: list[dict]) -> dict:
     logged MFU's mean over the same steps."""
     steps = [r for r in records if "loss" in r and "tokens" in r and "elapsed_s" in r]
     pairs = [(b["tokens"] - a["tokens"], b["elapsed_s"] - a["elapsed_s"]) for a, b in zip(steps, steps[1:])
-             if b["step"] == a["step"] + 1 and b["step"] > WARMUP]
+             if b["step"] == a["step"] + 1 and b["step"] > WARMUP and not b.get("profiled")]  # --profile's steps
     if len(pairs) < 2:
         return {"tokens_per_s": None, "step_time_cv": None, "logged_mfu": None, "steady_steps": len(pairs)}
     times = [t for _, t in pairs]
@@ -98,6 +124,46 @@ def steady(records: list[dict]) -> dict:
     return {"tokens_per_s": sum(n for n, _ in pairs) / sum(times),
             "step_time_cv": statistics.pstdev(times) / statistics.mean(times),
             "logged_mfu": statistics.mean(mfu) if mfu else None, "steady_steps": len(pairs)}
+
+
+def grpo_figures(records: list[dict], warmup: int) -> dict:
+    """--objective grpo's figures over the steps after `warmup` (one record a step): generation tokens/s (the
+    rounds' completion tokens over their seconds), training tokens/s (the steps' tokens over their seconds
+    outside the rounds: the logged tokens_per_sec's window) and the whole step's mean seconds."""
+    steps = [r for r in records if "loss" in r and "tokens" in r and "elapsed_s" in r]
+    gen_tokens = gen_s = trained = train_s = 0.0
+    step_s = []
+    for a, b in zip([None, *steps], steps):
+        if b["step"] <= warmup or (a is not None and b["step"] != a["step"] + 1):
+            continue
+        tokens = b["tokens"] - (a["tokens"] if a else 0)
+        trained, train_s = trained + tokens, train_s + tokens / b["tokens_per_sec"]
+        step_s.append(b["elapsed_s"] - (a["elapsed_s"] if a else 0))
+        if b.get("time/generate_s"):
+            gen_tokens += b["generation_tokens_per_sec"] * b["time/generate_s"]
+            gen_s += b["time/generate_s"]
+    return {"generation_tokens_per_s": gen_tokens / gen_s if gen_s else None,
+            "training_tokens_per_s": trained / train_s if train_s else None,
+            "step_s": statistics.mean(step_s) if step_s else None, "grpo_steady_steps": len(step_s)}
+
+
+def grpo_case(run, name: str, model: str, prompts: Path, out: Path, env: dict) -> dict:
+    """finetune.py --objective grpo (GRPO_SETTINGS) on `prompts`, a subprocess: run_case's record plus
+    grpo_figures and the decode path its log names."""
+    g = GRPO_SMOKE if run.smoke else GRPO_SETTINGS
+    cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", model, "--dataset", str(prompts), "--output-dir",
+           str(out), "--overwrite-output-dir", "--objective", "grpo", "--reward", "builtin:math_answer",
+           "--num-generations", str(g["generations"]), "--max-completion-length", str(g["completion"]),
+           "--seq-len", str(g["seq_len"]), "--micro-batch-size", str(g["micro"]), "--max-steps", str(g["steps"])]
+    print(f"  {name}", flush=True)
+    case = run_case(name, cmd, out, env, run.timeout() if run.deadline else None)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    text = (out.parent / f"{name}.log").read_text()
+    case.update(grpo_figures(records, g["warmup"]), settings=g,
+                decode=next((ln for ln in text.splitlines() if ln.startswith("decode: ")), None))
+    print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
+    return case
 
 
 def error_line(text: str) -> str:
@@ -134,6 +200,9 @@ def run_case(name: str, cmd: list[str], out: Path, env: dict, timeout: float | N
             "integrity": bool(integrity.get("ok")) if integrity else False,
             "attention": next((ln.split("; ", 1)[1] for ln in text.splitlines() if ln.startswith("model: ")), None),
             "loss": next((ln for ln in text.splitlines() if ln.startswith("loss: ")), None), "error": None}
+    if (out / "profile.json").exists():  # --profile: what a step spends, by op (issue 66: the fixed cost per step)
+        profile = json.loads((out / "profile.json").read_text())
+        case["profile"] = {"steps": profile["steps"], "per_step_top": profile["per_step_top"][:12]}
     if p.returncode != 0 or not case["integrity"]:
         case["error"] = "timed out" if timeout is not None and case["seconds"] > timeout else error_line(text)
     return case
@@ -151,6 +220,8 @@ def part_user(run, check) -> dict:
     run.shapes = {**run.shapes, **shapes}
     cases, skipped = [], []
     for name, model, flags in CASES:
+        if not selected(name):
+            continue
         if name in GPU_ONLY and not run.gpu:
             skipped.append(f"{name}: {GPU_ONLY[name]}")
             continue
@@ -160,13 +231,21 @@ def part_user(run, check) -> dict:
             continue
         out = work / name
         data = pairs if "--objective" in flags else alpaca
+        n = steps + 2 if run.smoke and "--profile" in flags else steps  # smoke: steady steps 7-8 after profiled 4-6
         cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model(model), "--dataset", str(data),
                "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size",
-               str(mb), "--max-steps", str(steps), *flags]
+               str(mb), "--max-steps", str(n), *flags]
         print(f"  {name}", flush=True)
         case = run_case(name, cmd, out, env, run.timeout() if run.deadline else None)
         print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
         cases.append(case)
+    if selected("grpo"):
+        late = run.out_of_time(GRPO_SECONDS)
+        if late:
+            skipped.append(f"grpo: {late}")
+        else:  # kept on `run`: the yardstick part compares it with TRL's GRPOTrainer
+            run.grpo_case = grpo_case(run, "grpo", run.model("llama-1b"), work / "prompts.jsonl", work / "grpo", env)
+            cases.append(run.grpo_case)
     checks = [check(f"{c['name']}: started, trained, saved folder passes the integrity check",
                     float(c["error"] is None), ">=", 1.0) for c in cases]
     by = {c["name"]: c for c in cases}
@@ -180,6 +259,59 @@ def part_user(run, check) -> dict:
         checks.append(check("full: logged MFU", by["full"]["logged_mfu"], ">=", 0.40, judged=run.gpu))
     return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": steps, "cases": cases, "checks": checks,
             "skipped": skipped}
+
+
+def part_epoch(run, check, method: str) -> dict:
+    """Issue 66's runs as long as a user's: one epoch of the GSM8K file (every record: ~380 packed steps at 2048 x
+    4) with the default (--compile auto), --compile and --no-compile, and 30 steps with the default and
+    --no-compile, `method` LoRA or full; wall seconds from launch to exit, start-up and compile included. Checks:
+    the default within 1.03x the fastest arm, one epoch and 30 steps; a full finetune's epoch at logged MFU 0.45."""
+    work = Path(run.work) / f"epoch_{method}"
+    src = next((p for p in DATA if p.exists()), None)
+    alpaca, _, origin = data_files(work, run.smoke)
+    if src is not None and not run.smoke:  # the whole file, not the user part's first RECORDS
+        alpaca.write_text(src.read_text())
+        origin = f"{src.name}, every record"
+    seq, mb, short = (256, 2, 6) if run.smoke else (2048, 4, 30)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    arms = [("epoch_default", []), ("epoch_compile", ["--compile"]), ("epoch_eager", ["--no-compile"]),
+            (f"steps{short}_default", ["--max-steps", str(short)]),
+            (f"steps{short}_eager", ["--max-steps", str(short), "--no-compile"])]
+    cases, skipped = [], []
+    if run.smoke:  # the CPU smoke (tests/test_gpu_acceptance.py): one arm of each kind, LoRA's; the rest on a GPU
+        skipped = [f"{name}: a GPU run's" for name, _ in arms if method == "full" or name.endswith("compile")
+                   or name.startswith(f"steps{short}_eager")]
+        arms = [] if method == "full" else [a for a in arms if a[0] in ("epoch_default", "epoch_eager",
+                                                                          f"steps{short}_default")]
+    for name, flags in arms:
+        late = run.out_of_time(SECONDS * (4 if name.startswith("epoch") else 1))
+        if late:
+            skipped.append(f"{name}: {late}")
+            continue
+        out = work / name
+        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model("llama-1b"), "--dataset", str(alpaca),
+               "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb),
+               "--method", method, *PACKED, *flags]
+        print(f"  {method} {name}", flush=True)
+        case = run_case(f"{method}_{name}", cmd, out, env, run.timeout() if run.deadline else None)
+        print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
+        cases.append(case)
+    by = {c["name"].removeprefix(f"{method}_"): c for c in cases}
+    checks = [check(f"{c['name']}: started, trained, saved", float(c["error"] is None), ">=", 1.0)
+              for c in cases]
+    arms_of = {"epoch": ("epoch_default", "epoch_compile", "epoch_eager"),
+               f"{short} steps": (f"steps{short}_default", f"steps{short}_eager")}
+    for what, names in arms_of.items():
+        if all(n in by and by[n]["error"] is None for n in names):
+            fastest = min(by[n]["seconds"] for n in names)
+            checks.append(check(f"{method}, {what}: default wall / fastest arm's", by[names[0]]["seconds"] / fastest,
+                                "<=", 1.03, judged=run.gpu))
+    if method == "full" and by.get("epoch_default", {}).get("logged_mfu") is not None:
+        checks.append(check("full, epoch, default: logged MFU", by["epoch_default"]["logged_mfu"], ">=", 0.45,
+                            judged=run.gpu))
+    return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": f"one epoch, and {short}", "cases": cases,
+            "checks": checks, "skipped": skipped}
 
 
 def table(d: dict) -> list[str]:
@@ -199,6 +331,18 @@ def table(d: dict) -> list[str]:
                      f"{f(c.get('seconds'), '.0f')} | {f(c.get('tokens_per_s'), '.0f')} | {f(c.get('step_time_cv'), '.2f')} | "
                      f"{f(c.get('logged_mfu'), '.3f')} | {f(c.get('peak_gib'), '.1f')} | {f(c.get('loss_check_gap'), '.1e')} | "
                      f"{f(c.get('packing_check_gap'), '.1e')} | {yes(c.get('integrity'))} | {(c.get('error') or '')[:120]} |")
+    grpo = [c for c in d["cases"] if c["name"].startswith("grpo")]
+    if grpo:
+        g = grpo[0].get("settings") or GRPO_SETTINGS
+        lines += ["", f"{d['part']}, GRPO: {g['generations']} completions of up to {g['completion']} tokens a step, "
+                  f"micro-batch {g['micro']}, steady figures after step {g['warmup']}", "",
+                  "| case | generation tokens/s | training tokens/s | step s | peak GiB | generation |",
+                  "|---|---|---|---|---|---|"]
+        for c in grpo:
+            how = c.get("decode") or c.get("generation") or "-"
+            lines.append(f"| {c['name']} | {f(c.get('generation_tokens_per_s'), '.0f')} | "
+                         f"{f(c.get('training_tokens_per_s'), '.0f')} | {f(c.get('step_s'), '.2f')} | "
+                         f"{f(c.get('peak_gib'), '.1f')} | {how[:150]} |")
     return lines
 
 
@@ -224,6 +368,31 @@ def sft_case(name: str, model: str, data: Path, out: Path, flags: list[str], seq
     return {"name": name, "command": " ".join(cmd[1:]), "started": bool(got.get("steps")), "exit": code,
             "seconds": round(time.perf_counter() - t0, 1), **got,
             "error": None if code == 0 and got else error_line(text if isinstance(text, str) else "")}
+
+
+def trl_grpo_case(run, name: str, model: str, prompts: Path, out: Path, flags: list[str], env: dict) -> dict:
+    """TRL's GRPOTrainer as its users run it (scripts/grpo_trainer_user.py) with GRPO_SETTINGS, a subprocess."""
+    g = GRPO_SMOKE if run.smoke else GRPO_SETTINGS
+    cmd = [sys.executable, str(ROOT / "scripts" / "grpo_trainer_user.py"), "--model", model, "--dataset", str(prompts),
+           "--output-dir", str(out), "--num-generations", str(g["generations"]), "--max-completion-length",
+           str(g["completion"]), "--micro-batch-size", str(g["micro"]), "--max-steps", str(g["steps"]), "--warmup",
+           str(g["warmup"]), *flags]
+    if not run.gpu and "--continuous-batching" in flags:  # on a CPU its default cache is half the machine's RAM
+        cmd += ["--cb-config", json.dumps({"num_blocks": 16, "max_batch_tokens": 512})]
+    print(f"  {name}", flush=True)
+    timeout = run.timeout() if run.deadline else None
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+    text = text if isinstance(text, str) else str(text)
+    (out.parent / f"{name}.log").write_text(text)
+    got = json.loads((out / "grpo_metrics.json").read_text()) if (out / "grpo_metrics.json").exists() else {}
+    return {"name": name, "command": " ".join(cmd[1:]), "started": bool(got.get("steps")), "exit": code,
+            "seconds": round(time.perf_counter() - t0, 1), **got,
+            "error": None if code == 0 and got else error_line(text)}
 
 
 def part_yardstick(run, check) -> dict:
@@ -263,9 +432,22 @@ def part_yardstick(run, check) -> dict:
             ("sft_full", lambda: sft("sft_full", ["--method", "full"])),
             ("lora_200_default", lambda: toolkit("lora_200_default", [], everything, long_steps)),
             ("lora_200_eager", lambda: toolkit("lora_200_eager", ["--no-compile"], everything, long_steps))]
+
+    def grpo(name: str, flags: list[str]) -> None:
+        cases.append(trl_grpo_case(run, name, model, work / "prompts.jsonl", work / name, flags, env))
+
+    def grpo_toolkit() -> None:  # the user part's run when it ran in this command, else its own
+        mine = getattr(run, "grpo_case", None)
+        cases.append({**mine, "from": "the user part"} if mine else
+                     grpo_case(run, "grpo", model, work / "prompts.jsonl", work / "grpo", env))
+
+    plan += [("grpo", grpo_toolkit), ("grpo_trl", lambda: grpo("grpo_trl", [])),
+             ("grpo_trl_cb", lambda: grpo("grpo_trl_cb", ["--continuous-batching"]))]
     skipped = []
     for name, go in plan:
-        late = run.out_of_time(SECONDS)
+        if not selected(name):
+            continue
+        late = run.out_of_time(GRPO_SECONDS if name.startswith("grpo") else SECONDS)
         if late:
             skipped.append(f"{name}: {late}")
             continue
@@ -280,7 +462,11 @@ def part_yardstick(run, check) -> dict:
         ("lora: default / SFTTrainer", ratio("lora", "sft_lora"), ">=", 1.5),
         ("lora: default / SFTTrainer best", ratio("lora", "sft_lora_best"), ">=", 1.1),
         ("full: default / SFTTrainer", ratio("full", "sft_full"), ">=", 1.25),
-        ("200 steps: default wall / eager wall", ratio("lora_200_default", "lora_200_eager", "seconds"), "<=", 1.0))
+        ("200 steps: default wall / eager wall", ratio("lora_200_default", "lora_200_eager", "seconds"), "<=", 1.0),
+        ("grpo: generation tokens/s / GRPOTrainer's (generate)",
+         ratio("grpo", "grpo_trl", "generation_tokens_per_s"), ">=", 2.0),
+        ("grpo: generation tokens/s / GRPOTrainer's (continuous batching)",
+         ratio("grpo", "grpo_trl_cb", "generation_tokens_per_s"), ">=", 1.0))
         if value is not None]
     merge_checks(run.out, checks)
     return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": steps, "cases": cases, "checks": checks,

@@ -7,7 +7,11 @@ The records become TRL's prompt-completion form (the completion trained, as the 
 answer), packed to --seq-len (`packing=True`: TRL's best-fit decreasing, padding-free rows), bf16 on a
 GPU, LoRA r 16 / alpha 32 on all linear layers or a full finetune, the toolkit's learning rates and
 schedule, a log every step. `--best` adds TRL's documented speed flags: `torch_compile=True`,
-`padding_free=True`, and `use_liger_kernel=True` where liger_kernel imports (else said in the JSON).
+`padding_free=True`, `use_liger_kernel=True` where liger_kernel imports, the attention TRL's docs recommend
+with padding-free (FlashAttention 2, `attn_implementation="flash_attention_2"`) where flash_attn imports, and
+turns off the gradient checkpointing SFTConfig turns on by default (issue 66: TRL at its real best; the Llama-
+3.2-1B shape at 2048 x 4 fits an H100/H200 without it: the toolkit's run peaked at 18 GiB); what it could not
+use is said in the JSON. Without --best, TRL's defaults (checkpointing on).
 Tokens/s come from TRL's own log (`num_tokens`, cumulative) over the wall time between steps (a callback
 notes each step's end): the steps after WARMUP, as the user part counts the toolkit's. Writes
 OUT/sft_metrics.json: tokens_per_s, step_time_cv, seconds_to_step1, warmup_s (the first WARMUP steps,
@@ -54,14 +58,18 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     liger = importlib.util.find_spec("liger_kernel") is not None
+    flash = gpu and importlib.util.find_spec("flash_attn") is not None
     best = {"torch_compile": True, "torch_compile_backend": a.compile_backend, "padding_free": True,
+            "gradient_checkpointing": False,
             "use_liger_kernel": liger and gpu} if a.best else {}
     config = SFTConfig(output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.micro_batch_size,
                        max_length=a.seq_len, packing=True, bf16=gpu, logging_steps=1, report_to="none",
                        save_strategy="no", learning_rate=2e-4 if a.method == "lora" else 2e-5,
                        lr_scheduler_type="cosine", warmup_steps=10, **best)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if gpu and a.method == "lora" else None)
+    attn = {"attn_implementation": "flash_attention_2"} if a.best and flash else {}
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if gpu and a.method == "lora" else None,
+                                                 **attn)
     peft_config = None
     if a.method == "lora":
         from peft import LoraConfig
@@ -86,7 +94,9 @@ def main() -> None:
     steps = list(zip(tokens, ends))
     pairs = [(b[0] - a_[0], b[1] - a_[1]) for a_, b in zip(steps[WARMUP - 1:], steps[WARMUP:])]
     times = [t for _, t in pairs]
-    out = {"method": a.method, "best": best, "liger_left_out": a.best and not (liger and gpu), "steps": len(ends),
+    out = {"method": a.method, "best": best, "liger_left_out": a.best and not (liger and gpu),
+           "attention": model.config._attn_implementation, "flash_attn_left_out": a.best and not flash,
+           "gradient_checkpointing": config.gradient_checkpointing, "steps": len(ends),
            "tokens_per_s": sum(n for n, _ in pairs) / sum(times) if pairs else None,
            "step_time_cv": statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else None,
            "seconds_to_step1": round(ends[0] - t_start, 1) if ends else None,

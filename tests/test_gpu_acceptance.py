@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "moe")
 
 
@@ -45,17 +45,35 @@ def test_smoke_runs_every_part(tmp_path):
     assert parts["memory"]["skipped"]  # qlora needs a GPU: said so
     user = {c["name"]: c for c in parts["user"]["cases"]}  # finetune.py as a subprocess, each case
     assert set(user) == {"lora", "full", "lora_compile", "full_compile", "lora_unpacked", "lora_fp32", "dpo",
-                         "qwen3_moe", "gemma2"} and "qlora:" in " ".join(parts["user"]["skipped"])
-    assert all(c["started"] and c["integrity"] and c["tokens_per_s"] > 0 and c["step_time_cv"] >= 0 for c in user.values())
+                         "qwen3_moe", "gemma2", "grpo"} and "qlora:" in " ".join(parts["user"]["skipped"])
+    assert all(c["started"] and c["integrity"] and c["tokens_per_s"] > 0 and c["step_time_cv"] >= 0
+               for c in user.values() if c["name"] != "grpo")
+    grpo = user["grpo"]  # --objective grpo: its own figures (a round's generation kept out of training tokens/s)
+    assert grpo["started"] and grpo["integrity"] and grpo["generation_tokens_per_s"] > 0
+    assert grpo["training_tokens_per_s"] > 0 and grpo["step_s"] > 0 and grpo["decode"].startswith("decode: dynamic")
     assert user["lora"]["packing_check_gap"] == 0.0 and user["lora_unpacked"]["packing_check_gap"] is None
+    for name in ("lora", "lora_unpacked"):  # --profile (issue 66): what a step spends, by op, in the report
+        top = user[name]["profile"]["per_step_top"]
+        assert user[name]["profile"]["steps"] == [4, 6] and top and all(e["self_ms"] >= 0 for e in top)
+    epoch = {c["name"]: c for c in parts["epoch_lora"]["cases"]}  # issue 66: a run as long as a user's
+    assert set(epoch) == {"lora_epoch_default", "lora_epoch_eager", "lora_steps6_default"}
+    assert all(c["seconds"] > 0 and c["integrity"] for c in epoch.values())
+    assert not parts["epoch_full"]["cases"] and parts["epoch_full"]["skipped"]
     assert all(user[n]["loss_check_gap"] <= 1e-4 for n in user)  # fp32 here
     yard = {c["name"]: c for c in parts["yardstick"]["cases"]}  # TRL's SFTTrainer beside the default
-    assert set(yard) == {"lora", "sft_lora", "sft_lora_best", "full", "sft_full", "lora_200_default", "lora_200_eager"}
-    assert all(c["tokens_per_s"] > 0 for c in yard.values()) and yard["sft_lora_best"]["best"]["torch_compile"]
+    assert set(yard) == {"lora", "sft_lora", "sft_lora_best", "full", "sft_full", "lora_200_default", "lora_200_eager",
+                         "grpo", "grpo_trl", "grpo_trl_cb"}  # and TRL's GRPOTrainer beside --objective grpo
+    assert all(c["tokens_per_s"] > 0 for c in yard.values() if not c["name"].startswith("grpo"))
+    assert yard["sft_lora_best"]["best"]["torch_compile"] and yard["grpo"]["from"] == "the user part"
+    for name in ("grpo_trl", "grpo_trl_cb"):
+        c = yard[name]
+        assert c["generation_tokens_per_s"] > 0 and c["training_tokens_per_s"] > 0 and c["step_s"] > 0, name
+    assert yard["grpo_trl_cb"]["continuous_batching"] and not yard["grpo_trl"]["continuous_batching"]
     names = {c["what"] for c in parts["user"]["checks"]}  # the yardstick's merged in
     assert {"lora: default / fastest arm", "full: default / fastest arm", "lora: default / SFTTrainer",
             "lora: default / SFTTrainer best", "full: default / SFTTrainer", "full: logged MFU",
-            "200 steps: default wall / eager wall"} <= names  # issue 59's figures, in user.json
+            "200 steps: default wall / eager wall", "grpo: generation tokens/s / GRPOTrainer's (generate)",
+            "grpo: generation tokens/s / GRPOTrainer's (continuous batching)"} <= names  # issues 59's and 65's
     skipped = {name: " ".join(d.get("skipped", [])) for name, d in parts.items()}
     assert "flash:" in skipped["packing"] and "loss_liger:" in skipped["chunked_loss"]
     for d in (parts["throughput_full"], parts["throughput_lora"]):

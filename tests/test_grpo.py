@@ -137,6 +137,25 @@ def test_a_run_says_what_it_trains_and_logs_trls_metrics(runs):
     assert [r["step"] for r in logged] == [1] * 8 + [2] * 8 and set(logged[0]["rewards"]) == {"vowels", "math_answer"}
 
 
+def test_the_static_decode_path_samples_and_trains_as_the_dynamic_one(runs, tmp_path_factory, tiny_model, files):
+    """CUDA's decode path (a StaticCache, each step compiled; here aot_eager, the CPU's test backend) in a whole
+    run: the same completions, bitwise the same losses as the CPU default's, and each run's log names its path."""
+    from distributed import launch_layouts, run_stdout
+
+    root = tmp_path_factory.mktemp("static_decode")
+    got = launch_layouts(root, common(tiny_model, files), {"one_lora": RUNS["one_lora"][1]}, launcher="python",
+                         env={"TOOLKIT_DECODE": "static", "TOOLKIT_COMPILE_BACKEND": "aot_eager"})["one_lora"]
+    assert got["exit"] == 0, got["stderr"].read_text()[-3000:]
+    ref = runs("one_lora")
+    assert completions(got["out"]) == completions(ref)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in steps(got["out"])] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in steps(ref)]
+    said = got["stdout"].read_text()
+    assert "decode: static KV cache (prompt + completion length), the prompt's forward eager, each decode step " \
+           "compiled (torch.compile backend aot_eager)" in said and "the static path failed" not in said
+    assert "decode: dynamic KV cache, eager steps (the CPU default" in run_stdout(ref)
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, tiny_model, files, runs):
     """From copies of one process's full run and 2 ranks' FSDP LoRA run with the checkpoints after step 1

@@ -329,9 +329,14 @@ def test_a_reward_function_that_misbehaves_stops_the_run_in_one_line_naming_the_
 
 def test_math_answer_without_an_answer_column_names_the_record():
     with pytest.raises(UserError, match=r"builtin:math_answer failed on prompt 0 completion 0 \(record 7\): needs an "
-                                        r"'answer' column; the records have: solution$"):
+                                        r"'answer' column; the records have: hint$"):
         rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q"], ["4"], [[1]],
-                 {"solution": ["4"]}, records=[7])
+                 {"hint": ["4"]}, records=[7])
+    # alpaca's `output` (or a `solution` column) is the answer where there is no `answer` column
+    for column in ("output", "solution"):
+        scored = rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q", "q"], ["it is 4", "5"],
+                          [[1], [1]], {column: ["The sum is 4.", "#### 4"]})
+        assert scored.rewards == [[1.0], [0.0]]
 
 
 # --- sampling
@@ -436,3 +441,86 @@ def test_sampling_runs_without_dropout_and_restores_each_modules_mode(tmp_path):
             if "lora_B" in name:
                 p.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
     assert sm.sample(peft, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0).token_lists() != evaluated.token_lists()
+
+
+# --- the static decode path (a StaticCache and a compiled step: CUDA's default)
+def test_the_static_compiled_path_draws_the_dynamic_paths_tokens(tiny):
+    """Prompts of 1 to 9 tokens, rows that end at an EOS and rows that run to the end: the static path (its step
+    compiled with aot_eager: dynamo and AOTAutograd, the graph inductor would get) gives the dynamic path's
+    completions exactly, in a batch and alone (another batch size: a recompile); the held cache is reused."""
+    from torch._dynamo.utils import counters
+
+    decoder = sm.StaticDecoder("aot_eager", "cpu")
+    compiled = counters["stats"]["unique_graphs"]
+    dynamic = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    static = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0, decoder=decoder)
+    assert decoder.failed is None and counters["stats"]["unique_graphs"] > compiled  # compiled, and it ran
+    assert static.truncated.tolist().count(True) not in (0, 4)
+    for got in (static, sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0, decoder=decoder)):
+        assert torch.equal(got.ids, dynamic.ids) and torch.equal(got.mask, dynamic.mask)
+        assert torch.equal(got.truncated, dynamic.truncated)
+    held = decoder.caches[4][1]
+    alone = sm.sample(tiny, PROMPTS[2:3], seeds_for([2]), CFG, EOS, pad_id=0, decoder=decoder)
+    assert decoder.failed is None and alone.token_lists() == [dynamic.token_lists()[2]]
+    assert decoder.caches[4][1] is held and set(decoder.caches) == {1, 4}
+
+
+def test_the_static_cache_grows_in_buckets_and_is_kept(tiny):
+    """Uncompiled (the cache alone): a prompt + completion past one bucket takes the next multiple of 128, later
+    shorter batches reuse it; the tokens stay the dynamic path's; a reserved length sizes the first cache."""
+    decoder = sm.StaticDecoder(None, "cpu")
+    cfg = sm.SamplingConfig(max_completion_length=8, temperature=0.8)
+    long_prompt = [(7 * i) % 300 + 10 for i in range(125)]  # 125 + 8 > 128
+    short = sm.sample(tiny, PROMPTS[:2], seeds_for([0, 1]), cfg, [], pad_id=0, decoder=decoder)
+    assert decoder.caches[2][0] == 128
+    longer = sm.sample(tiny, [long_prompt, PROMPTS[1]], seeds_for([5, 1]), cfg, [], pad_id=0, decoder=decoder)
+    size, held = decoder.caches[2]
+    assert size == 256
+    again = sm.sample(tiny, PROMPTS[:2], seeds_for([0, 1]), cfg, [], pad_id=0, decoder=decoder)
+    assert decoder.caches[2] == (256, held)
+    assert again.token_lists() == short.token_lists() == sm.sample(tiny, PROMPTS[:2], seeds_for([0, 1]), cfg, [],
+                                                                    pad_id=0).token_lists()
+    assert longer.token_lists() == sm.sample(tiny, [long_prompt, PROMPTS[1]], seeds_for([5, 1]), cfg, [],
+                                             pad_id=0).token_lists()
+    reserved = sm.StaticDecoder(None, "cpu")
+    reserved.reserve = 300  # a run's longest prompt + completion: every cache that long from the start
+    sm.sample(tiny, PROMPTS[:2], seeds_for([0, 1]), cfg, [], pad_id=0, decoder=reserved)
+    assert reserved.caches[2][0] == 384
+
+
+def test_a_failing_compiled_step_says_so_once_and_the_dynamic_path_samples(tiny, capsys):
+    decoder = sm.StaticDecoder(None, "cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here\nmore detail")
+
+    decoder.step = broken
+    got = [sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0, decoder=decoder) for _ in range(2)]
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("decode:")]
+    assert said == ["decode: the static path failed (RuntimeError: no compiler here); dynamic KV cache, eager steps "
+                    "from here"]
+    dynamic = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    assert all(g.token_lists() == dynamic.token_lists() for g in got)
+
+
+def test_the_decode_path_is_the_devices_default_and_says_why(tiny, monkeypatch):
+    """The CPU samples on the dynamic path; TOOLKIT_DECODE=static takes the static one (compiled with
+    TOOLKIT_COMPILE_BACKEND's backend); a model that cannot (a quantization that does not compile) stays dynamic
+    and the line says why; anything else in TOOLKIT_DECODE is refused."""
+    from toolkit.models import COMPILE_BACKEND_ENV
+
+    monkeypatch.delenv(sm.DECODE_ENV, raising=False)
+    decoder, line = sm.decoder_for(tiny)
+    assert decoder is None and line.startswith("decode: dynamic KV cache, eager steps (the CPU default")
+    monkeypatch.setenv(sm.DECODE_ENV, "static")
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    decoder, line = sm.decoder_for(tiny)
+    assert decoder.backend == "aot_eager" and not decoder.graphs
+    assert line == ("decode: static KV cache (prompt + completion length), the prompt's forward eager, each decode "
+                    "step compiled (torch.compile backend aot_eager)")
+    monkeypatch.setattr(tiny, "hf_quantizer", SimpleNamespace(is_compileable=False), raising=False)
+    decoder, line = sm.decoder_for(tiny)
+    assert decoder is None and "quantization does not compile" in line
+    monkeypatch.setenv(sm.DECODE_ENV, "paged")
+    with pytest.raises(ValueError, match="TOOLKIT_DECODE=paged: dynamic or static"):
+        sm.decoder_for(tiny)

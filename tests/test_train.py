@@ -643,3 +643,18 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, m
     assert compiled[0]["compiled_graphs"] > 0
     if "--packing" in extra:  # packed rows: no graph compiled after step 1 (issue 66: step 2 compiled them again)
         assert len({r["compiled_graphs"] for r in compiled}) == 1, [r["compiled_graphs"] for r in compiled]
+
+
+def test_profile_names_what_a_step_spends(tmp_path, tiny_model, data_files, capsys):
+    """--profile (issue 66): steps 4-6 under torch.profiler, their costliest ops per step in profile.json (what
+    the GPU user part reports), torch's table in profile.txt, a chrome trace, and one line; the training is the
+    unprofiled run's."""
+    _, plain = run(tmp_path / "plain", tiny_model, data_files["alpaca"])
+    _, out = run(tmp_path / "profiled", tiny_model, data_files["alpaca"], "--profile")
+    said = capsys.readouterr().out
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["steps"] == [4, 6] and len(profile["per_step_top"]) > 5
+    assert any(e["name"] == "aten::mm" and e["self_ms"] > 0 for e in profile["per_step_top"])
+    assert (out / "profile.txt").read_text().startswith("steps 4-6") and (out / "profile_trace.json").stat().st_size
+    assert "profile: steps 4-6 in" in said
+    assert [r["loss"] for r in records(out) if "loss" in r] == [r["loss"] for r in records(plain) if "loss" in r]

@@ -230,6 +230,8 @@ class OutputConfig:
                               "a token the run is refused at start")
     hub_private: bool = _f(False, "--push-to-hub: create the repo private (otherwise the account's own setting "
                                   "decides)")
+    profile: bool = _f(False, "profile steps 4-6 with torch.profiler: profile.txt (the top ops by self time, a GPU's "
+                              "on one), profile.json and a chrome trace beside the metrics")
     debug: bool = _f(False, "show full tracebacks for errors")
 
 

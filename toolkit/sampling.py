@@ -15,11 +15,28 @@ The distribution is transformers' sampling: the last position's logits in fp32 t
 TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper, in that order (`GenerationMixin._get_logits_processor`,
 which TRL's GRPOTrainer uses with do_sample=True), then softmax. A row stops at its first EOS (any of
 `eos_ids`, TRL's list: the tokenizer's and the generation config's); later positions hold `pad_id`.
+
+Two decode paths draw the same tokens (tests/test_grpo_functions.py checks it, fp32 on the CPU):
+- dynamic: transformers' DynamicCache, every step eager, the cache grown by a concatenation a step. The CPU
+  default (benchmarks/sampling.md, 2 cores, fp32): a preallocated cache alone changed nothing (0.98x, 1.04x),
+  the inductor-compiled step drew 1.21x (tiny Llama) and 1.15x (56M Llama) the tokens/s once compiled, but
+  its compile took ~50 s and ~170 s: the 56M model's 10 s round saves ~1.3 s, so 130 rounds repay it (as
+  --compile auto leaves training eager on a CPU).
+- static (`StaticDecoder`): a StaticCache sized prompt + max_completion_length, the prompt's forward eager,
+  then each one-token step (forward, warpers, softmax, inverse-CDF draw, EOS bookkeeping) one
+  torch.compile'd function, with mode "reduce-overhead" on CUDA: CUDA graphs, so a step is one graph
+  launch, not a Python loop over ~10 kernels a layer. This is what transformers' own `generate` does
+  with cache_implementation="static" (a StaticCache, `get_compiled_call` with CompileConfig's default
+  mode "reduce-overhead", the prefill eager), and the CUDA default here (`decoder_for`).
+Not continuous batching (`generate_batch`, paged attention): it samples with torch.multinomial over
+whatever batch its scheduler formed, so a completion would depend on the other requests; and a GRPO
+round's rows start together and share a length cap, which a static batch already serves.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -145,14 +162,159 @@ def any_unfinished_here(unfinished: torch.Tensor) -> bool:
     return bool(unfinished.any())
 
 
+def _draw(logits: torch.Tensor, u: torch.Tensor, finished: torch.Tensor, warpers, eos: torch.Tensor, pad_id: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, finished after it): each row's next token from its last position's `logits` (B, V) at uniform
+    `u` (B,), pad_id where the row had already finished. The warpers are called one by one (not through
+    LogitsProcessorList.__call__, which inspects signatures: a graph break under torch.compile); these four
+    read no input ids."""
+    scores = logits.float()
+    for warper in warpers:
+        scores = warper(None, scores)
+    token = torch.where(finished, pad_id, inverse_cdf(torch.softmax(scores, dim=-1), u))
+    return token, finished | torch.isin(token, eos)
+
+
+def _decode_step(model, token, attention, positions, cache, u, finished, warpers, eos, pad_id: int, keep: dict):
+    """One static-cache step: `token` (B,) forwarded at `positions` (B, 1), then the next one drawn (`_draw`).
+    The function `StaticDecoder` compiles."""
+    out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, cache=cache,
+                use_cache=True, **keep)
+    return _draw(out.logits[:, -1], u, finished, warpers, eos, pad_id)
+
+
+DECODE_ENV = "TOOLKIT_DECODE"  # dynamic or static: overrides `decoder_for`'s choice (tests, benchmarks)
+CACHE_BUCKET = 128  # a static cache's length is a multiple of this: fewer shapes, fewer compiles
+
+
+class StaticDecoder:
+    """The static decode path: one compiled step function and a StaticCache per batch size, both kept across
+    `sample` calls. Kept, because a CUDA graph records its inputs' addresses: a new cache each round would
+    re-record the graph each round, and past torch's limit (`cudagraph_unexpected_rerecord_limit`, 128) it
+    would run without graphs. A cache only grows (to the next multiple of CACHE_BUCKET that holds the
+    longest prompt + max_completion_length, and `reserve`), so its shapes, and the compiles they cost, stay
+    few; a run reserves its longest prompt's length up front, so its training rounds see one shape (a
+    second shape recompiles, with dynamic shapes, in the middle of the run).
+
+    `backend`: torch.compile's; "inductor" gets mode "reduce-overhead" on CUDA (CUDA graphs); another
+    ("aot_eager": the CPU tests, as TOOLKIT_COMPILE_BACKEND) compiles without a mode; None runs the step
+    eagerly (the benchmark's arm that separates the cache from the compile). `check_every`: steps between
+    the host's look at whether any row is still unfinished (a device-to-host sync: between looks the host
+    queues steps ahead of the GPU). A row that ends in between only adds padding, trimmed at the end."""
+
+    def __init__(self, backend: str | None = "inductor", device_type: str = "cuda", check_every: int = 8):
+        self.backend, self.check_every = backend, check_every
+        self.graphs = backend == "inductor" and device_type == "cuda"
+        if backend is None:
+            self.step = _decode_step
+        elif backend == "inductor":
+            self.step = torch.compile(_decode_step, mode="reduce-overhead" if self.graphs else None)
+        else:
+            self.step = torch.compile(_decode_step, backend=backend)
+        self.caches: dict[int, tuple[int, object]] = {}  # batch size -> (length, StaticCache)
+        self.reserve = 0  # the length every cache gets at least (`Rollouts`: the longest prompt's + completion's)
+        self.failed: str | None = None  # why the compiled step could not run (then `sample` goes dynamic)
+
+    def describe(self) -> str:
+        how = ("torch.compile mode reduce-overhead: CUDA graphs" if self.graphs else
+               f"torch.compile backend {self.backend}" if self.backend else "eager")
+        return (f"static KV cache (prompt + completion length), the prompt's forward eager, each decode step "
+                f"compiled ({how})")
+
+    def cache(self, config, batch: int, length: int):
+        """(its length, a StaticCache) for `batch` rows of at least `length` positions, emptied (the one held
+        reused where it is long enough)."""
+        from transformers import StaticCache
+
+        size, held = self.caches.get(batch, (0, None))
+        if size < length:
+            size = -(-max(length, self.reserve) // CACHE_BUCKET) * CACHE_BUCKET
+            held = self.caches.pop(batch, None)  # the shorter one freed before the longer one is allocated
+            held = StaticCache(config=config, max_cache_len=size)
+            self.caches[batch] = (size, held)
+        held.reset()
+        return size, held
+
+    def decode(self, model, ids, attention, positions, u, cfg: SamplingConfig, warpers, eos, pad_id: int, keep: dict,
+               any_unfinished) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """(tokens, each token's row-unfinished-before flags, finished) of one batch, a step at a time."""
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        batch, width = ids.shape
+        size, cache = self.cache(config, batch, width + cfg.max_completion_length)
+        mask = attention.new_zeros(batch, size)  # full width: one shape for every step
+        mask[:, :width] = attention
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **keep)
+        finished = torch.zeros(batch, dtype=torch.bool, device=ids.device)
+        token, after = _draw(out.logits[:, -1], u[:, 0], finished, warpers, eos, pad_id)
+        del out
+        tokens, live, finished = [token], [~finished], after
+        positions = positions[:, -1:]
+        with torch.compiler.set_stance("default"):  # the caller's force_eager keeps --compile's blocks eager
+            for t in range(1, cfg.max_completion_length):
+                if t % self.check_every == 0 and not any_unfinished(~finished):
+                    break
+                mask[:, width + t - 1] = 1  # the token drawn last enters the cache now
+                positions = positions + 1
+                if self.graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                token, after = self.step(model, token, mask, positions, cache, u[:, t], finished, warpers, eos, pad_id,
+                                         keep)
+                if self.graphs:  # a graph's outputs are overwritten by its next replay
+                    token, after = token.clone(), after.clone()
+                tokens.append(token)
+                live.append(~finished)
+                finished = after
+        return tokens, live, finished
+
+
+def static_problem(model) -> str | None:
+    """Why `model` cannot take the static path, or None: its class does not declare that it compiles with a
+    static cache (`_can_compile_fullgraph`), its quantization does not compile (bitsandbytes' 4-bit: QLoRA),
+    or its weights are sharded (FSDP2's or TP's DTensors, ZeRO-3's partitions: each forward gathers them, a
+    collective a CUDA graph cannot hold)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "_can_compile_fullgraph", False):
+        return f"{type(base).__name__} does not declare a compilable static cache"
+    quantizer = getattr(base, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return f"its {type(quantizer).__name__} quantization does not compile"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters()):
+        return "its weights are sharded (FSDP2, TP or ZeRO-3): each forward gathers them"
+    return None
+
+
+def decoder_for(model) -> tuple[StaticDecoder | None, str]:
+    """(the decoder `sample` should use, None for the dynamic path; the line naming it, for the run's log).
+    CUDA: the static path where `static_problem` finds nothing; the CPU: dynamic (why: the module's
+    docstring). TOOLKIT_DECODE=dynamic|static overrides the device's default; the static path compiles
+    with TOOLKIT_COMPILE_BACKEND's backend where it is set (the CPU tests' aot_eager)."""
+    from toolkit.models import COMPILE_BACKEND_ENV
+
+    device = next(model.parameters()).device.type
+    forced = os.environ.get(DECODE_ENV, "")
+    if forced not in ("", "dynamic", "static"):
+        raise ValueError(f"{DECODE_ENV}={forced}: dynamic or static")
+    want = forced or ("static" if device == "cuda" else "dynamic")
+    problem = static_problem(model) if want == "static" else None
+    if want == "dynamic" or problem:
+        why = (f"{DECODE_ENV}=dynamic" if forced == "dynamic" else problem if problem else
+               "the CPU default: a compiled step's minutes of inductor build outweigh its ~1.2x there")
+        return None, f"decode: dynamic KV cache, eager steps ({why})"
+    decoder = StaticDecoder(os.environ.get(COMPILE_BACKEND_ENV, "inductor"), device)
+    return decoder, f"decode: {decoder.describe()}"
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], cfg: SamplingConfig,
            eos_ids: Sequence[int], pad_id: int,
-           any_unfinished: Callable[[torch.Tensor], bool] = any_unfinished_here) -> Completions:
+           any_unfinished: Callable[[torch.Tensor], bool] = any_unfinished_here,
+           decoder: StaticDecoder | None = None) -> Completions:
     """One completion per prompt (a prompt repeated for its G generations, each with its own seed), sampled
-    from `model` with a KV cache; the model's train/eval mode is restored after."""
-    from transformers import DynamicCache
-
+    from `model` with a KV cache; the model's train/eval mode is restored after. `decoder`: the static path
+    (None: the dynamic one); where its compiled step fails to build or run, it says why once and this call
+    and later ones take the dynamic path (out of memory is raised: another path would not fit either)."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"sample: {len(seeds)} seeds for {len(prompt_ids)} prompts")
     device = next(model.parameters()).device
@@ -163,23 +325,46 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    tokens, masks = [], []
-    finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
-    cache = DynamicCache(config=config)
+    if getattr(config, "output_router_logits", False):  # an MoE's router loss: not wanted, and at one query
+        keep["output_router_logits"] = False  # per row against a wider mask its sum fails (Qwen3-MoE)
     with _EvalMode(model):
-        out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True,
-                    **keep)
-        for t in range(cfg.max_completion_length):
-            scores = warpers(ids, out.logits[:, -1].float())
-            token = inverse_cdf(torch.softmax(scores, dim=-1), u[:, t])
-            token = torch.where(finished, pad_id, token)
-            masks.append(~finished)
-            tokens.append(token)
-            finished = finished | torch.isin(token, eos)
-            if t + 1 == cfg.max_completion_length or not any_unfinished(~finished):
-                break
-            attention = torch.cat([attention, attention.new_ones(len(prompt_ids), 1)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions,
-                        cache=cache, use_cache=True, **keep)
-    return Completions(torch.stack(tokens, 1), torch.stack(masks, 1).long(), ~finished)
+        decoded = None
+        if decoder is not None and decoder.failed is None:
+            try:
+                decoded = decoder.decode(model, ids, attention, positions, u, cfg, warpers, eos, pad_id, keep,
+                                         any_unfinished)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a compiler's failure: said, then the dynamic path
+                decoder.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+                print(f"decode: the static path failed ({decoder.failed}); dynamic KV cache, eager steps from here",
+                      flush=True)
+        tokens, live, finished = decoded or _decode_dynamic(model, ids, attention, positions, u, cfg, warpers, eos,
+                                                            pad_id, keep, any_unfinished)
+    ids, mask = torch.stack(tokens, 1), torch.stack(live, 1).long()
+    width = int(mask.sum(1).max())  # the static path may run a few all-finished steps past the last end
+    return Completions(ids[:, :width], mask[:, :width], ~finished)
+
+
+def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, warpers, eos, pad_id: int, keep: dict,
+                    any_unfinished) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The dynamic path: a DynamicCache, every forward eager; the host looks at the rows after every step."""
+    from transformers import DynamicCache
+
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    tokens, live = [], []
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    cache = DynamicCache(config=config)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, **keep)
+    for t in range(cfg.max_completion_length):
+        token, after = _draw(out.logits[:, -1], u[:, t], finished, warpers, eos, pad_id)
+        tokens.append(token)
+        live.append(~finished)
+        finished = after
+        if t + 1 == cfg.max_completion_length or not any_unfinished(~finished):
+            break
+        attention = torch.cat([attention, attention.new_ones(ids.shape[0], 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, cache=cache,
+                    use_cache=True, **keep)
+    return tokens, live, finished

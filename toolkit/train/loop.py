@@ -293,6 +293,12 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
     `on_start(model)`: run on the prepared model before the first step (the exact match before training)."""
     run = set_up(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, trackers, on_start)
     step = run.first_step - 1
+    profiler = None
+    if cfg.output.profile:
+        from toolkit.train.profiling import StepProfiler
+
+        profiler = StepProfiler(out_dir, strategy.accelerator.device.type, run.first_step, run.total_steps,
+                                strategy.accelerator.is_main_process, run.metrics.write)
     try:  # the progress bar closes before any error line, and the signal handlers are put back
         if run.first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
             evaluate(run, 0)
@@ -302,7 +308,13 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
                 check_loss(run, micro[0])
                 if cfg.data.packing and run.strategy.whole_batches:  # (pp and cp build the masks themselves)
                     check_packing(run, micro[0])
+            if profiler is not None:
+                profiler.before(step)
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
+            if profiler is not None:
+                run.memory["profiled"] = profiler.active(step) or None  # its record: the profiler's overhead in it
+                run.memory = {k: v for k, v in run.memory.items() if v is not None}
+                profiler.after(step)
             run.metrics.advance()
             compile_auto(run, step)
             # the compile step gets a record of its own, and so do the eager steps before it: compile time kept apart
@@ -395,6 +407,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
         run.batches = Rollouts(run, train_rows, objective.rewards, [r.weight for r in objective.rewards],
                                reference_model)
         run.batches.start_at(run.first_step)
+        log(run.batches.decode_line)
         if saved is not None and saved.get("rollout"):  # a checkpoint written mid-round: the round's rest
             run.batches.load_state_dict(saved["rollout"])
     else:

@@ -131,7 +131,7 @@ class Rollouts:
     objective, metrics and window: a round's seconds are kept out of the step's tokens/s, as eval's are)."""
 
     def __init__(self, run, prompts, rewards, weights: list[float], reference_model=None):
-        from toolkit.sampling import SamplingConfig
+        from toolkit.sampling import SamplingConfig, decoder_for
 
         cfg, t = run.cfg, run.cfg.train
         self.run, self.prompts, self.rewards, self.reference_model = run, prompts, rewards, reference_model
@@ -149,6 +149,11 @@ class Rollouts:
                             "--micro-batch-size or --grad-accum, or give more prompts")
         self.K, self.mu = self.spec.steps_per_generation, self.spec.num_iterations
         self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
+        # the decode path (`toolkit.sampling.decoder_for`: a static cache and a compiled step on CUDA), kept for
+        # the run, and the line that names it in the run's log
+        self.decoder, self.decode_line = decoder_for(run.strategy.unwrap(run.model))
+        if self.decoder is not None:  # one cache length for every round: the longest prompt's
+            self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
         self.pending: list[tuple[int, list[dict]]] = []
         self.step = 1  # the optimizer step the next batch serves
         self.metrics = RoundMetrics()
@@ -238,7 +243,7 @@ class Rollouts:
             ends = eos_ids(tok, model)
             for i in range(0, len(prompt_ids), share):
                 parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
-                                    tok.pad_token_id, any_unfinished=any_rank_unfinished))
+                                    tok.pad_token_id, any_unfinished=any_rank_unfinished, decoder=self.decoder))
         width = max(p.ids.shape[1] for p in parts)
 
         def padded(x, value):
@@ -390,7 +395,7 @@ def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
             out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=any_rank_unfinished)
+                         any_unfinished=any_rank_unfinished, decoder=getattr(run.batches, "decoder", None))
             if not part:
                 continue
             ids = out.token_lists()
