@@ -266,12 +266,14 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
 
 
 # ---------------------------------------------------------------- compiled blocks
-def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny_model, monkeypatch):
+def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny_model):
     """Padding-free rows under --compile (each block compiled, aot_eager: dynamo and AOTAutograd without
-    inductor's C++ build): rows of one bucketed width whose documents differ, then a wider one, give the eager
-    losses and gradients; a batch of a width and document count seen before compiles no new graph. (A memo
-    of the documents' lengths that dynamo traced once kept the first row's lengths for the next: a silent
-    wrong loss from step 2, `toolkit.attention._lengths`.)"""
+    inductor's C++ build), as the loader gives them once blocks compile (widths rounded to 64, the boundaries'
+    shapes kept: `collate_packed(compiled=True)`): rows of one width whose documents differ, wider and
+    narrower ones, and one of fewer examples give the eager losses and gradients; a row of the first width
+    with other documents compiles nothing, a second width compiles the blocks once more (dynamic shapes) and
+    nothing compiles after it. (A memo of the documents' lengths that dynamo traced kept the first row's
+    lengths for the next: a silent wrong loss from step 2, `toolkit.attention._lengths`.)"""
     from transformers import AutoModelForCausalLM
 
     from toolkit.attention import register
@@ -280,11 +282,11 @@ def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny
     from toolkit.train.compiling import compiled_graphs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=register("varlen"))
-    collate_fn = Collate(0, whole=True, packed=False, width=4 * 48, seq_len=48, padding_free=True)
+    collate_fn = Collate(0, whole=True, packed=False, width=4 * 64, seq_len=64, padding_free=True)
     collate_fn.bucket = True
     batches = [collate_fn(rows(lengths, seed)) for seed, lengths in enumerate(
-        [(20, 30, 25, 21), (29, 22, 24, 20), (40, 45, 38, 41), (27, 23, 26, 24)])]
-    assert [b["input_ids"].shape[1] for b in batches] == [128, 128, 192, 128]
+        [(20, 30, 25, 21), (29, 22, 24, 20), (40, 45, 38, 41), (27, 23, 26, 24), (60, 50, 55, 40), (10, 12)])]
+    assert [b["input_ids"].shape[1] for b in batches] == [128, 128, 192, 128, 256, 64]
     assert batches[0]["cu_seq_lens"].tolist() != batches[1]["cu_seq_lens"].tolist()
 
     def loss_and_grad(b):
@@ -304,4 +306,4 @@ def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny
     for (want, gw), (got, gg) in zip(eager, compiled):
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(gg, gw, **TOL)
-    assert graphs[3] == graphs[2], graphs  # the dynamic graph serves a width and documents seen before
+    assert graphs[1] == graphs[0] and graphs[2] > graphs[1] and graphs[-1] == graphs[2], graphs

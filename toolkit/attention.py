@@ -152,7 +152,7 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     return torch.cat(parts)
 
 
-@torch.compiler.disable  # dynamo would trace the memo's lookup and keep one forward's lengths for the next
+@torch.compiler.disable  # as `reference_varlen` is: traced, the memo kept one forward's lengths for the next
 def _lengths(side: str, cu_seqlens: torch.Tensor) -> list[int]:
     """Each document's length, read to the host once per forward: every layer is handed the same
     `cu_seqlens` (a device-to-host copy where it lives on a GPU: the reference runs there in fp32)."""
