@@ -217,6 +217,7 @@ class ModelShape:
     method: str = "full"
     attn: str = "auto"
     packing: bool = False  # packed rows reach the model whole (--packing without --cp)
+    padding_free: str | None = None  # unpacked rows end to end: "on", "auto" or None (`toolkit.attention.end_to_end`)
     seq_len: int = 2048
     experts: str = "auto"
     kernels: str = "none"
@@ -228,9 +229,11 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelShape":
+        from toolkit.attention import end_to_end
+
         m = cfg.model
-        return cls(m.method, m.attn, cfg.data.packing and cfg.parallel.cp == 1, cfg.data.seq_len, m.experts,
-                   cfg.train.kernels, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(cfg))
+        return cls(m.method, m.attn, *end_to_end(cfg), cfg.data.seq_len, m.experts, cfg.train.kernels, m.lora_r,
+                   m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(cfg))
 
 
 def apply_kernels(model, shape: ModelShape) -> None:
@@ -248,11 +251,12 @@ def apply_kernels(model, shape: ModelShape) -> None:
 def attention(shape: ModelShape, model) -> tuple[str | None, str]:
     """`--attn` for this model (`toolkit.attention.choose_attention`): the kernel to set after loading
     (None: the one transformers picked, sdpa where the model supports it, else eager) and its line.
-    Rows cut by --cp go through the Ulysses wrapper of the model's own attention."""
+    Rows cut by --cp go through the Ulysses wrapper of the model's own attention; unpacked rows go padding-free
+    where the kernel picked keeps them apart (`toolkit.attention.end_to_end`)."""
     from toolkit.attention import choose_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len)
+    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, shape.padding_free)
 
 
 INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
