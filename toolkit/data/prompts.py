@@ -118,9 +118,19 @@ def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
                       {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)
 
 
+def builtin_eval_prompts(cfg: Config, source: DataSource, tokenizer) -> PromptRows:
+    """A built-in dataset's own held-out prompts (`toolkit.data.builtin`: disjoint from its training ones)."""
+    from toolkit.data.builtin import builtin_dataset
+    from toolkit.data.formats import map_columns
+
+    return load_prompts(cfg, source, tokenizer, map_columns(builtin_dataset(source.path.split(":", 1)[1], "eval"),
+                                                            source))
+
+
 def prepare_prompts(cfg: Config, tokenizer):
     """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
-    --eval-split's held-out share (drawn with the seed, as SFT's), and --eval-dataset's."""
+    --eval-split's held-out share (drawn with the seed, as SFT's; a built-in's own eval split instead), and
+    --eval-dataset's."""
     from toolkit.data import data_sources, eval_source, split_indices
     from toolkit.data.prepare import PreparedData
     from toolkit.data.table import DataStats
@@ -134,8 +144,12 @@ def prepare_prompts(cfg: Config, tokenizer):
         raise UserError(f"--dataset {cfg.data.dataset}: no prompt is left to sample from"
                         + (f" ({whole.dropped} longer than --seq-len {cfg.data.seq_len}: raise it)" if whole.dropped
                            else ""))
-    train, held = split_indices(len(whole), cfg, "")
-    held_rows = subset(whole, held) if held else PromptRows()
+    if sources[0].path.startswith("builtin:"):  # its own eval split, as SFT's (--eval-split > 0 asks for it)
+        train, held = list(range(len(whole))), []
+        held_rows = builtin_eval_prompts(cfg, sources[0], tokenizer) if cfg.data.eval_split > 0 else PromptRows()
+    else:
+        train, held = split_indices(len(whole), cfg, "")
+        held_rows = subset(whole, held) if held else PromptRows()
     if cfg.data.eval_dataset:
         held_rows = load_prompts(cfg, eval_source(cfg), tokenizer)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
