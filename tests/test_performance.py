@@ -82,6 +82,8 @@ WHOLE = ["--micro-batch-size", "64", "--max-steps", "3"]  # the whole dataset in
 # (name, method, loss) -> (ranks, flags)
 RUNS = {**{("single", m, loss): (1, MB8) for m in ("full", "lora") for loss in ("full", "chunked")},
         ("whole", "full", "full"): (1, WHOLE), ("whole_packed", "full", "full"): (1, [*WHOLE, "--packing"]),
+        **{(name, "full", "full"): (1, [*MB8, "--seq-len", "256", *flags])  # examples whole: lengths that differ
+           for name, flags in (("free", []), ("padded", ["--no-padding-free"]))},
         ("zero3", "full", "chunked"): (2, [*SHARDED, "--zero-stage", "3"]),
         ("fsdp", "full", "chunked"): (2, [*SHARDED, "--fsdp"])}
 
@@ -263,6 +265,24 @@ def test_packed_batch_gives_the_unpacked_loss_and_gradients(tiny_model, attn):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_unpacked_batches_go_padding_free_and_train_as_padded_ones(runs):
+    """Issue 66: by default an unpacked run on the CPU lays each micro-batch's 8 examples end to end in one row
+    (varlen attention), so the tokens it computes are its real ones (`padding_ratio` at most 1.05; the padded
+    run's is above it, over examples of 63 to 91 tokens); the packing check runs on its rows, and it trains the
+    padded run's per-step losses (1e-5) on the same tokens."""
+    free, padded = ([r for r in records(runs(name, "full", "full")) if "loss" in r] for name in ("free", "padded"))
+    assert len(free) == len(padded) == 5
+    assert all(r["padding_ratio"] <= 1.05 for r in free) and max(r["padding_ratio"] for r in padded) > 1.05
+    assert [r["loss"] for r in free] == pytest.approx([r["loss"] for r in padded], abs=1e-5, rel=1e-5)
+    assert [r["tokens"] for r in free] == [r["tokens"] for r in padded]
+    assert "packing_check_gap" in free[0] and "packing_check_gap" not in padded[0]
+    said = run_stdout(runs("free", "full", "full"))
+    assert "attention: varlen (padding-free rows: each example attends within itself)" in said
+    assert "batches: padding-free: each micro-batch's 8 examples end to end in one row" in said
+    assert "batches: padded to each micro-batch's longest row (--no-padding-free)" in run_stdout(runs("padded", "full",
+                                                                                                   "full"))
 
 
 def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):

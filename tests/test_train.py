@@ -466,12 +466,19 @@ def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, d
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero"):
-                # transformers' own mask preparation reads the padding mask back once or twice per forward
-                # (masking_utils: `fast_all` of the mask for SDPA's causal shortcut, packed-sequence
-                # detection): the model's, not the loop's, and counted apart
-                where = "model" if any("transformers/masking_utils" in f.filename for f in traceback.extract_stack()) else current[0]
-                counts[where] = counts.get(where, 0) + 1
+                count()
             return func(*args, **(kwargs or {}))
+
+    def count():
+        # transformers' own mask preparation reads the padding mask back once or twice per forward
+        # (masking_utils: `fast_all` of the mask for SDPA's causal shortcut, packed-sequence
+        # detection), and on the CPU varlen's reference (padding-free rows, the default there) reads its
+        # documents' lengths once per forward (torch's CUDA kernel takes them on the device): the model's,
+        # not the loop's, and counted apart
+        stack = traceback.extract_stack()
+        model = any("transformers/masking_utils" in f.filename or f.name == "reference_varlen" for f in stack)
+        where = "model" if model else current[0]
+        counts[where] = counts.get(where, 0) + 1
 
     counts, current, inside = {}, [0], [False]
     real_step, real_host, real_tolist = loop.one_step, step_module.host, torch.Tensor.tolist
@@ -491,7 +498,7 @@ def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, d
 
     def tolist(t):
         if not inside[0]:
-            counts[current[0]] = counts.get(current[0], 0) + 1
+            count()
         return real_tolist(t)
 
     monkeypatch.setattr(loop, "one_step", one_step)

@@ -144,12 +144,19 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     document: what varlen runs where torch has no kernel for it (CPU, fp32), and its test reference.
     Documents are `split`, not sliced: a slice's backward writes a zero tensor the size of the whole
     input, per document (half the step's time on CPU, measured)."""
-    q_lengths, k_lengths = cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist()
+    q_lengths, k_lengths = _lengths("q", cu_seq_q), _lengths("k", cu_seq_k)
     causal = tuple(window_size) == (-1, 0)
     parts = [F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                             is_causal=causal, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
              for q, k, v in zip(query.split(q_lengths), key.split(k_lengths), value.split(k_lengths))]  # (1, H, L, D)
     return torch.cat(parts)
+
+
+@torch.compiler.disable  # as `reference_varlen` is: traced, the memo kept one forward's lengths for the next
+def _lengths(side: str, cu_seqlens: torch.Tensor) -> list[int]:
+    """Each document's length, read to the host once per forward: every layer is handed the same
+    `cu_seqlens` (a device-to-host copy where it lives on a GPU: the reference runs there in fp32)."""
+    return _per_forward(f"lengths_{side}", cu_seqlens, 0, lambda: cu_seqlens.diff().tolist())
 
 
 def _varlen_kernel(device: torch.device, dtype: torch.dtype):
@@ -384,13 +391,19 @@ def default_attention(model) -> str:
     return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
 
 
-def choose_attention(choice: str, device_type: str, packing: bool, model, seq_len: int) -> tuple[str | None, str]:
+def choose_attention(choice: str, device_type: str, packing: bool, model, seq_len: int,
+                     padding_free: str | None = None) -> tuple[str | None, str]:
     """`--attn` for this model on this machine: (the name to `set_attn_implementation`, or None to keep
     the one transformers picked for it, the line that says what runs); one-line UserError where the
-    model or the machine cannot run the choice. `packing` False for layouts that cut rows (--cp)."""
+    model or the machine cannot run the choice. `packing` False for layouts that cut rows (--cp);
+    `padding_free` (`end_to_end`): "on", unpacked rows laid end to end whatever the kernel (--padding-free);
+    "auto", laid end to end only where the kernel picked here keeps them apart without a dense mask (else
+    padded); None, padded."""
     if choice not in CHOICES:
         raise UserError(f"--attn {choice!r}: choose one of {', '.join(CHOICES)}")
     own, features, cls = default_attention(model), model_features(model, seq_len), type(model).__name__
+    apart = "padding-free rows: each example attends within itself" if padding_free and not packing else \
+        "packed rows attend within their documents"
     if choice == "sdpa" and own != "sdpa":
         raise UserError(f"--attn sdpa: {cls} does not support torch's scaled_dot_product_attention (transformers "
                         f"runs it with {own}); leave --attn out (auto) to run it with {own}")
@@ -401,15 +414,52 @@ def choose_attention(choice: str, device_type: str, packing: bool, model, seq_le
             raise UserError(f"--attn {choice} does not implement {cls}'s {', '.join(missing)}; leave --attn out (auto: "
                             f"its own {own} attention, with a block-diagonal mask for packed rows)"
                             + ("" if choice == "flash" else " or use --attn flash on a GPU with flash-attn"))
-        return name, f"attention: {choice} (packed rows attend within their documents)"
-    if choice == "sdpa" or not packing:
+        return name, f"attention: {choice} ({apart})"
+    if choice == "sdpa" or not (packing or padding_free):
         return None, f"attention: {own} (transformers' for {cls})"
     have = [k for k in available(device_type) if k != "sdpa" and not set(features) - IMPLEMENTS[k]]
     kernel = auto_choice(device_type, True, have + ["sdpa"])
     if kernel == "sdpa":
         why = f" (the padding-free kernels here do not implement {cls}'s {', '.join(features)})" if features else ""
-        return None, f"attention: {own} with a block-diagonal mask for packed rows{why}"
-    return register(kernel), f"attention: {kernel} (packed rows attend within their documents)"
+        if padding_free == "auto" and not packing:  # a dense mask over the micro-batch's tokens: padded instead
+            return None, f"attention: {own} (transformers' for {cls}); batches padded{why}"
+        rows = "packed" if packing else "padding-free"
+        return None, f"attention: {own} with a block-diagonal mask for {rows} rows{why}"
+    return register(kernel), f"attention: {kernel} ({apart})"
+
+
+def kernel_of(attn_implementation: str | None) -> str | None:
+    """`--attn`'s name for a model's `_attn_implementation` (ours registered as `NAMES`), else it as it is."""
+    return {name: kernel for kernel, name in NAMES.items()}.get(attn_implementation, attn_implementation)
+
+
+# --- padding-free batches: which runs lay an unpacked micro-batch's examples end to end
+PADDING_FREE = frozenset(NAMES[k] for k in ("varlen", "flex", "flash"))  # kernels that need no dense mask
+
+
+def end_to_end(cfg) -> tuple[bool, str | None]:
+    """(--packing, where rows are not cut by --cp; `choose_attention`'s `padding_free`: "on" for
+    --padding-free, "auto" unset, None for --no-padding-free or where padding-free cannot run:
+    `toolkit.config.padding_free_blocked`, or --packing, whose rows are already laid end to end).
+    Context parallel runs the model's own attention on its slices (`toolkit.parallel.cp`)."""
+    from toolkit.config import padding_free_blocked
+
+    d = cfg.data
+    packing = d.packing and cfg.parallel.cp == 1
+    if d.packing or d.padding_free is False or padding_free_blocked(cfg) is not None:
+        return packing, None
+    return packing, "on" if d.padding_free else "auto"
+
+
+def padding_free_on(cfg, attn_implementation: str | None) -> bool:
+    """Whether this run's unpacked micro-batches reach the model padding-free (`toolkit.data.packing.
+    Collate`): asked (--padding-free), or by default where its attention (the model's `_attn_implementation`)
+    is one of the padding-free kernels (varlen, flex, flash: documents kept apart from their boundaries; sdpa
+    or eager would build a dense block-diagonal mask over the micro-batch's tokens, B x the attention of
+    padded rows); never with --no-padding-free, --packing (its rows are already packed) or where the layout
+    cuts the rows (`toolkit.config.padding_free_blocked`). A pure function of its inputs."""
+    mode = end_to_end(cfg)[1]
+    return mode == "on" or (mode == "auto" and attn_implementation in PADDING_FREE)
 
 
 def available(device_type: str) -> list[str]:

@@ -100,6 +100,14 @@ class DataConfig:
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
+    padding_free: Optional[bool] = _f(None, "lay each micro-batch's examples (a pair's chosen and rejected) end to "
+                                            "end in one row, no padding, positions restarting per example (TRL's "
+                                            "padding_free); the same examples per step and the same loss. Unset "
+                                            "(auto, the default): where the attention keeps them apart without a "
+                                            "dense mask (--attn auto's varlen, flash or flex) and the batches reach "
+                                            "the model whole (not --pp, --cp, --objective grpo); --padding-free: "
+                                            "also with sdpa's or eager's block-diagonal mask; --no-padding-free: "
+                                            "padded rows")
     data_workers: int = _f(0, "processes that tokenize (0 = the node's cores); the result is cached, so later "
                               "runs and the other ranks read it")
     streaming: bool = _f(False, "read and tokenize the records as training goes, in file order, nothing cached "
@@ -756,6 +764,8 @@ def validate(cfg: Config) -> list[str]:
     p.extend(x for x in [nproc_problem(cfg.parallel.nproc_per_node, os.environ)] if x)
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn))
     p.extend(objective_problems(cfg))
+    blocked = padding_free_blocked(cfg)
+    need(not (d.padding_free and blocked), f"--padding-free: {blocked}; drop it (the batches are padded there)")
     if d.data_workers < 0:
         p.append(f"--data-workers must be >= 0 (0 = the node's cores; got {d.data_workers})")
     if d.streaming:
@@ -769,6 +779,20 @@ def validate(cfg: Config) -> list[str]:
     p.extend(eval_dataset_problems(d.eval_dataset, d.eval_split))
     p.extend(output_dir_problems(o.output_dir, o.overwrite_output_dir, o.resume, o.continue_finished, t.max_steps))
     return p
+
+
+def padding_free_blocked(cfg: Config) -> str | None:
+    """Why this run's micro-batches cannot reach the model padding-free (None: they can): a layout that cuts
+    the collated rows (a row of a micro-batch's examples end to end cannot be split into pipeline micro-batches,
+    and context parallel's slices run the model's own attention), or batches the loader does not make."""
+    p = cfg.parallel
+    if p.pp > 1:
+        return f"--pp {p.pp} splits each micro-batch's rows into pipeline micro-batches"
+    if p.cp > 1:
+        return f"--cp {p.cp} cuts each row into slices, attended by the model's own attention"
+    if cfg.train.objective == "grpo":
+        return "--objective grpo trains on sampled completions, not on the loader's batches"
+    return None
 
 
 class _Settings(dict):

@@ -221,11 +221,13 @@ def load_model(cfg: Config, path: str):
 def attention(cfg: Config, model) -> tuple[str | None, str]:
     """`--attn` for this model (`toolkit.attention.choose_attention`): the kernel to set after loading
     (None: the one transformers picked, sdpa where the model supports it, else eager) and its line.
-    Rows cut by --cp go through the Ulysses wrapper of the model's own attention."""
-    from toolkit.attention import choose_attention
+    Rows cut by --cp go through the Ulysses wrapper of the model's own attention; unpacked rows go padding-free
+    where the kernel picked keeps them apart (`toolkit.attention.end_to_end`)."""
+    from toolkit.attention import choose_attention, end_to_end
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose_attention(cfg.model.attn, device, cfg.data.packing and cfg.parallel.cp == 1, model, cfg.data.seq_len)
+    packing, padding_free = end_to_end(cfg)
+    return choose_attention(cfg.model.attn, device, packing, model, cfg.data.seq_len, padding_free)
 
 
 INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts

@@ -47,12 +47,18 @@ def no_grad_logps(model, inputs: dict, logps: Callable[[torch.Tensor], torch.Ten
 
 
 def whole_row_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
-    """`sequence_logps` of whole rows through `model` without gradients; `reference`: LoRA's base, the
-    adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
+    """`sequence_logps` of whole rows through `model` without gradients, or of each document where the rows
+    lay sequences end to end (`document_logps`: KTO's padding-free KL sequences); `reference`: LoRA's base,
+    the adapters disabled (`toolkit.parallel.strategy.Strategy.sequence_logps`, a pipeline's aside)."""
     from toolkit.data.packing import model_inputs
 
-    return no_grad_logps(model, model_inputs(batch), lambda logits: sequence_logps(logits, batch["labels"])[0],
-                         reference)
+    def logps(logits: torch.Tensor) -> torch.Tensor:
+        if "position_ids" in batch:
+            return document_logps(logits, batch["labels"], batch["position_ids"], batch["attention_mask"],
+                                  batch["documents"])[0]
+        return sequence_logps(logits, batch["labels"])[0]
+
+    return no_grad_logps(model, model_inputs(batch), logps, reference)
 
 
 def document_logps(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
@@ -137,13 +143,23 @@ def pairs_in(batch: dict) -> int | torch.Tensor:
 
 
 def orpo_labels(batch: dict) -> torch.Tensor:
-    """ORPO's NLL labels, TRL's: the chosen sequences' (even rows') input ids where attended."""
-    return batch["input_ids"][0::2].masked_fill(batch["attention_mask"][0::2] == 0, IGNORE_INDEX)
+    """ORPO's NLL labels, TRL's: the chosen sequences' (even rows') input ids where attended. Rows that lay
+    the sequences end to end (packed or padding-free: documents chosen, rejected, chosen, ...) get labels
+    for every row: the chosen documents' ids, each document's first token unset (nothing before it in its
+    document predicts it, as nothing does at a padded row's position 0)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if "position_ids" not in batch:
+        return ids[0::2].masked_fill(mask[0::2] == 0, IGNORE_INDEX)
+    starts = (batch["position_ids"] == 0) & (mask == 1)
+    document = starts.reshape(-1).cumsum(0).view(starts.shape) - 1  # over the rows laid end to end: whole pairs each
+    return ids.masked_fill(~((document % 2 == 0) & (mask == 1) & ~starts), IGNORE_INDEX)
 
 
 def orpo_nll_tokens(batch: dict) -> torch.Tensor:
     """The tokens ORPO's NLL averages over: every real token of the chosen sequences but the first (TRL's
     ORPO trains the chosen sequence's prompt too)."""
+    if "position_ids" in batch:
+        return (orpo_labels(batch) != IGNORE_INDEX).sum()
     return batch["attention_mask"][0::2, 1:].sum()
 
 
@@ -155,10 +171,12 @@ def orpo_rows(batch: dict) -> dict:
 
 
 def orpo_nll(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """ORPO's summed NLL of the chosen sequences (the even rows of `logits`) on `orpo_labels` (`shifted`:
+    """ORPO's summed NLL of the chosen sequences (the even rows of `logits`, or, where `labels` has a row for
+    every row of `logits`, the chosen documents of rows laid end to end) on `orpo_labels` (`shifted`:
     a context-parallel slice's targets, `orpo_targets`, whose shares over the slices add up to the whole);
     the loop scales it by the global pairs / `orpo_nll_tokens` (`begin_step`)."""
-    return -sequence_logps(logits[0::2], labels, shifted)[0].sum()
+    chosen = logits if labels.shape[0] == logits.shape[0] else logits[0::2]
+    return -sequence_logps(chosen, labels, shifted)[0].sum()
 
 
 def kl_batch(batch: dict) -> dict:
@@ -166,6 +184,9 @@ def kl_batch(batch: dict) -> dict:
     with their precomputed reference where the rows carry one (`ref_kl_logps`)."""
     kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
           "labels": batch["kl_labels"]}
+    for key in ("position_ids", "documents", "cu_seq_lens", "max_length"):  # laid end to end (padding-free)
+        if f"kl_{key}" in batch:
+            kl[key] = batch[f"kl_{key}"]
     if "ref_kl_logps" in batch:
         kl["ref_logps"] = batch["ref_kl_logps"]
     return kl

@@ -122,6 +122,32 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
     return {**out, "position_ids": positions, "cu_seq_lens": cu, "max_length": longest}
 
 
+def end_to_end(batch: list[dict]) -> dict:
+    """A micro-batch's examples (a preference pair's two sequences, chosen then rejected) end to end in one
+    packed row, in the micro-batch's order: `PackedRows` of one bin holding them all."""
+    return PackedRows(batch, [list(range(len(batch)))])[0]
+
+
+def collate_padding_free(batch: list[dict], pad_id: int, whole: bool = False, multiple: int = 1,
+                         cap: int | None = None, restart: int | None = None,
+                         compiled: bool = False) -> dict[str, torch.Tensor | int]:
+    """A padding-free micro-batch (TRL's `padding_free`): its examples end to end in one row, as `collate_packed`
+    gives packed rows (positions restarting per example, each one's first label unset, no 2-D mask for the
+    model; `whole`: the documents' boundaries too, with `compiled` the shapes a compiled graph keeps). The
+    examples, their order, their targets and so the loss are the padded batch's; only the padding is gone (to
+    `bucket_width(tokens, multiple, cap)` where blocks compile). KTO's examples are one row and their KL
+    sequences another (`kl_*`, counted in `kl_documents`)."""
+    args = (pad_id, whole, multiple, cap, restart, compiled)
+    if "kl_input_ids" in batch[0]:
+        from toolkit.data.pairs import kl_rows, kto_extras
+
+        n = len(batch)
+        rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]
+        kl = collate_packed([end_to_end(kl_rows(batch))], *args)
+        return {**collate_packed([end_to_end(rows)], *args), "documents": n, **kto_extras(batch, {**kl, "documents": n})}
+    return collate_packed([end_to_end(batch)], *args)
+
+
 def model_inputs(batch: dict[str, torch.Tensor | int]) -> dict[str, torch.Tensor | int | bool]:
     """What the model is called with: packed batches give position_ids instead of the 2-D mask, and
     the documents' boundaries where the collate computed them (transformers' FlashAttentionKwargs,
@@ -146,15 +172,22 @@ def count_examples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 class Collate:
     """The training loader's collate_fn: `collate` (or `collate_packed` for packed rows) padding each
-    micro-batch to its longest row, or, once `bucket` is set (the decoder blocks compile:
-    `toolkit.train.compiling`), to few widths (`toolkit.data.bucket_width`), so a compiled graph serves many steps: packed rows to the
-    packing width `width`, unpacked batches to a multiple of BUCKET tokens up to `width` (--seq-len).
+    micro-batch to its longest row, or `collate_padding_free` (`padding_free`: the micro-batch's examples end
+    to end in one row, no padding), or, once `bucket` is set (the decoder blocks compile:
+    `toolkit.train.compiling`), to few widths (`toolkit.data.bucket_width`), so a compiled graph serves many
+    steps: packed rows to the packing width `width`, unpacked batches and padding-free rows to a multiple of
+    BUCKET tokens up to `width` (--seq-len; a padding-free row: the micro-batch's examples x --seq-len). A
+    padding-free row's length is the sum of its examples', which varies step to step as a padded batch's
+    longest row does: rounding it to BUCKET keeps at most BUCKET - 1 padding tokens a row, where the packing
+    width would pad it to micro-batch x --seq-len; the blocks compile a new width once, with dynamic shapes
+    (`toolkit.models.compile_blocks`), and later widths reuse that graph.
     `seq_len`: packed padding's positions restart below it (a pair's row is two --seq-len wide)."""
 
     BUCKET = 64
 
-    def __init__(self, pad_id: int, whole: bool, packed: bool, width: int, seq_len: int):
+    def __init__(self, pad_id: int, whole: bool, packed: bool, width: int, seq_len: int, padding_free: bool = False):
         self.pad_id, self.whole, self.packed, self.width, self.seq_len = pad_id, whole, packed, width, seq_len
+        self.padding_free = padding_free and not packed
         self.bucket = False
 
     def __call__(self, batch: list[dict]) -> dict:
@@ -162,4 +195,6 @@ class Collate:
         cap = self.width if self.bucket else None
         if self.packed:
             return collate_packed(batch, self.pad_id, self.whole, multiple, cap, self.seq_len, compiled=self.bucket)
+        if self.padding_free:
+            return collate_padding_free(batch, self.pad_id, self.whole, multiple, cap, self.seq_len, compiled=self.bucket)
         return collate(batch, self.pad_id, self.whole, multiple, cap)

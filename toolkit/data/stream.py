@@ -104,13 +104,19 @@ class RecordStream(torch.utils.data.IterableDataset):
 
 class StreamCollate:
     """The loader's collate_fn: this rank's micro-batch of records -> tokens -> a padded (or, with
-    --packing, packed) batch."""
+    --packing, packed; `padding_free`, its examples end to end in one row) batch."""
 
-    def __init__(self, stream: RecordStream, pad_id: int, packing: bool, whole: bool = False):
+    def __init__(self, stream: RecordStream, pad_id: int, packing: bool, whole: bool = False,
+                 padding_free: bool = False):
         self.stream, self.pad_id, self.packing, self.whole = stream, pad_id, packing, whole
+        self.padding_free = padding_free and not packing
 
     def __call__(self, batch: list[tuple[int, dict]]) -> dict[str, torch.Tensor]:
         rows = self.stream.tokenize(batch)
+        if self.padding_free:
+            from toolkit.data.packing import collate_padding_free
+
+            return collate_padding_free(rows, self.pad_id, self.whole, restart=self.stream.cfg.data.seq_len)
         if not self.packing:
             return collate(rows, self.pad_id, self.whole)
         from toolkit.data.packing import PackedRows, collate_packed, pack_bins

@@ -15,15 +15,21 @@ from toolkit.data.tokenize import prompt_text
 from toolkit.data.labels import count_targets
 
 
-def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device) -> Iterator[tuple[dict, list[int]]]:
+def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
+                    padding_free: bool = False) -> Iterator[tuple[dict, list[int]]]:
     """(a collated batch on `device`, the indices of `rows` it holds) for this rank: a strided shard
     (model-parallel peers take the same one), the same number of batches on every rank, so sharded
-    models stay in lock-step: a rank out of rows gets a dummy batch and no indices (its sums weigh 0)."""
+    models stay in lock-step: a rank out of rows gets a dummy batch and no indices (its sums weigh 0).
+    `padding_free`: each batch's rows end to end in one row (`toolkit.data.packing.collate_padding_free`), as
+    a padding-free run trains them (its reference pass: `toolkit.train.reference`)."""
+    from toolkit.data.packing import collate_padding_free
+
     rank, ranks = strategy.data.rank, strategy.data.ranks
     index = list(range(rank, len(rows), ranks))
     for i in range(-(-len(rows) // (batch_size * ranks))):
         held = index[i * batch_size:(i + 1) * batch_size]
-        batch = collate([rows[j] for j in (held or index[:1] or [0])], pad_id)
+        chosen = [rows[j] for j in (held or index[:1] or [0])]
+        batch = collate_padding_free(chosen, pad_id, whole=True) if padding_free else collate(chosen, pad_id)
         yield {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, held
 
 

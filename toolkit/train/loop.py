@@ -152,28 +152,30 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
 
 
 def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False,
-                width: int | None = None) -> DataLoader:
+                width: int | None = None, padding_free: bool = False) -> DataLoader:
     """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
     With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
     page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
     the batches reach the model uncut, so the collate adds what it finds on the CPU (target rows, packed
     documents' boundaries) for the forward to skip its read-backs. `width`: the packing width, the
-    widest a batch gets where blocks compile (`toolkit.data.packing.Collate`; default --seq-len)."""
+    widest a batch gets where blocks compile (`toolkit.data.packing.Collate`; default --seq-len).
+    `padding_free`: each micro-batch's examples end to end in one row (the same examples, in the same order)."""
     sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
     # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
     # it starts, which would shift dropout's random stream depending on where a resumed run started.
     return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
-                      collate_fn=Collate(pad_id, whole, cfg.data.packing, width or cfg.data.seq_len, cfg.data.seq_len),
+                      collate_fn=Collate(pad_id, whole, cfg.data.packing, width or cfg.data.seq_len, cfg.data.seq_len,
+                                         padding_free),
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
-def stream_loader(stream, cfg: Config, tokenizer, whole: bool = False) -> DataLoader:
-    """Micro-batches of records in stream order, tokenized (and packed) by the collate_fn on the rank
-    that trains them; accelerate.prepare shards it (`toolkit.data.stream`)."""
+def stream_loader(stream, cfg: Config, tokenizer, whole: bool = False, padding_free: bool = False) -> DataLoader:
+    """Micro-batches of records in stream order, tokenized (and packed, or laid end to end) by the collate_fn
+    on the rank that trains them; accelerate.prepare shards it (`toolkit.data.stream`)."""
     from toolkit.data.stream import StreamCollate
 
     return DataLoader(stream, batch_size=cfg.train.micro_batch_size,
-                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing, whole))
+                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing, whole, padding_free))
 
 
 def global_batches(loader, grad_accum: int, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, list[dict]]]:
@@ -304,7 +306,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             epoch, micro = next(run.batches)
             if step == run.first_step:  # the loss this layout trains is the model's own, or the run stops
                 check_loss(run, micro[0])
-                if cfg.data.packing and run.strategy.whole_batches:  # (pp and cp build the masks themselves)
+                # packed or padding-free rows (pp and cp build the masks themselves)
+                if "position_ids" in micro[0] and run.strategy.whole_batches:
                     check_packing(run, micro[0])
             if profiler is not None:
                 profiler.before(step)
@@ -349,7 +352,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
         reference_model = reference_copy(cfg, strategy, model)
     else:
         loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda",
-                                 whole=strategy.whole_batches)
+                                 whole=strategy.whole_batches,
+                                 attn=getattr(strategy.unwrap(model).config, "_attn_implementation", None))
     compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
@@ -435,12 +439,22 @@ def reference_copy(cfg: Config, strategy, model):
     return reference
 
 
-def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool) -> DataLoader:
+def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool,
+                    attn: str | None = None) -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
-    to pack), or the stream's: tokenized per micro-batch as it is read."""
+    to pack), or the stream's: tokenized per micro-batch as it is read. Unpacked micro-batches go
+    padding-free where `toolkit.attention.padding_free_on` says (`attn`: the model's attention), said in one
+    line either way."""
+    from toolkit.attention import padding_free_on
+
+    padding_free = padding_free_on(cfg, attn)
+    if not cfg.data.packing and cfg.train.objective != "grpo":
+        log(padding_free_line(cfg, attn, padding_free))
     if cfg.data.streaming:
-        return stream_loader(train_rows, cfg, tokenizer, whole)
+        return stream_loader(train_rows, cfg, tokenizer, whole, padding_free)
     width = None
+    if padding_free:  # the widest row: micro-batch x --seq-len tokens (a pair's two sequences: x 2)
+        width = cfg.train.micro_batch_size * cfg.data.seq_len * (2 if cfg.train.objective in PAIRED else 1)
     if cfg.data.packing:
         n_examples = len(train_rows)
         lengths = getattr(train_rows, "lengths", None)
@@ -450,7 +464,25 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
         fill = sum(lengths) / (len(train_rows) * width)
         unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
         log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
-    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, width)
+    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, width, padding_free)
+
+
+PAIRED = ("dpo", "orpo", "simpo")  # two sequences per example
+
+
+def padding_free_line(cfg: Config, attn: str | None, on: bool) -> str:
+    """What an unpacked run's batches are: padding-free, or padded and why."""
+    from toolkit.attention import kernel_of
+    from toolkit.config import padding_free_blocked
+
+    attn = kernel_of(attn)
+    unit = "pairs (chosen, rejected)" if cfg.train.objective in PAIRED else "examples"
+    if on:
+        return (f"batches: padding-free: each micro-batch's {cfg.train.micro_batch_size} {unit} end to end in one row, "
+                f"positions restarting at each, kept apart by {attn} attention (--no-padding-free pads them)")
+    why = ("--no-padding-free" if cfg.data.padding_free is False else padding_free_blocked(cfg) or
+           f"{attn} attention would need a dense mask over the row (--padding-free lays them end to end anyway)")
+    return f"batches: padded to each micro-batch's longest row ({why})"
 
 
 def restore(run: Run, resume, log) -> dict:
@@ -628,6 +660,7 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         extra.update(run.batches.take_metrics())
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
+                     "padding_ratio": w["computed"] / w["tokens"],
                      "mfu": mfu, "flops_per_token": per_token, "peak_flops": run.peak.flops,
                      "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured,
                      "elapsed_s": run.elapsed(now), **warmup, **run.memory})

@@ -1,7 +1,7 @@
 """Before step 1, what a run computes is checked against what the model computes: the loss this layout
 trains (its head, the model's logit transforms, the router loss, the slices or stages it cuts) against
-`model(input_ids, labels=...)`; with --packing, a packed row's documents against each run alone. A
-check that fails stops the run in one line (`--loss auto` falls back to full logits first), so no run
+`model(input_ids, labels=...)`; with --packing or padding-free rows, a row's documents against each run
+alone. A check that fails stops the run in one line (`--loss auto` falls back to full logits first), so no run
 trains another objective while every later check passes: the integrity check compares the saved
 model with the trained one, never with the loss that trained it.
 
@@ -94,10 +94,11 @@ def leaks(rounding: float, gap: float, dtype: torch.dtype) -> bool:
 
 
 def check_packing(run, batch: dict, n: int = 8) -> None:
-    """--packing, before step 1: two documents laid end to end in one row must give the logits each
-    gives alone, within rounding (`leaks`). The model's own attention keeps packed documents apart only
-    where its forward builds the mask from the positions (gpt-oss's does not: its packed rows attend
-    across documents); the padding-free kernels do it by construction. The documents are the first 2n
+    """--packing or padding-free rows (`toolkit.data.packing.collate_padding_free`), before step 1: two
+    documents laid end to end in one row must give the logits each gives alone, within rounding (`leaks`).
+    The model's own attention keeps packed documents apart only where its forward builds the mask from the
+    positions (gpt-oss's does not: its packed rows attend across documents); the padding-free kernels do it
+    by construction. The documents are the first 2n
     tokens of the batch, the same shapes on every rank, so sharded forwards stay in step."""
     strategy, accelerator = run.strategy, run.strategy.accelerator
     ids = batch["input_ids"][:1, :2 * n]
@@ -116,8 +117,11 @@ def check_packing(run, batch: dict, n: int = 8) -> None:
         model_type = unwrapped.config.get_text_config().model_type
         impl = unwrapped.config._attn_implementation
         bound = max(agreement(dtype), 4 * rounding)
-        raise UserError(f"--packing: model type {model_type}'s {impl} attention does not keep a packed row's documents "
+        packing = run.cfg.data.packing
+        raise UserError(f"{'--packing' if packing else 'padding-free rows'}: model type {model_type}'s {impl} "
+                        f"attention does not keep a {'packed' if packing else 'padding-free'} row's documents "
                         f"apart (the second document's logits differ from it run alone by up to {gap:.1e} relative, "
                         f"over the {bound:.1e} that {str(dtype).removeprefix('torch.')} rounding explains; the first "
                         f"document's differ by {rounding:.1e}): its forward builds the mask without the positions; "
-                        "drop --packing" + ("" if impl == "packed_fa" else ", or use --attn flash on a GPU with flash-attn"))
+                        + ("drop --packing" if packing else "pass --no-padding-free")
+                        + ("" if impl == "packed_fa" else ", or use --attn flash on a GPU with flash-attn"))

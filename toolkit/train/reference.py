@@ -28,8 +28,9 @@ FILE = "reference_logps.safetensors"
 
 
 def rows_key(rows_digest: str, precision: str) -> str:
-    """What the run's own file is checked against: the rows' tokens and the precision (its weights are
-    the run's by construction; a touched or re-downloaded model folder does not make it stale)."""
+    """What the run's own file is checked against: the rows' tokens (a padding-free run's marked: its values are
+    its kernel's rounding) and the precision (its weights are the run's by construction; a touched or
+    re-downloaded model folder does not make it stale)."""
     return hashlib.sha256(f"{rows_digest}\x00{precision}".encode()).hexdigest()
 
 
@@ -92,17 +93,19 @@ def unscored(values: torch.Tensor | None, needed: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
-def compute_reference(strategy, model, rows, batch_size: int, pad_id: int) -> torch.Tensor:
+def compute_reference(strategy, model, rows, batch_size: int, pad_id: int, padding_free: bool = False) -> torch.Tensor:
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
-    batches in lock-step, and the shards are summed over every rank."""
+    batches in lock-step, and the shards are summed over every rank. `padding_free`: the sequences end to end,
+    each scored as its own document by the kernel a padding-free run trains with, so the policy at step 1 is
+    the reference to the bit (DPO's ln 2, KTO's KL estimate 0), as padded rows are to padded ones."""
     from toolkit.preference_functions import kl_batch
     from toolkit.train.evaluate import sharded_batches
 
     accelerator = strategy.accelerator
     out = torch.zeros(len(rows), 2, dtype=torch.float64, device=accelerator.device)
     model.eval()
-    for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
+    for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model), padding_free):
         logps = strategy.sequence_logps(model, batch)
         if "kl_input_ids" in batch:  # KTO: one sequence per example, and its KL sequence
             logps = torch.stack([logps, strategy.sequence_logps(model, kl_batch(batch))], 1)
@@ -132,9 +135,14 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     from toolkit.cache import cache_dir
     from toolkit.models import resolved_precision, sft_adapter
 
+    from toolkit.attention import padding_free_on
+
     strategy, accelerator = run.strategy, run.strategy.accelerator
     unit = strategy.loss.objective.kind.unit
-    key = rows_key(rows.digest(), resolved_precision(run.cfg))
+    # the training rows of a padding-free run are scored as it trains them (eval's stay padded, as eval runs)
+    free = name == "train" and padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config,
+                                                                "_attn_implementation", None))
+    key = rows_key(rows.digest() + ("\x00padding-free" if free else ""), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
     adapter = sft_adapter(run.cfg)
     dirs = (strategy.unwrap(run.model).config._name_or_path, *([adapter] if adapter else []))
@@ -159,7 +167,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     start = time.perf_counter()
     try:
         scores = compute_reference(strategy, run.model, torch.utils.data.Subset(rows, todo.tolist()),
-                                   run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
+                                   run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id, free)
     except torch.OutOfMemoryError:
         raise UserError(f"out of memory in the reference pass over the {name} {unit} (a forward at --micro-batch-size "
                         f"{run.cfg.train.micro_batch_size}): lower --micro-batch-size") from None

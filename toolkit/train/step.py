@@ -38,18 +38,21 @@ def sync_free(optimizer, accelerator, always_steps: bool) -> bool:
 def batch_counts(micro: list[dict], device: torch.device) -> torch.Tensor:
     """(what the loss is normalised by: target tokens, pairs for a preference objective, --objective grpo's
     `units` (completions or their tokens, by --loss-type); real tokens;
-    examples) of this rank's micro-batches, float64 on the device."""
+    examples; computed tokens: rows x width, padding included) of this rank's micro-batches, float64 on the
+    device. The last is a shape the host knows: a fill, no copy."""
+    ids = micro[0]["input_ids"]
+    computed = torch.full((), sum(b["input_ids"].numel() for b in micro), dtype=torch.long, device=ids.device)
     return torch.stack([sum(b["units"] if "units" in b else b["pairs"] if "pairs" in b else count_targets(b["labels"])
                             for b in micro),
                         sum(b["attention_mask"].sum() for b in micro),
-                        sum(count_examples(b) for b in micro)]).to(device, torch.float64)
+                        sum(count_examples(b) for b in micro), computed]).to(device, torch.float64)
 
 
 @dataclass
 class Step:
     """One step's numbers, on the device."""
     loss: torch.Tensor  # the global batch's summed token loss
-    counts: torch.Tensor  # its (target tokens, real tokens, examples)
+    counts: torch.Tensor  # its (target tokens, real tokens, examples, computed tokens)
     grad_norm: torch.Tensor | None
     finite: torch.Tensor  # loss and gradient norm finite: the update was applied
     aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens (in `loss` x its coefficient)
@@ -57,7 +60,7 @@ class Step:
     load: torch.Tensor | None = None  # an MoE model's tokens per expert, (MoE layers, experts) (`RouterLoad`)
 
 
-FIXED = 7  # a step's columns in `Window.read`: its 3 counts, finite, loss, grad norm, aux
+FIXED = 8  # a step's columns in `Window.read`: its 4 counts, finite, loss, grad norm, aux
 
 
 @dataclass
@@ -93,15 +96,15 @@ class Window:
         values = host(torch.stack(rows))
         width = len(values) // len(self.steps)  # FIXED columns, a preference objective's sums, the expert load
         per = [values[i * width:(i + 1) * width] for i in range(len(self.steps))]
-        good = [v for v in per if v[3]]
+        good = [v for v in per if v[4]]
         has_aux = any(s.aux is not None for _, s in self.steps)
         last = self.steps[-1][1]
         pref_end = FIXED + (last.preference.numel() if last.preference is not None else 0)
-        return {"loss": sum(v[4] for v in good), "targets": sum(v[0] for v in good),
+        return {"loss": sum(v[5] for v in good), "targets": sum(v[0] for v in good),
                 "tokens": sum(v[1] for v in good), "examples": sum(v[2] for v in good),
-                "aux": sum(v[6] for v in good) if has_aux else None,
+                "computed": sum(v[3] for v in good), "aux": sum(v[7] for v in good) if has_aux else None,
                 "preference": [sum(v[i] for v in good) for i in range(FIXED, pref_end)] if pref_end > FIXED else None,
                 "load": (torch.tensor([sum(v[i] for v in good) for i in range(pref_end, width)]).view(last.load.shape)
                          if last.load is not None else None),
-                "steps": [(step, bool(v[3]), v[4], v[5] if s.grad_norm is not None else None)
+                "steps": [(step, bool(v[4]), v[5], v[6] if s.grad_norm is not None else None)
                           for (step, s), v in zip(self.steps, per)]}
