@@ -97,6 +97,62 @@ def test_builtin_dates_train_and_eval_are_disjoint(tmp_path):
     assert len(train) == 1000 and len(held) == 64 and not train & held
 
 
+def test_builtin_arithmetic_is_graded_by_math_answer_and_holds_out_its_own_products():
+    """builtin:arithmetic (the GRPO quickstart's task): each record's prompt asks for a product of two operands
+    2-12 and `builtin:math_answer` gives its answer 1.0 (also as a sentence) and a wrong one 0.0; SFT reads its
+    messages; no pair of operands is in both splits, in any order or phrasing; eval is 64, the phrasings in turn."""
+    from toolkit.data.builtin import ARITHMETIC_PROMPTS, builtin_records
+    from toolkit.data.formats import detect_format
+    from toolkit.rewards import math_answer
+
+    def operands(row):
+        a, b = (int(x) for x in re.findall(r"\d+", row["prompt"]))
+        return a, b
+
+    splits = {split: builtin_records("arithmetic", split) for split in ("train", "eval")}
+    for rows in splits.values():
+        for row in rows:
+            a, b = operands(row)
+            assert 2 <= a <= 12 and 2 <= b <= 12 and row["answer"] == str(a * b)
+            assert row["messages"] == [{"role": "user", "content": row["prompt"]},
+                                       {"role": "assistant", "content": row["answer"]}]
+        prompts = [r["prompt"] for r in rows]
+        answers = [r["answer"] for r in rows]
+        assert math_answer(prompts, answers, answer=answers) == [1.0] * len(rows)
+        assert math_answer(prompts, [f"{a} * {b} = {a * b}" for a, b in map(operands, rows)],
+                           answer=answers) == [1.0] * len(rows)
+        assert math_answer(prompts, [str(int(x) + 1) for x in answers], answer=answers) == [0.0] * len(rows)
+        assert math_answer(prompts, ["To solve this problem, we need to"] * len(rows), answer=answers) == [0.0] * len(rows)
+        assert detect_format(list(rows[0]), "auto", "builtin:arithmetic") == "chat"
+    train, held = ({frozenset(operands(r)) for r in rows} for rows in splits.values())
+    assert len(splits["train"]) == 534 and len(splits["eval"]) == 64 and len(train) == 50 and not train & held
+    assert len({r["prompt"] for r in splits["eval"]}) == 64
+    counts = Counter(q for r in splits["eval"] for q in ARITHMETIC_PROMPTS
+                     if re.fullmatch(re.escape(q).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), r["prompt"]))
+    assert sorted(counts.values()) == [10, 10, 11, 11, 11, 11] and sum(counts.values()) == 64
+    assert builtin_records("arithmetic", "eval") == splits["eval"]  # the same every time
+
+
+def test_grpo_on_a_builtin_holds_out_its_own_eval_split(tokenizer, tmp_path):
+    """--objective grpo on builtin:NAME trains on all of its training prompts and, with --eval-split > 0, holds
+    out the built-in's own eval split (disjoint products, the 64 the GRPO quickstart prints), as SFT does; not a
+    share of its training prompts."""
+    from toolkit.data.builtin import builtin_records
+    from toolkit.data.prepare import prepare_prompts
+
+    def run(*flags):
+        return prepare_prompts(parse_config(["--dataset", "builtin:arithmetic", "--objective", "grpo", "--reward",
+                                             "builtin:math_answer", "--output-dir", str(tmp_path / "o"), *flags]),
+                               tokenizer)
+
+    train, held = builtin_records("arithmetic", "train"), builtin_records("arithmetic", "eval")
+    data = run("--eval-split", "0.05")
+    assert data.train.prompts == [r["prompt"] for r in train] and data.eval.prompts == [r["prompt"] for r in held]
+    assert data.eval.columns["answer"] == [r["answer"] for r in held] and data.stats.examples == len(train)
+    assert not set(data.train.prompts) & set(data.eval.prompts)
+    assert run().train.prompts == data.train.prompts and not run().eval  # no --eval-split: no eval
+
+
 def _jsonl(path, rows):
     import json
 

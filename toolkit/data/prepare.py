@@ -255,8 +255,9 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
 
 def prepare_prompts(cfg: Config, tokenizer):
     """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
-    --eval-split's held-out share (drawn with the seed, as SFT's), and --eval-dataset's."""
-    from toolkit.data.prompts import PromptRows, load_prompts, subset
+    --eval-split's held-out share (drawn with the seed, as SFT's; a built-in's own eval split instead), and
+    --eval-dataset's."""
+    from toolkit.data.prompts import PromptRows, builtin_eval_prompts, load_prompts, subset
 
     sources = data_sources(cfg)
     if len(sources) > 1:
@@ -267,8 +268,12 @@ def prepare_prompts(cfg: Config, tokenizer):
         raise UserError(f"--dataset {cfg.data.dataset}: no prompt is left to sample from"
                         + (f" ({whole.dropped} longer than --seq-len {cfg.data.seq_len}: raise it)" if whole.dropped
                            else ""))
-    train, held = split_indices(len(whole), cfg, "")
-    held_rows = subset(whole, held) if held else PromptRows()
+    if sources[0].path.startswith("builtin:"):  # its own eval split, as SFT's (--eval-split > 0 asks for it)
+        train, held = list(range(len(whole))), []
+        held_rows = builtin_eval_prompts(cfg, sources[0], tokenizer) if cfg.data.eval_split > 0 else PromptRows()
+    else:
+        train, held = split_indices(len(whole), cfg, "")
+        held_rows = subset(whole, held) if held else PromptRows()
     if cfg.data.eval_dataset:
         held_rows = load_prompts(cfg, eval_source(cfg), tokenizer)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)

@@ -116,3 +116,12 @@ def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
     """The rows `keep` of `rows`, in that order."""
     return PromptRows([rows.prompt_ids[i] for i in keep], [rows.prompts[i] for i in keep],
                       {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)
+
+
+def builtin_eval_prompts(cfg: Config, source: DataSource, tokenizer) -> PromptRows:
+    """A built-in dataset's own held-out prompts (`toolkit.data.builtin`: disjoint from its training ones)."""
+    from toolkit.data.builtin import builtin_dataset
+    from toolkit.data.formats import map_columns
+
+    return load_prompts(cfg, source, tokenizer, map_columns(builtin_dataset(source.path.split(":", 1)[1], "eval"),
+                                                            source))
