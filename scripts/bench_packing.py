@@ -56,6 +56,25 @@ def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int
     return {k: real / statistics.median(v) for k, v in times.items()}, times
 
 
+def gsm8k_rows(dataset: str, seq_len: int, examples: int):
+    """(config, tokenizer, model path, the first `examples` tokenized rows in the run's epoch order): the
+    default model's LoRA run on `dataset`, as the benchmarks of batch layouts time it."""
+    from toolkit.config import parse_config
+    from toolkit.data import load_examples, tokenize_examples
+    from toolkit.data.tokenize import ensure_chat_template
+    from toolkit.models import load_tokenizer, resolve_model
+    from toolkit.train.loop import EpochShuffleSampler
+
+    cfg = parse_config(["--dataset", dataset, "--method", "lora", "--seq-len", str(seq_len), "--mixed-precision", "no",
+                        "--output-dir", tempfile.mkdtemp(), "--overwrite-output-dir"])
+    path = resolve_model(cfg.model.model)
+    tok = load_tokenizer(path)
+    ensure_chat_template(tok)
+    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
+    order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
+    return cfg, tok, path, [rows[i] for i in order[:examples]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", default=str(ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json"))
@@ -69,22 +88,12 @@ def main() -> None:
         raise SystemExit(f"{a.dataset}: not found (the shared GSM8K file); pass --dataset")
     import torch
 
-    from toolkit.config import parse_config
-    from toolkit.data import collate, load_examples, tokenize_examples
+    from toolkit.data import collate
     from toolkit.data.packing import collate_packed, pack_rows
-    from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import ModelShape, load_model, load_tokenizer, resolve_model
+    from toolkit.models import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
-    from toolkit.train.loop import EpochShuffleSampler
 
-    cfg = parse_config(["--dataset", a.dataset, "--method", "lora", "--seq-len", str(a.seq_len), "--mixed-precision", "no",
-                        "--output-dir", tempfile.mkdtemp(), "--overwrite-output-dir"])
-    path = resolve_model(cfg.model.model)
-    tok = load_tokenizer(path)
-    ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
-    order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
-    chosen = [rows[i] for i in order[:a.examples]]
+    cfg, tok, path, chosen = gsm8k_rows(a.dataset, a.seq_len, a.examples)
     padded = [collate(chosen[i:i + a.micro_batch], tok.pad_token_id) for i in range(0, len(chosen), a.micro_batch)]
     packed_rows = pack_rows(chosen, a.seq_len)
     packed = [collate_packed(packed_rows[i:i + a.rows], tok.pad_token_id) for i in range(0, len(packed_rows), a.rows)]

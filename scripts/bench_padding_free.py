@@ -17,11 +17,10 @@ Writes benchmarks/padding_free.{json,md}.
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from _bench_common import BENCH, ROOT, write_pair
-from bench_packing import useful_tokens_per_sec
+from bench_packing import gsm8k_rows, useful_tokens_per_sec
 
 
 def main() -> None:
@@ -37,21 +36,12 @@ def main() -> None:
     import torch
 
     from toolkit.attention import register
-    from toolkit.config import parse_config
-    from toolkit.data import collate, load_examples, tokenize_examples
+    from toolkit.data import collate
     from toolkit.data.packing import collate_padding_free
-    from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import load_model, load_tokenizer, resolve_model
-    from toolkit.train.loop import EpochShuffleSampler
+    from toolkit.models import ModelShape, load_model
+    from toolkit.parallel.parallelize import Parallelism, parallelize
 
-    cfg = parse_config(["--dataset", a.dataset, "--method", "lora", "--seq-len", str(a.seq_len), "--mixed-precision", "no",
-                        "--output-dir", tempfile.mkdtemp(), "--overwrite-output-dir"])
-    path = resolve_model(cfg.model.model)
-    tok = load_tokenizer(path)
-    ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
-    order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
-    chosen = [rows[i] for i in order[:a.examples]]
+    cfg, tok, path, chosen = gsm8k_rows(a.dataset, a.seq_len, a.examples)
     micro = [chosen[i:i + a.micro_batch] for i in range(0, len(chosen), a.micro_batch)]
     variants = {"padded": [collate(m, tok.pad_token_id) for m in micro],
                 "padding-free": [collate_padding_free(m, tok.pad_token_id, whole=True) for m in micro]}
@@ -59,7 +49,7 @@ def main() -> None:
     slots = {k: sum(b["input_ids"].numel() for b in v) for k, v in variants.items()}
     assert all(real == sum(int(b["attention_mask"].sum()) for b in v) for v in variants.values())
     torch.manual_seed(0)
-    model = load_model(cfg, path)
+    model = parallelize(load_model(cfg, path), Parallelism(ModelShape.of(cfg)))[0]  # the weights, then LoRA
     model.set_attn_implementation(register("varlen"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     tps, times = useful_tokens_per_sec(model, opt, variants, real, a.rounds)

@@ -357,17 +357,23 @@ def sft_case(name: str, model: str, data: Path, out: Path, flags: list[str], seq
     cmd = [sys.executable, str(ROOT / "scripts" / "sft_trainer_user.py"), "--model", model, "--dataset", str(data),
            "--output-dir", str(out), "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps", str(steps),
            *flags]
+    return trainer_case(name, cmd, env, timeout, out, "sft_metrics.json")
+
+
+def trainer_case(name: str, cmd: list[str], env: dict, timeout: float | None, out: Path, metrics: str) -> dict:
+    """A TRL trainer's script as a subprocess: its log beside `out`, its metrics file's figures, its seconds."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         code, text = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
-    (out.parent / f"{name}.log").write_text(text if isinstance(text, str) else str(text))
-    got = json.loads((out / "sft_metrics.json").read_text()) if (out / "sft_metrics.json").exists() else {}
+    text = text if isinstance(text, str) else str(text)
+    (out.parent / f"{name}.log").write_text(text)
+    got = json.loads((out / metrics).read_text()) if (out / metrics).exists() else {}
     return {"name": name, "command": " ".join(cmd[1:]), "started": bool(got.get("steps")), "exit": code,
             "seconds": round(time.perf_counter() - t0, 1), **got,
-            "error": None if code == 0 and got else error_line(text if isinstance(text, str) else "")}
+            "error": None if code == 0 and got else error_line(text)}
 
 
 def trl_grpo_case(run, name: str, model: str, prompts: Path, out: Path, flags: list[str], env: dict) -> dict:
@@ -380,19 +386,7 @@ def trl_grpo_case(run, name: str, model: str, prompts: Path, out: Path, flags: l
     if not run.gpu and "--continuous-batching" in flags:  # on a CPU its default cache is half the machine's RAM
         cmd += ["--cb-config", json.dumps({"num_blocks": 16, "max_batch_tokens": 512})]
     print(f"  {name}", flush=True)
-    timeout = run.timeout() if run.deadline else None
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        code, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
-    text = text if isinstance(text, str) else str(text)
-    (out.parent / f"{name}.log").write_text(text)
-    got = json.loads((out / "grpo_metrics.json").read_text()) if (out / "grpo_metrics.json").exists() else {}
-    return {"name": name, "command": " ".join(cmd[1:]), "started": bool(got.get("steps")), "exit": code,
-            "seconds": round(time.perf_counter() - t0, 1), **got,
-            "error": None if code == 0 and got else error_line(text)}
+    return trainer_case(name, cmd, env, run.timeout() if run.deadline else None, out, "grpo_metrics.json")
 
 
 def part_yardstick(run, check) -> dict:
