@@ -118,8 +118,8 @@ def test_named_boundaries(lower, upper):
 # FSDP2's `fully_shard`, torch.compile on a module or a block, the activation-checkpoint wrapper
 WRAPPING = {"DistributedDataParallel", "DDP", "fully_shard", "checkpoint_wrapper", "apply_activation_checkpointing",
             "gradient_checkpointing_enable", "activation_checkpointing_enable"}
-# torch.compile of a function, not of a model or a block: kernels, and sampling's one-token decode step (a function of the model as
-# parallelize left it and a static cache, as transformers' generate compiles it; the model is not wrapped)
+# torch.compile of a function, not of a model or a block: kernels, and sampling's one-token decode step (a
+# function of the model as parallelize left it and a static cache, as generate compiles it; nothing is wrapped)
 KERNELS = {("attention.py", "_compiled_on"), ("loss.py", "compiled_softmax_grad"), ("sampling.py", "__init__")}
 
 
