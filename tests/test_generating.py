@@ -170,3 +170,13 @@ def test_an_objective_that_generates_is_refused_under_pp_and_cp(flags):
     assert said == ["--objective grpo does not run under --pp / --cp yet: it samples completions token by token from "
                     f"the whole model, which pipeline stages and context-parallel slices do not hold; drop {off}"]
     assert not [p for p in layout_problems(par, "full", "no", "auto", 2, objective="dpo") if "samples" in p]
+
+
+def test_an_objective_that_generates_is_refused_under_expert_parallel():
+    from toolkit.layout.flags import ParallelConfig
+    from toolkit.layout.rules import generation_problems
+
+    said = generation_problems(ParallelConfig(ep=2, dp_shard=2), "grpo")
+    assert said == ["--objective grpo does not run under --ep 2 yet: sampling with the experts split over ranks is "
+                    "not tested against one process; drop --ep (each rank then holds every expert)"]
+    assert not generation_problems(ParallelConfig(ep=2, dp_shard=2), "sft")

@@ -1,6 +1,6 @@
-"""--objective grpo end to end (issue 65): on the tiny model, every data-parallel layout samples one process's
-completions exactly and gives its per-step losses (fp32, CPU: within 1e-5), LoRA, QLoRA and full, with old
-log-probabilities (2 steps a round, 2 iterations), the KL to the reference (beta > 0) and clipping all at work;
+"""--objective grpo end to end (issue 65): on the tiny model, every data-parallel layout and TP 2 sample one
+process's completions exactly and give its per-step losses (fp32, CPU: within 1e-5), LoRA, QLoRA and full, with
+old log-probabilities (2 steps a round, 2 iterations), the KL to the reference (beta > 0) and clipping all at work;
 a resume in the middle of a round continues exactly; bad input is one line. The loss and advantages are
 tested against TRL's own code in tests/test_grpo_functions.py."""
 
@@ -73,6 +73,7 @@ RUNS = {  # name -> (ranks, flags, the one-process run it must equal)
     "ddp_full": (2, ["--method", "full", *BETA, *TWO], "one_full"),
     "zero3_full": (2, ["--method", "full", "--loss-type", "grpo", *TWO, "--zero-stage", "3"], "one_full_b0"),
     "fsdp_full": (2, ["--method", "full", "--loss-type", "grpo", *TWO, "--fsdp"], "one_full_b0"),
+    "tp2_lora": (2, ["--method", "lora", *BETA, *ONE, "--tp", "2"], "one_lora"),  # both ranks sample the 8
 }
 
 
