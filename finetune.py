@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
-    check_data(cfg)  # so do the data's columns: read from the files' first bytes, by the full read's rules
+    check_data(cfg.data_settings)  # so do the data's columns: read from the files' first bytes by the full read's rules
     if cfg.output.push_to_hub:  # refused now, not after training: offline, no token, the hub out of reach
         from toolkit.hub import check_push
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None):
 
         sys.exit(run_ranks(cfg.parallel.nproc_per_node, sys.argv[0], sys.argv[1:]))
     if argv is None:  # the command line's own process: packages this layout never uses stay unimported
-        leave_unimported(cfg)
+        leave_unimported(cfg.model.method, cfg.parallel, cfg.output.report_to)
     quiet()  # third-party notices the user cannot act on (shown with --debug)
 
     from toolkit.data.prepare import prepare_data
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None):
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
-    from toolkit.train.resume import resume_point, resumed_config, resumed_weights
+    from toolkit.train.resume import resume_point, resumed_weights
     from toolkit.train.trackers import start_trackers
 
     model_path, source = training_model(cfg)  # a LoRA adapter folder: its base (or, merged, the merged folder)
@@ -59,15 +59,17 @@ def main(argv: list[str] | None = None):
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
-    data = prepare_data(cfg, tokenizer)  # tokenized once into the cache; bad data fails here, before the model
+    # tokenized once into the cache; bad data fails here, before the model
+    data = prepare_data(cfg.data_settings, tokenizer)
     train_rows, eval_rows = data.train, data.eval
 
     planned = None
     if cfg.parallel.strategy == "auto":  # the planner's layout, checkpointing and batch sizes
         cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem)
     accelerator = make_accelerator(cfg, model_path)
-    resume = resume_point(cfg, accelerator)  # refuses a checkpoint of another run, before loading
-    cfg = resumed_config(cfg, resume)  # its global batch, re-split for this launch: the config is final here
+    resume = resume_point(cfg.flat(), cfg.parallel, accelerator)  # refuses a checkpoint of another run, before loading
+    if resume is not None and resume.split is not None:  # its global batch, re-split for this launch
+        cfg = cfg.replace(micro_batch_size=resume.split[0], grad_accum=resume.split[1])  # the config is final here
     strategy = make_strategy(cfg, accelerator, model_path)  # the layout, decided once
     log = accelerator.print
     # where the model came from (an SFT adapter), and the layout when not from our flags (a launcher, a DeepSpeed file)
@@ -75,13 +77,13 @@ def main(argv: list[str] | None = None):
         log(note)
     if resume is None and cfg.output.resume == "auto":
         log(f"--resume auto: no checkpoint in {cfg.output.output_dir}; starting from step 0")
-    out_dir = prepare_output_dir(cfg, accelerator)
+    out_dir = prepare_output_dir(cfg.output, accelerator)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
         if planned:
             (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
             log(table)
-    report_data(log, cfg, data, added_template)
+    report_data(log, cfg.data, cfg.train, cfg.model.chat_template, data, added_template)
     trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)  # or stop here
 
     # loaded, then shaped in one place (`parallelize`: adapters, kernels, the layout); a DeepSpeed checkpoint's weights
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None):
 
     if data.answers:
         scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
-    run = summarize(log, cfg, out_dir, result, scores, accelerator, model)
+    run = summarize(log, cfg.train.objective, out_dir, result, scores, accelerator, model)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
     if cfg.output.push_to_hub and accelerator.is_main_process:  # saved and checked; no collective waits on the upload

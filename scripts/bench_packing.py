@@ -70,7 +70,7 @@ def gsm8k_rows(dataset: str, seq_len: int, examples: int):
     path = resolve_model(cfg.model.model)
     tok = load_tokenizer(path)
     ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
+    rows, _ = tokenize_examples(load_examples(cfg.data_settings).train, tok, cfg.data_settings)
     order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
     return cfg, tok, path, [rows[i] for i in order[:examples]]
 

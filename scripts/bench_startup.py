@@ -44,7 +44,9 @@ def floor_command(argv: list[str]) -> str:
     from toolkit.config import parse_config
     from toolkit.startup import unused_packages
 
-    left_out = ", ".join(f"{name}=None" for name in unused_packages(parse_config(argv)))
+    cfg = parse_config(argv)
+    unused = unused_packages(cfg.model.method, cfg.parallel, cfg.output.report_to)
+    left_out = ", ".join(f"{name}=None" for name in unused)
     return (f"import sys; sys.modules.update({left_out}); "
             "import torch, accelerate, peft, pyarrow; from transformers import LlamaForCausalLM")
 

@@ -150,7 +150,7 @@ def setup(args, flags: list[str] = ()):
     if getattr(args, "rows", None):
         rows = json.loads(Path(args.rows).read_text())
     else:
-        rows, _ = tokenize_examples(load_examples(cfg).train, tok, cfg)
+        rows, _ = tokenize_examples(load_examples(cfg.data_settings).train, tok, cfg.data_settings)
     order = list(EpochShuffleSampler(len(rows), cfg.train.seed))
     torch.manual_seed(cfg.train.seed)
     return cfg, load_model(cfg, path), tok, [rows[i] for i in order], rows, out

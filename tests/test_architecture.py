@@ -165,3 +165,36 @@ def test_only_parallelize_wraps_the_model():
     assert not elsewhere, "\n".join(elsewhere)
     # the search sees them (a rename would empty it): each is called where it belongs
     assert {"DistributedDataParallel", "fully_shard", "compile", "prepare", "activation_checkpointing_enable"} <= seen
+
+
+# Where the command line becomes settings (`__main__`, and what builds from them: the model, the layout, the plan) and
+# the one loop that runs them: the only modules that take the whole `Config`. The rest are passed the sections or
+# values they read (issue 67: "Settings, not the config"), so a function's signature says what it depends on.
+CONFIG_READERS = {"__main__.py", "models.py", "parallel/build.py", "planner/auto.py", "train/loop.py"}
+
+
+def imports_config(path: Path) -> bool:
+    """Whether `path` imports `toolkit.config.Config`, anywhere in the file: by name (aliased, relative or `*`),
+    or the module itself (`import toolkit.config`, `from toolkit import config`) and then its `.Config`."""
+    package = ["toolkit", *path.relative_to(PACKAGE).parts[:-1]]
+    tree, as_module = ast.parse(path.read_text()), False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = {a.name for a in node.names}
+            if module == "toolkit.config" and names & {"Config", "*"}:
+                return True
+            as_module |= module == "toolkit" and "config" in names
+        elif isinstance(node, ast.Import):
+            as_module |= any(a.name == "toolkit.config" for a in node.names)
+    return as_module and any(isinstance(n, ast.Attribute) and n.attr == "Config" for n in ast.walk(tree))
+
+
+def test_only_the_command_line_and_the_loop_take_the_whole_config():
+    found = {str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
+             if f != PACKAGE / "config.py" and imports_config(f)}
+    extra = sorted(found - CONFIG_READERS)
+    assert not extra, (f"{', '.join(extra)} import(s) toolkit.config.Config; pass the sections (DataConfig, "
+                       "TrainConfig, ...), DataSettings or the values its functions read instead")
+    assert found, "the search finds no import of Config at all (a rename would empty it)"

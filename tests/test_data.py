@@ -68,11 +68,11 @@ def test_truncation_is_counted_and_fully_masked_examples_dropped(tokenizer, tmp_
     long_prompt = [{"role": "user", "content": " ".join(["dragons"] * 40)}, {"role": "assistant", "content": "ok"}]
     short = [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "dog"}]
     rows, stats = tokenize_examples([long_prompt, short, "the quick brown fox jumps over a lazy dog " * 6],
-                                    tokenizer, cfg)
+                                    tokenizer, cfg.data_settings)
     assert stats.truncated == 2 and stats.dropped == 1 and len(rows) == 2
     assert all(len(r["input_ids"]) <= 32 for r in rows)
     with pytest.raises(UserError, match="every training example is left with no answer tokens after truncation to --seq-len 32"):
-        tokenize_examples([long_prompt], tokenizer, cfg)
+        tokenize_examples([long_prompt], tokenizer, cfg.data_settings)
 
 
 def test_collate_pads_right_with_masked_labels(tokenizer):
@@ -84,7 +84,7 @@ def test_collate_pads_right_with_masked_labels(tokenizer):
 
 def test_eval_split_holds_out_a_fraction(data_files, tmp_path):
     cfg = parse_config(["--dataset", str(data_files["chat"]), "--eval-split", "0.25", "--output-dir", str(tmp_path / "o")])
-    ex = load_examples(cfg)
+    ex = load_examples(cfg.data_settings)
     assert (len(ex.train), len(ex.eval)) == (24, 8)
     assert not any(c in ex.eval for c in ex.train)
 
@@ -141,9 +141,9 @@ def test_grpo_on_a_builtin_holds_out_its_own_eval_split(tokenizer, tmp_path):
     from toolkit.data.prepare import prepare_prompts
 
     def run(*flags):
-        return prepare_prompts(parse_config(["--dataset", "builtin:arithmetic", "--objective", "grpo", "--reward",
-                                             "builtin:math_answer", "--output-dir", str(tmp_path / "o"), *flags]),
-                               tokenizer)
+        cfg = parse_config(["--dataset", "builtin:arithmetic", "--objective", "grpo", "--reward", "builtin:math_answer",
+                            "--output-dir", str(tmp_path / "o"), *flags])
+        return prepare_prompts(cfg.data_settings, tokenizer)
 
     train, held = builtin_records("arithmetic", "train"), builtin_records("arithmetic", "eval")
     data = run("--eval-split", "0.05")
@@ -164,22 +164,27 @@ def _cfg(tmp_path, data, *flags):
     return parse_config(["--dataset", str(data), "--output-dir", str(tmp_path / "o"), *flags])
 
 
+def _settings(tmp_path, data, *flags):
+    """What the data package reads of that run."""
+    return _cfg(tmp_path, data, *flags).data_settings
+
+
 def test_column_mapping_reads_your_own_names(tmp_path):
     data = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "Say hi", "response": "hi"}, {"prompt": "Say no", "response": "no"}])
     with pytest.raises(UserError, match="cannot tell the format .* name yours with --columns"):
-        load_examples(_cfg(tmp_path, data))
-    ex = load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt,output=response"))
+        load_examples(_settings(tmp_path, data))
+    ex = load_examples(_settings(tmp_path, data, "--columns", "instruction=prompt,output=response"))
     assert ex.format == "alpaca"
     assert ex.train[0] == [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
     with pytest.raises(UserError, match="has no column 'respons' \\(did you mean 'response'\\?\\); its columns are prompt, response"):
-        load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt,output=respons"))
+        load_examples(_settings(tmp_path, data, "--columns", "instruction=prompt,output=respons"))
 
 
 def test_column_mapping_refuses_to_shadow_a_column_and_allows_a_swap(tmp_path):
     data = _jsonl(tmp_path / "a.jsonl", [{"instruction": "question?", "output": "answer", "prompt": "other"}])
     with pytest.raises(UserError, match="already has a column 'instruction'"):
-        load_examples(_cfg(tmp_path, data, "--columns", "instruction=prompt"))
-    swapped = load_examples(_cfg(tmp_path, data, "--columns", "instruction=output,output=instruction"))
+        load_examples(_settings(tmp_path, data, "--columns", "instruction=prompt"))
+    swapped = load_examples(_settings(tmp_path, data, "--columns", "instruction=output,output=instruction"))
     assert swapped.train[0] == [{"role": "user", "content": "answer"}, {"role": "assistant", "content": "question?"}]
 
 
@@ -189,17 +194,17 @@ def test_system_prompt_goes_where_there_is_none(tmp_path, tokenizer):
         {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "seven wizards"},
                            {"from": "gpt", "value": "purple dragons"}]}])
     cfg = _cfg(tmp_path, data, "--system-prompt", "cold northern skies")
-    ex = load_examples(cfg)
+    ex = load_examples(cfg.data_settings)
     assert ex.system_added == 1
     assert ex.train[0][0] == {"role": "system", "content": "cold northern skies"}
     assert [m["role"] for m in ex.train[1]] == ["system", "user", "assistant"] and ex.train[1][0]["content"] == "be brief"
-    rows, _ = tokenize_examples(ex.train, tokenizer, cfg)
+    rows, _ = tokenize_examples(ex.train, tokenizer, cfg.data_settings)
     assert "cold northern skies" in tokenizer.decode(rows[0]["input_ids"])  # in the prompt ...
     enc = [i for i, l in zip(rows[0]["input_ids"], rows[0]["labels"]) if l != IGNORE_INDEX]
     assert "cold northern" not in tokenizer.decode(enc)  # ... and not trained on
     text = _jsonl(tmp_path / "t.jsonl", [{"text": "a plain document"}])
     with pytest.raises(UserError, match="--system-prompt applies to conversations"):
-        load_examples(_cfg(tmp_path, text, "--system-prompt", "x"))
+        load_examples(_settings(tmp_path, text, "--system-prompt", "x"))
 
 
 def test_mixture_draws_each_source_by_its_weight():
@@ -222,11 +227,11 @@ def test_mixture_reads_each_source_in_its_own_format(data_files, tmp_path):
     """alpaca (.json) + ShareGPT (.jsonl) + text: each detected on its own columns, each source's
     --eval-split held out before drawing, every training example one of its source's records."""
     spec = f"{data_files['alpaca']}:0.5,{data_files['sharegpt']}:0.3,{data_files['text']}:0.2"
-    ex = load_examples(_cfg(tmp_path, spec, "--eval-split", "0.25"))
+    ex = load_examples(_settings(tmp_path, spec, "--eval-split", "0.25"))
     assert ex.format == "alpaca+sharegpt+text"
     assert [(f, n) for _, f, _, n in ex.sources] == [("alpaca", 24), ("sharegpt", 24), ("text", 24)]
     assert len(ex.eval) == 3 * 8 and not any(c in ex.eval for c in ex.train)
-    alone = {k: load_examples(_cfg(tmp_path, data_files[k])).train for k in ("alpaca", "sharegpt", "text")}
+    alone = {k: load_examples(_settings(tmp_path, data_files[k])).train for k in ("alpaca", "sharegpt", "text")}
     assert all(any(c in alone[k] for k in alone) for c in ex.train)
     kinds = Counter("text" if isinstance(c, str) else "chat" for c in ex.train)
     assert kinds["text"] > 0 and kinds["chat"] > 0
@@ -254,7 +259,7 @@ def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, mon
     records = make_records(fmt, n=40)
     convs = [to_conversation(r, fmt, i) for i, r in enumerate(records)]
     cfg = parse_config(["--output-dir", str(tmp_path / "o"), "--seq-len", "48"])
-    rows, stats = tokenize_examples(convs, tokenizer, cfg)
+    rows, stats = tokenize_examples(convs, tokenizer, cfg.data_settings)
     want = [encode(tokenizer, c, 48, False) for c in convs]
     kept = [w for w in want if any(x != IGNORE_INDEX for x in w.labels[1:])]
     assert [(r["input_ids"], r["labels"]) for r in rows] == [(w.input_ids, w.labels) for w in kept]
@@ -262,7 +267,7 @@ def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, mon
     assert stats.tokens == sum(len(w.input_ids) for w in kept)
     assert rows[3] == {"input_ids": kept[3].input_ids, "labels": kept[3].labels} and len(rows[1:5]) == 4
     assert len([p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]) == 1
-    again, cached = tokenize_examples(convs, tokenizer, cfg)
+    again, cached = tokenize_examples(convs, tokenizer, cfg.data_settings)
     assert list(again) == list(rows) and cached.cached and not stats.cached
     two, hit = tokenized_table(convs * 30, tokenizer, 48, False, tmp_path / "two", workers=2)
     assert not hit and two.column("input_ids").to_pylist()[:40] == [w.input_ids for w in want] and two.num_rows == 1200
@@ -270,13 +275,14 @@ def test_table_tokens_equal_encode_on_every_format(fmt, tokenizer, tmp_path, mon
 
 def test_no_examples_tokenize_to_no_rows(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
-    rows, stats = tokenize_examples([], tokenizer, parse_config(["--output-dir", str(tmp_path / "o")]), what="eval")
+    settings = parse_config(["--output-dir", str(tmp_path / "o")]).data_settings
+    rows, stats = tokenize_examples([], tokenizer, settings, what="eval")
     assert len(rows) == 0 and stats.examples == 0
 
 
 def _per_example(cfg, tokenizer):
     """Today's path, one example at a time: load_examples' conversations through `encode`."""
-    ex = load_examples(cfg)
+    ex = load_examples(cfg.data_settings)
 
     def rows(convs):
         encs = [encode(tokenizer, c, cfg.data.seq_len, cfg.data.train_on_prompt) for c in convs]
@@ -303,7 +309,7 @@ def test_prepared_data_equals_the_per_example_path(case, tokenizer, tmp_path, mo
     flags += ["--system-prompt", "be brief"] if case in ("alpaca", "chat") else []
     cfg = _cfg(tmp_path, spec, *flags)
     ex, want_train, want_eval = _per_example(cfg, tokenizer)
-    got = prepare_data(cfg, tokenizer)
+    got = prepare_data(cfg.data_settings, tokenizer)
     assert [(r["input_ids"], r["labels"]) for r in got.train] == want_train
     assert [(r["input_ids"], r["labels"]) for r in got.eval] == want_eval
     assert (got.format, got.system_added, got.sources) == (ex.format, ex.system_added, ex.sources)
@@ -316,7 +322,7 @@ def test_prepared_data_equals_the_per_example_path(case, tokenizer, tmp_path, mo
         raise AssertionError("a warm run read the dataset")
 
     monkeypatch.setattr(formats, "load_records", unread)
-    again = prepare_data(cfg, tokenizer)
+    again = prepare_data(cfg.data_settings, tokenizer)
     assert again.stats.cached and [r["input_ids"] for r in again.train] == [ids for ids, _ in want_train]
 
 
@@ -328,7 +334,7 @@ def test_bad_record_in_a_worker_is_one_line_naming_its_index(tokenizer, tmp_path
     records[1057] = {"messages": [{"role": "user", "content": "no answer here"}]}
     cfg = _cfg(tmp_path, _jsonl(tmp_path / "bad.jsonl", records), "--data-workers", "2")
     with pytest.raises(UserError, match=r"bad.jsonl: record 1058 \(line 1058\) has no assistant turn"):
-        prepare_data(cfg, tokenizer)
+        prepare_data(cfg.data_settings, tokenizer)
     assert not [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]  # nothing half-built is kept
 
 
@@ -371,9 +377,9 @@ def _pair_data(tmp_path, monkeypatch, rows, *flags):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     tok = build_tokenizer(CHATML)
     cfg = _cfg(tmp_path, _jsonl(tmp_path / "pairs.jsonl", rows), "--seq-len", "64", *(flags or ("--objective", "dpo")))
-    data = prepare_data(cfg, tok)
+    data = prepare_data(cfg.data_settings, tok)
     said = []
-    report_data(said.append, cfg, data, False)
+    report_data(said.append, cfg.data, cfg.train, cfg.model.chat_template, data, False)
     return data, said
 
 
@@ -422,7 +428,7 @@ def test_record_numbers_count_from_1_as_lines_do(tmp_path, monkeypatch):
     good = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}
     path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "rejected": None}) + "\n")
     with pytest.raises(UserError, match=r"pairs.jsonl: record 2 \(line 3\): 'rejected' must be a string"):
-        prepare_data(_cfg(tmp_path, path, "--objective", "dpo"), build_tokenizer(CHATML))
+        prepare_data(_settings(tmp_path, path, "--objective", "dpo"), build_tokenizer(CHATML))
     (tmp_path / "a.json").write_text(json.dumps([good, [1]]))
     with pytest.raises(UserError, match=r"a.json: record 2 is a list"):
         _check_json_file(tmp_path / "a.json")
@@ -454,9 +460,9 @@ def _data_lines(tmp_path, monkeypatch, rows, *flags, tok=None):
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     tmp_path.mkdir(exist_ok=True)
     cfg = _cfg(tmp_path, _jsonl(tmp_path / "sft.jsonl", rows), "--seq-len", "256", *flags)
-    data = prepare_data(cfg, tok or build_tokenizer(CHATML))
+    data = prepare_data(cfg.data_settings, tok or build_tokenizer(CHATML))
     said = []
-    report_data(said.append, cfg, data, False)
+    report_data(said.append, cfg.data, cfg.train, cfg.model.chat_template, data, False)
     return data, said
 
 
@@ -501,34 +507,34 @@ def test_your_turn_keys_and_speakers_map_as_llama_factorys_tags_do(tmp_path):
                                                          {"speaker": "gpt", "text": "hello"}]}])
     with pytest.raises(UserError, match=r"name yours with --columns, e.g. --columns conversations=turns,role=speaker,"
                                         r"content=text$"):
-        load_examples(_cfg(tmp_path, turns))
-    ex = load_examples(_cfg(tmp_path, turns, "--columns", "conversations=turns,role=speaker,content=text"))
+        load_examples(_settings(tmp_path, turns))
+    ex = load_examples(_settings(tmp_path, turns, "--columns", "conversations=turns,role=speaker,content=text"))
     assert ex.format == "sharegpt" and ex.train == [[{"role": "user", "content": "hi"},
                                                      {"role": "assistant", "content": "hello"}]]
     dialog = _jsonl(tmp_path / "dialog.jsonl", [{"dialog": [{"who": "customer", "says": "late"},
                                                             {"who": "agent", "says": "sorry"}]}])
     with pytest.raises(UserError, match="e.g. --columns conversations=dialog,role=who,content=says,user_role=customer,"
                                         "assistant_role=agent"):
-        load_examples(_cfg(tmp_path, dialog))
+        load_examples(_settings(tmp_path, dialog))
     with pytest.raises(UserError, match=r"record 1 \(line 1\): 'conversations' must be a list of \{from, value\} "
                                         r"objects \(its turns' keys are who, says: map them with --columns role=who,"
                                         r"content=says\)"):
-        load_examples(_cfg(tmp_path, dialog, "--columns", "conversations=dialog"))
+        load_examples(_settings(tmp_path, dialog, "--columns", "conversations=dialog"))
     with pytest.raises(UserError, match="unknown ShareGPT speaker 'customer' .* user_role=customer"):
-        load_examples(_cfg(tmp_path, dialog, "--columns", "conversations=dialog,role=who,content=says"))
+        load_examples(_settings(tmp_path, dialog, "--columns", "conversations=dialog,role=who,content=says"))
     mapped = "conversations=dialog,role=who,content=says,user_role=customer,assistant_role=agent"
-    assert load_examples(_cfg(tmp_path, dialog, "--columns", mapped)).train == [
+    assert load_examples(_settings(tmp_path, dialog, "--columns", mapped)).train == [
         [{"role": "user", "content": "late"}, {"role": "assistant", "content": "sorry"}]]
     chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"who": "customer", "says": "late"},
                                                           {"who": "agent", "says": "sorry"}]}])
     mapped = "role=who,content=says,user_role=customer,assistant_role=agent"
-    assert load_examples(_cfg(tmp_path, chat, "--columns", mapped)).train == [
+    assert load_examples(_settings(tmp_path, chat, "--columns", mapped)).train == [
         [{"role": "user", "content": "late"}, {"role": "assistant", "content": "sorry"}]]
     with pytest.raises(UserError, match=r"--columns role=who: --dataset .*qa.jsonl was read as alpaca, which does not "
                                         r"read 'role' \(its records hold no turns\); alpaca reads instruction, output, "
                                         r"input, system"):
-        load_examples(_cfg(tmp_path, _jsonl(tmp_path / "qa.jsonl", [{"instruction": "q", "output": "a"}]),
-                           "--columns", "role=who"))
+        load_examples(_settings(tmp_path, _jsonl(tmp_path / "qa.jsonl", [{"instruction": "q", "output": "a"}]),
+                                "--columns", "role=who"))
 
 
 def test_a_name_that_does_not_fit_gets_a_hint_that_does_the_same_job():
@@ -557,8 +563,9 @@ def test_each_mixture_source_maps_its_own_columns(data_files, tmp_path):
     qa = _jsonl(tmp_path / "qa.jsonl", [{"q": f"question {i}", "a": f"answer {i}"} for i in range(8)])
     spec = f"{qa}:0.5:instruction=q;output=a,{data_files['sharegpt']}:0.5"
     with pytest.raises(UserError, match="sharegpt.jsonl has no column 'q'"):
-        load_examples(_cfg(tmp_path, f"{qa}:0.5,{data_files['sharegpt']}:0.5", "--columns", "instruction=q,output=a"))
-    ex = load_examples(_cfg(tmp_path, spec))
+        load_examples(_settings(tmp_path, f"{qa}:0.5,{data_files['sharegpt']}:0.5", "--columns",
+                                "instruction=q,output=a"))
+    ex = load_examples(_settings(tmp_path, spec))
     assert [(f, n) for _, f, _, n in ex.sources] == [("alpaca", 8), ("sharegpt", 32)]
     assert [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "answer 0"}] in ex.train
     yaml = tmp_path / "run.yaml"
@@ -581,13 +588,13 @@ def test_eval_dataset_is_its_own_file_detected_mapped_and_cached_on_its_own(data
     tok = build_tokenizer(CHATML)
     held = _jsonl(tmp_path / "held.jsonl", [{"q": f"held question {i}", "a": f"held answer {i}"} for i in range(5)])
     cfg = _cfg(tmp_path, data_files["chat"], "--seq-len", "64", "--eval-dataset", f"{held}:instruction=q;output=a")
-    data = prepare_data(cfg, tok)
+    data = prepare_data(cfg.data_settings, tok)
     want = [encode(tok, [{"role": "user", "content": f"held question {i}"},
                          {"role": "assistant", "content": f"held answer {i}"}], 64, False) for i in range(5)]
     assert [(r["input_ids"], r["labels"]) for r in data.eval] == [(w.input_ids, w.labels) for w in want]
     assert (data.format, data.eval_format, len(data.train)) == ("chat", "alpaca", 32)
     other = _jsonl(tmp_path / "other.jsonl", make_records("text", 3))
-    again = prepare_data(_cfg(tmp_path, data_files["chat"], "--seq-len", "64", "--eval-dataset", str(other)), tok)
+    again = prepare_data(_settings(tmp_path, data_files["chat"], "--seq-len", "64", "--eval-dataset", str(other)), tok)
     assert again.stats.cached and not again.eval_stats.cached and again.eval_format == "text" and len(again.eval) == 3
     with pytest.raises(UserError, match="--eval-dataset and --eval-split 0.1 both give the held-out data; drop one"):
         _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(held), "--eval-split", "0.1")
@@ -596,18 +603,18 @@ def test_eval_dataset_is_its_own_file_detected_mapped_and_cached_on_its_own(data
     assert _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(held), "--eval-on-start").output.eval_on_start
     pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}] * 3)
     good = _jsonl(tmp_path / "good.jsonl", [{"question": "Name a shape.", "good": "Round.", "bad": "Sad."}] * 2)
-    dpo = prepare_data(_cfg(tmp_path, pairs, "--objective", "dpo", "--eval-dataset",
-                            f"{good}:prompt=question;chosen=good;rejected=bad"), tok)
+    dpo = prepare_data(_settings(tmp_path, pairs, "--objective", "dpo", "--eval-dataset",
+                                 f"{good}:prompt=question;chosen=good;rejected=bad"), tok)
     assert len(dpo.eval) == 2 and dpo.eval_format == "pairs" and "rejected_input_ids" in dpo.eval[0]  # pairs to score
 
 
 def test_a_resume_may_change_the_eval_file_but_not_the_training_data(data_files, tmp_path):
     from toolkit.train.resume import fingerprint
 
-    one = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["alpaca"]))
-    other = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["text"]))
-    assert fingerprint(one, 1) == fingerprint(other, 1) == fingerprint(_cfg(tmp_path, data_files["chat"]), 1)
-    assert fingerprint(one, 1) != fingerprint(_cfg(tmp_path, data_files["chat"], "--eval-split", "0.1"), 1)
+    one = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["alpaca"])).flat()
+    other = _cfg(tmp_path, data_files["chat"], "--eval-dataset", str(data_files["text"])).flat()
+    assert fingerprint(one, 1) == fingerprint(other, 1) == fingerprint(_cfg(tmp_path, data_files["chat"]).flat(), 1)
+    assert fingerprint(one, 1) != fingerprint(_cfg(tmp_path, data_files["chat"], "--eval-split", "0.1").flat(), 1)
 
 
 @pytest.mark.parametrize("case", ["no_format", "mapped_missing", "turn_keys", "speaker", "all_empty",
@@ -633,7 +640,7 @@ def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatc
     spec = f"{_jsonl(tmp_path / 'd.jsonl', rows)}" + (":output=reply" if case.startswith("own") else "")
     cfg = _cfg(tmp_path, spec, *flags)
     with pytest.raises(UserError) as early:
-        check_data(cfg)
+        check_data(cfg.data_settings)
     with pytest.raises(UserError) as full:
-        prepare_data(cfg, build_tokenizer(CHATML))
+        prepare_data(cfg.data_settings, build_tokenizer(CHATML))
     assert str(early.value) == str(full.value)

@@ -327,17 +327,17 @@ def test_a_model_replaced_under_its_path_is_refused_at_resume(trained, tmp_path,
     model = tmp_path / "model"
     shutil.copytree(trained["model"], model)
     cfg = parse_config(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(tmp_path / "o")])
-    point = ResumePoint(tmp_path / "checkpoint-2", 2, {"fingerprint": fingerprint(cfg, 1)})
-    assert mismatch(point, cfg, 1) == []
+    point = ResumePoint(tmp_path / "checkpoint-2", 2, {"fingerprint": fingerprint(cfg.flat(), 1)})
+    assert mismatch(point, cfg.flat(), 1) == []
     from safetensors.torch import load_file, save_file
 
     weights = load_file(model / "model.safetensors")
     save_file({k: v + 0.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
-    (problem,) = mismatch(point, cfg, 1)
+    (problem,) = mismatch(point, cfg.flat(), 1)
     assert problem.startswith(f"the model at {model} changed since the checkpoint (model.safetensors was ")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
-    assert "its config.json differs" in mismatch(point, cfg, 1)[0]
+    assert "its config.json differs" in mismatch(point, cfg.flat(), 1)[0]
 
 
 @pytest.mark.parametrize("yaml_text, said", [

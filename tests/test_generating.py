@@ -78,7 +78,7 @@ def _layouts(model: str, data: str, scratch: str) -> dict:
     cfg = _config(model, data, scratch, [])
     tok = load_tokenizer(model)
     ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train[:8], tok, cfg)
+    rows, _ = tokenize_examples(load_examples(cfg.data_settings).train[:8], tok, cfg.data_settings)
     prompts = [(i, [int(t) for t in rows[i]["input_ids"][:12]]) for i in range(PROMPTS)]
     out: dict = {"one": _sample(load_model(cfg, model), prompts, any_unfinished_here)}  # one process's model
     for name, flags in LAYOUTS.items():

@@ -201,7 +201,7 @@ def preference_rows(tmp_path_factory, tiny_model):
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TOOLKIT_CACHE", str(d / "cache"))
         return {name: prepare_data(parse_config(["--dataset", str(path), "--objective", objective, "--seq-len", "48",
-                                                 "--output-dir", str(d / "o")]), tok).train
+                                                 "--output-dir", str(d / "o")]).data_settings, tok).train
                 for name, path, objective in (("pairs", pairs, "dpo"), ("kto", kto, "kto"))}
 
 

@@ -404,7 +404,7 @@ def test_every_preference_form_reads_as_the_same_pair(tmp_path, monkeypatch, tin
         path = write_pairs(tmp_path / f"{form}.jsonl", [record] * 3)
         extra = ["--columns", "prompt=question,chosen=good,rejected=bad"] if form == "mapped" else []
         cfg = parse_config(["--dataset", str(path), "--objective", "dpo", "--seq-len", "64", *extra])
-        row = prepare_data(cfg, tok).train[0]
+        row = prepare_data(cfg.data_settings, tok).train[0]
         seen[form] = row
         for side, text in (("", "Blue."), ("rejected_", "Loud.")):
             ids, labels = row[f"{side}input_ids"], row[f"{side}labels"]
@@ -590,7 +590,7 @@ def test_kto_reads_its_unpaired_form_and_splits_pairs(tmp_path, monkeypatch, tin
     for form, records in forms.items():
         cfg = parse_config(["--dataset", str(write_pairs(tmp_path / f"{form}.jsonl", records)), "--objective", "kto",
                             "--seq-len", "64"])
-        rows = prepare_data(cfg, tok).train
+        rows = prepare_data(cfg.data_settings, tok).train
         assert len(rows) == len(expect[form]), form
         for row, (prompt, completion, good, other) in zip(rows, expect[form]):
             head = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -623,9 +623,9 @@ def test_sft_columns_beside_pairs_train_as_sft_and_a_conversation_per_side_reads
               "chosen": [user, {"role": "assistant", "content": "Blue."}],
               "rejected": [user, {"role": "assistant", "content": "Loud."}]}
     path = write_pairs(tmp_path / "uf.jsonl", [record] * 3)
-    sft = prepare_data(parse_config(["--dataset", str(path), "--seq-len", "64"]), tok)
+    sft = prepare_data(parse_config(["--dataset", str(path), "--seq-len", "64"]).data_settings, tok)
     assert sft.format == "chat" and "rejected_input_ids" not in sft.train[0]
-    dpo = prepare_data(parse_config(["--dataset", str(path), *DPO, "--seq-len", "64"]), tok)
+    dpo = prepare_data(parse_config(["--dataset", str(path), *DPO, "--seq-len", "64"]).data_settings, tok)
     row = dpo.train[0]
     assert tok.decode([t for t in row["labels"] if t != -100]) == "Blue.<|im_end|>"
     assert tok.decode([t for t in row["rejected_labels"] if t != -100]) == "Loud.<|im_end|>"
@@ -671,7 +671,7 @@ def test_packed_pairs_give_each_pairs_loss_as_padded_rows_do(tiny_model, pairs_f
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     tok = AutoTokenizer.from_pretrained(tiny_model)
     ensure_chat_template(tok)
-    rows = prepare_data(parse_config(["--dataset", str(pairs_file), *DPO, "--seq-len", "64"]), tok).train
+    rows = prepare_data(parse_config(["--dataset", str(pairs_file), *DPO, "--seq-len", "64"]).data_settings, tok).train
     model = AutoModelForCausalLM.from_pretrained(tiny_model).float()
     if method == "lora":
         from peft import LoraConfig, get_peft_model

@@ -106,7 +106,7 @@ def test_stream_skips_wraps_and_packs_each_micro_batch(files, tmp_path):
     ensure_chat_template(tok)
     cfg = parse_config(["--dataset", str(files["in_sampler_order"]), "--streaming", "--max-steps", "1",
                         "--seq-len", "128", "--output-dir", str(tmp_path / "o")])
-    stream = RecordStream(cfg, tok)
+    stream = RecordStream(cfg.data_settings, tok)
     stream.start = N - 2
     assert [i for _, (i, _) in zip(range(4), stream)] == [N - 2, N - 1, 0, 1]
     stream.start = 0
@@ -125,4 +125,4 @@ def test_stream_of_a_folder_without_data_files_is_one_clear_error(tmp_path):
     cfg = parse_config(["--dataset", str(tmp_path / "empty"), "--streaming", "--max-steps", "1",
                         "--output-dir", str(tmp_path / "o")])
     with pytest.raises(UserError, match="folder holds no .json/.jsonl/.csv/.parquet file"):
-        RecordStream(cfg, None)
+        RecordStream(cfg.data_settings, None)

@@ -41,13 +41,13 @@ def test_the_chat_template_renders_the_data_and_keys_its_cache(tmp_path, tiny_mo
     argv = ["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--seq-len", "64", "--output-dir",
             str(tmp_path / "o")]
     cfg = parse_config([*argv, "--chat-template", str(template)])
-    point = ResumePoint(tmp_path / "checkpoint-2", 2, {"fingerprint": fingerprint(cfg, 1)})
-    assert mismatch(point, parse_config(argv), 1) == [f"--chat-template was {str(template)!r}, now ''"]
+    point = ResumePoint(tmp_path / "checkpoint-2", 2, {"fingerprint": fingerprint(cfg.flat(), 1)})
+    assert mismatch(point, parse_config(argv).flat(), 1) == [f"--chat-template was {str(template)!r}, now ''"]
     chatml = load_tokenizer(str(tiny_model), chat_template=cfg.model.chat_template)
     plain = load_tokenizer(str(tiny_model))
     ensure_chat_template(plain)
-    assert chatml.chat_template == CHATML and data_key(cfg, chatml) != data_key(cfg, plain)
-    rows = prepare_data(cfg, chatml, cache=tmp_path / "cache").train
+    assert chatml.chat_template == CHATML and data_key(cfg.data_settings, chatml) != data_key(cfg.data_settings, plain)
+    rows = prepare_data(cfg.data_settings, chatml, cache=tmp_path / "cache").train
     assert chatml.decode(rows[0]["input_ids"]).startswith("<|im_start|>user\n")
 
 

@@ -31,7 +31,7 @@ def fixed_batch(model_dir, dataset, tmp_path):
     cfg = parse_config(["--dataset", str(dataset), "--seq-len", "64", "--output-dir", str(tmp_path / "b")])
     tok = AutoTokenizer.from_pretrained(model_dir)
     ensure_chat_template(tok)
-    rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
+    rows, _ = tokenize_examples(load_examples(cfg.data_settings).train[:4], tok, cfg.data_settings)
     return collate(rows, tok.pad_token_id)
 
 
@@ -64,7 +64,8 @@ def test_eval_split_records_eval_loss_and_an_eval_file_gives_the_same(tmp_path, 
     quick = ["--eval-every", "3", "--eval-on-start", "--report-to", "none", "--verify", "none"]
     _, split = run(tmp_path / "split", tiny_model, data_files["chat"], "--eval-split", "0.25", *quick)
     lines = data_files["chat"].read_text().splitlines()
-    train, held = split_indices(len(lines), parse_config(["--eval-split", "0.25", "--output-dir", str(tmp_path / "o")]), "")
+    settings = parse_config(["--eval-split", "0.25", "--output-dir", str(tmp_path / "o")]).data_settings
+    train, held = split_indices(len(lines), settings, "")
     (tmp_path / "train.jsonl").write_text("".join(lines[i] + "\n" for i in train))
     (tmp_path / "held.jsonl").write_text("".join(lines[i] + "\n" for i in held))
     _, out = run(tmp_path / "file", tiny_model, tmp_path / "train.jsonl", "--eval-dataset", str(tmp_path / "held.jsonl"),
@@ -172,7 +173,7 @@ def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_f
     assert passed["relative_diff"] <= 1e-4
     tok = AutoTokenizer.from_pretrained(out / "final")
     cfg = parse_config(["--dataset", str(data_files["chat"]), "--seq-len", "64", "--output-dir", str(tmp_path / "x")])
-    rows, _ = tokenize_examples(load_examples(cfg).train[:4], tok, cfg)
+    rows, _ = tokenize_examples(load_examples(cfg.data_settings).train[:4], tok, cfg.data_settings)
     strategy = AccelerateStrategy(Accelerator(cpu=True))
     good = tmp_path / "good"
     expected = save_final(strategy, result.model, tok, good)
@@ -351,7 +352,7 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
             "--seq-len", "64", "--max-steps", "1", "--method", "lora"]
     tokenizer = load_tokenizer(str(tiny_model), False)
     ensure_chat_template(tokenizer)
-    prepare_data(parse_config(argv), tokenizer)  # the cache the run reads, as finetune.main builds it
+    prepare_data(parse_config(argv).data_settings, tokenizer)  # the cache the run reads, as finetune.main builds it
     site = tmp_path / "site"
     (site / "scipy").mkdir(parents=True)
     (site / "scipy" / "__init__.py").write_text("")

@@ -260,6 +260,16 @@ SECTIONS = ("model", "data", "train", "rl", "parallel", "output", "plan")
 
 
 @dataclass(frozen=True)
+class DataSettings:
+    """What the data package reads of a run (`Config.data_settings`): its section, and the two training settings
+    that shape the rows: the objective picks the formats and columns a source may have, the seed draws the
+    eval split and a mixture's order."""
+    data: DataConfig
+    objective: str
+    seed: int
+
+
+@dataclass(frozen=True)
 class Config:
     """A run's settings, resolved once and frozen: defaults < YAML < flags, with what a launcher or a
     --deepspeed file fixes (`parse_config`); the planner's choices under --strategy auto and a resume's
@@ -295,6 +305,11 @@ class Config:
     def flat(self) -> dict[str, Any]:
         """Every key with its value, in declaration order: the YAML `config.yaml` holds."""
         return {f.name: getattr(getattr(self, s), f.name) for s, f in _fields().values()}
+
+    @property
+    def data_settings(self) -> DataSettings:
+        """What `toolkit.data` is passed in place of this whole config."""
+        return DataSettings(self.data, self.train.objective, self.train.seed)
 
     @property
     def lr(self) -> float:

@@ -33,18 +33,19 @@ import re
 import sys
 from importlib import metadata
 
-from toolkit.config import Config
+from toolkit.layout.flags import ParallelConfig
 from toolkit.tracker_spec import requested
 
 
-def unused_packages(cfg: Config) -> list[str]:
-    """Installed packages this run will not import itself; `--strategy auto` may still choose DeepSpeed."""
-    par, out = cfg.parallel, ["scipy"]
-    if cfg.model.method != "qlora":
+def unused_packages(method: str, parallel: ParallelConfig, report_to: str) -> list[str]:
+    """Installed packages a run of this `--method`, layout and `--report-to` will not import itself;
+    `--strategy auto` may still choose DeepSpeed."""
+    out = ["scipy"]
+    if method != "qlora":
         out.append("bitsandbytes")
-    if par.zero_stage is None and not par.deepspeed and par.strategy != "auto":
+    if parallel.zero_stage is None and not parallel.deepspeed and parallel.strategy != "auto":
         out.append("deepspeed")
-    if not {"mlflow", "wandb"} & set(requested(cfg.output.report_to)):
+    if not {"mlflow", "wandb"} & set(requested(report_to)):
         out.append("boto3")
     return out
 
@@ -67,8 +68,8 @@ def required_elsewhere(names: list[str]) -> set[str]:
     return out
 
 
-def leave_unimported(cfg: Config) -> None:
-    names = [n for n in unused_packages(cfg) if n not in sys.modules]
+def leave_unimported(method: str, parallel: ParallelConfig, report_to: str) -> None:
+    names = [n for n in unused_packages(method, parallel, report_to) if n not in sys.modules]
     kept = required_elsewhere(names) if names else set()
     for name in names:
         if name not in kept:

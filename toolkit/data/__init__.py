@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.config import Config
+from toolkit.config import DataConfig, DataSettings
 from toolkit.dataset_spec import first_source, is_mixture, parse_sources
 from toolkit.data.table import DataStats
 from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
@@ -37,21 +37,21 @@ class Examples:
     sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
 
 
-def data_sources(cfg: Config) -> list[DataSource]:
+def data_sources(data: DataConfig) -> list[DataSource]:
     """The training sources, each with the column mapping in force for it: its own, else --columns."""
-    return [DataSource(s.spec, s.columns or cfg.data.columns, "--dataset", bool(s.columns))
-            for s in parse_sources(cfg.data.dataset)]
+    return [DataSource(s.spec, s.columns or data.columns, "--dataset", bool(s.columns))
+            for s in parse_sources(data.dataset)]
 
 
-def eval_source(cfg: Config) -> DataSource | None:
+def eval_source(data: DataConfig) -> DataSource | None:
     """`--eval-dataset`'s file (None: none given), read as a training source is."""
-    if not cfg.data.eval_dataset:
+    if not data.eval_dataset:
         return None
-    s = first_source(cfg.data.eval_dataset)
-    return DataSource(s.spec, s.columns or cfg.data.columns, "--eval-dataset", bool(s.columns))
+    s = first_source(data.eval_dataset)
+    return DataSource(s.spec, s.columns or data.columns, "--eval-dataset", bool(s.columns))
 
 
-def as_example(row: dict, fmt: str, index: int, cfg: Config, source: DataSource) -> tuple[list[dict] | str, bool]:
+def as_example(row: dict, fmt: str, index: int, data: DataConfig, source: DataSource) -> tuple[list[dict] | str, bool]:
     """(one record as a conversation or text, whether --system-prompt was added to it); a record
     with nothing to train on is an error naming its index."""
     try:
@@ -60,14 +60,14 @@ def as_example(row: dict, fmt: str, index: int, cfg: Config, source: DataSource)
         raise UserError(f"{source.flag} {record_place(source.path, index)}: {e}") from None
     if fmt == "text":
         return conv, False
-    given = with_system_prompt(conv, cfg.data.system_prompt)
-    if not cfg.data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
+    given = with_system_prompt(conv, data.system_prompt)
+    if not data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
         raise UserError(f"{source.flag} {record_place(source.path, index)} has no assistant turn, so it has nothing "
                         "to train on (pass --train-on-prompt to train on whole conversations)")
     return given, given is not conv
 
 
-def source_format(columns: list[str], cfg: Config, source: DataSource, sample: dict | None = None) -> str:
+def source_format(columns: list[str], settings: DataSettings, source: DataSource, sample: dict | None = None) -> str:
     """The source's format, from its columns or --format (text takes no --system-prompt); under a
     preference objective the pairs' format (`toolkit.data.pairs.PAIR_FORMATS`). Pairs where no SFT
     format fits are refused under SFT in one line, SFT data under a preference objective, and a
@@ -77,102 +77,104 @@ def source_format(columns: list[str], cfg: Config, source: DataSource, sample: d
     from toolkit.data.pairs import PREFERENCE_READS, check_data_fits
 
     spec, flag = source.path, source.flag
-    if cfg.train.objective == "grpo":  # prompts, completions sampled in the loop (`toolkit.data.prompts`)
+    if settings.objective == "grpo":  # prompts, completions sampled in the loop (`toolkit.data.prompts`)
         from toolkit.data.prompts import prompt_format
 
         return prompt_format(columns, source)
-    if cfg.train.objective != "sft":
-        fmt = check_data_fits(columns, cfg.train.objective, spec, flag)
+    if settings.objective != "sft":
+        fmt = check_data_fits(columns, settings.objective, spec, flag)
         unread_mapping(fmt, PREFERENCE_READS[fmt], source)
         return fmt
     try:
-        fmt = detect_format(columns, cfg.data.format, spec, sample, flag)
+        fmt = detect_format(columns, settings.data.format, spec, sample, flag)
     except UserError:
         check_data_fits(columns, "sft", spec, flag)  # pairs: say so, rather than that the format is unknown
         raise
     unread_mapping(fmt, FORMAT_COLUMNS[fmt] + OPTIONAL_COLUMNS.get(fmt, ()), source)
-    if fmt == "text" and cfg.data.system_prompt:
+    if fmt == "text" and settings.data.system_prompt:
         raise UserError(f"--system-prompt applies to conversations; {flag} {spec} is plain text (format text), "
                         "which has no turns to put it in front of")
     return fmt
 
 
-def _conversations(cfg: Config, source: DataSource) -> tuple[str, list, int]:
+def _conversations(settings: DataSettings, source: DataSource) -> tuple[str, list, int]:
     """(format, each record as a conversation or text, how many got --system-prompt) of one source,
     its format detected on its own columns."""
     records = map_columns(load_records(source.path, source.flag), source)
-    fmt = source_format(records.column_names, cfg, source, records[0])
-    pairs = [as_example(r, fmt, i, cfg, source) for i, r in enumerate(records)]
+    fmt = source_format(records.column_names, settings, source, records[0])
+    pairs = [as_example(r, fmt, i, settings.data, source) for i, r in enumerate(records)]
     return fmt, [c for c, _ in pairs], sum(added for _, added in pairs)
 
 
-def split_indices(n: int, cfg: Config, what: str) -> tuple[list[int], list[int]]:
+def split_indices(n: int, settings: DataSettings, what: str) -> tuple[list[int], list[int]]:
     """(train, held out) record indices: --eval-split of `n` records, drawn with the run's seed,
     order kept."""
     import torch
 
-    if cfg.data.eval_split <= 0:
+    if settings.data.eval_split <= 0:
         return list(range(n)), []
-    n_eval = max(1, round(n * cfg.data.eval_split))
+    n_eval = max(1, round(n * settings.data.eval_split))
     if n_eval >= n:
-        raise UserError(f"--eval-split {cfg.data.eval_split} leaves no training data from {n} records"
+        raise UserError(f"--eval-split {settings.data.eval_split} leaves no training data from {n} records"
                         + (f" of {what}" if what else ""))
-    g = torch.Generator().manual_seed(cfg.train.seed)
+    g = torch.Generator().manual_seed(settings.seed)
     order = torch.randperm(n, generator=g).tolist()
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
-def _split_eval(convs: list, cfg: Config, what: str) -> tuple[list, list]:
-    train, held = split_indices(len(convs), cfg, what)
+def _split_eval(convs: list, settings: DataSettings, what: str) -> tuple[list, list]:
+    train, held = split_indices(len(convs), settings, what)
     return [convs[i] for i in train], [convs[i] for i in held]
 
 
-def load_examples(cfg: Config) -> Examples:
-    spec, system = cfg.data.dataset, cfg.data.system_prompt
+def load_examples(settings: DataSettings) -> Examples:
+    spec, system = settings.data.dataset, settings.data.system_prompt
     if is_mixture(spec):
-        return _load_mixture(cfg)
-    fmt, convs, added = _conversations(cfg, data_sources(cfg)[0])
+        return _load_mixture(settings)
+    fmt, convs, added = _conversations(settings, data_sources(settings.data)[0])
     if spec.startswith("builtin:"):
         from toolkit.data.builtin import builtin_records
 
         held = builtin_records(spec.split(":", 1)[1], split="eval")
         scored = [with_system_prompt(r["messages"], system) for r in held]
-        eval_convs = scored if cfg.data.eval_split > 0 else _eval_file(cfg)
-        return Examples(fmt, cfg.data.format == "auto", convs, eval_convs, scored, [r["answer"] for r in held], added)
-    train, held_out = _split_eval(convs, cfg, "")
-    return Examples(fmt, cfg.data.format == "auto", train, held_out or _eval_file(cfg), system_added=added)
+        eval_convs = scored if settings.data.eval_split > 0 else _eval_file(settings)
+        return Examples(fmt, settings.data.format == "auto", convs, eval_convs, scored, [r["answer"] for r in held],
+                        added)
+    train, held_out = _split_eval(convs, settings, "")
+    return Examples(fmt, settings.data.format == "auto", train, held_out or _eval_file(settings), system_added=added)
 
 
-def _eval_file(cfg: Config) -> list:
+def _eval_file(settings: DataSettings) -> list:
     """`--eval-dataset`'s records as conversations or texts (none without it)."""
-    source = eval_source(cfg)
-    return _conversations(cfg, source)[1] if source else []
+    source = eval_source(settings.data)
+    return _conversations(settings, source)[1] if source else []
 
 
-def _load_mixture(cfg: Config) -> Examples:
+def _load_mixture(settings: DataSettings) -> Examples:
     """`--dataset a.jsonl:0.7,b.json:0.3`: each source read and format-detected on its own, its
     --eval-split held out first, then the training examples drawn by weight with the run's seed
     (`toolkit.data.mixture`); without weights each source counts by its size."""
     from toolkit.data.mixture import mixture_order
 
-    sources = parse_sources(cfg.data.dataset)
+    sources = parse_sources(settings.data.dataset)
     formats, trains, held, added = [], [], [], 0
-    for source, read in zip(sources, data_sources(cfg)):
-        fmt, convs, n = _conversations(cfg, read)
-        train, held_out = _split_eval(convs, cfg, source.spec)
+    for source, read in zip(sources, data_sources(settings.data)):
+        fmt, convs, n = _conversations(settings, read)
+        train, held_out = _split_eval(convs, settings, source.spec)
         formats.append(fmt)
         trains.append(train)
         held += held_out
         added += n
     weights = [s.weight if s.weight is not None else len(t) for s, t in zip(sources, trains)]
-    order = mixture_order([len(t) for t in trains], weights, cfg.train.seed)
+    order = mixture_order([len(t) for t in trains], weights, settings.seed)
     fmt = "+".join(dict.fromkeys(formats))
-    return Examples(fmt, cfg.data.format == "auto", [trains[s][i] for s, i in order], held or _eval_file(cfg),
-                    system_added=added, sources=[(s.spec, f, w / sum(weights), len(t))
-                                                 for s, f, w, t in zip(sources, formats, weights, trains)])
+    return Examples(fmt, settings.data.format == "auto", [trains[s][i] for s, i in order],
+                    held or _eval_file(settings), system_added=added,
+                    sources=[(s.spec, f, w / sum(weights), len(t))
+                             for s, f, w, t in zip(sources, formats, weights, trains)])
 
 
-def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training"):
+def tokenize_examples(convs: list, tokenizer, settings: DataSettings, what: str = "training"):
     """(rows, stats) of in-memory conversations or texts: tokenized into a cached Arrow table
     (`toolkit.data.table`), the rows left with a target token as a list-like `Rows`. A run's own
     data goes through `toolkit.data.prepare`, which starts from the files."""
@@ -181,15 +183,16 @@ def tokenize_examples(convs: list, tokenizer, cfg: Config, what: str = "training
 
     if not convs:  # no eval split: nothing to tokenize or cache
         return [], DataStats()
-    table, cached = tokenized_table(convs, tokenizer, cfg.data.seq_len, cfg.data.train_on_prompt, cache_dir() / "data",
-                                    cfg.data.data_workers)
+    d = settings.data
+    table, cached = tokenized_table(convs, tokenizer, d.seq_len, d.train_on_prompt, cache_dir() / "data",
+                                    d.data_workers)
     stats, keep = table_stats(table)
     stats.cached = cached
-    check_trainable(stats, cfg, what)
+    check_trainable(stats, settings, what)
     return Rows(table, keep), stats
 
 
-def check_trainable(stats: DataStats, cfg: Config, what: str, named: str = "") -> None:
+def check_trainable(stats: DataStats, settings: DataSettings, what: str, named: str = "") -> None:
     """One line, before the model loads, where nothing is left to train: a run that trained on no
     example would exit 0 having learnt nothing. Empty answers (`stats.empty`: SFT's answers or text,
     preference completions) name the file (`named`: "--dataset FILE", the default, or "--eval-dataset FILE")
@@ -197,17 +200,17 @@ def check_trainable(stats: DataStats, cfg: Config, what: str, named: str = "") -
     if not stats.examples or stats.dropped < stats.examples:
         return
     if stats.empty:
-        objective = cfg.train.objective
+        objective = settings.objective
         unit, sides = {"sft": ("example", "answer"), "kto": ("example", "completion")}.get(
             objective, ("pair", "'chosen' or 'rejected'"))
         cut = stats.dropped - stats.empty
-        raise UserError(f"{named or '--dataset ' + cfg.data.dataset}: no {what} {unit} is left: {stats.empty} of "
+        raise UserError(f"{named or '--dataset ' + settings.data.dataset}: no {what} {unit} is left: {stats.empty} of "
                         f"{stats.examples} have an empty or whitespace-only {sides}"
                         + (f", the other {cut} no {'answer' if objective == 'sft' else 'completion'} tokens after "
-                           f"truncation to --seq-len {cfg.data.seq_len}" if cut else "")
+                           f"truncation to --seq-len {settings.data.seq_len}" if cut else "")
                         + f"; fill in the {sides} text (or point --columns at the columns that hold it)")
     raise UserError(f"every {what} example is left with no answer tokens after truncation to "
-                    f"--seq-len {cfg.data.seq_len}; raise --seq-len (longest prompt is longer)")
+                    f"--seq-len {settings.data.seq_len}; raise --seq-len (longest prompt is longer)")
 
 
 def longest_row(rows, seq_len: int) -> int:

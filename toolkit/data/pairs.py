@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from toolkit.config import DataConfig
 from toolkit.data.tokenize import blank
 from toolkit.errors import UserError
 from toolkit.inputs import Turns
@@ -129,7 +130,8 @@ PAIR_COLUMNS = {"rejected_input_ids": ("int32",), "rejected_labels": ("int32",),
 KTO_COLUMNS = {"kl_input_ids": ("int32",), "kl_labels": ("int32",), "desirable": "bool", "empty": "bool"}
 
 
-def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, source, tokenizer) -> dict[str, list]:
+def encode_pairs(rows: list[dict], indices: list[int], fmt: str, data: DataConfig, source,
+                 tokenizer) -> dict[str, list]:
     """Preference records as the prepared table's columns: the chosen sequence in `input_ids`/`labels`,
     the rejected one in `rejected_*`, each prompt + completion through the chat template with labels on
     the completion (its last assistant turn) only; `length` is both sequences' tokens, `targets` the
@@ -146,11 +148,11 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, cfg, source, to
             prompt, chosen, rejected = to_pair(row, fmt, source.turns)
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
-        given = with_system_prompt(prompt, cfg.data.system_prompt)
+        given = with_system_prompt(prompt, data.system_prompt)
         added.append(given is not prompt)
         empty.append(blank(chosen) or blank(rejected))
         chats += [given + [{"role": "assistant", "content": chosen}], given + [{"role": "assistant", "content": rejected}]]
-    encs = encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True)
+    encs = encode_batch(tokenizer, chats, data.seq_len, False, last_turn=True)
     chosen, rejected = token_columns(encs[0::2]), token_columns(encs[1::2])
     return {"input_ids": chosen["input_ids"], "labels": chosen["labels"],
             "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"],
@@ -186,7 +188,7 @@ def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int,
     return out_ids, out_labels
 
 
-def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, source, tokenizer) -> dict[str, list]:
+def encode_kto(rows: list[dict], indices: list[int], fmt: str, data: DataConfig, source, tokenizer) -> dict[str, list]:
     """KTO's records (or pairs, split into a desirable and an undesirable example) as the prepared
     table's columns: each prompt + completion through the chat template with labels on the completion,
     `desirable`, and the KL estimate's sequence (`kl_sequences`; not trained, so not in `length`); an
@@ -206,7 +208,7 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, source, toke
                 sides = [(chosen, True), (rejected, False)]
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
-        given = with_system_prompt(prompt, cfg.data.system_prompt)
+        given = with_system_prompt(prompt, data.system_prompt)
         for completion, good in sides:
             chats.append(given + [{"role": "assistant", "content": completion}])
             desirable.append(good)
@@ -215,10 +217,10 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, cfg, source, toke
         order = list(range(0, len(chats), 2)) + list(range(1, len(chats), 2))  # a rejected example's KL
         chats, desirable, added = ([x[k] for k in order] for x in (chats, desirable, added))  # partner would
         # be its own pair's chosen completion, its own prompt's: a matched sequence, not a mismatched one
-    cols = token_columns(encode_batch(tokenizer, chats, cfg.data.seq_len, False, last_turn=True))
+    cols = token_columns(encode_batch(tokenizer, chats, data.seq_len, False, last_turn=True))
     empty = [blank(chat[-1]["content"]) for chat in chats]
     cols["targets"] = [0 if e else n for n, e in zip(cols["targets"], empty)]
-    kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], cfg.data.seq_len, empty)
+    kl_ids, kl_labels = kl_sequences(cols["input_ids"], cols["labels"], data.seq_len, empty)
     return {**cols, "kl_input_ids": kl_ids, "kl_labels": kl_labels, "desirable": desirable, "system_added": added,
             "empty": empty}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.config import Config
+from toolkit.config import DataSettings
 from toolkit.data import as_example, check_trainable, data_sources, eval_source, source_format
 from toolkit.data.formats import EMPTY_OBJECTS, DataSource, column_renames, data_files
 from toolkit.data.table import DataStats
@@ -27,11 +27,11 @@ PEEK_BYTES = 8 << 20  # JSON read whole up to this (0.19 s for 8 MiB of alpaca r
 # is the full read's
 
 
-def check_data(cfg: Config) -> None:
+def check_data(settings: DataSettings) -> None:
     """Every source of --dataset and --eval-dataset: its columns mapped and matched to a format; where its
     records were read whole (JSON), each of them as SFT reads it (the turns' keys and speakers, an answer
     to train on), and a file whose answers are all empty."""
-    sources = data_sources(cfg) + ([eval_source(cfg)] if cfg.data.eval_dataset else [])
+    sources = data_sources(settings.data) + ([eval_source(settings.data)] if settings.data.eval_dataset else [])
     for source in sources:
         peeked = peek(source)
         if peeked is None:
@@ -39,19 +39,19 @@ def check_data(cfg: Config) -> None:
         columns, rows = peeked
         renames = column_renames(columns, source)
         rows = [{renames.get(k, k): v for k, v in r.items()} for r in rows]
-        fmt = source_format([renames.get(c, c) for c in columns], cfg, source, rows[0] if rows else None)
-        if rows and cfg.train.objective == "sft":
-            _check_records(rows, fmt, cfg, source, alone=len(sources) == 1 or source.flag == "--eval-dataset")
+        fmt = source_format([renames.get(c, c) for c in columns], settings, source, rows[0] if rows else None)
+        if rows and settings.objective == "sft":
+            _check_records(rows, fmt, settings, source, alone=len(sources) == 1 or source.flag == "--eval-dataset")
 
 
-def _check_records(rows: list[dict], fmt: str, cfg: Config, source: DataSource, alone: bool) -> None:
+def _check_records(rows: list[dict], fmt: str, settings: DataSettings, source: DataSource, alone: bool) -> None:
     """Each record as the full read converts it (`as_example`); `alone` (the run's only training source, or
     the eval file, and no --eval-split to divide it): every answer empty is the error it would be after
     tokenizing (`check_trainable`)."""
-    empty = sum(empty_answers(as_example(r, fmt, i, cfg, source)[0])[0] for i, r in enumerate(rows))
-    if alone and empty == len(rows) and cfg.data.eval_split == 0:
+    empty = sum(empty_answers(as_example(r, fmt, i, settings.data, source)[0])[0] for i, r in enumerate(rows))
+    if alone and empty == len(rows) and settings.data.eval_split == 0:
         held = source.flag == "--eval-dataset"  # named as the full read names it (`prepare_data`)
-        check_trainable(DataStats(examples=empty, dropped=empty, empty=empty), cfg, "eval" if held else "training",
+        check_trainable(DataStats(examples=empty, dropped=empty, empty=empty), settings, "eval" if held else "training",
                         f"{source.flag} {source.path}" if held else "")
 
 

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config import Config
+from toolkit.config import DataConfig, DataSettings
 from toolkit.data import DataStats, as_example, check_trainable, data_sources, eval_source, source_format, split_indices
 from toolkit.data.formats import DataSource
 from toolkit.data.table import ANSWER_COLUMNS, CACHE_VERSION, Rows, answer_columns, built_once, features, \
@@ -53,23 +53,26 @@ class PreparedData:
     eval_format: str | None = None  # --eval-dataset's format (None: no eval file)
 
 
-def data_key(cfg: Config, tokenizer) -> str:
+def data_key(settings: DataSettings, tokenizer) -> str:
     """The cache folder's name: a hash of everything that decides the prepared tables (the training data's;
     --eval-dataset's are keyed apart, `eval_key`)."""
-    d = cfg.data
-    flat = cfg.flat()
+    d, values = settings.data, _token_settings(settings)
     seeded = d.eval_split > 0 or is_mixture(d.dataset)  # the seed draws the eval split and the mixture
     parts = [CACHE_VERSION, "prepared", _identity(d.dataset), tokenizer_digest(tokenizer),
-             *(f"{k}={flat[k]!r}" for k in TOKEN_SETTINGS), f"seed={cfg.train.seed if seeded else None}"]
+             *(f"{k}={v!r}" for k, v in values.items()), f"seed={settings.seed if seeded else None}"]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
-def eval_key(cfg: Config, tokenizer) -> str:
+def eval_key(settings: DataSettings, tokenizer) -> str:
     """The cache folder of --eval-dataset's table: the file and every setting that decides its tokens."""
-    flat = cfg.flat()
-    parts = [CACHE_VERSION, "eval-dataset", _identity(cfg.data.eval_dataset), tokenizer_digest(tokenizer),
-             *(f"{k}={flat[k]!r}" for k in TOKEN_SETTINGS if k != "eval_split")]
+    parts = [CACHE_VERSION, "eval-dataset", _identity(settings.data.eval_dataset), tokenizer_digest(tokenizer),
+             *(f"{k}={v!r}" for k, v in _token_settings(settings).items() if k != "eval_split")]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _token_settings(settings: DataSettings) -> dict[str, object]:
+    """`TOKEN_SETTINGS` by name: the data section's, and the objective."""
+    return {k: settings.objective if k == "objective" else getattr(settings.data, k) for k in TOKEN_SETTINGS}
 
 
 def _identity(spec: str) -> str:
@@ -83,57 +86,57 @@ def _identity(spec: str) -> str:
     return identity
 
 
-def prepare_data(cfg: Config, tokenizer, cache: Path | None = None) -> PreparedData:
+def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None) -> PreparedData:
     """The run's training and eval rows, from the cache or built into it (with --streaming, the
     record stream, read as training goes)."""
     from toolkit.cache import cache_dir
 
-    if cfg.train.objective == "grpo":  # prompts: tokenized as they are read (a prompt file is small)
-        return prepare_prompts(cfg, tokenizer)
+    if settings.objective == "grpo":  # prompts: tokenized as they are read (a prompt file is small)
+        return prepare_prompts(settings, tokenizer)
     cache = cache or cache_dir() / "data"
-    if cfg.data.streaming:
+    if settings.data.streaming:
         from toolkit.data.stream import RecordStream
 
-        stream = RecordStream(cfg, tokenizer)  # reads the first record: format and columns are checked here
-        held, held_stats, held_format = _prepared_eval(cfg, tokenizer, cache)
-        return PreparedData(stream.format, cfg.data.format == "auto", stream, held, DataStats(), held_stats,
+        stream = RecordStream(settings, tokenizer)  # reads the first record: format and columns are checked here
+        held, held_stats, held_format = _prepared_eval(settings, tokenizer, cache)
+        return PreparedData(stream.format, settings.data.format == "auto", stream, held, DataStats(), held_stats,
                             streamed=True, eval_format=held_format)
 
-    path = cache / data_key(cfg, tokenizer)
-    hit = built_once(path, lambda tmp: _build(cfg, tokenizer, tmp, cache))
+    path = cache / data_key(settings, tokenizer)
+    hit = built_once(path, lambda tmp: _build(settings, tokenizer, tmp, cache))
     meta = json.loads((path / "meta.json").read_text())
     train = open_table(path / "train")  # memory-mapped
     stats, keep = table_stats(train)
     stats.cached = hit
-    check_trainable(stats, cfg, "training")
-    eval_rows, held_stats, held_format = _prepared_eval(cfg, tokenizer, cache)  # --eval-dataset's, if any
+    check_trainable(stats, settings, "training")
+    eval_rows, held_stats, held_format = _prepared_eval(settings, tokenizer, cache)  # --eval-dataset's, if any
     if (path / "eval").is_dir():  # --eval-split's (never beside an eval file: `inputs.eval_dataset_problems`)
         held = open_table(path / "eval")
         held_stats, held_keep = table_stats(held)
-        check_trainable(held_stats, cfg, "eval")
+        check_trainable(held_stats, settings, "eval")
         eval_rows = Rows(held, held_keep)
     em, answers = None, None
-    if cfg.data.dataset.startswith("builtin:") and not is_mixture(cfg.data.dataset):
-        em, answers = _builtin_scored(cfg)
-    return PreparedData(meta["format"], cfg.data.format == "auto", Rows(train, keep), eval_rows, stats, held_stats,
+    if settings.data.dataset.startswith("builtin:") and not is_mixture(settings.data.dataset):
+        em, answers = _builtin_scored(settings.data)
+    return PreparedData(meta["format"], settings.data.format == "auto", Rows(train, keep), eval_rows, stats, held_stats,
                         meta["system_added"], [tuple(s) for s in meta["sources"]] if meta["sources"] else None,
                         em, answers, eval_format=held_format)
 
 
-def _prepared_eval(cfg: Config, tokenizer, cache: Path) -> tuple[Rows | list, DataStats, str | None]:
+def _prepared_eval(settings: DataSettings, tokenizer, cache: Path) -> tuple[Rows | list, DataStats, str | None]:
     """(--eval-dataset's rows, their stats, its format), from its own cache entry or built into it; no
     eval file: nothing."""
-    source = eval_source(cfg)
+    source = eval_source(settings.data)
     if source is None:
         return [], DataStats(), None
-    path = cache / eval_key(cfg, tokenizer)
+    path = cache / eval_key(settings, tokenizer)
 
     def build(out: Path) -> None:
         import datasets
 
         datasets.disable_progress_bars()
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            fmt, table = _tokenized_source(cfg, source, tokenizer, Path(tmp))
+            fmt, table = _tokenized_source(settings, source, tokenizer, Path(tmp))
             out.mkdir(parents=True)
             table.remove_columns("system_added").save_to_disk(str(out / "eval"))
             (out / "meta.json").write_text(json.dumps({"format": fmt}))
@@ -142,51 +145,52 @@ def _prepared_eval(cfg: Config, tokenizer, cache: Path) -> tuple[Rows | list, Da
     table = open_table(path / "eval")
     stats, keep = table_stats(table)
     stats.cached = hit
-    check_trainable(stats, cfg, "eval", f"--eval-dataset {source.path}")
+    check_trainable(stats, settings, "eval", f"--eval-dataset {source.path}")
     return Rows(table, keep), stats, json.loads((path / "meta.json").read_text())["format"]
 
 
-def _builtin_scored(cfg: Config) -> tuple[list, list[str]]:
+def _builtin_scored(data: DataConfig) -> tuple[list, list[str]]:
     from toolkit.data import with_system_prompt
     from toolkit.data.builtin import builtin_records
 
-    held = builtin_records(cfg.data.dataset.split(":", 1)[1], split="eval")
-    return [with_system_prompt(r["messages"], cfg.data.system_prompt) for r in held], [r["answer"] for r in held]
+    held = builtin_records(data.dataset.split(":", 1)[1], split="eval")
+    return [with_system_prompt(r["messages"], data.system_prompt) for r in held], [r["answer"] for r in held]
 
 
-def table_columns(cfg: Config, fmt: str) -> dict:
+def table_columns(objective: str, fmt: str) -> dict:
     """The table's columns beside the tokens: KTO's, a pair's rejected sequence, or SFT's empty answers."""
-    return KTO_COLUMNS if cfg.train.objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else ANSWER_COLUMNS
+    return KTO_COLUMNS if objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else ANSWER_COLUMNS
 
 
-def _encode_records(batch: dict, indices: list[int], fmt: str, cfg: Config, source: DataSource, tokenizer) -> dict:
+def _encode_records(batch: dict, indices: list[int], fmt: str, settings: DataSettings, source: DataSource,
+                    tokenizer) -> dict:
     from toolkit.data.tokenize import encode_batch
 
-    names = list(batch)
-    if cfg.train.objective == "kto":
-        return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, source,
+    names, d = list(batch), settings.data
+    if settings.objective == "kto":
+        return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, d, source,
                           tokenizer)
     if fmt in PAIR_FORMATS:
-        return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, cfg, source,
+        return encode_pairs([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, d, source,
                             tokenizer)
-    pairs = [as_example({c: batch[c][j] for c in names}, fmt, i, cfg, source) for j, i in enumerate(indices)]
-    encs = encode_batch(tokenizer, [ex for ex, _ in pairs], cfg.data.seq_len, cfg.data.train_on_prompt)
+    pairs = [as_example({c: batch[c][j] for c in names}, fmt, i, d, source) for j, i in enumerate(indices)]
+    encs = encode_batch(tokenizer, [ex for ex, _ in pairs], d.seq_len, d.train_on_prompt)
     return {**token_columns(encs), **answer_columns(encs), "system_added": [added for _, added in pairs]}
 
 
-def _tokenized_source(cfg: Config, source: DataSource, tokenizer, work: Path):
+def _tokenized_source(settings: DataSettings, source: DataSource, tokenizer, work: Path):
     """(format, the source's records tokenized in their order, with a `system_added` column)."""
     from toolkit.data.formats import load_records, map_columns, read_problem
 
     spec = source.path
     records = map_columns(load_records(spec, source.flag), source)
-    fmt = source_format(records.column_names, cfg, source, records[0])
+    fmt = source_format(records.column_names, settings, source, records[0])
     try:
         table = records.map(_encode_records, batched=True, batch_size=256, with_indices=True,
                             remove_columns=records.column_names,
-                            features=features({"system_added": "bool", **table_columns(cfg, fmt)}),
-                            num_proc=map_processes(len(records), cfg.data.data_workers),
-                            fn_kwargs={"fmt": fmt, "cfg": cfg, "source": source, "tokenizer": tokenizer},
+                            features=features({"system_added": "bool", **table_columns(settings.objective, fmt)}),
+                            num_proc=map_processes(len(records), settings.data.data_workers),
+                            fn_kwargs={"fmt": fmt, "settings": settings, "source": source, "tokenizer": tokenizer},
                             cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
                             new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])
     except UnicodeDecodeError as e:  # pyarrow keeps bytes that are not UTF-8 until a row is read
@@ -194,7 +198,7 @@ def _tokenized_source(cfg: Config, source: DataSource, tokenizer, work: Path):
     return fmt, table
 
 
-def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
+def _build(settings: DataSettings, tokenizer, out: Path, cache: Path) -> None:
     """Write `out/train`, `out/eval` (when there is an eval split) and `out/meta.json`."""
     import datasets
 
@@ -202,42 +206,43 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
 
     datasets.disable_progress_bars()
 
-    spec = cfg.data.dataset
+    spec = settings.data.dataset
     mixed = is_mixture(spec)
     sources = parse_sources(spec)
     builtin = spec.startswith("builtin:") and not mixed  # it holds out its own eval split, scored too
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # map's per-process files, until saved
         work = Path(tmp)
         formats, trains, evals, added = [], [], [], 0
-        for s, read in zip(sources, data_sources(cfg)):
-            fmt, table = _tokenized_source(cfg, read, tokenizer, work)
+        for s, read in zip(sources, data_sources(settings.data)):
+            fmt, table = _tokenized_source(settings, read, tokenizer, work)
             added += int(table.data.column("system_added").to_numpy().sum())
             table = table.remove_columns("system_added")
             train_idx, eval_idx = (list(range(len(table))), []) if builtin else \
-                split_indices(len(table), cfg, s.spec if mixed else "")
+                split_indices(len(table), settings, s.spec if mixed else "")
             formats.append(fmt)
             trains.append(table.select(train_idx) if eval_idx else table)
             if eval_idx:
                 evals.append(table.select(eval_idx))
-        if builtin and cfg.data.eval_split > 0 and formats[0] in PAIR_FORMATS:  # held-out pairs
+        if builtin and settings.data.eval_split > 0 and formats[0] in PAIR_FORMATS:  # held-out pairs
             from toolkit.data.builtin import builtin_records
 
             held = datasets.Dataset.from_list(builtin_records(spec.split(":", 1)[1], split="eval"))
             evals = [held.map(_encode_records, batched=True, with_indices=True, remove_columns=held.column_names,
-                              features=features({"system_added": "bool", **table_columns(cfg, formats[0])}),
-                              fn_kwargs={"fmt": formats[0], "cfg": cfg, "source": DataSource(spec),
+                              features=features({"system_added": "bool",
+                                                 **table_columns(settings.objective, formats[0])}),
+                              fn_kwargs={"fmt": formats[0], "settings": settings, "source": DataSource(spec),
                                          "tokenizer": tokenizer}).remove_columns("system_added")]
-        elif builtin and cfg.data.eval_split > 0:
-            scored, _ = _builtin_scored(cfg)
+        elif builtin and settings.data.eval_split > 0:
+            scored, _ = _builtin_scored(settings.data)
             evals = [datasets.Dataset.from_dict({"messages": scored}).map(
                 _encode_records, batched=True, with_indices=True, remove_columns=["messages"],
                 features=features({"system_added": "bool", **ANSWER_COLUMNS}),
-                fn_kwargs={"fmt": "chat", "cfg": cfg, "source": DataSource(spec), "tokenizer": tokenizer}
+                fn_kwargs={"fmt": "chat", "settings": settings, "source": DataSource(spec), "tokenizer": tokenizer}
             ).remove_columns("system_added")]
         meta_sources = None
         if mixed:
             weights = [s.weight if s.weight is not None else len(t) for s, t in zip(sources, trains)]
-            order = mixture_order([len(t) for t in trains], weights, cfg.train.seed)
+            order = mixture_order([len(t) for t in trains], weights, settings.seed)
             offsets = [sum(len(t) for t in trains[:k]) for k in range(len(trains))]
             train = datasets.concatenate_datasets(trains).select([offsets[s] + i for s, i in order])
             meta_sources = [(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(sources, formats, weights,
@@ -253,38 +258,39 @@ def _build(cfg: Config, tokenizer, out: Path, cache: Path) -> None:
                                                    "system_added": added, "sources": meta_sources}))
 
 
-def prepare_prompts(cfg: Config, tokenizer):
+def prepare_prompts(settings: DataSettings, tokenizer):
     """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
     --eval-split's held-out share (drawn with the seed, as SFT's; a built-in's own eval split instead), and
     --eval-dataset's."""
     from toolkit.data.prompts import PromptRows, builtin_eval_prompts, load_prompts, subset
 
-    sources = data_sources(cfg)
+    sources = data_sources(settings.data)
     if len(sources) > 1:
         raise UserError(f"--objective grpo reads one prompt file (got a mixture of {len(sources)}: "
-                        f"{cfg.data.dataset}); give one --dataset")
-    whole = load_prompts(cfg, sources[0], tokenizer)
+                        f"{settings.data.dataset}); give one --dataset")
+    whole = load_prompts(settings.data, sources[0], tokenizer)
     if not whole:
-        raise UserError(f"--dataset {cfg.data.dataset}: no prompt is left to sample from"
-                        + (f" ({whole.dropped} longer than --seq-len {cfg.data.seq_len}: raise it)" if whole.dropped
-                           else ""))
+        raise UserError(f"--dataset {settings.data.dataset}: no prompt is left to sample from"
+                        + (f" ({whole.dropped} longer than --seq-len {settings.data.seq_len}: raise it)"
+                           if whole.dropped else ""))
     if sources[0].path.startswith("builtin:"):  # its own eval split, as SFT's (--eval-split > 0 asks for it)
         train, held = list(range(len(whole))), []
-        held_rows = builtin_eval_prompts(cfg, sources[0], tokenizer) if cfg.data.eval_split > 0 else PromptRows()
+        held_rows = builtin_eval_prompts(settings.data, sources[0], tokenizer) if settings.data.eval_split > 0 \
+            else PromptRows()
     else:
-        train, held = split_indices(len(whole), cfg, "")
+        train, held = split_indices(len(whole), settings, "")
         held_rows = subset(whole, held) if held else PromptRows()
-    if cfg.data.eval_dataset:
-        held_rows = load_prompts(cfg, eval_source(cfg), tokenizer)
+    if settings.data.eval_dataset:
+        held_rows = load_prompts(settings.data, eval_source(settings.data), tokenizer)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
-    return PreparedData(whole.format, cfg.data.format == "auto", subset(whole, train), held_rows, stats, DataStats(),
-                        eval_format=held_rows.format if cfg.data.eval_dataset else None)
+    return PreparedData(whole.format, settings.data.format == "auto", subset(whole, train), held_rows, stats,
+                        DataStats(), eval_format=held_rows.format if settings.data.eval_dataset else None)
 
 
-def describe_prompts(cfg: Config, data) -> str:
-    """The data line of a GRPO run."""
-    rows = data.train
+def describe_prompts(data: DataConfig, prepared) -> str:
+    """The data line of a GRPO run (`prepared`: its `PreparedData`)."""
+    rows, stats = prepared.train, prepared.stats
     columns = ", ".join(sorted(rows.columns)) or "none"
-    dropped = f"; {data.stats.dropped} longer than --seq-len {cfg.data.seq_len} dropped" if data.stats.dropped else ""
-    return (f"data: {cfg.data.dataset}: prompts ({rows.format} form); {len(rows)} training prompts, "
-            f"{len(data.eval)} eval{dropped}; the reward functions get the columns {columns}")
+    dropped = f"; {stats.dropped} longer than --seq-len {data.seq_len} dropped" if stats.dropped else ""
+    return (f"data: {data.dataset}: prompts ({rows.format} form); {len(rows)} training prompts, "
+            f"{len(prepared.eval)} eval{dropped}; the reward functions get the columns {columns}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.config import Config
+from toolkit.config import DataConfig
 from toolkit.data.formats import DataSource, record_place, with_system_prompt
 from toolkit.errors import UserError
 
@@ -87,7 +87,7 @@ class PromptRows:
         return {k: [v[i] for i in rows] for k, v in self.columns.items()}
 
 
-def load_prompts(cfg: Config, source: DataSource, tokenizer, records=None) -> PromptRows:
+def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None) -> PromptRows:
     """Every record of `source` (or the given `records`, a `datasets.Dataset` already mapped) as a prompt."""
     from toolkit.data.formats import load_records, map_columns
     from toolkit.data.tokenize import prompt_text
@@ -100,9 +100,9 @@ def load_prompts(cfg: Config, source: DataSource, tokenizer, records=None) -> Pr
     for i, row in enumerate(records):
         where = f"{source.flag} {record_place(source.path, i)}"
         prompt = prompt_of(row, fmt, where, source)
-        text = prompt_text(tokenizer, prompt_messages(prompt, cfg.data.system_prompt, row.get("system")))
+        text = prompt_text(tokenizer, prompt_messages(prompt, data.system_prompt, row.get("system")))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > cfg.data.seq_len:
+        if len(ids) > data.seq_len:
             out.dropped += 1
             continue
         out.prompt_ids.append(ids)
@@ -118,10 +118,10 @@ def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
                       {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)
 
 
-def builtin_eval_prompts(cfg: Config, source: DataSource, tokenizer) -> PromptRows:
+def builtin_eval_prompts(data: DataConfig, source: DataSource, tokenizer) -> PromptRows:
     """A built-in dataset's own held-out prompts (`toolkit.data.builtin`: disjoint from its training ones)."""
     from toolkit.data.builtin import builtin_dataset
     from toolkit.data.formats import map_columns
 
-    return load_prompts(cfg, source, tokenizer, map_columns(builtin_dataset(source.path.split(":", 1)[1], "eval"),
-                                                            source))
+    return load_prompts(data, source, tokenizer, map_columns(builtin_dataset(source.path.split(":", 1)[1], "eval"),
+                                                        source))

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from toolkit.config import Config
+from toolkit.config import DataSettings
 from toolkit.data import as_example, collate, data_sources, source_format
 from toolkit.data.tokenize import encode_batch
 from toolkit.errors import UserError
@@ -39,12 +39,12 @@ from toolkit.errors import UserError
 class RecordStream(torch.utils.data.IterableDataset):
     """(record index, record) of one source in file order, forever; `start` records skipped."""
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, settings: DataSettings, tokenizer):
         from datasets import load_dataset
 
         from toolkit.data.formats import column_renames, data_files, datasets_log_silenced, read_problem
 
-        source = data_sources(cfg)[0]
+        source = data_sources(settings.data)[0]
         spec = source.path
         local = data_files(spec)  # the map-style reader's files and checks
         try:
@@ -57,8 +57,8 @@ class RecordStream(torch.utils.data.IterableDataset):
         if first is None:
             raise UserError(f"--dataset {spec}: holds no records")
         self.renames = column_renames(list(first), source)
-        self.format = source_format([self.renames.get(c, c) for c in first], cfg, source, self._renamed(first))
-        self.records, self.cfg, self.source, self.spec = records, cfg, source, spec
+        self.format = source_format([self.renames.get(c, c) for c in first], settings, source, self._renamed(first))
+        self.records, self.data, self.source, self.spec = records, settings.data, source, spec
         self.tokenizer, self.start = tokenizer, 0
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
@@ -71,9 +71,8 @@ class RecordStream(torch.utils.data.IterableDataset):
                 yield i, self._renamed(row)
 
     def tokenize(self, batch: list[tuple[int, dict]]) -> list[dict]:
-        pairs = [as_example(row, self.format, i, self.cfg, self.source) for i, row in batch]
-        encs = encode_batch(self.tokenizer, [ex for ex, _ in pairs], self.cfg.data.seq_len,
-                            self.cfg.data.train_on_prompt)
+        pairs = [as_example(row, self.format, i, self.data, self.source) for i, row in batch]
+        encs = encode_batch(self.tokenizer, [ex for ex, _ in pairs], self.data.seq_len, self.data.train_on_prompt)
         return [{"input_ids": e.input_ids, "labels": e.labels} for e in encs]
 
     def __getitem__(self, part: slice) -> list[dict]:
@@ -116,10 +115,10 @@ class StreamCollate:
         if self.padding_free:
             from toolkit.data.packing import collate_padding_free
 
-            return collate_padding_free(rows, self.pad_id, self.whole, restart=self.stream.cfg.data.seq_len)
+            return collate_padding_free(rows, self.pad_id, self.whole, restart=self.stream.data.seq_len)
         if not self.packing:
             return collate(rows, self.pad_id, self.whole)
         from toolkit.data.packing import PackedRows, collate_packed, pack_bins
 
-        packed = PackedRows(rows, pack_bins([len(r["input_ids"]) for r in rows], self.stream.cfg.data.seq_len))
+        packed = PackedRows(rows, pack_bins([len(r["input_ids"]) for r in rows], self.stream.data.seq_len))
         return collate_packed([packed[k] for k in range(len(packed))], self.pad_id, self.whole)

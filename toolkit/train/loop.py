@@ -736,8 +736,9 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
 
     path = run.out_dir / f"checkpoint-{step}"
     tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
-    state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(run.cfg, run.data_ranks),
-             "config": run.cfg.flat(), "elapsed_s": run.elapsed(time.perf_counter())}
+    settings = run.cfg.flat()
+    state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(settings, run.data_ranks),
+             "config": settings, "elapsed_s": run.elapsed(time.perf_counter())}
     rollout = run.batches.state_dict() if hasattr(run.batches, "state_dict") else None  # grpo: a round's rest
     save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault,
                     {"rollout": rollout} if rollout and rollout["pending"] else None)

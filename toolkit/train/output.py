@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.chat_template import is_inline
-from toolkit.config import Config
+from toolkit.config import DataConfig, OutputConfig, TrainConfig
 from toolkit.inputs import parse_columns
 
 if TYPE_CHECKING:
@@ -20,13 +20,13 @@ ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "
              "reference_logps.safetensors")
 
 
-def prepare_output_dir(cfg: Config, accelerator) -> Path:
+def prepare_output_dir(output: OutputConfig, accelerator) -> Path:
     """Create the folder; with --overwrite-output-dir remove this toolkit's own earlier artifacts
     (never other files) so metrics of two runs do not mix."""
-    out = Path(cfg.output.output_dir)
+    out = Path(output.output_dir)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.output.overwrite_output_dir:
+        if output.overwrite_output_dir:
             for name in ARTIFACTS:
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -36,42 +36,43 @@ def prepare_output_dir(cfg: Config, accelerator) -> Path:
     return out
 
 
-def report_data(log, cfg: Config, data, added_template: bool) -> None:
-    """`data`: a `toolkit.data.prepare.PreparedData`."""
-    if cfg.train.objective == "grpo":
+def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: str, data,
+                added_template: bool) -> None:
+    """`data`: a `toolkit.data.prepare.PreparedData`, prepared with `data_cfg`."""
+    if train.objective == "grpo":
         from toolkit.data.prepare import describe_prompts
 
-        log(describe_prompts(cfg, data))
+        log(describe_prompts(data_cfg, data))
         return
     examples, stats, n_eval = data, data.stats, len(data.eval)
     how = "detected from columns" if examples.detected else "from --format"
-    if cfg.data.columns:
-        how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(cfg.data.columns).items())
-    paired = cfg.train.objective in ("dpo", "orpo", "simpo")
+    if data_cfg.columns:
+        how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(data_cfg.columns).items())
+    paired = train.objective in ("dpo", "orpo", "simpo")
     unit = "pairs" if paired else "examples"
     if data.streamed:
-        log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
+        log(f"data: {data_cfg.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
-        _eval_file_line(log, cfg, data, unit)
+        _eval_file_line(log, data_cfg.eval_dataset, data, unit)
         return
-    log(f"data: {cfg.data.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
-        f"{n_eval} eval; {token_counts(stats, cfg.train.objective)}"
+    log(f"data: {data_cfg.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
+        f"{n_eval} eval; {token_counts(stats, train.objective)}"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
-    _eval_file_line(log, cfg, data, unit)
-    if cfg.train.objective == "kto":
+    _eval_file_line(log, data_cfg.eval_dataset, data, unit)
+    if train.objective == "kto":
         from toolkit.data.pairs import kto_balance
 
-        log(kto_balance(data.train.desirable(), cfg.train.desirable_weight, cfg.train.undesirable_weight))
+        log(kto_balance(data.train.desirable(), train.desirable_weight, train.undesirable_weight))
     if examples.system_added:
         log(f"data: --system-prompt added to {examples.system_added} conversation(s) without a system message")
     if stats.truncated:
-        log(f"data: {stats.truncated} example(s) longer than --seq-len {cfg.data.seq_len} were truncated")
+        log(f"data: {stats.truncated} example(s) longer than --seq-len {data_cfg.seq_len} were truncated")
     empty = stats.empty + data.eval_stats.empty
     if empty:
         texts = "text" if examples.format == "text" else "answer or text" if "text" in examples.format else "answer"
-        sides = {"sft": texts, "kto": "completion"}.get(cfg.train.objective, "'chosen' or 'rejected'")
+        sides = {"sft": texts, "kto": "completion"}.get(train.objective, "'chosen' or 'rejected'")
         held = f" ({data.eval_stats.empty} of them from the eval data)" if data.eval_stats.empty else ""
         log(f"data: {empty} more {unit[:-1]}(s) dropped, not counted above: an empty or whitespace-only {sides}{held}")
     blanks = stats.blank_turns + data.eval_stats.blank_turns
@@ -81,19 +82,19 @@ def report_data(log, cfg: Config, data, added_template: bool) -> None:
     if stats.dropped - stats.empty:
         log(f"data: {stats.dropped - stats.empty} more {unit[:-1]}(s) dropped, not counted above: no answer tokens "
             "left after truncation")
-    if cfg.model.chat_template:
-        spec = cfg.model.chat_template
-        log(f"data: chat template {'written out in the config' if is_inline(spec) else spec} (--chat-template), "
+    if chat_template:
+        said = "written out in the config" if is_inline(chat_template) else chat_template
+        log(f"data: chat template {said} (--chat-template), "
             "saved with the tokenizer")
     elif added_template:
         log("data: the tokenizer has no chat template; using the toolkit's fallback "
             "(<|role|>\\ncontent<eos>), saved with the tokenizer")
 
 
-def _eval_file_line(log, cfg: Config, data, unit: str) -> None:
+def _eval_file_line(log, eval_dataset: str, data, unit: str) -> None:
     if data.eval_format:
         held = data.eval_stats
-        log(f"data: eval from --eval-dataset {cfg.data.eval_dataset}: format {data.eval_format}; "
+        log(f"data: eval from --eval-dataset {eval_dataset}: format {data.eval_format}; "
             f"{held.examples - held.dropped} {unit}, {held.tokens} tokens"
             + (" (tokenized data read from the cache)" if held.cached else ""))
 
@@ -116,8 +117,8 @@ class RunResult:
     model: Any  # the trained model, unwrapped (what final/ holds)
 
 
-def summarize(log, cfg: Config, out: Path, result, scores: dict, accelerator, model) -> RunResult:
-    summary = {"objective": cfg.train.objective, "steps": result.steps, "steps_this_run": result.steps_run,
+def summarize(log, objective: str, out: Path, result, scores: dict, accelerator, model) -> RunResult:
+    summary = {"objective": objective, "steps": result.steps, "steps_this_run": result.steps_run,
                "final_loss": result.final_loss,
                "eval_loss": result.eval_loss, "tokens": result.tokens,
                "train_seconds": round(result.elapsed_before + result.elapsed_s, 1),

@@ -9,6 +9,9 @@ it): the data position is global (steps x global batch examples), and the global
 re-splitting it into micro-batch x accumulation x data-parallel ranks, said in one line. Per-rank
 random streams (dropout) cannot carry over to other ranks and are reseeded to seed + step on each
 rank. DeepSpeed's per-rank ZeRO checkpoints resume on the same world size and layout only.
+
+`settings` below is the run's flat key -> value settings (`Config.flat()`): a fingerprint is taken over
+keys of every section, by name.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from toolkit.config import Config
 from toolkit.dataset_spec import dataset_digest
 from toolkit.errors import UserError
+from toolkit.layout.flags import ParallelConfig
 from toolkit.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
 from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA
 from toolkit.train.manifest import damage
@@ -59,8 +62,8 @@ class ResumePoint:
         return self.state.get("format") == "sharded"
 
 
-def global_batch(cfg: Config, data_ranks: int) -> int:
-    return cfg.train.micro_batch_size * cfg.train.grad_accum * data_ranks
+def global_batch(settings: dict[str, Any], data_ranks: int) -> int:
+    return settings["micro_batch_size"] * settings["grad_accum"] * data_ranks
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -113,11 +116,10 @@ def model_changes(saved: dict, now: dict | None) -> list[str]:
     return changes
 
 
-def fingerprint(cfg: Config, data_ranks: int) -> dict:
-    flat = cfg.flat()
-    return {"dataset": dataset_digest(cfg.data.dataset), "model_files": model_identity(cfg.model.model),
-            "settings": {**{k: flat[k] for k in RESULT_KEYS}, "global_batch": global_batch(cfg, data_ranks)},
-            "layout": fingerprint_layout(cfg)}
+def fingerprint(settings: dict[str, Any], data_ranks: int) -> dict:
+    return {"dataset": dataset_digest(settings["dataset"]), "model_files": model_identity(settings["model"]),
+            "settings": {**{k: settings[k] for k in RESULT_KEYS}, "global_batch": global_batch(settings, data_ranks)},
+            "layout": fingerprint_layout(settings)}
 
 
 def resplit(total: int, micro: int, data_ranks: int) -> tuple[int, int] | None:
@@ -131,11 +133,11 @@ def resplit(total: int, micro: int, data_ranks: int) -> tuple[int, int] | None:
     return micro, share // micro
 
 
-def find_checkpoint(cfg: Config, damaged: Callable[[Path], str | None] = damage) -> ResumePoint | None:
+def find_checkpoint(settings: dict[str, Any], damaged: Callable[[Path], str | None] = damage) -> ResumePoint | None:
     """The checkpoint --resume names (None without --resume, or for 'auto' in a folder without one),
     checked against its manifest: `--resume auto` passes over damaged ones to the newest intact one
     (saying which file was damaged), a named damaged one is refused in one line."""
-    spec = cfg.output.resume
+    spec = settings["resume"]
     if not spec:
         return None
     if spec != "auto":
@@ -150,15 +152,16 @@ def find_checkpoint(cfg: Config, damaged: Callable[[Path], str | None] = damage)
             raise UserError(f"--resume {path}: the checkpoint is damaged: {problem}; resume from an earlier one "
                             "(--resume auto picks the newest intact one)")
         return _read_point(path)
-    out = Path(cfg.output.output_dir)
-    refused = finished_problems(str(out), cfg.output.continue_finished, cfg.train.max_steps)
+    out = Path(settings["output_dir"])
+    refused = finished_problems(str(out), settings["continue_finished"], settings["max_steps"])
     if refused:  # checked at start-up too; the folder may have changed since
         raise UserError(refused[0])
     found, done, continuing = later_checkpoints(out), finished_step(out), []
     if not found and done is not None:  # --continue-finished: from its newest checkpoint, past final/'s step
         found = complete_checkpoints(out)
         continuing = [f"--continue-finished: the run finished at step {done}; training on to step "
-                      f"{cfg.train.max_steps}, its learning-rate schedule stretched to that; final/ is replaced at the end"]
+                      f"{settings['max_steps']}, its learning-rate schedule stretched to that; final/ is replaced at "
+                      "the end"]
     skipped = []
     for path in reversed(found):
         problem = damaged(path)
@@ -168,7 +171,7 @@ def find_checkpoint(cfg: Config, damaged: Callable[[Path], str | None] = damage)
             return ResumePoint(point.path, point.step, point.state, notes=notes)
         skipped.append((path.name, problem))
     if skipped:
-        raise UserError(f"--resume auto: every checkpoint in {cfg.output.output_dir} is damaged "
+        raise UserError(f"--resume auto: every checkpoint in {settings['output_dir']} is damaged "
                         f"({'; '.join(f'{n}: {why}' for n, why in skipped)}); restore one, or start again "
                         "without --resume in another --output-dir")
     return None  # nothing to resume: start from step 0 (what an elastic restart before the first save needs)
@@ -184,62 +187,61 @@ def _read_point(path: Path) -> ResumePoint:
     return ResumePoint(path, step, state)
 
 
-def mismatch(point: ResumePoint, cfg: Config, data_ranks: int) -> list[str]:
+def mismatch(point: ResumePoint, settings: dict[str, Any], data_ranks: int) -> list[str]:
     """What differs between the checkpoint's run and this one (the batch split aside: `keep_global_batch`)."""
-    saved, now = point.state.get("fingerprint", {}), fingerprint(cfg, data_ranks)
-    settings = saved.get("settings", {})
+    saved, now = point.state.get("fingerprint", {}), fingerprint(settings, data_ranks)
+    then = saved.get("settings", {})
     problems = []
     if saved.get("dataset") != now["dataset"]:
-        problems.append(f"the dataset changed ({cfg.data.dataset} hashes differently)")
+        problems.append(f"the dataset changed ({settings['dataset']} hashes differently)")
     changes = model_changes(saved["model_files"], now["model_files"]) if saved.get("model_files") else []
     if changes:
-        problems.append(f"the model at {cfg.model.model} changed since the checkpoint ({', '.join(changes[:4])})")
+        problems.append(f"the model at {settings['model']} changed since the checkpoint ({', '.join(changes[:4])})")
     # --continue-finished trains past the steps the checkpoint's run was asked for: only their number differs
-    beyond = ("max_steps", "epochs") if cfg.output.continue_finished else ()
+    beyond = ("max_steps", "epochs") if settings["continue_finished"] else ()
     keys = [k for k in now["settings"] if k != "global_batch" and k not in beyond]
-    if "global_batch" not in settings:  # an older checkpoint: same layout, so the same split
-        now["settings"].update({k: getattr(cfg.train, k) for k in BATCH_KEYS})
+    if "global_batch" not in then:  # an older checkpoint: same layout, so the same split
+        now["settings"].update({k: settings[k] for k in BATCH_KEYS})
         keys += list(BATCH_KEYS)
     for k in keys:
-        if settings.get(k, NEWER_RESULT_KEYS.get(k)) != now["settings"][k]:
-            problems.append(f"--{k.replace('_', '-')} was {settings.get(k)!r}, now {now['settings'][k]!r}")
+        if then.get(k, NEWER_RESULT_KEYS.get(k)) != now["settings"][k]:
+            problems.append(f"--{k.replace('_', '-')} was {then.get(k)!r}, now {now['settings'][k]!r}")
     return problems
 
 
-def keep_global_batch(point: ResumePoint, cfg: Config, data_ranks: int,
+def keep_global_batch(point: ResumePoint, settings: dict[str, Any], data_ranks: int,
                       deepspeed: bool) -> tuple[tuple[int, int] | None, list[str]]:
     """((micro-batch, accumulation) that re-split the checkpoint's global batch over this run's
     data-parallel ranks, the line that says how), or (None, []) when this run's flags keep it; raises
     where it cannot be split evenly, or under DeepSpeed, whose engine is configured with the flags'."""
     total = point.state.get("fingerprint", {}).get("settings", {}).get("global_batch")
-    if total is None or total == global_batch(cfg, data_ranks):
+    if total is None or total == global_batch(settings, data_ranks):
         return None, []
-    t = cfg.train
-    split = resplit(total, t.micro_batch_size, data_ranks)
+    micro, accumulation = settings["micro_batch_size"], settings["grad_accum"]
+    split = resplit(total, micro, data_ranks)
     if split is None:
         raise UserError(f"--resume {point.path}: its global batch of {total} examples cannot be shared evenly by "
                         f"{data_ranks} data-parallel ranks; launch a layout whose data-parallel size divides {total}")
     if deepspeed:
         raise UserError(f"--resume {point.path}: its global batch is {total} examples, this launch asks for "
-                        f"{global_batch(cfg, data_ranks)}; DeepSpeed resumes with the batch it saved: pass "
+                        f"{global_batch(settings, data_ranks)}; DeepSpeed resumes with the batch it saved: pass "
                         f"--micro-batch-size {split[0]} --grad-accum {split[1]}")
-    asked = f"{t.micro_batch_size} x {t.grad_accum} x {data_ranks} = {global_batch(cfg, data_ranks)}"
+    asked = f"{micro} x {accumulation} x {data_ranks} = {global_batch(settings, data_ranks)}"
     return split, [f"global batch {total} kept: micro-batch {split[0]} x accumulation {split[1]} x {data_ranks} "
                    f"data-parallel ranks (this launch asked for {asked})"]
 
 
-def same_layout(point: ResumePoint, cfg: Config, world: int) -> bool:
-    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(cfg)
+def same_layout(point: ResumePoint, settings: dict[str, Any], world: int) -> bool:
+    saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(settings)
     return point.state.get("world_size") == world and all(
         saved.get(k, NEWER_LAYOUT_KEYS.get(k)) == v for k, v in now.items())  # older checkpoints: the old meaning
 
 
-def fingerprint_layout(cfg: Config) -> dict:
-    flat = cfg.flat()
-    return {k: flat[k] for k in LAYOUT_KEYS}
+def fingerprint_layout(settings: dict[str, Any]) -> dict:
+    return {k: settings[k] for k in LAYOUT_KEYS}
 
 
-def layout_problems(point: ResumePoint, cfg: Config, world: int, deepspeed: bool) -> list[str]:
+def layout_problems(point: ResumePoint, settings: dict[str, Any], world: int, deepspeed: bool) -> list[str]:
     """Whether the checkpoint resumes on this layout (`toolkit.layout.rules.resume_problems`), and
     whether the files that layout reads are there."""
     from toolkit.layout.rules import resume_problems
@@ -250,7 +252,7 @@ def layout_problems(point: ResumePoint, cfg: Config, world: int, deepspeed: bool
     saved = point.state.get("fingerprint", {}).get("layout", {})
     saved = {k: saved.get(k, NEWER_LAYOUT_KEYS.get(k)) for k in LAYOUT_KEYS}  # from before a key: its old meaning
     problems = resume_problems("sharded" if point.sharded else "hf", point.state.get("world_size"), world, saved,
-                               fingerprint_layout(cfg), deepspeed)
+                               fingerprint_layout(settings), deepspeed)
     if point.sharded:
         return problems or ([] if (point.path / "rank0.pt").is_file() else ["rank0.pt is missing"])
     missing = [r for r in range(world) if not (point.path / f"rank{r}.pt").is_file()]
@@ -262,62 +264,55 @@ def layout_problems(point: ResumePoint, cfg: Config, world: int, deepspeed: bool
     return problems
 
 
-def check_resume(point: ResumePoint | None, cfg: Config, world: int, data_ranks: int,
+def check_resume(point: ResumePoint | None, settings: dict[str, Any], world: int, data_ranks: int,
                  deepspeed: bool = False) -> ResumePoint | None:
     """One line for everything that stops this checkpoint from resuming this run; the point with
     how this run continues it (same layout or resharded, the batch re-split)."""
     if point is None:
         return None
-    layout = layout_problems(point, cfg, world, deepspeed)
+    layout = layout_problems(point, settings, world, deepspeed)
     if layout:
         raise UserError(f"--resume {point.path}: cannot resume: {'; '.join(layout)}. Or start a new run from its "
                         f"weights: python -m toolkit convert-checkpoint {point.path} --output DIR, then --model DIR")
-    changed = mismatch(point, cfg, data_ranks)
-    if changed and not cfg.output.resume_ignore_mismatch:
+    changed = mismatch(point, settings, data_ranks)
+    if changed and not settings["resume_ignore_mismatch"]:
         raise UserError(f"--resume {point.path}: this is not the run that wrote it: {'; '.join(changed)}. "
                         "Restore them, or pass --resume-ignore-mismatch to continue anyway")
-    same = same_layout(point, cfg, world)
+    same = same_layout(point, settings, world)
     notes = list(point.notes)
     notes += [] if same else [f"resharding: the checkpoint was written by {point.state.get('world_size')} processes "
                              f"({point.state.get('layout', '?')}); random streams reseeded to seed + step per rank"]
-    split, said = keep_global_batch(point, cfg, data_ranks, deepspeed)
+    split, said = keep_global_batch(point, settings, data_ranks, deepspeed)
     return ResumePoint(point.path, point.step, point.state, same, tuple(notes + said), split)
 
 
-def resume_point(cfg: Config, accelerator) -> ResumePoint | None:
-    """The checkpoint to resume from, checked against the layout this config gives the launched world
+def resume_point(settings: dict[str, Any], parallel: ParallelConfig, accelerator) -> ResumePoint | None:
+    """The checkpoint to resume from, checked against the layout `parallel` gives the launched world
     (None: start from step 0). The main process reads and verifies it and tells the others (each
-    would read every file again). Its `split`, when set, is the batch this run must take
-    (`resumed_config`)."""
+    would read every file again). Its `split`, when set, is the (micro-batch, accumulation) this run
+    must take: the caller's new config."""
     import os
 
     from toolkit.layout.rules import accelerate_plugin, dims_for
 
     world = accelerator.num_processes
     if world == 1:
-        found = find_checkpoint(cfg)
+        found = find_checkpoint(settings)
     else:
         import torch.distributed as dist
 
         verdict: list = [None]
         if accelerator.is_main_process:
             try:
-                verdict = [("found", find_checkpoint(cfg))]
+                verdict = [("found", find_checkpoint(settings))]
             except UserError as e:
                 verdict = [("error", str(e))]
         dist.broadcast_object_list(verdict, src=0)
         kind, found = verdict[0]
         if kind == "error":
             raise UserError(found)
-    dims, _ = dims_for(cfg.parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return check_resume(found, cfg, world, dims.dp, accelerate_plugin(cfg.parallel) == "deepspeed")
-
-
-def resumed_config(cfg: Config, point: ResumePoint | None) -> Config:
-    """The run's config, with the checkpoint's global batch re-split when this launch's flags do not keep it."""
-    if point is None or point.split is None:
-        return cfg
-    return cfg.replace(micro_batch_size=point.split[0], grad_accum=point.split[1])
+    dims, _ = dims_for(parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return check_resume(found, settings, world, dims.dp, accelerate_plugin(parallel) == "deepspeed")
 
 
 def resumed_weights(model, point: ResumePoint | None, method: str):
