@@ -1,4 +1,13 @@
-"""Run a test function on N gloo ranks in fresh processes (torchtitan/accelerate style)."""
+"""Run a test function, or finetune.py through tests/layouts.py, on N gloo ranks in processes of their
+own (torchtitan/accelerate style).
+
+On 2 cores a rank's start is what a parity test pays for: a fresh interpreter imports torch,
+transformers, accelerate, peft and DeepSpeed (~6 s each, twice that under a second pytest worker), and
+torchrun's agent imports torch once more. Ranks are therefore forked from a forkserver that imported them
+once (`PRELOAD`); it has run no torch op, so its children start without a thread pool to inherit. The
+launchers themselves (python, torchrun, accelerate launch, DeepSpeed's) are what tests/test_launchers.py
+runs, every form for real; the parity tests use `launcher="fork"` (torchrun's rank environment, no agent).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -34,9 +46,22 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue) -> Non
         raise
 
 
+# What every rank imports, imported once in the forkserver (a process that has run no torch op, so its
+# children fork with no thread pool): a rank starts in well under a second instead of re-importing
+# torch and transformers (~5 s on 2 cores), as spawn would.
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "accelerate",
+           "peft", "deepspeed", "datasets", "safetensors.torch"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
     """Call `fn(*args)` on `world_size` ranks (env:// rendezvous, gloo); return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, queue)) for r in range(world_size)]
@@ -58,13 +83,16 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
 
 
 def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,
-           launcher: str = "torchrun", multi_gpu: bool = True, script: Path = ROOT / "finetune.py",
+           launcher: str = "fork", multi_gpu: bool = True, script: Path = ROOT / "finetune.py",
            launcher_args: list[str] = ()) -> subprocess.CompletedProcess:
     """Run `script` (finetune.py) as a user would: plain python, torchrun, accelerate launch (with
     `--multi_gpu` for several processes unless `multi_gpu=False`, the mistake a user can make) or
-    DeepSpeed's launcher; `launcher_args` go to the launcher (e.g. accelerate's --use_deepspeed)."""
+    DeepSpeed's launcher; `launcher_args` go to the launcher (e.g. accelerate's --use_deepspeed). "fork":
+    plain python or torchrun's environment, the ranks forked from the forkserver (`fork_launch`)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
          "PYTHONUNBUFFERED": "1", **(env or {})}
+    if launcher == "fork":
+        return fork_launch(script, list(args), nproc, e, timeout)
     if launcher == "python":
         cmd = [sys.executable, str(script), *args]
     elif launcher == "torchrun":  # --standalone: the agent binds a free port itself (no race between tests)
@@ -82,8 +110,85 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def _forked_rank(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank of a fork launch: the launch's environment, its output in files of its own, then `script`
+    as `python script argv` runs it (its exit code is the process's)."""
+    import runpy
+    import traceback
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, suffix in ((1, "out"), (2, "err")):
+        f = os.open(f"{log}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))  # libgomp read it at import
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what python would print, and its exit code
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+
+
+def fork_launch(script: Path, argv: list[str], nproc: int, env: dict[str, str],
+                timeout: float) -> subprocess.CompletedProcess:
+    """`python script argv` (one rank) or `torchrun --standalone --nproc_per_node N script argv`, with each rank
+    forked from the forkserver. As torchrun: every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/PORT and a run id; when a rank fails the others are stopped and the launch exits 1; stdout
+    and stderr are the ranks' own, in rank order."""
+    import tempfile
+
+    ctx = _context()
+    if nproc > 1:
+        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex}
+    with tempfile.TemporaryDirectory(prefix="fork_launch_") as logs:
+        procs = [ctx.Process(target=_forked_rank, args=(str(script), argv, {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)}
+                                                                                     if nproc > 1 else {})},
+                                                        f"{logs}/{r}")) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        running = list(procs)
+        while running:
+            wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
+            running = [p for p in running if p.exitcode is None]
+            failed = any(p.exitcode not in (None, 0) for p in procs)
+            if running and (failed or time.monotonic() >= deadline):
+                for p in running:  # as torchrun when a rank fails: SIGTERM to the others, SIGKILL 30 s on
+                    p.terminate()
+                for p in running:
+                    p.join(30)
+                    if p.exitcode is None:
+                        p.kill()
+                        p.join()
+                if not failed:
+                    raise subprocess.TimeoutExpired(["fork", str(script), *argv], timeout)
+                running = []
+        read = lambda r, suffix: Path(f"{logs}/{r}.{suffix}").read_text(errors="replace") \
+            if Path(f"{logs}/{r}.{suffix}").exists() else ""  # noqa: E731
+        codes = [p.exitcode for p in procs]
+        code = codes[0] if nproc == 1 else int(any(codes))
+        return subprocess.CompletedProcess(["fork", str(nproc), str(script), *argv], code,
+                                           "".join(read(r, "out") for r in range(nproc)),
+                                           "".join(read(r, "err") for r in range(nproc)))
+
+
 def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], nproc: int = 1,
-                   launcher: str = "torchrun", launcher_args: list[str] = (), env: dict | None = None,
+                   launcher: str = "fork", launcher_args: list[str] = (), env: dict | None = None,
                    timeout: float = 900, cuda_path: tuple[str, ...] = (),
                    run_env: dict[str, dict] | None = None) -> dict[str, dict]:
     """Every run in `runs` ({name: flags}) in one launch and one process group (`tests/layouts.py`);
@@ -115,8 +220,8 @@ def common_args(model, data) -> list[str]:
 
 def batched_runs(tmp_path_factory, common: list[str], specs: dict[tuple, tuple[int, list[str]]]):
     """A run cache for a test module: `specs` is {key: (ranks, flags)}; the first use of a key launches
-    every run of its rank count together, in one launch and process group (launch_layouts: plain python
-    for one rank, torchrun for more), and asserts each succeeded. Returns get(*key) -> output folder."""
+    every run of its rank count together, in one launch and process group (launch_layouts, forked
+    ranks), and asserts each succeeded. Returns get(*key) -> output folder."""
     outs: dict[tuple, Path] = {}
 
     def name(key: tuple) -> str:
@@ -127,7 +232,7 @@ def batched_runs(tmp_path_factory, common: list[str], specs: dict[tuple, tuple[i
             n = specs[key][0]
             group = {name(k): flags for k, (ranks, flags) in specs.items() if ranks == n}
             root = tmp_path_factory.mktemp(f"ranks{n}")
-            runs = launch_layouts(root, common, group, nproc=n, launcher="python" if n == 1 else "torchrun")
+            runs = launch_layouts(root, common, group, nproc=n)
             for run, r in runs.items():
                 assert r["exit"] == 0, f"{run}:\n{(root / 'stderr.txt').read_text()[-4000:]}"
             outs.update({k: root / name(k) for k, (ranks, _) in specs.items() if ranks == n})
@@ -144,14 +249,14 @@ def run_stdout(out: Path) -> str:
 
 def run_once(tmp_path_factory):
     """A run-once cache for a test module: `get(key, argv_for, nproc)` runs finetune.py once per key
-    (one process: plain python; several: torchrun), asserts it succeeded, keeps its stdout/stderr
+    (forked ranks: `fork_launch`), asserts it succeeded, keeps its stdout/stderr
     beside the output and returns the output dir. Several tests then read one multi-rank run."""
     cache: dict = {}
 
     def get(key: tuple, argv_for, nproc: int = 1, env: dict | None = None) -> Path:
         if key not in cache:
             out = tmp_path_factory.mktemp("_".join(map(str, key)))
-            p = launch(argv_for(out), nproc=nproc, env=env, launcher="python" if nproc == 1 else "torchrun")
+            p = launch(argv_for(out), nproc=nproc, env=env, launcher="fork")
             assert p.returncode == 0, p.stderr[-4000:]
             (out / "stdout.txt").write_text(p.stdout)
             (out / "stderr.txt").write_text(p.stderr)

@@ -92,7 +92,7 @@ def runs(tmp_path_factory, tiny_model, mha_model, data_files):
             groups[n][name(lay, m, "resumed")] = flags(lay, m) + ["--resume", str(roots[n] / name(lay, m) / "checkpoint-2")]
     outs = {}
     for n, group in groups.items():
-        for key, r in launch_layouts(roots[n], common, group, nproc=n, launcher="python" if n == 1 else "torchrun").items():
+        for key, r in launch_layouts(roots[n], common, group, nproc=n, launcher="fork").items():
             assert r["exit"] == 0, f"{key}:\n{(roots[n] / 'stderr.txt').read_text()[-4000:]}"
             outs[key] = r["out"]
     return lambda *key: outs[name(*key)]

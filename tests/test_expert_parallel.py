@@ -260,7 +260,7 @@ def runs(tmp_path_factory, data_files, tiny_model):
                 for name, (ranks, flags) in ROUTED.items() if ranks == 2})
     out = {}
     for n, group in ((1, one), (2, two)):
-        out.update(launch_layouts(root / f"ranks{n}", common, group, nproc=n, launcher="python" if n == 1 else "torchrun"))
+        out.update(launch_layouts(root / f"ranks{n}", common, group, nproc=n, launcher="fork"))
     four = {f"qwen3_moe-{m}-ep2_shard4": [*q, "--method", m, "--ep", "2", "--dp-shard", "4", "--micro-batch-size", "2",
                                           *PARITY] for m in ("full", "lora")}
     four["qwen3_moe-full-ep2_cp2"] = [*q, "--method", "full", "--ep", "2", "--cp", "2", "--micro-batch-size", "2",

@@ -144,7 +144,7 @@ def test_the_static_decode_path_samples_and_trains_as_the_dynamic_one(runs, tmp_
     from distributed import launch_layouts, run_stdout
 
     root = tmp_path_factory.mktemp("static_decode")
-    got = launch_layouts(root, common(tiny_model, files), {"one_lora": RUNS["one_lora"][1]}, launcher="python",
+    got = launch_layouts(root, common(tiny_model, files), {"one_lora": RUNS["one_lora"][1]},
                          env={"TOOLKIT_DECODE": "static", "TOOLKIT_COMPILE_BACKEND": "aot_eager"})["one_lora"]
     assert got["exit"] == 0, got["stderr"].read_text()[-3000:]
     ref = runs("one_lora")
@@ -171,7 +171,7 @@ def resumed(tmp_path_factory, tiny_model, files, runs):
         for later in ("checkpoint-2", "checkpoint-3", "checkpoint-4", "final"):
             shutil.rmtree(root / name / later)
         result = launch_layouts(root, common(tiny_model, files), {name: [*flags, "--resume", "auto"]}, nproc=ranks,
-                                launcher="python" if ranks == 1 else "torchrun")
+                                launcher="fork")
         out[name] = result[name]
     return out
 

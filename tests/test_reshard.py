@@ -60,7 +60,7 @@ def run_chain(model, data, out, method: str) -> list[subprocess.CompletedProcess
         extra += ["--save-every", "7"] if i == last else []
         env = {"TOOLKIT_FAULT": f"step:{i}:signal=term"} if i < last else None
         p = launch(args(model, data, out, method, extra), nproc=nproc, env=env,
-                   launcher="python" if nproc == 1 else "torchrun")
+                   launcher="fork")
         # preempted: exit 143 (torchrun reports its ranks' 143 as 1), checkpoint-i published
         ok = p.returncode == 0 if i == last else p.returncode in (143, 1) and (out / f"checkpoint-{i}").is_dir()
         assert ok, f"segment {i} ({name}): exit {p.returncode}\n{p.stderr[-3000:]}"
@@ -76,7 +76,7 @@ def chains(tmp_path_factory, tiny_model, data_files):
     def get(method: str):
         if method not in cache:
             ref, out = tmp_path_factory.mktemp(f"ref_{method}"), tmp_path_factory.mktemp(f"chain_{method}")
-            p = launch(args(tiny_model, data_files["alpaca"], ref, method, ["--save-every", "7"]), launcher="python")
+            p = launch(args(tiny_model, data_files["alpaca"], ref, method, ["--save-every", "7"]), launcher="fork")
             assert p.returncode == 0, p.stderr[-3000:]
             cache[method] = ref, out, run_chain(tiny_model, data_files["alpaca"], out, method)
         return cache[method]

@@ -50,7 +50,7 @@ def assert_matches(out, ref, method="lora", steps=8) -> None:
 
 
 def run(argv, nproc=1, env=None, **kw):
-    return launch(argv, nproc=nproc, env=env, launcher="python" if nproc == 1 else "torchrun", **kw)
+    return launch(argv, nproc=nproc, env=env, **kw)  # forked ranks; torchrun's own restarts: below
 
 
 @pytest.fixture(scope="module")

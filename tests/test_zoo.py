@@ -56,7 +56,7 @@ def zoo(tmp_path_factory, data_files):
     results = {}
     for layouts, nproc in ((ONE, 1), ({**TWO, **SAME}, 2)):
         root = tmp_path_factory.mktemp(f"zoo_{'_'.join(layouts)}")
-        runs = launch_layouts(root, common, cells(layouts), nproc=nproc, launcher="python" if nproc == 1 else "torchrun",
+        runs = launch_layouts(root, common, cells(layouts), nproc=nproc, launcher="fork",
                               timeout=1800)
         results.update({tuple(name.split("-", 1)): r for name, r in runs.items()})
     return results
