@@ -31,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue) -> None:
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue, finished) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
@@ -44,6 +44,9 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue) -> Non
 
         queue.put((rank, None, traceback.format_exc()))
         raise
+    # Rank 0's process holds the rendezvous store: it stays up until every rank's `fn` has returned (one
+    # that returned first and exited reset the others' connections while they still built groups).
+    finished.wait(600)
 
 
 # What every rank imports, imported once in the forkserver (a process that has run no torch op, so its
@@ -62,9 +65,10 @@ def _context():
 def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
     """Call `fn(*args)` on `world_size` ranks (env:// rendezvous, gloo); return results by rank."""
     ctx = _context()
-    queue = ctx.Queue()
+    queue, finished = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, queue, finished))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -75,6 +79,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
             results[rank] = value
     finally:
+        finished.set()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -147,14 +152,19 @@ def fork_launch(script: Path, argv: list[str], nproc: int, env: dict[str, str],
                 timeout: float) -> subprocess.CompletedProcess:
     """`python script argv` (one rank) or `torchrun --standalone --nproc_per_node N script argv`, with each rank
     forked from the forkserver. As torchrun: every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR/PORT and a run id; when a rank fails the others are stopped and the launch exits 1; stdout
-    and stderr are the ranks' own, in rank order."""
+    MASTER_ADDR/PORT of the store this process holds, and a run id; when a rank fails the others are stopped
+    and the launch exits 1; stdout and stderr are the ranks' own, in rank order."""
     import tempfile
 
+    from torch.distributed import TCPStore
+
     ctx = _context()
+    store = None  # as torchrun's agent, this process holds the rendezvous store: a rank that ends first takes none down
     if nproc > 1:
-        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex}
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
     with tempfile.TemporaryDirectory(prefix="fork_launch_") as logs:
         procs = [ctx.Process(target=_forked_rank, args=(str(script), argv, {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)}
                                                                                      if nproc > 1 else {})},
@@ -180,6 +190,7 @@ def fork_launch(script: Path, argv: list[str], nproc: int, env: dict[str, str],
                 running = []
         read = lambda r, suffix: Path(f"{logs}/{r}.{suffix}").read_text(errors="replace") \
             if Path(f"{logs}/{r}.{suffix}").exists() else ""  # noqa: E731
+        del store
         codes = [p.exitcode for p in procs]
         code = codes[0] if nproc == 1 else int(any(codes))
         return subprocess.CompletedProcess(["fork", str(nproc), str(script), *argv], code,
