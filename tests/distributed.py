@@ -11,6 +11,7 @@ runs, every form for real; the parity tests use `launcher="fork"` (torchrun's ra
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -56,9 +57,24 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
            "peft", "deepspeed", "datasets", "safetensors.torch"]
 
 
+# Variables the preloaded libraries read when imported (huggingface_hub's endpoint and cache, DeepSpeed's
+# accelerator, inductor's settings): a launch that sets one gets fresh processes, as a forked rank would not see it.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DS_", "TORCHINDUCTOR_", "TORCH_", "PYTORCH_", "CUDA_")
+
+
+@functools.lru_cache(maxsize=1)
+def _forkable() -> bool:
+    """Forked ranks only where no CUDA device is visible: the preloads (bitsandbytes, DeepSpeed) ask CUDA,
+    and a CUDA process cannot be forked; a GPU machine's tests start fresh processes, as before."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context("forkserver" if _forkable() else "spawn")
+    if _forkable():
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -96,8 +112,10 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
     plain python or torchrun's environment, the ranks forked from the forkserver (`fork_launch`)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
          "PYTHONUNBUFFERED": "1", **(env or {})}
-    if launcher == "fork":
+    if launcher == "fork" and _forkable() and not [k for k in env or {} if k.startswith(READ_AT_IMPORT)]:
         return fork_launch(script, list(args), nproc, e, timeout)
+    if launcher == "fork":
+        launcher = "python" if nproc == 1 else "torchrun"
     if launcher == "python":
         cmd = [sys.executable, str(script), *args]
     elif launcher == "torchrun":  # --standalone: the agent binds a free port itself (no race between tests)
@@ -131,6 +149,7 @@ def _forked_rank(script: str, argv: list[str], env: dict[str, str], log: str) ->
         f = os.open(f"{log}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    sys.stdout.reconfigure(write_through=True)  # PYTHONUNBUFFERED came too late: a killed rank keeps its lines
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))  # libgomp read it at import
     sys.argv = [script, *argv]
     code = 0
@@ -169,33 +188,39 @@ def fork_launch(script: Path, argv: list[str], nproc: int, env: dict[str, str],
         procs = [ctx.Process(target=_forked_rank, args=(str(script), argv, {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)}
                                                                                      if nproc > 1 else {})},
                                                         f"{logs}/{r}")) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        running = list(procs)
-        while running:
-            wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
-            running = [p for p in running if p.exitcode is None]
-            failed = any(p.exitcode not in (None, 0) for p in procs)
-            if running and (failed or time.monotonic() >= deadline):
-                for p in running:  # as torchrun when a rank fails: SIGTERM to the others, SIGKILL 30 s on
-                    p.terminate()
-                for p in running:
-                    p.join(30)
-                    if p.exitcode is None:
-                        p.kill()
-                        p.join()
-                if not failed:
-                    raise subprocess.TimeoutExpired(["fork", str(script), *argv], timeout)
-                running = []
-        read = lambda r, suffix: Path(f"{logs}/{r}.{suffix}").read_text(errors="replace") \
-            if Path(f"{logs}/{r}.{suffix}").exists() else ""  # noqa: E731
+        read = lambda suffix: "".join(Path(f"{logs}/{r}.{suffix}").read_text(errors="replace")  # noqa: E731
+                                      for r in range(nproc) if Path(f"{logs}/{r}.{suffix}").exists())
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            running = list(procs)
+            while running:
+                wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
+                running = [p for p in running if p.exitcode is None]
+                failed = any(p.exitcode not in (None, 0) for p in procs)
+                if running and not failed and time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(["fork", str(script), *argv], timeout, read("out"), read("err"))
+                if failed:
+                    break
+        finally:
+            _stop([p for p in procs if p.pid is not None and p.exitcode is None])
         del store
         codes = [p.exitcode for p in procs]
         code = codes[0] if nproc == 1 else int(any(codes))
-        return subprocess.CompletedProcess(["fork", str(nproc), str(script), *argv], code,
-                                           "".join(read(r, "out") for r in range(nproc)),
-                                           "".join(read(r, "err") for r in range(nproc)))
+        return subprocess.CompletedProcess(["fork", str(nproc), str(script), *argv], code, read("out"), read("err"))
+
+
+def _stop(procs: list) -> None:
+    """As torchrun stops its ranks when one fails: SIGTERM (a rank saves and exits), SIGKILL after 30 s in all."""
+    for p in procs:
+        p.terminate()
+    grace = time.monotonic() + 30
+    for p in procs:
+        p.join(max(0.0, grace - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
 
 
 def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], nproc: int = 1,

@@ -66,7 +66,7 @@ def runs(tmp_path_factory, tiny_model, mha_model, data_files):
     """(layout, method) -> output dir, and (layout, method, "resumed") for the resumed runs; 'single'
     (and 'single_packed', 'single_mha') the one-process references. One launch per world size
     (tests/layouts.py): the references in one process, every 4-rank layout (and the resumes from their
-    checkpoint-2, after the run that wrote it) in one 4-rank torchrun, 3d in one 8-rank torchrun. Every
+    checkpoint-2, after the run that wrote it) in one 4-rank launch, 3d in one 8-rank launch. Every
     run saves checkpoint-2 and checkpoint-4."""
     args = parity_args(tiny_model, data_files["chat"], "unused", "full")
     i = args.index("--output-dir")

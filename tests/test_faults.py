@@ -4,7 +4,8 @@ checkpoint, a model replaced under its path, wrong-shaped config values, and one
 many ranks run. Each failing case: exit status 2, exactly one `error:` line naming the file (and
 line) and the fix, no traceback, and what was written before is still there and loadable.
 
-Runs are `finetune.main` in-process (one rank) except the multi-rank case, one torchrun launch.
+Runs are `finetune.main` in-process (one rank) except the multi-rank case, one launch of forked ranks
+(tests/distributed.py).
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, tiny_model, data, nproc):
     lines = {x for x in p.stderr.splitlines() if x.startswith("finetune.py: error:")}
     assert len(lines) == 1, p.stderr[-3000:]
     assert "no space left on the device" in min(lines) and "checkpoint-2 intact" in min(lines)
-    assert "Traceback" not in p.stderr or nproc > 1  # torchrun prints its own summary of the exits
+    assert "Traceback" not in p.stderr  # the ranks' own stderr (forked: no launcher's summary beside it)
     assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-2"]
     p = run(args(tiny_model, data, out, extra=["--resume", "auto"]), nproc)
     assert p.returncode == 0 and "checkpoint-2: continuing at step 3" in p.stdout
