@@ -218,6 +218,7 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
     from toolkit.preference import PreferenceLoss
 
     data = preference_rows["kto" if objective == "kto" else "pairs"]
+    torch.manual_seed(0)  # the LoRA init draws from it: the same weights whichever tests ran before
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=register("varlen")).float()
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -250,7 +251,9 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
 
     (a, ma, sa, ga), (b, mb, sb, gb) = run(free), run(padded)
     torch.testing.assert_close(a, b, **TOL)
-    torch.testing.assert_close(ma, mb, **TOL)
+    # the rewards and margins are differences of the log-probability sums beside them: fp32 rounds them at
+    # the sums' scale (a margin of 0.06 came out 1.1e-5 apart in a suite run; 2 of 6 LoRA inits failed 1e-5)
+    torch.testing.assert_close(ma, mb, rtol=TOL["rtol"], atol=TOL["atol"] * max(1.0, float(mb.abs().max())))
     torch.testing.assert_close(sa, sb, **TOL)
     assert ga.keys() == gb.keys()
     for name in gb:
