@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None):
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
-    # tokenized once into the cache; bad data fails here, before the model
-    data = prepare_data(cfg.data_settings, tokenizer)
-    train_rows, eval_rows = data.train, data.eval
+    data = prepare_data(cfg.data_settings, tokenizer)  # tokenized once into the cache; bad data fails before the model
 
     planned = None
     if cfg.parallel.strategy == "auto":  # the planner's layout, checkpointing and batch sizes
@@ -101,10 +99,10 @@ def main(argv: list[str] | None = None):
     restart = None  # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
     if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:
         restart = partial(restart_after_oom, planned, say=log)
-    model, result = train(cfg, strategy, model, tokenizer, train_rows, eval_rows, out_dir, log, resume, restart,
+    model, result = train(cfg, strategy, model, tokenizer, data.train, data.eval, out_dir, log, resume, restart,
                           trackers, score_before if data.answers else None)
     written = save_final(strategy, model, tokenizer, out_dir / "final")  # the tensors saved, for the check
-    verify_saved(strategy, model, tokenizer, train_rows, out_dir / "final", model_path,
+    verify_saved(strategy, model, tokenizer, data.train, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
     del written  # a full copy of the weights on the main process under ZeRO-3/FSDP
 
@@ -114,19 +112,14 @@ def main(argv: list[str] | None = None):
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
     if cfg.output.push_to_hub and accelerator.is_main_process:  # saved and checked; no collective waits on the upload
-        from huggingface_hub import HfApi
-
         from toolkit.hub import push_final
 
-        url = push_final(HfApi(), out_dir / "final", cfg.output.push_to_hub, cfg.output.hub_private)
-        print(f"hub: {out_dir / 'final'} uploaded to {url}")
+        print(f"hub: {out_dir / 'final'} uploaded to "
+              f"{push_final(None, out_dir / 'final', cfg.output.push_to_hub, cfg.output.hub_private)}")
     return run
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is saved and the process group destroyed: skip interpreter teardown, where objects still
-    # holding gloo groups are freed and a finished rank aborted once in CI ("terminate called without an
-    # active exception", SIGABRT, after the final save).
+    main()  # saved, the group destroyed: no interpreter teardown, where freed gloo groups aborted a rank (SIGABRT)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)

@@ -62,10 +62,14 @@ def check_push(repo: str) -> None:
         raise UserError(problem)
 
 
-def push_final(api: Any, folder: Path, repo: str, private: bool) -> str:
+def push_final(api: Any | None, folder: Path, repo: str, private: bool) -> str:
     """Upload the checked `final/` folder to `repo` (created if missing; private if asked, else the
-    hub's default for the account) through `api`, a huggingface_hub `HfApi`; returns the repo's URL.
-    A failure is one line that says where the folder is and how to upload it by hand."""
+    hub's default for the account) through `api`, a huggingface_hub `HfApi` (None: a new one); returns the
+    repo's URL. A failure is one line that says where the folder is and how to upload it by hand."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
     try:
         url = api.create_repo(repo_id=repo, private=True if private else None, exist_ok=True)
         repo_id = getattr(url, "repo_id", None) or repo
