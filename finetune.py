@@ -17,8 +17,8 @@ from toolkit.console import quiet
 from toolkit.data.peek import check_data
 from toolkit.errors import exit_on_user_error
 from toolkit.parallel.launch import started_here
-from toolkit.startup import leave_unimported
-from toolkit.tracker_spec import requested
+from toolkit.cli.startup import leave_unimported
+from toolkit.config.trackers import requested
 
 
 @exit_on_user_error("finetune.py")
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None):
     cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
     check_data(cfg.data_settings)  # so do the data's columns: read from the files' first bytes by the full read's rules
     if cfg.output.push_to_hub:  # refused now, not after training: offline, no token, the hub out of reach
-        from toolkit.hub import check_push
+        from toolkit.config.hub import check_push
 
         check_push(cfg.output.push_to_hub)
     if argv is None and started_here(cfg.parallel.nproc_per_node):  # --nproc-per-node N: this process starts
@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None):
 
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import (check_model, count_parameters, human, load_model, load_tokenizer, resolved_precision,
+    from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer, resolved_precision,
                                 tokenizer_dir, training_model)
     from toolkit.parallel.tree import tree_problem
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.planner.auto import apply_auto_strategy, restart_after_oom
     from toolkit.train.checkpoint import save_final
-    from toolkit.train.evaluate import exact_match
+    from toolkit.objectives.evaluate import exact_match
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None):
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
     if cfg.output.push_to_hub and accelerator.is_main_process:  # saved and checked; no collective waits on the upload
-        from toolkit.hub import push_final
+        from toolkit.config.hub import push_final
 
         print(f"hub: {out_dir / 'final'} uploaded to "
               f"{push_final(None, out_dir / 'final', cfg.output.push_to_hub, cfg.output.hub_private)}")

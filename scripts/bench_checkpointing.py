@@ -23,9 +23,9 @@ def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import ModelShape, load_model, resolve_model
+    from toolkit.model.load import ModelShape, load_model, resolve_model
     from toolkit.parallel.parallelize import Parallelism, apply_checkpointing, parallelize
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     argv = ["--method", method, "--mixed-precision", "no", "--output-dir", "/nonexistent-bench-dir"]
     cfg = parse_config(argv + (["--gradient-checkpointing"] if gc else []))

@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, layers: int, seq: int) -> dict:
     import torch.distributed as dist
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
-    from toolkit.loss import FusedLossHead
+    from toolkit.objectives.sft.loss import FusedLossHead
 
     model = llama(**SHAPES, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048), attn_implementation="sdpa")
     use_ulysses(model)

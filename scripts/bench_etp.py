@@ -116,7 +116,7 @@ def build(arm: str, groups: dict, implementation: str):
 
     from toolkit.parallel.ep import apply_expert_parallel
     from toolkit.parallel.tp.plan import apply_tensor_parallel
-    from toolkit.models import experts_modules
+    from toolkit.model.load import experts_modules
 
     tp, ep, split, etp = LAYOUT[arm]
     cfg = config()
@@ -144,7 +144,7 @@ def _worker(rank: int, world: int, arms: tuple, rounds: int, batch: int, seq: in
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
     from toolkit.parallel.traffic import counting
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # consecutive ranks: TP groups, dp4's ep groups

@@ -17,7 +17,7 @@ Three parts, each arm a fresh process:
   `python -m toolkit plan --json` at 2048 tokens x micro-batch 1 on one 80 GB GPU, with and without
   checkpointing; (2) on this CPU, the bytes autograd saves (`saved_tensors_hooks`, distinct storages,
   parameters excluded) in a forward of the embedded SmolLM2-135M-Instruct loaded by
-  `toolkit.models.load_model` as LoRA, attributed to the decoder block running when each storage is
+  `toolkit.model.load.load_model` as LoRA, attributed to the decoder block running when each storage is
   first saved, fp32 and bf16 autocast, against the planner's CPU terms (there the dropout keeps a
   noise tensor of the adapter's fp32 input: 4 bytes per element, not CUDA's 1); (3) on this CPU, the
   peak RSS a LoRA training step (fp32, HF loss on full logits, 4 x 512 tokens) adds after a warm-up
@@ -197,7 +197,7 @@ def child_saved(precision: str, dropout: float, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import ModelShape, decoder_layers, load_model, resolve_model
+    from toolkit.model.load import ModelShape, decoder_layers, load_model, resolve_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", precision, "--lora-dropout", str(dropout),
@@ -236,7 +236,7 @@ def child_step(dropout: float, batch: int, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import ModelShape, load_model, resolve_model
+    from toolkit.model.load import ModelShape, load_model, resolve_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", "no", "--lora-dropout", str(dropout),
@@ -316,7 +316,7 @@ def render(res: dict) -> list[str]:
         md += md_table(["model", "block B/token, p 0", "block B/token, p 0.05", "mask share of block",
                         "activations GiB p 0 / 0.05", "saved by p 0", "allocated GiB p 0 / 0.05", "saved by p 0",
                         "activations GiB with checkpointing, p 0 / 0.05"], rows)
-        md += ["", "## Memory: measured on this CPU (SmolLM2-135M-Instruct LoRA, `toolkit.models.load_model`)", "",
+        md += ["", "## Memory: measured on this CPU (SmolLM2-135M-Instruct LoRA, `toolkit.model.load.load_model`)", "",
                f"Bytes autograd saves in one forward of {m['measured']['saved']['no_p0.0']['tokens']} tokens "
                "(`saved_tensors_hooks`, distinct storages, parameters excluded), the middle block per token, "
                "against the planner's terms with the CPU's mask width (the dropout's noise tensor of the adapter's "

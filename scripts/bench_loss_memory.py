@@ -23,7 +23,7 @@ CASES = [(1, 1024, True), (4, 1024, True), (1, 1024, False), (4, 1024, False)]
 def child(b: int, s: int, trainable: bool, loss: str) -> dict:
     import torch
 
-    from toolkit.loss import chunked_loss_sum, token_loss_sum
+    from toolkit.objectives.sft.loss import chunked_loss_sum, token_loss_sum
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

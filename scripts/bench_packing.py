@@ -29,7 +29,7 @@ def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int
     warm-up micro-batch each, then `rounds` rounds alternating the variants: `real` tokens / the
     median seconds per variant, and every round's seconds. Batches are already on the model's device."""
     from toolkit.data.packing import model_inputs
-    from toolkit.loss import count_targets, token_loss_sum
+    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
 
     model.train()
 
@@ -62,7 +62,7 @@ def gsm8k_rows(dataset: str, seq_len: int, examples: int):
     from toolkit.config import parse_config
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import load_tokenizer, resolve_model
+    from toolkit.model.load import load_tokenizer, resolve_model
     from toolkit.train.loop import EpochShuffleSampler
 
     cfg = parse_config(["--dataset", dataset, "--method", "lora", "--seq-len", str(seq_len), "--mixed-precision", "no",
@@ -90,7 +90,7 @@ def main() -> None:
 
     from toolkit.data import collate
     from toolkit.data.packing import collate_packed, pack_rows
-    from toolkit.models import ModelShape, load_model
+    from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg, tok, path, chosen = gsm8k_rows(a.dataset, a.seq_len, a.examples)

@@ -6,7 +6,7 @@ examples: padded = right-padded to their longest (`toolkit.data.collate`: what `
 padding-free = each micro-batch's examples end to end in one row (`toolkit.data.packing.collate_padding_free`:
 the default on the CPU), so the examples per step and the loss are the same and only the layout differs.
 One model, its attention `--attn varlen` as the default sets it: a padding-free row's documents go through the
-CPU's varlen (one SDPA call per example), a padded batch's mask to transformers' SDPA (`toolkit.attention`:
+CPU's varlen (one SDPA call per example), a padded batch's mask to transformers' SDPA (`toolkit.model.attention`:
 what `--attn sdpa` runs). Timing is `bench_packing.useful_tokens_per_sec`'s: forward + backward + AdamW step
 over every micro-batch, one warm-up micro-batch each, rounds alternating; real tokens / median seconds.
 
@@ -35,10 +35,10 @@ def main() -> None:
         raise SystemExit(f"{a.dataset}: not found (the shared GSM8K file); pass --dataset")
     import torch
 
-    from toolkit.attention import register
+    from toolkit.model.attention import register
     from toolkit.data import collate
     from toolkit.data.packing import collate_padding_free
-    from toolkit.models import ModelShape, load_model
+    from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg, tok, path, chosen = gsm8k_rows(a.dataset, a.seq_len, a.examples)

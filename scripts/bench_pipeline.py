@@ -45,7 +45,7 @@ def make_batch() -> dict[str, torch.Tensor]:
 def stage_busy_seconds(stage, batch, m: int, first: bool, last: bool) -> float:
     """This stage's forward + backward over m micro-batches, alone: no sends, no waits."""
     from toolkit.parallel.pp.naive import split_microbatches
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     t0 = time.perf_counter()
     for mb in split_microbatches(batch, m):
@@ -111,7 +111,7 @@ def multi_process(world: int, schedule: str, by: str) -> list[dict]:
 
 def naive(devices: list[str]) -> list[dict]:
     from toolkit.parallel.pp import NaivePipeline
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     batch = make_batch()

@@ -62,7 +62,7 @@ def launch(nproc: int, args: list[str], log) -> subprocess.CompletedProcess:
 
 
 def write_data(path: Path, n: int = 600) -> None:
-    from toolkit.synthetic import corpus
+    from toolkit.model.synthetic import corpus
 
     lines = corpus(n * 8, seed=1)
     path.write_text("".join(json.dumps({"text": " ".join(lines[i * 8:(i + 1) * 8])}) + "\n" for i in range(n)))
@@ -137,7 +137,7 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     log = print
-    from toolkit.synthetic import build_model_dir
+    from toolkit.model.synthetic import build_model_dir
 
     model = work / "model"
     if not (model / "config.json").exists():

@@ -1,4 +1,4 @@
-"""GRPO's sampling loop (`toolkit.sampling.sample`) on the CPU: its decode paths side by side, and against
+"""GRPO's sampling loop (`toolkit.objectives.grpo.sampling.sample`) on the CPU: its decode paths side by side, and against
 transformers' `model.generate`. The same prompts, the same warpers (temperature 0.8, top-k 40, top-p 0.9),
 the same number of new tokens (no EOS stops any: ours gets no EOS ids, generate an EOS id no draw can
 produce), a KV cache every arm; tokens/s of new tokens, the median of `--repeats` rounds, each round
@@ -40,7 +40,7 @@ ARMS = ("dynamic", "static", "static_compiled", "generate")
 def model_for(name: str, folder: Path):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.synthetic import build_model_dir
+    from toolkit.model.synthetic import build_model_dir
 
     overrides = LARGER if name == "larger" else {}
     path = build_model_dir(folder / name, **overrides)
@@ -53,7 +53,7 @@ def prompts_for(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def time_ours(model, prompts, cfg, decoder) -> tuple[float, int, list]:
-    from toolkit.sampling import completion_seed, sample
+    from toolkit.objectives.grpo.sampling import completion_seed, sample
 
     start = time.perf_counter()
     out = sample(model, prompts, [completion_seed(0, 0, i, 0) for i in range(len(prompts))], cfg, [], pad_id=0,
@@ -64,7 +64,7 @@ def time_ours(model, prompts, cfg, decoder) -> tuple[float, int, list]:
 def time_generate(model, prompts, cfg, never: int) -> tuple[float, int, None]:
     from transformers import GenerationConfig
 
-    from toolkit.sampling import left_pad
+    from toolkit.objectives.grpo.sampling import left_pad
 
     ids, mask = left_pad(prompts, 0)
     gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -77,7 +77,7 @@ def time_generate(model, prompts, cfg, never: int) -> tuple[float, int, None]:
 
 
 def main() -> None:
-    from toolkit.sampling import SamplingConfig, StaticDecoder
+    from toolkit.objectives.grpo.sampling import SamplingConfig, StaticDecoder
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)

@@ -5,7 +5,7 @@ Method. Every figure is a fresh `python` process, as a user runs it, with warm c
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
 timed `--repeats` times and the median reported, beside the floor no toolkit change can go under:
 a process that only imports what the run needs (torch, the model's transformers class, peft,
-accelerate, pyarrow; the packages `toolkit.startup` leaves unimported for the run left out the same way), timed the same
+accelerate, pyarrow; the packages `toolkit.cli.startup` leaves unimported for the run left out the same way), timed the same
 way, interleaved with the runs. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
 and "imports and config" is the time from the process's start to the first of them; `main()` is called
@@ -31,18 +31,18 @@ from pathlib import Path
 from _bench_common import BENCH, ROOT, child_result, cpu_device, md_table, write_pair
 
 # (module, function) finetune.main calls, in order; each is wrapped with a timer in the phase run
-PHASES = [("toolkit.config", "parse_config"), ("toolkit.models", "check_model"), ("toolkit.models", "load_tokenizer"),
+PHASES = [("toolkit.config", "parse_config"), ("toolkit.model.load", "check_model"), ("toolkit.model.load", "load_tokenizer"),
           ("toolkit.data.prepare", "prepare_data"), ("toolkit.parallel.build", "make_accelerator"),
-          ("toolkit.parallel.build", "make_strategy"), ("toolkit.models", "load_model"),
+          ("toolkit.parallel.build", "make_strategy"), ("toolkit.model.load", "load_model"),
           ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
           ("toolkit.train.integrity", "verify_saved"), ("toolkit.train.output", "summarize")]
 
 
 def floor_command(argv: list[str]) -> str:
-    """What the run imports, with the packages toolkit.startup leaves unimported for this run left out
+    """What the run imports, with the packages toolkit.cli.startup leaves unimported for this run left out
     the same way."""
     from toolkit.config import parse_config
-    from toolkit.startup import unused_packages
+    from toolkit.cli.startup import unused_packages
 
     cfg = parse_config(argv)
     unused = unused_packages(cfg.model.method, cfg.parallel, cfg.output.report_to)
@@ -101,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
-    from toolkit.synthetic import build_model_dir, corpus
+    from toolkit.model.synthetic import build_model_dir, corpus
 
     work = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     model = build_model_dir(work / "model")

@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
     from toolkit.parallel.parallelize import apply_checkpointing
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.traffic import counting
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     layout = make_layout(world)
     rows = []

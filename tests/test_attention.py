@@ -1,4 +1,4 @@
-"""Packed attention (`toolkit.attention`): packed rows give each document the loss and the gradients
+"""Packed attention (`toolkit.model.attention`): packed rows give each document the loss and the gradients
 it gets run alone, with every kernel that runs on CPU, on a tiny Llama (2 blocks, hidden 64, 4 heads
 over 2 key/value heads, fp32). Tolerance 1e-5 absolute for per-token losses and parameter gradients
 (fp32; measured differences are about 1e-6). The CPU cannot run every kernel's real code:
@@ -293,18 +293,18 @@ def test_flash_without_the_package_says_what_to_install():
 
 def test_the_flag_offers_the_kernels_there_are():
     """--attn's choices in the config (which sits below the models layer and cannot import it) are
-    toolkit.attention's."""
-    from toolkit.attention import CHOICES
+    toolkit.model.attention's."""
+    from toolkit.model.attention import CHOICES
     from toolkit.config import _fields
 
     assert _fields()["attn"][1].metadata["choices"] == CHOICES
 
 
 def skeleton(model_type: str, **overrides):
-    """`toolkit.synthetic.ZOO`'s config as a weightless model, as `check_model` sees it."""
+    """`toolkit.model.synthetic.ZOO`'s config as a weightless model, as `check_model` sees it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**ZOO[model_type], **overrides}))
@@ -343,12 +343,12 @@ def test_packing_check_tells_bf16_rounding_from_a_leak(arch):
     with the attention --packing gives it here, two documents packed in bf16 against each alone in fp32
     (two computations that differ by bf16 rounding, as a GPU's varlen kernel and SDPA do, 4.9e-3 and
     6.5e-3 of the largest logit on one H100, issue 56; the CPU's reference kernels agree exactly in any
-    one dtype). Llama, Qwen3, Gemma 2 and Mistral pass at bf16's bound (`toolkit.numerics.agreement`),
+    one dtype). Llama, Qwen3, Gemma 2 and Mistral pass at bf16's bound (`toolkit.train.numerics.agreement`),
     where the fp32 bound of 1e-4 refused them; gpt-oss, whose mask ignores the positions, is refused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.numerics import FP32_RTOL, agreement
-    from toolkit.synthetic import ZOO
+    from toolkit.train.numerics import FP32_RTOL, agreement
+    from toolkit.model.synthetic import ZOO
     from toolkit.train.loss_check import leaks, packing_gaps
 
     small = ZOO.get(arch, ZOO["llama"])  # mistral: Llama's widths, its own class (sliding window off)

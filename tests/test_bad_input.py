@@ -227,7 +227,7 @@ def test_toolkit_commands_say_bad_input_in_one_line(tmp_path, monkeypatch, capsy
     """Issue 45: `generate --temperature 0.7` sampled and `--top-p 0.5` alone was ignored although the
     docs say sampling needs --do-sample; `convert-checkpoint --output FILE` ended in a
     NotADirectoryError traceback. Each is now one line, exit 2, before any model loads."""
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "FILE").write_text("keep me")

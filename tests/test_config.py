@@ -294,7 +294,7 @@ def test_a_name_of_theirs_is_never_matched_to_an_unrelated_flag_of_ours():
     LLaMA-Factory that is not ours gets as its hint the key of ours that does the same job (`SAME_JOB`), or none;
     each value translated lands on that key."""
     from toolkit.config import _fields, closest_key
-    from toolkit.foreign_names import FOREIGN
+    from toolkit.config.foreign import FOREIGN
 
     wrong = {name: closest_key(name) for name in THEIRS if name not in _fields()
              if closest_key(name) != SAME_JOB.get(name)}

@@ -40,7 +40,7 @@ def batches() -> dict[str, dict]:
 
 def one_process(attn: str, name: str) -> tuple[float, dict]:
     from toolkit.data.packing import model_inputs
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     model, batch = tiny(attn), batches()[name]
     loss = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
@@ -50,7 +50,7 @@ def one_process(attn: str, name: str) -> tuple[float, dict]:
 
 def unpacked_loss(attn: str) -> float:
     """The packed row's documents, each run on its own."""
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     model, batch, total, start = tiny(attn), batches()["packed"], 0.0, 0
     with torch.no_grad():
@@ -68,7 +68,7 @@ def cp_ranks(cases: list[tuple[str, str]]) -> list[tuple[float, dict]]:
     import torch.distributed as dist
 
     from toolkit.parallel.cp import ContextParallel, use_ulysses
-    from toolkit.loss import target_loss_sum
+    from toolkit.objectives.sft.loss import target_loss_sum
 
     dist.init_process_group("gloo")
     out = []

@@ -103,7 +103,7 @@ def test_builtin_arithmetic_is_graded_by_math_answer_and_holds_out_its_own_produ
     messages; no pair of operands is in both splits, in any order or phrasing; eval is 64, the phrasings in turn."""
     from toolkit.data.builtin import ARITHMETIC_PROMPTS, builtin_records
     from toolkit.data.formats import detect_format
-    from toolkit.rewards import math_answer
+    from toolkit.objectives.grpo.rewards import math_answer
 
     def operands(row):
         a, b = (int(x) for x in re.findall(r"\d+", row["prompt"]))
@@ -540,7 +540,7 @@ def test_your_turn_keys_and_speakers_map_as_llama_factorys_tags_do(tmp_path):
 def test_a_name_that_does_not_fit_gets_a_hint_that_does_the_same_job():
     """'completion' was "not a field the formats read (did you mean 'conversations'?)": KTO's completion and
     label are fields now, and a hint names only a field doing the same job ('from' offered 'prompt')."""
-    from toolkit.inputs import column_problems
+    from toolkit.config.inputs import column_problems
 
     assert column_problems("completion=response,label=ok,role=speaker,content=text,user_role=customer") == []
     (from_,) = column_problems("from=speaker")

@@ -33,7 +33,7 @@ def _build(model_type: str, method: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**ZOO[model_type], "vocab_size": 96, "tie_word_embeddings": False})
@@ -159,7 +159,7 @@ def _no_tokens_on_rank_one(dist, implementation: str) -> float:
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     config = AutoConfig.for_model("qwen3_moe", **ZOO["qwen3_moe"])
     config._experts_implementation = implementation
@@ -223,7 +223,7 @@ def runs(tmp_path_factory, data_files, tiny_model):
     layouts, in the same launches."""
     from distributed import launch_layouts
 
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     root = tmp_path_factory.mktemp("ep")
     models = {t: str(build_zoo_model_dir(root / t, t)) for t in ("qwen3_moe", "mixtral")}
@@ -501,7 +501,7 @@ def test_an_ep_group_is_consecutive_dp_shard_ranks_and_the_experts_shard_across_
 def test_experts_flag_on_a_dense_model_is_one_line_before_the_weights_load(tiny_model, tmp_path):
     from toolkit.config import parse_config
     from toolkit.errors import UserError
-    from toolkit.models import check_model
+    from toolkit.model.load import check_model
 
     cfg = parse_config(["--model", str(tiny_model), "--experts", "eager", "--output-dir", str(tmp_path / "o")])
     with pytest.raises(UserError, match=r"^--experts eager: LlamaForCausalLM has no routed experts; leave the flag out$"):

@@ -270,7 +270,7 @@ def test_a_stream_that_breaks_past_its_first_block_names_the_line(tmp_path):
 
 
 def test_remote_code_is_refused_in_generate_and_merge(trained, tmp_path, capsys):
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     custom = tmp_path / "custom"
     shutil.copytree(trained["model"], custom)
@@ -289,7 +289,7 @@ def test_remote_code_is_refused_in_generate_and_merge(trained, tmp_path, capsys)
                                         (["--temperature", "-1"], "--temperature must be > 0 (got -1)"),
                                         (["--prompt", " "], "--prompt is empty")])
 def test_generate_refuses_impossible_numbers(trained, capsys, argv, said):
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     line = one_error(capsys, ["generate", "--model", str(trained["out"] / "final"), "--prompt", "hi", *argv], cli,
                      "python -m toolkit")
@@ -302,7 +302,7 @@ def test_generate_and_merge_read_a_step_checkpoint(trained, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
     from toolkit.train.checkpoint import convert_checkpoint
 
     ckpt = trained["out"] / "checkpoint-4"

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from toolkit.__main__ import build_parser
-from toolkit.__main__ import main as cli
+from toolkit.cli.main import build_parser
+from toolkit.cli.main import main as cli
 
 
 def test_sampling_is_seeded_by_seed_and_greedy_is_the_default(tiny_model, capsys):

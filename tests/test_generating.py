@@ -1,6 +1,6 @@
 """`Strategy.generating` (what `--objective grpo` samples from, issue 65) on the layouts that may sample: on 2
 gloo ranks, DDP, ZeRO-2, ZeRO-3, FSDP2 and TP 2 each sample one process's completions for the same seeds
-(`toolkit.sampling.completion_seed`); ZeRO-3 and FSDP2 all-gather their parameters when `generating` begins
+(`toolkit.objectives.grpo.sampling.completion_seed`); ZeRO-3 and FSDP2 all-gather their parameters when `generating` begins
 and never while it decodes (the collectives counted from the profiler), where the same sampling outside it
 gathers at every token; and the two training steps after a generation give exactly the losses of the same
 layout without one, with as many all-gathers. --pp and --cp are refused before anything loads."""
@@ -44,7 +44,7 @@ def _reset(launched: dict) -> None:
 def _sample(module, prompts: list[tuple[int, list[int]]], any_unfinished) -> dict[int, list[int]]:
     """Each prompt's completion, seeded by its index; no token ends one (EOS -1), so every rank runs
     NEW_TOKENS forwards."""
-    from toolkit.sampling import SamplingConfig, completion_seed, sample
+    from toolkit.objectives.grpo.sampling import SamplingConfig, completion_seed, sample
 
     seeds = [completion_seed(7, 1, i, 0) for i, _ in prompts]
     out = sample(module, [p for _, p in prompts], seeds, SamplingConfig(NEW_TOKENS), [-1], 0, any_unfinished)
@@ -63,9 +63,9 @@ def _layouts(model: str, data: str, scratch: str) -> dict:
 
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import load_model, load_tokenizer
+    from toolkit.model.load import load_model, load_tokenizer
     from toolkit.parallel.build import make_accelerator, make_strategy
-    from toolkit.sampling import any_unfinished_here
+    from toolkit.objectives.grpo.sampling import any_unfinished_here
     from toolkit.train.loop import make_loader, make_optimizer
     from toolkit.train.step import batch_counts
 
@@ -165,11 +165,11 @@ def test_an_objective_that_generates_is_refused_under_pp_and_cp(flags):
 
     par = ParallelConfig(pp=int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1,
                          cp=int(flags[flags.index("--cp") + 1]) if "--cp" in flags else 1)
-    said = [p for p in layout_problems(par, "full", "no", "auto", 2, objective="grpo") if "grpo" in p]
+    said = [p for p in layout_problems(par, "full", "no", "auto", 2, sampling="grpo") if "grpo" in p]
     off = " and ".join(f"{f} {v}" for f, v in zip(flags[::2], flags[1::2]))
     assert said == ["--objective grpo does not run under --pp / --cp yet: it samples completions token by token from "
                     f"the whole model, which pipeline stages and context-parallel slices do not hold; drop {off}"]
-    assert not [p for p in layout_problems(par, "full", "no", "auto", 2, objective="dpo") if "samples" in p]
+    assert not [p for p in layout_problems(par, "full", "no", "auto", 2) if "samples" in p]
 
 
 def test_an_objective_that_generates_is_refused_under_expert_parallel():
@@ -179,4 +179,4 @@ def test_an_objective_that_generates_is_refused_under_expert_parallel():
     said = generation_problems(ParallelConfig(ep=2, dp_shard=2), "grpo")
     assert said == ["--objective grpo does not run under --ep 2 yet: sampling with the experts split over ranks is "
                     "not tested against one process; drop --ep (each rank then holds every expert)"]
-    assert not generation_problems(ParallelConfig(ep=2, dp_shard=2), "sft")
+    assert not generation_problems(ParallelConfig(ep=2, dp_shard=2), None)

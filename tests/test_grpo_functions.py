@@ -346,7 +346,7 @@ def tiny(request, tmp_path_factory):
     prompt's positions must start at 0 whatever its left padding)."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     path = build_zoo_model_dir(tmp_path_factory.mktemp("grpo") / request.param, request.param)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -507,7 +507,7 @@ def test_the_decode_path_is_the_devices_default_and_says_why(tiny, monkeypatch):
     """The CPU samples on the dynamic path; TOOLKIT_DECODE=static takes the static one (compiled with
     TOOLKIT_COMPILE_BACKEND's backend); a model that cannot (a quantization that does not compile) stays dynamic
     and the line says why; anything else in TOOLKIT_DECODE is refused."""
-    from toolkit.models import COMPILE_BACKEND_ENV
+    from toolkit.model.load import COMPILE_BACKEND_ENV
 
     monkeypatch.delenv(sm.DECODE_ENV, raising=False)
     decoder, line = sm.decoder_for(tiny)

@@ -302,7 +302,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch_files")
     (d / "ds_plain.json").write_text(json.dumps(DS_PLAIN))
     (d / "ds_own.json").write_text(json.dumps(DS_OWN))
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     for name, flags in (("zero2", ["--zero-stage", "2"]), ("zero3", ["--zero-stage", "3"]),
                         ("fsdp_grad_op", ["--fsdp", "--fsdp-sharding", "grad_op"])):

@@ -16,7 +16,7 @@ import torch
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.models import ModelShape, apply_lora, check_lora_targets, untargetable_linears
+from toolkit.model.load import ModelShape, apply_lora, check_lora_targets, untargetable_linears
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, vocab_size=384)
@@ -100,7 +100,7 @@ def test_a_linear_subclass_that_returns_its_tensor_stays_a_target():
 def test_a_router_model_trains_lora_end_to_end(tmp_path, data_files, capsys):
     """PhiMoE (its router returns logits, weights and experts) through finetune.py: LoRA trains, final/ reloads."""
     import finetune
-    from toolkit.synthetic import build_tokenizer
+    from toolkit.model.synthetic import build_tokenizer
 
     tok = build_tokenizer()
     model_type, kw = REFUSED["PhimoeTopKRouter"]
@@ -125,7 +125,7 @@ def test_peft_rank_pattern_false_alarm_stays_off_the_quiet_console(tmp_path, dat
     from safetensors.torch import load_file
 
     from toolkit import console
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     model = build_zoo_model_dir(tmp_path / "qwen3_moe", "qwen3_moe")
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""`--loss` (toolkit.loss): the chunked loss gives full logits' loss and gradients (eager, compiled,
+"""`--loss` (toolkit.objectives.sft.loss): the chunked loss gives full logits' loss and gradients (eager, compiled,
 fp32 and bf16 autocast, all rows or the target rows), never syncs the host, and `auto`/`liger`/`cce`
 resolve as documented. The eager chunked loss against full logits, unshifted, per bias and chunk
 size, is in test_performance.py."""
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import toolkit.loss as loss_mod
+import toolkit.objectives.sft.loss as loss_mod
 from toolkit.errors import UserError
-from toolkit.loss import (FusedLossHead, choose_loss, chunked_loss_sum, loss_head_for, target_loss_sum, target_rows,
+from toolkit.objectives.sft.loss import (FusedLossHead, choose_loss, chunked_loss_sum, loss_head_for, target_loss_sum, target_rows,
                           token_loss_sum)
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
@@ -293,10 +293,10 @@ def test_failed_compile_falls_back_to_eager_and_says_why(monkeypatch):
 
 
 def zoo_model(model_type: str, **overrides):
-    """`toolkit.synthetic.ZOO`'s tiny config, in memory, with a small vocabulary."""
+    """`toolkit.model.synthetic.ZOO`'s tiny config, in memory, with a small vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**ZOO[model_type], "vocab_size": 96, "tie_word_embeddings": False,
@@ -345,7 +345,7 @@ def test_the_router_load_balancing_loss_is_trained_and_reported(model_type):
     """With output_router_logits (the zoo's coefficient 0.5), the micro-batch loss is the model's own:
     cross-entropy sum + coef x aux_loss x targets, so divided by the targets it is `model(labels=...)`'s
     loss; `take_aux` reports the aux loss x targets once. At coefficient 0 none is added."""
-    from toolkit.loss_head import LossHead
+    from toolkit.objectives.head import LossHead
 
     model = zoo_model(model_type)
     ids, labels = zoo_batch()
@@ -375,7 +375,7 @@ def test_the_loss_check_falls_back_or_stops_where_a_head_would_train_another_obj
     import json
 
     import finetune
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     model = build_zoo_model_dir(tmp_path / "cohere", "cohere")
 
@@ -408,7 +408,7 @@ def test_the_loss_checks_window_holds_targets_and_bounds_the_logits_it_makes():
     they fit. The window's head loss still equals the model's own on it."""
     from toolkit.data.labels import CHECK_BYTES, check_window, count_targets
     from toolkit.data.packing import model_inputs
-    from toolkit.loss_head import LossHead
+    from toolkit.objectives.head import LossHead
 
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (3, 300))

@@ -99,7 +99,7 @@ def test_padding_free_is_on_where_the_attention_keeps_examples_apart_without_a_d
     (a dense mask over the micro-batch's tokens costs more than the padding); --padding-free: on with any
     attention; --no-padding-free, --packing (already packed), --pp and --cp (they cut the rows) and grpo
     (sampled batches): off."""
-    from toolkit.attention import end_to_end, padding_free_on
+    from toolkit.model.attention import end_to_end, padding_free_on
 
     default = cfg()
     assert [padding_free_on(default, a) for a in ("packed_varlen", "packed_flex", "packed_fa", "sdpa", "eager")] == \
@@ -121,7 +121,7 @@ def test_the_attention_line_says_whether_batches_go_padding_free():
     windows), saying why; --padding-free there takes the model's attention with a block-diagonal mask."""
     from test_attention import skeleton
 
-    from toolkit.attention import choose_attention
+    from toolkit.model.attention import choose_attention
 
     llama, gpt_oss = skeleton("llama"), skeleton("gpt_oss")
     assert choose_attention("auto", "cpu", False, llama, 64, "auto") == (
@@ -154,8 +154,8 @@ def test_sft_gives_the_padded_loss_and_gradients(tiny_model, attn):
     from the positions (--padding-free): the padded batch's summed loss and gradients within 1e-5."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.attention import register
-    from toolkit.loss import token_loss_sum
+    from toolkit.model.attention import register
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=register(attn) if attn == "varlen"
                                                  else attn)
@@ -188,7 +188,7 @@ def preference_rows(tmp_path_factory, tiny_model):
 
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.synthetic import corpus
+    from toolkit.model.synthetic import corpus
 
     d = tmp_path_factory.mktemp("padfree")
     t = corpus(3 * 12, 5)
@@ -214,8 +214,8 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
     sequence's precomputed log-probabilities carried along."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.attention import register
-    from toolkit.preference import PreferenceLoss
+    from toolkit.model.attention import register
+    from toolkit.objectives.preference.loss import PreferenceLoss
 
     data = preference_rows["kto" if objective == "kto" else "pairs"]
     torch.manual_seed(0)  # the LoRA init draws from it: the same weights whichever tests ran before
@@ -261,7 +261,7 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
     if objective == "orpo":
         assert float(sa[0]) != 1.0  # the NLL scale was set: pairs / the chosen sequences' tokens
     if objective == "kto":  # the estimate may be the clamp's 0: its sequences' log-probabilities themselves
-        from toolkit.preference_functions import kl_batch, whole_row_logps
+        from toolkit.objectives.preference.functions import kl_batch, whole_row_logps
 
         kl_free, kl_padded = (whole_row_logps(model, kl_batch(x)) for x in (free, padded))
         assert kl_free.shape == (5,) and kl_free.abs().min() > 1
@@ -276,12 +276,12 @@ def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny
     narrower ones, and one of fewer examples give the eager losses and gradients; a row of the first width
     with other documents compiles nothing, a second width compiles the blocks once more (dynamic shapes) and
     nothing compiles after it. (A memo of the documents' lengths that dynamo traced kept the first row's
-    lengths for the next: a silent wrong loss from step 2, `toolkit.attention._lengths`.)"""
+    lengths for the next: a silent wrong loss from step 2, `toolkit.model.attention._lengths`.)"""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.attention import register
-    from toolkit.loss import token_loss_sum
-    from toolkit.models import decoder_layers
+    from toolkit.model.attention import register
+    from toolkit.objectives.sft.loss import token_loss_sum
+    from toolkit.model.load import decoder_layers
     from toolkit.train.compiling import compiled_graphs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=register("varlen"))

@@ -12,7 +12,7 @@ import torch
 from distributed import batched_runs, common_args, parity_args, records, run_stdout
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
-from toolkit.loss import chunked_loss_sum, token_loss_sum
+from toolkit.objectives.sft.loss import chunked_loss_sum, token_loss_sum
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -113,7 +113,7 @@ def test_chunked_loss_under_sharded_weights(runs, name, flags):
 def test_zero3_run_prints_no_library_noise_and_counts_the_whole_model(runs, tiny_model):
     """Two ZeRO-3 ranks: no DeepSpeed accelerator/op-build lines, no deprecation warnings per
     collective, and the model line counts the parameters before partitioning (not 0.0M)."""
-    from toolkit.models import human
+    from toolkit.model.load import human
     from toolkit.planner.params import count_params
 
     out = runs("zero3", "full", "chunked")
@@ -296,7 +296,7 @@ def test_packed_run_trains_like_unpacked_when_a_step_sees_the_whole_data(runs):
 def test_chunked_loss_refuses_a_second_backward():
     """Backward hands over (and scales in place) the gradients formed in forward: a second backward
     through the same graph would reuse scaled buffers, so it is an error, not a silent wrong value."""
-    from toolkit.loss import chunked_loss_sum
+    from toolkit.objectives.sft.loss import chunked_loss_sum
 
     head = torch.nn.Linear(8, 32, bias=False)
     hidden = torch.randn(2, 5, 8, requires_grad=True)
@@ -312,7 +312,7 @@ def test_chunked_loss_runs_the_head_on_target_tokens_only(monkeypatch, given):
     labels in the collate) the head's matmuls see only the target rows (the speed-up in
     benchmarks/throughput.md); without them every row goes through, weighted 0. Either way the masked
     rows' input gradient is exactly zero."""
-    import toolkit.loss as loss_mod
+    import toolkit.objectives.sft.loss as loss_mod
 
     rows = []
     real = loss_mod.linear_cross_entropy_sum
@@ -348,7 +348,7 @@ def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
 
     from toolkit.config import Config
     from toolkit.errors import UserError
-    from toolkit.loss import FusedLossHead, loss_head_for
+    from toolkit.objectives.sft.loss import FusedLossHead, loss_head_for
 
     assert Config().train.loss == "auto"
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -110,7 +110,7 @@ def test_router_load_balancing_loss_is_refused_under_pp():
     from transformers import AutoConfig
 
     from toolkit.layout.rules import model_problems
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     for model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
         config = AutoConfig.for_model(model_type, **ZOO[model_type]).to_dict()
@@ -185,7 +185,7 @@ def _train_steps(model_dir, method: str, stages: int, microbatches: int, gc: boo
 
     from toolkit.parallel.parallelize import apply_checkpointing
     from toolkit.parallel.pp import NaivePipeline
-    from toolkit.loss import count_targets, token_loss_sum
+    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -251,7 +251,7 @@ def test_stage_modules_come_from_the_config():
 
     from toolkit.errors import UserError
     from toolkit.parallel.pp.split import decoder_parts
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_neox", **ZOO["gpt_neox"]))
@@ -283,7 +283,7 @@ def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
 
 # ---------------------------------------------------------------- every architecture with a plan
 
-# One process's reference and both pipelines train the zoo's tiny random models (toolkit.synthetic) for
+# One process's reference and both pipelines train the zoo's tiny random models (toolkit.model.synthetic) for
 # 3 AdamW steps: two padded batches and one packed batch (positions restart per document). gpt-oss's
 # own forward builds its masks without the positions, so in one process its packed rows attend across
 # documents; the stages mask per document: it trains the padded batches only. Its router loss, and
@@ -293,7 +293,7 @@ def test_naive_pipeline_stages_hold_contiguous_blocks(tied_model):
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory) -> dict[str, tuple[str, list[dict], list[float]]]:
     """model type -> (model dir, batches, the model's own per-step losses in one process)."""
-    from toolkit.synthetic import ZOO, build_zoo_model_dir
+    from toolkit.model.synthetic import ZOO, build_zoo_model_dir
 
     out = {}
     with _one_thread():
@@ -347,7 +347,7 @@ def _own_losses(model, batches) -> list[float]:
 
 
 def _pipeline_losses(pipe, params, batches) -> list[float]:
-    from toolkit.loss import count_targets
+    from toolkit.objectives.sft.loss import count_targets
 
     opt = torch.optim.AdamW(params, lr=1e-3)
     losses = []
@@ -365,7 +365,7 @@ def test_naive_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
     (embedding transforms, per-layer-type masks and rotary, the head's logit transform), and the
     loss check on the last stage equals the model's own head on the same hidden states (5e-6); the
     check catches a last stage that drops Cohere's logit_scale (the bug --pp 2 had)."""
-    from toolkit.loss import LogitTransform
+    from toolkit.objectives.sft.loss import LogitTransform
     from toolkit.parallel.pp import NaivePipeline
 
     with _one_thread():
@@ -377,7 +377,7 @@ def test_naive_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
             if model_type == "cohere":
                 pipe.stages[-1].parts.transform = LogitTransform()  # the model's logit_scale left out
                 wrong, own = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
-                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's fp32 bound (toolkit.numerics.FP32_RTOL)
+                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's fp32 bound (toolkit.train.numerics.FP32_RTOL)
                 pipe.stages[-1].parts.transform = LogitTransform.of(model)
             got = _pipeline_losses(pipe, [p for p in model.parameters() if p.requires_grad], batches)
             assert got == pytest.approx(want, abs=1e-5, rel=1e-5), model_type

@@ -15,15 +15,15 @@ SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_a
 
 @pytest.fixture(scope="module")
 def shaped_model(tmp_path_factory):
-    from toolkit.synthetic import build_model_dir
+    from toolkit.model.synthetic import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("saved") / "model", **SHAPE)
 
 
 def _load(model_dir, method: str, precision: str, dropout: float = 0.0, checkpointing: bool = False):
-    """The model as `toolkit.models.load_model` loads it and `parallelize` adds `method`'s adapters."""
+    """The model as `toolkit.model.load.load_model` loads it and `parallelize` adds `method`'s adapters."""
     from toolkit.config import parse_config
-    from toolkit.models import ModelShape, load_model
+    from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, apply_checkpointing, parallelize
 
     cfg = parse_config(["--model", str(model_dir), "--output-dir", str(model_dir.parent / "o"), "--method", method,
@@ -85,7 +85,7 @@ def test_saved_terms_equal_what_autograd_saves(shaped_model, method, precision, 
 def moe_models(tmp_path_factory):
     """Tiny Qwen3-MoE (block 0 dense: `mlp_only_layers`) and Mixtral models from the zoo, their router
     aux loss off (this counts the blocks, not the loss)."""
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     root = tmp_path_factory.mktemp("moe")
     return {t: build_zoo_model_dir(root / t, t, output_router_logits=False) for t in ("qwen3_moe", "mixtral")}

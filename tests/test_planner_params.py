@@ -11,7 +11,7 @@ import torch
 
 from toolkit.planner.params import count_params, lora_params, matmul_params
 from toolkit.planner.presets import HUB_IDS, PRESETS
-from toolkit.synthetic import ZOO
+from toolkit.model.synthetic import ZOO
 
 TINY = {
     "tiny-mha-untied": dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3,
@@ -220,7 +220,7 @@ def test_lora_of_half_a_fused_pair_is_refused_like_peft():
 def test_plan_counts_published_moe_configs(capsys, tmp_path):
     """`python -m toolkit plan` counts Qwen3-30B-A3B at 30.5B parameters (its published config.json, and
     the preset) and gpt-oss-120b at 116.8B (by hub id): the figures their model cards publish."""
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     for spec, billions in ((str(tmp_path), 30.5), ("qwen3-30b-a3b", 30.5), ("openai/gpt-oss-120b", 116.8)):

@@ -7,7 +7,7 @@ import sys
 import pytest
 from distributed import ROOT, free_port
 
-from toolkit.__main__ import main as cli
+from toolkit.cli.main import main as cli
 from toolkit.layout.dims import ParallelDims
 from toolkit.planner.cost import HARDWARE, Hardware, optimizer_step_seconds
 from toolkit.planner.memory import STRATEGIES

@@ -1,4 +1,4 @@
-"""Preference tuning (`--objective dpo|orpo|simpo`, toolkit.preference): the losses and the first step's
+"""Preference tuning (`--objective dpo|orpo|simpo`, toolkit.objectives.preference.loss): the losses and the first step's
 gradients equal TRL's trainers' on the same model, pairs and beta; the data forms read as pairs; step 1
 of DPO is ln 2 (LoRA: adapters disabled; full: the reference pass); runs train, resume and reload."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CHATML, build_model_dir
-from toolkit.synthetic import corpus
+from toolkit.model.synthetic import corpus
 
-from toolkit.preference import PreferenceLoss
-from toolkit.preference_functions import orpo_nll_tokens, sequence_logps
+from toolkit.objectives.preference.loss import PreferenceLoss
+from toolkit.objectives.preference.functions import orpo_nll_tokens, sequence_logps
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")
@@ -638,7 +638,7 @@ def test_plan_config_plans_a_pair_as_two_sequences(tmp_path, capsys):
 
     import yaml
 
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     recipe = Path(__file__).resolve().parents[1] / "examples" / "dpo-dates-after-sft.yaml"
     raw = yaml.safe_load(recipe.read_text())

@@ -1,6 +1,6 @@
 """Every preset as its authors ship it (issue 57): `plan` offers only rows that the run accepts, a TP
 plan's entries for a kind of block the model lacks are no refusal, and each preset has a tiny runnable model
-of its structure (`toolkit.synthetic.tiny_preset`).
+of its structure (`toolkit.model.synthetic.tiny_preset`).
 
 A row the planner offers runnable for a preset (`toolkit.planner.presets`: dense and MoE, every layer routed
 as Qwen3-30B-A3B publishes it, DeepSeek-V3's dense first blocks, gpt-oss's plan with nothing inside the
@@ -109,7 +109,7 @@ def test_a_plan_entry_for_a_kind_of_block_the_model_lacks_is_no_refusal(monkeypa
     from transformers import AutoConfig
 
     from toolkit.errors import UserError
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     for dense, kept, absent in (([], "mlp.experts gate_up_proj -> down_proj", "mlp gate_proj"),
                                 ([0, 1], "mlp gate_proj up_proj -> down_proj", "mlp.experts")):
@@ -147,7 +147,7 @@ def _blocks_shape(model, n: int | None = None) -> list[tuple]:
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_has_a_tiny_model_of_its_structure_that_trains(name):
-    """`toolkit.synthetic.tiny_preset`: the preset's published structure at hidden 64 (module docstring of
+    """`toolkit.model.synthetic.tiny_preset`: the preset's published structure at hidden 64 (module docstring of
     the function's table): its blocks are the published model's first ones, and every kind of block the
     published model has is among them (the meta-device copy's module tree: every module's name and class,
     each linear's bias, each dropout, each block's attention type and window); the same TP fit; and the
@@ -156,11 +156,11 @@ def test_each_preset_has_a_tiny_model_of_its_structure_that_trains(name):
 
     from toolkit.parallel.meta import meta_model
     from toolkit.parallel.tp.plan import tp_tree_problems
-    from toolkit.synthetic import tiny_preset
+    from toolkit.model.synthetic import tiny_preset
 
     values = dict(PRESETS[name])
     published = AutoConfig.for_model(values.pop("model_type"), **values)
-    config = tiny_preset(name)
+    config = tiny_preset(PRESETS[name])
     assert config.hidden_size == 64 and config.num_hidden_layers <= 6
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

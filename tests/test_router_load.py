@@ -1,4 +1,4 @@
-"""The expert load (toolkit.router_load): tokens per expert counted by hooks on the experts modules equal
+"""The expert load (toolkit.model.router_load): tokens per expert counted by hooks on the experts modules equal
 the top-k of the routers' own logits (the model's `output_router_logits`), real tokens only, training
 forwards only, once per forward under gradient checkpointing; and the record's ratios."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.router_load import RouterLoad, experts_modules, load_stats
-from toolkit.synthetic import ZOO
+from toolkit.model.router_load import RouterLoad, experts_modules, load_stats
+from toolkit.model.synthetic import ZOO
 
 
 def tiny(model_type: str, **overrides):
@@ -71,7 +71,7 @@ def test_load_stats_are_shares_of_each_layers_mean():
 def test_idle_experts_are_said_only_where_the_window_could_not_leave_them_empty_by_chance():
     """An expert without a token counts once its layer's experts averaged IDLE_MIN_MEAN tokens in the
     window (an even router leaves one empty there with chance e^-32); a smaller window says nothing."""
-    from toolkit.router_load import IDLE_MIN_MEAN, idle_experts, idle_warning, layer_label
+    from toolkit.model.router_load import IDLE_MIN_MEAN, idle_experts, idle_warning, layer_label
 
     assert IDLE_MIN_MEAN == 32
     counts = torch.tensor([[0.0, 64.0, 64.0, 0.0], [32.0] * 4, [0.0, 0.0, 20.0, 20.0], [0.0] * 4])
@@ -93,7 +93,7 @@ def test_a_run_whose_router_sends_every_token_to_one_expert_says_so_once(tmp_pat
     from safetensors.torch import load_file, save_file
 
     import finetune
-    from toolkit.synthetic import build_zoo_model_dir
+    from toolkit.model.synthetic import build_zoo_model_dir
 
     model = build_zoo_model_dir(tmp_path / "model", "gpt_oss", num_experts_per_tok=1)
     (weights,) = model.glob("*.safetensors")

@@ -33,7 +33,7 @@ def test_the_chat_template_renders_the_data_and_keys_its_cache(tmp_path, tiny_mo
     from toolkit.config import parse_config
     from toolkit.data.prepare import data_key, prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.models import load_tokenizer
+    from toolkit.model.load import load_tokenizer
     from toolkit.train.resume import ResumePoint, fingerprint, mismatch
 
     template = tmp_path / "chatml.jinja"
@@ -58,7 +58,7 @@ def test_a_template_name_the_tokenizer_lacks_is_one_line_before_the_model_loads(
     model or data is read."""
     from transformers import AutoTokenizer
 
-    from toolkit.models import load_tokenizer
+    from toolkit.model.load import load_tokenizer
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -67,7 +67,7 @@ def test_a_template_name_the_tokenizer_lacks_is_one_line_before_the_model_loads(
     tok.chat_template = {"default": CHATML, "rag": rag}
     tok.save_pretrained(model)
     assert load_tokenizer(str(model), chat_template="rag").chat_template == rag
-    monkeypatch.setattr("toolkit.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("toolkit.model.load.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr("toolkit.data.prepare.prepare_data", lambda *a, **k: pytest.fail("the data was read"))
     argv = ["--model", str(model), "--dataset", str(data_files["chat"]), "--output-dir", str(tmp_path / "o")]
     line = one_error(capsys, [*argv, "--chat-template", "chatml"])
@@ -113,7 +113,7 @@ def test_a_run_saves_its_template_in_final_and_pushes_final_once_checked(tmp_pat
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
-    monkeypatch.setattr("toolkit.hub.hub_unreachable", lambda: None)
+    monkeypatch.setattr("toolkit.config.hub.hub_unreachable", lambda: None)
     FakeHub.calls = []
     out = tmp_path / "out"
     finetune.main(["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--output-dir", str(out),
@@ -133,7 +133,7 @@ def test_push_to_hub_is_refused_at_start_where_it_cannot_upload(tmp_path, monkey
     written); the hub out of reach or a rejected token likewise (`push_problem`, given the network's answers)."""
     import huggingface_hub
 
-    from toolkit.hub import push_problem
+    from toolkit.config.hub import push_problem
 
     argv = ["--push-to-hub", "me/run", "--output-dir", str(tmp_path / "o")]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -167,7 +167,7 @@ def test_a_bad_repo_id_and_a_failed_upload_are_one_line(tmp_path):
     """The repo id's shape is checked with the config; an upload that fails says where the saved run is and
     how to upload it by hand."""
     from toolkit.config import parse_config
-    from toolkit.hub import push_final
+    from toolkit.config.hub import push_final
 
     with pytest.raises(UserError) as e:
         parse_config(["--push-to-hub", "me/run/x", "--output-dir", str(tmp_path / "o")])

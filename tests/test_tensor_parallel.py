@@ -121,7 +121,7 @@ def test_primitives_are_identity_on_one_rank():
 
 # ---------------------------------------------------------------- the plan, from base_model_tp_plan
 
-# The zoo (toolkit.synthetic.ZOO) under --tp 2: what runs, and the plan entry each refusal names
+# The zoo (toolkit.model.synthetic.ZOO) under --tp 2: what runs, and the plan entry each refusal names
 ZOO_TP_MOE = ("mixtral", "qwen3_moe", "deepseek_v3")  # every expert's intermediate split (moe_tp_experts)
 ZOO_TP_RUNS = ("llama", "qwen3", "gemma2", "gemma3_text", "phi3", "cohere", "granite", "gpt_neox", *ZOO_TP_MOE)
 ZOO_TP_REFUSED = {"gpt2": "its config declares no base_model_tp_plan",
@@ -163,7 +163,7 @@ def _zoo_models() -> dict:
     each rank (eager attention: Gemma 2 has no sdpa); LoRA too on the packed projections (Phi-3:
     qkv_proj split by q/k/v heads, gate_up_proj by gate and up). And OLMo 2 (not in the zoo), whose
     plan gathers q/k/v for a norm over every head: the gathered path, full and LoRA."""
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     ids = dict(vocab_size=384, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
     models = {f"zoo/{t}": {"config": (t, {**ZOO[t], **ids}), "methods": ("full", "lora") if t == "phi3" else ("full",)}
@@ -180,7 +180,7 @@ def _logits_and_grads(dirs: dict, tp: int, scratch: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
     from toolkit.parallel.parallelize import Parallelized
     from toolkit.parallel.tp import apply_tensor_parallel, make_layout
     from toolkit.parallel.traffic import counting
@@ -326,7 +326,7 @@ def test_zoo_tp_support_matrix(tmp_path):
     from transformers import AutoConfig
 
     from toolkit.parallel.build import _model_problems
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     assert set(ZOO) == set(ZOO_TP_RUNS) | set(ZOO_TP_REFUSED)
     from toolkit.layout.flags import ParallelConfig
@@ -372,7 +372,7 @@ def test_reading_the_plan():
     from transformers import AutoModelForCausalLM
 
     from toolkit.parallel.tp.plan import nested_regions
-    from toolkit.synthetic import ZOO
+    from toolkit.model.synthetic import ZOO
 
     blocks = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **ZOO["qwen3_moe"])).model.layers
     assert [nested_regions(b, moe.regions) for b in blocks] == [None, None]  # block 0 dense, block 1 MoE

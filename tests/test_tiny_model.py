@@ -11,8 +11,8 @@ import torch
 def test_prepare_model_tiny_writes_a_loadable_moe(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.__main__ import main as cli
-    from toolkit.router_load import experts_modules
+    from toolkit.cli.main import main as cli
+    from toolkit.model.router_load import experts_modules
 
     out = tmp_path / "tiny-moe"
     cli(["prepare-model", "--tiny", "qwen3_moe", "--output", str(out)])
@@ -26,13 +26,13 @@ def test_prepare_model_tiny_writes_a_loadable_moe(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--tiny", "nope", "--output", "OUT"], "--tiny nope: not an architecture toolkit/synthetic.py builds; one of "),
+    (["--tiny", "nope", "--output", "OUT"], "--tiny nope: not an architecture toolkit/model/synthetic.py builds; one of "),
     (["--tiny", "qwen3_moe"], "--tiny qwen3_moe needs --output DIR"),
     (["--output", "OUT"], "--output goes with --tiny"),
     (["--tiny", "qwen3_moe", "--output", "FULL"], "--output FULL exists and is not an empty folder; pass --force"),
 ])
 def test_prepare_model_tiny_says_bad_input_in_one_line(tmp_path, monkeypatch, capsys, argv, expected):
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "FULL").mkdir()

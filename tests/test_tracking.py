@@ -75,7 +75,7 @@ def test_samples_decode_one_token_per_forward_through_the_kv_cache(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.data.tokenize import ensure_chat_template, prompt_text
-    from toolkit.train.evaluate import sample_completions
+    from toolkit.objectives.evaluate import sample_completions
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -232,7 +232,7 @@ def test_help_shows_the_toolkit_s_names(capsys):
                                         (["--top-k", "-1"], "--top-k must be 0 (off) or more"),
                                         (["--repetition-penalty", "0"], "--repetition-penalty must be > 0")])
 def test_generate_refuses_impossible_sampling_numbers(tiny_model, capsys, argv, said):
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     with pytest.raises(SystemExit):
         cli(["generate", "--model", str(tiny_model), "--prompt", "hi", *argv])
@@ -244,7 +244,7 @@ def test_generate_samples_with_top_p_top_k_and_a_repetition_penalty(tiny_model, 
     repeats itself (the tiny random model does)."""
     import torch
 
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     def run(*flags):
         torch.manual_seed(0)

@@ -88,7 +88,7 @@ def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):
 
 def test_gradient_checkpointing_gives_the_same_losses(tmp_path, tiny_model, data_files):
     """The blocks really recompute (transformers' per-layer flag, set by `toolkit.parallel.parallelize`)."""
-    from toolkit.models import decoder_layers
+    from toolkit.model.load import decoder_layers
 
     plain, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
     checkpointed, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
@@ -103,7 +103,7 @@ def test_adapter_and_merged_model_reload_with_plain_libraries(tmp_path, tiny_mod
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
 
     result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
     batch = fixed_batch(tiny_model, data_files["chat"], tmp_path)
@@ -137,7 +137,7 @@ def test_generate_cli_prints_the_greedy_completion(tmp_path, tiny_model, data_fi
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.__main__ import main as cli
+    from toolkit.cli.main import main as cli
     from toolkit.data.tokenize import prompt_text
 
     _, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora")
@@ -277,7 +277,7 @@ def test_strategy_auto_refuses_manual_sharding_flags(tmp_path):
     ("lora", "fp16", torch.float16, torch.float32),
 ])
 def test_parameter_dtypes_per_method_and_precision(tmp_path, tiny_model, method, precision, base, trainable):
-    from toolkit.models import ModelShape, load_model
+    from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", method, "--mixed-precision", precision, "--output-dir", str(tmp_path / "o")])
@@ -337,7 +337,7 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
 def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_files):
     """A LoRA run from the command line, its data already cached, imports peft but not datasets or
     pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only), DeepSpeed (no ZeRO
-    layout), scipy or boto3 (toolkit.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md).
+    layout), scipy or boto3 (toolkit.cli.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md).
     A package that another installed distribution requires stays importable: here a stand-in for
     scikit-learn (a distribution requiring scipy, importing scipy.sparse when imported) and a stand-in
     scipy, on the path; transformers 4.47-5.20 import scikit-learn at module level, so hiding scipy
@@ -346,7 +346,7 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
     import sys
 
     from toolkit.data.prepare import prepare_data
-    from toolkit.models import load_tokenizer
+    from toolkit.model.load import load_tokenizer
 
     argv = ["--model", str(tiny_model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(tmp_path / "o"),
             "--seq-len", "64", "--max-steps", "1", "--method", "lora"]
@@ -525,7 +525,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     is the warm-up, later records count the compiled graphs, and the compile's measured seconds are kept,
     so the next run of this shape weighs them, not the H200's cold figure (and stays eager when they do not pay)."""
     from toolkit.data.packing import Collate
-    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
     from toolkit.train import compiling
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
@@ -638,7 +638,7 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, m
     region must trace whole; on a GPU it is the varlen kernel.) Compiled with the aot_eager backend (dynamo + AOTAutograd, the graphs a GPU run
     compiles, without inductor's C++ build: minutes on 2 cores); the block is really compiled (its
     compiled call is set)."""
-    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     data = data_files["alpaca" if "--packing" in extra else "chat"]  # alpaca's: a row packs several, their count varies

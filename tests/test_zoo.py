@@ -1,6 +1,6 @@
 """The architectures people finetune (issue 46), each on every layout, each training the model's own loss.
 
-`toolkit.synthetic.ZOO`'s tiny random models (13 architectures: what makes each differ from Llama kept
+`toolkit.model.synthetic.ZOO`'s tiny random models (13 architectures: what makes each differ from Llama kept
 at hidden 64, 2 blocks) run finetune.py as a user would, 2 steps of full-batch data, in two launches
 (one process; two ranks). Every cell asserts one of
 two things:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 from distributed import launch_layouts, records
 
-from toolkit.synthetic import ZOO, build_zoo_model_dir
+from toolkit.model.synthetic import ZOO, build_zoo_model_dir
 
 ARCHS = list(ZOO)
 ONE = {"full": ["--method", "full"], "lora": ["--method", "lora"], "packed": ["--method", "full", "--packing"]}
@@ -84,7 +84,7 @@ def test_each_architecture_trains_its_own_loss_on_each_layout_or_is_refused_in_o
     assert "integrity: " in said and "reloads with plain transformers/peft" in said  # final/ reloads, same loss
     steps = losses(run["out"])
     assert len(steps) == 2
-    moe = arch in MOE_AUX or arch == "deepseek_v3"  # the routers' spread is in every record (toolkit.router_load)
+    moe = arch in MOE_AUX or arch == "deepseek_v3"  # the routers' spread is in every record (toolkit.model.router_load)
     for r in (r for r in records(run["out"]) if "loss" in r):
         assert ("expert_load_cv" in r) == moe, (arch, layout)
         if moe:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from toolkit.config import DataConfig, DataSettings
-from toolkit.dataset_spec import first_source, is_mixture, parse_sources
+from toolkit.config.datasets import first_source, is_mixture, parse_sources
 from toolkit.data.table import DataStats
 from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
                                   to_conversation, unread_mapping, with_system_prompt)
@@ -256,7 +256,7 @@ def collate_sequences(batch: list[dict], pad_id: int, whole: bool = False, multi
     """Right-pad to the longest example (to `bucket_width`); padding gets attention 0 and label -100. `whole`: the batch
     reaches the model as it is (not split into pipeline micro-batches or context-parallel slices),
     so `target_rows` are added, the positions with a target found here on the CPU: the loss head
-    then needs no read-back from the GPU to skip the others (`toolkit.loss.target_rows`)."""
+    then needs no read-back from the GPU to skip the others (`toolkit.objectives.sft.loss.target_rows`)."""
     import torch
 
     width = bucket_width(max(len(x["input_ids"]) for x in batch), multiple, cap)

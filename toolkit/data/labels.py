@@ -1,6 +1,6 @@
 """Which positions of a batch train: labels are the input ids with the prompt and the padding set to
 -100 (`tokenize.IGNORE_INDEX`); position t is trained to predict label t + 1. Shared by the loop's
-token counts, the collate (target rows found on the CPU) and the losses (`toolkit.loss`)."""
+token counts, the collate (target rows found on the CPU) and the losses (`toolkit.objectives.sft.loss`)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ first token's label is dropped (it would be "predicted" from the previous exampl
 unpacked example never trains its first token either). The model gets `position_ids` and no 2-D
 attention mask, from which transformers builds a block-diagonal causal mask (`masking_utils.
 find_packed_sequence_indices`: a new block wherever positions do not step by 1) for eager and SDPA
-attention, and the padding-free kernels of `toolkit.attention` find the documents' boundaries:
+attention, and the padding-free kernels of `toolkit.model.attention` find the documents' boundaries:
 attention never crosses examples. (transformers' own `flash_attention_2` does so only for a batch of
 one row, unless given the boundaries: `collate_packed(..., bounds=True)`.)
 """
@@ -88,7 +88,7 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
     """`collate` plus position_ids: the padding is a block of its own (positions restart at 0) with
     label -100. `attention_mask` marks real tokens for counting; it is not given to the model.
     `bounds`: also the documents' boundaries for padding-free attention, computed here on the CPU so
-    the forward needs no device-to-host copy (`toolkit.attention.document_bounds`): `cu_seq_lens`,
+    the forward needs no device-to-host copy (`toolkit.model.attention.document_bounds`): `cu_seq_lens`,
     over the rows laid end to end, and `max_length` (an int). Only for a batch that reaches the model
     whole: splitting its rows (pipeline micro-batches) would leave them describing the whole.
     `multiple`/`cap`: the width (`bucket_width`); `restart`: the padding's positions restart every
@@ -112,7 +112,7 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
         positions[i, n:] = pad % restart if restart else pad  # `restart`: pad documents below --seq-len
     if not bounds:
         return {**out, "position_ids": positions}
-    from toolkit.attention import document_bounds
+    from toolkit.model.attention import document_bounds
 
     docs = document_bounds(positions)
     cu, longest = docs["cu_seq_lens_q"], docs["max_length_q"]
@@ -180,7 +180,7 @@ class Collate:
     padding-free row's length is the sum of its examples', which varies step to step as a padded batch's
     longest row does: rounding it to BUCKET keeps at most BUCKET - 1 padding tokens a row, where the packing
     width would pad it to micro-batch x --seq-len; the blocks compile a new width once, with dynamic shapes
-    (`toolkit.models.compile_blocks`), and later widths reuse that graph.
+    (`toolkit.model.load.compile_blocks`), and later widths reuse that graph.
     `seq_len`: packed padding's positions restart below it (a pair's row is two --seq-len wide)."""
 
     BUCKET = 64

@@ -8,7 +8,7 @@ ones), one sequence per example, and beside it the
 sequence its KL estimate scores: its own prompt with another example's completion (TRL's rotation by
 one within a batch; here within each chunk the table is encoded in, so the partner is fixed in the
 table and a full finetune's reference can be computed once). The objectives that train on them are
-`toolkit.preference`'s."""
+`toolkit.objectives.preference.loss`'s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit.config import DataConfig
 from toolkit.data.tokenize import blank
 from toolkit.errors import UserError
-from toolkit.inputs import Turns
+from toolkit.config.inputs import Turns
 
 if TYPE_CHECKING:  # torch is imported where a batch is made: the early data check runs before it loads
     import torch

@@ -30,7 +30,7 @@ from toolkit.data import DataStats, as_example, check_trainable, data_sources, e
 from toolkit.data.formats import DataSource
 from toolkit.data.table import ANSWER_COLUMNS, CACHE_VERSION, Rows, answer_columns, built_once, features, \
     map_processes, open_table, table_stats, token_columns, tokenizer_digest
-from toolkit.dataset_spec import dataset_digest, is_mixture, parse_sources
+from toolkit.config.datasets import dataset_digest, is_mixture, parse_sources
 from toolkit.data.pairs import KTO_COLUMNS, PAIR_COLUMNS, PAIR_FORMATS, encode_kto, encode_pairs
 
 # Settings that change the tokens, or which records are trained and which held out.

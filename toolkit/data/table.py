@@ -228,7 +228,7 @@ class Rows:
         self._beside = [(c, _ListColumn(table.column(c))) for c in ("rejected_input_ids", "rejected_labels",
                                                                      "kl_input_ids", "kl_labels") if c in names]
         self._desirable = table.column("desirable").to_pylist() if "desirable" in names else None  # KTO's labels
-        # preference data: each row's (N, 2) reference log-probabilities (`toolkit.train.reference`): a
+        # preference data: each row's (N, 2) reference log-probabilities (`toolkit.objectives.preference.reference`): a
         # pair's (chosen, rejected), a KTO example's (its sequence, its KL sequence)
         self.reference = None
 
@@ -266,7 +266,7 @@ class Rows:
         if self.reference is not None:
             row["ref_logps"] = self.reference[i].tolist()
             if row["ref_logps"] != row["ref_logps"]:  # NaN: a row the reference pass did not score
-                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.train.reference.rows_read "
+                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.objectives.preference.reference.rows_read "
                                    "and the loader disagree on the rows the run reads)")
         return row
 

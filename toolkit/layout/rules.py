@@ -15,9 +15,8 @@ from typing import Any
 from toolkit.layout.dims import ParallelDims, infer_dims
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.tp_regions import NotExpressible, read_tp_plan
-from toolkit.objective_spec import generates
 
-# Losses that fuse the LM head into the loss (`toolkit.loss`); the pipeline's last stage computes full logits
+# Losses that fuse the LM head into the loss (`toolkit.objectives.sft.loss`); the pipeline's last stage computes full logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
 
 
@@ -109,9 +108,10 @@ def checkpoint_format(par: ParallelConfig) -> str:
 # ----------------------------------------------------------------------------- what may run
 
 def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str, micro_batch: int,
-                    compiled: bool = False, attn: str = "auto", objective: str = "sft") -> list[str]:
+                    compiled: bool = False, attn: str = "auto", sampling: str | None = None) -> list[str]:
     """Every reason the flags' layout cannot run with this method ("full", "lora", "qlora"), mixed
-    precision ("fp16" is the one that matters), --loss, micro-batch, --compile and --objective, that
+    precision ("fp16" is the one that matters), --loss, micro-batch, --compile and `sampling` (the --objective
+    that samples from the policy while it trains, None where it does not), that
     needs neither the model nor the world size (`model_problems`, `dims.infer_dims` check those)."""
     p: list[str] = []
 
@@ -152,14 +152,14 @@ def layout_problems(par: ParallelConfig, method: str, precision: str, loss: str,
     if par.cp > 1 and attn not in ("auto", "sdpa"):
         p.append(f"--attn {attn} with --cp {par.cp} is not supported: context parallel's Ulysses attention wraps "
                  "sdpa (and --attn auto takes sdpa under --cp); drop --attn")
-    return p + generation_problems(par, objective)
+    return p + generation_problems(par, sampling)
 
 
-def generation_problems(par: ParallelConfig, objective: str) -> list[str]:
-    """An objective that samples from the policy while it trains (`toolkit.objective_spec.generates`) needs
+def generation_problems(par: ParallelConfig, objective: str | None) -> list[str]:
+    """An `objective` that samples from the policy while it trains (`toolkit.config.objectives.generates`) needs
     the whole model's forward, token by token, on every rank (`Strategy.generating`): refused under pipeline
     stages and context-parallel slices, which hold neither."""
-    if not generates(objective):
+    if objective is None:
         return []
     off = [f"--{name} {degree}" for name, degree in (("pp", par.pp), ("cp", par.cp)) if degree > 1]
     said = [f"--objective {objective} does not run under --pp / --cp yet: it samples completions token by token "

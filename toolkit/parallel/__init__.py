@@ -42,3 +42,26 @@ def host_group():
         _HOST_GROUP.clear()
         _HOST_GROUP[default] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return _HOST_GROUP[default]
+
+
+def host_all_reduce_max(value: float) -> float:
+    """The max of `value` over every rank, on the CPU (`host_group`); `value` itself without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([value])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+    return float(flag.item())
+
+
+def host_gather(value) -> list:
+    """`value` from every rank, in rank order (a CPU all-gather of picklable objects, `host_group`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=host_group())
+    return out

@@ -13,9 +13,9 @@ from toolkit.config import Config
 from toolkit.errors import UserError
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import accelerate_plugin
-from toolkit.loss import token_loss_sum
-from toolkit.loss_head import LossFn, LossHead, build_objective
-from toolkit.objective import LayoutHooks, Objective
+from toolkit.objectives.sft.loss import token_loss_sum
+from toolkit.objectives.head import LossFn, LossHead, build_objective
+from toolkit.objectives.base import LayoutHooks, Objective
 from toolkit.parallel.parallelize import DdpSpec, Parallelism, StageSpec
 from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy
 
@@ -28,7 +28,7 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from toolkit.models import resolved_precision  # imports torch: not at package import (the planner reads dims)
+    from toolkit.model.load import resolved_precision  # imports torch: not at package import (the planner reads dims)
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
     from toolkit.parallel.elastic import join_restarted_group
     from toolkit.parallel import launch
@@ -88,7 +88,7 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     "scheduler" is left out here: the loop builds and steps it (`AccelerateStrategy.scheduler`), and
     `save_run_config` writes it back. On a CPU machine a file's Adam runs as torch's (`with_torch_adam`:
     DeepSpeed's own would be compiled first). `model_path` gives the hidden size the ZeRO buckets scale with."""
-    from toolkit.models import resolved_precision
+    from toolkit.model.load import resolved_precision
     from toolkit.parallel import launch
     from toolkit.layout.deepspeed import (compiles_cpu_adam, deepspeed_accelerator, deepspeed_config, fill_auto,
                                           read_user_config, with_torch_adam)
@@ -139,7 +139,7 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
     against the model's config (one line for every problem, before any weights are read), and build the
     strategy from its parts (`compose`). The config stops here: what the strategies and `parallelize` read
-    of it is `Settings`; the objective is built from it once (`toolkit.loss_head.build_objective`)."""
+    of it is `Settings`; the objective is built from it once (`toolkit.objectives.head.build_objective`)."""
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
@@ -167,7 +167,7 @@ def _objective_problems(cfg: Config, kind: str, dims: ParallelDims) -> list[str]
                 f"(torchrun --nproc_per_node {par.pp})"]
     if t.objective != "grpo":
         return []
-    from toolkit.grpo import GRPOSpec
+    from toolkit.objectives.grpo.loss import GRPOSpec
 
     rl, spec, p = cfg.rl, GRPOSpec.from_config(cfg), []
     completions = t.micro_batch_size * t.grad_accum * dims.dp
@@ -267,7 +267,7 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
     from toolkit.layout.rules import model_problems
 
-    from toolkit.models import config_values
+    from toolkit.model.load import config_values
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     values = config_values(config)

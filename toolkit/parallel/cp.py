@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.data.labels import shift_labels
-from toolkit.objective_spec import WHOLE
-from toolkit.preference_functions import orpo_labels
+from toolkit.config.objectives import WHOLE
+from toolkit.objectives.preference.functions import orpo_labels
 
 INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
 _active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}

@@ -1,9 +1,9 @@
 """The one place where a loaded model is shaped for a run, in torchtitan's order (`parallelize_llama`,
-`torchtitan/models/llama3/infra/parallelize.py`); `toolkit.models.load_model` only reads the weights.
+`torchtitan/models/llama3/infra/parallelize.py`); `toolkit.model.load.load_model` only reads the weights.
 
 `parallelize(model, Parallelism)`, once per run, right after loading (`Strategy.shard_model`):
 
-    1. kernels and adapters  --attn, --experts, --kernels liger; LoRA or QLoRA (`toolkit.models`)
+    1. kernels and adapters  --attn, --experts, --kernels liger; LoRA or QLoRA (`toolkit.model.load`)
     2. context parallel      Ulysses attention (`toolkit.parallel.cp`)
     3. TP                    the project's layers from `base_model_tp_plan` (`toolkit.parallel.tp`)
     4. EP                    each MoE layer's experts over the ep group (`toolkit.parallel.ep`)
@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from toolkit.models import ModelShape
+from toolkit.model.load import ModelShape
 from toolkit.parallel.cut import Cut, full_state_dict
 from toolkit.parallel.fsdp import FsdpSpec, apply_fsdp
 from toolkit.parallel.tp import apply_tensor_parallel
@@ -145,7 +145,7 @@ def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Paralleliz
     the TP group (`toolkit.layout.dims`): TP leaves the routed experts whole, and EP splits them over it,
     each TP rank dispatching its 1/tp of the tokens. Every rank calls it with the same full weights (and
     the same seed for LoRA's init), so TP=1 and TP=t start alike. Returns the model and how it was cut."""
-    from toolkit.models import apply_kernels, apply_lora
+    from toolkit.model.load import apply_kernels, apply_lora
 
     apply_kernels(model, p.model)
     if p.model.method in ("lora", "qlora"):
@@ -198,7 +198,7 @@ def apply_compile(model: nn.Module) -> None:
     packed batches change width from step to step: the second width compiles again, with dynamic shapes
     (dynamo's automatic dynamic), and later widths reuse it. The backend: `COMPILE_BACKEND_ENV`, inductor."""
     from toolkit.errors import UserError
-    from toolkit.models import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
 
     blocks = decoder_layers(model)
     if not blocks:

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import torch
 
 from toolkit.layout.dims import ParallelDims
-from toolkit.loss_head import LossCheck, LossHead, LossMetrics
-from toolkit.models import ModelShape
-from toolkit.objective import LayoutHooks
+from toolkit.objectives.head import LossCheck, LossHead, LossMetrics
+from toolkit.model.load import ModelShape
+from toolkit.objectives.base import LayoutHooks
 
 if TYPE_CHECKING:
-    from toolkit.objective import Objective
+    from toolkit.objectives.base import Objective
     from toolkit.parallel.parallelize import Parallelism, Parallelized
 
 
@@ -129,7 +129,7 @@ class Strategy(Protocol):
 
     @property
     def objective(self) -> "Objective | None":
-        """The objective the run trains (`toolkit.loss_head.build_objective`), or None for the token loss."""
+        """The objective the run trains (`toolkit.objectives.head.build_objective`), or None for the token loss."""
         return self.loss.objective
 
     # --- model and optimizer
@@ -162,7 +162,7 @@ class Strategy(Protocol):
 
     def take_metrics(self) -> LossMetrics:
         """What the loss gathered over the micro-batches since the last call, on the device: a step's one
-        read of its loss head (`toolkit.loss_head.LossHead.take_metrics`)."""
+        read of its loss head (`toolkit.objectives.head.LossHead.take_metrics`)."""
         return self.loss.take_metrics(self.accelerator.device)
 
     @abstractmethod
@@ -204,7 +204,7 @@ class Strategy(Protocol):
 
     @contextmanager
     def generating(self, model) -> Iterator[torch.nn.Module]:
-        """The HF module to sample from (`toolkit.sampling.sample`), its parameters gathered once for the
+        """The HF module to sample from (`toolkit.objectives.grpo.sampling.sample`), its parameters gathered once for the
         whole block, not once per token (`gathered`), compiled blocks run eagerly. Every rank enters it
         together. Forwards inside may still be collective (the TP layers' all-reduces, among TP peers that
         hold the same prompts; expert parallel's all-to-alls, among ranks that hold others): give `sample`
@@ -213,6 +213,19 @@ class Strategy(Protocol):
             raise RuntimeError("sampling does not run under --pp / --cp yet")
         with torch.no_grad(), torch.compiler.set_stance("force_eager"), self.gathered(model) as module:
             yield module
+
+    def host_any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank (a CPU all-reduce, over every rank): `sample`'s `any_unfinished`,
+        since under FSDP, ZeRO-3, TP and EP every forward is collective and every rank must decode as long."""
+        from toolkit.parallel import host_all_reduce_max
+
+        return host_all_reduce_max(float(flag)) > 0
+
+    def gather_objects(self, value) -> list:
+        """`value` from every rank, in rank order (a CPU all-gather of picklable objects)."""
+        from toolkit.parallel import host_gather
+
+        return host_gather(value)
 
     def gathered(self, model):
         """A context yielding the unwrapped model with its parameters whole (`generating`): the model as

@@ -92,7 +92,7 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
                what: str) -> PlanInput:
     """The planner's question for this run on this hardware (`detect_hardware`). The global batch is
     the run's micro-batch x accumulation x ranks; the plan keeps it and may re-split it."""
-    from toolkit.objective_spec import plan_terms
+    from toolkit.config.objectives import plan_terms
 
     t = cfg.train
     terms = plan_terms(t.objective, cfg.model.method, t.loss, cfg)  # a preference pair: two sequences, full logits

@@ -7,7 +7,7 @@ gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit r
   parameter; DDP computes in bf16 under autocast (which keeps a bf16 copy of each trainable weight for
   backward), FSDP2 under its mixed-precision policy (each block gathered in bf16, no copies); DeepSpeed with bf16 converts the module to 2-byte weights
   and keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
-- a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.models.load_model`),
+- a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.model.load.load_model`),
   2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
 - DeepSpeed keeps that fp32 master partition in fp32 runs too (measured: `master_bytes`);
 - only trainable parameters (LoRA: the adapters) have gradients and optimizer state;
@@ -119,7 +119,7 @@ def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> 
 
 
 def kv_cache_bytes(layers: int, kv_dim: int, rows: int, tokens: int, act_bytes: int) -> int:
-    """A KV cache of `rows` sequences of `tokens` (transformers' DynamicCache, which `toolkit.sampling` fills:
+    """A KV cache of `rows` sequences of `tokens` (transformers' DynamicCache, which `toolkit.objectives.grpo.sampling` fills:
     each layer's keys and values, (rows, kv heads, tokens, head dim) each): 2 x layers x rows x tokens x
     kv heads x head dim x act_bytes (checked against the cache's own tensors: tests/test_planner_params.py)."""
     return 2 * layers * rows * tokens * kv_dim * act_bytes
@@ -135,7 +135,7 @@ def generation_bytes(layers: int, kv_dim: int, vocab: int, rows: int, tokens: in
 
 def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_bytes: int, head_trainable: bool,
                        chunk: int = 256) -> int:
-    """`--loss chunked` (toolkit.loss): one chunk's logits in the compute dtype and in fp32
+    """`--loss chunked` (toolkit.objectives.sft.loss): one chunk's logits in the compute dtype and in fp32
     ((act_bytes + 4) x chunk x V), the target rows of the hidden states and their gradient (at most
     2 x b x s x h x act_bytes), and the head's fp32 gradient (4 x V x h) when the head trains."""
     return (act_bytes + 4) * chunk * vocab + 2 * act_bytes * micro_batch * seq_len * h \

@@ -108,7 +108,7 @@ class PlanInput:
     asked: Asked | None = None  # the run's own layout (plan --config), evaluated as it is
     device: str = "GPU"  # what each rank runs on: "GPU", or "CPU" (a run without one: memory per process)
     sequences: int = 1  # sequences per example: 2 for a preference pair (chosen and rejected, one micro-batch)
-    extra_forwards: int = 0  # no-grad forwards per sequence (`toolkit.objective_spec.extra_forwards`): LoRA DPO's
+    extra_forwards: int = 0  # no-grad forwards per sequence (`toolkit.config.objectives.extra_forwards`): LoRA DPO's
     # reference (the base model's forward before each policy forward), KTO's KL estimate
     # --objective grpo: (completions a rank samples at once, prompt + completion tokens): the KV cache and what
     # sampling holds (`memory.generation_bytes`), at its own peak beside the training step's
@@ -605,7 +605,7 @@ TERM_TEXT = {  # `cost.TERMS`, as a user reads them
 
 def full_logits_fit(inp: PlanInput, c: Candidate) -> bool:
     """Whether `c` still fits with the loss on full (B, T, V) fp32 logits instead of a chunk's: then no
-    chunk loop can be faster on a GPU (`toolkit.loss.choose_loss`). Estimated again, because the loss
+    chunk loop can be faster on a GPU (`toolkit.objectives.sft.loss.choose_loss`). Estimated again, because the loss
     buffers do not add linearly into the allocator peak (`saved.allocated_peak`)."""
     import dataclasses
 

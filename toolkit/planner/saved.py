@@ -48,7 +48,7 @@ class Dtypes:
 
 
 def dtypes(method: str, precision: str, device: str = "cuda", fsdp: bool = False) -> Dtypes:
-    """How the toolkit loads and runs each method (`toolkit.models.load_model`): a full finetune keeps
+    """How the toolkit loads and runs each method (`toolkit.model.load.load_model`): a full finetune keeps
     fp32 weights under autocast; LoRA loads the base in the half dtype; QLoRA keeps the unquantized
     rest (embedding, norms, head) in fp32 (peft's prepare_model_for_kbit_training) and bitsandbytes
     returns each projection in its input's dtype. Under FSDP2 (`fsdp`) there is no autocast: its

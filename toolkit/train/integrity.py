@@ -32,9 +32,9 @@ from typing import Iterator
 import torch
 
 from toolkit.data import collate
-from toolkit.numerics import FP32_RTOL, agreement
+from toolkit.train.numerics import FP32_RTOL, agreement
 from toolkit.parallel import any_rank
-from toolkit.train.evaluate import eval_loss
+from toolkit.objectives.evaluate import eval_loss
 
 LEVELS = ("none", "files", "load", "full")
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
@@ -273,7 +273,7 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from toolkit.data.labels import count_targets
-    from toolkit.loss import token_loss_sum
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     kwargs: dict = {"dtype": torch.float32}
     if load_4bit:

@@ -26,16 +26,16 @@ from torch.utils.data import DataLoader, Sampler
 
 from toolkit.cache import cache_dir
 from toolkit.config import Config
-from toolkit.inputs import sample_prompts
+from toolkit.config.inputs import sample_prompts
 from toolkit.data.packing import Collate, PackedRows, pack_bins
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank, rank_max
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.objective_spec import GENERATES
+from toolkit.config.objectives import GENERATES
 from toolkit.train.compiling import EAGER_STEPS, Compiling
 from toolkit.train.compiling import plan as compile_plan
-from toolkit.train.evaluate import eval_loss, eval_preference, sample_completions
+from toolkit.objectives.evaluate import eval_loss, eval_preference, sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss_check import check_loss, check_packing
 from toolkit.train.metrics import MetricsLogger, log_interval
@@ -93,7 +93,7 @@ def preflight(cfg: Config, accelerator, model_cfg: dict, warn) -> dict:
     measured = device_peak(accelerator.device)
     if measured is None:
         return {}
-    from toolkit.models import resolved_precision
+    from toolkit.model.load import resolved_precision
     from toolkit.planner.auto import predicted_peak
 
     predicted = predicted_peak(cfg, model_cfg, resolved_precision(cfg))
@@ -107,7 +107,7 @@ def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Pa
     """One line for an out-of-memory at `step`: where, the planner's figures and a layout that fits,
     and what was kept (the checkpoints on disk are complete: a save is renamed into place whole)."""
     from toolkit.layout.rules import strategy_name
-    from toolkit.models import resolved_precision
+    from toolkit.model.load import resolved_precision
     from toolkit.planner.auto import memory_advice
     from toolkit.train.checkpoint import complete_checkpoints
 
@@ -266,7 +266,7 @@ class Run:
     last_eval: float | None = None
     bad_in_a_row: int = 0
     mfu_warned: bool = False
-    idle_warned: bool = False  # experts left without a token: said once a run (`toolkit.router_load.idle_warning`)
+    idle_warned: bool = False  # experts left without a token: said once a run (`toolkit.model.router_load.idle_warning`)
     fused: bool = False  # the loss head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
     moe_layers: tuple[str, ...] = ()  # the MoE layers, the rows of a step's expert load
     last_loss: float = float("nan")
@@ -348,7 +348,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     device = strategy.accelerator.device
     compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log,
                              keeps=strategy.accelerator.is_main_process)
-    generates = t.objective in GENERATES  # the batches are sampled in the loop (`toolkit.train.rollout`)
+    generates = t.objective in GENERATES  # the batches are sampled in the loop (`toolkit.objectives.grpo.rollout`)
     if generates:  # `prepare` is handed a loader of the prompts' rows; the rollouts read the prompts themselves
         loader = DataLoader(list(range(len(train_rows))), batch_size=t.micro_batch_size)
         reference_model = reference_copy(cfg, strategy, model)
@@ -361,7 +361,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     log(strategy.describe())
     world = strategy.data.ranks
     if generates:
-        from toolkit.train.rollout import steps_per_epoch as rollout_steps
+        from toolkit.objectives.grpo.rollout import steps_per_epoch as rollout_steps
 
         steps_per_epoch = rollout_steps(cfg, len(train_rows), world)
     else:
@@ -388,7 +388,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
               compiling=compiling)
     if strategy.objective is not None and strategy.objective.reference_pass:
-        from toolkit.train.reference import attach_reference  # a resume reads its saved one, never a new pass
+        from toolkit.objectives.preference.reference import attach_reference  # a resume reads its saved one, never a new pass
 
         # the training rows the run's steps read (of a 15-step run, 15 global batches' worth, not the file)
         read = rows_read(loader, t.grad_accum, steps_per_epoch, total_steps)
@@ -405,7 +405,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
         train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
     if generates:
-        from toolkit.train.rollout import Rollouts
+        from toolkit.objectives.grpo.rollout import Rollouts
 
         objective = strategy.objective
         run.batches = Rollouts(run, train_rows, objective.rewards, [r.weight for r in objective.rewards],
@@ -434,7 +434,7 @@ def reference_copy(cfg: Config, strategy, model):
     where the model is whole on each rank); None otherwise."""
     if strategy.objective.spec.reference != "copy":
         return None
-    from toolkit.models import ModelShape, load_model
+    from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     # the policy's kernels (--attn, --experts, --kernels), no adapters (a full finetune) and no layout
@@ -449,9 +449,9 @@ def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: b
                     attn: str | None = None) -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
     to pack), or the stream's: tokenized per micro-batch as it is read. Unpacked micro-batches go
-    padding-free where `toolkit.attention.padding_free_on` says (`attn`: the model's attention), said in one
+    padding-free where `toolkit.model.attention.padding_free_on` says (`attn`: the model's attention), said in one
     line either way."""
-    from toolkit.attention import padding_free_on
+    from toolkit.model.attention import padding_free_on
 
     padding_free = padding_free_on(cfg, attn)
     if not cfg.data.packing and cfg.train.objective != "grpo":
@@ -478,7 +478,7 @@ PAIRED = ("dpo", "orpo", "simpo")  # two sequences per example
 
 def padding_free_line(cfg: Config, attn: str | None, on: bool) -> str:
     """What an unpacked run's batches are: padding-free, or padded and why."""
-    from toolkit.attention import kernel_of
+    from toolkit.model.attention import kernel_of
     from toolkit.config import padding_free_blocked
 
     attn = kernel_of(attn)
@@ -633,7 +633,7 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
              w["tokens"] / w["examples"])  # context: mean example length
     flops = step_flops(w["tokens"], w["targets"] if run.fused else w["tokens"], *shape)
     if strategy.objective is not None:  # no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
-        from toolkit.objective_spec import extra_forwards
+        from toolkit.config.objectives import extra_forwards
 
         flops += extra_forwards(run.cfg.train.objective, run.cfg.model.method) * step_flops(w["tokens"], w["tokens"],
                                                                                           *shape) / 3
@@ -655,7 +655,7 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         warmup = run.compiling.recompiles(run.metrics.write)  # graphs compiled so far, once warmed up
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
     if w.get("load") is not None:  # how evenly the routers spread the window's tokens
-        from toolkit.router_load import idle_warning, load_stats
+        from toolkit.model.router_load import idle_warning, load_stats
 
         extra.update(load_stats(w["load"]))
         idle = None if run.idle_warned else idle_warning(w["load"], list(run.moe_layers), step)
@@ -706,7 +706,7 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
             args = (run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
             objective = run.strategy.objective
             if hasattr(objective, "rewards"):  # --objective grpo: greedy completions of the held-out prompts, scored
-                from toolkit.train.rollout import eval_rewards
+                from toolkit.objectives.grpo.rollout import eval_rewards
 
                 record = eval_rewards(run, run.eval_rows, objective.rewards, [r.weight for r in objective.rewards])
             else:

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from toolkit.errors import UserError
-from toolkit.numerics import agreement, mean_agreement
+from toolkit.train.numerics import agreement, mean_agreement
 from toolkit.parallel import rank_max
 
 

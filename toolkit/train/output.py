@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from toolkit.chat_template import is_inline
+from toolkit.config.chat_template import is_inline
 from toolkit.config import DataConfig, OutputConfig, TrainConfig
-from toolkit.inputs import parse_columns
+from toolkit.config.inputs import parse_columns
 
 if TYPE_CHECKING:
     from toolkit.data.table import DataStats

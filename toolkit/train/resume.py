@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit.dataset_spec import dataset_digest
+from toolkit.config.datasets import dataset_digest
 from toolkit.errors import UserError
 from toolkit.layout.flags import ParallelConfig
-from toolkit.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
-from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA
+from toolkit.config.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
+from toolkit.config.objectives import DEFAULT_SIMPO_GAMMA
 from toolkit.train.manifest import damage
 
 # Settings that change what a run computes (not how fast or where it logs).
@@ -75,7 +75,7 @@ def model_identity(name: str) -> dict | None:
     (hashing whole files would read an 8B model at every checkpoint; the ends hold the header and
     tensors at both ends). None: a hub id that is not in the local cache."""
     from toolkit.config import DEFAULT_MODEL
-    from toolkit.models import default_model_dir, is_adapter_dir
+    from toolkit.model.load import default_model_dir, is_adapter_dir
 
     folder = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
     adapter = is_adapter_dir(folder) and not (folder / "config.json").is_file()

@@ -8,7 +8,7 @@
 - trackio: its local store.
 
 A tracker whose package is missing is refused at start (config validation,
-`toolkit.tracker_spec.spec_problems`). One that cannot start (a store it refuses, a server it cannot
+`toolkit.config.trackers.spec_problems`). One that cannot start (a store it refuses, a server it cannot
 reach) stops the run before the model loads, in one line (`start_trackers`): a run that was asked to
 report somewhere and silently did not is lost to whoever watches that dashboard. One that fails while
 the run goes on is said once and dropped: a dashboard never stops training.

@@ -3,7 +3,7 @@ keeps E/n of its experts, and its forward sends each token to the rank that hold
 the result back (torchtitan's `ExpertParallel`, on transformers' own experts modules).
 
 The model says where its experts are: transformers 5 calls every MoE architecture's experts as
-`experts(hidden_states, top_k_index, top_k_weights)` (`toolkit.router_load.experts_modules`), with the
+`experts(hidden_states, top_k_index, top_k_weights)` (`toolkit.model.router_load.experts_modules`), with the
 experts stacked along dim 0 of each weight ([E, 2I, H] and [E, H, I]; gpt-oss's transposed, with
 biases [E, ...]). Rank r of an ep group of n keeps experts r*E/n .. (r+1)*E/n - 1 of each, and per
 forward, over T tokens with k experts each:
@@ -76,7 +76,7 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
     same LoRA init)."""
     import torch.distributed as dist
 
-    from toolkit.models import experts_modules
+    from toolkit.model.load import experts_modules
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if tp_group is not None and dist.get_world_size(tp_group) != n:

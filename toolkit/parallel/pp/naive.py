@@ -16,7 +16,7 @@ from torch import nn
 from toolkit.parallel.grad_norm import clip_grad_norm
 from toolkit.parallel.pp.split import (DecoderStage, autocast, balance, decoder_parts, own_loss, param_costs,
                                        stage_bounds, time_costs)
-from toolkit.loss import count_targets, token_loss_sum
+from toolkit.objectives.sft.loss import count_targets, token_loss_sum
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

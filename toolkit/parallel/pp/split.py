@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.loss import LogitTransform
+from toolkit.objectives.sft.loss import LogitTransform
 from toolkit.planner.stages import balance, stage_bounds  # pure: the planner cuts the same way
 
 

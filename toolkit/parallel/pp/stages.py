@@ -24,7 +24,7 @@ from torch import nn
 from toolkit.parallel.grad_norm import clip_grad_norm, full, local
 from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
 from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, stage_bounds
-from toolkit.loss import count_targets, token_loss_sum
+from toolkit.objectives.sft.loss import count_targets, token_loss_sum
 
 PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")  # (B, T): what the stages are given
@@ -139,7 +139,7 @@ class StagePipeline(nn.Module):
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._logps_only:  # a row's log-probability per record; nothing to back-propagate
-            from toolkit.preference_functions import sequence_logps
+            from toolkit.objectives.preference.functions import sequence_logps
 
             self._losses.append(sequence_logps(logits, target)[0].detach().double())
             return logits.new_zeros(())
@@ -210,7 +210,7 @@ class StagePipeline(nn.Module):
         """Forward and backward of one batch in m micro-batches; gradients accumulate. `scale` may be a
         tensor (the loop's global target count stays on the device). `objective`: a preference
         objective computed on the last stage instead of the token loss (m splits keep pairs whole:
-        `toolkit.objective_spec.objective_problems`)."""
+        `toolkit.config.objectives.objective_problems`)."""
         self._scale, self._objective = scale, objective
         try:
             return self._run(batch, self.microbatches, train=True)

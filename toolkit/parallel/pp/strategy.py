@@ -11,16 +11,16 @@ from typing import Callable
 
 import torch
 
-from toolkit.loss import LogitTransform
+from toolkit.objectives.sft.loss import LogitTransform
 from toolkit.parallel.strategy import Parts, Strategy
 
 
 def pipeline_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
-    """Each whole row's log-probability without gradients (`toolkit.objective.LayoutHooks.forward_logps`)
+    """Each whole row's log-probability without gradients (`toolkit.objectives.base.LayoutHooks.forward_logps`)
     through a pipeline's stages, the last stage's sent to every stage (`model`: the prepared pipeline;
     before `prepare` and after its export, the HF model's own forward); `reference`: LoRA's adapters off."""
     from toolkit.parallel.pp import StagePipeline
-    from toolkit.preference_functions import whole_row_logps
+    from toolkit.objectives.preference.functions import whole_row_logps
 
     if not isinstance(model, StagePipeline):
         return whole_row_logps(model, batch, reference)
@@ -66,7 +66,7 @@ class PipelineStrategy(Parts, Strategy):
         """On the rows `check_window` cuts: the pipeline's loss as its last stage computes it against the model's
         own head, transform and loss function on the same final hidden states; None on the other stages."""
         from toolkit.data.labels import check_window
-        from toolkit.loss_head import LossCheck
+        from toolkit.objectives.head import LossCheck
 
         got = self.pipe.loss_check(check_window(batch, self.pipe.model.config.get_text_config().vocab_size))
         ours, own = got if got is not None else (None, None)

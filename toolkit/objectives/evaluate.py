@@ -21,7 +21,7 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
     (model-parallel peers take the same one), the same number of batches on every rank, so sharded
     models stay in lock-step: a rank out of rows gets a dummy batch and no indices (its sums weigh 0).
     `padding_free`: each batch's rows end to end in one row (`toolkit.data.packing.collate_padding_free`), as
-    a padding-free run trains them (its reference pass: `toolkit.train.reference`)."""
+    a padding-free run trains them (its reference pass: `toolkit.objectives.preference.reference`)."""
     from toolkit.data.packing import collate_padding_free
 
     rank, ranks = strategy.data.rank, strategy.data.ranks
@@ -145,7 +145,7 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int) -> dict
     estimate from each batch alone (TRL's, in evaluation)."""
     from toolkit.data.labels import shift_labels
     from toolkit.data.tokenize import IGNORE_INDEX
-    from toolkit.preference_functions import orpo_nll_tokens, orpo_rows, pairs_in
+    from toolkit.objectives.preference.functions import orpo_nll_tokens, orpo_rows, pairs_in
 
     accelerator, objective = strategy.accelerator, strategy.objective
     model.eval()

@@ -21,16 +21,16 @@ from typing import Any, Collection, Optional
 
 import yaml
 
-from toolkit.chat_template import template_problems
+from toolkit.config.chat_template import template_problems
 from toolkit.errors import UserError
-from toolkit.foreign_names import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
-from toolkit.hub import repo_problems
-from toolkit.inputs import (column_problems, dataset_problems, eval_dataset_problems, output_dir_problems,
+from toolkit.config.foreign import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
+from toolkit.config.hub import repo_problems
+from toolkit.config.inputs import (column_problems, dataset_problems, eval_dataset_problems, output_dir_problems,
                             sample_problems, streaming_problems, unused_columns_problems)
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.rules import layout_problems
-from toolkit.objective_spec import DEFAULT_SIMPO_GAMMA, OBJECTIVES, objective_problems
-from toolkit.tracker_spec import spec_problems as tracker_problems
+from toolkit.config.objectives import DEFAULT_SIMPO_GAMMA, OBJECTIVES, generates, objective_problems
+from toolkit.config.trackers import spec_problems as tracker_problems
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DATASET = "builtin:dates"
@@ -169,7 +169,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class RLConfig:
     """--objective grpo: generation, rewards and the policy loss, with TRL 1.16 GRPOConfig's names and defaults
-    (`toolkit.grpo`, `toolkit.train.rollout`)."""
+    (`toolkit.objectives.grpo.loss`, `toolkit.objectives.grpo.rollout`)."""
     num_generations: int = _f(8, "completions sampled per prompt (G), a group whose rewards are compared; the "
                                  "global batch (micro-batch x accumulation x data-parallel ranks) counts "
                                  "completions and must be a multiple of it")
@@ -365,8 +365,8 @@ def _column_mapping(value: dict, where: str, forbidden: str = ",=") -> str:
 
 def _dataset_sources(value: Any, where: str) -> str:
     """YAML's list of sources (each a path string or `{path, weight, columns}`; one mapping alone is one
-    source) as `toolkit.dataset_spec` writes them: a.json:0.5:instruction=prompt;output=response,b.json."""
-    from toolkit.dataset_spec import source_spec
+    source) as `toolkit.config.datasets` writes them: a.json:0.5:instruction=prompt;output=response,b.json."""
+    from toolkit.config.datasets import source_spec
 
     out = []
     for entry in value if isinstance(value, list) else [value]:
@@ -451,7 +451,7 @@ PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] 
 
 def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> list[str]:
     """The flag names people bring from transformers' Trainer, TRL, axolotl and LLaMA-Factory, as ours
-    (`toolkit.foreign_names`): `--learning_rate` -> `--lr`, `--output_dir` -> `--output-dir` (underscores
+    (`toolkit.config.foreign`): `--learning_rate` -> `--lr`, `--output_dir` -> `--output-dir` (underscores
     for any of ours), `--bf16` [true|false] -> `--mixed-precision bf16`, `--load_in_4bit` -> `--method
     qlora`. Only names that are no flag of ours are translated; --help shows ours. `typed` gets our
     flag -> the name typed for it, so a problem is said in the user's words."""
@@ -499,7 +499,7 @@ def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> l
 
 
 def _their_flags(argv: list[str]) -> dict[str, Any]:
-    """Their options among the flags (`toolkit.foreign_names.FOREIGN`), name -> the value after it
+    """Their options among the flags (`toolkit.config.foreign.FOREIGN`), name -> the value after it
     (None: none), for one that reads another's (`Foreign.reads`: push_to_hub's hub_model_id)."""
     out: dict[str, Any] = {}
     for i, arg in enumerate(argv):
@@ -579,7 +579,7 @@ def _shown(value: Any) -> str:
 
 def closest_key(name: str) -> str | None:
     """Our key that does the job of a misspelt or foreign name, if there is one: a foreign name by
-    `toolkit.foreign_names`' tables (never by a close spelling of an unrelated key of ours), and a
+    `toolkit.config.foreign`' tables (never by a close spelling of an unrelated key of ours), and a
     near typo of ours or theirs ('lerning_rate' finds 'lr')."""
     return hint(name.lstrip("-").replace("-", "_"), [*_fields(), "config"])[0]
 
@@ -778,7 +778,7 @@ def validate(cfg: Config) -> list[str]:
 
     p.extend(x for x in [nproc_problem(cfg.parallel.nproc_per_node, os.environ)] if x)
     p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn,
-                             t.objective))
+                             t.objective if generates(t.objective) else None))
     p.extend(objective_problems(cfg))
     blocked = padding_free_blocked(cfg)
     need(not (d.padding_free and blocked), f"--padding-free: {blocked}; drop it (the batches are padded there)")

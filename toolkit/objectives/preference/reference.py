@@ -1,8 +1,8 @@
 """DPO's and KTO's reference for a full finetune, without a second model: the log-probabilities of every
 pair's two sequences (a KTO example's sequence and its KL sequence) under the model as loaded, computed
 in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). A new LoRA needs none of this: its reference is the base model with
-the adapters disabled (`toolkit.preference.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
-adapter `--model` names does (`toolkit.models.sft_adapter`): its reference is that adapter, on, as loaded.
+the adapters disabled (`toolkit.objectives.preference.loss.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
+adapter `--model` names does (`toolkit.model.load.sft_adapter`): its reference is that adapter, on, as loaded.
 
 The pass scores only the training rows the run's steps read (`toolkit.train.loop.rows_read`: a 15-step
 run scores 15 global batches, not the file); a row it did not score holds NaN, and reading one is an
@@ -99,8 +99,8 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int, paddi
     batches in lock-step, and the shards are summed over every rank. `padding_free`: the sequences end to end,
     each scored as its own document by the kernel a padding-free run trains with, so the policy at step 1 is
     the reference to the bit (DPO's ln 2, KTO's KL estimate 0), as padded rows are to padded ones."""
-    from toolkit.preference_functions import kl_batch
-    from toolkit.train.evaluate import sharded_batches
+    from toolkit.objectives.preference.functions import kl_batch
+    from toolkit.objectives.evaluate import sharded_batches
 
     accelerator = strategy.accelerator
     out = torch.zeros(len(rows), 2, dtype=torch.float64, device=accelerator.device)
@@ -133,9 +133,9 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     import time
 
     from toolkit.cache import cache_dir
-    from toolkit.models import resolved_precision, sft_adapter
+    from toolkit.model.load import resolved_precision, sft_adapter
 
-    from toolkit.attention import padding_free_on
+    from toolkit.model.attention import padding_free_on
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
     unit = strategy.objective.unit

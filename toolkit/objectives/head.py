@@ -1,6 +1,6 @@
 """What a strategy's step computes as its loss: one micro-batch's summed token loss through full logits
-or a fused head (`toolkit.loss`), an objective's (`toolkit.objective`: the preference objectives of
-`toolkit.preference`), and the router load-balancing loss the model adds (`toolkit.router_load` counts its
+or a fused head (`toolkit.objectives.sft.loss`), an objective's (`toolkit.objectives.base`: the preference objectives of
+`toolkit.objectives.preference.loss`), and the router load-balancing loss the model adds (`toolkit.model.router_load` counts its
 experts' tokens). Every strategy composes one `LossHead`, given at construction with the objective
 `build_objective` made; the layout only decides how the batch reaches it. The loop reads what it
 gathered once a step (`take_metrics`), never its parts.
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from toolkit.loss import target_loss_sum, token_loss_sum
-from toolkit.objective import LayoutHooks, Objective
+from toolkit.objectives.sft.loss import target_loss_sum, token_loss_sum
+from toolkit.objectives.base import LayoutHooks, Objective
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
 
@@ -22,8 +22,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels
 def build_objective(cfg, hooks: LayoutHooks = LayoutHooks()) -> Objective | None:
     """The run's --objective, built once under the layout's `hooks` (None: the token loss). The one place
     an objective type is chosen: a new one adds its builder here, and no strategy changes."""
-    from toolkit.grpo import GRPOLoss
-    from toolkit.preference import OBJECTIVE_TYPES, PreferenceLoss
+    from toolkit.objectives.grpo.loss import GRPOLoss
+    from toolkit.objectives.preference.loss import OBJECTIVE_TYPES, PreferenceLoss
 
     builders: dict[str, Callable] = {name: PreferenceLoss.from_config for name in OBJECTIVE_TYPES}
     builders["grpo"] = GRPOLoss.from_config
@@ -53,7 +53,7 @@ class LossCheck:
 
 class LossHead:
     """One micro-batch's summed token loss: full logits and `loss_fn`, or the LM head replaced by a
-    fused loss head (`toolkit.loss.loss_head_for`) that returns the sum itself, so (B, T, V) logits
+    fused loss head (`toolkit.objectives.sft.loss.loss_head_for`) that returns the sum itself, so (B, T, V) logits
     never exist. Context parallel batches carry labels already shifted (`targets`)."""
 
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no",
@@ -62,14 +62,14 @@ class LossHead:
         self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
         self.aux_coef, self.aux_sum = 0.0, None
         self.objective = objective  # an objective other than the token loss (`build_objective`): full logits
-        self.router_load = None  # an MoE model's tokens per expert (`toolkit.router_load.RouterLoad`)
+        self.router_load = None  # an MoE model's tokens per expert (`toolkit.model.router_load.RouterLoad`)
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
         one (only for the standard token loss, which it computes exactly); and the model's router
         load-balancing loss, which its forward returns where its config sets `output_router_logits`.
         An objective keeps full logits and turns the model's dropout off (`prepare`)."""
-        from toolkit.loss import loss_head_for
+        from toolkit.objectives.sft.loss import loss_head_for
 
         if self.objective is not None:
             self.objective.prepare(model)
@@ -77,7 +77,7 @@ class LossHead:
             self.head = loss_head_for(model, choice, self.device_type, precision=self.precision)
         self.aux_coef = router_aux_coef(model.config)
         if self.router_load is None:
-            from toolkit.router_load import RouterLoad
+            from toolkit.model.router_load import RouterLoad
 
             self.router_load = RouterLoad.attach(model)  # tokens per expert, for the metrics
 
@@ -105,7 +105,7 @@ class LossHead:
             return self.token_sum(model, batch)
         from toolkit.data.packing import model_inputs
 
-        from toolkit.preference_functions import pairs_in
+        from toolkit.objectives.preference.functions import pairs_in
 
         inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
         total, out = self.objective(model, batch, inputs)

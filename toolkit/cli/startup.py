@@ -34,7 +34,7 @@ import sys
 from importlib import metadata
 
 from toolkit.layout.flags import ParallelConfig
-from toolkit.tracker_spec import requested
+from toolkit.config.trackers import requested
 
 
 def unused_packages(method: str, parallel: ParallelConfig, report_to: str) -> list[str]:

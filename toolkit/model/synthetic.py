@@ -12,7 +12,6 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.data.tokenize import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -76,7 +75,7 @@ def token_rows(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0, prom
         length = rng.randint(*lengths)
         ids = [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
         cut = int(length * prompt)
-        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * cut + ids[cut:]})
+        rows.append({"input_ids": ids, "labels": [-100] * cut + ids[cut:]})
     return rows
 
 
@@ -145,16 +144,14 @@ _TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num
                      topk_group=1)
 
 
-def tiny_preset(name: str) -> PretrainedConfig:
-    """The config of preset `name`'s tiny model (its `layer_types` and class defaults resolved as the
-    published model's are; `AutoModelForCausalLM.from_config` builds it, `build_zoo_model_dir`'s steps
+def tiny_preset(preset: dict) -> PretrainedConfig:
+    """The config of a preset's tiny model (`preset`: its published values, `toolkit.planner.presets.PRESETS`;
+    its `layer_types` and class defaults resolved as the published model's are; `AutoModelForCausalLM.from_config` builds it, `build_zoo_model_dir`'s steps
     save it). The block count: 2, or one period of the layer pattern and the first routed layer, whichever
     is more (Gemma 3's 5 sliding : 1 full, 6 blocks; DeepSeek-V3's 3 dense blocks then a routed one, 4)."""
     from transformers import AutoConfig
 
-    from toolkit.planner.presets import PRESETS
-
-    values = dict(PRESETS[name])
+    values = dict(preset)
     model_type = values.pop("model_type")
     published = AutoConfig.for_model(model_type, **values)
     kinds = list(getattr(published, "layer_types", None) or [])

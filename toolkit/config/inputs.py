@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.dataset_spec import is_mixture, parse_sources, spec_problems
+from toolkit.config.datasets import is_mixture, parse_sources, spec_problems
 from toolkit.errors import UserError
 
 # the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
@@ -115,7 +115,7 @@ def streaming_problems(dataset: str, eval_split: float, max_steps: int) -> list[
 
 
 def dataset_problems(spec: str, flag: str = "--dataset") -> list[str]:
-    """One source, or each source of a mixture (`toolkit.dataset_spec`): its path, and its own columns."""
+    """One source, or each source of a mixture (`toolkit.config.datasets`): its path, and its own columns."""
     problems = spec_problems(spec, flag)
     if problems:
         return problems

@@ -11,7 +11,7 @@ TRL's TrainerState reward shaping reads), `log_extra(column, values)` and `log_m
 As TRL: a completion is a string where its prompt is a string, and `[{"role": "assistant", "content":
 text}]` where its prompt is a list of messages (`completions_for`). None leaves that function out for that
 completion; a completion every function left out is unscorable (advantage 0,
-`toolkit.grpo_functions.weighted_rewards`). Pure Python: no torch here.
+`toolkit.objectives.grpo.functions.weighted_rewards`). Pure Python: no torch here.
 """
 
 from __future__ import annotations

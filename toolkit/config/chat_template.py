@@ -1,5 +1,5 @@
 """`--chat-template`: which chat template renders a run's conversations. It is set on the tokenizer
-once, where the tokenizer is loaded (`toolkit.models.load_tokenizer`), so the training data, the eval
+once, where the tokenizer is loaded (`toolkit.model.load.load_tokenizer`), so the training data, the eval
 and exact-match prompts, the samples, `generate` and the tokenizer saved in `final/` all use it, and
 the token cache's key (`toolkit.data.table.tokenizer_digest`, which hashes the tokenizer's template)
 changes with it. Standard library only: config validation checks a file here before anything loads."""

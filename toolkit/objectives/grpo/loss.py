@@ -1,11 +1,11 @@
 """`--objective grpo` as a loss: one micro-batch of sampled completions (prompt + completion rows, each with its
-group advantage, and where they are needed its old and reference log-probabilities, `toolkit.train.rollout`)
--> the summed clipped policy loss of `toolkit.grpo_functions`, which the loop divides by the global batch's
+group advantage, and where they are needed its old and reference log-probabilities, `toolkit.objectives.grpo.rollout`)
+-> the summed clipped policy loss of `toolkit.objectives.grpo.functions`, which the loop divides by the global batch's
 count of the loss type's units (completions, or their tokens) as it divides SFT's summed loss by its tokens.
 
 Each token's log-probability is of the logits / the sampling temperature, as TRL's GRPOTrainer computes the
-policy's, the old policy's and the reference's. The objective has `toolkit.objective.Objective`'s shape for the
-loss head it is given to (`toolkit.loss_head.build_objective`): `prepare`, `describe`, `begin_step`, the call
+policy's, the old policy's and the reference's. The objective has `toolkit.objectives.base.Objective`'s shape for the
+loss head it is given to (`toolkit.objectives.head.build_objective`): `prepare`, `describe`, `begin_step`, the call
 on a micro-batch, and its metrics' sums (`take_metrics`, `metric_values`); the layout's hooks change nothing
 in it (sampling is the rollout's, through `Strategy.generating`).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from toolkit.grpo_functions import LOSS_TYPES, loss_sum, policy_loss_terms, policy_metrics
+from toolkit.objectives.grpo.functions import LOSS_TYPES, loss_sum, policy_loss_terms, policy_metrics
 
 # (sum, count) pairs: TRL's names, means over the window's tokens (sequences for GSPO's ratio)
 METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
@@ -102,8 +102,8 @@ class GRPOLoss:
     @classmethod
     def from_config(cls, cfg, hooks=None) -> "GRPOLoss":
         """--objective grpo's, its reward functions loaded (a file's errors said now, before the weights load);
-        `hooks` (the layout's, `toolkit.objective.LayoutHooks`) change nothing in it."""
-        from toolkit.rewards import load_rewards
+        `hooks` (the layout's, `toolkit.objectives.base.LayoutHooks`) change nothing in it."""
+        from toolkit.objectives.grpo.rewards import load_rewards
 
         weights = [float(w) for w in cfg.rl.reward_weights.split(",") if w.strip()] or None
         rewards = load_rewards([s for s in cfg.rl.reward.splitlines() if s.strip()], weights)
