@@ -10,6 +10,12 @@ OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 GENERATES = ("grpo",)
 
 
+# what one example of each objective is: its sequences, each up to --seq-len tokens (a pair's two: prompt +
+# chosen, prompt + rejected), and what it is called
+EXAMPLES = {"sft": (1, "examples"), "dpo": (2, "pairs"), "orpo": (2, "pairs"), "simpo": (2, "pairs"),
+            "kto": (1, "examples"), "grpo": (1, "completions")}
+
+
 def generates(objective: str) -> bool:
     """Whether `objective` samples from the policy while it trains."""
     return objective in GENERATES

@@ -28,6 +28,7 @@ from pathlib import Path
 from toolkit.config import DataConfig, DataSettings
 from toolkit.data import DataStats, as_example, check_trainable, data_sources, eval_source, source_format, split_indices
 from toolkit.data.formats import DataSource
+from toolkit.errors import UserError
 from toolkit.data.table import ANSWER_COLUMNS, CACHE_VERSION, Rows, answer_columns, built_once, features, \
     map_processes, open_table, table_stats, token_columns, tokenizer_digest
 from toolkit.config.datasets import dataset_digest, is_mixture, parse_sources

@@ -266,7 +266,7 @@ class Rows:
         if self.reference is not None:
             row["ref_logps"] = self.reference[i].tolist()
             if row["ref_logps"] != row["ref_logps"]:  # NaN: a row the reference pass did not score
-                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.objectives.preference.reference.rows_read "
+                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.data.loader.rows_read "
                                    "and the loader disagree on the rows the run reads)")
         return row
 

@@ -1,16 +1,20 @@
-"""What a training objective other than the token loss is to the rest of a run (`Objective`), and what the
-layout decides for it (`LayoutHooks`).
+"""What an objective is to the rest of a run.
 
-An objective (the preference objectives' `toolkit.objectives.preference.loss.PreferenceLoss`, or any later one) is built
-once, from the config and the layout's hooks, by `toolkit.objectives.head.build_objective`, and given to the
-`LossHead` every strategy runs: no strategy knows which objective it trains, and the objective knows no
-layout beyond its hooks.
+`Objective` is what the training loop asks: where its batches come from (rows read from the data, or
+completions sampled from the policy), how it is evaluated, which metrics it adds to a step's record and what
+a checkpoint keeps of its batches. The loop names no objective; `toolkit.objectives.build` is the one place
+that chooses one from `--objective`.
+
+`Loss` is what the strategy's loss head runs for an objective other than the plain token loss: built once
+under the layout's `LayoutHooks` (`Objective.make_loss`, from `toolkit.parallel.build.make_strategy`), so
+no strategy knows which objective it trains and the objective knows no layout beyond its hooks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -51,9 +55,8 @@ class LayoutHooks:
         return (batch["orpo_targets"], True) if "targets" in batch else (orpo_labels(batch), False)
 
 
-class Objective(Protocol):
-    """A training objective other than the token loss, as `toolkit.objectives.head.LossHead` runs it and the
-    loop steps, evaluates and records it."""
+class Loss(Protocol):
+    """An objective's loss other than the token loss, as `toolkit.objectives.head.LossHead` runs it."""
     reference_pass: bool  # the rows need their reference log-probabilities before step 1 (`toolkit.objectives.preference.reference`)
     unit: str  # what its examples are called (pairs)
     metric_width: int  # the length of `take_metrics`' sums
@@ -81,3 +84,81 @@ class Objective(Protocol):
 
     def describe(self) -> str:
         """The objective's line in the layout's description."""
+
+
+@dataclass
+class Context:
+    """What an objective's batches, evaluation and reference pass are given of the run: made by the loop once
+    the strategy has prepared the model."""
+    cfg: Any  # the run's config: an objective reads its own settings
+    strategy: Any  # `toolkit.parallel.strategy.Strategy`: the forwards, the data shard, the collectives
+    model: torch.nn.Module  # as the strategy prepared it
+    tokenizer: Any
+    out_dir: Path
+    total_steps: int
+    log_every: int  # the metrics records' cadence
+    log: Callable[[str], None] = print
+    # a frozen copy of the model as loaded, shaped as the policy is but without adapters or a layout (a full
+    # finetune's reference, where the objective keeps one)
+    frozen_copy: Callable[[], torch.nn.Module] | None = None
+
+
+class Batches(Protocol):
+    """An objective's global batches, one optimizer step's (epoch, this rank's micro-batches) per `next`."""
+
+    def __iter__(self) -> Iterator[tuple[int, list[dict]]]: ...
+
+    def __next__(self) -> tuple[int, list[dict]]: ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """What producing the batches measured since the last call, for the step's record."""
+
+    def take_seconds(self) -> float:
+        """Seconds spent producing the batches since the last call that were not training (sampling,
+        scoring): kept out of the step's tokens/s, as eval's are."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint must keep to continue the batches exactly (None: the step alone places them)."""
+
+
+class Objective(Protocol):
+    """What the loop asks of an objective (`toolkit.objectives.build`)."""
+    name: str  # --objective
+    unit: str  # what its examples are called
+    eval_metric: str  # the key of `evaluate`'s record that the run reports: eval_loss, or eval_reward
+    loss: Loss | None  # what the loss head runs (None: the head's own token loss); set by `make_loss`
+
+    def make_loss(self, hooks: LayoutHooks) -> Loss | None:
+        """The loss the strategy's head runs, under the layout's `hooks`."""
+
+    def layout_problems(self, kind: str, dims: Any) -> list[str]:
+        """What this objective cannot run with on the layout `kind` (`toolkit.layout.rules.runtime`) over the
+        world's `dims` (one line each)."""
+
+    def loader(self, rows, tokenizer, log: Callable[[str], None], pin: bool, whole: bool, attn: str | None):
+        """The DataLoader the strategy prepares (shards over the data-parallel ranks)."""
+
+    def steps_per_epoch(self, loader, rows, data_ranks: int) -> int:
+        """Optimizer steps an epoch makes, from the prepared `loader` of the training `rows`."""
+
+    def batch_words(self, global_batch: int) -> str:
+        """What a global batch of `global_batch` holds, in the run's training line."""
+
+    def before_training(self, ctx: Context, loader, rows, eval_rows, steps_per_epoch: int, resuming: bool) -> None:
+        """What must be computed before step 1 (a reference pass over the rows)."""
+
+    def batches(self, ctx: Context, loader, rows, first_step: int, steps_per_epoch: int,
+                saved: dict | None) -> Batches:
+        """The global batches from `first_step` (`saved`: what `Batches.state_dict` kept at the checkpoint)."""
+
+    def begin_step(self, model, micro: list[dict], reduce, replicas: int, examples: torch.Tensor) -> None:
+        """What the global batch sets before its first forward (`reduce`: the sum over ranks)."""
+
+    def metric_values(self, sums: torch.Tensor, examples) -> dict[str, float]:
+        """The record's metrics from the loss head's sums over a window's `examples`."""
+
+    def extra_forwards(self) -> int:
+        """Forwards without gradients per trained sequence beside its own (the MFU's FLOPs)."""
+
+    def evaluate(self, ctx: Context, rows) -> dict[str, float]:
+        """The record of an evaluation on the held-out `rows` (keys `eval_*`)."""

@@ -1,8 +1,8 @@
 """What a strategy's step computes as its loss: one micro-batch's summed token loss through full logits
 or a fused head (`toolkit.objectives.sft.loss`), an objective's (`toolkit.objectives.base`: the preference objectives of
 `toolkit.objectives.preference.loss`), and the router load-balancing loss the model adds (`toolkit.model.router_load` counts its
-experts' tokens). Every strategy composes one `LossHead`, given at construction with the objective
-`build_objective` made; the layout only decides how the batch reaches it. The loop reads what it
+experts' tokens). Every strategy composes one `LossHead`, given at construction with the objective's loss
+(`toolkit.objectives.base.Objective.make_loss`); the layout only decides how the batch reaches it. The loop reads what it
 gathered once a step (`take_metrics`), never its parts.
 """
 
@@ -14,21 +14,9 @@ from typing import Callable
 import torch
 
 from toolkit.objectives.sft.loss import target_loss_sum, token_loss_sum
-from toolkit.objectives.base import LayoutHooks, Objective
+from toolkit.objectives.base import Loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
-
-
-def build_objective(cfg, hooks: LayoutHooks = LayoutHooks()) -> Objective | None:
-    """The run's --objective, built once under the layout's `hooks` (None: the token loss). The one place
-    an objective type is chosen: a new one adds its builder here, and no strategy changes."""
-    from toolkit.objectives.grpo.loss import GRPOLoss
-    from toolkit.objectives.preference.loss import OBJECTIVE_TYPES, PreferenceLoss
-
-    builders: dict[str, Callable] = {name: PreferenceLoss.from_config for name in OBJECTIVE_TYPES}
-    builders["grpo"] = GRPOLoss.from_config
-    build = builders.get(cfg.train.objective)
-    return build(cfg, hooks) if build is not None else None
 
 
 @dataclass
@@ -57,11 +45,11 @@ class LossHead:
     never exist. Context parallel batches carry labels already shifted (`targets`)."""
 
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no",
-                 objective: Objective | None = None):
+                 objective: Loss | None = None):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
         self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
         self.aux_coef, self.aux_sum = 0.0, None
-        self.objective = objective  # an objective other than the token loss (`build_objective`): full logits
+        self.objective = objective  # an objective's loss other than the token loss (`Objective.make_loss`): full logits
         self.router_load = None  # an MoE model's tokens per expert (`toolkit.model.router_load.RouterLoad`)
 
     def choose(self, model, choice: str) -> None:

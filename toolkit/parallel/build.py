@@ -14,7 +14,8 @@ from toolkit.errors import UserError
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import accelerate_plugin
 from toolkit.objectives.sft.loss import token_loss_sum
-from toolkit.objectives.head import LossFn, LossHead, build_objective
+from toolkit.objectives.build import build_objective
+from toolkit.objectives.head import LossFn, LossHead
 from toolkit.objectives.base import LayoutHooks, Objective
 from toolkit.parallel.parallelize import DdpSpec, Parallelism, StageSpec
 from toolkit.parallel.strategy import ContextSlices, DataShard, Settings, Strategy
@@ -135,11 +136,12 @@ def cpu_threads_per_rank(local_ranks: int) -> int:
 
 
 def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
-                  loss_fn: LossFn = token_loss_sum) -> Strategy:
+                  loss_fn: LossFn = token_loss_sum, objective: Objective | None = None) -> Strategy:
     """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
     against the model's config (one line for every problem, before any weights are read), and build the
     strategy from its parts (`compose`). The config stops here: what the strategies and `parallelize` read
-    of it is `Settings`; the objective is built from it once (`toolkit.objectives.head.build_objective`)."""
+    of it is `Settings`. `objective`: the run's (`toolkit.objectives.build.build_objective`, built from the config
+    where not given), whose loss the strategy's head runs under the layout's hooks."""
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
@@ -149,41 +151,14 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     if problems:
         raise UserError("; ".join(problems))
     kind = rules.runtime(par, dims)
-    problems = _objective_problems(cfg, kind, dims)
+    objective = objective or build_objective(cfg)
+    problems = objective.layout_problems(kind, dims)
     if problems:
         raise UserError("; ".join(problems))
-    return compose(kind, accelerator, dims, Settings.of(cfg), partial(build_objective, cfg), loss_fn)
+    return compose(kind, accelerator, dims, Settings.of(cfg), objective, loss_fn)
 
 
-def _objective_problems(cfg: Config, kind: str, dims: ParallelDims) -> list[str]:
-    """What --objective cannot run with on this layout and world (one line each): any objective but SFT on the
-    one-process pipeline; --objective grpo's global batch, which must hold whole prompt groups, and its frozen
-    reference copy (a full finetune with beta > 0), which a layout that shards the policy would shard too."""
-    t, par = cfg.train, cfg.parallel
-    if t.objective == "sft":
-        return []
-    if kind == "pipeline_one_process":
-        return [f"--objective {t.objective} with --pp {par.pp} runs one process per stage: launch {par.pp} "
-                f"(torchrun --nproc_per_node {par.pp})"]
-    if t.objective != "grpo":
-        return []
-    from toolkit.objectives.grpo.loss import GRPOSpec
-
-    rl, spec, p = cfg.rl, GRPOSpec.from_config(cfg), []
-    completions = t.micro_batch_size * t.grad_accum * dims.dp
-    if completions % rl.num_generations:
-        p.append(f"--objective grpo: the global batch ({t.micro_batch_size} micro-batch x {t.grad_accum} accumulation x "
-                 f"{dims.dp} data-parallel rank(s) = {completions} completions) is not a multiple of --num-generations "
-                 f"{rl.num_generations}: a step trains whole prompt groups; change one of them")
-    if spec.reference == "copy" and not (kind == "accelerate" or (kind == "deepspeed" and (par.zero_stage or 0) < 3)):
-        p.append(f"--objective grpo with --beta {spec.beta:g} and --method full: the reference is a frozen copy of the "
-                 "model, which this layout would have to shard like the policy (not yet); use DDP, ZeRO-1/2 or one "
-                 "process, or --method lora (its reference is the base, adapters disabled), or --beta 0")
-    return p
-
-
-def compose(kind: str, accelerator, dims: ParallelDims, settings: Settings,
-            objective: Callable[[LayoutHooks], Objective | None] = lambda hooks: None,
+def compose(kind: str, accelerator, dims: ParallelDims, settings: Settings, objective: Objective | None = None,
             loss_fn: LossFn = token_loss_sum) -> Strategy:
     """The one construction every strategy shares: the mesh `kind` needs, context parallel's slices, what the
     layout decides for the objective (`LayoutHooks`), the objective built under them and the loss head given
@@ -195,10 +170,12 @@ def compose(kind: str, accelerator, dims: ParallelDims, settings: Settings,
         else None
     context = ContextSlices(mesh, dims)
     hooks = _hooks(kind, context, dims)
-    loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision, objective(hooks))
+    loss = LossHead(loss_fn, accelerator.device.type, accelerator.mixed_precision,
+                    objective.make_loss(hooks) if objective is not None else None)
     data = DataShard(accelerator, dims, mesh.local_rank("batch") if mesh is not None else None)
     parallelism = _parallelism(kind, accelerator, dims, settings, mesh, context)
-    return _strategies()[kind](accelerator, dims, settings, data, loss, parallelism, hooks, context, mesh)
+    return _strategies()[kind](accelerator, dims, settings, data, loss, parallelism, hooks, context, mesh,
+                               objective=objective)
 
 
 def _hooks(kind: str, context: ContextSlices, dims: ParallelDims) -> LayoutHooks:

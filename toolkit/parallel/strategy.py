@@ -90,6 +90,8 @@ class Parts:
     context: "ContextSlices | None" = None  # context parallel's slices (the identity where cp = 1)
     mesh: Any = None  # `toolkit.parallel.mesh.Mesh`, where the layout has one
     parallelized: "Parallelized | None" = None  # how `shard_model` cut the model (nothing, until it runs)
+    # the run's objective (`toolkit.objectives.build.build_objective`): the loop asks it, the head runs its loss
+    objective: "Objective | None" = None
 
     def __post_init__(self):
         from toolkit.parallel.parallelize import Parallelism, Parallelized
@@ -117,6 +119,7 @@ class Strategy(Protocol):
     hooks: LayoutHooks
     context: "ContextSlices"
     parallelized: "Parallelized"  # how `parallelize` cut the model (nothing cut before `shard_model`, or without TP/EP)
+    objective: "Objective"  # the run's (`toolkit.objectives.base.Objective`)
     checkpoint_format: str = "sharded"  # toolkit.layout.rules.checkpoint_format
     whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
     always_steps: bool = False  # the optimizer must step even on a non-finite loss (DeepSpeed's engine)
@@ -126,11 +129,6 @@ class Strategy(Protocol):
     def experts(self):
         """What expert parallel cut (`toolkit.parallel.ep.ExpertShards`), or None."""
         return self.parallelized.experts
-
-    @property
-    def objective(self) -> "Objective | None":
-        """The objective the run trains (`toolkit.objectives.head.build_objective`), or None for the token loss."""
-        return self.loss.objective
 
     # --- model and optimizer
     def shard_model(self, model):

@@ -34,7 +34,7 @@ import torch
 from toolkit.data import collate
 from toolkit.train.numerics import FP32_RTOL, agreement
 from toolkit.parallel import any_rank
-from toolkit.objectives.evaluate import eval_loss
+from toolkit.objectives.sft.evaluate import eval_loss
 
 LEVELS = ("none", "files", "load", "full")
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")

@@ -14,50 +14,30 @@ faults, preemption), and `finish`.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
 
 from toolkit.cache import cache_dir
 from toolkit.config import Config
 from toolkit.config.inputs import sample_prompts
-from toolkit.data.packing import Collate, PackedRows, pack_bins
+from toolkit.data.packing import Collate
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank, rank_max
 from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
-from toolkit.config.objectives import GENERATES
 from toolkit.train.compiling import EAGER_STEPS, Compiling
 from toolkit.train.compiling import plan as compile_plan
-from toolkit.objectives.evaluate import eval_loss, eval_preference, sample_completions
+from toolkit.objectives.base import Batches, Context
+from toolkit.objectives.evaluate import sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss_check import check_loss, check_packing
 from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.train.step import Step, Window, batch_counts, host, sync_free
-
-
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation that depends only on (seed, epoch): identical on every rank and for every
-    world size, so sharding it gives disjoint, reproducible data per rank."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 @dataclass
@@ -151,73 +131,8 @@ def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
     return True
 
 
-def make_loader(rows: list[dict], cfg: Config, pad_id: int, pin: bool = False, whole: bool = False,
-                width: int | None = None, padding_free: bool = False) -> DataLoader:
-    """Micro-batches in a seeded per-epoch order; accelerate.prepare shards it across ranks.
-    With --packing the rows are packed once (deterministically) and the packed rows shuffled. `pin`:
-    page-locked batches, so their copy to a GPU does not wait for the work queued before it. `whole`:
-    the batches reach the model uncut, so the collate adds what it finds on the CPU (target rows, packed
-    documents' boundaries) for the forward to skip its read-backs. `width`: the packing width, the
-    widest a batch gets where blocks compile (`toolkit.data.packing.Collate`; default --seq-len).
-    `padding_free`: each micro-batch's examples end to end in one row (the same examples, in the same order)."""
-    sampler = EpochShuffleSampler(len(rows), cfg.train.seed)
-    # Its own generator: a DataLoader iterator otherwise draws its base seed from the global RNG when
-    # it starts, which would shift dropout's random stream depending on where a resumed run started.
-    return DataLoader(rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, pin_memory=pin,
-                      collate_fn=Collate(pad_id, whole, cfg.data.packing, width or cfg.data.seq_len, cfg.data.seq_len,
-                                         padding_free),
-                      generator=torch.Generator().manual_seed(cfg.train.seed))
-
-
-def stream_loader(stream, cfg: Config, tokenizer, whole: bool = False, padding_free: bool = False) -> DataLoader:
-    """Micro-batches of records in stream order, tokenized (and packed, or laid end to end) by the collate_fn
-    on the rank that trains them; accelerate.prepare shards it (`toolkit.data.stream`)."""
-    from toolkit.data.stream import StreamCollate
-
-    return DataLoader(stream, batch_size=cfg.train.micro_batch_size,
-                      collate_fn=StreamCollate(stream, tokenizer.pad_token_id, cfg.data.packing, whole, padding_free))
-
-
-def global_batches(loader, grad_accum: int, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, list[dict]]]:
-    """(epoch, micro-batches of one optimizer step), forever; an epoch's last step may be short.
-    `start` = (epoch, micro-batches this rank already read in it) resumes mid-epoch.
-
-    The skip is of this rank's micro-batches, after the epoch is sharded (accelerate's
-    `skip_first_batches`, as transformers' Trainer resumes; only index lists are skipped, no example is
-    loaded): the shards, and the examples accelerate's `even_batches` repeats from the epoch's start to
-    fill the last, short global batch on every rank, are then those of the uninterrupted run. Skipping
-    examples before the split instead would fill that batch from the resume point's examples."""
-    from accelerate.data_loader import skip_first_batches
-
-    epoch, skip = start
-    while True:
-        loader.set_epoch(epoch)
-        chunk: list[dict] = []
-        for batch in skip_first_batches(loader, skip) if skip else loader:
-            chunk.append(batch)
-            if len(chunk) == grad_accum:
-                yield epoch, chunk
-                chunk = []
-        if chunk:
-            yield epoch, chunk
-        epoch, skip = epoch + 1, 0
-
-
-def rows_read(loader, grad_accum: int, steps_per_epoch: int, steps: int) -> set[int]:
-    """The indices of the rows this rank's `loader` reads in steps 1..`steps`, as `global_batches` reads
-    them, from the index lists alone (no row is loaded); a packed row counts as the examples in it."""
-    read: set[int] = set()
-    sampler = getattr(loader, "batch_sampler", None) or loader.sampler
-    bins = getattr(loader.dataset, "bins", None)  # PackedRows: each packed row's example indices
-    for epoch in range(math.ceil(steps / steps_per_epoch)):
-        loader.set_epoch(epoch)
-        micro = min(steps - epoch * steps_per_epoch, steps_per_epoch) * grad_accum
-        for k, indices in enumerate(sampler):
-            if k == micro:
-                break
-            read.update(j for i in indices for j in (bins[i] if bins is not None else (i,)))
-    loader.set_epoch(0)
-    return read
+# the checkpoint's key for what the objective's batches keep (`Batches.state_dict`; its name in older checkpoints)
+BATCHES_STATE = "rollout"
 
 
 def keep_records_through(path: Path, step: int) -> None:
@@ -246,7 +161,7 @@ class Run:
     tokenizer: Any
     eval_rows: list
     out_dir: Path
-    batches: Iterator[tuple[int, list[dict]]]
+    batches: Batches  # the objective's: read from the rows, or sampled
     metrics: MetricsLogger
     total_steps: int
     first_step: int
@@ -270,6 +185,8 @@ class Run:
     fused: bool = False  # the loss head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
     moe_layers: tuple[str, ...] = ()  # the MoE layers, the rows of a step's expert load
     last_loss: float = float("nan")
+    objective: Any = None  # the run's (`toolkit.objectives.base.Objective`): the strategy's
+    context: Context | None = None  # what the objective is given of the run
 
     @property
     def data_ranks(self) -> int:
@@ -306,6 +223,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             evaluate(run, 0)
         for step in range(run.first_step, run.total_steps + 1):
             epoch, micro = next(run.batches)
+            run.window.t0 += run.batches.take_seconds()  # sampling and scoring: not training
             if step == run.first_step:  # the loss this layout trains is the model's own, or the run stops
                 check_loss(run, micro[0])
                 # packed or padding-free rows (pp and cp build the masks themselves)
@@ -344,28 +262,18 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
 
     from toolkit.train.faults import Preemption, fault_hook
 
-    t, streamed = cfg.train, cfg.data.streaming
+    t = cfg.train
     device = strategy.accelerator.device
     compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log,
                              keeps=strategy.accelerator.is_main_process)
-    generates = t.objective in GENERATES  # the batches are sampled in the loop (`toolkit.objectives.grpo.rollout`)
-    if generates:  # `prepare` is handed a loader of the prompts' rows; the rollouts read the prompts themselves
-        loader = DataLoader(list(range(len(train_rows))), batch_size=t.micro_batch_size)
-        reference_model = reference_copy(cfg, strategy, model)
-    else:
-        loader = training_loader(cfg, train_rows, tokenizer, log, pin=device.type == "cuda",
-                                 whole=strategy.whole_batches,
-                                 attn=getattr(strategy.unwrap(model).config, "_attn_implementation", None))
+    objective = strategy.objective
+    attn = getattr(strategy.unwrap(model).config, "_attn_implementation", None)
+    loader = objective.loader(train_rows, tokenizer, log, device.type == "cuda", strategy.whole_batches, attn)
     compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
     world = strategy.data.ranks
-    if generates:
-        from toolkit.objectives.grpo.rollout import steps_per_epoch as rollout_steps
-
-        steps_per_epoch = rollout_steps(cfg, len(train_rows), world)
-    else:
-        steps_per_epoch = t.max_steps if streamed else math.ceil(len(loader) / t.grad_accum)  # a stream: no epochs
+    steps_per_epoch = objective.steps_per_epoch(loader, train_rows, world)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
@@ -373,10 +281,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
-        f"{t.micro_batch_size * t.grad_accum * world} " + (
-            f"completions ({t.micro_batch_size * t.grad_accum * world // cfg.rl.num_generations} prompts x "
-            f"{cfg.rl.num_generations} generations); a loss near 0 is expected (the advantages of a group sum to "
-            "0: the loss moves the policy without being small or large)" if generates else "examples"))
+        + objective.batch_words(t.micro_batch_size * t.grad_accum * world))
     accelerator = strategy.accelerator
     # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
@@ -387,35 +292,20 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               sample_prompts(cfg.output.sample_prompts) if cfg.output.sample_prompts else [], fault_hook(),
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
               compiling=compiling)
-    if strategy.objective is not None and strategy.objective.reference_pass:
-        from toolkit.objectives.preference.reference import attach_reference  # a resume reads its saved one, never a new pass
-
-        # the training rows the run's steps read (of a 15-step run, 15 global batches' worth, not the file)
-        read = rows_read(loader, t.grad_accum, steps_per_epoch, total_steps)
-        for rows, name, needed in ((train_rows, "train", read), (eval_rows, "eval", None)):
-            if rows:
-                attach_reference(run, rows, name, log, resuming=resume is not None, needed=needed)
+    run.objective = objective
+    run.context = Context(cfg, strategy, model, tokenizer, out_dir, total_steps, run.log_every, log,
+                          partial(frozen_copy, cfg, strategy, model))
+    # before the checkpoint's weights are restored: a reference is the model as loaded
+    objective.before_training(run.context, loader, train_rows, eval_rows, steps_per_epoch, resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
     if compiling.mode == "on":  # --compile: compiled by `parallelize`, its first forward the warm-up
         compiling.at = run.first_step
         compiling.bucket()
     if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
         keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
-    epoch0, step_in_epoch = divmod(run.first_step - 1, steps_per_epoch)
-    if streamed:  # skipped in the stream itself, before it is sharded: steps x global batch records
-        train_rows.start, step_in_epoch = (run.first_step - 1) * t.grad_accum * t.micro_batch_size * world, 0
-    if generates:
-        from toolkit.objectives.grpo.rollout import Rollouts
-
-        objective = strategy.objective
-        run.batches = Rollouts(run, train_rows, objective.rewards, [r.weight for r in objective.rewards],
-                               reference_model)
-        run.batches.start_at(run.first_step)
-        log(run.batches.decode_line)
-        if saved is not None and saved.get("rollout"):  # a checkpoint written mid-round: the round's rest
-            run.batches.load_state_dict(saved["rollout"])
-    else:
-        run.batches = global_batches(loader, t.grad_accum, (epoch0, step_in_epoch * t.grad_accum))
+    # a checkpoint written mid-round keeps the round's rest
+    run.batches = objective.batches(run.context, loader, train_rows, run.first_step, steps_per_epoch,
+                                    saved.get(BATCHES_STATE) if saved is not None else None)
     if on_start is not None:  # before the bar: what it prints stays whole
         on_start(model)
     run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
@@ -428,12 +318,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     return run
 
 
-def reference_copy(cfg: Config, strategy, model):
-    """--objective grpo's reference for a full finetune with beta > 0: a frozen copy of the model as loaded (read
-    again from its folder: a resumed run's weights are trained), in eval mode (`make_strategy` allows it only
-    where the model is whole on each rank); None otherwise."""
-    if strategy.objective.spec.reference != "copy":
-        return None
+def frozen_copy(cfg: Config, strategy, model) -> torch.nn.Module:
+    """A frozen copy of the model as loaded (read again from its folder: a resumed run's weights are trained),
+    in eval mode, on this rank's device: an objective's reference for a full finetune (the objective allows it
+    only where the model is whole on each rank)."""
     from toolkit.model.load import ModelShape, load_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
@@ -443,52 +331,6 @@ def reference_copy(cfg: Config, strategy, model):
     reference = reference.to(strategy.accelerator.device).eval()
     reference.requires_grad_(False)
     return reference
-
-
-def training_loader(cfg: Config, train_rows, tokenizer, log, pin: bool, whole: bool,
-                    attn: str | None = None) -> DataLoader:
-    """The map-style loader (packed from the lengths column of a table with --packing: no row is read
-    to pack), or the stream's: tokenized per micro-batch as it is read. Unpacked micro-batches go
-    padding-free where `toolkit.model.attention.padding_free_on` says (`attn`: the model's attention), said in one
-    line either way."""
-    from toolkit.model.attention import padding_free_on
-
-    padding_free = padding_free_on(cfg, attn)
-    if not cfg.data.packing and cfg.train.objective != "grpo":
-        log(padding_free_line(cfg, attn, padding_free))
-    if cfg.data.streaming:
-        return stream_loader(train_rows, cfg, tokenizer, whole, padding_free)
-    width = None
-    if padding_free:  # the widest row: micro-batch x --seq-len tokens (a pair's two sequences: x 2)
-        width = cfg.train.micro_batch_size * cfg.data.seq_len * (2 if cfg.train.objective in PAIRED else 1)
-    if cfg.data.packing:
-        n_examples = len(train_rows)
-        lengths = getattr(train_rows, "lengths", None)
-        lengths = [len(r["input_ids"]) for r in train_rows] if lengths is None else lengths
-        width = cfg.data.seq_len * (1 if cfg.train.objective == "sft" else 2)  # a pair: two sequences of --seq-len
-        train_rows = PackedRows(train_rows, pack_bins(lengths, width), lengths)
-        fill = sum(lengths) / (len(train_rows) * width)
-        unit = "pairs" if cfg.train.objective in ("dpo", "orpo", "simpo") else "examples"
-        log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full)")
-    return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, width, padding_free)
-
-
-PAIRED = ("dpo", "orpo", "simpo")  # two sequences per example
-
-
-def padding_free_line(cfg: Config, attn: str | None, on: bool) -> str:
-    """What an unpacked run's batches are: padding-free, or padded and why."""
-    from toolkit.model.attention import kernel_of
-    from toolkit.config import padding_free_blocked
-
-    attn = kernel_of(attn)
-    unit = "pairs (chosen, rejected)" if cfg.train.objective in PAIRED else "examples"
-    if on:
-        return (f"batches: padding-free: each micro-batch's {cfg.train.micro_batch_size} {unit} end to end in one row, "
-                f"positions restarting at each, kept apart by {attn} attention (--no-padding-free pads them)")
-    why = ("--no-padding-free" if cfg.data.padding_free is False else padding_free_blocked(cfg) or
-           f"{attn} attention would need a dense mask over the row (--padding-free lays them end to end anyway)")
-    return f"batches: padded to each micro-batch's longest row ({why})"
 
 
 def restore(run: Run, resume, log) -> dict:
@@ -538,15 +380,13 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
 
     strategy, accelerator, t = run.strategy, run.strategy.accelerator, run.cfg.train
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
-    objective = strategy.objective  # an objective other than the token loss, or None
-    if objective is not None:
-        objective.begin_step(run.model, micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
+    run.objective.begin_step(run.model, micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
     loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
     taken = strategy.take_metrics()  # the loss head's, once: the router's aux loss, the objective's sums, the load
     run.fused = taken.fused
-    aux, preference = taken.aux, taken.objective
-    if preference is not None:
-        preference = accelerator.reduce(preference, "sum") / run.replicas
+    aux, sums = taken.aux, taken.objective
+    if sums is not None:
+        sums = accelerator.reduce(sums, "sum") / run.replicas
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
     if grad_norm is not None:  # FSDP2's is a DTensor (replicated): its local value, every rank alike
@@ -574,7 +414,7 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     if taken.load is not None:  # tokens per expert: ratios are read from it, so no normaliser
         load = accelerator.reduce(taken.load, "sum")
         run.moe_layers = taken.layers
-    return Step(loss, counts, grad_norm, finite, aux, preference, load)
+    return Step(loss, counts, grad_norm, finite, aux, sums, load)
 
 
 def compile_auto(run: Run, step: int) -> None:
@@ -632,11 +472,8 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
              w["tokens"] / w["examples"])  # context: mean example length
     flops = step_flops(w["tokens"], w["targets"] if run.fused else w["tokens"], *shape)
-    if strategy.objective is not None:  # no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
-        from toolkit.config.objectives import extra_forwards
-
-        flops += extra_forwards(run.cfg.train.objective, run.cfg.model.method) * step_flops(w["tokens"], w["tokens"],
-                                                                                          *shape) / 3
+    # the objective's no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
+    flops += run.objective.extra_forwards() * step_flops(w["tokens"], w["tokens"], *shape) / 3
     per_token = flops / w["tokens"]
     mfu = per_token * tokens_per_sec / run.peak.flops
     if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):  # cached under load: probe again
@@ -662,10 +499,10 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         if idle:
             run.metrics.write(idle)
             run.idle_warned = True
-    if w.get("preference") is not None:  # TRL's names, means over the window's pairs (KTO's examples)
-        extra.update(strategy.objective.metric_values(w["preference"], w["targets"]))
-    if hasattr(run.batches, "take_metrics"):  # --objective grpo: the rounds' rewards, lengths and seconds
-        extra.update(run.batches.take_metrics())
+    # the objective's (TRL's names, means over the window's units), and what producing its batches measured
+    if w.get("objective") is not None:
+        extra.update(run.objective.metric_values(w["objective"], w["targets"]))
+    extra.update(run.batches.take_metrics())
     run.metrics.log({"step": step, "epoch": epoch, "loss": run.last_loss, **extra, "lr": run.scheduler.get_last_lr()[0],
                      "grad_norm": grad_norm, "tokens": run.tokens_seen, "tokens_per_sec": tokens_per_sec,
                      "padding_ratio": w["computed"] / w["tokens"],
@@ -703,15 +540,8 @@ def evaluate(run: Run, step: int, samples: bool = True) -> None:
     t0 = time.perf_counter()
     if run.eval_rows:
         with run.metrics.pause(f"eval, {len(run.eval_rows)} examples"):
-            args = (run.strategy, run.model, run.eval_rows, run.cfg.train.micro_batch_size, run.tokenizer.pad_token_id)
-            objective = run.strategy.objective
-            if hasattr(objective, "rewards"):  # --objective grpo: greedy completions of the held-out prompts, scored
-                from toolkit.objectives.grpo.rollout import eval_rewards
-
-                record = eval_rewards(run, run.eval_rows, objective.rewards, [r.weight for r in objective.rewards])
-            else:
-                record = eval_preference(*args) if objective is not None else {"eval_loss": eval_loss(*args)}
-        name = "eval_reward" if "eval_reward" in record else "eval_loss"
+            record = run.objective.evaluate(run.context, run.eval_rows)
+        name = run.objective.eval_metric
         el = record[name]
         run.metrics.log({"step": step, **record, "elapsed_s": run.elapsed(time.perf_counter())})
         run.last_eval = el
@@ -739,9 +569,9 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
     settings = run.cfg.flat()
     state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(settings, run.data_ranks),
              "config": settings, "elapsed_s": run.elapsed(time.perf_counter())}
-    rollout = run.batches.state_dict() if hasattr(run.batches, "state_dict") else None  # grpo: a round's rest
+    batches = run.batches.state_dict()
     save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault,
-                    {"rollout": rollout} if rollout and rollout["pending"] else None)
+                    {BATCHES_STATE: batches} if batches is not None else None)
     prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)
     return path
 

@@ -56,7 +56,7 @@ class Step:
     grad_norm: torch.Tensor | None
     finite: torch.Tensor  # loss and gradient norm finite: the update was applied
     aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens (in `loss` x its coefficient)
-    preference: torch.Tensor | None = None  # a preference objective's metric sums over pairs (`PreferenceLoss`)
+    objective: torch.Tensor | None = None  # the objective's metric sums (`Loss.take_metrics`)
     load: torch.Tensor | None = None  # an MoE model's tokens per expert, (MoE layers, experts) (`RouterLoad`)
 
 
@@ -89,21 +89,21 @@ class Window:
                                    torch.stack([s.finite.to(torch.float64), s.loss.to(torch.float64),
                                                 torch.as_tensor(norm).to(s.loss.device, torch.float64),
                                                 aux.to(s.loss.device, torch.float64)]),
-                                   *([s.preference.to(s.loss.device, torch.float64)] if s.preference is not None
+                                   *([s.objective.to(s.loss.device, torch.float64)] if s.objective is not None
                                      else []),
                                    *([s.load.reshape(-1).to(s.loss.device, torch.float64)] if s.load is not None
                                      else [])]))
         values = host(torch.stack(rows))
-        width = len(values) // len(self.steps)  # FIXED columns, a preference objective's sums, the expert load
+        width = len(values) // len(self.steps)  # FIXED columns, the objective's sums, the expert load
         per = [values[i * width:(i + 1) * width] for i in range(len(self.steps))]
         good = [v for v in per if v[4]]
         has_aux = any(s.aux is not None for _, s in self.steps)
         last = self.steps[-1][1]
-        pref_end = FIXED + (last.preference.numel() if last.preference is not None else 0)
+        pref_end = FIXED + (last.objective.numel() if last.objective is not None else 0)
         return {"loss": sum(v[5] for v in good), "targets": sum(v[0] for v in good),
                 "tokens": sum(v[1] for v in good), "examples": sum(v[2] for v in good),
                 "computed": sum(v[3] for v in good), "aux": sum(v[7] for v in good) if has_aux else None,
-                "preference": [sum(v[i] for v in good) for i in range(FIXED, pref_end)] if pref_end > FIXED else None,
+                "objective": [sum(v[i] for v in good) for i in range(FIXED, pref_end)] if pref_end > FIXED else None,
                 "load": (torch.tensor([sum(v[i] for v in good) for i in range(pref_end, width)]).view(last.load.shape)
                          if last.load is not None else None),
                 "steps": [(step, bool(v[4]), v[5], v[6] if s.grad_norm is not None else None)

@@ -4,8 +4,8 @@ group advantage, and where they are needed its old and reference log-probabiliti
 count of the loss type's units (completions, or their tokens) as it divides SFT's summed loss by its tokens.
 
 Each token's log-probability is of the logits / the sampling temperature, as TRL's GRPOTrainer computes the
-policy's, the old policy's and the reference's. The objective has `toolkit.objectives.base.Objective`'s shape for the
-loss head it is given to (`toolkit.objectives.head.build_objective`): `prepare`, `describe`, `begin_step`, the call
+policy's, the old policy's and the reference's. The loss has `toolkit.objectives.base.Loss`'s shape for the
+loss head it is given to (`toolkit.objectives.grpo.objective.GRPO.make_loss`): `prepare`, `describe`, `begin_step`, the call
 on a micro-batch, and its metrics' sums (`take_metrics`, `metric_values`); the layout's hooks change nothing
 in it (sampling is the rollout's, through `Strategy.generating`).
 """
@@ -98,16 +98,6 @@ class GRPOLoss:
 
     def __init__(self, spec: GRPOSpec, rewards: list = ()):
         self.spec, self.rewards, self.sums, self.dropouts_off = spec, list(rewards), None, 0
-
-    @classmethod
-    def from_config(cls, cfg, hooks=None) -> "GRPOLoss":
-        """--objective grpo's, its reward functions loaded (a file's errors said now, before the weights load);
-        `hooks` (the layout's, `toolkit.objectives.base.LayoutHooks`) change nothing in it."""
-        from toolkit.objectives.grpo.rewards import load_rewards
-
-        weights = [float(w) for w in cfg.rl.reward_weights.split(",") if w.strip()] or None
-        rewards = load_rewards([s for s in cfg.rl.reward.splitlines() if s.strip()], weights)
-        return cls(GRPOSpec.from_config(cfg), rewards)
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Dropout off (TRL's disable_dropout): the ratio of a forward to the one that sampled must be 1 when

@@ -1,6 +1,6 @@
 """`--objective grpo`'s generation rounds: prompts -> sampled completions -> rewards -> group advantages ->
 the micro-batches of the next steps, which the loop trains as it trains read data (`Rollouts` is its
-`global_batches`).
+`toolkit.objectives.base.Batches`, as `toolkit.data.loader.global_batches` is SFT's).
 
 A step's global batch holds `micro-batch x accumulation x data-parallel ranks` completions: P prompts of the
 epoch's seeded permutation, G (`--num-generations`) each, in (prompt, generation) order. Every rank reads the
@@ -101,15 +101,17 @@ def steps_per_epoch(cfg, prompts: int, data_ranks: int) -> int:
 
 class Rollouts:
     """The loop's batches under --objective grpo: (epoch, this rank's micro-batches) per optimizer step,
-    sampled a round at a time. `run`: the loop's `toolkit.train.loop.Run` (its strategy, model, tokenizer,
-    objective, metrics and window: a round's seconds are kept out of the step's tokens/s, as eval's are)."""
+    sampled a round at a time. `run`: the run's `toolkit.objectives.base.Context`; `objective`: its `GRPOLoss`
+    (the reward functions, the old and reference log-probabilities); a round's seconds are handed back
+    (`take_seconds`) to be kept out of the step's tokens/s, as eval's are."""
 
-    def __init__(self, run, prompts, rewards, weights: list[float], reference_model=None):
+    def __init__(self, run, prompts, objective, reference_model=None):
         from toolkit.objectives.grpo.sampling import SamplingConfig, decoder_for
 
         cfg, t = run.cfg, run.cfg.train
-        self.run, self.prompts, self.rewards, self.reference_model = run, prompts, rewards, reference_model
-        self.objective = run.strategy.objective
+        self.run, self.prompts, self.reference_model = run, prompts, reference_model
+        self.objective, self.rewards = objective, objective.rewards
+        weights = [r.weight for r in self.rewards]
         self.spec = self.objective.spec
         self.weights = torch.tensor(weights, dtype=torch.float64)
         self.data = run.strategy.data
@@ -131,7 +133,7 @@ class Rollouts:
         self.pending: list[tuple[int, list[dict]]] = []
         self.step = 1  # the optimizer step the next batch serves
         self.metrics = RoundMetrics()
-        self.logs: list[dict] = []  # completions to write (main process)
+        self.seconds = 0.0  # the rounds' since the last `take_seconds`
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps an epoch of prompts makes: each prompt batch trained --num-iterations times."""
@@ -168,7 +170,7 @@ class Rollouts:
         self.metrics.score_s += scored - generated
         self.metrics.generated_tokens += int(completions.mask.sum())
         self.log_samples(first, rows, texts, rewards)
-        self.run.window.t0 += time.perf_counter() - t0  # kept out of the training tokens/s
+        self.seconds += time.perf_counter() - t0
         return [(self.epoch_of(b), micro) for _ in range(self.mu) for b, micro in zip(batches, out)]
 
     def epoch_of(self, batch: int) -> int:
@@ -310,6 +312,11 @@ class Rollouts:
         taken, self.metrics = self.metrics, RoundMetrics()
         return taken.values() if taken.rewards else {}
 
+    def take_seconds(self) -> float:
+        """The rounds' seconds since the last call: not training (kept out of the step's tokens/s)."""
+        taken, self.seconds = self.seconds, 0.0
+        return taken
+
     def log_samples(self, first: int, rows: list[int], texts: list[str], rewards: torch.Tensor) -> None:
         """The prompts, completions and rewards of each step the round sampled for that falls on the
         --log-completions-every cadence (0: the metrics records'), into completions.jsonl (main process;
@@ -337,9 +344,11 @@ class Rollouts:
                                             "rewards": scores}) + "\n")
                         j += 1
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict | None:
         """What a checkpoint written mid-round must keep: the round's remaining micro-batches (sampled from
-        weights the checkpoint no longer holds), on the CPU."""
+        weights the checkpoint no longer holds), on the CPU; None at a round's end."""
+        if not self.pending:
+            return None
         return {"pending": [(epoch, [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
                             for epoch, micro in self.pending]}
 
@@ -350,10 +359,12 @@ class Rollouts:
 
 
 @torch.no_grad()
-def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float]:
+def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
     """Greedy completions (the most likely token each step) of the held-out prompts, each data-parallel rank
     a strided share, scored by the run's reward functions: `eval_reward` (the weighted sum's mean: with
-    builtin:math_answer, the accuracy) and each function's mean."""
+    builtin:math_answer, the accuracy) and each function's mean. `run`: the run's
+    `toolkit.objectives.base.Context`; `decoder`: the rollouts' decode path, where they made one."""
+    weights = [r.weight for r in rewards]
     from toolkit.objectives.grpo.rewards import completions_for, score
     from toolkit.objectives.grpo.sampling import SamplingConfig, sample
 
@@ -369,7 +380,7 @@ def eval_rewards(run, prompts, rewards, weights: list[float]) -> dict[str, float
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
             out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=getattr(run.batches, "decoder", None))
+                         any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=decoder)
             if not part:
                 continue
             ids = out.token_lists()

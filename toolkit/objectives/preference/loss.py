@@ -32,7 +32,7 @@ The loss in parts: `ObjectiveSpec`, the settings, read from the config once; one
 objective (`DPO`, `ORPO`, `SimPO`, `KTO`: its loss and metrics, from `OBJECTIVE_TYPES`); `StepState`,
 what a step sets and gathers; `toolkit.objectives.base.LayoutHooks`, what the layout decides (the
 context-parallel slices, a pipeline's forwards), given by `make_strategy` when it builds the objective
-(`toolkit.objectives.head.build_objective`). `PreferenceLoss` puts them together, and its `reference_logps` is
+(`toolkit.objectives.preference.objective.Preference.make_loss`). `PreferenceLoss` puts them together, and its `reference_logps` is
 the one place that decides which reference a forward is compared against.
 """
 
@@ -244,7 +244,7 @@ class PreferenceLoss:
 
     @classmethod
     def from_config(cls, cfg, hooks: LayoutHooks = LayoutHooks()) -> "PreferenceLoss | None":
-        """--objective's, under the layout's `hooks` (`toolkit.objectives.head.build_objective`); None for SFT."""
+        """--objective's, under the layout's `hooks` (`Preference.make_loss`); None for SFT."""
         spec = ObjectiveSpec.from_config(cfg)
         return cls(spec, hooks=hooks) if spec is not None else None
 

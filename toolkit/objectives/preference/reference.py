@@ -4,7 +4,7 @@ in one pass before step 1 and carried by the rows into each micro-batch (`ref_lo
 the adapters disabled (`toolkit.objectives.preference.loss.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
 adapter `--model` names does (`toolkit.model.load.sft_adapter`): its reference is that adapter, on, as loaded.
 
-The pass scores only the training rows the run's steps read (`toolkit.train.loop.rows_read`: a 15-step
+The pass scores only the training rows the run's steps read (`toolkit.data.loader.rows_read`: a 15-step
 run scores 15 global batches, not the file); a row it did not score holds NaN, and reading one is an
 error, never a silent loss. Eval rows are scored whole.
 
@@ -124,12 +124,13 @@ def needed_rows(accelerator, n: int, read: set[int] | None) -> torch.Tensor:
     return torch.nonzero(accelerator.reduce(mask, "sum").cpu() > 0).flatten()
 
 
-def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: set[int] | None = None) -> None:
+def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: set[int] | None = None,
+                     unit: str = "pairs") -> None:
     """Give `rows` (training or eval pairs, or KTO's examples) their reference log-probabilities: from the run's
     output folder (a resume), the cache, or a pass now over those of them the run reads (`needed`: this rank's
     row indices; None: all) that the cache lacks, saved to both. A resume that finds them in neither stops in one
     line: its weights are no longer the reference's (a DeepSpeed-format checkpoint's are already loaded, the
-    others' about to be)."""
+    others' about to be). `run`: the run's `toolkit.objectives.base.Context`; `unit`: what the rows are called."""
     import time
 
     from toolkit.cache import cache_dir
@@ -138,7 +139,6 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     from toolkit.model.attention import padding_free_on
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
-    unit = strategy.objective.unit
     # the training rows of a padding-free run are scored as it trains them (eval's stay padded, as eval runs)
     free = name == "train" and padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config,
                                                                 "_attn_implementation", None))

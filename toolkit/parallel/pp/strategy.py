@@ -58,8 +58,8 @@ class PipelineStrategy(Parts, Strategy):
         mesh += self.experts.describe(fsdp.experts_mesh if fsdp else None) if self.experts else ""
         transform = LogitTransform.of(self.pipe.model)
         how = "" if transform.identity else f" ({transform.describe()}, as the model's forward)"
-        if self.objective is not None:
-            return f"{mesh}{self.pipe.describe()}\nloss: {self.objective.describe()}, on the last stage"
+        if self.loss.objective is not None:
+            return f"{mesh}{self.pipe.describe()}\nloss: {self.loss.objective.describe()}, on the last stage"
         return f"{mesh}{self.pipe.describe()}\nloss: full logits{how} + cross-entropy on the last stage"
 
     def loss_check(self, model, batch: dict, full_logits: bool = False):
@@ -79,7 +79,7 @@ class PipelineStrategy(Parts, Strategy):
         """An objective is computed on the last stage from each row's log-probability; LoRA's reference
         first, in a forward of the whole pipeline with the adapters disabled."""
         total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
-        objective = self.objective
+        objective = self.loss.objective
         for batch in micro:  # the stages run forward and backward themselves
             ref = objective.reference_logps(model, batch) if objective is not None else None
             if ref is not None:  # LoRA's through `pipeline_logps`, adapters off; a precomputed one as it came

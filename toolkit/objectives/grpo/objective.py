@@ -1,0 +1,95 @@
+"""`--objective grpo`: no rows read as batches; each step's completions sampled from the policy a round at a
+time (`toolkit.objectives.grpo.rollout.Rollouts`), scored by the reward functions, trained with `GRPOLoss`,
+evaluated by the greedy completions' rewards on the held-out prompts."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from toolkit.objectives.base import Context, LayoutHooks
+from toolkit.objectives.grpo.loss import GRPOLoss, GRPOSpec
+from toolkit.objectives.preference.objective import one_process_pipeline
+
+
+class GRPO:
+    """Group relative policy optimization with Python rewards (`toolkit.objectives.base.Objective`)."""
+
+    name, unit, eval_metric = "grpo", "completions", "eval_reward"
+
+    def __init__(self, cfg):
+        from toolkit.objectives.grpo.rewards import load_rewards
+
+        self.cfg, self.spec = cfg, GRPOSpec.from_config(cfg)
+        weights = [float(w) for w in cfg.rl.reward_weights.split(",") if w.strip()] or None
+        # a reward file's errors are said now, before the weights load
+        self.rewards = load_rewards([s for s in cfg.rl.reward.splitlines() if s.strip()], weights)
+        self.loss: GRPOLoss | None = None
+        self.rollouts, self.reference_model = None, None
+
+    def make_loss(self, hooks: LayoutHooks) -> GRPOLoss:
+        """The layout's `hooks` change nothing in it: sampling is the rollouts', through `Strategy.generating`."""
+        self.loss = GRPOLoss(self.spec, self.rewards)
+        return self.loss
+
+    def layout_problems(self, kind: str, dims) -> list[str]:
+        """A global batch that holds whole prompt groups; a frozen reference copy (a full finetune with beta > 0)
+        only where the policy is whole on each rank: a layout that shards it would have to shard the copy too."""
+        p = one_process_pipeline(self.cfg, kind)
+        t, rl, par = self.cfg.train, self.cfg.rl, self.cfg.parallel
+        completions = t.micro_batch_size * t.grad_accum * dims.dp
+        if completions % rl.num_generations:
+            p.append(f"--objective grpo: the global batch ({t.micro_batch_size} micro-batch x {t.grad_accum} accumulation "
+                     f"x {dims.dp} data-parallel rank(s) = {completions} completions) is not a multiple of "
+                     f"--num-generations {rl.num_generations}: a step trains whole prompt groups; change one of them")
+        whole = kind == "accelerate" or (kind == "deepspeed" and (par.zero_stage or 0) < 3)
+        if self.spec.reference == "copy" and not whole:
+            p.append(f"--objective grpo with --beta {self.spec.beta:g} and --method full: the reference is a frozen copy "
+                     "of the model, which this layout would have to shard like the policy (not yet); use DDP, ZeRO-1/2 "
+                     "or one process, or --method lora (its reference is the base, adapters disabled), or --beta 0")
+        return p
+
+    def loader(self, rows, tokenizer, log: Callable[[str], None], pin: bool, whole: bool, attn: str | None):
+        """The prompts' row indices: what `prepare` is handed (the rollouts read the prompts themselves)."""
+        return DataLoader(list(range(len(rows))), batch_size=self.cfg.train.micro_batch_size)
+
+    def steps_per_epoch(self, loader, rows, data_ranks: int) -> int:
+        from toolkit.objectives.grpo.rollout import steps_per_epoch
+
+        return steps_per_epoch(self.cfg, len(rows), data_ranks)
+
+    def batch_words(self, global_batch: int) -> str:
+        g = self.cfg.rl.num_generations
+        return (f"{global_batch} completions ({global_batch // g} prompts x {g} generations); a loss near 0 is expected "
+                "(the advantages of a group sum to 0: the loss moves the policy without being small or large)")
+
+    def before_training(self, ctx: Context, loader, rows, eval_rows, steps_per_epoch: int, resuming: bool) -> None:
+        """A full finetune's reference with beta > 0: a frozen copy of the model as loaded."""
+        self.reference_model = ctx.frozen_copy() if self.spec.reference == "copy" else None
+
+    def batches(self, ctx: Context, loader, rows, first_step: int, steps_per_epoch: int, saved: dict | None):
+        """The rounds from `first_step`; `saved`: the rest of a round a checkpoint was written in."""
+        from toolkit.objectives.grpo.rollout import Rollouts
+
+        self.rollouts = Rollouts(ctx, rows, self.loss, self.reference_model)
+        self.rollouts.start_at(first_step)
+        ctx.log(self.rollouts.decode_line)
+        if saved is not None:
+            self.rollouts.load_state_dict(saved)
+        return self.rollouts
+
+    def begin_step(self, model, micro: list[dict], reduce, replicas: int, examples: torch.Tensor) -> None:
+        """Nothing: the advantages came with the batch."""
+
+    def metric_values(self, sums: torch.Tensor, examples) -> dict[str, float]:
+        return self.loss.metric_values(sums, examples)
+
+    def extra_forwards(self) -> int:
+        return 0
+
+    def evaluate(self, ctx: Context, rows) -> dict[str, float]:
+        from toolkit.objectives.grpo.rollout import eval_rewards
+
+        return eval_rewards(ctx, rows, self.rewards, self.rollouts.decoder if self.rollouts is not None else None)
