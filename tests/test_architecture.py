@@ -5,6 +5,7 @@ functions count: a lazy import is still a dependency, only a later one."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,79 @@ def test_only_the_command_line_and_the_loop_take_the_whole_config():
     assert not extra, (f"{', '.join(extra)} import(s) toolkit.config.Config; pass the sections (DataConfig, "
                        "TrainConfig, ...), DataSettings or the values its functions read instead")
     assert found, "the search finds no import of Config at all (a rename would empty it)"
+
+
+# --- the house as folders (docs/architecture.md): a handful of modules at the root, each objective's code under
+# objectives/, no module too long to read, and a loop that asks the objective instead of naming one
+
+OBJECTIVE_NAMES = {"sft", "dpo", "orpo", "simpo", "kto", "grpo"}
+# where naming an objective is the point: the objectives themselves, and the config's table and checks of them
+NAMES_OBJECTIVES = ("objectives/", "config/objectives.py", "config/validate.py")
+
+
+def objective_comparisons(path: Path) -> list[str]:
+    """`x == "dpo"`, `x in ("dpo", "orpo")` and the like in `path`: comparisons against an objective's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        named = [s for s in sides if isinstance(s, ast.Constant) and s.value in OBJECTIVE_NAMES]
+        named += [s for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                  and any(isinstance(e, ast.Constant) and e.value in OBJECTIVE_NAMES for e in s.elts)]
+        if named:
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_root_holds_a_handful_of_modules():
+    root = sorted(f.name for f in PACKAGE.glob("*.py"))
+    assert len(root) <= 6, root
+
+
+def test_every_objective_lives_under_objectives():
+    words = ("grpo", "preference", "rewards", "rollout", "sampling")
+    outside = [str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
+               if f.relative_to(PACKAGE).parts[0] != "objectives" and any(w in f.stem for w in words)]
+    assert not outside, outside
+
+
+def test_no_module_is_over_700_lines():
+    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
+            if (n := len(f.read_text().splitlines())) > 700}
+    assert not long, long
+
+
+def test_the_loop_names_no_objective():
+    """train/loop.py asks `strategy.objective` (`toolkit.objectives.base.Objective`): no objective's name, no
+    probing what the batches or the objective can do, no flag for the objectives that sample."""
+    loop = PACKAGE / "train" / "loop.py"
+    tree = ast.parse(loop.read_text())
+    names = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in OBJECTIVE_NAMES]
+    probes = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id == "hasattr"]
+    words = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Attribute))
+             and (n.id if isinstance(n, ast.Name) else n.attr) in ("generates", "GENERATES", "PAIRED")]
+    assert not names and not probes and not words, (names, probes, words)
+
+
+def test_objective_names_are_compared_only_where_objectives_are_the_subject():
+    found = [c for f in sorted(PACKAGE.rglob("*.py")) if not str(f.relative_to(PACKAGE)).startswith(NAMES_OBJECTIVES)
+             for c in objective_comparisons(f)]
+    assert len(found) <= 5, "\n".join(found)
+    # the search sees them (a rename would empty it)
+    assert objective_comparisons(PACKAGE / "objectives" / "build.py")
+
+
+def test_no_line_of_the_package_names_an_issue_or_a_date():
+    """History goes to git and measurements to benchmarks/*.md: "issue 57" or "2026-11-25" in a comment goes
+    stale. A datasheet table may cite its source's date (`DATED`)."""
+    pattern = re.compile(r"\bissues? \d+|\b20\d\d-\d\d(-\d\d)?\b|#\d{2,}\b")
+    found = [f"{f.relative_to(PACKAGE)}:{i}: {line.strip()[:80]}" for f in sorted(PACKAGE.rglob("*.py"))
+             if f.relative_to(PACKAGE).as_posix() not in DATED
+             for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+# data tables that cite a datasheet or a published config by its date
+DATED: set[str] = set()

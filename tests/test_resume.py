@@ -432,3 +432,56 @@ def test_resume_at_every_step_of_a_short_epoch(short_epoch, layout):
         assert [r["step"] for r in got] == [1, 2, 3, 4]
         assert [r["tokens"] for r in got] == [r["tokens"] for r in ref], k  # the same examples at every step
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], abs=1e-6, rel=1e-6), k
+
+
+# A LoRA SFT run and a GRPO run (a round of two steps) written by the toolkit before its modules moved into
+# packages (commit ae6db66), with the records of their uninterrupted four steps: tests/data/checkpoints_v1.
+V1 = ROOT / "tests" / "data" / "checkpoints_v1"
+V1_SFT = ["--model", "model", "--dataset", "sft.jsonl", "--output-dir", "sft-run", "--max-steps", "4", "--save-every",
+          "2", "--keep-last", "5", "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--seed", "3"]
+V1_GRPO = ["--model", "model", "--dataset", "prompts.jsonl", "--objective", "grpo", "--reward", "builtin:regex:[aeiou]",
+           "--num-generations", "4", "--max-completion-length", "6", "--steps-per-generation", "2", "--output-dir",
+           "grpo-run", "--max-steps", "4", "--save-every", "1", "--keep-last", "5", "--micro-batch-size", "4", "--lr",
+           "1e-2", "--seed", "3", "--log-completions-every", "1"]
+
+
+def test_checkpoints_of_the_earlier_layout_resume_exactly(tmp_path):
+    """The checkpoint format, the data cache key and the batches' saved state are unchanged: an SFT run resumed
+    from its step-2 checkpoint, and a GRPO run from a checkpoint written inside a sampling round (the round's rest
+    saved with it), continue as the uninterrupted runs did: the same losses and gradient norms (fp32, relative
+    1e-5) and the same completions."""
+    work = tmp_path / "v1"
+    shutil.copytree(V1, work)
+    before = {run: records(work / run) for run in ("sft-run", "grpo-run")}
+    completions = (work / "grpo-run" / "completions.jsonl").read_text().splitlines()
+
+    from toolkit.config import parse_config
+    from toolkit.data.prepare import data_key
+    from toolkit.data.tokenize import ensure_chat_template
+    from toolkit.model.load import load_tokenizer
+
+    tokenizer = load_tokenizer(str(work / "model"))
+    ensure_chat_template(tokenizer)
+    os.chdir(work)  # the runs' paths are relative, as they were written
+    try:
+        key = data_key(parse_config([*V1_SFT, "--resume", "auto"]).data_settings, tokenizer)
+    finally:
+        os.chdir(ROOT)
+    assert key == json.loads((work / "keys.json").read_text())["sft_data_key"]
+    for run, flags, checkpoint in (("sft-run", V1_SFT, "checkpoint-2"), ("grpo-run", V1_GRPO, "checkpoint-1")):
+        done = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *flags, "--resume", f"{run}/{checkpoint}"],
+                              cwd=work, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        after = records(work / run)
+        resumed = int(checkpoint.split("-")[1])
+        for old in before[run]:
+            if old["step"] <= resumed or "grad_norm" not in old:
+                continue
+            new = next(r for r in after if r["step"] == old["step"] and "grad_norm" in r)
+            for key in ("loss", "grad_norm", "reward"):
+                if old.get(key) is not None:
+                    assert new[key] == pytest.approx(old[key], rel=1e-5, abs=1e-7), (run, old["step"], key)
+    # the round sampled after the resume: steps 3 and 4, as the uninterrupted run sampled them
+    want = [json.loads(c) for c in completions if json.loads(c)["step"] >= 3]
+    resampled = [json.loads(c) for c in (work / "grpo-run" / "completions.jsonl").read_text().splitlines()]
+    assert resampled[-len(want):] == want

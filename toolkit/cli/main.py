@@ -509,13 +509,13 @@ def cmd_plan(args) -> None:
         raise UserError(f"--model {args.model}: config lacks {', '.join(missing)} (a decoder-only Llama-family "
                         "config is expected)")
     cpu_memory, unknown, note = host_ram(args)
-    from toolkit.config.objectives import plan_terms
+    from toolkit.config.objectives import generates, plan_terms
 
     recipe = None
-    if args.objective == "grpo":  # its sampling's settings: the recipe's (plan --config), else the defaults
+    if generates(args.objective):  # its sampling's settings: the recipe's (plan --config), else the defaults
         from toolkit.config import Config
 
-        recipe = Config.from_values({"objective": "grpo", "method": args.method, "seq_len": args.seq_len,
+        recipe = Config.from_values({"objective": args.objective, "method": args.method, "seq_len": args.seq_len,
                                      "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum})
     terms = plan_terms(args.objective, args.method, args.loss, recipe)  # a preference pair: two sequences, full logits
     from toolkit.parallel.tree import tree_problem

@@ -4,16 +4,33 @@ planner, so a leaf below them all."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 # objectives that sample from the policy in the loop (online RL): `Strategy.generating` gives the model, and
 # `toolkit.layout.rules.generation_problems` says which layouts cannot sample yet
 GENERATES = ("grpo",)
 
 
-# what one example of each objective is: its sequences, each up to --seq-len tokens (a pair's two: prompt +
-# chosen, prompt + rejected), and what it is called
-EXAMPLES = {"sft": (1, "examples"), "dpo": (2, "pairs"), "orpo": (2, "pairs"), "simpo": (2, "pairs"),
-            "kto": (1, "examples"), "grpo": (1, "completions")}
+@dataclass(frozen=True)
+class Example:
+    """What one example of an objective is, said once for the layers below the objectives: the form its
+    records take (`toolkit.data`: conversations or text to train on, pairs of completions, single completions
+    labelled desirable or not, prompts to sample from), its sequences (each up to --seq-len tokens: a pair's
+    two, prompt + chosen and prompt + rejected), and what it is called."""
+    form: str
+    sequences: int
+    unit: str
+
+
+EXAMPLES = {"sft": Example("conversations", 1, "examples"), "dpo": Example("pairs", 2, "pairs"),
+            "orpo": Example("pairs", 2, "pairs"), "simpo": Example("pairs", 2, "pairs"),
+            "kto": Example("labelled", 1, "examples"), "grpo": Example("prompts", 1, "completions")}
+
+
+def form(objective: str) -> str:
+    """The form `objective`'s records take (`Example.form`)."""
+    return EXAMPLES[objective].form
 
 
 def generates(objective: str) -> bool:

@@ -17,6 +17,7 @@ from toolkit.data.table import DataStats
 from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
                                   to_conversation, unread_mapping, with_system_prompt)
 from toolkit.data.tokenize import IGNORE_INDEX
+from toolkit.config.objectives import form
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:  # imported inside the functions that make tensors: `toolkit.data.peek` checks a run's
@@ -77,11 +78,13 @@ def source_format(columns: list[str], settings: DataSettings, source: DataSource
     from toolkit.data.pairs import PREFERENCE_READS, check_data_fits
 
     spec, flag = source.path, source.flag
-    if settings.objective == "grpo":  # prompts, completions sampled in the loop (`toolkit.data.prompts`)
+    wants = form(settings.objective)
+    # prompts: their completions are sampled in the loop (`toolkit.data.prompts`)
+    if wants == "prompts":
         from toolkit.data.prompts import prompt_format
 
         return prompt_format(columns, source)
-    if settings.objective != "sft":
+    if wants != "conversations":
         fmt = check_data_fits(columns, settings.objective, spec, flag)
         unread_mapping(fmt, PREFERENCE_READS[fmt], source)
         return fmt
@@ -200,13 +203,13 @@ def check_trainable(stats: DataStats, settings: DataSettings, what: str, named: 
     if not stats.examples or stats.dropped < stats.examples:
         return
     if stats.empty:
-        objective = settings.objective
-        unit, sides = {"sft": ("example", "answer"), "kto": ("example", "completion")}.get(
-            objective, ("pair", "'chosen' or 'rejected'"))
+        wants = form(settings.objective)
+        unit, sides = {"conversations": ("example", "answer"), "labelled": ("example", "completion")}.get(
+            wants, ("pair", "'chosen' or 'rejected'"))
         cut = stats.dropped - stats.empty
         raise UserError(f"{named or '--dataset ' + settings.data.dataset}: no {what} {unit} is left: {stats.empty} of "
                         f"{stats.examples} have an empty or whitespace-only {sides}"
-                        + (f", the other {cut} no {'answer' if objective == 'sft' else 'completion'} tokens after "
+                        + (f", the other {cut} no {'answer' if wants == 'conversations' else 'completion'} tokens after "
                            f"truncation to --seq-len {settings.data.seq_len}" if cut else "")
                         + f"; fill in the {sides} text (or point --columns at the columns that hold it)")
     raise UserError(f"every {what} example is left with no answer tokens after truncation to "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config import DataConfig
 from toolkit.data.tokenize import blank
+from toolkit.config.objectives import form
 from toolkit.errors import UserError
 from toolkit.config.inputs import Turns
 
@@ -45,18 +46,20 @@ def check_data_fits(columns: list[str], objective: str, source: str, flag: str =
     """The preference format of a source (None for SFT data), or one line where the data and
     --objective disagree: pairs are never trained as SFT (`toolkit.data.source_format` asks only where
     no SFT format fits the columns), nor SFT data as pairs; KTO's unpaired form only under kto."""
-    fmt = preference_format(columns)
-    if fmt == "unpaired" and objective != "kto":
+    fmt, wants = preference_format(columns), form(objective)
+    if fmt == "unpaired" and wants != "labelled":
+        also = "" if wants == "conversations" else ", or give pairs (prompt, chosen, rejected)"
         raise UserError(f"{flag} {source}: unpaired preference data (prompt, completion, label) is KTO's form; "
-                        f"pass --objective kto{'' if objective == 'sft' else ', or give pairs (prompt, chosen, rejected)'}")
-    if fmt is not None and objective == "sft":
+                        f"pass --objective kto{also}")
+    if fmt is not None and wants == "conversations":
         raise UserError(f"{flag} {source} holds preference pairs ({', '.join(PAIR_FORMATS[fmt])}), which SFT "
                         "would not train on as pairs; pass --objective dpo (or orpo, simpo, kto)")
-    if objective != "sft" and fmt is None:
-        raise UserError(f"--objective {objective} trains on preference {'data' if objective == 'kto' else 'pairs'}, "
+    if wants != "conversations" and fmt is None:
+        labelled = wants == "labelled"
+        raise UserError(f"--objective {objective} trains on preference {'data' if labelled else 'pairs'}, "
                         f"and {flag} {source} has none (columns {', '.join(sorted(columns))}); it needs prompt, "
                         "chosen and rejected (or instruction/conversations with chosen and rejected"
-                        f"{'; or prompt, completion and label' if objective == 'kto' else ''}); map yours with "
+                        f"{'; or prompt, completion and label' if labelled else ''}); map yours with "
                         "--columns, or use --objective sft")
     return fmt
 

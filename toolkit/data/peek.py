@@ -21,6 +21,7 @@ from toolkit.data import as_example, check_trainable, data_sources, eval_source,
 from toolkit.data.formats import EMPTY_OBJECTS, DataSource, column_renames, data_files
 from toolkit.data.table import DataStats
 from toolkit.data.tokenize import empty_answers
+from toolkit.config.objectives import form
 from toolkit.errors import UserError
 
 PEEK_BYTES = 8 << 20  # JSON read whole up to this (0.19 s for 8 MiB of alpaca records, 2 shared cores): more
@@ -40,7 +41,7 @@ def check_data(settings: DataSettings) -> None:
         renames = column_renames(columns, source)
         rows = [{renames.get(k, k): v for k, v in r.items()} for r in rows]
         fmt = source_format([renames.get(c, c) for c in columns], settings, source, rows[0] if rows else None)
-        if rows and settings.objective == "sft":
+        if rows and form(settings.objective) == "conversations":
             _check_records(rows, fmt, settings, source, alone=len(sources) == 1 or source.flag == "--eval-dataset")
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from toolkit.config import DataConfig, DataSettings
 from toolkit.data import DataStats, as_example, check_trainable, data_sources, eval_source, source_format, split_indices
 from toolkit.data.formats import DataSource
+from toolkit.config.objectives import form
 from toolkit.errors import UserError
 from toolkit.data.table import ANSWER_COLUMNS, CACHE_VERSION, Rows, answer_columns, built_once, features, \
     map_processes, open_table, table_stats, token_columns, tokenizer_digest
@@ -92,7 +93,8 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None) -
     record stream, read as training goes)."""
     from toolkit.cache import cache_dir
 
-    if settings.objective == "grpo":  # prompts: tokenized as they are read (a prompt file is small)
+    # prompts: tokenized as they are read (a prompt file is small)
+    if form(settings.objective) == "prompts":
         return prepare_prompts(settings, tokenizer)
     cache = cache or cache_dir() / "data"
     if settings.data.streaming:
@@ -159,8 +161,9 @@ def _builtin_scored(data: DataConfig) -> tuple[list, list[str]]:
 
 
 def table_columns(objective: str, fmt: str) -> dict:
-    """The table's columns beside the tokens: KTO's, a pair's rejected sequence, or SFT's empty answers."""
-    return KTO_COLUMNS if objective == "kto" else PAIR_COLUMNS if fmt in PAIR_FORMATS else ANSWER_COLUMNS
+    """The table's columns beside the tokens: labelled completions' (KTO's), a pair's rejected sequence, or
+    SFT's empty answers."""
+    return KTO_COLUMNS if form(objective) == "labelled" else PAIR_COLUMNS if fmt in PAIR_FORMATS else ANSWER_COLUMNS
 
 
 def _encode_records(batch: dict, indices: list[int], fmt: str, settings: DataSettings, source: DataSource,
@@ -168,7 +171,7 @@ def _encode_records(batch: dict, indices: list[int], fmt: str, settings: DataSet
     from toolkit.data.tokenize import encode_batch
 
     names, d = list(batch), settings.data
-    if settings.objective == "kto":
+    if form(settings.objective) == "labelled":
         return encode_kto([{c: batch[c][j] for c in names} for j in range(len(indices))], indices, fmt, d, source,
                           tokenizer)
     if fmt in PAIR_FORMATS:

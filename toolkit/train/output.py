@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config.chat_template import is_inline
 from toolkit.config import DataConfig, OutputConfig, TrainConfig
+from toolkit.config.objectives import EXAMPLES, form
 from toolkit.config.inputs import parse_columns
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ def prepare_output_dir(output: OutputConfig, accelerator) -> Path:
 def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: str, data,
                 added_template: bool) -> None:
     """`data`: a `toolkit.data.prepare.PreparedData`, prepared with `data_cfg`."""
-    if train.objective == "grpo":
+    example = EXAMPLES[train.objective]
+    if example.form == "prompts":
         from toolkit.data.prepare import describe_prompts
 
         log(describe_prompts(data_cfg, data))
@@ -48,8 +50,7 @@ def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: st
     how = "detected from columns" if examples.detected else "from --format"
     if data_cfg.columns:
         how += ", columns " + ", ".join(f"{yours} -> {ours}" for ours, yours in parse_columns(data_cfg.columns).items())
-    paired = train.objective in ("dpo", "orpo", "simpo")
-    unit = "pairs" if paired else "examples"
+    unit = example.unit
     if data.streamed:
         log(f"data: {data_cfg.dataset}: format {examples.format} ({how}); streamed in file order, tokenized as "
             "training reads it")
@@ -61,7 +62,7 @@ def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: st
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")
     _eval_file_line(log, data_cfg.eval_dataset, data, unit)
-    if train.objective == "kto":
+    if example.form == "labelled":
         from toolkit.data.pairs import kto_balance
 
         log(kto_balance(data.train.desirable(), train.desirable_weight, train.undesirable_weight))
@@ -72,7 +73,7 @@ def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: st
     empty = stats.empty + data.eval_stats.empty
     if empty:
         texts = "text" if examples.format == "text" else "answer or text" if "text" in examples.format else "answer"
-        sides = {"sft": texts, "kto": "completion"}.get(train.objective, "'chosen' or 'rejected'")
+        sides = {"conversations": texts, "labelled": "completion"}.get(example.form, "'chosen' or 'rejected'")
         held = f" ({data.eval_stats.empty} of them from the eval data)" if data.eval_stats.empty else ""
         log(f"data: {empty} more {unit[:-1]}(s) dropped, not counted above: an empty or whitespace-only {sides}{held}")
     blanks = stats.blank_turns + data.eval_stats.blank_turns
@@ -103,10 +104,11 @@ def token_counts(stats: DataStats, objective: str) -> str:
     """The data line's token counts, saying what they count: SFT's trained tokens are its answers'; a
     pair trains both completions, but its `targets` are the smaller side's completion tokens (the fewer
     of chosen and rejected: `toolkit.data.pairs.encode_pairs`), which "trained" alone would not say."""
-    if objective in ("dpo", "orpo", "simpo"):
+    kind = form(objective)
+    if kind == "pairs":
         return (f"{stats.tokens} tokens (prompt + chosen and prompt + rejected), {stats.target_tokens} completion "
                 "tokens on the shorter side (per pair, the fewer of chosen's and rejected's)")
-    if objective == "kto":
+    if kind == "labelled":
         return f"{stats.tokens} tokens, {stats.target_tokens} trained (completions; the KL sequences not counted)"
     return f"{stats.tokens} tokens, {stats.target_tokens} trained"
 

@@ -46,7 +46,8 @@ class SFT:
 
     def __init__(self, cfg):
         self.cfg, self.name = cfg, cfg.train.objective
-        self.sequences, self.unit = EXAMPLES[self.name]
+        example = EXAMPLES[self.name]
+        self.sequences, self.unit = example.sequences, example.unit
 
     def make_loss(self, hooks: LayoutHooks) -> Loss | None:
         return None
