@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None):
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.planner.auto import apply_auto_strategy, restart_after_oom
     from toolkit.train.checkpoint import save_final
-    from toolkit.objectives.evaluate import exact_match
+    from toolkit.objectives.sft.evaluate import exact_match
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize

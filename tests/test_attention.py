@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit import attention
+from toolkit.model import attention
 from toolkit.errors import UserError
 
 DOCS = ((7, 12, 5), (20, 6), (9,))  # three packed rows: 3, 2 and 1 documents, right-padded to 26 tokens
