@@ -10,7 +10,6 @@ from pathlib import Path
 from toolkit.cli.checkpoints import checkpoint_as_folder
 from toolkit.errors import UserError
 
-
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 42}  # generate's defaults under --do-sample
 
 
@@ -135,7 +134,8 @@ def cmd_generate(args) -> None:
     import tempfile
 
     from toolkit.data.tokenize import ensure_chat_template, prompt_text
-    from toolkit.model.load import load_for_inference, load_tokenizer, resolve_model
+    from toolkit.model.load import load_for_inference, load_tokenizer
+    from toolkit.model.source import resolve_model
 
     options = sampling_options(args)
     generate_checks(args)

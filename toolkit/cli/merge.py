@@ -15,7 +15,8 @@ def cmd_merge(args) -> None:
 
     from transformers import AutoTokenizer
 
-    from toolkit.model.load import is_adapter_dir, load_for_inference
+    from toolkit.model.load import load_for_inference
+    from toolkit.model.source import is_adapter_dir
 
     out = Path(args.output)
     if out.exists() and not out.is_dir():

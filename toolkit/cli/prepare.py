@@ -16,7 +16,7 @@ def cmd_prepare_model(args) -> None:
     if args.tiny is None:
         if args.output is not None:
             raise UserError("--output goes with --tiny: the default model is converted into the cache")
-        from toolkit.model.load import prepare_default_model
+        from toolkit.model.source import prepare_default_model
 
         print(prepare_default_model(force=args.force))
         return
@@ -41,7 +41,8 @@ def cmd_prepare_data(args) -> None:
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.cache import cache_dir
-    from toolkit.model.load import load_tokenizer, resolve_model, tokenizer_dir
+    from toolkit.model.load import load_tokenizer
+    from toolkit.model.source import resolve_model, tokenizer_dir
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
