@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None):
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer, resolved_precision,
-                                tokenizer_dir, training_model)
+                                    training_model)
+    from toolkit.model.source import tokenizer_dir
     from toolkit.parallel.tree import tree_problem
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.planner.auto import apply_auto_strategy, restart_after_oom

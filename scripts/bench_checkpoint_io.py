@@ -70,7 +70,7 @@ def child(fmt: str, folder: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from toolkit.model.load import prepare_default_model
+    from toolkit.model.source import prepare_default_model
     from toolkit.train.sharded_state import load_sharded, save_sharded
 
     dist.init_process_group("gloo")

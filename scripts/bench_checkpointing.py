@@ -23,7 +23,8 @@ def child(method: str, gc: bool, batch: int, seq: int, steps: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.model.load import ModelShape, load_model, resolve_model
+    from toolkit.model.load import ModelShape, load_model
+    from toolkit.model.source import resolve_model
     from toolkit.parallel.parallelize import Parallelism, apply_checkpointing, parallelize
     from toolkit.objectives.sft.loss import token_loss_sum
 

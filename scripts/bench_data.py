@@ -67,7 +67,8 @@ def write_data(n: int, path: Path, source: Path = GSM8K) -> Path:
 
 def build_model(path: Path) -> Path:
     """A 2-block Llama (hidden 64) with SmolLM2's tokenizer: real tokens, a model that costs nothing."""
-    from toolkit.model.load import load_tokenizer, resolve_model
+    from toolkit.model.load import load_tokenizer
+    from toolkit.model.source import resolve_model
 
     tok = load_tokenizer(resolve_model("smollm2-135m-instruct"), False)
     return save_llama(path, tok, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -116,7 +116,7 @@ def build(arm: str, groups: dict, implementation: str):
 
     from toolkit.parallel.ep import apply_expert_parallel
     from toolkit.parallel.tp.plan import apply_tensor_parallel
-    from toolkit.model.load import experts_modules
+    from toolkit.model.kernels import experts_modules
 
     tp, ep, split, etp = LAYOUT[arm]
     cfg = config()

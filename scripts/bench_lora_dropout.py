@@ -197,7 +197,9 @@ def child_saved(precision: str, dropout: float, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.model.load import ModelShape, decoder_layers, load_model, resolve_model
+    from toolkit.model.kernels import decoder_layers
+    from toolkit.model.load import ModelShape, load_model
+    from toolkit.model.source import resolve_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", precision, "--lora-dropout", str(dropout),
@@ -236,7 +238,8 @@ def child_step(dropout: float, batch: int, seq: int) -> dict:
     import torch
 
     from toolkit.config import parse_config
-    from toolkit.model.load import ModelShape, load_model, resolve_model
+    from toolkit.model.load import ModelShape, load_model
+    from toolkit.model.source import resolve_model
     from toolkit.parallel.parallelize import Parallelism, parallelize
 
     cfg = parse_config(["--method", "lora", "--mixed-precision", "no", "--lora-dropout", str(dropout),

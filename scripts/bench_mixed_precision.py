@@ -86,7 +86,8 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.model.load import DEFAULT_MODEL, resolve_model
+    from toolkit.config import DEFAULT_MODEL
+    from toolkit.model.source import resolve_model
     from toolkit.parallel.fsdp import apply_fsdp
 
     path = resolve_model(DEFAULT_MODEL)

@@ -62,7 +62,8 @@ def gsm8k_rows(dataset: str, seq_len: int, examples: int):
     from toolkit.config import parse_config
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.model.load import load_tokenizer, resolve_model
+    from toolkit.model.load import load_tokenizer
+    from toolkit.model.source import resolve_model
     from toolkit.train.loop import EpochShuffleSampler
 
     cfg = parse_config(["--dataset", dataset, "--method", "lora", "--seq-len", str(seq_len), "--mixed-precision", "no",

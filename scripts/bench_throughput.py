@@ -59,7 +59,7 @@ def tiny_model_dir(path: Path) -> str:
     """A Llama of TINY shape with SmolLM2's tokenizer, saved and loaded through from_pretrained."""
     from transformers import AutoTokenizer
 
-    from toolkit.model.load import resolve_model
+    from toolkit.model.source import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     return str(save_llama(path, tok, **TINY, vocab_size=len(tok)))
@@ -135,7 +135,8 @@ def setup(args, flags: list[str] = ()):
     from toolkit.config import parse_config
     from toolkit.data import load_examples, tokenize_examples
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.model.load import load_model, load_tokenizer, resolve_model
+    from toolkit.model.load import load_model, load_tokenizer
+    from toolkit.model.source import resolve_model
     from toolkit.train.loop import EpochShuffleSampler
 
     out = tempfile.mkdtemp()
@@ -264,7 +265,7 @@ def run_arm(spec: dict) -> dict:
     build) reaches the toolkit through TOOLKIT_COMPILE_BACKEND and Trainer through torch_compile_backend."""
     import torch
 
-    from toolkit.model.load import COMPILE_BACKEND_ENV
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV
     from toolkit.parallel.build import cpu_threads_per_rank
     from toolkit.train.flops import measure_peak_flops
 
@@ -414,7 +415,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated from {', '.join(ARMS)}; sft runs only when trl imports")
     a = ap.parse_args()
-    from toolkit.model.load import resolve_model
+    from toolkit.model.source import resolve_model
 
     tmp = tempfile.mkdtemp()
     path = tiny_model_dir(Path(tmp) / "tiny") if a.model == "tiny" else resolve_model(a.model)

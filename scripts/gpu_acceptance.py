@@ -1101,7 +1101,7 @@ def main() -> None:
         quiet()
         START = a.start or ("spawn" if a.device == "cuda" else "fork")
         if a.device == "cpu":  # --compile's cases: dynamo and AOTAutograd run, inductor's C++ build does not
-            from toolkit.model.load import COMPILE_BACKEND_ENV
+            from toolkit.model.kernels import COMPILE_BACKEND_ENV
 
             os.environ.setdefault(COMPILE_BACKEND_ENV, SMOKE_COMPILE_BACKEND)
             # one thread a case: tiny shapes gain nothing from more, and on a 2-core machine another

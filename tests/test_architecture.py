@@ -166,10 +166,10 @@ def test_only_parallelize_wraps_the_model():
     assert {"DistributedDataParallel", "fully_shard", "compile", "prepare", "activation_checkpointing_enable"} <= seen
 
 
-# Where the command line becomes settings (`__main__`, and what builds from them: the model, the layout, the plan) and
+# Where the command line becomes settings (`cli/plan.py`, and what builds from them: the model, the layout, the plan) and
 # the one loop that runs them: the only modules that take the whole `Config`. The rest are passed the sections or
 # values they read (issue 67: "Settings, not the config"), so a function's signature says what it depends on.
-CONFIG_READERS = {"cli/main.py", "model/load.py", "parallel/build.py", "planner/auto.py", "train/loop.py"}
+CONFIG_READERS = {"cli/plan.py", "model/load.py", "parallel/build.py", "planner/auto.py", "train/loop.py"}
 
 
 def imports_config(path: Path) -> bool:

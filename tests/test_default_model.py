@@ -19,7 +19,7 @@ def _installed() -> bool:
 def test_prepared_default_matches_the_gguf(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.model.load import _find_gguf, prepare_default_model, resolve_model
+    from toolkit.model.source import _find_gguf, prepare_default_model, resolve_model
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     folder = prepare_default_model()

@@ -507,7 +507,7 @@ def test_the_decode_path_is_the_devices_default_and_says_why(tiny, monkeypatch):
     """The CPU samples on the dynamic path; TOOLKIT_DECODE=static takes the static one (compiled with
     TOOLKIT_COMPILE_BACKEND's backend); a model that cannot (a quantization that does not compile) stays dynamic
     and the line says why; anything else in TOOLKIT_DECODE is refused."""
-    from toolkit.model.load import COMPILE_BACKEND_ENV
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV
 
     monkeypatch.delenv(sm.DECODE_ENV, raising=False)
     decoder, line = sm.decoder_for(tiny)

@@ -16,7 +16,8 @@ import torch
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.model.load import ModelShape, apply_lora, check_lora_targets, untargetable_linears
+from toolkit.model.load import ModelShape, apply_lora
+from toolkit.model.lora import check_lora_targets, untargetable_linears
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, vocab_size=384)

@@ -281,7 +281,7 @@ def test_compiled_blocks_give_the_eager_loss_as_widths_and_documents_change(tiny
 
     from toolkit.model.attention import register
     from toolkit.objectives.sft.loss import token_loss_sum
-    from toolkit.model.load import decoder_layers
+    from toolkit.model.kernels import decoder_layers
     from toolkit.train.compiling import compiled_graphs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=register("varlen"))

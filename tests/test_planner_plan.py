@@ -131,7 +131,7 @@ def test_checkpointing_is_compared_not_ranked_first(capsys):
 def test_host_ram_defaults_to_this_machine_and_counts_in_fits(capsys, monkeypatch):
     """Planning this machine (one node of its 8 GPUs): its host RAM, and CPU offload checked against it."""
     monkeypatch.setattr("toolkit.hardware.host_memory_bytes", lambda: 64 * 1024**3)
-    monkeypatch.setattr("toolkit.cli.main.local_gpus", lambda: 8)
+    monkeypatch.setattr("toolkit.cli.plan.local_gpus", lambda: 8)
     argv = ["plan", "--model", "llama-3-70b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "lora"]
     cli(argv)
     text = capsys.readouterr().out
@@ -819,7 +819,7 @@ def test_host_ram_of_another_machine_is_unknown_and_a_no_says_why(capsys, monkey
     RAM is now unknown, said so, and not checked; where it is given, a row that does not fit says what
     is short."""
     monkeypatch.setattr("toolkit.hardware.host_memory_bytes", lambda: 24 * 1024**3)
-    monkeypatch.setattr("toolkit.cli.main.local_gpus", lambda: 0, raising=False)  # this machine: no GPU
+    monkeypatch.setattr("toolkit.cli.plan.local_gpus", lambda: 0, raising=False)  # this machine: no GPU
     argv = ["plan", *MOE_30B, "--method", "lora"]
     cli([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -832,7 +832,7 @@ def test_host_ram_of_another_machine_is_unknown_and_a_no_says_why(capsys, monkey
     assert "host RAM per node unknown, not checked" in text.splitlines()[0]
     row = next(x for x in text.splitlines() if x.startswith("zero3_offload_param +gc "))
     assert row.endswith("yes, RAM?") and "RAM?: fits the GPU, host RAM not checked" in text
-    monkeypatch.setattr("toolkit.cli.main.local_gpus", lambda: 8)  # this machine: its RAM
+    monkeypatch.setattr("toolkit.cli.plan.local_gpus", lambda: 8)  # this machine: its RAM
     cli([*argv, "--json"])
     here = json.loads(capsys.readouterr().out)
     assert here["cpu_memory"] == 24 * 1024**3 and not here["cpu_memory_unknown"]

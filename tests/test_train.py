@@ -88,7 +88,7 @@ def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):
 
 def test_gradient_checkpointing_gives_the_same_losses(tmp_path, tiny_model, data_files):
     """The blocks really recompute (transformers' per-layer flag, set by `toolkit.parallel.parallelize`)."""
-    from toolkit.model.load import decoder_layers
+    from toolkit.model.kernels import decoder_layers
 
     plain, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
     checkpointed, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
@@ -525,7 +525,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     is the warm-up, later records count the compiled graphs, and the compile's measured seconds are kept,
     so the next run of this shape weighs them, not the H200's cold figure (and stays eager when they do not pay)."""
     from toolkit.data.packing import Collate
-    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV, decoder_layers
     from toolkit.train import compiling
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
@@ -638,7 +638,7 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, m
     region must trace whole; on a GPU it is the varlen kernel.) Compiled with the aot_eager backend (dynamo + AOTAutograd, the graphs a GPU run
     compiles, without inductor's C++ build: minutes on 2 cores); the block is really compiled (its
     compiled call is set)."""
-    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV, decoder_layers
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     data = data_files["alpaca" if "--packing" in extra else "chat"]  # alpaca's: a row packs several, their count varies

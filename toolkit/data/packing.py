@@ -180,7 +180,7 @@ class Collate:
     padding-free row's length is the sum of its examples', which varies step to step as a padded batch's
     longest row does: rounding it to BUCKET keeps at most BUCKET - 1 padding tokens a row, where the packing
     width would pad it to micro-batch x --seq-len; the blocks compile a new width once, with dynamic shapes
-    (`toolkit.model.load.compile_blocks`), and later widths reuse that graph.
+    (`toolkit.parallel.parallelize.apply_compile`), and later widths reuse that graph.
     `seq_len`: packed padding's positions restart below it (a pair's row is two --seq-len wide)."""
 
     BUCKET = 64

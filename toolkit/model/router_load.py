@@ -31,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from toolkit.model.load import INDEX_NAMES, experts_modules  # where the model says its experts are
+from toolkit.model.kernels import INDEX_NAMES, experts_modules  # where the model says its experts are
 
 def load_stats(counts: torch.Tensor) -> dict[str, float]:
     """From (MoE layers, experts) token counts: the least and most loaded expert's tokens over its

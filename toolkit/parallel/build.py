@@ -248,7 +248,8 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     values = config_values(config)
-    if cfg.model.router_aux_loss_coef is not None:  # what the model will be loaded with (models.router_kwargs)
+    # what the model will be loaded with (`toolkit.model.kernels.router_kwargs`)
+    if cfg.model.router_aux_loss_coef is not None:
         values.update(router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                       output_router_logits=cfg.model.router_aux_loss_coef > 0)
     if par.tp > 1:  # a class attribute of the config, which to_dict() leaves out

@@ -198,7 +198,7 @@ def apply_compile(model: nn.Module) -> None:
     packed batches change width from step to step: the second width compiles again, with dynamic shapes
     (dynamo's automatic dynamic), and later widths reuse it. The backend: `COMPILE_BACKEND_ENV`, inductor."""
     from toolkit.errors import UserError
-    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV, decoder_layers
 
     blocks = decoder_layers(model)
     if not blocks:

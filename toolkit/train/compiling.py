@@ -186,7 +186,7 @@ def plan(cfg, device_type: str, model, world: int, cache: Path, say, keeps: bool
     layout that refuses --compile (the refusal's words), on a model without decoder blocks. `keeps`:
     this process writes the measured compile seconds (the main one; every process reads them)."""
     from toolkit.layout.rules import layout_problems
-    from toolkit.model.load import COMPILE_BACKEND_ENV, decoder_layers
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV, decoder_layers
 
     t, p = cfg.train, cfg.parallel
     if t.compile is False:

@@ -290,7 +290,7 @@ def decoder_for(model) -> tuple[StaticDecoder | None, str]:
     CUDA: the static path where `static_problem` finds nothing; the CPU: dynamic (why: the module's
     docstring). TOOLKIT_DECODE=dynamic|static overrides the device's default; the static path compiles
     with TOOLKIT_COMPILE_BACKEND's backend where it is set (the CPU tests' aot_eager)."""
-    from toolkit.model.load import COMPILE_BACKEND_ENV
+    from toolkit.model.kernels import COMPILE_BACKEND_ENV
 
     device = next(model.parameters()).device.type
     forced = os.environ.get(DECODE_ENV, "")

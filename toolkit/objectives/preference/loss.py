@@ -24,7 +24,7 @@ batch is split over ranks and accumulation steps.
 DPO's reference model is never a second model: LoRA's is the base with the adapters disabled, run
 without gradients before each policy forward; a full finetune's log-probabilities are computed in one
 pass before step 1 (`toolkit.objectives.preference.reference`), so the first step's DPO loss is ln 2 exactly. So are
-those of a LoRA that trains on the SFT adapter `--model` names (`toolkit.model.load.sft_adapter`): its
+those of a LoRA that trains on the SFT adapter `--model` names (`toolkit.model.source.sft_adapter`): its
 reference is the SFT policy, the adapter on, which disabling the adapter would not give.
 The pairs' data side is `toolkit.data.pairs`; the flag's choices and defaults `toolkit.config.objectives`.
 
@@ -81,12 +81,12 @@ class ObjectiveSpec:
         kind = OBJECTIVE_TYPES.get(t.objective)
         if kind is None:
             return None
-        from toolkit.model.load import sft_adapter
+        from toolkit.model.source import sft_adapter
 
         # a LoRA that trains an SFT adapter on: its reference is that adapter as loaded (the policy at
         # step 0), not the base that disabling it would give; its log-probabilities computed before step 1
         reference = None if not kind.referenced else \
-            "precomputed" if cfg.model.method == "full" or sft_adapter(cfg) else "adapters"
+            "precomputed" if cfg.model.method == "full" or sft_adapter(cfg.model) else "adapters"
         return cls(t.objective, t.beta if t.beta is not None else DEFAULT_BETA[t.objective], t.simpo_gamma,
                    t.label_smoothing, reference, t.desirable_weight, t.undesirable_weight)
 

@@ -2,7 +2,7 @@
 pair's two sequences (a KTO example's sequence and its KL sequence) under the model as loaded, computed
 in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). A new LoRA needs none of this: its reference is the base model with
 the adapters disabled (`toolkit.objectives.preference.loss.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
-adapter `--model` names does (`toolkit.model.load.sft_adapter`): its reference is that adapter, on, as loaded.
+adapter `--model` names does (`toolkit.model.source.sft_adapter`): its reference is that adapter, on, as loaded.
 
 The pass scores only the training rows the run's steps read (`toolkit.data.loader.rows_read`: a 15-step
 run scores 15 global batches, not the file); a row it did not score holds NaN, and reading one is an
@@ -134,7 +134,8 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     import time
 
     from toolkit.cache import cache_dir
-    from toolkit.model.load import resolved_precision, sft_adapter
+    from toolkit.model.load import resolved_precision
+    from toolkit.model.source import sft_adapter
 
     from toolkit.model.attention import padding_free_on
 
@@ -144,7 +145,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
                                                                 "_attn_implementation", None))
     key = rows_key(rows.digest() + ("\x00padding-free" if free else ""), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
-    adapter = sft_adapter(run.cfg)
+    adapter = sft_adapter(run.cfg.model)
     dirs = (strategy.unwrap(run.model).config._name_or_path, *([adapter] if adapter else []))
     cached = cache_dir() / "reference" / f"{cache_key(key, *dirs)}.safetensors"
     need = needed_rows(accelerator, len(rows), needed)

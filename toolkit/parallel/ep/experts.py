@@ -76,7 +76,7 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
     same LoRA init)."""
     import torch.distributed as dist
 
-    from toolkit.model.load import experts_modules
+    from toolkit.model.kernels import experts_modules
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if tp_group is not None and dist.get_world_size(tp_group) != n:
