@@ -7,6 +7,7 @@ tested against TRL's own code in tests/test_grpo_functions.py."""
 from __future__ import annotations
 
 import json
+import time
 import random
 import shutil
 
@@ -190,6 +191,56 @@ def test_a_resume_in_the_middle_of_a_round_continues_exactly(runs, resumed, name
     tol = 0 if name.startswith("one") else 1e-6
     for key in ("loss", "grad_norm", "kl", "reward"):
         assert_metric_close(got, ref, key, rel=tol, abs=tol, what=name)
+
+
+# a round every step, so that a stop inside step 3's sampling has steps 1-2 finished behind it
+EACH_STEP = ["--method", "lora", "--steps-per-generation", "1", "--num-iterations", "1", "--max-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, tiny_model, files):
+    """One process uninterrupted; then one process and 2 ranks sent SIGTERM inside step 3's sampling (the fault
+    hook signals rank 0 alone, at its first decode step), and resumed with --resume auto."""
+    from distributed import launch_layouts
+
+    root = tmp_path_factory.mktemp("stopped")
+    flags = [*common(tiny_model, files), *EACH_STEP]
+    ref = launch_layouts(root / "ref", flags, {"one": ONE})["one"]
+    out = {"ref": ref}
+    for name, ranks, split in (("one", 1, ONE), ("two", 2, TWO)):
+        fired = root / f"{name}.fired"
+        fault = {"TOOLKIT_FAULT": f"sampling:3:signal=term:once={fired}"}
+        stop = launch_layouts(root / name, flags, {name: [*split, "--log-every", "5", "--save-every", "0"]},
+                              nproc=ranks, run_env={name: fault})[name]
+        stop["checkpoints"] = sorted(p.name for p in stop["out"].glob("checkpoint-*"))
+        stop["seconds"] = time.time() - fired.stat().st_mtime if fired.exists() else None
+        stop["records"] = steps(stop["out"]) if (stop["out"] / "metrics.jsonl").exists() else []
+        stop["stdout_text"] = stop["stdout"].read_text()
+        again = launch_layouts(root / name, flags, {name: [*split, "--resume", "auto"]}, nproc=ranks)[name]
+        out[name] = {"stop": stop, "again": again}
+    return out
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_a_stop_inside_a_sampling_round_saves_the_last_step_and_resumes_exactly(stopped, name):
+    """SIGTERM while step 3 samples: the round is abandoned within seconds (every rank at the same token, one
+    all-reduce per decode step), checkpoint-2 is saved with the metrics of steps 1-2 (--log-every 5: the pending
+    window is written at the stop), the run exits 143; resumed, it samples step 3 again as the uninterrupted run
+    did, and trains it the same (one process's losses and completions; 2 ranks within 1e-5)."""
+    from distributed import assert_metric_close
+
+    stop, again, ref = stopped[name]["stop"], stopped[name]["again"], stopped["ref"]
+    assert stop["exit"] == 143, stop["stderr"].read_text()[-3000:]
+    assert stop["seconds"] is not None and stop["seconds"] < 30
+    assert "preempted while sampling step 3: checkpoint saved to" in stop["stdout_text"]
+    assert stop["checkpoints"] == ["checkpoint-2"]
+    assert [r["step"] for r in stop["records"]] == [2]  # the window of steps 1-2
+    assert again["exit"] == 0, again["stderr"].read_text()[-3000:]
+    assert [c for c in completions(again["out"]) if c[0] == 3] == [c for c in completions(ref["out"]) if c[0] == 3]
+    got, want = steps(again["out"]), steps(ref["out"])
+    assert [r["step"] for r in got] == [2, 3] and [r["step"] for r in want] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "reward"):
+        assert_metric_close(got[-1:], want[-1:], key, rel=1e-5, abs=1e-6, what=name)
 
 
 BAD = [  # flags, the reward functions, the line (its start), whether training started (a checkpoint is kept)

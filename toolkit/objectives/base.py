@@ -101,6 +101,16 @@ class Context:
     # a frozen copy of the model as loaded, shaped as the policy is but without adapters or a layout (a full
     # finetune's reference, where the objective keeps one)
     frozen_copy: Callable[[], torch.nn.Module] | None = None
+    # whether this rank was asked to stop (a signal): asked between the pieces of a long batch (`Interrupted`)
+    stop_requested: Callable[[], bool] = lambda: False
+    # the fault-injection hook (`toolkit.train.faults.fault_hook`): (point, step), None when not set
+    fault: Callable[[str, int], None] | None = None
+
+
+class Interrupted(Exception):
+    """A stop was asked for (a signal) while an objective produced its batches or evaluated: what it was doing
+    is abandoned, every rank alike; the loop saves the last finished step and exits. The batches of a step
+    depend only on what that step's checkpoint holds, so the resumed run produces them again, the same."""
 
 
 class Batches(Protocol):

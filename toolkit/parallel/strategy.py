@@ -212,12 +212,12 @@ class Strategy(Protocol):
         with torch.no_grad(), torch.compiler.set_stance("force_eager"), self.gathered(model) as module:
             yield module
 
-    def host_any(self, flag: bool) -> bool:
-        """Whether `flag` is true on any rank (a CPU all-reduce, over every rank): `sample`'s `any_unfinished`,
-        since under FSDP, ZeRO-3, TP and EP every forward is collective and every rank must decode as long."""
+    def host_max(self, value: float) -> float:
+        """The max of `value` over every rank, on the CPU (no wait for the work queued on a GPU): how the ranks
+        agree on host facts (a row still sampling, a signal) at the same point."""
         from toolkit.parallel import host_all_reduce_max
 
-        return host_all_reduce_max(float(flag)) > 0
+        return host_all_reduce_max(value)
 
     def gather_objects(self, value) -> list:
         """`value` from every rank, in rank order (a CPU all-gather of picklable objects)."""

@@ -32,7 +32,7 @@ from toolkit.parallel.grad_norm import full
 from toolkit.parallel.memory import grad_bytes, held_bytes
 from toolkit.train.compiling import EAGER_STEPS, Compiling
 from toolkit.train.compiling import plan as compile_plan
-from toolkit.objectives.base import Batches, Context
+from toolkit.objectives.base import Batches, Context, Interrupted
 from toolkit.objectives.evaluate import sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
 from toolkit.train.loss_check import check_loss, check_packing
@@ -187,6 +187,9 @@ class Run:
     last_loss: float = float("nan")
     objective: Any = None  # the run's (`toolkit.objectives.base.Objective`): the strategy's
     context: Context | None = None  # what the objective is given of the run
+    saved_step: int = 0  # the step of the newest checkpoint, this process's or the one it resumed from
+    done: tuple[int, int] = (0, 0)  # (step, epoch) of the last step whose update was applied
+    resume_hint: str = "--resume auto"  # how to continue this run, in the preemption's line
 
     @property
     def data_ranks(self) -> int:
@@ -232,6 +235,7 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             if profiler is not None:
                 profiler.before(step)
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
+            run.done = (step, epoch)
             if profiler is not None:
                 run.memory["profiled"] = profiler.active(step) or None  # its record: the profiler's overhead in it
                 run.memory = {k: v for k, v in run.memory.items() if v is not None}
@@ -243,6 +247,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             if step % run.log_every == 0 or step == run.total_steps or apart:
                 log_window(run, step, epoch)
             after_step(run, step, epoch)
+    except Interrupted as stopped:  # a signal while the objective sampled or evaluated: its work is abandoned
+        preempted(run, *run.done, f"while {stopped}")
     except torch.OutOfMemoryError:
         if restart is not None:
             run.metrics.close()
@@ -250,6 +256,11 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
         raise UserError(out_of_memory(cfg, step, strategy, run.strategy.unwrap(run.model).config.to_dict(),
                                       out_dir)) from None
     finally:
+        if run.window.steps:  # a fault between two records: what the steps measured is written (as far as it can be)
+            try:
+                log_window(run, *run.done)
+            except Exception:  # noqa: BLE001 - the device itself may be what failed; the fault is what is raised
+                pass
         run.preempt.restore()
         run.metrics.close()
     return finish(run)
@@ -294,10 +305,12 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               compiling=compiling)
     run.objective = objective
     run.context = Context(cfg, strategy, model, tokenizer, out_dir, total_steps, run.log_every, log,
-                          partial(frozen_copy, cfg, strategy, model))
+                          partial(frozen_copy, cfg, strategy, model), lambda: run.preempt.signal is not None,
+                          run.fault)
     # before the checkpoint's weights are restored: a reference is the model as loaded
     objective.before_training(run.context, loader, train_rows, eval_rows, steps_per_epoch, resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
+    run.saved_step, run.done = run.first_step - 1, (run.first_step - 1, 0)
     if compiling.mode == "on":  # --compile: compiled by `parallelize`, its first forward the warm-up
         compiling.at = run.first_step
         compiling.bucket()
@@ -452,6 +465,7 @@ def log_window(run: Run, step: int, epoch: int) -> None:
             run.metrics.write(f"step {s}: non-finite loss or gradient norm; update skipped ({run.bad_in_a_row} in a row)")
     if run.bad_in_a_row >= t.max_bad_steps:
         path = checkpoint(run, step, epoch)
+        run.window = Window(time.perf_counter())  # recorded above, step by step
         raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {run.bad_in_a_row} "
                         f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
                         "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")
@@ -515,8 +529,6 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
 def after_step(run: Run, step: int, epoch: int) -> None:
     """Eval loss and samples at their cadence, a checkpoint every --save-every and at the last step, the
     fault-injection hook, and a preemption: checkpoint and exit."""
-    from toolkit.train.faults import EXIT_PREEMPTED
-
     o, last = run.cfg.output, step == run.total_steps
     at_eval = (o.eval_every and step % o.eval_every == 0) or last
     if run.eval_rows and at_eval:
@@ -528,11 +540,27 @@ def after_step(run: Run, step: int, epoch: int) -> None:
     if run.fault is not None:
         run.fault("step", step)
     if not last and run.preempt.requested(run.strategy.accelerator):
-        path = checkpoint(run, step, epoch)
-        run.metrics.write(f"preempted at step {step}: checkpoint saved to {path}; continue with --resume auto")
-        run.metrics.close()  # the bar ends before the exit
-        run.strategy.accelerator.end_training()
-        raise SystemExit(EXIT_PREEMPTED)
+        preempted(run, step, epoch, f"at step {step}")
+
+
+def preempted(run: Run, step: int, epoch: int, where: str) -> None:
+    """A stop asked for by a signal: the metrics of the steps not yet recorded written, the last finished step
+    (`step`) saved where no checkpoint holds it yet, and the exit (status 143)."""
+    from toolkit.train.faults import EXIT_PREEMPTED
+
+    if run.window.steps:
+        log_window(run, step, epoch)
+    if step < 1:
+        said = "nothing to save before step 1"
+    else:
+        path = run.out_dir / f"checkpoint-{step}"
+        if run.saved_step != step:
+            path = checkpoint(run, step, epoch)
+        said = f"checkpoint saved to {path}; continue with {run.resume_hint}"
+    run.metrics.write(f"preempted {where}: {said}")
+    run.metrics.close()  # the bar ends before the exit
+    run.strategy.accelerator.end_training()
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def evaluate(run: Run, step: int, samples: bool = True) -> None:
@@ -573,6 +601,7 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
     save_checkpoint(run.strategy, run.model, run.tokenizer, run.optimizer, run.scheduler, path, state, run.fault,
                     {BATCHES_STATE: batches} if batches is not None else None)
     prune_checkpoints(run.strategy.accelerator, run.out_dir, run.cfg.output.keep_last)
+    run.saved_step = step
     return path
 
 

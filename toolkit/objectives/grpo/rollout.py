@@ -22,11 +22,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from toolkit.errors import UserError
+from toolkit.objectives.base import Interrupted
 
 
 @dataclass
@@ -63,6 +65,17 @@ class RoundMetrics:
         if self.generate_s > 0:
             out["generation_tokens_per_sec"] = self.generated_tokens / self.generate_s
         return out
+
+
+def unfinished_anywhere(run, unfinished: torch.Tensor, doing: str) -> bool:
+    """Whether any row of any rank still samples (under FSDP, ZeRO-3, TP and EP every forward is collective, so
+    every rank decodes as many steps), asked together with whether any rank was asked to stop, in one host
+    all-reduce: every rank abandons the sampling at the same token (`Interrupted`). `run`: the run's `Context`."""
+    state = float(bool(unfinished.any())) + 2.0 * float(run.stop_requested())
+    state = run.strategy.host_max(state)
+    if state >= 2:
+        raise Interrupted(doing)
+    return state > 0
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -163,6 +176,7 @@ class Rollouts:
         completions = self.sample(prompt_ids, seeds)
         generated = time.perf_counter()
         texts, rewards = self.score(rows, completions, first)
+        self.check_stop("scoring")
         scored = time.perf_counter()
         advantages = self.advantages(rewards, len(batches))
         out = self.micro_batches(batches, rows, prompt_ids, completions, advantages)
@@ -205,6 +219,18 @@ class Rollouts:
                 steps.append(step)
         return rows, ids, seeds, steps
 
+    def unfinished_or_stop(self, unfinished: torch.Tensor) -> bool:
+        """`sample`'s `any_unfinished` for this round (`unfinished_anywhere`), and the fault-injection point
+        "sampling" of the tests that stop a run mid-round."""
+        if self.run.fault is not None:
+            self.run.fault("sampling", self.step)
+        return unfinished_anywhere(self.run, unfinished, f"sampling step {self.step}")
+
+    def check_stop(self, doing: str) -> None:
+        """Stop here, every rank alike, if any rank was asked to (between a round's pieces)."""
+        if self.run.strategy.host_max(float(self.run.stop_requested())) > 0:
+            raise Interrupted(f"{doing} step {self.step}")
+
     def sample(self, prompt_ids: list[list[int]], seeds: list[int]):
         """This rank's completions, a step's share at a time, from the policy as the layout gives it for
         generating (its parameters gathered once: `Strategy.generating`)."""
@@ -219,7 +245,7 @@ class Rollouts:
             ends = eos_ids(tok, model)
             for i in range(0, len(prompt_ids), share):
                 parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
-                                    tok.pad_token_id, any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=self.decoder))
+                                    tok.pad_token_id, any_unfinished=self.unfinished_or_stop, decoder=self.decoder))
         width = max(p.ids.shape[1] for p in parts)
 
         def padded(x, value):
@@ -380,7 +406,7 @@ def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
             out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=lambda u: strategy.host_any(bool(u.any())), decoder=decoder)
+                         any_unfinished=partial(unfinished_anywhere, run, doing="evaluating"), decoder=decoder)
             if not part:
                 continue
             ids = out.token_lists()
