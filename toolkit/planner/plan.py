@@ -149,12 +149,6 @@ def total_bytes(allocated: int) -> int:
     return allocated + int(FRAGMENTATION * allocated) + FRAMEWORK_CONTEXT
 
 
-def valid_tp(cfg: dict[str, Any], gpus_per_node: int, world: int) -> list[int]:
-    """t passes `tp_divisibility_problems`, stays inside a node (TP all-reduces every layer) and
-    divides the world (data parallel across TP groups)."""
-    return [t for t in range(2, gpus_per_node + 1) if not tp_divisibility_problems(cfg, t) and world % t == 0]
-
-
 def check_cp(cfg: dict[str, Any], c: int, world: int) -> None:
     """The runtime's rule (`toolkit.layout.rules.cp_divisibility_problems`), and cp must divide the world."""
     problems = cp_divisibility_problems(cfg, 1, c) if c > 1 else [f"--cp {c}: must be >= 2"]
