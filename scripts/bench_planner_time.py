@@ -79,7 +79,7 @@ def predicted_step(model_cfg: dict, world: int, row, gc: bool, hw_file: Path) ->
     from toolkit.layout.dims import ParallelDims
     from toolkit.planner.cost import load_hardware
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import PlanInput, estimate, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate, estimate_layout
 
     inp = PlanInput(model=model_cfg, gpu_memory=2**50, gpus_per_node=world, method="full", seq_len=SEQ,
                     micro_batch=MB, precision="no", loss="auto", hardware=load_hardware(str(hw_file)))

@@ -61,7 +61,7 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         packing, chunked_loss and epoch_boundary share the third call, given 500 s: ~40 s building the
         model + 180 + 85-135 + 165 s = 470-520 s; what would end past the budget (the compiled epoch
         case, last) is left out and listed.
-  memory        the planner's allocator peak (toolkit.planner.plan.estimate's bytes.allocated, DDP row:
+  memory        the planner's allocator peak (toolkit.planner.estimate.estimate's bytes.allocated, DDP row:
         no CUDA context or allocator reserve) against torch.cuda.max_memory_allocated over training
         steps: full, LoRA and QLoRA (when bitsandbytes imports) of the 135M shape, with and without
         gradient checkpointing, at three sequence lengths; LoRA of the 1B and 8B Llama shapes at 2048
@@ -568,7 +568,7 @@ def part_memory(run: Run) -> dict:
     QLoRA x 512-4096 tokens x checkpointing, micro batch 4), then LoRA of the 1B and 8B Llama shapes
     at 2048 tokens with and without checkpointing (micro batch 4 and 1)."""
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.estimate import PlanInput, estimate
 
     methods = ["full", "lora"] + (["qlora"] if run.device == "cuda" and importable("bitsandbytes") else [])
     skipped = [] if "qlora" in methods else ["qlora: needs a CUDA GPU and bitsandbytes"]
@@ -748,7 +748,7 @@ def part_models(run: Run) -> dict:
     start-up loss check held (the loss trained is the model's own within 1e-4; the run stops otherwise),
     and the allocator peak against the planner's (`bytes.allocated`, DDP row)."""
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.estimate import PlanInput, estimate
 
     seq, mb = (32, 2) if run.smoke else (2048, 2)
     cases, checks = [], []
@@ -778,7 +778,7 @@ def part_moe(run: Run) -> dict:
     from bench_experts import implementations
 
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.estimate import PlanInput, estimate
 
     import torch
 

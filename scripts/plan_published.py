@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit.parallel.tree import tree_problem  # noqa: E402
-from toolkit.planner.plan import GiB, PlanInput, plan  # noqa: E402
+from toolkit.planner.estimate import GiB, PlanInput  # noqa: E402
+from toolkit.planner.explain import plan  # noqa: E402
 from toolkit.planner.presets import PRESETS  # noqa: E402
 
 MODELS = ("llama-3-8b", "llama-3-70b", "llama-3.1-405b")

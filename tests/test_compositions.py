@@ -126,7 +126,7 @@ def test_planner_predicts_every_ranks_model_state(runs, tiny_model, mha_model, l
     (`metrics.jsonl`): within 5%. The runs are the parity test's, not launched again."""
     from toolkit.layout.dims import infer_dims
     from toolkit.planner.layouts import stage_bytes
-    from toolkit.planner.plan import PlanInput
+    from toolkit.planner.estimate import PlanInput
 
     argv = LAYOUTS[layout][0]
 

@@ -469,7 +469,7 @@ def test_planner_pp_row_matches_measured_bytes(runs, tied_model, layout, method)
     import json
 
     from toolkit.layout.dims import ParallelDims
-    from toolkit.planner.plan import PlanInput, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate_layout
 
     cfg = json.loads((tied_model / "config.json").read_text())
     inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,

@@ -167,7 +167,7 @@ def _model():
 
 def _predicted(dims, stage: int, batch: int, seq: int) -> int:
     from toolkit.planner.layouts import stage_bytes
-    from toolkit.planner.plan import PlanInput
+    from toolkit.planner.estimate import PlanInput
 
     from toolkit.planner import saved
 

@@ -237,12 +237,13 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
     model_problems that refuses every --tp leaves no runnable tp row, each one giving its words."""
     from toolkit.layout import rules
     from toolkit.layout.dims import ParallelDims
-    from toolkit.planner import plan as planning
+    from toolkit.planner import estimate
+    from toolkit.planner.explain import plan
     from toolkit.planner.params import with_tp_plan
 
     def plan_for(name):
-        return planning.plan(planning.PlanInput(model=PRESETS[name], gpu_memory=80 * 2**30, gpus_per_node=8,
-                                                method="lora", cpu_memory=2**41))
+        return plan(estimate.PlanInput(model=PRESETS[name], gpu_memory=80 * 2**30, gpus_per_node=8, method="lora",
+                                       cpu_memory=2**41))
 
     for name in ("qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b"):
         p = plan_for(name)
@@ -261,7 +262,7 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
     def refuse_tp(cfg, tp, pp, cp, world, method, ep=1):
         return [f"--tp {tp}: refused for this test"] if tp > 1 else []
 
-    monkeypatch.setattr(planning, "model_problems", refuse_tp)
+    monkeypatch.setattr(estimate, "model_problems", refuse_tp)
     p = plan_for("qwen3-30b-a3b")
     tp_rows = [c for c in p.strategies if c.dims and c.dims["tp"] > 1]
     assert tp_rows and all(not c.runnable for c in tp_rows)
@@ -359,7 +360,7 @@ def test_the_kv_cache_term_is_the_cache_sampling_fills(tiny_model):
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from toolkit.planner.memory import kv_cache_bytes
-    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.estimate import PlanInput, estimate
     from toolkit.planner.memory import STRATEGIES
 
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):

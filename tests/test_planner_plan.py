@@ -5,7 +5,7 @@ import pytest
 
 from toolkit.cli.main import main as cli
 from toolkit.errors import UserError
-from toolkit.planner.plan import parse_size
+from toolkit.planner.estimate import parse_size
 
 
 def plan_json(capsys, *argv):
@@ -283,7 +283,8 @@ def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
     (those flags pass finetune.py's own checks), mesh layouts included."""
     from toolkit.config import parse_config
     from toolkit.planner.auto import apply_plan
-    from toolkit.planner.plan import PlanInput, plan
+    from toolkit.planner.estimate import PlanInput
+    from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 
     model = PRESETS[argv[1]]
@@ -307,7 +308,7 @@ def test_memory_model_within_10_percent_of_the_h100_cases():
     import json
 
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import PlanInput, estimate
+    from toolkit.planner.estimate import PlanInput, estimate
     from toolkit.planner.presets import PRESETS
 
     data = json.loads((Path(__file__).parent / "data" / "h100_memory_cases.json").read_text())
@@ -415,7 +416,7 @@ def test_the_choice_names_the_term_that_decided_it(capsys):
     import re
 
     from toolkit.planner.cost import TERMS
-    from toolkit.planner.plan import MEMORY_TERMS, TERM_TEXT
+    from toolkit.planner.explain import MEMORY_TERMS, TERM_TEXT
 
     argv = ["--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1"]
     out = plan_json(capsys, *argv)
@@ -559,7 +560,7 @@ def test_each_figure_is_printed_once_and_rounded_once(capsys):
     memory and step time are in its table row only, and the ranking holds what the table does not."""
     import re
 
-    from toolkit.planner.plan import GiB
+    from toolkit.planner.estimate import GiB
 
     argv = ["--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1"]
     out = plan_json(capsys, *argv)
@@ -581,7 +582,7 @@ def test_a_cpu_run_s_plan_says_cpu_processes(monkeypatch):
     """Issue 45: on a CPU run (--strategy auto without a GPU) the plan said "world 2 GPUs"."""
     from toolkit.config import parse_config
     from toolkit.planner.auto import detect_hardware, plan_input
-    from toolkit.planner.plan import plan, render_table
+    from toolkit.planner.explain import plan, render_table
     from toolkit.planner.presets import PRESETS
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -604,7 +605,7 @@ def test_a_preference_pair_is_two_sequences_and_lora_dpo_pays_its_reference_forw
     from toolkit.planner.cost import flops_per_token, forward_flops_per_token
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.params import count_params, lora_params
-    from toolkit.planner.plan import PlanInput, estimate, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate, estimate_layout
     from toolkit.planner.presets import PRESETS
 
     model = PRESETS["llama-3.1-8b"]
@@ -646,7 +647,8 @@ def test_expert_parallel_rows_moe_only(capsys):
     from toolkit.layout.dims import ParallelDims
     from toolkit.planner.layouts import flags
     from toolkit.planner.params import with_tp_plan
-    from toolkit.planner.plan import PlanInput, plan
+    from toolkit.planner.estimate import PlanInput
+    from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 
     for method in ("full", "lora"):
@@ -676,7 +678,7 @@ def test_expert_parallel_memory_at_rest_equals_fsdp_and_gathers_e_over_ep_expert
     experts instead of E, and LoRA's merged expert weights (saved in each forward) are E/ep per layer.
     Qwen3-30B-A3B: 48 MoE layers of 128 experts, h 2048, I 768; LoRA r 16 (gate_up at 2r)."""
     from toolkit.layout.dims import ParallelDims
-    from toolkit.planner.plan import PlanInput, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate_layout
     from toolkit.planner.presets import PRESETS
 
     inp = PlanInput(model=PRESETS["qwen3-30b-a3b"], gpu_memory=80 * 2**30, method=method, seq_len=1024)
@@ -699,7 +701,7 @@ def test_expert_parallel_all_to_all_bytes_by_hand():
     from toolkit.layout.dims import ParallelDims
     from toolkit.planner.cost import HARDWARE
     from toolkit.planner.layouts import traffic
-    from toolkit.planner.plan import PlanInput, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate_layout
 
     cfg = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
@@ -761,7 +763,8 @@ def test_the_top_5_are_in_the_order_they_say_and_mark_the_chosen(capsys):
     its heading says: the chosen first (issue 64), the rows as fast as it next, then the plan's order
     (`rank_key`: among rows that fit, by time); the chosen, where faster rows follow it, says why it is
     the choice, and each of them why it is not."""
-    from toolkit.planner.plan import PlanInput, plan, rank_key, same_time, target_batch
+    from toolkit.planner.estimate import PlanInput, rank_key, same_time, target_batch
+    from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 
     out = plan_json(capsys, *MOE_30B, "--method", "full")
@@ -930,7 +933,8 @@ def test_between_equally_simple_layouts_the_faster_is_chosen():
     tp2_dp_shard4, as simple (one model-parallel degree of 2 beside dp_shard 4) and 1.6% faster,
     because the search listed it first, and said "the simpler layout wins". Among the rows within 5%
     of the fastest the simplest wins, and between equally simple ones the faster."""
-    from toolkit.planner.plan import PlanInput, plan, rank_key, simplicity, target_batch
+    from toolkit.planner.estimate import PlanInput, rank_key, simplicity, target_batch
+    from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 
     inp = PlanInput(model=PRESETS["llama-3-70b"], gpu_memory=80 * 2**30, cpu_memory=2 * 2**40, method="lora",

@@ -11,7 +11,7 @@ from toolkit.cli.main import main as cli
 from toolkit.layout.dims import ParallelDims
 from toolkit.planner.cost import HARDWARE, Hardware, optimizer_step_seconds
 from toolkit.planner.memory import STRATEGIES
-from toolkit.planner.plan import PlanInput, estimate, estimate_layout
+from toolkit.planner.estimate import PlanInput, estimate, estimate_layout
 from toolkit.planner.presets import PRESETS
 
 GiB = 1024**3
@@ -101,8 +101,9 @@ def test_bad_hardware_is_one_clear_error(tmp_path, capsys, content, message):
 
 def test_the_planner_imports_no_torch():
     """Pure Python over numbers (the style guide's rule): a fresh interpreter importing the planner,
-    `plan` included, loads neither torch nor torch.distributed."""
-    code = ("import sys, toolkit.planner.plan, toolkit.planner.auto, toolkit.planner.layouts\n"
+    `estimate` and `explain` included, loads neither torch nor torch.distributed."""
+    code = ("import sys, toolkit.planner.estimate, toolkit.planner.explain, toolkit.planner.auto, "
+            "toolkit.planner.layouts\n"
             "print(sorted(m for m in ('torch', 'torch.distributed') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

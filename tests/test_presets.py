@@ -61,7 +61,8 @@ def test_plan_offers_only_rows_the_run_accepts(name, tmp_path, monkeypatch):
     from toolkit.layout.rules import dims_for, layout_problems, mesh_flags
     from toolkit.parallel.tree import tree_problem
     from toolkit.parallel.build import _model_problems
-    from toolkit.planner.plan import PlanInput, plan
+    from toolkit.planner.estimate import PlanInput
+    from toolkit.planner.explain import plan
 
     import toolkit.parallel.pp as pp
     import toolkit.parallel.tp.plan as tp_plan

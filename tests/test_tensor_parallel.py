@@ -555,7 +555,7 @@ def test_planner_tp_row_matches_measured_bytes(runs, tiny_model, method):
     """The planner's tp2 row (same divisibility and split rules as the runtime plan) against the
     per-rank bytes measured at step 1: weights (adapters included), gradients, Adam states, 5%."""
     from toolkit.layout.dims import ParallelDims
-    from toolkit.planner.plan import PlanInput, estimate_layout
+    from toolkit.planner.estimate import PlanInput, estimate_layout
 
     cfg = json.loads((tiny_model / "config.json").read_text())
     inp = PlanInput(model=cfg, gpu_memory=2**40, gpus_per_node=2, method=method, lora_r=16, seq_len=64,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
-    from toolkit.planner.plan import Asked
+    from toolkit.planner.estimate import Asked
 
 
 def load_model_config(spec: str) -> dict:
@@ -41,13 +41,13 @@ def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
     """`plan --config RUN.yaml`: the run's settings as finetune.py reads them (`config.parse_config`:
     the same keys, aliases, checks and --deepspeed file) and the machine its plan keys name
     (`config.PlanConfig`), where no flag given here says otherwise. Sets them on `args`; returns the
-    line that says what was read, and the layout the run asks for (`planner.plan.Asked`; None under
+    line that says what was read, and the layout the run asks for (`planner.estimate.Asked`; None under
     --strategy auto, where the plan's choice is the run's)."""
     import difflib
     import tempfile
 
     from toolkit.config import parse_config
-    from toolkit.planner.plan import Asked, parse_size
+    from toolkit.planner.estimate import Asked, parse_size
     from toolkit.planner.presets import GPU_PRESETS
 
     with tempfile.TemporaryDirectory() as out:  # the run's output folder is not the plan's to check
@@ -146,7 +146,7 @@ def host_ram(args) -> tuple[int | None, bool, str | None]:
     cluster, another GPU count) has no figure to read here: its host RAM is unknown, said so, and
     CPU offload is not checked against it (once, 8 x 80 GB were planned against a laptop's 24 GiB,
     and the offload rows showed "fits: no" for that)."""
-    from toolkit.planner.plan import parse_size
+    from toolkit.planner.estimate import parse_size
 
     if args.cpu_memory is not None:
         if args.cpu_memory.strip().lower() in ("unlimited", "none"):
@@ -170,7 +170,8 @@ def cmd_plan(args) -> None:
     import json
 
     from toolkit.planner.cost import load_hardware
-    from toolkit.planner.plan import PlanInput, parse_size, plan, render_table
+    from toolkit.planner.estimate import PlanInput, parse_size
+    from toolkit.planner.explain import plan, render_table
 
     if args.calibrate:
         from toolkit.cli.calibrate import calibrate

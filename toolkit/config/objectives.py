@@ -171,7 +171,7 @@ def extra_forwards(objective: str, method: str) -> int:
 
 
 def plan_terms(objective: str, method: str, loss: str, cfg=None) -> dict:
-    """What an objective changes in the planner's question (`toolkit.planner.plan.PlanInput`): a pair is
+    """What an objective changes in the planner's question (`toolkit.planner.estimate.PlanInput`): a pair is
     two sequences with full logits (KTO's example one); `extra_forwards` no-grad forwards per sequence.
     --objective grpo (`cfg`: the run's config, for its settings): a sequence is a prompt and its completion
     (--seq-len bounds the prompt), full logits over the completion; the old policy's forward where the policy

@@ -1,5 +1,5 @@
 """What the run refuses of a layout on the model's module tree, asked before any weight loads (and by
-the planner, for each row it offers: `toolkit.planner.plan.PlanInput.tree_check`)."""
+the planner, for each row it offers: `toolkit.planner.estimate.PlanInput.tree_check`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from toolkit.hardware import host_memory_bytes
 from toolkit.planner.cost import HARDWARE, Hardware, load_hardware
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import flags_of, mesh_flags, strategy_name
-from toolkit.planner.plan import Plan, PlanInput, full_logits_fit, plan, render_table
+from toolkit.planner.estimate import Candidate, Plan, PlanInput, reestimate
+from toolkit.planner.explain import plan, render_table
 
 DEVICE_PRESETS = {"H100": "h100-sxm", "H200": "h100-sxm", "A100": "a100-80gb", "L40S": "l40s"}
 
@@ -111,7 +112,7 @@ def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:
     """The planner's allocator peak (`bytes.allocated`) for the 1-D layout `cfg` runs on this hardware;
     None for a mesh layout or a model the planner cannot count."""
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import estimate
+    from toolkit.planner.estimate import estimate
 
     name, t = strategy_name(cfg.parallel), cfg.train
     if name not in STRATEGIES:
@@ -127,7 +128,7 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
     """For an out-of-memory line: the planner's peak for the layout that ran against the device's
     memory, and the flags of a layout that fits (or why none does)."""
     from toolkit.planner.memory import STRATEGIES
-    from toolkit.planner.plan import GiB, estimate
+    from toolkit.planner.estimate import GiB, estimate
 
     per_node, memory, nodes, what = detect_hardware()
     inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
@@ -144,6 +145,15 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
         return f"the planner cannot say more for this model ({e})"
     parts.append(f"a layout that fits: {' '.join(result.flags)}" if result.chosen else result.advice)
     return "; ".join(parts)
+
+
+def full_logits_fit(inp: PlanInput, c: Candidate) -> bool:
+    """Whether `c` still fits with the loss on full (B, T, V) fp32 logits instead of a chunk's: then no
+    chunk loop can be faster on a GPU (`toolkit.objectives.sft.loss.choose_loss`). Estimated again, because the loss
+    buffers do not add linearly into the allocator peak (`saved.allocated_peak`)."""
+    import dataclasses
+
+    return reestimate(dataclasses.replace(inp, loss="full"), c, c.micro_batch).fits
 
 
 def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check=None) -> tuple[Config, Plan, str]:

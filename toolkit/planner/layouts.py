@@ -182,7 +182,7 @@ def moe_layers(cfg: dict[str, Any], d: ParallelDims) -> int:
 
 def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bool = False,
                seq_len: int | None = None) -> int:
-    """The loss step's buffers (`inp` is a `plan.PlanInput`; shared with the 1-D rows): full logits,
+    """The loss step's buffers (`inp` is an `estimate.PlanInput`; shared with the 1-D rows): full logits,
     or one chunk's under `--loss chunked`/`auto` (the pipeline's last stage always computes full
     logits), for `seq_len` tokens (default: the whole)."""
     s = seq_len or inp.seq_len
@@ -192,7 +192,7 @@ def loss_bytes(inp, micro_batch: int, vocab: int, h: int, act: int, pipeline: bo
 
 
 def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_batch: int) -> dict[str, int]:
-    """Per-rank bytes of pipeline stage `stage` (`inp` is a `plan.PlanInput`): weights, gradients,
+    """Per-rank bytes of pipeline stage `stage` (`inp` is an `estimate.PlanInput`): weights, gradients,
     Adam state (sharded over dp_shard x cp by FSDP2, as much under ep: `at_rest`), activations of the
     examples in flight, the loss buffers on the last stage, all resident at once (gradients included:
     FSDP2's sharded gradients and DDP's buckets outlive the step). Activations: `toolkit.planner.saved`'s
