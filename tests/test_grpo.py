@@ -31,6 +31,14 @@ def wrong_length(prompts, completions, completion_ids, **columns):
 
 def not_a_number(prompts, completions, completion_ids, **columns):
     return ["high"] * len(completions)
+
+
+def constant(prompts, completions, completion_ids, **columns):
+    return [1.0] * len(completions)
+
+
+def mostly_none(prompts, completions, completion_ids, **columns):
+    return [None if i % 4 else 0.0 for i in range(len(completions))]
 '''
 
 
@@ -241,6 +249,22 @@ def test_a_stop_inside_a_sampling_round_saves_the_last_step_and_resumes_exactly(
     assert [r["step"] for r in got] == [2, 3] and [r["step"] for r in want] == [1, 2, 3]
     for key in ("loss", "grad_norm", "reward"):
         assert_metric_close(got[-1:], want[-1:], key, rel=1e-5, abs=1e-6, what=name)
+
+
+def test_a_run_that_cannot_learn_says_so(tmp_path, tiny_model, files):
+    """Rewards that never differ within a group (advantages 0) for 3 steps in a row: one warning naming the usual
+    causes; a reward that returns None for most completions: one warning naming it. Each said once."""
+    from distributed import launch_layouts
+
+    rewards = (f"{files / 'rewards.py'}:constant", f"{files / 'rewards.py'}:mostly_none")
+    flags = [*common(tiny_model, files, rewards), *EACH_STEP, "--max-steps", "4"]
+    run = launch_layouts(tmp_path, flags, {"one": ONE})["one"]
+    assert run["exit"] == 0, run["stderr"].read_text()[-3000:]
+    said = run["stdout"].read_text()
+    assert said.count("warning: every group's completions got the same reward for 3 steps in a row") == 1, said
+    assert "were cut at --max-completion-length 8), or a reward never fires (mean per function: constant 1, " \
+           "mostly_none 0)" in said
+    assert said.count("warning: reward mostly_none returned None for 75% of the completions sampled at step 1") == 1
 
 
 BAD = [  # flags, the reward functions, the line (its start), whether training started (a checkpoint is kept)

@@ -215,8 +215,9 @@ def test_advantages_equal_trls_generate_and_score_completions(scale_rewards, mas
     torch.testing.assert_close(advantages, theirs["advantages"], **TOL)
     assert (advantages[4:6] == 0).all() and (advantages[8:12] == 0).all() and advantages[:4].abs().min() > 0.1
 
-    if scale_rewards != "batch":  # TRL's zero-std count is of the group std it computed
-        assert gf.zero_std_groups(total, G).float().mean().item() == theirs_metric(trainer, "frac_reward_zero_std")
+    # TRL's zero-std count is of the std it scaled by: the group's, or the batch's
+    zero = gf.zero_std_groups(total, G, scale_rewards).float().mean().item()
+    assert zero == theirs_metric(trainer, "frac_reward_zero_std")
     truncated = torch.tensor([ids[-1] != 2 for ids in COMPLETION_IDS])
     full = (torch.arange(6)[None] < torch.tensor([len(ids) for ids in COMPLETION_IDS])[:, None]).long()
     mask = gf.truncated_mask(full, truncated) if mask_truncated else full

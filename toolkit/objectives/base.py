@@ -105,6 +105,8 @@ class Context:
     stop_requested: Callable[[], bool] = lambda: False
     # the fault-injection hook (`toolkit.train.faults.fault_hook`): (point, step), None when not set
     fault: Callable[[str, int], None] | None = None
+    # a warning line while training runs (above the progress bar, once, by the main process)
+    warn: Callable[[str], None] = print
 
 
 class Interrupted(Exception):

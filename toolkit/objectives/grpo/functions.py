@@ -68,10 +68,14 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return torch.nan_to_num(advantages, nan=0.0)
 
 
-def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """(N,) bool: the completions whose group's rewards all agree (std 0: no signal), TRL's
-    `frac_reward_zero_std` metric under scale_rewards group or none."""
-    std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+def zero_std_groups(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """(N,) bool: the completions whose rewards' std is 0, TRL 1.16's `is_std_zero` (its `frac_reward_zero_std`
+    is their mean): of their group's rewards under scale_rewards group or none (no signal: the advantages are 0),
+    of the whole batch's under batch. A std of fewer than 2 scored rewards is NaN: not counted as 0."""
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     return torch.isclose(std, torch.zeros_like(std))
 
 

@@ -67,6 +67,10 @@ class RoundMetrics:
         return out
 
 
+# steps in a row whose groups all agreed before a run says it is learning nothing
+NO_SIGNAL_STEPS = 3
+
+
 def unfinished_anywhere(run, unfinished: torch.Tensor, doing: str) -> bool:
     """Whether any row of any rank still samples (under FSDP, ZeRO-3, TP and EP every forward is collective, so
     every rank decodes as many steps), asked together with whether any rank was asked to stop, in one host
@@ -147,6 +151,7 @@ class Rollouts:
         self.step = 1  # the optimizer step the next batch serves
         self.metrics = RoundMetrics()
         self.seconds = 0.0  # the rounds' since the last `take_seconds`
+        self.no_signal, self.said_no_signal, self.said_unscored = 0, False, set()  # `say_if_nothing_is_learned`
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps an epoch of prompts makes: each prompt batch trained --num-iterations times."""
@@ -293,11 +298,38 @@ class Rollouts:
         total = weighted_rewards(rewards, self.weights)
         advantages = group_advantages(total, self.G, self.spec.scale_rewards)
         self.metrics.rewards += total.tolist()
-        self.metrics.zero_std += zero_std_groups(total, self.G).double().tolist()
+        zero_std = zero_std_groups(total, self.G, self.spec.scale_rewards)
+        self.metrics.zero_std += zero_std.double().tolist()
+        self.say_if_nothing_is_learned(rewards, bool(zero_std.all()), steps)
         share = self.per_step // self.data.ranks
         mine = [k * self.per_step + j for k in range(steps) for j in self.mine()]
         assert len(mine) == share * steps
         return advantages[mine].float()
+
+    def say_if_nothing_is_learned(self, rewards: torch.Tensor, agreed: bool, steps: int) -> None:
+        """One warning when every group's rewards agreed for `NO_SIGNAL_STEPS` steps in a row (their advantages
+        are 0: the steps train nothing), with what usually causes it; one per reward function that returned None
+        for most of a round's completions (those carry no signal from it). Every rank alike; the main process
+        says it."""
+        self.no_signal = self.no_signal + steps * self.mu if agreed else 0
+        if self.no_signal >= NO_SIGNAL_STEPS and not self.said_no_signal:
+            self.said_no_signal = True
+            m = self.metrics
+            cut = sum(m.truncated) / max(1, len(m.truncated))
+            means = ", ".join(f"{r.name} {torch.nanmean(rewards[:, f]).item():.3g}" for f, r in enumerate(self.rewards))
+            self.run.warn(f"warning: every group's completions got the same reward for {self.no_signal} steps in a "
+                          f"row (frac_reward_zero_std 1.0): their advantages are 0 and the steps train nothing. "
+                          f"Usually the completions are too short to reach an answer ({cut:.0%} of the last round's "
+                          f"were cut at --max-completion-length {self.sampling.max_completion_length}), or a reward "
+                          f"never fires (mean per function: {means}); read a few lines of completions.jsonl")
+        for f, reward in enumerate(self.rewards):
+            unscored = float(torch.isnan(rewards[:, f]).double().mean())
+            if unscored > 0.5 and reward.name not in self.said_unscored:
+                self.said_unscored.add(reward.name)
+                self.run.warn(f"warning: reward {reward.name} returned None for {unscored:.0%} of the completions "
+                              f"sampled at step {self.step}: those carry no signal from it (None is TRL's 'does not "
+                              "apply'); a completion no function scores is left out of its group's baseline and "
+                              "trains nothing")
 
     def micro_batches(self, batches, rows, prompt_ids, completions, advantages) -> list[list[dict]]:
         """Each step's micro-batches on this rank: its share cut into --grad-accum pieces of --micro-batch-size,
