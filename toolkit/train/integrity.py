@@ -212,8 +212,9 @@ def verify_saved(strategy, model, tokenizer, rows: list[dict], final_dir: Path, 
         what = f"{result['files']['tensors']} tensors equal the trained weights" if expected is not None else ""
         if "reloaded_loss" in result:
             how = "in a fresh process" if level == "full" else "in this process"
-            what += f"{'; ' if what else ''}reloads with plain transformers/peft {how}: loss " \
-                    f"{result['reloaded_loss']:.6f} vs trained {trained:.6f}"
+            # the next-token loss of a few training rows held for this check, whatever the objective trains
+            what += f"{'; ' if what else ''}reloads with plain transformers/peft {how}: next-token loss of a " \
+                    f"held batch {result['reloaded_loss']:.6f} vs trained {trained:.6f}"
         elif "reload" in result:
             what += f"; reload {result['reload']}"
         log(f"integrity: {final_dir}: {what or 'checked'}")
