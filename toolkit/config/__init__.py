@@ -25,8 +25,10 @@ from toolkit.config.chat_template import template_problems
 from toolkit.errors import UserError
 from toolkit.config.foreign import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
 from toolkit.config.hub import repo_problems
-from toolkit.config.inputs import (column_problems, dataset_problems, eval_dataset_problems, output_dir_problems,
-                            sample_problems, streaming_problems, unused_columns_problems)
+from toolkit.config.columns import column_problems
+from toolkit.config.output_dir import output_dir_problems
+from toolkit.config.paths import (dataset_problems, eval_dataset_problems, sample_problems, streaming_problems,
+                                  unused_columns_problems)
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.rules import layout_problems
 from toolkit.config.objectives import DEFAULT_SIMPO_GAMMA, OBJECTIVES, generates, objective_problems

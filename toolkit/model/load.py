@@ -588,7 +588,7 @@ def training_model(cfg: Config) -> tuple[str, str | None]:
     """(what `from_pretrained` opens for this run, a line on where it came from when `--model` is a
     LoRA adapter folder). An adapter trained on: its base, the adapter loaded onto it by `load_model`.
     Merged (--merge-adapter, or --method full): the merged folder (`merged_model_dir`)."""
-    from toolkit.config.inputs import TRAINER_STATE
+    from toolkit.config.output_dir import TRAINER_STATE
 
     m = cfg.model
     folder = Path(m.model).expanduser()

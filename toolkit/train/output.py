@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config.chat_template import is_inline
 from toolkit.config import DataConfig, OutputConfig, TrainConfig
-from toolkit.config.inputs import parse_columns
+from toolkit.config.columns import parse_columns
 
 if TYPE_CHECKING:
     from toolkit.data.table import DataStats

@@ -25,7 +25,8 @@ from typing import Any, Callable
 from toolkit.config.datasets import dataset_digest
 from toolkit.errors import UserError
 from toolkit.layout.flags import ParallelConfig
-from toolkit.config.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
+from toolkit.config.output_dir import (TRAINER_STATE, complete_checkpoints, finished_problems, finished_step,
+                                      later_checkpoints)
 from toolkit.config.objectives import DEFAULT_SIMPO_GAMMA
 from toolkit.train.manifest import damage
 
