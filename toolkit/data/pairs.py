@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toolkit.config import DataConfig
 from toolkit.config.columns import Turns
+from toolkit.config.schema import DataConfig
 from toolkit.data.tokenize import blank
 from toolkit.errors import UserError
 

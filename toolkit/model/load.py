@@ -24,7 +24,7 @@ import torch
 
 from toolkit.cache import cache_dir
 from toolkit.config.chat_template import apply_template
-from toolkit.config import DEFAULT_MODEL, Config
+from toolkit.config.schema import DEFAULT_MODEL, Config
 from toolkit.errors import UserError
 from toolkit.config.hub import hub_unreachable
 

@@ -75,7 +75,7 @@ def model_identity(name: str) -> dict | None:
     adapter_config.json's) and each weight file's size and the SHA-256 of its first and last MiB
     (hashing whole files would read an 8B model at every checkpoint; the ends hold the header and
     tensors at both ends). None: a hub id that is not in the local cache."""
-    from toolkit.config import DEFAULT_MODEL
+    from toolkit.config.schema import DEFAULT_MODEL
     from toolkit.model.load import default_model_dir, is_adapter_dir
 
     folder = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
