@@ -540,7 +540,7 @@ def test_your_turn_keys_and_speakers_map_as_llama_factorys_tags_do(tmp_path):
 def test_a_name_that_does_not_fit_gets_a_hint_that_does_the_same_job():
     """'completion' was "not a field the formats read (did you mean 'conversations'?)": KTO's completion and
     label are fields now, and a hint names only a field doing the same job ('from' offered 'prompt')."""
-    from toolkit.config.inputs import column_problems
+    from toolkit.config.columns import column_problems
 
     assert column_problems("completion=response,label=ok,role=speaker,content=text,user_role=customer") == []
     (from_,) = column_problems("from=speaker")

@@ -252,7 +252,7 @@ def test_a_finished_run_saves_its_last_step_and_continues_after_it(tmp_path, tin
     --continue-finished --max-steps 4 goes on at step 4 without training step 3 again (issue 57: it
     re-trained the steps after checkpoint-2)."""
     import finetune
-    from toolkit.config.inputs import complete_checkpoints
+    from toolkit.config.output_dir import complete_checkpoints
 
     out = tmp_path / "out"
     finetune.main(args(tiny_model, data, out, steps=3, extra=["--report-to", "none"]))

@@ -66,7 +66,7 @@ def first_source(spec: str) -> Source:
 
 def spec_problems(spec: str, flag: str = "--dataset") -> list[str]:
     """What is wrong with a mixture's syntax (the sources' paths and columns are checked one by one
-    elsewhere, `toolkit.config.inputs.dataset_problems`)."""
+    elsewhere, `toolkit.config.paths.dataset_problems`)."""
     sources = parse_sources(spec)
     if not is_mixture(spec):
         return [] if sources[0].spec else [f"{flag} {spec}: no file before its columns; write FILE:OURS=YOURS"]

@@ -7,7 +7,7 @@ A hint names only a flag that does the same job. A foreign name is looked up her
 a close spelling counts only as a typo of one of these names or of ours (`near_typo`: a letter or
 two wrong), never as a word two unrelated names share: `eval_strategy` is not `--strategy`,
 `val_set_size` is `--eval-split`, not `--eval-every`. Pure data and the standard library: the config
-layer reads it (`toolkit.config.translate_aliases`, `translate_keys`, `closest_key`).
+layer reads it (`toolkit.config.parse.translate_aliases`, `translate_keys`, `closest_key`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.config import DataConfig, DataSettings
 from toolkit.config.datasets import first_source, is_mixture, parse_sources
+from toolkit.config.schema import DataConfig, DataSettings
 from toolkit.data.table import DataStats
 from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
                                   to_conversation, unread_mapping, with_system_prompt)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from toolkit.errors import UserError
-from toolkit.config.inputs import DATA_SUFFIXES, SAME_JOB, TURN_FIELDS, Turns, parse_columns, record_columns, turn_mapping
+from toolkit.config.columns import SAME_JOB, TURN_FIELDS, Turns, parse_columns, record_columns, turn_mapping
+from toolkit.config.paths import DATA_SUFFIXES
 
 # format -> the columns that identify it, in detection order.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {

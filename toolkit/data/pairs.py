@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from toolkit.config import DataConfig
+from toolkit.config.columns import Turns
+from toolkit.config.schema import DataConfig
 from toolkit.data.tokenize import blank
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
-from toolkit.config.inputs import Turns
 
 if TYPE_CHECKING:  # torch is imported where a batch is made: the early data check runs before it loads
     import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.config import DataSettings
+from toolkit.config.schema import DataSettings
 from toolkit.data import as_example, check_trainable, data_sources, eval_source, source_format
 from toolkit.data.formats import EMPTY_OBJECTS, DataSource, column_renames, data_files
 from toolkit.data.table import DataStats

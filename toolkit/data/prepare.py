@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config import DataConfig, DataSettings
+from toolkit.config.schema import DataConfig, DataSettings
 from toolkit.data import DataStats, as_example, check_trainable, data_sources, eval_source, source_format, split_indices
 from toolkit.data.formats import DataSource
 from toolkit.config.objectives import form

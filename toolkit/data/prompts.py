@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.config import DataConfig
+from toolkit.config.schema import DataConfig
 from toolkit.data.formats import DataSource, record_place, with_system_prompt
 from toolkit.errors import UserError
 

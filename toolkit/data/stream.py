@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from toolkit.config import DataSettings
+from toolkit.config.schema import DataSettings
 from toolkit.data import as_example, collate, data_sources, source_format
 from toolkit.data.tokenize import encode_batch
 from toolkit.errors import UserError

@@ -3,6 +3,9 @@
 only when a file is given). No engine and no process group: the engine is accelerate's business
 (`toolkit.parallel`).
 
+A `--deepspeed` file's settings are adopted into the run's where no flag sets them, and a flag that
+disagrees is refused (`adopt_deepspeed_file`, on the settings `toolkit.config.parse` is resolving).
+
 `deepspeed_config` is a pure function: the files in `ds_configs/` are its output for the standard
 variants (`scripts/gen_ds_configs.py`), and each run writes the one it used to
 `OUTPUT_DIR/ds_config.json`. Values accelerate fills in from the run (batch sizes, accumulation,
@@ -11,8 +14,9 @@ clipping) stay `"auto"`, as in accelerate's own DeepSpeed examples.
 
 from __future__ import annotations
 
+import os
 from functools import cache
-from typing import Any
+from typing import Any, Callable, MutableMapping
 
 OFFLOADS = ("none", "optimizer", "optimizer+param")
 
@@ -92,7 +96,7 @@ def standard_variants() -> dict[str, dict[str, Any]]:
 
 # --- a user's own DeepSpeed JSON (`--deepspeed ds_config.json`), in transformers.Trainer's convention:
 # "auto" is filled from the toolkit's settings; a value the file sets wins over the toolkit's defaults
-# and must agree with a flag the user gave (`toolkit.config`).
+# and must agree with a flag the user gave (`adopt_deepspeed_file`).
 
 def read_user_config(path: str) -> dict[str, Any]:
     """The file as a dict, or one UserError naming the file and what is wrong with it."""
@@ -343,3 +347,68 @@ SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "
             "CommsConfig": "comms_logger", "DeepSpeedAIOConfig": "aio"}
 
 
+# a --deepspeed file's settings -> the DeepSpeed key that sets them (for messages)
+DS_KEYS = {"zero_stage": "zero_optimization.stage", "offload": "zero_optimization.offload_optimizer/offload_param",
+           "micro_batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
+           "max_grad_norm": "gradient_clipping", "mixed_precision": "bf16/fp16 enabled", "lr": "optimizer.params.lr",
+           "weight_decay": "optimizer.params.weight_decay"}
+
+
+def adopt_deepspeed_file(values: MutableMapping[str, Any], given: set[str], notes: list[str],
+                         coerce: Callable[[str, Any, str], Any]) -> list[str]:
+    """`--deepspeed FILE`: DeepSpeed's own checks on the file first; then every setting it fixes is
+    adopted where no flag set it, and a flag that disagrees is refused (one line each). `values`, `given`:
+    as `toolkit.layout.launcher.adopt_launcher`'s; `coerce(key, value, origin)`: a value of the file as the
+    key's type, or a UserError (`toolkit.config.parse._coerce`)."""
+    path = values["deepspeed"]
+    if not path:
+        return []
+    from toolkit.errors import UserError
+    from toolkit.layout.launcher import LAUNCHER_STAGE, NAMED_BY
+
+    try:
+        ds = read_user_config(path)
+    except UserError as e:
+        return [str(e)]
+    problems = user_config_problems(ds, path)
+    if problems:
+        return problems
+    if values["fsdp"]:
+        return [f"--deepspeed {path} with --fsdp: both shard the model; choose one"]
+    if values["strategy"] == "auto":
+        return [f"--deepspeed {path} with --strategy auto: the planner picks the sharding itself; drop one of them"]
+    settings = file_settings(ds)
+    launcher = values.get(LAUNCHER_STAGE)
+    if launcher and launcher[0] != settings["zero_stage"]:
+        return [f"{launcher[1]} says ZeRO-{launcher[0]}, --deepspeed {path} says stage {settings['zero_stage']}; "
+                "drop one of them"]
+    adopted = []
+    for key, value in settings.items():
+        value = coerce(key, value, f"--deepspeed {path} ({DS_KEYS[key]})")
+        current = values[key]
+        if key in given or (key == "zero_stage" and current is not None):
+            if current != value:
+                problems.append(f"--deepspeed {path} sets {DS_KEYS[key]} to {value}, --{key.replace('_', '-')} "
+                                f"{current} disagrees; drop one of them")
+            continue
+        if current != value:
+            adopted.append(f"{key.replace('_', ' ')} {value}")
+        values[key] = value
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    want = values["micro_batch_size"] * values["grad_accum"] * ranks
+    if isinstance(ds.get("train_batch_size"), int) and ds["train_batch_size"] != want:
+        problems.append(f"--deepspeed {path}: train_batch_size {ds['train_batch_size']} is not micro batch "
+                        f"{values['micro_batch_size']} x accumulation {values['grad_accum']} x {ranks} ranks = {want}; "
+                        "set it to \"auto\" or make them agree")
+    device, runs_fp16 = deepspeed_accelerator()
+    if values["mixed_precision"] == "fp16" and not runs_fp16:
+        problems.append(fp16_problem(path, settings.get("mixed_precision") == "fp16", device))
+    if not problems:
+        named_by = values.get(NAMED_BY)
+        where = f"DeepSpeed config {path}, named by {named_by}" if named_by else f"--deepspeed {path}"
+        also = [a for a in adopted if not a.startswith("zero")]
+        notes.append(f"layout: ZeRO-{values['zero_stage']} from {where}" + (f"; also from the file: {', '.join(also)}"
+                                                                            if also else ""))
+        if device == "cpu" and compiles_cpu_adam(ds):  # swapped in `parallel.build.run_deepspeed_config`
+            notes.append(torch_adam_note(path, ds))
+    return problems

@@ -4,14 +4,15 @@ YAML the CLI writes for a layout. Pure: reads an environment mapping, argv and t
 line; the rank environment itself is set up in `toolkit.parallel.launch`.
 
 The YAML names the strategy the same way the toolkit's flags do: finetune.py adopts it when no flag
-says otherwise, and refuses a conflicting flag (`toolkit.config`).
+says otherwise, and refuses a conflicting flag (`adopt_launcher`, on the settings `toolkit.config.parse`
+is resolving).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, MutableMapping
 
 import yaml
 
@@ -200,3 +201,76 @@ def accelerate_default_config(env: Mapping[str, str] = os.environ) -> Path:
     `commands/config/config_args.py`: $HF_HOME, else $XDG_CACHE_HOME/huggingface, /accelerate)."""
     home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
+
+
+# set by `adopt_launcher` for `toolkit.layout.deepspeed.adopt_deepspeed_file`, not config keys: the accelerate
+# config that named the --deepspeed file, and the (stage, launcher) a launcher gave beside one
+NAMED_BY, LAUNCHER_STAGE = "_deepspeed_named_by", "_deepspeed_launcher_stage"
+
+
+def adopt_launcher(values: MutableMapping[str, Any], given: set[str], notes: list[str]) -> list[str]:
+    """`accelerate launch --use_deepspeed/--use_fsdp`, or an accelerate config naming DeepSpeed or FSDP,
+    must agree with our flags. What only the launcher says is adopted (an accelerate config alone
+    works) and said in one line (`notes`); a flag the user gave that disagrees is refused. Returns the
+    refusals; (stage, launcher) beside a --deepspeed file is left in `values` for `adopt_deepspeed_file`.
+    `values`: the flat settings resolved so far, written in place, where a key not set reads as its default
+    (`toolkit.config.parse._Settings`); `given`: the keys the user set."""
+    env = os.environ
+    if single_process_launch(env):
+        return [single_process_refusal()]
+    deepspeed = env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not (deepspeed or fsdp):
+        return []
+    source = launch_source(env)
+    says = "DeepSpeed" if deepspeed else "FSDP"
+    if values["strategy"] == "auto":
+        return [f"{source} says {says}, and --strategy auto picks the layout itself; drop one of them"]
+    adopted: list[str] = []
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16") and "mixed_precision" not in given:
+        values["mixed_precision"] = precision  # "no" is also what accelerate says when nobody chose
+        adopted.append(precision)
+    if fsdp:
+        if values["zero_stage"] is not None or values["deepspeed"]:
+            asked = f"--zero-stage {values['zero_stage']}" if values["zero_stage"] is not None \
+                else f"--deepspeed {values['deepspeed']}"
+            return [f"{source} says FSDP, {asked} asks for DeepSpeed; drop one of them"]
+        values["fsdp"] = True
+        sharding, problem = accelerate_fsdp_sharding(env)
+        if problem:
+            return [f"{source} {problem}"]
+        if "fsdp_sharding" in given and values["fsdp_sharding"] != sharding:
+            return [f"{source} says FSDP with {sharding} sharding, --fsdp-sharding {values['fsdp_sharding']} "
+                    "disagrees; drop one of them"]
+        values["fsdp_sharding"] = sharding
+        notes.append(f"layout: FSDP2, {sharding} sharding, from {source}"
+                     + (f"; {', '.join(adopted)} from it too" if adopted else ""))
+        return []
+    if "fsdp" in given and values["fsdp"]:
+        return [f"{source} says DeepSpeed, --fsdp asks for FSDP; drop one of them"]
+    ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if ds_file not in ("", "none"):  # the config names a DeepSpeed JSON: read as --deepspeed FILE
+        if values["deepspeed"] and Path(values["deepspeed"]).resolve() != Path(ds_file).resolve():
+            return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {values['deepspeed']}; "
+                    "drop one of them"]
+        values["deepspeed"] = ds_file
+        values[NAMED_BY] = source
+        return []
+    if values["deepspeed"]:  # the file decides the stage; a stage the launcher was given must agree with it
+        named = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        values[LAUNCHER_STAGE] = (int(named), source) if named not in (None, "") else None
+        return []
+    stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's default stage
+    if values["zero_stage"] is not None and values["zero_stage"] != stage:
+        return [f"{source} says ZeRO-{stage}, --zero-stage {values['zero_stage']} disagrees; drop one of them"]
+    values["zero_stage"] = stage
+    optim = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+    offload = "optimizer+param" if env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "") \
+        else "optimizer" if optim not in ("none", "") else "none"
+    if "offload" in given and values["offload"] != offload:
+        return [f"{source} says offload {offload}, --offload {values['offload']} disagrees; drop one of them"]
+    values["offload"] = offload
+    what = f"ZeRO-{stage}" + ("" if offload == "none" else f" with {offload} offload")
+    notes.append(f"layout: {what} from {source}" + (f"; {', '.join(adopted)} from it too" if adopted else ""))
+    return []

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from toolkit.cache import cache_dir
-from toolkit.config import Config
 from toolkit.config.chat_template import apply_template
+from toolkit.config.schema import DEFAULT_MODEL, Config
 from toolkit.errors import UserError
 from toolkit.model.kernels import apply_liger, experts_line, kernels_problem, router_kwargs
 from toolkit.model.lora import check_lora_targets, untargetable_linears
@@ -266,7 +266,7 @@ def training_model(cfg: Config) -> tuple[str, str | None]:
     """(what `from_pretrained` opens for this run, a line on where it came from when `--model` is a
     LoRA adapter folder). An adapter trained on: its base, the adapter loaded onto it by `load_model`.
     Merged (--merge-adapter, or --method full): the merged folder (`merged_model_dir`)."""
-    from toolkit.config.inputs import TRAINER_STATE
+    from toolkit.config.output_dir import TRAINER_STATE
 
     m = cfg.model
     folder = Path(m.model).expanduser()

@@ -9,7 +9,7 @@ import os
 from functools import partial
 from typing import Callable
 
-from toolkit.config import Config
+from toolkit.config.schema import Config
 from toolkit.errors import UserError
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import accelerate_plugin

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.config import Config
+from toolkit.config.schema import Config
 from toolkit.errors import UserError
 from toolkit.hardware import host_memory_bytes
 from toolkit.planner.cost import HARDWARE, Hardware, load_hardware

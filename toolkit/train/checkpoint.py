@@ -35,7 +35,8 @@ from toolkit.errors import UserError
 from toolkit.parallel import any_rank
 from toolkit.parallel.zero import load_full_state_dict
 from toolkit.train.manifest import MANIFEST, damage, write_manifest
-from toolkit.config.inputs import TRAINER_STATE, complete_checkpoints  # noqa: F401 - the names checkpoints are read by
+# the names checkpoints are read by
+from toolkit.config.output_dir import TRAINER_STATE, complete_checkpoints  # noqa: F401
 # the DCP folder inside checkpoint-N (toolkit.train.sharded_state, imported only where a checkpoint is
 # written or read: torch.distributed.checkpoint costs ~0.8 s of a run's start-up on 2 cores)
 STATE_DIR = "state"

@@ -24,7 +24,7 @@ import torch
 
 from toolkit.cache import cache_dir
 from toolkit.config import Config
-from toolkit.config.inputs import sample_prompts
+from toolkit.config.paths import sample_prompts
 from toolkit.data.packing import Collate
 from toolkit.errors import UserError
 from toolkit.parallel import any_rank, rank_max

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.config.chat_template import is_inline
-from toolkit.config import DataConfig, OutputConfig, TrainConfig
+from toolkit.config.columns import parse_columns
 from toolkit.config.objectives import EXAMPLES, form
-from toolkit.config.inputs import parse_columns
+from toolkit.config.schema import DataConfig, OutputConfig, TrainConfig
 
 if TYPE_CHECKING:
     from toolkit.data.table import DataStats

@@ -25,7 +25,8 @@ from typing import Any, Callable
 from toolkit.config.datasets import dataset_digest
 from toolkit.errors import UserError
 from toolkit.layout.flags import ParallelConfig
-from toolkit.config.inputs import TRAINER_STATE, complete_checkpoints, finished_problems, finished_step, later_checkpoints
+from toolkit.config.output_dir import (TRAINER_STATE, complete_checkpoints, finished_problems, finished_step,
+                                      later_checkpoints)
 from toolkit.config.objectives import DEFAULT_SIMPO_GAMMA
 from toolkit.train.manifest import damage
 
@@ -74,7 +75,7 @@ def model_identity(name: str) -> dict | None:
     adapter_config.json's) and each weight file's size and the SHA-256 of its first and last MiB
     (hashing whole files would read an 8B model at every checkpoint; the ends hold the header and
     tensors at both ends). None: a hub id that is not in the local cache."""
-    from toolkit.config import DEFAULT_MODEL
+    from toolkit.config.schema import DEFAULT_MODEL
     from toolkit.model.source import default_model_dir, is_adapter_dir
 
     folder = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
