@@ -206,7 +206,7 @@ def test_only_the_command_line_and_the_loop_take_the_whole_config():
 
 OBJECTIVE_NAMES = {"sft", "dpo", "orpo", "simpo", "kto", "grpo"}
 # where naming an objective is the point: the objectives themselves, and the config's table and checks of them
-NAMES_OBJECTIVES = ("objectives/", "config/objectives.py", "config/validate.py")
+NAMES_OBJECTIVES = ("objectives/", "config/objectives.py", "config/checks.py")
 
 
 def objective_comparisons(path: Path) -> list[str]:

@@ -15,6 +15,4 @@ from toolkit.config.parse import build_parser, closest_key, load_yaml, parse_con
 from toolkit.config.schema import (DEFAULT_DATASET, DEFAULT_MODEL, SECTIONS, Config, DataConfig,  # noqa: F401
                                    DataSettings, ModelConfig, OutputConfig, PlanConfig, RLConfig, TrainConfig,
                                    _fields)
-# the function `validate` takes the name of its module here: `import toolkit.config.validate as m` gives the
-# function; the module's other names are imported from it (`from toolkit.config.validate import ...`)
-from toolkit.config.validate import padding_free_blocked, validate  # noqa: F401
+from toolkit.config.checks import padding_free_blocked, validate  # noqa: F401

@@ -1,5 +1,5 @@
 """What `--objective` may be, its defaults and what it cannot run with: read by the config's checks
-(`toolkit.config.validate`), the data (`toolkit.data.pairs`), the loss (`toolkit.objectives.preference.loss`) and the
+(`toolkit.config.checks`), the data (`toolkit.data.pairs`), the loss (`toolkit.objectives.preference.loss`) and the
 planner, so a leaf below them all."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import yaml
 from toolkit.config.foreign import ALIASES, FOREIGN, HINT_ONLY, MISSING, hint, joined, normalize, translate
 from toolkit.config.paths import dataset_problems, eval_dataset_problems
 from toolkit.config.schema import Config, _field_type, _fields
-from toolkit.config.validate import validate
+from toolkit.config.checks import validate
 from toolkit.errors import UserError
 from toolkit.layout.deepspeed import adopt_deepspeed_file
 from toolkit.layout.launcher import adopt_launcher

@@ -440,9 +440,9 @@ PADDING_FREE = frozenset(NAMES[k] for k in ("varlen", "flex", "flash"))  # kerne
 def end_to_end(cfg) -> tuple[bool, str | None]:
     """(--packing, where rows are not cut by --cp; `choose_attention`'s `padding_free`: "on" for
     --padding-free, "auto" unset, None for --no-padding-free or where padding-free cannot run:
-    `toolkit.config.validate.padding_free_blocked`, or --packing, whose rows are already laid end to end).
+    `toolkit.config.checks.padding_free_blocked`, or --packing, whose rows are already laid end to end).
     Context parallel runs the model's own attention on its slices (`toolkit.parallel.cp`)."""
-    from toolkit.config.validate import padding_free_blocked
+    from toolkit.config.checks import padding_free_blocked
 
     d = cfg.data
     packing = d.packing and cfg.parallel.cp == 1
@@ -457,7 +457,7 @@ def padding_free_on(cfg, attn_implementation: str | None) -> bool:
     is one of the padding-free kernels (varlen, flex, flash: documents kept apart from their boundaries; sdpa
     or eager would build a dense block-diagonal mask over the micro-batch's tokens, B x the attention of
     padded rows); never with --no-padding-free, --packing (its rows are already packed) or where the layout
-    cuts the rows (`toolkit.config.validate.padding_free_blocked`). A pure function of its inputs."""
+    cuts the rows (`toolkit.config.checks.padding_free_blocked`). A pure function of its inputs."""
     mode = end_to_end(cfg)[1]
     return mode == "on" or (mode == "auto" and attn_implementation in PADDING_FREE)
 

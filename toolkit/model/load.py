@@ -15,7 +15,7 @@ import torch
 
 from toolkit.cache import cache_dir
 from toolkit.config.chat_template import apply_template
-from toolkit.config.schema import DEFAULT_MODEL, Config
+from toolkit.config.schema import Config
 from toolkit.errors import UserError
 from toolkit.model.kernels import apply_liger, experts_line, kernels_problem, router_kwargs
 from toolkit.model.lora import check_lora_targets, untargetable_linears
