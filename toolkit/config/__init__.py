@@ -4,7 +4,7 @@ rest of the code imports from `toolkit.config`; they live in:
 
 - `schema`: the sections, `Config`, `DataSettings`, `SECTIONS`, the defaults, every key's section and type;
 - `parse`: flags and YAML into a `Config` (`parse_config`), value coercion, other tools' names, `save_config`;
-- `validate`: the checks of a resolved `Config` (`validate`, `padding_free_blocked`);
+- `checks`: the checks of a resolved `Config` (`validate`, `padding_free_blocked`);
 - `columns`, `paths`, `output_dir`: `--columns`, what a run reads, and the output folder, checked;
 - `datasets`, `objectives`, `foreign`, `chat_template`, `hub`, `trackers`: one setting's spec each.
 """
