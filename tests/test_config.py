@@ -401,3 +401,35 @@ def test_parsing_their_names_and_the_new_flags_imports_nothing_heavy(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "qlora []"
+
+
+def test_resume_over_a_config_file_that_overwrites_its_folder(tmp_path):
+    """The quickstarts' YAML sets overwrite_output_dir (to run again from scratch); the line a preempted run
+    prints says to add --resume auto: typed over the file, resuming wins and the file's overwrite is not
+    applied, said in a note. Both typed still contradict each other."""
+    from toolkit.config import parse_config
+    from toolkit.errors import UserError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    path = tmp_path / "run.yaml"
+    path.write_text(f"dataset: {data}\noutput_dir: {tmp_path / 'out'}\noverwrite_output_dir: true\n")
+    cfg = parse_config(["--config", str(path), "--resume", "auto"])
+    assert cfg.output.resume == "auto" and not cfg.output.overwrite_output_dir
+    assert any("the config's overwrite_output_dir: true is not applied" in n for n in cfg.notes)
+    assert parse_config(["--config", str(path)]).output.overwrite_output_dir
+    with pytest.raises(UserError, match="--resume and --overwrite-output-dir contradict each other"):
+        parse_config(["--config", str(path), "--resume", "auto", "--overwrite-output-dir"])
+
+
+@pytest.mark.parametrize("flags, said", [([], "2e-05 (the default for --method full; --lr sets it)"),
+                                         (["--objective", "grpo", "--method", "lora", "--reward", "builtin:math_answer"],
+                                          "1e-05 (--objective grpo's default for --method lora; --lr sets it)"),
+                                         (["--lr", "3e-4"], "0.0003 (--lr)")])
+def test_the_learning_rate_in_force_says_where_it_comes_from(tmp_path, flags, said):
+    from toolkit.config import parse_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n' if "grpo" in flags else '{"instruction": "a", "output": "b"}\n')
+    method = [] if "--method" in flags else ["--method", "full"]
+    assert parse_config(["--dataset", str(data), *method, *flags]).lr_words == said

@@ -409,6 +409,12 @@ def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: boo
         except UserError as e:
             problems.append(str(e))
     settings, notes = _Settings(values), []
+    # --resume typed over a config file that overwrites its output folder (as the quickstarts' do, to run again
+    # from scratch): resuming is what was asked, so the file's overwrite is not applied; typed together they contradict
+    if given.get("resume") and "overwrite_output_dir" not in given and settings.get("overwrite_output_dir"):
+        settings["overwrite_output_dir"] = False
+        notes.append(f"--resume {given['resume']}: the config's overwrite_output_dir: true is not applied (it would "
+                     "delete the checkpoints to resume from)")
     adopted = (adopt_launcher(settings, set(values), notes)
                or adopt_deepspeed_file(settings, set(values), notes, _coerce))
     if adopted:

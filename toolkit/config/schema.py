@@ -105,7 +105,8 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = _f(4, "examples per rank per forward pass")
     grad_accum: int = _f(1, "micro-batches per optimizer step")
-    lr: Optional[float] = _f(None, "peak learning rate (default 2e-4 for lora/qlora, 2e-5 for full)")
+    lr: Optional[float] = _f(None, "peak learning rate (default 2e-4 for lora/qlora, 2e-5 for full; under "
+                                   "--objective grpo 1e-5 and 1e-6, TRL's GRPOConfig's scale)")
     lr_schedule: str = _f("cosine", "decay after warmup", ("cosine", "linear", "constant"))
     warmup_steps: int = _f(10, "linear warmup steps")
     weight_decay: float = _f(0.0, "AdamW weight decay (not applied to biases and norms)")
@@ -303,9 +304,18 @@ class Config:
         """The learning rate in force: the user's, else the method's usual default."""
         if self.train.lr is not None:
             return self.train.lr
-        if self.train.objective == "grpo":  # TRL's GRPOConfig 1e-6 for a full model; LoRA's 10x (as SFT's)
+        # TRL's GRPOConfig: 1e-6 for a full model; LoRA's 10x, as SFT's
+        if self.train.objective == "grpo":
             return 1e-6 if self.model.method == "full" else 1e-5
         return 2e-5 if self.model.method == "full" else 2e-4
+
+    @property
+    def lr_words(self) -> str:
+        """The learning rate in force and where it comes from, for the run's training line."""
+        if self.train.lr is not None:
+            return f"{self.lr:g} (--lr)"
+        whose = "--objective grpo's" if self.train.objective == "grpo" else "the"
+        return f"{self.lr:g} ({whose} default for --method {self.model.method}; --lr sets it)"
 
 
 def _fields() -> dict[str, tuple[str, dataclasses.Field]]:

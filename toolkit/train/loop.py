@@ -287,12 +287,16 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     steps_per_epoch = objective.steps_per_epoch(loader, train_rows, world)
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
-    scheduler = strategy.scheduler(optimizer, total_steps) or get_scheduler(
+    scheduler = strategy.scheduler(optimizer, total_steps)
+    schedule = "the --deepspeed file's schedule" if scheduler is not None else t.lr_schedule + (
+        f" after {min(t.warmup_steps, total_steps)} warm-up steps" if t.warmup_steps else "")
+    scheduler = scheduler or get_scheduler(
         t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
     strategy.save_run_config(out_dir)
     log(f"training: {total_steps} steps ({steps_per_epoch}/epoch), global batch "
         f"{t.micro_batch_size} x {t.grad_accum} accum x {world} data-parallel ranks = "
         + objective.batch_words(t.micro_batch_size * t.grad_accum * world))
+    log(f"learning rate: {cfg.lr_words}, {schedule}")
     accelerator = strategy.accelerator
     # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
