@@ -281,6 +281,44 @@ BAD = [  # flags, the reward functions, the line (its start), whether training s
 ]
 
 
+EARLY = [  # refused by the config's checks: the line (its start)
+    (["--reward", "nowhere.py:vowels"], "--reward nowhere.py:vowels: no file nowhere.py"),
+    (["--reward", "rewards.py:nowhere"], "--reward rewards.py:nowhere: rewards.py has no 'nowhere' (its functions: "
+                                         "constant, fails_in_round_2, mostly_none, not_a_number, vowels, wrong_length)"),
+    (["--reward", "broken.py:f"], "--reward broken.py:f: broken.py is not Python that parses (SyntaxError"),
+    (["--reward", "builtin:regex:("], "--reward builtin:regex:(: not a regular expression"),
+    (["--reward", "builtin:math_answer", "--num-generations", "3"], "--objective grpo: the global batch (8 micro-batch "
+                                                                   "x 1 accumulation x 1 data-parallel rank(s) = 8"),
+]
+
+
+def test_refusals_that_need_no_model_come_before_torch_is_imported(files, tiny_model):
+    """A reward file that is not there or does not parse, a function it does not define, a pattern that does not
+    compile, a batch that --num-generations does not divide: one line each, said by the config's checks, in a
+    process that has not imported torch when it says it (each in under a second, not after the imports)."""
+    import subprocess
+    import sys
+
+    from distributed import ROOT
+
+    (files / "broken.py").write_text("def f(:\n")
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = ['finetune.py']; import finetune\n"
+              "out = []\n"
+              f"for flags in {[f for f, _ in EARLY]!r}:\n"
+              "    try:\n"
+              f"        finetune.main(['--model', {str(tiny_model)!r}, '--dataset', 'add.jsonl', '--objective', 'grpo', "
+              "'--micro-batch-size', '8', '--num-generations', '4', *flags])\n"
+              "    except SystemExit as e:\n"
+              "        out.append([e.code, 'torch' in sys.modules])\n"
+              "print(json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=files, capture_output=True, text=True, timeout=300)
+    assert json.loads(done.stdout.splitlines()[-1]) == [[2, False]] * len(EARLY), done.stderr[-2000:]
+    said = [x for x in done.stderr.splitlines() if x.startswith("finetune.py: error:")]
+    assert len(said) == len(EARLY)
+    for line, (_, says) in zip(said, EARLY):
+        assert line.startswith(f"finetune.py: error: {says}"), line
+
+
 @pytest.mark.parametrize("flags, rewards, says, trained", BAD, ids=[b[2][:30] for b in BAD])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, tiny_model, files, capsys, flags, rewards, says, trained):
     """No prompt column, G of 1, a batch G does not divide, a reward function that cannot be found, raises,

@@ -119,6 +119,9 @@ def grpo_problems(cfg) -> list[str]:
     if not specs:
         p.append(f"{o} needs at least one --reward: builtin:math_answer (the last number against the answer "
                  "column), builtin:regex:PATTERN, or path.py:function (TRL's signature)")
+    for spec in specs:
+        p += reward_problems(spec)
+    p += group_problems(cfg)
     weights = [w for w in rl.reward_weights.split(",") if w.strip()]
     if weights:
         try:
@@ -186,3 +189,80 @@ def plan_terms(objective: str, method: str, loss: str, cfg=None) -> dict:
     preference = objective != "sft"
     return {"sequences": 2 if preference and objective != "kto" else 1,
             "extra_forwards": extra_forwards(objective, method), "loss": "full" if preference else loss}
+
+
+BUILTIN_REWARDS = ("math_answer", "regex")
+
+
+def reward_problems(spec: str) -> list[str]:
+    """A `--reward` that cannot load, found without running anything (the config's check, before torch is
+    imported): a built-in that does not exist or a pattern that does not compile, a file that is not there or
+    does not parse, a function it does not define at its top level. What only running the file tells (an import
+    inside it that fails) is said when the objective loads it (`toolkit.objectives.grpo.rewards.load_reward`)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    if spec.startswith("builtin:"):
+        kind, _, arg = spec.removeprefix("builtin:").partition(":")
+        if kind == "regex" and arg:
+            try:
+                re.compile(arg)
+            except re.error as e:
+                return [f"--reward {spec}: not a regular expression: {e}"]
+            return []
+        if kind == "math_answer" and not arg:
+            return []
+        return [f"--reward {spec}: no such built-in; the built-ins are builtin:math_answer and builtin:regex:PATTERN"]
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file or not name:
+        return [f"--reward {spec}: write path.py:function or builtin:math_answer or builtin:regex:PATTERN"]
+    path = Path(file)
+    if not path.is_file():
+        return [f"--reward {spec}: no file {path}"]
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (SyntaxError, ValueError) as e:
+        return [f"--reward {spec}: {path} is not Python that parses ({type(e).__name__}: {e})"]
+    defined, functions, star = set(), [], False
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+            functions += [node.name] if not node.name.startswith("_") and not isinstance(node, ast.ClassDef) else []
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            star |= any(a.name == "*" for a in node.names)
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            defined.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    # a star import, or a name made at run time (globals()), is left for the load to find
+    if name in defined or star or "globals" in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
+        return []
+    return [f"--reward {spec}: {path} has no {name!r} (its functions: {', '.join(sorted(functions)) or 'none'})"]
+
+
+def group_problems(cfg) -> list[str]:
+    """A global batch that holds no whole number of prompt groups, where the world's data-parallel degree is
+    known before the launch (the launcher's WORLD_SIZE, or --nproc-per-node): the global batch is micro-batch
+    x accumulation x data-parallel ranks completions, each group --num-generations of them. The strategy checks
+    it again on the world it is built for."""
+    import os
+
+    t, par, rl = cfg.train, cfg.parallel, cfg.rl
+    if par.strategy == "auto" or rl.num_generations < 1:
+        return []
+    world = int(os.environ.get("WORLD_SIZE") or par.nproc_per_node or 1)
+    model_parallel = max(1, par.tp) * max(1, par.pp) * max(1, par.cp)
+    if world % model_parallel:
+        return []
+    problem = groups_problem(t.micro_batch_size, t.grad_accum, world // model_parallel, rl.num_generations)
+    return [problem] if problem else []
+
+
+def groups_problem(micro_batch: int, accumulation: int, ranks: int, generations: int) -> str | None:
+    """The global batch's completions against --num-generations: whole prompt groups, or one line."""
+    completions = micro_batch * accumulation * ranks
+    if completions % generations == 0:
+        return None
+    return (f"--objective grpo: the global batch ({micro_batch} micro-batch x {accumulation} accumulation x {ranks} "
+            f"data-parallel rank(s) = {completions} completions) is not a multiple of --num-generations {generations}: "
+            "a step trains whole prompt groups; change one of them")

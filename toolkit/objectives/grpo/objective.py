@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader
 
+from toolkit.config.objectives import groups_problem
 from toolkit.objectives.base import Context, LayoutHooks
 from toolkit.objectives.grpo.loss import GRPOLoss, GRPOSpec
 from toolkit.objectives.preference.objective import one_process_pipeline
@@ -39,11 +40,8 @@ class GRPO:
         only where the policy is whole on each rank: a layout that shards it would have to shard the copy too."""
         p = one_process_pipeline(self.cfg, kind)
         t, rl, par = self.cfg.train, self.cfg.rl, self.cfg.parallel
-        completions = t.micro_batch_size * t.grad_accum * dims.dp
-        if completions % rl.num_generations:
-            p.append(f"--objective grpo: the global batch ({t.micro_batch_size} micro-batch x {t.grad_accum} accumulation "
-                     f"x {dims.dp} data-parallel rank(s) = {completions} completions) is not a multiple of "
-                     f"--num-generations {rl.num_generations}: a step trains whole prompt groups; change one of them")
+        groups = groups_problem(t.micro_batch_size, t.grad_accum, dims.dp, rl.num_generations)
+        p += [groups] if groups else []
         whole = kind == "accelerate" or (kind == "deepspeed" and (par.zero_stage or 0) < 3)
         if self.spec.reference == "copy" and not whole:
             p.append(f"--objective grpo with --beta {self.spec.beta:g} and --method full: the reference is a frozen copy "
