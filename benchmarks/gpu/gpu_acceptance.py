@@ -353,7 +353,7 @@ def attention_kernels(device: str) -> tuple[list[str], list[str], str | None]:
     """The --attn kernels that this toolkit takes and that train here, a line for each that does not,
     and what --attn auto runs on packed rows (an older toolkit without toolkit.model.attention: sdpa only)."""
     try:
-        from toolkit import attention
+        from toolkit.model import attention
     except ImportError as e:
         return ["sdpa"], [f"flex, varlen, flash: toolkit.model.attention does not import ({e})"], None
     why = {k: attention.unavailable(k, device) or (flag_problem(["--attn", k]) if k != "sdpa" else None)
