@@ -7,6 +7,8 @@ torchrun's agent imports torch once more. Ranks are therefore forked from a fork
 once (`PRELOAD`); it has run no torch op, so its children start without a thread pool to inherit. The
 launchers themselves (python, torchrun, accelerate launch, DeepSpeed's) are what tests/test_launchers.py
 runs, every form for real; the parity tests use `launcher="fork"` (torchrun's rank environment, no agent).
+The benchmarks start their gloo ranks through `run_distributed` too (`benchmarks.common.spawn_ranks`), as
+`tests.distributed`: nothing here needs pytest, except `assert_metric_close`, which imports it when called.
 """
 
 from __future__ import annotations
@@ -71,16 +73,19 @@ def _forkable() -> bool:
     return not torch.cuda.is_available()
 
 
-def _context():
-    ctx = mp.get_context("forkserver" if _forkable() else "spawn")
-    if _forkable():
-        ctx.set_forkserver_preload(PRELOAD)
+def _context(spawn: bool = False):
+    if spawn or not _forkable():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> list:
-    """Call `fn(*args)` on `world_size` ranks (env:// rendezvous, gloo); return results by rank."""
-    ctx = _context()
+def run_distributed(fn, world_size: int, *args, timeout: float = 300, spawn: bool = False) -> list:
+    """Call `fn(*args)` on `world_size` ranks (env:// rendezvous, gloo); return results by rank.
+    `spawn`: fresh interpreters instead of forks of the preloaded forkserver, so a rank's memory and
+    imports are its own, as a launched rank's are (the benchmarks measure them)."""
+    ctx = _context(spawn)
     queue, finished = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, queue, finished))

@@ -44,7 +44,7 @@ def test_global_batch_invariance(tmp_path, tiny_model, data_files):
 def _rank_examples(n: int, mb: int, epochs: int) -> list[list[int]]:
     from toolkit.config import parse_config
     from toolkit.parallel.build import make_accelerator
-    from toolkit.train.loop import make_loader
+    from toolkit.data.loader import make_loader
 
     cfg = parse_config(["--micro-batch-size", str(mb), "--output-dir", "/nonexistent-out"])
     accelerator = make_accelerator(cfg)

@@ -66,7 +66,8 @@ def _layouts(model: str, data: str, scratch: str) -> dict:
     from toolkit.model.load import load_model, load_tokenizer
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.objectives.grpo.sampling import any_unfinished_here
-    from toolkit.train.loop import make_loader, make_optimizer
+    from toolkit.data.loader import make_loader
+    from toolkit.train.loop import make_optimizer
     from toolkit.train.step import batch_counts
 
     def anyone(unfinished: torch.Tensor) -> bool:  # sharded forwards are collective: every rank runs as many

@@ -1,4 +1,4 @@
-"""scripts/gpu_acceptance.py end to end on this CPU (`--smoke`: tiny shapes), so the GPU run cannot rot
+"""benchmarks/gpu/gpu_acceptance.py end to end on this CPU (`--smoke`: tiny shapes), so the GPU run cannot rot
 before a GPU is lent: every part runs, the correctness checks it can judge here hold in fp32, what
 needs CUDA is listed as skipped with its reason, and nothing is written to benchmarks/gpu/. Beside it,
 the throughput measurement's bookkeeping (time budget, a failing arm) and the rendering of a figure
@@ -11,19 +11,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_acceptance.py"
+SCRIPT = ["-m", "benchmarks.gpu.gpu_acceptance"]  # from ROOT, as `python -m` runs it
 BENCH = ROOT / "benchmarks" / "gpu"
 PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
          "pipeline", "deepspeed", "launchers", "moe")
 
 
 def snapshot() -> dict[str, bytes]:
-    return {str(p.relative_to(BENCH)): p.read_bytes() for p in BENCH.rglob("*") if p.is_file()} if BENCH.is_dir() else {}
+    # the results only: the scripts beside them leave their bytecode in __pycache__ when they run
+    return {str(p.relative_to(BENCH)): p.read_bytes() for p in BENCH.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts} if BENCH.is_dir() else {}
 
 
 def test_smoke_runs_every_part(tmp_path):
     before = snapshot()
-    p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(tmp_path / "out"),
+    p = subprocess.run([sys.executable, *SCRIPT, "--device", "cpu", "--smoke", "--out", str(tmp_path / "out"),
                         "--work", str(tmp_path / "work")], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert snapshot() == before  # a smoke run's figures never reach benchmarks/gpu/
@@ -92,13 +94,15 @@ def test_smoke_runs_every_part(tmp_path):
 
 
 def test_measure_keeps_to_the_budget_and_records_a_failing_arm(tmp_path):
-    """bench_throughput.measure with a stand-in for the runs: a round-2 run that would end past the
+    """benchmarks.throughput.measure with a stand-in for the runs: a round-2 run that would end past the
     deadline is left out and listed, an arm that fails is recorded and not run again, the others go on."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import argparse
 
-    import toolkit.config  # noqa: F401 - imported before the clock starts
-    from bench_throughput import measure
+    # imported before the clock starts: the deadline leaves measure's own set-up 0.25 s beside the runs, and
+    # importing toolkit.parallel.build there took 0.2 s of it on a loaded 2-core machine (trainer_best left out)
+    import toolkit.config  # noqa: F401
+    import toolkit.parallel.build  # noqa: F401
+    from benchmarks.throughput import measure
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -129,7 +133,7 @@ def test_render_puts_each_figure_beside_its_target(tmp_path):
     env = {"date": "2026-11-26", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "transformers": "5.17.0"}
     (tmp_path / "throughput_full.json").write_text(json.dumps({"part": "throughput_full", "smoke": False, "env": env,
                                                                 "cases": [], "checks": [check], "seconds": 400}))
-    p = subprocess.run([sys.executable, str(SCRIPT), "--render", "--out", str(tmp_path)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, *SCRIPT, "--render", "--out", str(tmp_path)], capture_output=True, text=True,
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "| throughput_full | full: toolkit / Trainer tokens/s | 0.99 | >= 1.1 | **no** (short by 10.0%) |" in \
@@ -139,5 +143,5 @@ def test_render_puts_each_figure_beside_its_target(tmp_path):
 def test_smoke_refuses_the_benchmarks_folder_and_cpu_without_smoke():
     for args, words in ((["--smoke", "--device", "cpu", "--out", str(BENCH)], "never writes to benchmarks/gpu"),
                         (["--device", "cpu"], "need a CUDA GPU"), (["--parts", "speed"], "unknown speed")):
-        p = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT)
+        p = subprocess.run([sys.executable, *SCRIPT, *args], capture_output=True, text=True, cwd=ROOT)
         assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -1,6 +1,6 @@
 """Config-built models and synthetic token rows: nothing is downloaded.
 
-The tests, the benchmarks and the GPU acceptance run (`scripts/gpu_acceptance.py`, on a machine that
+The tests, the benchmarks and the GPU acceptance run (`benchmarks/gpu/gpu_acceptance.py`, on a machine that
 has no hub access and no SmolLM2 package) all need a model that goes through the real
 `from_pretrained` path; this builds one from a Llama config with random weights and a small BPE
 tokenizer trained here, and saves both as a standard HF folder.

@@ -7,7 +7,7 @@ inputs), each of b*s*h elements (Shoeybi et al. 2019, "Megatron-LM", section 3, 
 With gradient checkpointing the forward all-reduces run again during backward's recompute.
 Measured: `toolkit.parallel.traffic.counting("tp")`, which every all-reduce adds its bytes to.
 
-    python scripts/bench_tp_comm.py            # writes benchmarks/tp_comm.{json,md}
+    python -m benchmarks.tp_comm            # writes benchmarks/tp_comm.{json,md}
 
 Also times one step on this machine at tp=1 and tp=2 (same per-rank batch): on a 2-core CPU that
 ratio says little about GPUs; it is recorded, not claimed.
@@ -15,11 +15,13 @@ ratio says little about GPUs; it is recorded, not claimed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 
 import torch
-from _bench_common import BENCH, median_seconds, save_llama, spawn_ranks, write_pair
+
+from benchmarks.common import BENCH, median_seconds, save_llama, spawn_ranks, write_pair
 
 SHAPES = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=1024)
@@ -96,6 +98,8 @@ def _worker(rank: int, world: int, folder: str) -> list[dict]:
 
 
 def main() -> None:
+    # no options: --help says what it measures
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         save_llama(tmp, **SHAPES, max_position_embeddings=512)
         single, tp2 = spawn_ranks(_worker, 1, tmp)[0], spawn_ranks(_worker, 2, tmp)[0]
@@ -112,7 +116,7 @@ def main() -> None:
     meta = {"model": SHAPES, "dtype": "float32", "tp": 2, "backend": "gloo", "steps": STEPS,
             "machine": f"{os.cpu_count()} CPU cores", "torch": torch.__version__}
     lines = ["# Tensor-parallel all-reduce bytes per step (tp=2, fp32, gloo)", "",
-             f"Model: Llama {SHAPES}. Reproduce: `python scripts/bench_tp_comm.py`. Megatron's count is "
+             f"Model: Llama {SHAPES}. Reproduce: `python -m benchmarks.tp_comm`. Megatron's count is "
              "2 x L x b x s x h x 4 bytes per direction (Megatron-LM section 3); `expected` adds the terms in "
              "`expected_bytes` (checkpointing recompute, LoRA's r-dim and adapter-gradient all-reduces).", "",
              "| case | Megatron count | fwd bytes | expected | ratio | bwd bytes | expected | ratio | "

@@ -1,36 +1,36 @@
 """GPU acceptance in one command: the checks that need a CUDA GPU, written to benchmarks/gpu/.
 
-Parts (`--parts`, comma-separated, default all). Issue 35's speed checks make three device calls of
-under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the commands):
+Parts (`--parts`, comma-separated, default all). The speed checks make three device calls of
+under 9 minutes each on one H100 (`benchmarks/gpu/gpu_acceptance.sh`'s header has the commands):
   user          first on every GPU lent: `finetune.py` as users run it, a subprocess a case on 1,000 GSM8K
         records (LoRA, full, each with --compile, unpacked, --mixed-precision no, QLoRA, DPO, a Qwen3-MoE,
         a Gemma-2; packed but where said; and --objective grpo, G 8 x 256 tokens, on their questions): started,
         seconds to step 1, steady tokens/s, the step times' spread, peak memory, the start-up checks' gaps,
-        integrity; GRPO's generation and training tokens/s, step seconds and decode path. scripts/gpu_user.py
+        integrity; GRPO's generation and training tokens/s, step seconds and decode path. gpu_user.py
         (its docstring: what and why, the time; GPU_USER_CASES=REGEX runs some cases only). The README's GPU
         figures come from this part.
-  yardstick     issue 59's: the toolkit's default against TRL's SFTTrainer on the same file and GPU (its
+  yardstick     the toolkit's default against TRL's SFTTrainer on the same file and GPU (its
         defaults with packing; its best flags: torch_compile, padding_free, use_liger_kernel where it
-        imports), LoRA and full, 30 steps each (scripts/sft_trainer_user.py); then 200 steps of the default
+        imports), LoRA and full, 30 steps each (sft_trainer_user.py); then 200 steps of the default
         (--compile auto) against --no-compile, wall time with start-up and compile. Targets: LoRA >= 1.5x
-        SFTTrainer, >= 1.1x its best; full >= 1.25x; the 200-step wall no worse than eager's. Issue 65's:
+        SFTTrainer, >= 1.1x its best; full >= 1.25x; the 200-step wall no worse than eager's. Then
         --objective grpo (the user part's run, when it ran in the same command) against TRL's GRPOTrainer on
-        the same prompts and reward (scripts/grpo_trainer_user.py), its default generate and
+        the same prompts and reward (grpo_trainer_user.py), its default generate and
         use_transformers_continuous_batching: generation tokens/s >= 2x the first, >= 1x the second. Its
         checks are written into user.json's too. Unmeasured: ~7 minutes, ~4 more for GRPO (guesses).
   throughput_full, throughput_lora  bf16 tokens/s on a Llama-3.2-1B-shaped model at 2048 tokens x
-        micro-batch 4, full finetune and LoRA, each a call of its own: scripts/bench_throughput.py's
+        micro-batch 4, full finetune and LoRA, each a call of its own: benchmarks/throughput.py's
         arms and method (fresh process per run, alternating rounds, the same batches): the raw PyTorch
         loop, Trainer's defaults, Trainer's best flags (torch_compile=True; use_liger_kernel=True when
         liger_kernel imports, else a line says it was left out), the toolkit's defaults, the toolkit
         with --compile, and with its best flags (--compile, the first of --loss cce / liger / chunked
         that this toolkit takes and this machine runs, and --kernels liger where it imports). MFU
         against the measured bf16 matmul peak; peak memory per arm, so arms compare at their memory.
-        Targets (issue 35): full: toolkit / raw >= 1.05, toolkit / Trainer >= 1.10, MFU >= 0.35; LoRA:
+        Targets: full: toolkit / raw >= 1.05, toolkit / Trainer >= 1.10, MFU >= 0.35; LoRA:
         toolkit / Trainer >= 1.15; the toolkit's default no slower than its fastest arm (>= 0.97:
         the defaults follow the measurements).
-        Time, estimated from the 2026-11-24 H100 run (its throughput_1b: 12 runs of 13 steps of the 1B
-        in 370 s, ~28 s a run, nearly all start-up: imports, a 5 GB load; the steps take ~3 s):
+        Time, estimated from the first H100 run (h100-2026-11-24/throughput_1b.json: 12 runs of 13
+        steps of the 1B in 370 s, ~28 s a run, nearly all start-up: imports, a 5 GB load; the steps take ~3 s):
         building the model ~40 s (none when a warm machine kept `--work`); round 1 ~340 s: three plain
         arms 3 x 28 s, --compile and best 2 x (28 + ~40 s compiling one block, forward and backward),
         trainer_best 28 + ~90 s compiling the whole model (the compile times are guesses: nothing has
@@ -44,18 +44,18 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         of its own): packed rows give the unpacked loss (bf16 tolerance), and useful tokens/s of
         training passes. Target: packed under the fastest kernel / padded under sdpa (what an unpacked
         run gets) >= 1.5; --attn auto's packed kernel is the fastest (>= 0.97). ~50 s a kernel (the
-        2026-11-24 packing part: 81 s for one kernel on the 135M shape, 3 rounds of 256 examples), flex
+        first H100 run's packing part: 81 s for one kernel on the 135M shape, 3 rounds of 256 examples), flex
         ~30 s more to compile: ~180 s.
   chunked_loss  --loss auto, full, chunked, liger and cce (the last two on CUDA where their packages
         import) with a Llama-3 head (vocab 128,256, 2 blocks, 4096 tokens x 2): peak memory, median step
         time, the same losses (bf16 tolerance). Target: each fused loss's time <= 1.1x full's at no more
         than its memory; auto as fast as the fastest at no more than auto's memory. ~25 s a loss (the
-        2026-11-24 part: 60 s for two, the model built): 85 s for three, 135 s for five.
+        first H100 run's part: 60 s for two, the model built): 85 s for three, 135 s for five.
   epoch_boundary  the toolkit's loop as users run it with --packing (LoRA, the 1B shape, 2048 tokens,
         micro-batch 4; then with --compile), 24 steps over 7-step epochs (whole micro-batches: no epoch ends
         on a short batch, which runs slower without any stall), one metrics record a step:
         tokens/s of the steps around each epoch boundary against the rest, and of the later epochs
-        against the first (the 2026-11-24 run fell from 30.9k to 15.8k tokens/s across one). Target
+        against the first (the first H100 run fell from 30.9k to 15.8k tokens/s across one). Target
         >= 0.9 both. ~35 s, and ~130 s compiled (its first compile, then a recompile or two as the
         packed width changes).
         packing, chunked_loss and epoch_boundary share the third call, given 500 s: ~40 s building the
@@ -80,16 +80,16 @@ under 9 minutes each on one H100 (`scripts/gpu_acceptance.sh`'s header has the c
         configs users copy (tests/data/published/): nine published ZeRO-3 JSONs as --deepspeed FILE,
         accelerate's DeepSpeed template pointed at transformers' ZeRO-3 file, TRL's zero3.yaml and
         fsdp2.yaml. One check per form: it exits 0 and its saved folder passes the integrity gate.
-  models        issue 46's architectures at their published widths (toolkit.planner.presets), a few blocks
+  models        three architectures at their published widths (toolkit.planner.presets), a few blocks
         each, random weights: Gemma 3 (27B's widths, 6 blocks: 5 sliding-window, 1 full), Qwen3-MoE
         (30B-A3B's: 128 experts, top 8, router loss on) and gpt-oss (20B's: sinks, windows, 32 experts,
         router loss on); LoRA, bf16, 2048 tokens x micro-batch 2, 3 steps under --loss auto. Checks: the
         start-up loss check's gap (the loss trained against the model's own, <= 1e-4; the run stops
         otherwise) and the planner's allocator peak within 10% of the measured one. Unmeasured: ~2 min a
         model, start-up and the random init of up to 1.4B embedding parameters included (a guess).
-  moe           issue 49's: Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048) as the experts
+  moe           Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048) as the experts
         module alone, forward + backward under --experts eager, grouped_mm and batched_mm
-        (scripts/bench_experts.py): speed against eager, outputs within bf16 tolerance of eager's; then the
+        (benchmarks/experts.py): speed against eager, outputs within bf16 tolerance of eager's; then the
         models part's 4-block Qwen3-MoE shape trained with --experts grouped_mm and eager (LoRA, bf16,
         2048 tokens x 2, 4 steps): tokens/s side by side, equal losses, and the grouped run's allocator peak
         against the planner's (within 10%). Unmeasured: ~4 min (a guess).
@@ -100,17 +100,17 @@ weights. Every case runs in a process of its own (fresh CUDA context and peak co
 GPU, where the parent never touches CUDA (a library that probes the GPU at import would make forked
 children fail), forked on the CPU (imports paid once: the smoke test stays short). A case that fails is
 recorded with its error and the rest go on; an arm or kernel that cannot run here (a package missing,
-CUDA needed, a flag this toolkit does not take yet: `bench_throughput.flag_problem`) is listed under
+CUDA needed, a flag this toolkit does not take yet: `benchmarks.throughput.flag_problem`) is listed under
 `skipped` with the reason. Every part's JSON holds the device and library versions (`env`), the model
 shapes it built (`shapes`) and each case's flags, micro-batch, sequence length and precision; every
 figure sits beside its target with `passed` and, where it fell short, `short_by`.
 
-    python scripts/gpu_acceptance.py --parts throughput_full --budget-s 450   # on the GPU: benchmarks/gpu/
-    python scripts/gpu_acceptance.py --device cpu --smoke             # anywhere: tiny shapes, a temp folder
-    python scripts/gpu_acceptance.py --render                         # redraw benchmarks/gpu/README.md
+    python -m benchmarks.gpu.gpu_acceptance --parts throughput_full --budget-s 450   # on the GPU: benchmarks/gpu/
+    python -m benchmarks.gpu.gpu_acceptance --device cpu --smoke             # anywhere: tiny shapes, a temp folder
+    python -m benchmarks.gpu.gpu_acceptance --render                         # redraw benchmarks/gpu/README.md
 Each part writes OUT/<part>.json; OUT/README.md is redrawn from every part's JSON in OUT. A smoke run
 never writes to benchmarks/gpu/; it compiles with the aot_eager backend (dynamo and AOTAutograd, not
-inductor's C++ build, which takes minutes on 2 cores). `scripts/gpu_acceptance.sh` runs it on the
+inductor's C++ build, which takes minutes on 2 cores). `benchmarks/gpu/gpu_acceptance.sh` runs it on the
 device tool's machine.
 """
 
@@ -128,12 +128,11 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from _bench_common import read_metrics, reset_peak_rss, status_kib  # noqa: E402 - found through the path set above
-from bench_throughput import flag_problem, importable  # noqa: E402
-from gpu_user import part_epoch, part_user, part_yardstick, table as user_table  # noqa: E402
+from benchmarks.common import read_metrics, reset_peak_rss, status_kib
+from benchmarks.gpu.gpu_user import part_epoch, part_user, part_yardstick, table as user_table
+from benchmarks.throughput import flag_problem, importable
+
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
@@ -365,7 +364,7 @@ def attention_kernels(device: str) -> tuple[list[str], list[str], str | None]:
 
 def packing_case(c: dict) -> dict:
     """One attention kernel: the same examples padded and packed; the mean loss of each (no grad),
-    then useful tokens/s of training passes (scripts/bench_packing.py's timing) after two untimed
+    then useful tokens/s of training passes (benchmarks/packing.py's timing) after two untimed
     micro-batches of each (a compiled kernel meets two batch widths, so it has compiled for varying
     widths before the clock starts)."""
     import contextlib
@@ -373,7 +372,7 @@ def packing_case(c: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench_packing import useful_tokens_per_sec
+    from benchmarks.packing import useful_tokens_per_sec
     from toolkit.data import collate
     from toolkit.data.packing import collate_packed, model_inputs, pack_rows
     from toolkit.objectives.sft.loss import count_targets, token_loss_sum
@@ -430,9 +429,9 @@ def packing_case(c: dict) -> dict:
 
 
 def throughput_case(c: dict) -> dict:
-    """scripts/bench_throughput.py's measurement: each arm's run a fresh subprocess on a GPU; forked from
+    """benchmarks/throughput.py's measurement: each arm's run a fresh subprocess on a GPU; forked from
     this warm process on the CPU (a smoke run: imports paid once)."""
-    from bench_throughput import measure, run_arm
+    from benchmarks.throughput import measure, run_arm
 
     from toolkit.model.synthetic import token_rows
 
@@ -771,11 +770,11 @@ def part_models(run: Run) -> dict:
 
 def part_moe(run: Run) -> dict:
     """Issue 49's: Qwen3-30B-A3B's MoE layer (128 experts, top 8) as the experts module alone under each
-    --experts implementation (`scripts/bench_experts.py`'s measurement: forward + backward on the same
+    --experts implementation (`benchmarks/experts.py`'s measurement: forward + backward on the same
     routed tokens, differences against eager), then the 4-block Qwen3-MoE shape of `models` trained in
     one process (LoRA, bf16, 2048 tokens x micro-batch 2) with --experts grouped_mm and eager: tokens/s
     side by side, and the grouped run's allocator peak against the planner's (DDP row)."""
-    from bench_experts import implementations
+    from benchmarks.experts import implementations
 
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.estimate import PlanInput, estimate
@@ -1028,11 +1027,11 @@ def arms_table(d: dict) -> list[str]:
 def render(out: Path) -> str:
     parts = {p: json.loads((out / f"{p}.json").read_text()) for p in PARTS if (out / f"{p}.json").exists()}
     lines = ["# GPU acceptance", "",
-             "Written by `scripts/gpu_acceptance.py` (what each part measures and how: its docstring); one JSON per "
+             "Written by `benchmarks/gpu/gpu_acceptance.py` (what each part measures and how: its docstring); one JSON per "
              "part beside this file, with each case's configuration. 'within 10%': |value - 1| <= 0.10; "
              "'short by': how far a figure fell short of its target, as a share of it.", ""]
     if not parts:
-        return "\n".join(lines + ["No part has run on a GPU yet. On a lent GPU machine: `bash scripts/gpu_acceptance.sh "
+        return "\n".join(lines + ["No part has run on a GPU yet. On a lent GPU machine: `bash benchmarks/gpu/gpu_acceptance.sh "
                                   "PARTS` (the device tool's commands are in that script's header)."]) + "\n"
     lines += ["| part | date | device | torch / CUDA / driver | transformers / accelerate / peft / deepspeed | "
               "liger / flash_attn / cut_cross_entropy | seconds |", "|---|---|---|---|---|---|---|"]

@@ -1,8 +1,8 @@
 """Does expert tensor parallel (ETP: EP inside TP, each expert's intermediate also cut over TP) earn its
-complexity? Issue 58. Four layouts of the same 4 ranks, side by side in one launch, on one MoE model:
+complexity? Four layouts of the same 4 ranks, side by side in one launch, on one MoE model:
 
     dp4_ep2        --ep 2, no TP: dp_shard 4, ep groups {0,1} {2,3}; whole experts, E/2 a rank
-    tp2_ep2_etp    --tp 2 --ep 2 as the toolkit ran it before issue 58 (ETP, removed): TP {0,1} {2,3}, ep over dp_shard at
+    tp2_ep2_etp    --tp 2 --ep 2 as the toolkit ran it with ETP (since removed): TP {0,1} {2,3}, ep over dp_shard at
                    the same TP coordinate {0,2} {1,3}; E/2 experts a rank, each cut to I/2; both TP peers
                    dispatch the same tokens (the all-to-all is repeated across TP ranks), the experts'
                    partial outputs are all-reduced over TP
@@ -33,8 +33,8 @@ top-2 (the same experts/top-k ratio 16), 4 layers. Also printed, analytically, f
 of the MoE presets (bf16, uniform routing): bytes per rank per step and the expert GEMMs each layout
 gives (experts a rank, rows per expert M, gate_up output width 2I/tp, down inner width I/tp).
 
-    python scripts/bench_etp.py                    # writes benchmarks/etp.json, prints the tables
-    python scripts/bench_etp.py --rounds 3 --seq 128     # shorter
+    python -m benchmarks.etp                    # writes benchmarks/etp.json, prints the tables
+    python -m benchmarks.etp --rounds 3 --seq 128     # shorter
 
 On a 2-core CPU, 4 ranks share 2 cores and gloo's collectives are memory copies: the step-time ratio is
 this machine's, not a GPU's (NVLink / InfiniBand costs, grouped-GEMM tile efficiency at width I/tp are
@@ -51,7 +51,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _bench_common import BENCH, md_table, spawn_ranks
+
+from benchmarks.common import BENCH, md_table, spawn_ranks
 
 WORLD = 4
 ARMS = ("dp4_ep2", "tp2_ep2_etp", "tp2_ep4_noetp", "tp2_ep2_noetp")

@@ -1,10 +1,11 @@
-"""What the `scripts/bench_*.py` benchmarks share: where results go, how a peak is measured, how
+"""What the benchmarks (`benchmarks/<name>.py`) share: where results go, how a peak is measured, how
 gloo ranks and fresh child processes are started, how a step is timed.
 
 Each benchmark states its own method in its docstring; the pieces here are the ones whose method
 must be the same in every benchmark that uses it, so a figure means the same thing in every table.
-Importing this module puts the checkout first on `sys.path`: a benchmark measures this tree's
-toolkit, not an installed copy.
+A benchmark runs as `python -m benchmarks.<name>` from the checkout's root, which puts the root first
+on `sys.path`: it measures this tree's toolkit, not an installed copy. Its child processes start the
+same way (`-m`, from the root). Gloo ranks start through the tests' harness (`tests.distributed`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(ROOT))
 
 RESULT = "RESULT "  # the prefix of the one stdout line a child process answers with
 
@@ -173,8 +172,9 @@ def print_result(result: Any) -> None:
 
 def child_result(args: list[str], *, env: dict[str, str] | None = None, what: str = "child") -> Any:
     """Run `python ARGS...` from the checkout root and return what it passed to `print_result`. A
-    fresh process per case: its peak memory, imports and caches are its own. Raises RuntimeError
-    with the end of its stderr when no answer came."""
+    fresh process per case: its peak memory, imports and caches are its own. A benchmark runs its
+    own child as `["-m", "benchmarks.<name>", "--child", ...]`. Raises RuntimeError with the end of
+    its stderr when no answer came."""
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith(RESULT)), None)
     if line is None:
@@ -182,42 +182,23 @@ def child_result(args: list[str], *, env: dict[str, str] | None = None, what: st
     return json.loads(line[len(RESULT):])
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _in_group(fn: Callable[..., Any], *args: Any) -> Any:
+    """One rank of `spawn_ranks`: `fn(rank, world, *args)` inside the gloo group of the launched ranks."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    try:
-        queue.put((rank, True, fn(rank, world, *args)))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-        raise
+    result = fn(dist.get_rank(), dist.get_world_size(), *args)
     dist.destroy_process_group()
+    return result
 
 
 def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1800) -> dict[int, Any]:
     """`fn(rank, world, *args)` on `world` spawned processes joined in one gloo group (env://, a free
     local port): {rank: what fn returned}. `fn` must be a module-level function (spawn pickles it by
-    name). Spawned, not forked: each rank starts clean, as a launched rank does. A rank that raises
-    stops them all, with its traceback in the RuntimeError."""
-    import torch.multiprocessing as mp
+    name). Spawned, not forked: each rank starts clean, as a launched rank does. The ranks are the
+    tests' (`tests.distributed.run_distributed`: rank 0, which holds the rendezvous store, stays up
+    until every rank has returned; the ranks are stopped however the wait ends); a rank that raises
+    stops them all, with its traceback in the error."""
+    from tests.distributed import run_distributed
 
-    from toolkit.parallel.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, ok, value = queue.get(timeout=timeout)
-        if not ok:
-            for p in procs:
-                p.terminate()
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        results[rank] = value
-    for p in procs:
-        p.join()
-    return results
+    return dict(enumerate(run_distributed(_in_group, world, fn, *args, timeout=timeout, spawn=True)))

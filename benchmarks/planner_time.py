@@ -1,6 +1,6 @@
-"""Predicted against measured step time for layouts that run on this machine (issue 20).
+"""Predicted against measured step time for layouts that run on this machine.
 
-    python scripts/bench_planner_time.py            # -> benchmarks/planner_time.{md,json}
+    python -m benchmarks.planner_time            # -> benchmarks/planner_time.{md,json}
 
 1. `plan --calibrate` under torchrun at each world size used (2 and 4 ranks): the matmul peak, a
    decoder block's efficiency and the gloo all-reduce bandwidth and latency, every rank measuring at
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, read_metrics, write_pair
+from benchmarks.common import BENCH, ROOT, read_metrics, write_pair
 
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -106,7 +106,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def render(result: dict) -> str:
     rows = result["rows"]
     lines = ["# Planner: predicted vs measured step time (CPU, gloo)", "",
-             f"Produced by `python scripts/bench_planner_time.py` on {result['date']} ({result['machine']}). "
+             f"Produced by `python -m benchmarks.planner_time` on {result['date']} ({result['machine']}). "
              f"Model: config-built Llama, {MODEL['num_hidden_layers']} blocks, hidden {MODEL['hidden_size']}, "
              f"MLP {MODEL['intermediate_size']}, {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads; "
              f"packed rows of {SEQ} tokens, micro-batch {MB}, full finetune, fp32, {STEPS} steps per layout "

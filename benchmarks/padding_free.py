@@ -7,10 +7,10 @@ padding-free = each micro-batch's examples end to end in one row (`toolkit.data.
 the default on the CPU), so the examples per step and the loss are the same and only the layout differs.
 One model, its attention `--attn varlen` as the default sets it: a padding-free row's documents go through the
 CPU's varlen (one SDPA call per example), a padded batch's mask to transformers' SDPA (`toolkit.model.attention`:
-what `--attn sdpa` runs). Timing is `bench_packing.useful_tokens_per_sec`'s: forward + backward + AdamW step
+what `--attn sdpa` runs). Timing is `benchmarks.packing.useful_tokens_per_sec`'s: forward + backward + AdamW step
 over every micro-batch, one warm-up micro-batch each, rounds alternating; real tokens / median seconds.
 
-    python scripts/bench_padding_free.py        # needs ../shared/data/gsm8k_train_alpaca.json
+    python -m benchmarks.padding_free        # needs ../shared/data/gsm8k_train_alpaca.json
 Writes benchmarks/padding_free.{json,md}.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, write_pair
-from bench_packing import gsm8k_rows, useful_tokens_per_sec
+from benchmarks.common import BENCH, ROOT, write_pair
+from benchmarks.packing import gsm8k_rows, useful_tokens_per_sec
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
               "seconds": times, "useful_tokens_per_sec": tps, "padding_free_over_padded": ratio,
               "torch": torch.__version__, "threads": torch.get_num_threads()}
     md = ["# Padding-free vs padded micro-batches: useful tokens/s (GSM8K lengths)", "",
-          "Reproduce: `python scripts/bench_padding_free.py` (method in its docstring). SmolLM2-135M-Instruct, LoRA, "
+          "Reproduce: `python -m benchmarks.padding_free` (method in its docstring). SmolLM2-135M-Instruct, LoRA, "
           f"fp32, CPU ({torch.get_num_threads()} threads).", "",
           "| variant | micro-batches | token slots | computed / real tokens | useful tokens/s (median of rounds) |",
           "|---|---|---|---|---|"]

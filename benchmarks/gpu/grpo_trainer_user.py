@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer as its users run it on a prompts file: the yardstick of `--objective grpo`'s speed
-(issue 65; scripts/gpu_user.py runs it beside finetune.py).
+(benchmarks/gpu/gpu_user.py runs it beside finetune.py).
 
-    python scripts/grpo_trainer_user.py --model DIR --dataset prompts.jsonl --output-dir OUT [--method full]
+    python -m benchmarks.gpu.grpo_trainer_user --model DIR --dataset prompts.jsonl --output-dir OUT [--method full]
         [--continuous-batching] [--num-generations 8] [--max-completion-length 256]
         [--micro-batch-size 8] [--max-steps 6]
 
@@ -32,12 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 WARMUP = 2  # steps left out: the first compiles (continuous batching's graphs) and grows the allocator
 
 

@@ -1,27 +1,27 @@
 """What the planner chooses for Llama 3 8B / 70B / 3.1 405B, full and LoRA, on 8, 64 and 512 H100s
 (80 GB, 8 per node) at 4k, 32k and 128k tokens, global batch 64 sequences: the table in
-docs/planner.md ("Sanity on published setups"), printed as markdown.
+docs/planner.md ("Sanity on published setups"), printed as markdown. Nothing is trained: these are the
+planner's estimates.
 
-    python scripts/plan_published.py > /tmp/table.md
+    python -m benchmarks.plan_published > /tmp/table.md
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from toolkit.parallel.tree import tree_problem  # noqa: E402
-from toolkit.planner.estimate import GiB, PlanInput  # noqa: E402
-from toolkit.planner.explain import plan  # noqa: E402
-from toolkit.planner.presets import PRESETS  # noqa: E402
+from toolkit.parallel.tree import tree_problem
+from toolkit.planner.estimate import GiB, PlanInput
+from toolkit.planner.explain import plan
+from toolkit.planner.presets import PRESETS
 
 MODELS = ("llama-3-8b", "llama-3-70b", "llama-3.1-405b")
 GLOBAL_BATCH = 64
 
 
 def main() -> None:
+    # no options: --help says what it measures
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     print("| model | method | GPUs | seq | chosen | mb x accum | GiB/GPU | predicted tokens/s/GPU | runner-up (why it lost) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in MODELS:

@@ -1,4 +1,4 @@
-"""LoRA dropout 0.05 vs 0: what it costs in memory, what it changes in loss (issue 34 item 6).
+"""LoRA dropout 0.05 vs 0: what it costs in memory, what it changes in loss.
 
 Three parts, each arm a fresh process:
 
@@ -29,8 +29,8 @@ stdout/stderr in run.log and its result in bench_result.json, which `--reuse` re
 running it again. Every run records a digest of finetune.py and toolkit/**/*.py: others edit the tree
 while a benchmark runs, and arms compared must have run the same code.
 
-    python scripts/bench_lora_dropout.py                        # all parts (~1 h on a quiet 2-core CPU)
-    python scripts/bench_lora_dropout.py --parts memory --reuse  # one part; finished runs read back
+    python -m benchmarks.lora_dropout                        # all parts (~1 h on a quiet 2-core CPU)
+    python -m benchmarks.lora_dropout --parts memory --reuse  # one part; finished runs read back
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import (BENCH, ROOT, child_result, cpu_device, md_table, peak_rss_mib, print_result,
+from benchmarks.common import (BENCH, ROOT, child_result, cpu_device, md_table, peak_rss_mib, print_result,
                            read_metrics, reset_peak_rss, write_pair)
 
 DROPOUTS = (0.0, 0.05)
 ALPACA = ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json"
 TOKENS = 2048  # the planner's sequence: tokens x micro-batch 1
 
-# Public configs (config.json on the hub), as scripts/gpu_acceptance.py copies them: Llama-3.2-1B is not
+# Public configs (config.json on the hub), as benchmarks/gpu/gpu_acceptance.py copies them: Llama-3.2-1B is not
 # a planner preset, so it is planned from this file
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
@@ -273,7 +273,8 @@ def measured_part(seq: int, step_batch: int, step_seq: int) -> dict:
     for precision in ("no", "bf16"):
         d = saved.dtypes("lora", precision, "cpu")
         for p in DROPOUTS:
-            got = child_result([__file__, "--child-saved", precision, str(p), str(seq)], what=f"saved {precision} p{p}")
+            got = child_result(["-m", "benchmarks.lora_dropout", "--child-saved", precision, str(p), str(seq)],
+                               what=f"saved {precision} p{p}")
             mid = got["per_block"][got["layers"] // 2]
             got["mid_block_bytes_per_token"] = mid / seq
             got["predicted_block_bytes_per_token_cpu"] = saved.block(h, i, kv, heads, d, adapted, 16, p)
@@ -281,8 +282,8 @@ def measured_part(seq: int, step_batch: int, step_seq: int) -> dict:
             print(f"saved {precision} p{p}: mid block {mid / seq:.0f} B/token (planner, CPU dtypes: "
                   f"{got['predicted_block_bytes_per_token_cpu']}), total {got['total'] / 2**20:.1f} MiB", flush=True)
     for p in DROPOUTS:
-        got = child_result([__file__, "--child-step", str(p), str(step_batch), str(step_seq)], what=f"step p{p}",
-                           env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        got = child_result(["-m", "benchmarks.lora_dropout", "--child-step", str(p), str(step_batch), str(step_seq)],
+                           what=f"step p{p}", env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
         out["step"][f"p{p}"] = {"batch": step_batch, "seq": step_seq, **got}
         print(f"step p{p}: peak +{got['peak_mib']:.0f} MiB", flush=True)
     return out
@@ -299,7 +300,7 @@ def render(res: dict) -> list[str]:
     md = ["# LoRA dropout: 0.05 vs 0, memory and loss (issue 34 item 6)", "",
           f"Machine: {res['machine']}; torch {res['versions']['torch']}, transformers {res['versions']['transformers']}, "
           f"peft {res['versions']['peft']}, Python {res['versions']['python']}. {res['date']}. Reproduce: "
-          "`python scripts/bench_lora_dropout.py` (method in its docstring). Every finetune run is a fresh "
+          "`python -m benchmarks.lora_dropout` (method in its docstring). Every finetune run is a fresh "
           "`python finetune.py` process; fp32 on this CPU.", ""]
     if "memory" in res:
         m = res["memory"]

@@ -19,7 +19,7 @@ heads of 72 (SmolLM2's 9 / 3 split by neither 2 nor 4) and --layers blocks (defa
 CPU a 30-block step at 16k tokens takes minutes; memory per block is what scales). Targets: the last
 1/8 of every sequence (a long document and its answer), so the LM head runs on few rows, fp32.
 
-    python scripts/bench_context_parallel.py    # writes benchmarks/context_parallel.{json,md}
+    python -m benchmarks.context_parallel    # writes benchmarks/context_parallel.{json,md}
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_common import BENCH, PeakSampler, llama, spawn_ranks, write_pair
+
+from benchmarks.common import BENCH, PeakSampler, llama, spawn_ranks, write_pair
 
 SHAPES = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=72,
               vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
@@ -135,7 +136,7 @@ def render(rows: list[dict], budget: int, layers: int) -> str:
     seqs = sorted({r["seq"] for r in rows})
     at = {(r["cp"], r["seq"]): r for r in rows}
     lines = ["# Context parallelism (Ulysses): per-rank memory against sequence length", "",
-             f"`python scripts/bench_context_parallel.py`: SmolLM2-135M widths, 8/4 heads of 72, {layers} blocks, fp32, "
+             f"`python -m benchmarks.context_parallel`: SmolLM2-135M widths, 8/4 heads of 72, {layers} blocks, fp32, "
              "micro-batch 1, targets on the last 1/8 of each sequence, one step after a warm-up; gloo ranks on a "
              "2-core CPU. Per rank (the worst): the RSS rise over forward + backward, its activation part (less the "
              "same step's rise at 64 tokens per rank), the bytes autograd saved (weights excluded), and the planner's "

@@ -7,7 +7,7 @@ decreasing) into rows of `--seq-len` tokens, `--rows` rows per micro-batch. Each
 forward + backward + AdamW step over all of them, rounds alternate padded/packed after one warm-up
 step each; figure = real tokens / seconds, median over rounds.
 
-    python scripts/bench_packing.py        # needs ../shared/data/gsm8k_train_alpaca.json
+    python -m benchmarks.packing        # needs ../shared/data/gsm8k_train_alpaca.json
 Writes benchmarks/packing.{json,md}.
 """
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, sync, write_pair
+from benchmarks.common import BENCH, ROOT, sync, write_pair
 
 
 def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int, rounds: int,
@@ -64,7 +64,7 @@ def gsm8k_rows(dataset: str, seq_len: int, examples: int):
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.model.load import load_tokenizer
     from toolkit.model.source import resolve_model
-    from toolkit.train.loop import EpochShuffleSampler
+    from toolkit.data.loader import EpochShuffleSampler
 
     cfg = parse_config(["--dataset", dataset, "--method", "lora", "--seq-len", str(seq_len), "--mixed-precision", "no",
                         "--output-dir", tempfile.mkdtemp(), "--overwrite-output-dir"])
@@ -112,7 +112,7 @@ def main() -> None:
               "packed_rows": len(packed_rows), "seconds": times, "useful_tokens_per_sec": tps,
               "packed_over_padded": tps["packed"] / tps["padded"], "torch": torch.__version__}
     md = ["# Packing vs padded micro-batches: useful tokens/s (GSM8K lengths)", "",
-          "Reproduce: `python scripts/bench_packing.py` (method in its docstring). SmolLM2-135M-Instruct, LoRA, fp32, CPU.", "",
+          "Reproduce: `python -m benchmarks.packing` (method in its docstring). SmolLM2-135M-Instruct, LoRA, fp32, CPU.", "",
           "| variant | micro-batches | token slots | padding | useful tokens/s (median of rounds) |", "|---|---|---|---|---|"]
     for k in ("padded", "packed"):
         desc = f"{a.micro_batch} examples" if k == "padded" else f"{a.rows} rows of <= {a.seq_len}"

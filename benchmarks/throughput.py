@@ -2,7 +2,7 @@
 run it (no flags: `--loss auto`, the chunked loss on these CPU models) and (b') with `--loss full`
 (full logits, as (a) and (c) compute them), (c) transformers.Trainer, on the same model, data,
 micro-batch, precision and steps. Beside those, arms with each side's own best flags
-(`scripts/gpu_acceptance.py` runs them on a GPU): `compile` is the toolkit with `--compile`, `best`
+(`benchmarks/gpu/gpu_acceptance.py` runs them on a GPU): `compile` is the toolkit with `--compile`, `best`
 adds the fastest loss and kernels installed (`--loss cce|liger|chunked`, `--kernels liger`), and
 `trainer_best` is Trainer with `torch_compile=True` and, where liger_kernel imports,
 `use_liger_kernel=True`. An arm whose flag this toolkit does not take, or whose package is missing,
@@ -23,8 +23,8 @@ also reports torch.cuda.max_memory_allocated on a GPU, so arms compare at their 
 PYTHONPATH=/tmp/trlpkg); it gets the same pre-tokenized rows and collator, so it skips its own
 tokenization, and keeps its per-step extras (token accuracy, entropy) as users get them.
 
-    python scripts/bench_throughput.py --model tiny --method full
-    python scripts/bench_throughput.py --model smollm2-135m-instruct --method lora
+    python -m benchmarks.throughput --model tiny --method full
+    python -m benchmarks.throughput --model smollm2-135m-instruct --method lora
 Results append to benchmarks/throughput.json; benchmarks/throughput.md and throughput.png are redrawn.
 """
 
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, RESULT, ROOT, cpu_device, print_result, read_metrics, save_llama, sync
+from benchmarks.common import BENCH, RESULT, ROOT, cpu_device, print_result, read_metrics, save_llama, sync
 
 VARIANTS = ("raw", "toolkit", "full", "trainer", "sft")  # the CLI's arms and its table's columns
 LABELS = {"raw": "raw loop", "toolkit": "toolkit", "full": "toolkit --loss full", "trainer": "Trainer",
@@ -137,7 +137,7 @@ def setup(args, flags: list[str] = ()):
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.model.load import load_model, load_tokenizer
     from toolkit.model.source import resolve_model
-    from toolkit.train.loop import EpochShuffleSampler
+    from toolkit.data.loader import EpochShuffleSampler
 
     out = tempfile.mkdtemp()
     cfg = parse_config(["--model", args.model_path, "--method", args.method, "--micro-batch-size", str(args.micro_batch),
@@ -299,8 +299,9 @@ def subprocess_arm(spec: dict) -> dict:
     import subprocess
 
     try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                           cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, timeout=spec.get("timeout_s"))
+        p = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--child", json.dumps(spec)],
+                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                           timeout=spec.get("timeout_s"))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{spec['variant']}: timed out: killed after {spec['timeout_s']:.0f} s, at the end of "
                            "the time budget") from None
@@ -434,7 +435,7 @@ def main() -> None:
 def render(data: list[dict], bench: Path) -> None:
     ratio_keys = ("toolkit/raw", "toolkit/trainer", "toolkit/sft", "full/raw", "full/trainer")
     lines = ["# Training throughput: raw PyTorch loop vs toolkit vs transformers.Trainer vs TRL SFTTrainer", "",
-             "Reproduce: `python scripts/bench_throughput.py --model tiny --method full` (and the other rows). "
+             "Reproduce: `python -m benchmarks.throughput --model tiny --method full` (and the other rows). "
              "Method in the script's docstring: fresh process per run, alternating order, same batches, "
              "non-padding tokens/s over the timed steps, median of the rounds (min-max in brackets). "
              "'toolkit' is its default (`--loss auto`: here the chunked loss, the LM head on target tokens only); "

@@ -15,7 +15,7 @@ Models: the tests' tiny Llama (hidden 64, 2 blocks, vocab 384) and a larger rand
 blocks, vocab 32000, 56M parameters), fp32, on `--threads` torch threads (default 1: on a shared machine two
 threads wait on each other at every op, and the figures are noise).
 
-    python scripts/bench_sampling.py            # -> benchmarks/sampling.{json,md}
+    python -m benchmarks.sampling            # -> benchmarks/sampling.{json,md}
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, md_table, write_pair
+from benchmarks.common import BENCH, md_table, write_pair
 
 import torch
 
@@ -119,7 +119,7 @@ def main() -> None:
                          "yes" if same else "**no**"])
     load = os.getloadavg()[0]
     lines = ["# GRPO sampling: decode paths and model.generate (CPU, fp32)", "",
-             f"`python scripts/bench_sampling.py` ({torch.get_num_threads()} torch thread(s) on {os.cpu_count()} "
+             f"`python -m benchmarks.sampling` ({torch.get_num_threads()} torch thread(s) on {os.cpu_count()} "
              f"cores, load average {load:.1f} at the end; median (min-max) of {args.repeats} rounds, each arm in turn; "
              "new tokens per second). dynamic: DynamicCache, eager (the CPU default); static: StaticCache, eager "
              "step; static_compiled: StaticCache, step compiled by inductor (CUDA's default path without CUDA "

@@ -18,8 +18,8 @@ of the launch (ranks, torchrun, tokenizing workers), `getrusage(RUSAGE_CHILDREN)
 wrapper process per run; "beyond the model" subtracts a warm run on 200 examples at the same rank
 count. Runs are sequential; timings are as noisy as the machine (state it with the results).
 
-    python scripts/bench_data.py                       # writes benchmarks/data.{json,md}
-    python scripts/bench_data.py --sizes 10000 --ranks 1 --out /tmp/bench_data   # a quick look
+    python -m benchmarks.data                       # writes benchmarks/data.{json,md}
+    python -m benchmarks.data --sizes 10000 --ranks 1 --out /tmp/bench_data   # a quick look
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, child_result, save_llama, write_pair
+from benchmarks.common import BENCH, ROOT, child_result, save_llama, write_pair
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json"
 BASELINE_REF = "84353c7"  # main before the tokenized table (a21ce99): records -> Python lists, every run
@@ -146,7 +146,7 @@ def main() -> None:
 def write_results(out: Path, rows: list[dict], floor: dict, ref: str) -> None:
     by = {(r["examples"], r["ranks"], r["path"]): r for r in rows}
     lines = ["# Data at scale: time to the first step and peak RSS", "",
-             f"`python scripts/bench_data.py`; today's path is `finetune.py` at {ref}. GSM8K alpaca rows repeated "
+             f"`python -m benchmarks.data`; today's path is `finetune.py` at {ref}. GSM8K alpaca rows repeated "
              "and shuffled, SmolLM2 tokenizer, seq-len 256, a 2-block hidden-64 Llama, 2-core CPU. RSS beyond the "
              f"model: minus a warm 200-example run at the same rank count ({', '.join(f'{k} rank(s): {v:.0f} MiB' for k, v in floor.items())}).",
              "", "| examples | ranks | path | first step (s) | speed-up vs today | peak RSS (MiB) | beyond model (MiB) |",

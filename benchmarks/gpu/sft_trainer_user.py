@@ -1,6 +1,7 @@
-"""TRL's SFTTrainer as its users run it on an alpaca file: the yardstick of the GPU user path (issue 59).
+"""TRL's SFTTrainer as its users run it on an alpaca file: the yardstick of the GPU user path
+(benchmarks/gpu/gpu_user.py runs it beside finetune.py).
 
-    python scripts/sft_trainer_user.py --model DIR --dataset alpaca.json --output-dir OUT [--method full]
+    python -m benchmarks.gpu.sft_trainer_user --model DIR --dataset alpaca.json --output-dir OUT [--method full]
         [--best] [--seq-len 2048] [--micro-batch-size 4] [--max-steps 30]
 
 The records become TRL's prompt-completion form (the completion trained, as the toolkit trains the
@@ -9,7 +10,7 @@ GPU, LoRA r 16 / alpha 32 on all linear layers or a full finetune, the toolkit's
 schedule, a log every step. `--best` adds TRL's documented speed flags: `torch_compile=True`,
 `padding_free=True`, `use_liger_kernel=True` where liger_kernel imports, the attention TRL's docs recommend
 with padding-free (FlashAttention 2, `attn_implementation="flash_attention_2"`) where flash_attn imports, and
-turns off the gradient checkpointing SFTConfig turns on by default (issue 66: TRL at its real best; the Llama-
+turns off the gradient checkpointing SFTConfig turns on by default (TRL at its real best; the Llama-
 3.2-1B shape at 2048 x 4 fits an H100/H200 without it: the toolkit's run peaked at 18 GiB); what it could not
 use is said in the JSON. Without --best, TRL's defaults (checkpointing on).
 Tokens/s come from TRL's own log (`num_tokens`, cumulative) over the wall time between steps (a callback
@@ -27,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-WARMUP = 3  # as scripts/gpu_user.py
+WARMUP = 3  # as benchmarks/gpu/gpu_user.py
 
 
 def records(path: str, limit: int | None = None) -> list[dict]:

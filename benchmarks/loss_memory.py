@@ -7,14 +7,15 @@ reset (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0), the step runs, and the p
 VmHWM - VmRSS(before). PyTorch's CPU allocator returns large blocks to the OS at once, so RSS follows
 live tensors. Head trainable (full finetune: its gradient, 113 MB, is part of both peaks) and frozen (LoRA).
 
-    python scripts/bench_loss_memory.py      # writes benchmarks/loss_memory.{json,md}
+    python -m benchmarks.loss_memory      # writes benchmarks/loss_memory.{json,md}
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from _bench_common import BENCH, child_result, peak_rss_mib, print_result, reset_peak_rss, write_pair
+from benchmarks.common import BENCH, child_result, peak_rss_mib, print_result, reset_peak_rss, write_pair
 
 H, V = 576, 49152  # SmolLM2-135M hidden size and vocabulary
 CASES = [(1, 1024, True), (4, 1024, True), (1, 1024, False), (4, 1024, False)]
@@ -37,18 +38,21 @@ def child(b: int, s: int, trainable: bool, loss: str) -> dict:
 
 
 def main() -> None:
+    # no options: --help says what it measures
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = []
     for b, s, trainable in CASES:
         row = {"batch": b, "seq": s, "head_trainable": trainable,
                "full_logits_mib": b * s * V * 4 / 2**20}
         for loss in ("full", "chunked"):
-            got = child_result([__file__, "--child", str(b), str(s), str(int(trainable)), loss], what=f"{b} x {s} {loss}")
+            got = child_result(["-m", "benchmarks.loss_memory", "--child", str(b), str(s), str(int(trainable)), loss],
+                               what=f"{b} x {s} {loss}")
             row[f"{loss}_peak_mib"], row[f"{loss}_loss"] = got["peak_mib"], got["loss"]
         row["reduction"] = row["full_peak_mib"] / row["chunked_peak_mib"]
         rows.append(row)
         print(row)
     lines = ["# Loss-step peak memory: full logits vs `--loss chunked` (SmolLM2-135M head: h 576, vocab 49,152, fp32, CPU)",
-             "", "Reproduce: `python scripts/bench_loss_memory.py`. Method (peak RSS per fresh process) in its docstring.", "",
+             "", "Reproduce: `python -m benchmarks.loss_memory`. Method (peak RSS per fresh process) in its docstring.", "",
              "| batch x seq | LM head | fp32 logits alone | full peak MiB | chunked peak MiB | reduction | loss (full / chunked) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

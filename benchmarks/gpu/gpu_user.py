@@ -1,9 +1,9 @@
-"""The `user` part of scripts/gpu_acceptance.py: `finetune.py` as users run it, a subprocess each, on a
+"""The `user` part of gpu_acceptance.py: `finetune.py` as users run it, a subprocess each, on a
 real data file, with default flags but for the model, the case's own and a step cap.
 
 A user runs `python finetune.py --dataset data.json --packing` and reads what it prints; the published
-figures came from library calls on fixed batches instead, and one H100 found what they missed (issue 56:
-no run started with scikit-learn installed, packing refused in bf16, cce crashing in fp32). Each case
+figures came from library calls on fixed batches instead, and one H100 found what they missed (no run
+started with scikit-learn installed, packing refused in bf16, cce crashing in fp32). Each case
 records whether it started (a first step in metrics.jsonl), the seconds from launch to that step, steady
 tokens/s and the spread of step times after the first WARMUP steps (one record a step: a run this short
 logs every step by default), the allocator's peak over the steps (summary.json), the start-up checks'
@@ -11,24 +11,25 @@ gaps (the loss trained against the model's own, packed documents against each al
 saved folder passed the integrity check; or the error line it stopped with.
 
 Data: the first RECORDS records of GSM8K in alpaca form (`../shared/data/gsm8k_train_alpaca.json`, or the
-copy `scripts/gpu_wheels.sh` puts in `.whl/` for the GPU machine, which has no ../shared); synthetic
+copy `benchmarks/gpu/gpu_wheels.sh` puts in `.whl/` for the GPU machine, which has no ../shared); synthetic
 records where neither exists (a fresh checkout's smoke run). DPO reads pairs made from them: the
 record's answer chosen, the next record's rejected. Models (random weights: speed and memory need no
 trained ones): the Llama-3.2-1B shape, a 0.73B Qwen3-MoE (every layer routed, as Qwen3-30B-A3B) and a
 0.29B Gemma-2 (logit softcaps, sliding windows), all at 2048 tokens x micro-batch 4.
 
-GRPO (issue 65): `--objective grpo` on the Llama-1B shape (LoRA, bf16), GRPO_SETTINGS' G 8 completions of
+GRPO: `--objective grpo` on the Llama-1B shape (LoRA, bf16), GRPO_SETTINGS' G 8 completions of
 256 tokens a step, prompts from the same GSM8K records (`{"prompt", "answer"}` JSONL) scored by
 builtin:math_answer (cheap: a regex); its generation tokens/s, training tokens/s (the round left out)
 and whole-step seconds from metrics.jsonl, and the decode path its log names. The yardstick part runs
-TRL's GRPOTrainer on the same file and reward (scripts/grpo_trainer_user.py: its default `generate`, and
+TRL's GRPOTrainer on the same file and reward (grpo_trainer_user.py: its default `generate`, and
 use_transformers_continuous_batching) beside it.
 
-Time on one H100 (unmeasured: a guess from the 2026-11-24 runs, 30-80 s of start-up per process there):
-~40 s a case, ~7 minutes for the 10, and the GRPO case ~100 s (start-up, compiling the decode step, 6
-steps); cases run in CASES' order (the figures the README quotes first), and one that would end past
-the budget is left out and listed. GPU_USER_CASES (a regex on case names) runs only the cases it
-matches, in this part and the yardstick: `GPU_USER_CASES=grpo` is the GRPO comparison alone.
+Time on one H100 (unmeasured: a guess from the first H100 runs, h100-2026-11-24/, 30-80 s of
+start-up per process there): ~40 s a case, ~7 minutes for the 10, and the GRPO case ~100 s (start-up,
+compiling the decode step, 6 steps); cases run in CASES' order (the figures the README quotes first),
+and one that would end past the budget is left out and listed. GPU_USER_CASES (a regex on case names)
+runs only the cases it matches, in this part and the yardstick: `GPU_USER_CASES=grpo` is the GRPO
+comparison alone.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 1000
 WARMUP = 3  # steps left out of the steady figures: compile, the allocator's first growth
 DATA = (ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json", ROOT / ".whl" / "gsm8k_train_alpaca.json")
@@ -353,8 +354,8 @@ YARDSTICK_STEPS = 200  # the end-to-end comparison: wall time, compile included
 
 def sft_case(name: str, model: str, data: Path, out: Path, flags: list[str], seq: int, mb: int, steps: int, env: dict,
              timeout: float | None) -> dict:
-    """TRL's SFTTrainer as its users run it (scripts/sft_trainer_user.py), a subprocess."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "sft_trainer_user.py"), "--model", model, "--dataset", str(data),
+    """TRL's SFTTrainer as its users run it (benchmarks/gpu/sft_trainer_user.py), a subprocess."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.sft_trainer_user", "--model", model, "--dataset", str(data),
            "--output-dir", str(out), "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps", str(steps),
            *flags]
     return trainer_case(name, cmd, env, timeout, out, "sft_metrics.json")
@@ -377,9 +378,9 @@ def trainer_case(name: str, cmd: list[str], env: dict, timeout: float | None, ou
 
 
 def trl_grpo_case(run, name: str, model: str, prompts: Path, out: Path, flags: list[str], env: dict) -> dict:
-    """TRL's GRPOTrainer as its users run it (scripts/grpo_trainer_user.py) with GRPO_SETTINGS, a subprocess."""
+    """TRL's GRPOTrainer as its users run it (benchmarks/gpu/grpo_trainer_user.py) with GRPO_SETTINGS, a subprocess."""
     g = GRPO_SMOKE if run.smoke else GRPO_SETTINGS
-    cmd = [sys.executable, str(ROOT / "scripts" / "grpo_trainer_user.py"), "--model", model, "--dataset", str(prompts),
+    cmd = [sys.executable, "-m", "benchmarks.gpu.grpo_trainer_user", "--model", model, "--dataset", str(prompts),
            "--output-dir", str(out), "--num-generations", str(g["generations"]), "--max-completion-length",
            str(g["completion"]), "--micro-batch-size", str(g["micro"]), "--max-steps", str(g["steps"]), "--warmup",
            str(g["warmup"]), *flags]

@@ -6,14 +6,17 @@ Same parameters and gradients for all three; each optimizer takes 2 warm-up step
 of 7 timed steps. The shapes are SmolLM2-135M's: tied 49,152 x 576 embedding, 30 layers of
 q/k/v/o and MLP projections, RMSNorm weights.
 
-    python scripts/bench_adamw.py
+    python -m benchmarks.adamw
 Writes benchmarks/adamw.json and benchmarks/adamw.md.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
-from _bench_common import BENCH, cpu_device, md_table, median_seconds, write_pair
+
+from benchmarks.common import BENCH, cpu_device, md_table, median_seconds, write_pair
 
 H, I, KV, L, V = 576, 1536, 192, 30, 49152
 SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I), (H,), (H,)] * L + [(H,)]
@@ -31,13 +34,15 @@ def step_seconds(kwargs: dict, steps: int = 7) -> float:
 
 
 def main() -> None:
+    # no options: --help says what it measures
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     n = sum(torch.Size(s).numel() for s in SHAPES)
     seconds = {name: step_seconds(kw) for name, kw in KINDS.items()}
     base = seconds["per-tensor loop (torch CPU default)"]
     out = {"params": n, "device": f"{cpu_device()}, {torch.get_num_threads()} threads", "dtype": "float32",
            "torch": torch.__version__, "step_seconds": seconds, "speedup_over_default": {k: base / v for k, v in seconds.items()}}
     lines = [f"# One AdamW step, {n / 1e6:.1f}M fp32 parameters (SmolLM2-135M shapes)", "",
-             "Reproduce: `python scripts/bench_adamw.py` (method in its docstring).", ""]
+             "Reproduce: `python -m benchmarks.adamw` (method in its docstring).", ""]
     lines += md_table(["implementation", "step seconds (median of 7)", "speed-up over the default"],
                       [[k, f"{v:.3f}", f"{base / v:.2f}x"] for k, v in seconds.items()])
     lines += ["", f"Device: {out['device']}, torch {out['torch']}."]

@@ -11,8 +11,8 @@
    (uniform routing), and a step's time at ep 1 and ep 2
    (each rank half the experts; on a 2-core CPU that ratio says little about GPUs: recorded, not claimed).
 
-    python scripts/bench_experts.py                 # CPU: writes benchmarks/experts_cpu.{json,md}
-    python scripts/bench_experts.py --device cuda   # Qwen3-30B-A3B's layer in bf16: benchmarks/gpu/experts_cuda.*
+    python -m benchmarks.experts                 # CPU: writes benchmarks/experts_cpu.{json,md}
+    python -m benchmarks.experts --device cuda   # Qwen3-30B-A3B's layer in bf16: benchmarks/gpu/experts_cuda.*
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import statistics
 import time
 
 import torch
-from _bench_common import BENCH, md_table, spawn_ranks, write_pair
+
+from benchmarks.common import BENCH, md_table, spawn_ranks, write_pair
 
 # Qwen/Qwen3-30B-A3B config.json: hidden 2048, moe_intermediate 768, 128 experts, top-8 (toolkit.planner.presets)
 SHAPES = {"cpu": dict(hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, tokens=512),
@@ -140,7 +141,7 @@ def main() -> None:
              f"{r['grad_rel_diff']:.1e}") for arm, r in result["implementations"].items()]
     s = SHAPES[args.device]
     md = [f"# Experts implementations ({args.device}, {dtype})", "",
-          f"`python scripts/bench_experts.py{' --device cuda' if args.device == 'cuda' else ''}`: one Qwen3-MoE "
+          f"`python -m benchmarks.experts{' --device cuda' if args.device == 'cuda' else ''}`: one Qwen3-MoE "
           f"experts module, {s['num_experts']} experts, top-{s['num_experts_per_tok']}, hidden {s['hidden_size']}, "
           f"expert intermediate {s['moe_intermediate_size']}, {s['tokens']} tokens; forward + backward, median of "
           f"{args.rounds} interleaved rounds; differences against eager (relative to its largest value).", "",

@@ -1,4 +1,4 @@
-"""Where ZeRO-3's slow early step goes (issue 45 item 5): each step's time, and inside it DeepSpeed's
+"""Where ZeRO-3's slow early step goes: each step's time, and inside it DeepSpeed's
 parameter fetches (all-gathers, prefetch), releases, gradient reduce-scatters and optimizer step.
 
 The toolkit's own loop, as a user runs it: `torchrun --nproc_per_node 2 finetune.py` (gloo, fp32 CPU,
@@ -10,7 +10,7 @@ nested: `fetch` is inside `forward` and `backward`); a step's own time is the to
 `train.loop.one_step`. Cases: ZeRO-3 as the toolkit writes its JSON, ZeRO-3 with a DeepSpeed setting
 changed (`--case NAME=JSON`, a --deepspeed file), and FSDP2 for comparison (step times only).
 
-    python scripts/bench_zero3_first_steps.py            # writes benchmarks/zero3_first_steps.{json,md}
+    python -m benchmarks.zero3_first_steps            # writes benchmarks/zero3_first_steps.{json,md}
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, cpu_device, md_table, read_metrics, write_pair
+from benchmarks.common import BENCH, ROOT, cpu_device, md_table, read_metrics, write_pair
 
 # DeepSpeed function -> the name its time is reported under (module, class, attribute)
 TIMED = {
@@ -81,7 +81,6 @@ def install_timers(per_step: dict) -> None:
 
 def rank_main(out: Path, argv: list[str]) -> None:
     """One rank of a case: finetune.main under the timers, then this rank's figures as JSON."""
-    sys.path.insert(0, str(ROOT))
     per_step: dict = defaultdict(dict)
     install_timers(per_step)
     import finetune
@@ -99,7 +98,8 @@ def run_case(name: str, flags: list[str], common: list[str], work: Path) -> dict
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        __file__, "--rank-run", str(out), "--", *common, "--output-dir", str(out / "run"), *flags],
+                        "-m", "benchmarks.zero3_first_steps", "--rank-run", str(out), "--", *common, "--output-dir",
+                        str(out / "run"), *flags],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="run the cases this many times, interleaved")
     ap.add_argument("--out", default=str(BENCH / "zero3_first_steps"))
     args = ap.parse_args()
-    args.command = "python scripts/bench_zero3_first_steps.py " + " ".join(
+    args.command = "python -m benchmarks.zero3_first_steps " + " ".join(
         a if a.replace("-", "").replace("_", "").isalnum() else f"'{a}'" for a in sys.argv[1:])
     from toolkit.data.builtin import builtin_records
     from toolkit.layout.deepspeed import deepspeed_config

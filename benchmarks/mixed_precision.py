@@ -1,4 +1,4 @@
-"""What FSDP2's mixed-precision policy changes in the numerics, against autocast (issue 47).
+"""What FSDP2's mixed-precision policy changes in the numerics, against autocast.
 
 The embedded default model (SmolLM2-135M, real weights: its first --layers blocks, embedding, final norm
 and head; bf16 matmuls are slow on a CPU), one batch of the builtin data, full finetune: the loss and the gradients of one forward/backward in fp32 (the reference), under bf16
@@ -8,7 +8,7 @@ relative L2 error of the gradients against fp32, and the dtype each variant comp
 stream, the norms' outputs and the logits in. Also the bytes saved for backward (what a forward leaves
 alive: autocast's bf16 weight copies) and the forward+backward time, side by side.
 
-    python scripts/bench_mixed_precision.py [--layers 4] [--seq-len 128] [--rows 2] [--out benchmarks/mixed_precision]
+    python -m benchmarks.mixed_precision [--layers 4] [--seq-len 128] [--rows 2] [--out benchmarks/mixed_precision]
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def batch(tokenizer, rows: int, seq: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ optimizer states), then the kernel's peak-RSS mark is reset (`echo 5 > /proc/sel
 median step. Checkpointing is transformers' `gradient_checkpointing_enable` (non-reentrant), as
 `--gradient-checkpointing` sets it.
 
-    python scripts/bench_checkpointing.py     # writes benchmarks/checkpointing.{json,md}
+    python -m benchmarks.checkpointing     # writes benchmarks/checkpointing.{json,md}
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _bench_common import (BENCH, child_result, median_seconds, peak_rss_mib, print_result, reset_peak_rss,
+from benchmarks.common import (BENCH, child_result, median_seconds, peak_rss_mib, print_result, reset_peak_rss,
                            write_pair)
 
 
@@ -58,15 +58,15 @@ def main() -> None:
     for method in ("lora", "full"):
         row = {"method": method, "batch": a.batch, "seq": a.seq}
         for gc in (False, True):
-            got = child_result([__file__, "--child", method, str(int(gc)), str(a.batch), str(a.seq), str(a.steps)],
-                               what=f"{method}, gc {gc}")
+            got = child_result(["-m", "benchmarks.checkpointing", "--child", method, str(int(gc)), str(a.batch),
+                                str(a.seq), str(a.steps)], what=f"{method}, gc {gc}")
             row["gc" if gc else "no_gc"] = got
             print(method, "gc" if gc else "no gc", got, flush=True)
         row["memory_saved"] = 1 - row["gc"]["peak_mib"] / row["no_gc"]["peak_mib"]
         row["time_cost"] = row["gc"]["step_s"] / row["no_gc"]["step_s"] - 1
         rows.append(row)
     md = ["# Gradient checkpointing: step peak memory vs step time (SmolLM2-135M-Instruct, fp32, CPU)", "",
-          "Reproduce: `python scripts/bench_checkpointing.py` (method in its docstring).", "",
+          "Reproduce: `python -m benchmarks.checkpointing` (method in its docstring).", "",
           "| method | batch x seq | peak MiB no gc | peak MiB gc | memory saved | step s no gc | step s gc | time added |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -12,7 +12,7 @@ Single process (`NaivePipeline`): every stage on `cpu`, so the stages share the 
 cannot overlap: the step time shows what micro-batching costs without the overlap a GPU per stage
 gives. With GPUs (`--devices cuda:0,cuda:1`) the same numbers measure the naive wrapper's overlap.
 
-    python scripts/bench_pipeline.py            # writes benchmarks/pipeline.{json,md,png}
+    python -m benchmarks.pipeline            # writes benchmarks/pipeline.{json,md,png}
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_common import BENCH, llama, median_seconds, spawn_ranks, sync, write_pair
+
+from benchmarks.common import BENCH, llama, median_seconds, spawn_ranks, sync, write_pair
 
 SHAPES = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=2048, tie_word_embeddings=False)
@@ -142,7 +143,7 @@ def naive(devices: list[str]) -> list[dict]:
 def write(rows: list[dict], out: Path) -> None:
     meta = {"model": SHAPES, "batch": BATCH, "seq": SEQ, "steps": STEPS, "torch": torch.__version__,
             "cores": len(os.sched_getaffinity(0)), "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
-    lines = [f"# Pipeline step time vs micro-batches (`scripts/bench_pipeline.py`)", "",
+    lines = [f"# Pipeline step time vs micro-batches (`python -m benchmarks.pipeline`)", "",
              f"Llama {SHAPES['num_hidden_layers']} blocks, h {SHAPES['hidden_size']}, batch {BATCH} x seq {SEQ}, "
              f"fp32, {meta['cores']} CPU cores, torch {meta['torch']}; median of {STEPS} steps.", "",
              "| runtime | blocks per stage | m | step s | idle per stage (measured) | (p-1)/(m+p-1) |", "|---|---|---|---|---|---|"]

@@ -16,11 +16,12 @@ the phase added: the kernel's peak mark is reset before it (`echo 5 > /proc/self
 VmHWM - VmRSS(before) read after. Each (ranks, format) runs in its own torchrun launch. The load
 goes into zeroed weights and moments, and the weights' and moments' checksums must come back.
 
-    python scripts/bench_checkpoint_io.py        # writes benchmarks/checkpoint_io.{json,md}
+    python -m benchmarks.checkpoint_io        # writes benchmarks/checkpoint_io.{json,md}
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, PeakSampler, peak_rss_mib, reset_peak_rss, status_kib, write_pair
+from benchmarks.common import BENCH, ROOT, PeakSampler, peak_rss_mib, reset_peak_rss, status_kib, write_pair
 
 RANKS = (1, 2, 4)
 FORMATS = ("sharded", "gathered")
@@ -167,7 +168,7 @@ def run(ranks: int, fmt: str) -> list[dict]:
     (tmp / "ckpt" / "state").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // ranks))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-           __file__, "--child", fmt, str(tmp / "ckpt")]
+           "-m", "benchmarks.checkpoint_io", "--child", fmt, str(tmp / "ckpt")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{ranks} ranks, {fmt}: exit {p.returncode}\n{p.stderr[-3000:]}")
@@ -177,6 +178,8 @@ def run(ranks: int, fmt: str) -> list[dict]:
 
 
 def main() -> None:
+    # no options: --help says what it measures
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     results = []
     for ranks in RANKS:
         for fmt in FORMATS:
@@ -194,7 +197,7 @@ def main() -> None:
     lines = ["# Step-checkpoint save and load: sharded vs gathered",
              "",
              "SmolLM2-135M full finetune (134.5M parameters, fp32, AdamW state after one step: 1.6 GiB in all), gloo on the",
-             "2-core CPU, FSDP2 over every rank where there are several. Produced by `scripts/bench_checkpoint_io.py`;",
+             "2-core CPU, FSDP2 over every rank where there are several. Produced by `python -m benchmarks.checkpoint_io`;",
              "method in its docstring. Times are the slowest rank's; peak RSS is what the phase added to a process",
              "(rank 0: where a gathered save concentrates; max: the worst rank); anonymous RSS leaves out the pages of",
              "memory-mapped files (safetensors maps the files it reads; the kernel can drop those pages). Both formats",

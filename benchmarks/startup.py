@@ -12,7 +12,7 @@ and "imports and config" is the time from the process's start to the first of th
 with no argv, as the command line calls it. `-X importtime` of a
 further run gives the self time of each top-level package imported.
 
-    python scripts/bench_startup.py [--repeats 5]
+    python -m benchmarks.startup [--repeats 5]
 Writes benchmarks/startup.json and benchmarks/startup.md.
 """
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import BENCH, ROOT, child_result, cpu_device, md_table, write_pair
+from benchmarks.common import BENCH, ROOT, child_result, cpu_device, md_table, write_pair
 
 # (module, function) finetune.main calls, in order; each is wrapped with a timer in the phase run
 PHASES = [("toolkit.config", "parse_config"), ("toolkit.model.load", "check_model"), ("toolkit.model.load", "load_tokenizer"),
@@ -133,7 +133,7 @@ def main() -> None:
            "phase_run": phases, "import_self_seconds_by_package": imports,
            "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
     lines = ["# Start-up: `finetune.py --help` and a 1-step tiny run", "",
-             "Reproduce: `python scripts/bench_startup.py` (method in its docstring). A 156k-parameter Llama, LoRA, "
+             "Reproduce: `python -m benchmarks.startup` (method in its docstring). A 156k-parameter Llama, LoRA, "
              "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each time.", ""]
     every = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     lines += md_table(["what", "median seconds", "all", "target"], [
