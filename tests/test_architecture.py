@@ -266,12 +266,13 @@ def test_objective_names_are_compared_only_where_objectives_are_the_subject():
 def test_no_line_of_the_package_names_an_issue_or_a_date():
     """History goes to git and measurements to benchmarks/*.md: "issue 57" or "2026-11-25" in a comment goes
     stale. A datasheet table may cite its source's date (`DATED`)."""
-    pattern = re.compile(r"\bissues? \d+|\b20\d\d-\d\d(-\d\d)?\b|#\d{2,}\b")
+    # an upstream project's bug cited by its repository (pytorch/pytorch#124480) is a source, not our history
+    pattern = re.compile(r"\bissues? \d+|\b20\d\d-\d\d(-\d\d)?\b|(?<![\w/-])#\d{2,}\b")
     found = [f"{f.relative_to(PACKAGE)}:{i}: {line.strip()[:80]}" for f in sorted(PACKAGE.rglob("*.py"))
              if f.relative_to(PACKAGE).as_posix() not in DATED
              for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
 
 
-# data tables that cite a datasheet or a published config by its date
-DATED: set[str] = set()
+# data tables that cite a datasheet or a published config by its date; a task whose data are dates
+DATED = {"data/builtin.py"}

@@ -2,16 +2,15 @@
 are needed, which this run's layout never uses.
 
 - peft imports bitsandbytes when peft itself is imported (`peft/helpers.py`: `try: import bitsandbytes`),
-  and bitsandbytes pulls in torch._inductor: 1.3 s of a LoRA run's 9 s start on 2 cores, 3.2 s of
-  peft's 17 s import on the H100 machine (`-X importtime`, 2026-11-25). Only QLoRA uses it.
+  and bitsandbytes pulls in torch._inductor: seconds of a run's start (`-X importtime`; the figures are in
+  benchmarks/startup.md). Only QLoRA uses it.
 - accelerate imports DeepSpeed to unwrap any model when it is installed
-  (`accelerate.utils.extract_model_from_parallel`): 0.4 s here, 5.6 s standalone on the H100 machine.
-  Only a DeepSpeed layout uses it.
+  (`accelerate.utils.extract_model_from_parallel`). Only a DeepSpeed layout uses it.
 - transformers imports scipy.optimize with its model code (`loss.loss_for_object_detection`, for
-  DETR's matching): 0.28 s of the import on 2 cores (`-X importtime`, 2026-11-25). No causal LM uses it.
+  DETR's matching). No causal LM uses it.
 - accelerate imports boto3 for its SageMaker launcher config when it is installed
-  (`accelerate/commands/config/sagemaker.py`, reached from `accelerate.utils.other`): 0.28 s of a tiny
-  run's start on 2 cores (`-X importtime`, 2026-11-25). Training never uses it; mlflow's and wandb's
+  (`accelerate/commands/config/sagemaker.py`, reached from `accelerate.utils.other`). Training never uses
+  it; mlflow's and wandb's
   S3 artifact stores may, so it stays importable when either is asked for.
 
 A package set to None in `sys.modules` fails to import and `importlib.util.find_spec` answers None for
@@ -22,8 +21,8 @@ installed" path. Only a process that runs one layout may do this: `finetune.py` 
 A package that another installed distribution requires is never left out: that distribution may import
 it unconditionally when something imports it, and the libraries above import optional packages
 whenever they are installed. transformers 4.47 to 5.20 import scikit-learn at module level when it is
-installed, and scikit-learn imports scipy: with scipy left out, no run started (issue 56, on a stock
-CUDA image). Requirements are read from the installed metadata (~0.05 s on 2 cores for 109
+installed, and scikit-learn imports scipy: with scipy left out, no run started (on a stock CUDA
+image). Requirements are read from the installed metadata (~0.05 s on 2 cores for 109
 distributions); extras do not count (they are not installed by asking for the package).
 """
 

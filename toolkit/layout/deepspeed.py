@@ -122,7 +122,7 @@ def _set(value: Any) -> bool:
     return value is not None and value != "auto"
 
 
-# --- DeepSpeed's spellings, read from DeepSpeed: published files use all of them (issue 57), and
+# --- DeepSpeed's spellings, read from DeepSpeed: published files use all of them, and
 # accelerate refuses any "auto" left under any of them
 
 @cache
@@ -253,7 +253,7 @@ def compiles_cpu_adam(ds: dict[str, Any]) -> bool:
     """Whether DeepSpeed would build the file's optimizer as its own compiled Adam: an "Adam"/"AdamW"
     without "torch_adam" is DeepSpeedCPUAdam under optimizer offload and FusedAdam otherwise
     (`DeepSpeedEngine.get_optimizer_configuration`), and on a CPU machine both are C++ extensions
-    compiled at first use (cpu_adam: 4 min 9 s on this 2-core machine, 2026-11-25, other work running). A file
+    compiled at first use (minutes on a few cores). A file
     that asks for DeepSpeed's CPU optimizer by name ("zero_force_ds_cpu_optimizer": true) keeps it."""
     optimizer = ds.get("optimizer") or {}
     params = optimizer.get("params") or {}
@@ -288,7 +288,7 @@ def fp16_problem(path: str, from_file: bool, device: str) -> str:
 
 
 def zero3_first_steps_note(ds: dict[str, Any]) -> str | None:
-    """The one line a ZeRO-3 run prints about its slow step 2 (issue 45; benchmarks/zero3_first_steps.md).
+    """The one line a ZeRO-3 run prints about its slow step 2 (benchmarks/zero3_first_steps.md).
     At the end of step 1 DeepSpeed has recorded the order its modules ran in; in step 2, for each module
     it releases, it walks that order ahead until `stage3_max_reuse_distance` parameters (DeepSpeed's
     default and the toolkit's 1e9: all of a model under 1B) to keep what is used again soon, and caches

@@ -3,7 +3,7 @@
 With `--packing` a row concatenates several documents, `position_ids` restarting at 0 in each. The
 `sdpa` path has transformers build a dense block-diagonal (B, 1, S, S) mask from those positions
 (`masking_utils.find_packed_sequence_indices`), and SDPA given a mask cannot use its flash kernel:
-on an H100 packing ran at 0.57x the useful tokens/s of padding (`shared/gpu/h100-2026-11-24`). The
+on an H100 packing ran at about half the useful tokens/s of padding (benchmarks/packing.md). The
 kernels here take the documents' boundaries instead, through transformers' AttentionInterface:
 
     varlen  `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16) on the documents laid end to
@@ -171,8 +171,8 @@ def _varlen_kernel(device: torch.device, dtype: torch.dtype):
 @functools.lru_cache
 def adapt_varlen(kernel):
     """`kernel` (torch's `varlen_attn`) called with the newest contract, `reference_varlen`'s, whatever
-    its torch version takes: torch 2.11's has no `enable_gqa` (the 2026-11-26 H200 run: every packed
-    --attn varlen run stopped with a TypeError), so k and v are repeated to the query's heads there;
+    its torch version takes: torch 2.11's has no `enable_gqa` (every packed --attn varlen run on it stopped
+    with a TypeError), so k and v are repeated to the query's heads there;
     one that takes `is_causal` in place of `window_size` gets the causal flag (no other window)."""
     params = inspect.signature(kernel).parameters
 
@@ -472,10 +472,9 @@ def auto_choice(device_type: str, packing: bool, have: Sequence[str]) -> str:
     a mask whichever kernel is named). Packed rows on CUDA: varlen, else flash, else flex, else sdpa:
     PROVISIONAL, an order by expectation (varlen and flash run FlashAttention-2 kernels on the
     documents end to end; flex is close behind once compiled), until measured on an H100. Packed rows
-    on CPU: varlen, the per-document SDPA loop, over sdpa's dense mask: 2.2x faster attention, 1.28x
-    the tokens/s of a whole step (2-layer 135M-shaped Llama, 8 x 1019 tokens of 29 documents, 2
-    threads, this project's 2-core CPU, 2026-11-25). Its many small calls suffer most when other
-    processes compete for the cores (0.6-0.74x measured then)."""
+    on CPU: varlen, the per-document SDPA loop, over sdpa's dense mask: faster attention and a faster
+    step on a 2-core CPU (benchmarks/packing.md). Its many small calls suffer most when other processes
+    compete for the cores."""
     if not packing:
         return "sdpa"
     order = ("varlen", "flash", "flex", "sdpa") if device_type == "cuda" else ("varlen", "sdpa")

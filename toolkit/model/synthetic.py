@@ -79,7 +79,7 @@ def token_rows(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0, prom
     return rows
 
 
-# Tiny random configs of the architectures people finetune (issue 46's zoo): each keeps what makes it
+# Tiny random configs of the architectures people finetune (the zoo): each keeps what makes it
 # differ from Llama (logit transforms, softcapping, sliding windows, fused projections, MoE routers,
 # MLA, attention sinks, GPT-2/NeoX attribute names) at hidden 64, 2 blocks, without dropout (parity runs
 # compare layouts step by step). `model_type` -> overrides of transformers' config defaults (`AutoConfig.for_model`).
@@ -131,7 +131,7 @@ def build_zoo_model_dir(path: Path, model_type: str, chat_template: str | None =
 
 
 # Each planner preset (`toolkit.planner.presets`) as a tiny runnable model: the published config with its
-# widths shrunk and its structure kept (issue 57). Kept: the model type, the layer pattern (`layer_types`,
+# widths shrunk and its structure kept. Kept: the model type, the layer pattern (`layer_types`,
 # one period of it at least), which layers are dense and which routed (`mlp_only_layers`,
 # `decoder_sparse_step`, `first_k_dense_replace`), shared experts, group-limited routing, GQA against MHA,
 # a head_dim apart from hidden/heads, sliding windows (shrunk below the tests' sequence length), biases,

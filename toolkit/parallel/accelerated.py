@@ -81,7 +81,7 @@ class DeepSpeedStrategy(Parts, Strategy):
         return scheduler
 
     def describe(self) -> str:
-        slow = zero3_first_steps_note(self.ds_config)  # why its step 2 is slow (issue 45)
+        slow = zero3_first_steps_note(self.ds_config)  # why its step 2 is slow
         return zero_layout(self.ds_config, self.accelerator.num_processes) + "\n" + (slow + "\n" if slow else "") \
             + self.loss.describe()
 

@@ -49,7 +49,7 @@ def join_deepspeed_comm(backend: str) -> None:
     """DeepSpeed's own comm layer joins the gloo group, as accelerate's GPU branch does
     (`PartialState`: `deepspeed.comm.init_distributed` when ACCELERATE_USE_DEEPSPEED). Without it
     `zero.Init` inside `from_pretrained` builds its DeepSpeedConfig before DeepSpeed knows the group,
-    reads a world size of 1 and rejects a train_batch_size filled for the real world (issue 45)."""
+    reads a world size of 1 and rejects a train_batch_size filled for the real world."""
     from deepspeed import comm
 
     if not comm.is_initialized():

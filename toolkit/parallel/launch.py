@@ -12,10 +12,9 @@ deepspeed 0.19; `tests/test_launchers.py` runs every form):
 | `torchrun` | all | TORCHELASTIC_RUN_ID |
 | `deepspeed` | all but LOCAL_WORLD_SIZE (it sets LOCAL_SIZE) | `--local_rank=K` in argv, CROSS_RANK |
 
-DeepSpeed and FSDP need a process group even for one process. On one H100 (2026-11-24)
-`accelerate launch --num_processes 1 finetune.py --zero-stage 3` died with "Default process group has
-not been initialized": the one-process variables were set on the CPU path only, so accelerate chose
-DeepSpeed without a group. `rank_env` is now the one place they are set, and it has no device branch.
+DeepSpeed and FSDP need a process group even for one process: with the one-process variables set on the
+CPU path only, `accelerate launch --num_processes 1 finetune.py --zero-stage 3` on a GPU dies with "Default
+process group has not been initialized". `rank_env` is the one place they are set, with no device branch.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 def on_cuda() -> bool:
     """The one question the launch set-up's CUDA-only branches ask (accelerate's device, the CPU
     rehearsal, DeepSpeed's comm overlap). Tests answer True on a CPU to run the GPU branch of a
-    one-process launch end to end (`tests/test_launchers.py`): the class of bug that only a GPU
-    showed on 2026-11-24 then fails the suite."""
+    one-process launch end to end (`tests/test_launchers.py`): a bug of the GPU branch then fails the
+    suite on a CPU."""
     import torch
 
     return torch.cuda.is_available()

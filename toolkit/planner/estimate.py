@@ -585,7 +585,7 @@ def split_batch(inp: PlanInput, c: Candidate, target: int) -> Candidate:
 
 
 def fallbacks(inp: PlanInput, chosen: Candidate, rows: list[Candidate], target: int) -> list[Candidate]:
-    """What `--strategy auto` runs after an out-of-memory in its first steps, in order (issue 34): the
+    """What `--strategy auto` runs after an out-of-memory in its first steps, in order: the
     chosen layout with gradient checkpointing on; then its micro-batch made smaller, the accumulation
     larger (the global batch kept), down to 1; then the layouts of the plan that hold less per GPU in
     weights, gradients and optimizer state (sharded or offloaded), at their smallest (checkpointing,

@@ -3,7 +3,7 @@
 Compiling each block (`toolkit.parallel.parallelize.apply_compile`, regional, as torchtitan compiles per block) made
 one H200's steps faster: the default eager run was 0.75x the compiled one's tokens/s for a full
 finetune of the Llama-3.2-1B shape and 0.62x for LoRA, at 0.82x and 0.75x its peak memory
-(benchmarks/gpu/throughput_*.json, 2026-11-26). It costs a compile first, so `auto`, the default,
+(benchmarks/gpu/throughput_*.json). It costs a compile first, so `auto`, the default,
 decides on CUDA from what the run measures: it times EAGER_STEPS eager steps after the first (one
 device sync each, this decision only), and compiles from the next step when the steps left, each
 saving the measured gain of an eager step (`MEASURED`: an H200's, by method), repay the compile's expected
@@ -38,8 +38,8 @@ class Measured:
     cold_s: float
 
 
-# One H200, the Llama-3.2-1B shape, 2048 tokens x micro-batch 4 packed, bf16, torch 2.11 (the GPU user part,
-# issue 66, 2026-11-27): LoRA 0.172 s a step eager, 0.104 s compiled, 12.8 s of compile at step 1 and 6.7 s at
+# One H200, the Llama-3.2-1B shape, 2048 tokens x micro-batch 4 packed, bf16, torch 2.11 (the GPU user part:
+# ../shared/gpu): LoRA 0.172 s a step eager, 0.104 s compiled, 12.8 s of compile at step 1 and 6.7 s at
 # step 2's recompile (cold cache); a full finetune 0.185 s, 0.140 s, 7.6 s + 3.0 s. Step 2's recompile is gone
 # since (packed rows' boundaries keep their shapes once the blocks compile: `toolkit.data.packing.collate_packed`),
 # so the cold seconds are an upper bound until a GPU measures them again. QLoRA and other shapes and layouts take

@@ -20,7 +20,7 @@ def agreement(dtype: torch.dtype) -> float:
     values in `dtype` agree: FP32_RTOL, or two units of the dtype's rounding where that is more
     (bf16: 2 x 2^-7 = 1.6e-2; fp16: 2e-3). transformers' padding-free tests allow bf16's epsilon (7.8e-3),
     its eager-vs-sdpa tests 1e-2; one H100 measured Llama's packed varlen logits against unpacked sdpa's
-    at 4.9e-3 (LoRA) and 6.5e-3 (full) in bf16 (issue 56)."""
+    at 4.9e-3 (LoRA) and 6.5e-3 (full) in bf16."""
     return max(FP32_RTOL, 2 * torch.finfo(dtype).eps)
 
 
@@ -28,7 +28,7 @@ def mean_agreement(dtype: torch.dtype) -> float:
     """The same for a mean over many tokens (a loss) whose two sides run the same computation up to its
     last matmul (the loss check: the same blocks, two LM heads), relative to it: FP32_RTOL, or 1/32 of a
     unit of the dtype's rounding (bf16: 2.4e-4). Each side rounds its logits once; the mean over the
-    tokens averages that down: one H100 measured 1.5e-5 in bf16 (Gemma-2 through cce, issue 56), 16x
+    tokens averages that down: one H100 measured 1.5e-5 in bf16 (Gemma-2 through cce), 16x
     under the bound, while a head that trains another objective moves the mean by more (a router loss
     left out at Qwen3-MoE's coefficient 0.001: ~1e-3)."""
     return max(FP32_RTOL, torch.finfo(dtype).eps / 32)

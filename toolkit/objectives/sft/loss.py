@@ -276,7 +276,7 @@ def choose_loss(choice: str, device_type: str, head_is_linear: bool, logits_fit:
     On CUDA full logits where the planner says they fit (`logits_fit`; None: not asked, so perhaps not):
     then no chunk loop can be faster. Else ours, compiled, which runs every dtype. The Triton kernels
     only when asked: on the user's path (one H100, `finetune.py` on 1,000 alpaca records, 2048 x 4
-    packed, LoRA on the Llama-3.2-1B shape, issue 56) Cut Cross-Entropy averaged 31.2k tokens/s against
+    packed, LoRA on the Llama-3.2-1B shape) Cut Cross-Entropy averaged 31.2k tokens/s against
     chunked's 34.9k, its 5-step windows swinging from 39k to 10.6k, and its backward refuses fp32; Liger
     ran 2-3x slower than compiled chunked losses (linkedin/Liger-Kernel#227, pytorch/pytorch#124480)."""
     if choice != "auto":
@@ -299,7 +299,7 @@ def fused_kernel(kind: str, device_type: str, bias: bool, softcap: bool = False,
     if device_type != "cuda":
         raise UserError(f"--loss {kind} runs {package}'s Triton kernels, which need a CUDA GPU; this run is on "
                         f"{device_type}: use --loss chunked (the same loss in PyTorch)")
-    if kind == "cce" and dtype not in HALF:  # its backward asserts it (AssertionError at step 1, issue 56)
+    if kind == "cce" and dtype not in HALF:  # its backward asserts it (AssertionError at step 1)
         raise UserError(f"--loss cce: Cut Cross-Entropy's backward runs in bf16 or fp16 only, and this run's head "
                         f"computes in {str(dtype).removeprefix('torch.')} (--mixed-precision no): use --loss chunked "
                         "(the same loss in PyTorch, any dtype), or --mixed-precision bf16")
