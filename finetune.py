@@ -25,19 +25,26 @@ from toolkit.config.trackers import requested
 def main(argv: list[str] | None = None):
     if "--debug" in (sys.argv[1:] if argv is None else argv):
         os.environ["TOOLKIT_DEBUG"] = "1"
-    cfg = parse_config(argv)  # bad flags and YAML fail here, before anything heavy is imported
-    check_data(cfg.data_settings)  # so do the data's columns: read from the files' first bytes by the full read's rules
-    if cfg.output.push_to_hub:  # refused now, not after training: offline, no token, the hub out of reach
+    # bad flags and YAML fail here, before anything heavy is imported
+    cfg = parse_config(argv)
+    # so do the data's columns: read from the files' first bytes by the full read's rules
+    check_data(cfg.data_settings)
+    # refused now, not after training: offline, no token, the hub out of reach
+    if cfg.output.push_to_hub:
         from toolkit.config.hub import check_push
 
         check_push(cfg.output.push_to_hub)
-    if argv is None and started_here(cfg.parallel.nproc_per_node):  # --nproc-per-node N: this process starts
-        from toolkit.parallel.launch import run_ranks                 # the ranks and exits with their code
+    # --nproc-per-node N: this process starts
+    if argv is None and started_here(cfg.parallel.nproc_per_node):
+        # the ranks and exits with their code
+        from toolkit.parallel.launch import run_ranks
 
         sys.exit(run_ranks(cfg.parallel.nproc_per_node, sys.argv[0], sys.argv[1:]))
-    if argv is None:  # the command line's own process: packages this layout never uses stay unimported
+    # the command line's own process: packages this layout never uses stay unimported
+    if argv is None:
         leave_unimported(cfg.model.method, cfg.parallel, cfg.output.report_to)
-    quiet()  # third-party notices the user cannot act on (shown with --debug)
+    # third-party notices the user cannot act on (shown with --debug)
+    quiet()
 
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
@@ -55,21 +62,29 @@ def main(argv: list[str] | None = None):
     from toolkit.train.resume import resume_point, resumed_weights
     from toolkit.train.trackers import start_trackers
 
-    model_path, source = training_model(cfg)  # a LoRA adapter folder: its base (or, merged, the merged folder)
-    attention = check_model(cfg, model_path)  # LoRA targets, the attention it runs: on a weightless skeleton
+    # a LoRA adapter folder: its base (or, merged, the merged folder)
+    model_path, source = training_model(cfg)
+    # LoRA targets, the attention it runs: on a weightless skeleton
+    attention = check_model(cfg, model_path)
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
-    data = prepare_data(cfg.data_settings, tokenizer)  # tokenized once into the cache; bad data fails before the model
+    # tokenized once into the cache; bad data fails before the model
+    data = prepare_data(cfg.data_settings, tokenizer)
 
     planned = None
-    if cfg.parallel.strategy == "auto":  # the planner's layout, checkpointing and batch sizes
+    # the planner's layout, checkpointing and batch sizes
+    if cfg.parallel.strategy == "auto":
         cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem)
     accelerator = make_accelerator(cfg, model_path)
-    resume = resume_point(cfg.flat(), cfg.parallel, accelerator)  # refuses a checkpoint of another run, before loading
-    if resume is not None and resume.split is not None:  # its global batch, re-split for this launch
-        cfg = cfg.replace(micro_batch_size=resume.split[0], grad_accum=resume.split[1])  # the config is final here
-    strategy = make_strategy(cfg, accelerator, model_path)  # the layout, decided once
+    # refuses a checkpoint of another run, before loading
+    resume = resume_point(cfg.flat(), cfg.parallel, accelerator)
+    # its global batch, re-split for this launch
+    if resume is not None and resume.split is not None:
+        # the config is final here
+        cfg = cfg.replace(micro_batch_size=resume.split[0], grad_accum=resume.split[1])
+    # the layout, decided once
+    strategy = make_strategy(cfg, accelerator, model_path)
     log = accelerator.print
     # where the model came from (an SFT adapter), and the layout when not from our flags (a launcher, a DeepSpeed file)
     for note in ([source] if source else []) + list(cfg.notes):
@@ -83,7 +98,8 @@ def main(argv: list[str] | None = None):
             (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
             log(table)
     report_data(log, cfg.data, cfg.train, cfg.model.chat_template, data, added_template)
-    trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)  # or stop here
+    # or stop here
+    trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)
 
     # loaded, then shaped in one place (`parallelize`: adapters, kernels, the layout); a DeepSpeed checkpoint's weights
     model = resumed_weights(strategy.shard_model(load_model(cfg, model_path)), resume, cfg.model.method)
@@ -93,26 +109,32 @@ def main(argv: list[str] | None = None):
         f"{attention}")
     scores = {}
 
-    def score_before(prepared) -> None:  # on the prepared model: ZeRO-3's weights are partitioned before it
+    # on the prepared model: ZeRO-3's weights are partitioned before it
+    def score_before(prepared) -> None:
         scores["before"] = exact_match(strategy, prepared, tokenizer, data.em_conversations, data.answers)
         log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
 
-    restart = None  # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
+    # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
+    restart = None
     if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:
         restart = partial(restart_after_oom, planned, say=log)
     model, result = train(cfg, strategy, model, tokenizer, data.train, data.eval, out_dir, log, resume, restart,
                           trackers, score_before if data.answers else None)
-    written = save_final(strategy, model, tokenizer, out_dir / "final")  # the tensors saved, for the check
+    # the tensors saved, for the check
+    written = save_final(strategy, model, tokenizer, out_dir / "final")
     verify_saved(strategy, model, tokenizer, data.train, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
-    del written  # a full copy of the weights on the main process under ZeRO-3/FSDP
+    # a full copy of the weights on the main process under ZeRO-3/FSDP
+    del written
 
     if data.answers:
         scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
     run = summarize(log, cfg.train.objective, out_dir, result, scores, accelerator, model)
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
-    if cfg.output.push_to_hub and accelerator.is_main_process:  # saved and checked; no collective waits on the upload
+    # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
+    accelerator.end_training()
+    # saved and checked; no collective waits on the upload
+    if cfg.output.push_to_hub and accelerator.is_main_process:
         from toolkit.config.hub import push_final
 
         print(f"hub: {out_dir / 'final'} uploaded to "
@@ -121,6 +143,7 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()  # saved, the group destroyed: no interpreter teardown, where freed gloo groups aborted a rank (SIGABRT)
+    # saved, the group destroyed: no interpreter teardown, where freed gloo groups aborted a rank (SIGABRT)
+    main()
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)

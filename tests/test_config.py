@@ -423,7 +423,7 @@ def test_resume_over_a_config_file_that_overwrites_its_folder(tmp_path):
 
 
 @pytest.mark.parametrize("flags, said", [([], "2e-05 (the default for --method full; --lr sets it)"),
-                                         (["--objective", "grpo", "--method", "lora", "--reward", "builtin:math_answer"],
+                                         (["--objective", "grpo", "--method", "lora", "--reward", "builtin:math_answer", "--num-generations", "4"],
                                           "1e-05 (--objective grpo's default for --method lora; --lr sets it)"),
                                          (["--lr", "3e-4"], "0.0003 (--lr)")])
 def test_the_learning_rate_in_force_says_where_it_comes_from(tmp_path, flags, said):

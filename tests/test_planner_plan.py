@@ -763,7 +763,8 @@ def test_the_top_5_are_in_the_order_they_say_and_mark_the_chosen(capsys):
     its heading says: the chosen first (issue 64), the rows as fast as it next, then the plan's order
     (`rank_key`: among rows that fit, by time); the chosen, where faster rows follow it, says why it is
     the choice, and each of them why it is not."""
-    from toolkit.planner.estimate import PlanInput, rank_key, same_time, target_batch
+    from toolkit.planner.estimate import PlanInput
+    from toolkit.planner.search import rank_key, same_time, target_batch
     from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 
@@ -933,7 +934,8 @@ def test_between_equally_simple_layouts_the_faster_is_chosen():
     tp2_dp_shard4, as simple (one model-parallel degree of 2 beside dp_shard 4) and 1.6% faster,
     because the search listed it first, and said "the simpler layout wins". Among the rows within 5%
     of the fastest the simplest wins, and between equally simple ones the faster."""
-    from toolkit.planner.estimate import PlanInput, rank_key, simplicity, target_batch
+    from toolkit.planner.estimate import PlanInput
+    from toolkit.planner.search import rank_key, simplicity, target_batch
     from toolkit.planner.explain import plan
     from toolkit.planner.presets import PRESETS
 

@@ -63,7 +63,8 @@ class LineFilter:
         self._dropped = bool(_LINES.search(text))
         return len(text) if self._dropped else self._stream.write(text)
 
-    def __getattr__(self, name: str):  # flush, fileno, isatty, encoding, buffer ...
+    # flush, fileno, isatty, encoding, buffer ...
+    def __getattr__(self, name: str):
         return getattr(self._stream, name)
 
 
@@ -79,4 +80,5 @@ def quiet() -> None:
         sys.stderr = LineFilter(sys.stderr)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a bar per checkpoint load and save (downloads keep theirs)
+    # a bar per checkpoint load and save (downloads keep theirs)
+    hf_logging.disable_progress_bar()

@@ -36,7 +36,8 @@ def debug() -> bool:
     return os.environ.get("TOOLKIT_DEBUG") == "1"
 
 
-RANK_ZERO_FIRST = 0.5  # seconds the other ranks leave rank 0 to claim an error they all hit
+# seconds the other ranks leave rank 0 to claim an error they all hit
+RANK_ZERO_FIRST = 0.5
 
 
 def first_to_report(line: str) -> bool:
@@ -60,13 +61,16 @@ def first_to_report(line: str) -> bool:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
-    except OSError:  # no writable temp folder: every rank says it
+    # no writable temp folder: every rank says it
+    except OSError:
         return True
-    for old in marker.parent.glob("toolkit-error-*"):  # earlier launches' markers, a day on
+    # earlier launches' markers, a day on
+    for old in marker.parent.glob("toolkit-error-*"):
         try:
             if time.time() - old.stat().st_mtime > 86400:
                 old.unlink()
-        except OSError:  # another process swept it first
+        # another process swept it first
+        except OSError:
             pass
     return True
 

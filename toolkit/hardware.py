@@ -20,12 +20,15 @@ PROBE_MATMUL_GPU = 8192
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
-    pattern: str  # regex matched against torch.cuda.get_device_name()
-    tflops: dict[str, float]  # dense peak per compute dtype: fp32, bf16, fp16
+    # regex matched against torch.cuda.get_device_name()
+    pattern: str
+    # dense peak per compute dtype: fp32, bf16, fp16
+    tflops: dict[str, float]
     source: str
 
 
-DATASHEETS: tuple[DeviceSpec, ...] = (  # more specific names first: the first match wins
+# more specific names first: the first match wins
+DATASHEETS: tuple[DeviceSpec, ...] = (
     DeviceSpec("NVIDIA H100 NVL", r"H100.*NVL", {"fp32": 60.0, "bf16": 835.5, "fp16": 835.5},
                "NVIDIA H100 datasheet (BF16/FP16 1,671 TFLOPS with sparsity)"),
     DeviceSpec("NVIDIA H100 PCIe", r"H100.*PCIe", {"fp32": 51.0, "bf16": 756.5, "fp16": 756.5},

@@ -12,7 +12,8 @@ def cmd_accelerate_config(args) -> None:
 
     flags = ["--offload", args.offload, "--fsdp-sharding", args.fsdp_sharding, "--output-dir", "/nonexistent"]
     flags += (["--zero-stage", str(args.zero_stage)] if args.zero_stage is not None else []) + (["--fsdp"] if args.fsdp else [])
-    par = parse_config(flags, prog="python -m toolkit accelerate-config").parallel  # same checks as finetune.py
+    # same checks as finetune.py
+    par = parse_config(flags, prog="python -m toolkit accelerate-config").parallel
     cfg = accelerate_yaml(par.zero_stage, par.offload, par.fsdp, par.fsdp_sharding, args.num_processes,
                           args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port,
                           args.mixed_precision)

@@ -27,7 +27,8 @@ import torch
 from toolkit.planner.cost import Hardware, flops_per_token, ring_factor
 from toolkit.train.flops import measure_peak_flops
 
-UNMEASURED = 1e18  # bytes/s of a link no rank crossed
+# bytes/s of a link no rank crossed
+UNMEASURED = 1e18
 BLOCK = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)
 
 
@@ -134,9 +135,11 @@ def calibrate(output: Path, log=print) -> Hardware | None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    peaks = {"fp32": slowest(measure_peak_flops(device, torch.float32), device)}  # the MFU probe's, time-bounded
+    # the MFU probe's, time-bounded
+    peaks = {"fp32": slowest(measure_peak_flops(device, torch.float32), device)}
     peaks["bf16"] = slowest(measure_peak_flops(device, torch.bfloat16, None if cuda else 256), device)
-    peaks["fp16"] = peaks["bf16"] if cuda else peaks["fp32"] / 100  # fp16 is refused on the CPU anyway
+    # fp16 is refused on the CPU anyway
+    peaks["fp16"] = peaks["bf16"] if cuda else peaks["fp32"] / 100
     dtype, key = (torch.bfloat16, "bf16") if cuda else (torch.float32, "fp32")
     efficiency = min(1.0, slowest(block_efficiency(device, dtype, peaks[key], 2048 if cuda else 256, sync), device))
     host = torch.empty(64 * 1024**2 // 4)
@@ -159,7 +162,8 @@ def calibrate(output: Path, log=print) -> Hardware | None:
         measured["world"] = figures
         latency, inter = figures["latency"], figures["all_reduce"]
         overlap = slowest(overlap_fraction(device, nbytes, sync), device)
-        if world > local:  # several nodes: the node-local groups give the intra-node figure
+        # several nodes: the node-local groups give the intra-node figure
+        if world > local:
             group, _ = dist.new_subgroups(group_size=local)
             measured["node"] = {k: slowest(v, device) for k, v in collective_figures(device, nbytes, sync, group).items()}
             intra = measured["node"]["all_reduce"]
@@ -174,7 +178,8 @@ def calibrate(output: Path, log=print) -> Hardware | None:
                  "intra_node_bw": "ring all-reduce, bytes a rank sends per second" if world > 1 else
                  "not measured (one rank): launch with torchrun --nproc_per_node N",
                  "inter_node_bw": "measured across nodes" if world > local else "not measured (one node): as intra"})
-    if world == 1:  # no link was measured: links cost nothing rather than infinite time (plan on one rank)
+    # no link was measured: links cost nothing rather than infinite time (plan on one rank)
+    if world == 1:
         hw = Hardware(**{**hw.to_json(), "intra_node_bw": UNMEASURED, "inter_node_bw": UNMEASURED})
     if rank == 0:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ def cmd_convert_checkpoint(args) -> None:
     from toolkit.train.checkpoint import convert_checkpoint
 
     out = Path(args.output)
-    above = next((a for a in [out, *out.parents] if a.exists()), None)  # the nearest that exists
+    # the nearest that exists
+    above = next((a for a in [out, *out.parents] if a.exists()), None)
     if above is not None and not above.is_dir():
         raise UserError(f"--output {args.output}: {'it' if above == out else above} is a file; choose a folder "
                         "(empty or absent)")

@@ -10,7 +10,8 @@ from pathlib import Path
 from toolkit.cli.checkpoints import checkpoint_as_folder
 from toolkit.errors import UserError
 
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 42}  # generate's defaults under --do-sample
+# generate's defaults under --do-sample
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 42}
 
 
 def sampling_options(args) -> dict:
@@ -33,7 +34,8 @@ def sampling_options(args) -> dict:
                         f"without --do-sample; add --do-sample to sample, or leave {'them' if len(given) > 1 else 'it'} "
                         "out")
     options = {"do_sample": args.do_sample, "repetition_penalty": args.repetition_penalty}
-    if args.do_sample:  # what greedy decoding ignores (transformers warns when given them)
+    # what greedy decoding ignores (transformers warns when given them)
+    if args.do_sample:
         options.update({k: default if getattr(args, k) is None else getattr(args, k) for k, default in SAMPLING.items()})
     return options
 

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     from toolkit.config.objectives import OBJECTIVES
     from toolkit.planner.presets import GPU_PRESETS, PRESETS
 
-    m, d, t = ModelConfig(), DataConfig(), TrainConfig()  # the same defaults as finetune.py
+    # the same defaults as finetune.py
+    m, d, t = ModelConfig(), DataConfig(), TrainConfig()
     s = sub.add_parser("plan", help="predict per-GPU memory and step time of each strategy and pick one that fits",
                        formatter_class=_DefaultsShown)
     s.add_argument("--model", default="smollm2-135m", help=f"a preset ({', '.join(PRESETS)}), a model folder or "
@@ -200,13 +201,15 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 @exit_on_user_error("python -m toolkit")
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["prepare-data"] and not {"-h", "--help"} & set(argv[1:2]):  # finetune.py's flags, as they are
+    # finetune.py's flags, as they are
+    if argv[:1] == ["prepare-data"] and not {"-h", "--help"} & set(argv[1:2]):
         args = argparse.Namespace(command="prepare-data", flags=argv[1:], fn=cmd_prepare_data)
     else:
         args = build_parser().parse_args(_join_negative_values(argv))
         if args.command == "plan":
             args.typed = typed_flags(_join_negative_values(argv)[1:])
-    if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint", "prepare-data"):  # these load models: keep it quiet
+    # these load models: keep it quiet
+    if args.command in ("merge", "generate", "verify", "prepare-model", "convert-checkpoint", "prepare-data"):
         from toolkit.console import quiet
 
         quiet()

@@ -50,7 +50,8 @@ def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
     from toolkit.planner.estimate import Asked, parse_size
     from toolkit.planner.presets import GPU_PRESETS
 
-    with tempfile.TemporaryDirectory() as out:  # the run's output folder is not the plan's to check
+    # the run's output folder is not the plan's to check
+    with tempfile.TemporaryDirectory() as out:
         cfg = parse_config(["--config", args.config, "--output-dir", out], prog="python -m toolkit plan --config",
                            check_dataset=False)
     m, t, par, machine = cfg.model, cfg.train, cfg.parallel, cfg.plan
@@ -206,12 +207,14 @@ def cmd_plan(args) -> None:
     from toolkit.config.objectives import generates, plan_terms
 
     recipe = None
-    if generates(args.objective):  # its sampling's settings: the recipe's (plan --config), else the defaults
+    # its sampling's settings: the recipe's (plan --config), else the defaults
+    if generates(args.objective):
         from toolkit.config import Config
 
         recipe = Config.from_values({"objective": args.objective, "method": args.method, "seq_len": args.seq_len,
                                      "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum})
-    terms = plan_terms(args.objective, args.method, args.loss, recipe)  # a preference pair: two sequences, full logits
+    # a preference pair: two sequences, full logits
+    terms = plan_terms(args.objective, args.method, args.loss, recipe)
     from toolkit.parallel.tree import tree_problem
 
     inp = PlanInput(model=cfg, gpu_memory=parse_size(args.gpu_memory, "gpu-memory"), gpus_per_node=args.gpus_per_node,

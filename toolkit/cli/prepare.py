@@ -46,7 +46,8 @@ def cmd_prepare_data(args) -> None:
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
     cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
-    check_data(cfg.data_settings)  # the data's columns, before the tokenizer loads
+    # the data's columns, before the tokenizer loads
+    check_data(cfg.data_settings)
     # the tokenizer finetune.py will use (an SFT adapter's own, saved beside it), so the run reads this cache
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, resolve_model(cfg.model.model)),
                                cfg.model.trust_remote_code, cfg.model.chat_template)

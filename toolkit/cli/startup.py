@@ -60,7 +60,8 @@ def required_elsewhere(names: list[str]) -> set[str]:
         if (dist.metadata["Name"] or "").lower() == "toolkit":
             continue
         for line in dist.requires or ():
-            if first.match(line):  # parsed only where the name matches: most lines never are
+            # parsed only where the name matches: most lines never are
+            if first.match(line):
                 req = Requirement(line)
                 if req.marker is None or req.marker.evaluate({"extra": ""}):
                     out.add(req.name.lower())

@@ -12,7 +12,8 @@ from typing import Any
 from toolkit.errors import UserError
 
 JINJA_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
-FILE_IN_FOLDER = "chat_template.jinja"  # what transformers writes beside a saved tokenizer
+# what transformers writes beside a saved tokenizer
+FILE_IN_FOLDER = "chat_template.jinja"
 
 
 def is_inline(spec: str) -> bool:

@@ -20,12 +20,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Source:
-    spec: str  # the file, folder, hub id or builtin:NAME
+    # the file, folder, hub id or builtin:NAME
+    spec: str
     weight: float | None = None
-    columns: str = ""  # its own mapping, as --columns writes it ("a=b,c=d"); "": --columns applies
+    # its own mapping, as --columns writes it ("a=b,c=d"); "": --columns applies
+    columns: str = ""
 
 
-MAPPING_SEPARATOR = ";"  # between a source's own OURS=YOURS entries
+# between a source's own OURS=YOURS entries
+MAPPING_SEPARATOR = ";"
 
 
 def _weight(text: str) -> float | None:
@@ -40,7 +43,8 @@ def parse_sources(spec: str) -> list[Source]:
     for part in (p.strip() for p in spec.split(",")):
         head, sep, tail = part.rpartition(":")
         columns = ""
-        if sep and "=" in tail:  # its own mapping (a path may hold '=', but not after its last ':')
+        # its own mapping (a path may hold '=', but not after its last ':')
+        if sep and "=" in tail:
             part, columns = head, ",".join(e.strip() for e in tail.split(MAPPING_SEPARATOR) if e.strip())
             head, sep, tail = part.rpartition(":")
         weight = _weight(tail) if sep else None
@@ -72,7 +76,8 @@ def spec_problems(spec: str, flag: str = "--dataset") -> list[str]:
         return [] if sources[0].spec else [f"{flag} {spec}: no file before its columns; write FILE:OURS=YOURS"]
     problems = []
     stray = [s.spec for s in sources if "=" in s.spec and not Path(s.spec).exists()]
-    if stray:  # `a.json:0.5:instruction=prompt,output=response`: the comma ended the source
+    # `a.json:0.5:instruction=prompt,output=response`: the comma ended the source
+    if stray:
         problems.append(f"{flag} {spec}: {stray[0]!r} reads as a source of its own; separate a source's columns "
                         f"with ';' (e.g. a.json:0.5:instruction=prompt;output=response,b.json:0.5)")
         return problems
@@ -92,7 +97,8 @@ def dataset_digest(spec: str) -> str:
     mixture, each source's digest with its weight; "spec:NAME" for a built-in or hub dataset (which
     a name identifies). Memoized on each file's size and mtime: a run checkpoints many times."""
     sources = parse_sources(spec)
-    if is_mixture(spec) or sources[0].columns:  # a source's own columns decide its tokens, as --columns does
+    # a source's own columns decide its tokens, as --columns does
+    if is_mixture(spec) or sources[0].columns:
         parts = [f"{dataset_digest(s.spec)}:{s.weight}" + (f":{s.columns}" if s.columns else "") for s in sources]
         return hashlib.sha256(",".join(parts).encode()).hexdigest()
     path = Path(spec)

@@ -49,18 +49,24 @@ class Foreign:
     def __init__(self, values: Mapping[Any, Mapping[str, Any]] | None = None, instead: str = "", hint: str = "",
                  switch: bool = False, words: bool = False, reads: str = ""):
         self.values = values or {}
-        self.instead = instead  # what to use here: said for a value with no counterpart
-        self.hint = hint  # our key that does the same job, named in a hint
-        self.switch = switch  # a boolean option: a bare --name is true
-        self.words = words  # a list of words (a YAML list, or space/comma separated), each looked up in `values`
-        self.reads = reads  # another of their options this one takes its value from (`_From`)
+        # what to use here: said for a value with no counterpart
+        self.instead = instead
+        # our key that does the same job, named in a hint
+        self.hint = hint
+        # a boolean option: a bare --name is true
+        self.switch = switch
+        # a list of words (a YAML list, or space/comma separated), each looked up in `values` another of their options
+        # this one takes its value from (`_From`)
+        self.words = words
+        self.reads = reads
 
 
 _METHOD = "--method lora (or qlora: the base in 4-bit NF4) trains a LoRA adapter, --method full every weight"
 _ATTN = "--attn sdpa, flex, varlen or flash (flash-attn), or auto"
 _OBJECTIVE = "--objective sft, dpo, orpo, simpo, kto or grpo picks what is trained"
 _NEFTUNE = "NEFTune (noise on the embeddings) is not implemented here; remove it"
-_NO = {False: {}, None: {}}  # off, or left empty: nothing to set
+# off, or left empty: nothing to set
+_NO = {False: {}, None: {}}
 _SCHEDULE = Foreign({"cosine": {"lr_schedule": "cosine"}, "linear": {"lr_schedule": "linear"},
                      "constant": {"lr_schedule": "constant"}},
                     "--lr-schedule cosine, linear or constant (cosine and linear warm up over --warmup-steps; "
@@ -83,7 +89,8 @@ FOREIGN: dict[str, Foreign] = {
     "load_in_8bit": Foreign(_NO, "there is no 8-bit base here: --method qlora loads it in 4-bit NF4, --method lora "
                             "in the run's precision", switch=True),
     "bnb_4bit_quant_type": Foreign({"nf4": {}, None: {}}, "--method qlora quantizes to NF4 only"),
-    "use_bnb_nested_quant": Foreign({True: {}, False: {}, None: {}}, switch=True),  # qlora: always double-quantized
+    # qlora: always double-quantized
+    "use_bnb_nested_quant": Foreign({True: {}, False: {}, None: {}}, switch=True),
     "use_dora": Foreign(_NO, "DoRA is not implemented: --method lora trains plain LoRA", switch=True),
     "peft_use_dora": Foreign(_NO, "DoRA is not implemented: --method lora trains plain LoRA", switch=True),
     "use_rslora": Foreign(_NO, "rsLoRA is not implemented: LoRA scales by --lora-alpha / --lora-r", switch=True),
@@ -93,7 +100,8 @@ FOREIGN: dict[str, Foreign] = {
                                     "adapters train (--method full trains every weight)"),
     "lora_target_linear": Foreign({True: {"lora_targets": "all-linear"}, **_NO}, "--lora-targets all-linear",
                                   hint="lora_targets", switch=True),
-    "lora_target": Foreign({"all": {"lora_targets": "all-linear"}}),  # other values: module names, as ours
+    # other values: module names, as ours
+    "lora_target": Foreign({"all": {"lora_targets": "all-linear"}}),
     "adapter_name_or_path": Foreign({None: {}}, "--model ADAPTER_FOLDER trains on a LoRA adapter (its base is read "
                                     "from it)"),
     "lora_model_dir": Foreign({None: {}}, "--model ADAPTER_FOLDER trains on a LoRA adapter (its base is read from it)"),
@@ -101,12 +109,14 @@ FOREIGN: dict[str, Foreign] = {
                      "base is loaded in it)"),
     "torch_dtype": Foreign({"auto": {}, None: {}}, "the weights' dtype follows --mixed-precision here (bf16 or fp16: a "
                            "LoRA base is loaded in it)"),
-    "bf16": Foreign({"auto": {"mixed_precision": "auto"}}),  # axolotl's; true/false: Trainer's switch
+    # axolotl's; true/false: Trainer's switch
+    "bf16": Foreign({"auto": {"mixed_precision": "auto"}}),
     "model_type": Foreign({"automodelforcausallm": {}, None: {}}, "the model's class comes from its config.json here"),
     "tokenizer_type": Foreign({"autotokenizer": {}, None: {}}, "the tokenizer comes from the model folder here"),
     # the schedule and the optimizer
     "lr_scheduler_type": _SCHEDULE,
-    "lr_scheduler": _SCHEDULE,  # axolotl's
+    # axolotl's
+    "lr_scheduler": _SCHEDULE,
     "warmup_ratio": Foreign({0: {"warmup_steps": 0}, None: {}}, "--warmup-steps counts optimizer steps: give the "
                             "ratio x the run's steps", hint="warmup_steps"),
     "optim": Foreign({"adamw_torch": {}, "adamw_torch_fused": {}, "adamw_hf": {}, "adamw": {}, None: {}},
@@ -157,8 +167,10 @@ FOREIGN: dict[str, Foreign] = {
     "do_train": Foreign({True: {}}, "finetune.py always trains; remove do_train"),
     "do_eval": Foreign(_NO, "--eval-split F holds out a fraction of the data for the eval loss"),
     "save_safetensors": Foreign({True: {}}, "weights are always saved as safetensors"),
-    "plot_loss": Foreign({True: {}, False: {}}, switch=True),  # loss.png is always written
-    "resume_from_checkpoint": Foreign({True: {"resume": "auto"}, **_NO}),  # a folder: as ours
+    # loss.png is always written
+    "plot_loss": Foreign({True: {}, False: {}}, switch=True),
+    # a folder: as ours
+    "resume_from_checkpoint": Foreign({True: {"resume": "auto"}, **_NO}),
     "auto_resume_from_checkpoints": Foreign({True: {"resume": "auto"}, **_NO}, hint="resume", switch=True),
     "fsdp": Foreign({"full_shard": {"fsdp": True, "fsdp_sharding": "full"},
                      "shard_grad_op": {"fsdp": True, "fsdp_sharding": "grad_op"},
@@ -166,7 +178,8 @@ FOREIGN: dict[str, Foreign] = {
                     "--fsdp shards with FSDP2, --fsdp-sharding full, grad_op or hybrid; CPU offload is DeepSpeed's "
                     "here (--zero-stage 3 --offload optimizer+param)", words=True),
     "fsdp_version": Foreign({2: {}, None: {}}, "FSDP here is FSDP2 (--fsdp)"),
-    "report_to": Foreign(words=True),  # a YAML list: ours, comma-separated
+    # a YAML list: ours, comma-separated
+    "report_to": Foreign(words=True),
     # data
     "datasets": Foreign(instead="axolotl's datasets list is not read: --dataset FILE (several, weighted: "
                         "a.jsonl:0.7,b.jsonl:0.3); the format is detected from the columns, --columns maps yours",
@@ -179,7 +192,8 @@ FOREIGN: dict[str, Foreign] = {
     "template": Foreign(instead="LLaMA-Factory's template names are not read here: the tokenizer's own chat "
                         "template is used, and --chat-template FILE (or a template name the tokenizer carries) "
                         "picks another", hint="chat_template"),
-    "chat_template": Foreign({"tokenizer_default": {"chat_template": ""}}),  # axolotl's; others: ours
+    # axolotl's; others: ours
+    "chat_template": Foreign({"tokenizer_default": {"chat_template": ""}}),
     # preference objectives
     "rl": Foreign({"dpo": {"objective": "dpo"}, "orpo": {"objective": "orpo"}, "simpo": {"objective": "simpo"},
                    "kto": {"objective": "kto"}, "grpo": {"objective": "grpo"}, None: {}},
@@ -212,7 +226,8 @@ FOREIGN: dict[str, Foreign] = {
 JOINS = {("method", frozenset({"lora", "qlora"})): "qlora", ("objective", frozenset({"dpo", "orpo"})): "orpo",
          ("objective", frozenset({"dpo", "simpo"})): "simpo"}
 
-MISSING = object()  # a flag given without a value
+# a flag given without a value
+MISSING = object()
 
 
 def normalize(value: Any) -> Any:
@@ -239,7 +254,8 @@ def normalize(value: Any) -> Any:
 def _looked_up(entry: Foreign, value: Any) -> Mapping[str, Any] | None:
     try:
         return entry.values.get(normalize(value))
-    except TypeError:  # a mapping or a list: not a value any entry lists
+    # a mapping or a list: not a value any entry lists
+    except TypeError:
         return None
 
 
@@ -267,7 +283,8 @@ def _words(entry: Foreign, value: Any, name: str) -> dict[str, Any] | None:
     if isinstance(value, bool) or not isinstance(value, (str, list, tuple)):
         return None
     words = value.replace(",", " ").split() if isinstance(value, str) else list(value)
-    if not entry.values:  # a list of our values, which we write comma-separated: report_to: [wandb, tensorboard]
+    # a list of our values, which we write comma-separated: report_to: [wandb, tensorboard]
+    if not entry.values:
         return {name: ",".join(map(str, words))} if isinstance(value, (list, tuple)) else None
     out: dict[str, Any] = {}
     for word in words:

@@ -39,10 +39,12 @@ def generates(objective: str) -> bool:
 
 # beta: TRL's DPOConfig, ORPOConfig and KTOConfig defaults; SimPO's from its authors' repository (princeton-nlp/SimPO,
 # beta 2.0 and gamma_beta_ratio 0.5: the margin gamma 1.0). TRL's CPOConfig would give SimPO 0.1 and 0.5.
-DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1, "grpo": 0.0}  # grpo's: the KL coefficient
+# grpo's: the KL coefficient
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1, "grpo": 0.0}
 DEFAULT_SIMPO_GAMMA = 1.0
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")  # TRL's names, each a mean over pairs
+           # TRL's names, each a mean over pairs
+           "logps/rejected")
 # KTO's (TRL's KTOTrainer): means over the desirable (chosen) and the undesirable (rejected) completions,
 # margins their difference, and the KL estimate the step used
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
@@ -162,7 +164,8 @@ def grpo_problems(cfg) -> list[str]:
     for flag, on in (("--packing", d.packing), ("--streaming", d.streaming)):
         if on:
             p.append(f"{o} does not run with {flag} yet (each step's completions are sampled, not read); drop it")
-    return p  # the layouts it cannot sample on yet (--pp, --cp): `toolkit.layout.rules.generation_problems`
+    # the layouts it cannot sample on yet (--pp, --cp): `toolkit.layout.rules.generation_problems`
+    return p
 
 
 def extra_forwards(objective: str, method: str) -> int:

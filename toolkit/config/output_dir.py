@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 
-TRAINER_STATE = "trainer_state.json"  # a checkpoint is complete when this is in it (written last)
+# a checkpoint is complete when this is in it (written last)
+TRAINER_STATE = "trainer_state.json"
 
 
 def complete_checkpoints(out_dir: Path) -> list[Path]:
@@ -44,7 +45,8 @@ def later_checkpoints(out_dir: Path) -> list[Path]:
     done, saved = finished_step(out_dir), complete_checkpoints(out_dir)
     if done is None:
         return saved
-    return [c for c in saved if done and checkpoint_step(c) > done]  # final/'s step unknown: none is later
+    # final/'s step unknown: none is later
+    return [c for c in saved if done and checkpoint_step(c) > done]
 
 
 def finished_problems(output_dir: str, continue_finished: bool, max_steps: int) -> list[str]:
@@ -106,7 +108,8 @@ def _not_empty(output_dir: str) -> str:
             "to replace this toolkit's files in it (others are kept), or choose another folder")
 
 
-PROBE = ".toolkit-probe-"  # `_unwritable`'s file: another rank checking the same folder at once may see it
+# `_unwritable`'s file: another rank checking the same folder at once may see it
+PROBE = ".toolkit-probe-"
 
 
 def _unwritable(out: Path) -> str | None:

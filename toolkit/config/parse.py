@@ -112,8 +112,9 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
         else:
             if isinstance(value, (list, tuple)) and key in ("lora_targets", "reward_weights"):
                 value = ",".join(map(str, value))
-            if isinstance(value, (list, tuple)) and key == "reward":  # one spec per flag or list item (a spec
-                value = "\n".join(map(str, value))                    # may hold a comma: a regex)
+            # one spec per flag or list item (a spec may hold a comma: a regex)
+            if isinstance(value, (list, tuple)) and key == "reward":
+                value = "\n".join(map(str, value))
             if isinstance(value, dict) and key == "columns":
                 value = _column_mapping(value, where)
             if isinstance(value, (list, dict)) and key in ("dataset", "eval_dataset"):
@@ -134,7 +135,8 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
     return out
 
 
-PRECISION_ALIASES = ("bf16", "fp16")  # Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
+# Trainer's booleans: --bf16 [true|false] -> --mixed-precision bf16
+PRECISION_ALIASES = ("bf16", "fp16")
 
 
 def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> list[str]:
@@ -146,8 +148,10 @@ def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> l
     out: list[Any] = []
     typed = {} if typed is None else typed
     theirs = _their_flags(argv)
-    consumed = {FOREIGN[k].reads for k in theirs if FOREIGN[k].reads}  # hub_model_id, read by push_to_hub
-    found: dict[str, list[tuple[Any, str]]] = {}  # our key -> (value, as typed) from their flags
+    # hub_model_id, read by push_to_hub
+    consumed = {FOREIGN[k].reads for k in theirs if FOREIGN[k].reads}
+    # our key -> (value, as typed) from their flags
+    found: dict[str, list[tuple[Any, str]]] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -155,13 +159,15 @@ def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> l
         key = name.replace("-", "_")
         nxt = argv[i + 1] if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
         settings, took = _their_flag(key, value if eq else MISSING, nxt, theirs) if name else (None, False)
-        if isinstance(settings, str):  # one of ours, given their kind of value (push_to_hub true without a repo)
+        # one of ours, given their kind of value (push_to_hub true without a repo)
+        if isinstance(settings, str):
             raise UserError(f"--{name}{' ' + nxt if took else ''}: {settings}")
         if settings is not None:
             said = f"{arg} {nxt}" if took else arg
             for ours, v in settings.items():
                 found.setdefault(ours, []).append((v, said))
-                out.append((ours,))  # where it goes: the first of their flags that sets it
+                # where it goes: the first of their flags that sets it
+                out.append((ours,))
             i += 1 + took
             continue
         if key in consumed and key not in _fields():
@@ -178,7 +184,8 @@ def translate_aliases(argv: list[str], typed: dict[str, str] | None = None) -> l
             out.append(f"{ours}{eq}{value}")
             typed[ours] = f"--{name}"
         else:
-            if name and typed.get(f"--{name}"):  # our own name typed after the other: ours is the one read
+            # our own name typed after the other: ours is the one read
+            if name and typed.get(f"--{name}"):
                 del typed[f"--{name}"]
             out.append(arg)
         i += 1
@@ -206,10 +213,12 @@ def _their_flag(key: str, value: Any, nxt: str | None, theirs: dict[str, Any]) -
         return None, False
     took = value is MISSING and nxt is not None and (not entry.switch or isinstance(normalize(nxt), bool))
     if value is MISSING and nxt is not None and not took and key in _fields():
-        return None, False  # ours, with its value: --push_to_hub me/x
+        # ours, with its value: --push_to_hub me/x
+        return None, False
     settings = translate(key, nxt if took else value, theirs, ours=key in _fields())
     if isinstance(settings, str) and key not in _fields():
-        return None, False  # said as an unknown flag, with what to use instead (`_unknown`)
+        # said as an unknown flag, with what to use instead (`_unknown`)
+        return None, False
     return settings, took and settings is not None
 
 
@@ -224,7 +233,8 @@ def _agreed(found: dict[str, list[tuple[Any, str]]], typed: dict[str, str], wher
         if not ok:
             problems.append(f"{' and '.join(s for _, s in said)}{where} disagree (--{key.replace('_', '-')} "
                             f"{' vs '.join(str(v) for v, _ in said)}); keep one")
-        elif key not in given:  # a problem with the value is said in their words: --load_in_4bit with ZeRO-3 ...
+        # a problem with the value is said in their words: --load_in_4bit with ZeRO-3 ...
+        elif key not in given:
             typed[" ".join(_as_flag(key, out[key]))] = " and ".join(dict.fromkeys(s for _, s in said)) + where
     if problems:
         raise UserError("; ".join(problems))
@@ -245,16 +255,19 @@ def translate_keys(loaded: dict[str, Any], path: str, typed: dict[str, str], giv
     that disagrees with our own key in the same file; a flag given wins over both."""
     settings = {k: translate(k, v, loaded, ours=k in _fields()) for k, v in loaded.items()}
     refused = [f"'{k}: {_shown(loaded[k])}' in {path}: {s}" for k, s in settings.items()
-               if isinstance(s, str) and k in _fields()]  # theirs are said as unknown keys, with what to use
+               # theirs are said as unknown keys, with what to use
+               if isinstance(s, str) and k in _fields()]
     if refused:
         raise UserError("; ".join(refused))
     translated = {k: s for k, s in settings.items() if isinstance(s, dict)}
-    done = {*translated, *(FOREIGN[k].reads for k in translated if FOREIGN[k].reads)}  # push_to_hub reads hub_model_id
+    # push_to_hub reads hub_model_id
+    done = {*translated, *(FOREIGN[k].reads for k in translated if FOREIGN[k].reads)}
     found: dict[str, list[tuple[Any, str]]] = {}
     for k, ours in translated.items():
         for key, v in ours.items():
             found.setdefault(key, []).append((v, f"'{k}: {_shown(loaded[k])}'"))
-    for ours in found:  # our own key in the same file is read with theirs
+    # our own key in the same file is read with theirs
+    for ours in found:
         if ours in loaded and ours not in done:
             found[ours].append((loaded[ours], f"'{ours}: {_shown(loaded[ours])}'"))
     return {**{k: v for k, v in loaded.items() if k not in done}, **_agreed(found, typed, f" in {path}", given)}
@@ -286,7 +299,8 @@ def _unknown(key: str, origin: str) -> UserError:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:  # argparse would print usage + exit
+    # argparse would print usage + exit
+    def error(self, message: str) -> typing.NoReturn:
         raise UserError(message)
 
 
@@ -301,12 +315,14 @@ def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
             if sec != section.name:
                 continue
             tp, _ = _field_type(sec, f)
-            names = [str(c) for c in f.metadata.get("choices", ())]  # shown once, as the metavar
+            # shown once, as the metavar
+            names = [str(c) for c in f.metadata.get("choices", ())]
             help_ = f.metadata["help"] + _default_note(f)
             flag = f"--{key.replace('_', '-')}"
             if tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-            elif key == "reward":  # given once per function
+            # given once per function
+            elif key == "reward":
                 group.add_argument(flag, action="append", metavar="SPEC", help=help_)
             else:
                 group.add_argument(flag, metavar="{" + ",".join(names) + "}" if names else key.upper(), help=help_)
@@ -355,14 +371,17 @@ def parse_config(argv: list[str] | None = None, prog: str = "finetune.py", check
     from toolkit.layout.launcher import local_rank_problem, pop_local_rank
 
     argv = sys.argv[1:] if argv is None else argv
-    argv, local_rank, problem = pop_local_rank(argv)  # DeepSpeed's launcher appends --local_rank=K
+    # DeepSpeed's launcher appends --local_rank=K
+    argv, local_rank, problem = pop_local_rank(argv)
     problem = problem or local_rank_problem(local_rank, os.environ)
     if problem:
         raise UserError(problem)
-    typed: dict[str, str] = {}  # our flag -> what the user wrote for it, where that was another name
+    # our flag -> what the user wrote for it, where that was another name
+    typed: dict[str, str] = {}
     try:
         return _parse(argv, prog, typed, check_dataset)
-    except UserError as e:  # said in the user's words: --per_device_train_batch_size, not --micro-batch-size
+    # said in the user's words: --per_device_train_batch_size, not --micro-batch-size
+    except UserError as e:
         raise UserError(_in_typed_words(str(e), typed)) from None
 
 
@@ -378,13 +397,15 @@ def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: boo
     parser = build_parser(prog)
     ns, extra = parser.parse_known_args(translate_aliases(argv, typed))
     flags = [a.split("=")[0] for a in extra if a.startswith("-")]
-    if flags:  # every unknown flag in one line, not the first of several runs
+    # every unknown flag in one line, not the first of several runs
+    if flags:
         raise UserError("; ".join(str(_unknown(f, "flag")) for f in dict.fromkeys(flags)))
     if extra:
         raise UserError(f"unexpected argument '{extra[0]}' (flags take the form --name value)")
     given = vars(ns)
     values: dict[str, Any] = {}
-    problems: list[str] = []  # every problem of the YAML and the values, said together in one line
+    # every problem of the YAML and the values, said together in one line
+    problems: list[str] = []
     if "config" in given:
         path = given.pop("config")
         loaded = translate_keys(load_yaml(path), path, typed, given)
@@ -393,15 +414,19 @@ def _parse(argv: list[str], prog: str, typed: dict[str, str], check_dataset: boo
         problems += [str(_unknown(k, path)) for k in unknown]
         for k, v in ((k, v) for k, v in loaded.items() if k not in unknown):
             ours = "mixed_precision" if k in PRECISION_ALIASES else ALIASES.get(k, k)
-            if ours != k and ours not in given:  # a flag, if given, is what the run reads
+            # a flag, if given, is what the run reads
+            if ours != k and ours not in given:
                 typed.setdefault(f"--{ours.replace('_', '-')}", f"'{k}' in {path}")
             try:
-                if k in PRECISION_ALIASES:  # Trainer's bf16: true
-                    if _coerce("overwrite_output_dir", v, path, name=k):  # a boolean, read as our booleans are
+                # Trainer's bf16: true
+                if k in PRECISION_ALIASES:
+                    # a boolean, read as our booleans are
+                    if _coerce("overwrite_output_dir", v, path, name=k):
                         values["mixed_precision"] = k
                     continue
                 values[ours] = _coerce(ours, v, path, name=k)
-            except UserError as e:  # said with the others; the key keeps its default meanwhile
+            # said with the others; the key keeps its default meanwhile
+            except UserError as e:
                 problems.append(str(e))
     for k, v in given.items():
         try:
@@ -445,5 +470,6 @@ def save_config(cfg: Config, path: Path) -> None:
     flat["lr"] = cfg.lr
     try:
         path.write_text(yaml.safe_dump(flat, sort_keys=False))
-    except OSError as e:  # a write names no file: this one is said with its path (toolkit.errors)
+    # a write names no file: this one is said with its path (toolkit.errors)
+    except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from None

@@ -7,7 +7,8 @@ import importlib.util
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
-INSTALL = {"mlflow": "mlflow-skinny"}  # the tracking client alone; the full package adds a server and UI
+# the tracking client alone; the full package adds a server and UI
+INSTALL = {"mlflow": "mlflow-skinny"}
 
 
 def requested(spec: str) -> list[str]:

@@ -20,8 +20,10 @@ from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
 
-if TYPE_CHECKING:  # imported inside the functions that make tensors: `toolkit.data.peek` checks a run's
-    import torch  # records before torch (and transformers, datasets) load, and importing it runs this module
+# imported inside the functions that make tensors: `toolkit.data.peek` checks a run's
+if TYPE_CHECKING:
+    # records before torch (and transformers, datasets) load, and importing it runs this module
+    import torch
 
 
 @dataclass
@@ -30,12 +32,17 @@ class Examples:
 
     format: str
     detected: bool
-    train: list  # conversations (list of messages) or plain strings
+    # conversations (list of messages) or plain strings
+    train: list
     eval: list
-    em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
-    answers: list[str] | None = None  # ... and their expected answers
-    system_added: int = 0  # training conversations given --system-prompt
-    sources: list | None = None  # a mixture: (spec, format, weight, training records) per source
+    # built-in data: held-out chats scored by exact match
+    em_conversations: list | None = None
+    # ... and their expected answers
+    answers: list[str] | None = None
+    # training conversations given --system-prompt
+    system_added: int = 0
+    # a mixture: (spec, format, weight, training records) per source
+    sources: list | None = None
 
 
 def data_sources(data: DataConfig) -> list[DataSource]:
@@ -91,7 +98,8 @@ def source_format(columns: list[str], settings: DataSettings, source: DataSource
     try:
         fmt = detect_format(columns, settings.data.format, spec, sample, flag)
     except UserError:
-        check_data_fits(columns, "sft", spec, flag)  # pairs: say so, rather than that the format is unknown
+        # pairs: say so, rather than that the format is unknown
+        check_data_fits(columns, "sft", spec, flag)
         raise
     unread_mapping(fmt, FORMAT_COLUMNS[fmt] + OPTIONAL_COLUMNS.get(fmt, ()), source)
     if fmt == "text" and settings.data.system_prompt:
@@ -184,7 +192,8 @@ def tokenize_examples(convs: list, tokenizer, settings: DataSettings, what: str 
     from toolkit.data.table import Rows, table_stats, tokenized_table
     from toolkit.cache import cache_dir
 
-    if not convs:  # no eval split: nothing to tokenize or cache
+    # no eval split: nothing to tokenize or cache
+    if not convs:
         return [], DataStats()
     d = settings.data
     table, cached = tokenized_table(convs, tokenizer, d.seq_len, d.train_on_prompt, cache_dir() / "data",
@@ -238,7 +247,8 @@ def collate(batch: list[dict], pad_id: int, whole: bool = False, multiple: int =
         from toolkit.data.pairs import pair_extras, pair_rows
 
         return {**collate_sequences(pair_rows(batch), pad_id, whole, multiple, cap), **pair_extras(batch)}
-    if "kl_input_ids" in batch[0]:  # KTO's examples, each with its KL estimate's sequence
+    # KTO's examples, each with its KL estimate's sequence
+    if "kl_input_ids" in batch[0]:
         from toolkit.data.pairs import kl_rows, kto_extras
 
         rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]

@@ -41,7 +41,8 @@ ARITHMETIC_PROMPTS = [
     "Calculate {a} * {b}.",
 ]
 OPERANDS = range(2, 13)
-EVAL_PAIRS = 16  # of the 66 unordered pairs of OPERANDS
+# of the 66 unordered pairs of OPERANDS
+EVAL_PAIRS = 16
 FULL_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
                "November", "December"]
 

@@ -29,10 +29,12 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
-TURN_KEYS = {"chat": ("role", "content"), "sharegpt": ("from", "value")}  # a turn's speaker and text keys
+# a turn's speaker and text keys
+TURN_KEYS = {"chat": ("role", "content"), "sharegpt": ("from", "value")}
 # what each format reads beyond its FORMAT_COLUMNS (toolkit.data.pairs adds the preference formats')
 OPTIONAL_COLUMNS = {"alpaca": ("input", "system")}
-NO_TURNS = ("alpaca", "text")  # formats whose records hold no list of turns for role=, content=, ..._role= to map
+# formats whose records hold no list of turns for role=, content=, ..._role= to map
+NO_TURNS = ("alpaca", "text")
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,12 @@ class DataSource:
     `--dataset a.json:instruction=prompt`) or else `--columns`."""
 
     path: str
-    columns: str = ""  # OURS=YOURS,...
-    flag: str = "--dataset"  # or --eval-dataset
-    own: bool = False  # `columns` came with the source, not from --columns
+    # OURS=YOURS,...
+    columns: str = ""
+    # or --eval-dataset
+    flag: str = "--dataset"
+    # `columns` came with the source, not from --columns
+    own: bool = False
 
     def named(self, entry: str) -> str:
         """How the user wrote mapping `entry`, for a message."""
@@ -65,12 +70,14 @@ def load_records(spec: str, flag: str = "--dataset"):
     local = data_files(spec, flag)
     if local:
         kind, files = local
-        datasets.disable_progress_bars()  # a bar per small file is noise in front of our own report
+        # a bar per small file is noise in front of our own report
+        datasets.disable_progress_bars()
         try:
             with datasets_log_silenced():
                 ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
         except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in many types
-            not_utf8 = utf8_problem(files)  # our own reading names the line (not done up front: GBs as Python)
+            # our own reading names the line (not done up front: GBs as Python)
+            not_utf8 = utf8_problem(files)
             if not_utf8:
                 raise UserError(f"{flag} {not_utf8}") from None
             if kind == "json":
@@ -258,7 +265,8 @@ def _check_json_file(path: Path, flag: str = "--dataset") -> None:
         if not isinstance(row, dict):
             raise UserError(f"{flag} {path}: line {lineno} is a {type(row).__name__}, expected an object")
         fields = fields or bool(row)
-    if not fields:  # `{}`: datasets reads no column, and says 'Instruction "train" corresponds to no data!'
+    # `{}`: datasets reads no column, and says 'Instruction "train" corresponds to no data!'
+    if not fields:
         raise UserError(f"{flag} {path}: holds no records{EMPTY_OBJECTS}")
 
 
@@ -304,7 +312,8 @@ def mapping_hint(columns: list[str], sample: dict | None, fmt: str = "auto") -> 
     return "; name yours with --columns, e.g. --columns instruction=YOUR_PROMPT_COLUMN,output=YOUR_ANSWER_COLUMN"
 
 
-SPEAKER_KEYS = ("role", "from", "speaker", "who", "author", "sender", "name", "user", "type")  # for `_turn_hint`
+# for `_turn_hint`
+SPEAKER_KEYS = ("role", "from", "speaker", "who", "author", "sender", "name", "user", "type")
 # what people name alpaca's fields, for the hint on a file no format fits (SFT: prompt and completion are
 # TRL's prompt-completion form)
 ALPACA_NAMES = {**{k: v for k, v in SAME_JOB.items() if v in ("instruction", "input", "output")},
@@ -369,7 +378,8 @@ def to_conversation(row: dict[str, Any], fmt: str, index: int = -1,
                     turns: Turns = Turns()) -> list[dict[str, str]] | str:
     """One record as chat messages (alpaca, chat, sharegpt) or as plain text (text); `turns`: the turn
     keys and speakers a column mapping names."""
-    where = f"record {index + 1}: " if index >= 0 else ""  # `index` 0-based; said from 1 (`record_place`)
+    # `index` 0-based; said from 1 (`record_place`)
+    where = f"record {index + 1}: " if index >= 0 else ""
     if fmt == "text":
         if not isinstance(row["text"], str):
             raise UserError(f"{where}'text' must be a string")

@@ -30,7 +30,8 @@ def target_rows(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
-CHECK_BYTES = 256 * 2**20  # what the loss check's logits may take: `check_window`
+# what the loss check's logits may take: `check_window`
+CHECK_BYTES = 256 * 2**20
 
 
 def check_window(batch: dict, vocab_size: int, rows: int = 2, budget: int = CHECK_BYTES) -> dict:
@@ -46,7 +47,8 @@ def check_window(batch: dict, vocab_size: int, rows: int = 2, budget: int = CHEC
     has = labels[:, 1:] != IGNORE_INDEX
     order = torch.argsort((~has.any(1)).to(torch.int8), stable=True)[:rows]
     length = min(s, max(64, budget // (10 * vocab_size * len(order))))
-    start = has[order].to(torch.int8).argmax(1).clamp(max=s - length)  # token j predicts label j + 1
+    # token j predicts label j + 1
+    start = has[order].to(torch.int8).argmax(1).clamp(max=s - length)
     index = start[:, None] + torch.arange(length, device=labels.device)
     return {k: v[order].gather(1, index.to(v.device)) if v.shape == labels.shape else v[order.to(v.device)]
             for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}

@@ -89,7 +89,8 @@ def rows_read(loader, grad_accum: int, steps_per_epoch: int, steps: int) -> set[
     them, from the index lists alone (no row is loaded); a packed row counts as the examples in it."""
     read: set[int] = set()
     sampler = getattr(loader, "batch_sampler", None) or loader.sampler
-    bins = getattr(loader.dataset, "bins", None)  # PackedRows: each packed row's example indices
+    # PackedRows: each packed row's example indices
+    bins = getattr(loader.dataset, "bins", None)
     for epoch in range(math.ceil(steps / steps_per_epoch)):
         loader.set_epoch(epoch)
         micro = min(steps - epoch * steps_per_epoch, steps_per_epoch) * grad_accum

@@ -28,7 +28,8 @@ def pack_bins(lengths, seq_len: int) -> list[list[int]]:
     size = 1
     while size < max(1, len(lengths)):
         size *= 2
-    free = [seq_len] * (2 * size)  # free[1] is the root; leaves size..2*size-1 are the bins
+    # free[1] is the root; leaves size..2*size-1 are the bins
+    free = [seq_len] * (2 * size)
     bins: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
         n, node = lengths[i], 1
@@ -62,7 +63,8 @@ class PackedRows:
         for i in self.bins[k]:
             r = self.rows[i]
             sequences = [(r["input_ids"], r["labels"])]
-            if "rejected_input_ids" in r:  # a preference pair: its two sequences, documents side by side
+            # a preference pair: its two sequences, documents side by side
+            if "rejected_input_ids" in r:
                 sequences.append((r["rejected_input_ids"], r["rejected_labels"]))
                 refs += r.get("ref_logps", [])
             for seq_ids, seq_labels in sequences:
@@ -98,9 +100,11 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
     LoRA run): `cu_seq_lens` marked dynamic in its length (the documents a row holds vary), `max_length` the
     row's width (a bound, as the varlen kernels read it, where the longest document's length changes)."""
     out = collate(batch, pad_id, bounds, multiple, cap)
-    if "pairs" in batch[0]:  # packed preference pairs (`toolkit.data.pairs`): documents chosen, rejected, ...
+    # packed preference pairs (`toolkit.data.pairs`): documents chosen, rejected, ...
+    if "pairs" in batch[0]:
         out["pairs"] = torch.tensor(sum(x["pairs"] for x in batch))
-        out["documents"] = 2 * sum(x["pairs"] for x in batch)  # an int: the loss needs no read-back for it
+        # an int: the loss needs no read-back for it
+        out["documents"] = 2 * sum(x["pairs"] for x in batch)
         if "ref_logps" in batch[0]:
             out["ref_logps"] = torch.tensor([v for x in batch for v in x["ref_logps"]], dtype=torch.float32)
     width = out["input_ids"].shape[1]
@@ -109,7 +113,8 @@ def collate_packed(batch: list[dict], pad_id: int, bounds: bool = False, multipl
         n = len(x["input_ids"])
         positions[i, :n] = torch.tensor(x["position_ids"])
         pad = torch.arange(width - n)
-        positions[i, n:] = pad % restart if restart else pad  # `restart`: pad documents below --seq-len
+        # `restart`: pad documents below --seq-len
+        positions[i, n:] = pad % restart if restart else pad
     if not bounds:
         return {**out, "position_ids": positions}
     from toolkit.model.attention import document_bounds
@@ -166,7 +171,8 @@ def count_examples(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Examples in a (packed or padded) batch: real tokens at position 0."""
     if "position_ids" in batch:
         return ((batch["position_ids"] == 0) & (batch["attention_mask"] == 1)).sum()
-    ids = batch["input_ids"]  # a fill, not a copy from the host: no sync on a GPU
+    # a fill, not a copy from the host: no sync on a GPU
+    ids = batch["input_ids"]
     return torch.full((), ids.shape[0], dtype=torch.long, device=ids.device)
 
 

@@ -20,18 +20,25 @@ from toolkit.data.tokenize import blank
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
 
-if TYPE_CHECKING:  # torch is imported where a batch is made: the early data check runs before it loads
+# torch is imported where a batch is made: the early data check runs before it loads
+if TYPE_CHECKING:
     import torch
 
-PAIR_FORMATS: dict[str, tuple[str, ...]] = {  # detection order
-    "sharegpt-pairs": ("conversations", "chosen", "rejected"),  # LLaMA-Factory's ranking form
+# detection order
+PAIR_FORMATS: dict[str, tuple[str, ...]] = {
+    # LLaMA-Factory's ranking form
+    "sharegpt-pairs": ("conversations", "chosen", "rejected"),
     "alpaca-pairs": ("instruction", "chosen", "rejected"),
-    "pairs": ("prompt", "chosen", "rejected"),  # TRL's standard and conversational forms
-    "implicit-pairs": ("chosen", "rejected"),  # TRL's implicit prompt: two whole conversations
+    # TRL's standard and conversational forms
+    "pairs": ("prompt", "chosen", "rejected"),
+    # TRL's implicit prompt: two whole conversations
+    "implicit-pairs": ("chosen", "rejected"),
 }
-UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # KTO's form
+# KTO's form
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 PREFERENCE_READS = {**PAIR_FORMATS, "alpaca-pairs": ("instruction", "input", "system", "chosen", "rejected"),
-                    "pairs": ("prompt", "chosen", "rejected"), "unpaired": UNPAIRED_COLUMNS}  # every field each reads
+                    # every field each reads
+                    "pairs": ("prompt", "chosen", "rejected"), "unpaired": UNPAIRED_COLUMNS}
 
 
 def preference_format(columns: list[str]) -> str | None:
@@ -96,14 +103,16 @@ def to_pair(row: dict[str, Any], fmt: str, turns: Turns = Turns()) -> tuple[list
     from toolkit.data.formats import to_conversation
 
     if fmt == "pairs" and isinstance(row["chosen"], list) and len(row["chosen"]) > 1:
-        fmt = "implicit-pairs"  # whole conversations beside a prompt (UltraFeedback's): their shared turns are it
+        # whole conversations beside a prompt (UltraFeedback's): their shared turns are it
+        fmt = "implicit-pairs"
     if fmt == "pairs":
         prompt = _messages(row["prompt"], "prompt", turns)
     elif fmt == "alpaca-pairs":
         prompt = to_conversation({**row, "output": ""}, "alpaca")[:-1]
     elif fmt == "sharegpt-pairs":
         prompt = to_conversation(row, "sharegpt", turns=turns)
-    else:  # implicit: the shared leading messages are the prompt, each side's last turn its completion
+    # implicit: the shared leading messages are the prompt, each side's last turn its completion
+    else:
         chosen, rejected = _messages(row["chosen"], "chosen", turns), _messages(row["rejected"], "rejected", turns)
         if len(chosen) < 2 or chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant":
             raise UserError("'chosen' and 'rejected' must be conversations that differ only in their last, "
@@ -181,7 +190,8 @@ def kl_sequences(ids: list[list[int]], labels: list[list[int]], seq_len: int,
     from toolkit.data.tokenize import IGNORE_INDEX
 
     kept = [i for i in range(len(ids)) if not (empty and empty[i])]
-    partner = {i: kept[k - 1] for k, i in enumerate(kept)}  # k - 1 = -1: the last kept
+    # k - 1 = -1: the last kept
+    partner = {i: kept[k - 1] for k, i in enumerate(kept)}
     out_ids, out_labels = [], []
     for i in range(len(ids)):
         j = partner.get(i, i)
@@ -216,9 +226,11 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, data: DataConfig,
             chats.append(given + [{"role": "assistant", "content": completion}])
             desirable.append(good)
             added.append(given is not prompt)
-    if fmt != "unpaired":  # every chosen example, then every rejected one (TRL's unpairing): side by side,
-        order = list(range(0, len(chats), 2)) + list(range(1, len(chats), 2))  # a rejected example's KL
-        chats, desirable, added = ([x[k] for k in order] for x in (chats, desirable, added))  # partner would
+    # every chosen example, then every rejected one (TRL's unpairing): side by side, a rejected example's KL
+    if fmt != "unpaired":
+        order = list(range(0, len(chats), 2)) + list(range(1, len(chats), 2))
+        # partner would
+        chats, desirable, added = ([x[k] for k in order] for x in (chats, desirable, added))
         # be its own pair's chosen completion, its own prompt's: a matched sequence, not a mismatched one
     cols = token_columns(encode_batch(tokenizer, chats, data.seq_len, False, last_turn=True))
     empty = [blank(chat[-1]["content"]) for chat in chats]

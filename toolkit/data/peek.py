@@ -24,7 +24,8 @@ from toolkit.data.tokenize import empty_answers
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
 
-PEEK_BYTES = 8 << 20  # JSON read whole up to this (0.19 s for 8 MiB of alpaca records, 2 shared cores): more
+# JSON read whole up to this (0.19 s for 8 MiB of alpaca records, 2 shared cores): more
+PEEK_BYTES = 8 << 20
 # is the full read's
 
 
@@ -51,7 +52,8 @@ def _check_records(rows: list[dict], fmt: str, settings: DataSettings, source: D
     tokenizing (`check_trainable`)."""
     empty = sum(empty_answers(as_example(r, fmt, i, settings.data, source)[0])[0] for i, r in enumerate(rows))
     if alone and empty == len(rows) and settings.data.eval_split == 0:
-        held = source.flag == "--eval-dataset"  # named as the full read names it (`prepare_data`)
+        # named as the full read names it (`prepare_data`)
+        held = source.flag == "--eval-dataset"
         check_trainable(DataStats(examples=empty, dropped=empty, empty=empty), settings, "eval" if held else "training",
                         f"{source.flag} {source.path}" if held else "")
 
@@ -62,7 +64,8 @@ def peek(source: DataSource) -> tuple[list[str], list[dict]] | None:
     the full read."""
     if source.path.startswith("builtin:"):
         return None
-    local = data_files(source.path, source.flag)  # None: a hub id
+    # None: a hub id
+    local = data_files(source.path, source.flag)
     if local is None:
         return None
     kind, files = local
@@ -110,11 +113,13 @@ def _json_columns(path: Path, flag: str) -> tuple[list[str], list[dict]] | None:
     try:
         rows = json.loads(text) if text.lstrip().startswith("[") else \
             [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError:  # a pretty-printed object, a broken line: the full read says which
+    # a pretty-printed object, a broken line: the full read says which
+    except ValueError:
         return None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         return None
-    if not any(rows):  # `{}`: datasets says 'Instruction "train" corresponds to no data!'
+    # `{}`: datasets says 'Instruction "train" corresponds to no data!'
+    if not any(rows):
         raise UserError(f"{flag} {path}: holds no records" + (EMPTY_OBJECTS if rows else ""))
     return list(dict.fromkeys(k for r in rows for k in r)), rows
 

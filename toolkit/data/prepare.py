@@ -41,25 +41,34 @@ TOKEN_SETTINGS = ("format", "columns", "system_prompt", "seq_len", "train_on_pro
 
 @dataclass
 class PreparedData:
-    format: str  # "+"-joined for a mixture of formats
+    # "+"-joined for a mixture of formats
+    format: str
     detected: bool
-    train: Rows  # or a RecordStream
+    # or a RecordStream
+    train: Rows
     eval: Rows | list
-    stats: DataStats  # of the training split
+    # of the training split
+    stats: DataStats
     eval_stats: DataStats
-    system_added: int = 0  # training and eval conversations given --system-prompt
-    sources: list | None = None  # a mixture: (spec, format, weight share, training records) per source
-    em_conversations: list | None = None  # built-in data: held-out chats scored by exact match
+    # training and eval conversations given --system-prompt
+    system_added: int = 0
+    # a mixture: (spec, format, weight share, training records) per source
+    sources: list | None = None
+    # built-in data: held-out chats scored by exact match
+    em_conversations: list | None = None
     answers: list[str] | None = None
-    streamed: bool = False  # `train` is a `toolkit.data.stream.RecordStream`
-    eval_format: str | None = None  # --eval-dataset's format (None: no eval file)
+    # `train` is a `toolkit.data.stream.RecordStream`
+    streamed: bool = False
+    # --eval-dataset's format (None: no eval file)
+    eval_format: str | None = None
 
 
 def data_key(settings: DataSettings, tokenizer) -> str:
     """The cache folder's name: a hash of everything that decides the prepared tables (the training data's;
     --eval-dataset's are keyed apart, `eval_key`)."""
     d, values = settings.data, _token_settings(settings)
-    seeded = d.eval_split > 0 or is_mixture(d.dataset)  # the seed draws the eval split and the mixture
+    # the seed draws the eval split and the mixture
+    seeded = d.eval_split > 0 or is_mixture(d.dataset)
     parts = [CACHE_VERSION, "prepared", _identity(d.dataset), tokenizer_digest(tokenizer),
              *(f"{k}={v!r}" for k, v in values.items()), f"seed={settings.seed if seeded else None}"]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
@@ -81,7 +90,8 @@ def _identity(spec: str) -> str:
     """The data's content: its files' sha256 (`dataset_digest`), a hub dataset's fingerprint."""
     identity = dataset_digest(spec)
     if any(dataset_digest(s.spec).startswith("spec:") and not s.spec.startswith("builtin:")
-           for s in parse_sources(spec)):  # a hub id: its name does not pin its content
+           # a hub id: its name does not pin its content
+           for s in parse_sources(spec)):
         from toolkit.data.formats import load_records
 
         identity += "".join(load_records(s.spec)._fingerprint for s in parse_sources(spec))
@@ -100,7 +110,8 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None) -
     if settings.data.streaming:
         from toolkit.data.stream import RecordStream
 
-        stream = RecordStream(settings, tokenizer)  # reads the first record: format and columns are checked here
+        # reads the first record: format and columns are checked here
+        stream = RecordStream(settings, tokenizer)
         held, held_stats, held_format = _prepared_eval(settings, tokenizer, cache)
         return PreparedData(stream.format, settings.data.format == "auto", stream, held, DataStats(), held_stats,
                             streamed=True, eval_format=held_format)
@@ -108,12 +119,15 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None) -
     path = cache / data_key(settings, tokenizer)
     hit = built_once(path, lambda tmp: _build(settings, tokenizer, tmp, cache))
     meta = json.loads((path / "meta.json").read_text())
-    train = open_table(path / "train")  # memory-mapped
+    # memory-mapped
+    train = open_table(path / "train")
     stats, keep = table_stats(train)
     stats.cached = hit
     check_trainable(stats, settings, "training")
-    eval_rows, held_stats, held_format = _prepared_eval(settings, tokenizer, cache)  # --eval-dataset's, if any
-    if (path / "eval").is_dir():  # --eval-split's (never beside an eval file: `inputs.eval_dataset_problems`)
+    # --eval-dataset's, if any
+    eval_rows, held_stats, held_format = _prepared_eval(settings, tokenizer, cache)
+    # --eval-split's (never beside an eval file: `inputs.eval_dataset_problems`)
+    if (path / "eval").is_dir():
         held = open_table(path / "eval")
         held_stats, held_keep = table_stats(held)
         check_trainable(held_stats, settings, "eval")
@@ -197,7 +211,8 @@ def _tokenized_source(settings: DataSettings, source: DataSource, tokenizer, wor
                             fn_kwargs={"fmt": fmt, "settings": settings, "source": source, "tokenizer": tokenizer},
                             cache_file_name=str(work / f"{len(list(work.iterdir()))}.arrow"),
                             new_fingerprint=hashlib.sha256(f"{work}{spec}".encode()).hexdigest()[:32])
-    except UnicodeDecodeError as e:  # pyarrow keeps bytes that are not UTF-8 until a row is read
+    # pyarrow keeps bytes that are not UTF-8 until a row is read
+    except UnicodeDecodeError as e:
         raise read_problem(spec, e, source.flag) from None
     return fmt, table
 
@@ -213,8 +228,9 @@ def _build(settings: DataSettings, tokenizer, out: Path, cache: Path) -> None:
     spec = settings.data.dataset
     mixed = is_mixture(spec)
     sources = parse_sources(spec)
-    builtin = spec.startswith("builtin:") and not mixed  # it holds out its own eval split, scored too
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # map's per-process files, until saved
+    # it holds out its own eval split, scored too map's per-process files, until saved
+    builtin = spec.startswith("builtin:") and not mixed
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
         work = Path(tmp)
         formats, trains, evals, added = [], [], [], 0
         for s, read in zip(sources, data_sources(settings.data)):
@@ -227,7 +243,8 @@ def _build(settings: DataSettings, tokenizer, out: Path, cache: Path) -> None:
             trains.append(table.select(train_idx) if eval_idx else table)
             if eval_idx:
                 evals.append(table.select(eval_idx))
-        if builtin and settings.data.eval_split > 0 and formats[0] in PAIR_FORMATS:  # held-out pairs
+        # held-out pairs
+        if builtin and settings.data.eval_split > 0 and formats[0] in PAIR_FORMATS:
             from toolkit.data.builtin import builtin_records
 
             held = datasets.Dataset.from_list(builtin_records(spec.split(":", 1)[1], split="eval"))
@@ -277,7 +294,8 @@ def prepare_prompts(settings: DataSettings, tokenizer):
         raise UserError(f"--dataset {settings.data.dataset}: no prompt is left to sample from"
                         + (f" ({whole.dropped} longer than --seq-len {settings.data.seq_len}: raise it)"
                            if whole.dropped else ""))
-    if sources[0].path.startswith("builtin:"):  # its own eval split, as SFT's (--eval-split > 0 asks for it)
+    # its own eval split, as SFT's (--eval-split > 0 asks for it)
+    if sources[0].path.startswith("builtin:"):
         train, held = list(range(len(whole))), []
         held_rows = builtin_eval_prompts(settings.data, sources[0], tokenizer) if settings.data.eval_split > 0 \
             else PromptRows()

@@ -68,7 +68,8 @@ class PromptRows:
     prompts: list = field(default_factory=list)
     columns: dict[str, list] = field(default_factory=dict)
     format: str = "prompt"
-    dropped: int = 0  # longer than --seq-len
+    # longer than --seq-len
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -46,7 +46,8 @@ class RecordStream(torch.utils.data.IterableDataset):
 
         source = data_sources(settings.data)[0]
         spec = source.path
-        local = data_files(spec)  # the map-style reader's files and checks
+        # the map-style reader's files and checks
+        local = data_files(spec)
         try:
             with datasets_log_silenced():
                 records = load_dataset(local[0], data_files=[str(f) for f in local[1]], split="train",
@@ -63,7 +64,8 @@ class RecordStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
         skip = self.start
-        while True:  # epoch after epoch, the same order
+        # epoch after epoch, the same order
+        while True:
             for i, row in self._records():
                 if skip:
                     skip -= 1

@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_VERSION = "4"  # bump when encode() or the tables' layout changes (3: preference rows' `empty`; 4: SFT's
+# bump when encode() or the tables' layout changes (3: preference rows' `empty`; 4: SFT's
+CACHE_VERSION = "4"
 # empty answers untrained and counted, `empty` and `blank_turns`)
 
 
@@ -28,12 +29,16 @@ CACHE_VERSION = "4"  # bump when encode() or the tables' layout changes (3: pref
 class DataStats:
     examples: int = 0
     truncated: int = 0
-    dropped: int = 0  # nothing left to train: after truncation, or `empty`
-    empty: int = 0  # of `dropped`: rows whose answers (a pair: a completion) are empty or whitespace-only (`blank`)
-    blank_turns: int = 0  # empty assistant turns left untrained in the rows kept (`tokenize.Encoded.blank_turns`)
+    # nothing left to train: after truncation, or `empty`
+    dropped: int = 0
+    # of `dropped`: rows whose answers (a pair: a completion) are empty or whitespace-only (`blank`)
+    empty: int = 0
+    # empty assistant turns left untrained in the rows kept (`tokenize.Encoded.blank_turns`)
+    blank_turns: int = 0
     tokens: int = 0
     target_tokens: int = 0
-    cached: bool = False  # read from the tokenized-data cache (this module)
+    # read from the tokenized-data cache (this module)
+    cached: bool = False
 
 
 def _encode_batch(batch: dict, tokenizer, seq_len: int, train_on_prompt: bool) -> dict:
@@ -73,7 +78,8 @@ def map_processes(rows: int, workers: int) -> int | None:
 
 
 FEATURES = {"input_ids": ("int32",), "labels": ("int32",), "length": "int32", "targets": "int32", "truncated": "bool"}
-ANSWER_COLUMNS = {"empty": "bool", "blank_turns": "int32"}  # SFT's: `answer_columns`
+# SFT's: `answer_columns`
+ANSWER_COLUMNS = {"empty": "bool", "blank_turns": "int32"}
 
 
 def features(extra: dict | None = None):
@@ -110,7 +116,8 @@ def built_once(path: Path, build) -> bool:
         if path.is_dir():
             return True
         tmp = Path(str(path) + ".tmp")
-        if tmp.exists():  # left by a build that was killed
+        # left by a build that was killed
+        if tmp.exists():
             import shutil
 
             shutil.rmtree(tmp)
@@ -141,7 +148,8 @@ def tokenized_table(convs: list, tokenizer, seq_len: int, train_on_prompt: bool,
     datasets.disable_progress_bars()
 
     def build(tmp: Path) -> None:
-        with tempfile.TemporaryDirectory(dir=cache) as work:  # map's per-process files, then one table
+        # map's per-process files, then one table
+        with tempfile.TemporaryDirectory(dir=cache) as work:
             table = datasets.Dataset.from_dict({"example": texts}).map(
                 _encode_batch, batched=True, batch_size=256, remove_columns=["example"],
                 features=features(ANSWER_COLUMNS),
@@ -224,10 +232,12 @@ class Rows:
         self.keep = keep
         self.lengths = lengths if keep is None else lengths[keep]
         self._ids, self._labels = _ListColumn(table.column("input_ids")), _ListColumn(table.column("labels"))
-        names = table.column_names  # preference pairs: the rejected sequence beside the chosen one
+        # preference pairs: the rejected sequence beside the chosen one
+        names = table.column_names
         self._beside = [(c, _ListColumn(table.column(c))) for c in ("rejected_input_ids", "rejected_labels",
                                                                      "kl_input_ids", "kl_labels") if c in names]
-        self._desirable = table.column("desirable").to_pylist() if "desirable" in names else None  # KTO's labels
+        # KTO's labels
+        self._desirable = table.column("desirable").to_pylist() if "desirable" in names else None
         # preference data: each row's (N, 2) reference log-probabilities (`toolkit.objectives.preference.reference`): a
         # pair's (chosen, rejected), a KTO example's (its sequence, its KL sequence)
         self.reference = None
@@ -242,7 +252,8 @@ class Rows:
         """sha256 of the rows' tokens (every id and label column, the kept rows)."""
         h = hashlib.sha256(b"" if self.keep is None else self.keep.data)
         for col in [self._ids, self._labels, *(c for _, c in self._beside)]:
-            for offsets, values in col.chunks:  # views of the mapped file: hashed without a copy
+            # views of the mapped file: hashed without a copy
+            for offsets, values in col.chunks:
                 h.update(offsets.data)
                 h.update(values.data)
         return h.hexdigest()
@@ -265,7 +276,8 @@ class Rows:
             row["desirable"] = self._desirable[r]
         if self.reference is not None:
             row["ref_logps"] = self.reference[i].tolist()
-            if row["ref_logps"] != row["ref_logps"]:  # NaN: a row the reference pass did not score
+            # NaN: a row the reference pass did not score
+            if row["ref_logps"] != row["ref_logps"]:
                 raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.data.loader.rows_read "
                                    "and the loader disagree on the rows the run reads)")
         return row

@@ -42,8 +42,10 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
-    empty: bool = False  # every answer (or the text) empty or whitespace-only: no label, the example is dropped
-    blank_turns: int = 0  # empty assistant turns left untrained in an example that trains others
+    # every answer (or the text) empty or whitespace-only: no label, the example is dropped
+    empty: bool = False
+    # empty assistant turns left untrained in an example that trains others
+    blank_turns: int = 0
 
 
 def blank(text: str) -> bool:
@@ -92,7 +94,8 @@ def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool,
             if empty:
                 labels = [IGNORE_INDEX] * len(ids)
             elif train_on_prompt:
-                labels, blanks = list(ids), 0  # every token trains, as asked: an empty turn among others too
+                # every token trains, as asked: an empty turn among others too
+                labels, blanks = list(ids), 0
             else:
                 labels = _answer_labels(ids, offsets, [s for s in (spans[-1:] if last_turn else spans) if s])
             out[i] = Encoded(ids[:seq_len], labels[:seq_len], len(ids) > seq_len, empty, blanks)

@@ -212,7 +212,8 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, data_ran
         for key in keys:
             if isinstance(out.get(key), dict):
                 fill(out[key], "enabled", mixed_precision == dtype)
-    older = precision_key(out, "bf16")  # `bfloat16` only where there is no `bf16`
+    # `bfloat16` only where there is no `bf16`
+    older = precision_key(out, "bf16")
     if older not in (None, "bf16"):
         out["bf16"] = out.pop(older)
     params = (out.get("optimizer") or {}).get("params")
@@ -317,7 +318,8 @@ def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
     probe = fill_auto(ds, micro_batch=1, grad_accum=1, data_ranks=1, mixed_precision="no", max_grad_norm=1.0,
                       lr=1e-4, weight_decay=0.0, warmup_steps=0, total_steps=1, hidden_size=8)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        probe.pop(key, None)  # their product is checked against the launched world later, by DeepSpeed
+        # their product is checked against the launched world later, by DeepSpeed
+        probe.pop(key, None)
     probe["train_micro_batch_size_per_gpu"] = 1
     scheduler = (ds.get("scheduler") or {}).get("type")
     if scheduler is not None:
@@ -330,7 +332,8 @@ def user_config_problems(ds: dict[str, Any], path: str) -> list[str]:
         DeepSpeedConfig(probe)
     except ValidationError as e:
         section = SECTIONS.get(e.title, e.title)
-        if section == "bf16":  # as the file spells it
+        # as the file spells it
+        if section == "bf16":
             section = precision_key(ds, "bf16") or section
         return [f"--deepspeed {path}: {'.'.join([section, *map(str, err['loc'])])}: {err['msg']}" for err in e.errors()]
     except (ValueError, TypeError, KeyError, AssertionError) as e:
@@ -409,6 +412,7 @@ def adopt_deepspeed_file(values: MutableMapping[str, Any], given: set[str], note
         also = [a for a in adopted if not a.startswith("zero")]
         notes.append(f"layout: ZeRO-{values['zero_stage']} from {where}" + (f"; also from the file: {', '.join(also)}"
                                                                             if also else ""))
-        if device == "cpu" and compiles_cpu_adam(ds):  # swapped in `parallel.build.run_deepspeed_config`
+        # swapped in `parallel.build.run_deepspeed_config`
+        if device == "cpu" and compiles_cpu_adam(ds):
             notes.append(torch_adam_note(path, ds))
     return problems

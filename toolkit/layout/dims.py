@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+# outermost first
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # borrowed from dp_shard, or the TP group under tp > 1: not a dimension of its own (module docstring)
+    # borrowed from dp_shard, or the TP group under tp > 1: not a dimension of its own (module docstring)
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -68,7 +70,8 @@ class ParallelDims:
         p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
         if self.ep < 1:
             p.append(f"--ep must be >= 1 (got {self.ep})")
-        elif self.ep_over_tp:  # the TP group: --ep against --tp is `toolkit.layout.rules`' refusal
+        # the TP group: --ep against --tp is `toolkit.layout.rules`' refusal
+        elif self.ep_over_tp:
             pass
         elif self.dp_shard < self.ep:
             p.append(self._too_few_for_ep())

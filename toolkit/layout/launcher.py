@@ -229,7 +229,8 @@ def adopt_launcher(values: MutableMapping[str, Any], given: set[str], notes: lis
     adopted: list[str] = []
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision in ("bf16", "fp16") and "mixed_precision" not in given:
-        values["mixed_precision"] = precision  # "no" is also what accelerate says when nobody chose
+        # "no" is also what accelerate says when nobody chose
+        values["mixed_precision"] = precision
         adopted.append(precision)
     if fsdp:
         if values["zero_stage"] is not None or values["deepspeed"]:
@@ -250,18 +251,21 @@ def adopt_launcher(values: MutableMapping[str, Any], given: set[str], notes: lis
     if "fsdp" in given and values["fsdp"]:
         return [f"{source} says DeepSpeed, --fsdp asks for FSDP; drop one of them"]
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if ds_file not in ("", "none"):  # the config names a DeepSpeed JSON: read as --deepspeed FILE
+    # the config names a DeepSpeed JSON: read as --deepspeed FILE
+    if ds_file not in ("", "none"):
         if values["deepspeed"] and Path(values["deepspeed"]).resolve() != Path(ds_file).resolve():
             return [f"{source} names DeepSpeed config {ds_file}, --deepspeed names {values['deepspeed']}; "
                     "drop one of them"]
         values["deepspeed"] = ds_file
         values[NAMED_BY] = source
         return []
-    if values["deepspeed"]:  # the file decides the stage; a stage the launcher was given must agree with it
+    # the file decides the stage; a stage the launcher was given must agree with it
+    if values["deepspeed"]:
         named = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         values[LAUNCHER_STAGE] = (int(named), source) if named not in (None, "") else None
         return []
-    stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's default stage
+    # accelerate's default stage
+    stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
     if values["zero_stage"] is not None and values["zero_stage"] != stage:
         return [f"{source} says ZeRO-{stage}, --zero-stage {values['zero_stage']} disagrees; drop one of them"]
     values["zero_stage"] = stage

@@ -165,7 +165,8 @@ def generation_problems(par: ParallelConfig, objective: str | None) -> list[str]
     said = [f"--objective {objective} does not run under --pp / --cp yet: it samples completions token by token "
             f"from the whole model, which pipeline stages and context-parallel slices do not hold; drop "
             f"{' and '.join(off)}"] if off else []
-    if par.ep > 1:  # each rank's decode steps would exchange tokens with the others' experts: not parity-tested
+    # each rank's decode steps would exchange tokens with the others' experts: not parity-tested
+    if par.ep > 1:
         said.append(f"--objective {objective} does not run under --ep {par.ep} yet: sampling with the experts split "
                     "over ranks is not tested against one process; drop --ep (each rank then holds every expert)")
     return said
@@ -173,7 +174,8 @@ def generation_problems(par: ParallelConfig, objective: str | None) -> list[str]
 
 # What the mesh dimensions allow of a method and a precision: QLoRA's 4-bit base and fp16's loss scaling
 # stay off every one of them; why, where there is more to say than "not supported"
-MESH_REFUSALS = {  # dimension -> (why not QLoRA, why not fp16)
+# dimension -> (why not QLoRA, why not fp16)
+MESH_REFUSALS = {
     "tp": (" (4-bit weights cannot be sliced)", " (no loss scaling across TP shards)"),
     "shard": (" (4-bit weights are not sharded)", " (no loss scaling across shards)"),
     "cp": ("", ""),
@@ -194,8 +196,10 @@ def _mesh_problems(par: ParallelConfig, method: str, precision: str) -> list[str
     if not mesh_sharded(par):
         return p
     flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n))
-    if not flags:  # --fsdp alone: its clashes with --zero-stage, --strategy auto and QLoRA are said above
-        return p + _method_problems("--fsdp", "shard", "full", precision) if par.fsdp else p  # --ep: _ep_problems
+    # --fsdp alone: its clashes with --zero-stage, --strategy auto and QLoRA are said above
+    if not flags:
+        # --ep: _ep_problems
+        return p + _method_problems("--fsdp", "shard", "full", precision) if par.fsdp else p
     if par.zero_stage is not None:
         p.append(f"{flags} with --zero-stage {par.zero_stage}: DeepSpeed does not run on the device mesh; "
                  "drop --zero-stage (--dp-shard is FSDP2's ZeRO-3)")
@@ -326,7 +330,8 @@ def cp_divisibility_problems(cfg: dict[str, Any], tp: int, cp: int) -> list[str]
     return []
 
 
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral/gpt-oss, Qwen-MoE, DeepSeek
+# Mixtral/gpt-oss, Qwen-MoE, DeepSeek
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
@@ -358,7 +363,8 @@ def model_problems(cfg: dict[str, Any], tp: int, pp: int, cp: int, world: int, m
                             f"{'es' if world != 1 else ''}); launch with torchrun --nproc_per_node {tp} "
                             "(x data-parallel groups)")
     if pp > 1:
-        if "base_model_pp_plan" in cfg and not cfg["base_model_pp_plan"]:  # the planner's config (the run: its model)
+        # the planner's config (the run: its model)
+        if "base_model_pp_plan" in cfg and not cfg["base_model_pp_plan"]:
             problems.append(f"--pp {pp}: model type {cfg.get('model_type', '?')} declares no base_model_pp_plan; "
                             "--pp needs it")
         if pp > cfg.get("num_hidden_layers", pp):

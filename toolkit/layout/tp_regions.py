@@ -43,7 +43,8 @@ from typing import Mapping
 LOCAL = {"colwise": "column", "packed_colwise": "column", "rowwise": "row"}
 GATHERED = {"colwise_gather_output": "column", "rowwise_split_input": "row"}
 REPLICATED = "replicated_with_grad_allreduce"
-EXPERTS = "moe_tp_experts"  # marks a routed-experts module: the region of the entries under it
+# marks a routed-experts module: the region of the entries under it
+EXPERTS = "moe_tp_experts"
 WHY_NOT = {"moe_identity_expert": "MoE identity experts",
            "mla_kv_a_proj": "multi-head latent attention", "sequence_parallel": "sequence parallel",
            "packed_rowwise": "a packed row projection"}
@@ -61,16 +62,21 @@ class Region:
     columns: tuple[str, ...]
     row: str
     gathered: bool = False
-    packed: tuple[str, ...] = ()  # packed_colwise columns: two equal parts, gate then up
-    replicated: tuple[str, ...] = ()  # replicated_with_grad_allreduce modules under `path`
-    experts: bool = False  # a routed-experts module: its columns and row are stacked [E, out, in] parameters
+    # packed_colwise columns: two equal parts, gate then up
+    packed: tuple[str, ...] = ()
+    # replicated_with_grad_allreduce modules under `path`
+    replicated: tuple[str, ...] = ()
+    # a routed-experts module: its columns and row are stacked [E, out, in] parameters
+    experts: bool = False
 
 
 @dataclass(frozen=True)
 class TPPlan:
-    blocks: str  # the decoder blocks' list under the base model: 'layers'
+    # the decoder blocks' list under the base model: 'layers'
+    blocks: str
     regions: tuple[Region, ...]
-    outside: tuple[str, ...] = ()  # 'entry: style' outside the blocks, kept whole on every rank
+    # 'entry: style' outside the blocks, kept whole on every rank
+    outside: tuple[str, ...] = ()
 
 
 def _entry(key: str, style: str) -> str:
@@ -82,7 +88,8 @@ def read_tp_plan(plan: Mapping[str, str] | None) -> TPPlan:
     layers cannot express."""
     if not plan:
         raise NotExpressible("its config declares no base_model_tp_plan")
-    inside: dict[str, list[tuple[str, str, str]]] = {}  # region path -> [(leaf, style, key)]
+    # region path -> [(leaf, style, key)]
+    inside: dict[str, list[tuple[str, str, str]]] = {}
     outside, blocks, experts = [], None, set()
     for key, style in plan.items():
         if ".*." not in key:

@@ -47,14 +47,17 @@ class Documents:
     """Where each document starts in the batch's tokens laid end to end (B*S of them): padding at a
     row's end is a document of its own, as `collate_packed` gives it positions restarting at 0."""
 
-    cu_seqlens: torch.Tensor  # (N + 1,) int32 on the model's device: 0, starts..., B*S
-    max_length: int  # the longest document, which flash-style kernels size their grids by
+    # (N + 1,) int32 on the model's device: 0, starts..., B*S
+    cu_seqlens: torch.Tensor
+    # the longest document, which flash-style kernels size their grids by
+    max_length: int
     rows: int
 
     @property
     def single(self) -> bool:
         """Every row is one document (an unpacked batch): plain causal attention, sdpa's flash kernel."""
-        return self.cu_seqlens.numel() == self.rows + 1  # rows always start a document; a shape, no sync
+        # rows always start a document; a shape, no sync
+        return self.cu_seqlens.numel() == self.rows + 1
 
 
 def document_bounds(position_ids: torch.Tensor) -> dict:
@@ -64,14 +67,16 @@ def document_bounds(position_ids: torch.Tensor) -> dict:
     pos = position_ids.detach().to("cpu", torch.int64)
     b, s = pos.shape
     start = torch.ones((b, s), dtype=torch.bool)
-    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # find_packed_sequence_indices' rule; every row starts one
+    # find_packed_sequence_indices' rule; every row starts one
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     cu = torch.cat([start.flatten().nonzero().flatten(), torch.tensor([b * s])]).to(torch.int32)
     longest = int(cu.diff().max())
     cu = cu.to(position_ids.device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-_memo: dict = {}  # kind -> (weakref to the position tensor, its version, rows, what was built from it)
+# kind -> (weakref to the position tensor, its version, rows, what was built from it)
+_memo: dict = {}
 
 
 def _per_forward(kind: str, pos: torch.Tensor, rows: int, build):
@@ -89,14 +94,16 @@ def _documents(query: torch.Tensor, kwargs: dict) -> Documents:
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None:
         return Documents(kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"]), b)
     pos = kwargs.get("position_ids")
-    if pos is None:  # no positions: the model numbers every row 0..S-1
+    # no positions: the model numbers every row 0..S-1
+    if pos is None:
         return Documents(torch.arange(0, b * s + 1, s, dtype=torch.int32, device=query.device), s, b)
     if pos.dim() != 2 or pos.shape[-1] != s:
         raise ValueError(f"packed attention needs position_ids of shape (B, {s}); got {tuple(pos.shape)} "
                          "(context parallel hands the kernels a slice's positions: use sdpa there)")
 
     def derive() -> Documents:
-        bounds = document_bounds(pos.expand(b, -1))  # positions may come unexpanded, (1, S)
+        # positions may come unexpanded, (1, S)
+        bounds = document_bounds(pos.expand(b, -1))
         return Documents(bounds["cu_seq_lens_q"], bounds["max_length_q"], b)
 
     return _per_forward("documents", pos, b, derive)
@@ -137,7 +144,8 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 # --- varlen
-@torch.compiler.disable  # its loop over the documents would tie a compiled block's graph to their count
+# its loop over the documents would tie a compiled block's graph to their count
+@torch.compiler.disable
 def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                      enable_gqa=False) -> torch.Tensor:
     """`torch.nn.attention.varlen.varlen_attn`'s contract, (T, H, D) in and out, as one SDPA call per
@@ -148,11 +156,13 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     causal = tuple(window_size) == (-1, 0)
     parts = [F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                             is_causal=causal, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
-             for q, k, v in zip(query.split(q_lengths), key.split(k_lengths), value.split(k_lengths))]  # (1, H, L, D)
+             # (1, H, L, D)
+             for q, k, v in zip(query.split(q_lengths), key.split(k_lengths), value.split(k_lengths))]
     return torch.cat(parts)
 
 
-@torch.compiler.disable  # as `reference_varlen` is: traced, the memo kept one forward's lengths for the next
+# as `reference_varlen` is: traced, the memo kept one forward's lengths for the next
+@torch.compiler.disable
 def _lengths(side: str, cu_seqlens: torch.Tensor) -> list[int]:
     """Each document's length, read to the host once per forward: every layer is handed the same
     `cu_seqlens` (a device-to-host copy where it lives on a GPU: the reference runs there in fp32)."""
@@ -261,7 +271,8 @@ def flex_attention(module, query, key, value, attention_mask, dropout: float = 0
     query, key, value = (t.to(_compute_dtype(query)) for t in (query, key, value))
     heads = query.shape[1]
     gqa = key.shape[1] != heads
-    if gqa and heads & (heads - 1):  # flex's GQA wants a power-of-2 head count (as transformers' flex path says)
+    # flex's GQA wants a power-of-2 head count (as transformers' flex path says)
+    if gqa and heads & (heads - 1):
         key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
         gqa = False
     from torch.nn.attention.flex_attention import flex_attention as flex
@@ -296,7 +307,8 @@ def fa_attention(module, query, key, value, attention_mask, dropout: float = 0.0
             kwargs.update(cu_seq_lens_q=docs.cu_seqlens, cu_seq_lens_k=docs.cu_seqlens,
                           max_length_q=docs.max_length, max_length_k=docs.max_length)
     seq_len = query.shape[2]
-    query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D), flash's layout
+    # (B, S, H, D), flash's layout
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     out = _flash_attention_forward(
         query, key, value, attention_mask, query_length=seq_len,
         is_causal=is_causal if is_causal is not None else module.is_causal, dropout=dropout,
@@ -365,7 +377,8 @@ def unavailable(kernel: str, device_type: str) -> str | None:
 # windows and sinks itself; ours refuse them at the call: `_supported`)
 IMPLEMENTS = {"varlen": frozenset(), "flex": frozenset(),
               "flash": frozenset({"softcap", "sliding windows", "attention sinks", "attention dropout"})}
-DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # Llama's, GPT-2's, BERT's
+# Llama's, GPT-2's, BERT's
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
 def model_features(model, seq_len: int) -> list[str]:
@@ -408,7 +421,8 @@ def choose_attention(choice: str, device_type: str, packing: bool, model, seq_le
         raise UserError(f"--attn sdpa: {cls} does not support torch's scaled_dot_product_attention (transformers "
                         f"runs it with {own}); leave --attn out (auto) to run it with {own}")
     if choice in ("varlen", "flex", "flash"):
-        name = attn_implementation(choice, device_type, packing)  # or why this machine cannot run it
+        # or why this machine cannot run it
+        name = attn_implementation(choice, device_type, packing)
         missing = [f for f in features if f not in IMPLEMENTS[choice]]
         if missing:
             raise UserError(f"--attn {choice} does not implement {cls}'s {', '.join(missing)}; leave --attn out (auto: "
@@ -421,7 +435,8 @@ def choose_attention(choice: str, device_type: str, packing: bool, model, seq_le
     kernel = auto_choice(device_type, True, have + ["sdpa"])
     if kernel == "sdpa":
         why = f" (the padding-free kernels here do not implement {cls}'s {', '.join(features)})" if features else ""
-        if padding_free == "auto" and not packing:  # a dense mask over the micro-batch's tokens: padded instead
+        # a dense mask over the micro-batch's tokens: padded instead
+        if padding_free == "auto" and not packing:
             return None, f"attention: {own} (transformers' for {cls}); batches padded{why}"
         rows = "packed" if packing else "padding-free"
         return None, f"attention: {own} with a block-diagonal mask for {rows} rows{why}"
@@ -434,7 +449,8 @@ def kernel_of(attn_implementation: str | None) -> str | None:
 
 
 # --- padding-free batches: which runs lay an unpacked micro-batch's examples end to end
-PADDING_FREE = frozenset(NAMES[k] for k in ("varlen", "flex", "flash"))  # kernels that need no dense mask
+# kernels that need no dense mask
+PADDING_FREE = frozenset(NAMES[k] for k in ("varlen", "flex", "flash"))
 
 
 def end_to_end(cfg) -> tuple[bool, str | None]:

@@ -11,7 +11,8 @@ import torch
 from toolkit.config import ModelConfig
 from toolkit.errors import UserError
 
-INDEX_NAMES = ("top_k_index", "router_indices")  # an experts forward's second parameter: each token's experts
+# an experts forward's second parameter: each token's experts
+INDEX_NAMES = ("top_k_index", "router_indices")
 
 
 def experts_modules(model) -> list:

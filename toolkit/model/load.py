@@ -30,7 +30,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: st
 
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, TypeError, KeyError) as e:  # a damaged tokenizer file raises any of these
+    # a damaged tokenizer file raises any of these
+    except (ValueError, OSError, TypeError, KeyError) as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"--model {path}: its tokenizer needs its own code to run; pass --trust-remote-code "
                             "if you trust its author") from None
@@ -97,8 +98,10 @@ class ModelShape:
     names). Read from the config once (`of`); `toolkit.parallel.parallelize` applies it first."""
     method: str = "full"
     attn: str = "auto"
-    packing: bool = False  # packed rows reach the model whole (--packing without --cp)
-    padding_free: str | None = None  # unpacked rows end to end: "on", "auto" or None (`toolkit.model.attention.end_to_end`)
+    # packed rows reach the model whole (--packing without --cp)
+    packing: bool = False
+    # unpacked rows end to end: "on", "auto" or None (`toolkit.model.attention.end_to_end`)
+    padding_free: str | None = None
     seq_len: int = 2048
     experts: str = "auto"
     kernels: str = "none"
@@ -106,7 +109,8 @@ class ModelShape:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_targets: str = "all-linear"
-    adapter: str | None = None  # the SFT adapter trained on (`sft_adapter`)
+    # the SFT adapter trained on (`sft_adapter`)
+    adapter: str | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelShape":
@@ -172,7 +176,8 @@ def weight_file_problem(path: str) -> str | None:
 
     folder = Path(path)
     if not folder.is_dir():
-        return None  # a hub id: transformers reads it from the cache and checks it
+        # a hub id: transformers reads it from the cache and checks it
+        return None
     index = next(folder.glob("*.safetensors.index.json"), None)
     if index is not None:
         try:
@@ -220,7 +225,8 @@ def check_model(cfg: Config, path: str) -> str:
 
     m = cfg.model
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a custom model_type would also print a warning first
+    # a custom model_type would also print a warning first
+    hf_logging.set_verbosity_error()
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
         with init_empty_weights():
@@ -232,7 +238,8 @@ def check_model(cfg: Config, path: str) -> str:
         raise
     finally:
         hf_logging.set_verbosity(level)
-    _, attention_line = attention(ModelShape.of(cfg), skeleton)  # a kernel this model or machine cannot run: one line now
+    # a kernel this model or machine cannot run: one line now
+    _, attention_line = attention(ModelShape.of(cfg), skeleton)
     attention_line += experts_line(m, skeleton)
     if m.router_aux_loss_coef is not None and not hasattr(config.get_text_config(), "router_aux_loss_coef"):
         raise UserError(f"--router-aux-loss-coef: {type(skeleton).__name__} has no router load-balancing loss "
@@ -251,7 +258,8 @@ def count_parameters(model) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n = getattr(p, "ds_numel", p.numel()) * (2 if p.__class__.__name__ == "Params4bit" else 1)  # 2 per byte
+        # 2 per byte
+        n = getattr(p, "ds_numel", p.numel()) * (2 if p.__class__.__name__ == "Params4bit" else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
@@ -270,7 +278,8 @@ def training_model(cfg: Config) -> tuple[str, str | None]:
 
     m = cfg.model
     folder = Path(m.model).expanduser()
-    if is_adapter_dir(folder) and (folder / TRAINER_STATE).is_file():  # its adapter is in sharded state/
+    # its adapter is in sharded state/
+    if is_adapter_dir(folder) and (folder / TRAINER_STATE).is_file():
         raise UserError(f"--model {m.model} is a step checkpoint: write its adapter folder first with `python -m "
                         f"toolkit convert-checkpoint {m.model} --output DIR`, then pass --model DIR")
     path = resolve_model(m.model)

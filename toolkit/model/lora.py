@@ -28,7 +28,8 @@ def keeps_linear_contract(module: torch.nn.Linear) -> bool:
     annotation decides: a tuple is refused, anything else kept."""
     forward = type(module).forward
     if forward is torch.nn.Linear.forward or type(module.weight) not in (torch.nn.Parameter, torch.Tensor):
-        return True  # torch's forward; or a quantized layer (bitsandbytes' Params4bit), which peft dispatches itself
+        # torch's forward; or a quantized layer (bitsandbytes' Params4bit), which peft dispatches itself
+        return True
 
     def meta(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.empty(tuple(getattr(t, "ds_shape", t.shape)), dtype=t.dtype, device="meta")
@@ -36,10 +37,12 @@ def keeps_linear_contract(module: torch.nn.Linear) -> bool:
     replica = copy.copy(module)
     replica._parameters = {k: meta(v) for k, v in module._parameters.items()}
     replica._buffers = {k: meta(v) for k, v in module._buffers.items()}
-    replica.training = False  # no jitter noise or sampling in the probe
+    # no jitter noise or sampling in the probe
+    replica.training = False
     try:
         with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # whatever the probe's forward says of meta tensors is not the user's
+            # whatever the probe's forward says of meta tensors is not the user's
+            warnings.simplefilter("ignore")
             rows = torch.empty(PROBE_ROWS, module.in_features, dtype=replica.weight.dtype, device="meta")
             out = forward(replica, rows)
         return isinstance(out, torch.Tensor) and tuple(out.shape) == (PROBE_ROWS, module.out_features)

@@ -31,14 +31,16 @@ import re
 import torch
 from torch import nn
 
-from toolkit.model.kernels import INDEX_NAMES, experts_modules  # where the model says its experts are
+# where the model says its experts are
+from toolkit.model.kernels import INDEX_NAMES, experts_modules
 
 def load_stats(counts: torch.Tensor) -> dict[str, float]:
     """From (MoE layers, experts) token counts: the least and most loaded expert's tokens over its
     layer's mean, and the coefficient of variation per layer, averaged (module docstring)."""
     counts = counts.double()
     mean = counts.mean(1, keepdim=True)
-    used = mean[:, 0] > 0  # a layer no token reached (a pipeline stage's, say) says nothing
+    # a layer no token reached (a pipeline stage's, say) says nothing
+    used = mean[:, 0] > 0
     if not used.any():
         return {}
     share = counts[used] / mean[used]
@@ -47,7 +49,8 @@ def load_stats(counts: torch.Tensor) -> dict[str, float]:
             "expert_load_cv": cv.mean().item()}
 
 
-IDLE_MIN_MEAN = 32.0  # tokens per expert a layer must average in a window before an empty expert is said
+# tokens per expert a layer must average in a window before an empty expert is said
+IDLE_MIN_MEAN = 32.0
 
 
 def idle_experts(counts: torch.Tensor, min_mean: float = IDLE_MIN_MEAN) -> dict[int, int]:
@@ -85,11 +88,14 @@ class RouterLoad:
     """Tokens per expert of every MoE layer since the last `take`, (layers, experts) on the device."""
 
     def __init__(self, model: nn.Module, modules: list[nn.Module]):
-        self.experts = max(getattr(m, "ep_experts", m.num_experts) for m in modules)  # all of them under --ep
+        # all of them under --ep
+        self.experts = max(getattr(m, "ep_experts", m.num_experts) for m in modules)
         names = {id(m): n for n, m in model.named_modules()}
-        self.layers = [layer_label(names.get(id(m), f"MoE layer {i}")) for i, m in enumerate(modules)]  # idle_warning's
+        # idle_warning's
+        self.layers = [layer_label(names.get(id(m), f"MoE layer {i}")) for i, m in enumerate(modules)]
         self.counts: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None  # the 2-D attention mask of the forward running, flattened
+        # the 2-D attention mask of the forward running, flattened
+        self.mask: torch.Tensor | None = None
         self.handles = [model.register_forward_pre_hook(self._keep_mask, with_kwargs=True)]
         self.handles += [m.register_forward_pre_hook(self._counter(i, len(modules)), with_kwargs=True)
                          for i, m in enumerate(modules)]
@@ -107,9 +113,11 @@ class RouterLoad:
     def _counter(self, layer: int, layers: int):
         def count(module, args, kwargs) -> None:
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-                return  # a forward without gradients, or a checkpointed block recomputed in backward
+                # a forward without gradients, or a checkpointed block recomputed in backward
+                return
             index = args[1] if len(args) > 1 else next(kwargs[n] for n in INDEX_NAMES if n in kwargs)
-            index = index.reshape(len(index), -1)  # (tokens, top-k)
+            # (tokens, top-k)
+            index = index.reshape(len(index), -1)
             weights = None
             if self.mask is not None and self.mask.numel() == len(index):
                 weights = self.mask.to(index.device, torch.float32).repeat_interleave(index.shape[1])

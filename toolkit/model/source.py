@@ -168,7 +168,8 @@ def adapter_base_path(folder: str | Path, flag: str = "--model") -> str:
     try:
         return resolve_model(base)
     except UserError as e:
-        why = str(e).replace(f"--model {base}", base).split("; ")[0]  # its advice is for a --model of the user's
+        # its advice is for a --model of the user's
+        why = str(e).replace(f"--model {base}", base).split("; ")[0]
         raise UserError(f"{flag} {folder} is a LoRA adapter on {base} (adapter_config.json's base_model_name_or_path), "
                         f"which cannot be opened: {why}; put the base model there, or set base_model_name_or_path "
                         "to its folder or hub id") from None

@@ -92,7 +92,8 @@ ZOO: dict[str, dict] = {
     "gemma2": dict(_SMALL, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=5.0,
                    attn_logit_softcapping=10.0, **_WINDOWS),
     "gemma3_text": dict(_SMALL, head_dim=16, query_pre_attn_scalar=16, **_WINDOWS),
-    "phi3": dict(_SMALL),  # fused qkv_proj and gate_up_proj
+    # fused qkv_proj and gate_up_proj
+    "phi3": dict(_SMALL),
     "cohere": dict(_SMALL, logit_scale=0.25),
     "granite": dict(_SMALL, logits_scaling=8.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.25),
@@ -162,9 +163,11 @@ def tiny_preset(preset: dict) -> PretrainedConfig:
     tiny |= {k: v for k, v in _TINY_EXPERTS.items() if (getattr(published, k, None) or 0) > 1}
     heads, kv = published.num_attention_heads, published.num_key_value_heads or published.num_attention_heads
     tiny["num_key_value_heads"] = max(1, 4 * kv // heads)
-    if getattr(published, "head_dim", None) and "qk_rope_head_dim" not in values:  # MLA derives its own
+    # MLA derives its own
+    if getattr(published, "head_dim", None) and "qk_rope_head_dim" not in values:
         tiny["head_dim"] = 16 if published.head_dim * heads == published.hidden_size else 32
-    if getattr(published, "query_pre_attn_scalar", None):  # Gemma: hidden/heads, or the head_dim
+    # Gemma: hidden/heads, or the head_dim
+    if getattr(published, "query_pre_attn_scalar", None):
         tiny["query_pre_attn_scalar"] = 16 if published.query_pre_attn_scalar == published.hidden_size // heads \
             else tiny.get("head_dim", 16)
     if kinds:

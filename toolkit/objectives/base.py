@@ -20,8 +20,10 @@ import torch
 
 from toolkit.objectives.preference.functions import document_logps, orpo_labels, sequence_logps, sliced_logps, whole_row_logps
 
-LogpsFn = Callable[..., torch.Tensor]  # (model, batch, reference=False) -> each whole row's log-probability
-SumFn = Callable[[torch.Tensor], torch.Tensor]  # a sum over the cp group
+# (model, batch, reference=False) -> each whole row's log-probability
+LogpsFn = Callable[..., torch.Tensor]
+# a sum over the cp group
+SumFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,12 @@ class LayoutHooks:
 
 class Loss(Protocol):
     """An objective's loss other than the token loss, as `toolkit.objectives.head.LossHead` runs it."""
-    reference_pass: bool  # the rows need their reference log-probabilities before step 1 (`toolkit.objectives.preference.reference`)
-    unit: str  # what its examples are called (pairs)
-    metric_width: int  # the length of `take_metrics`' sums
+    # the rows need their reference log-probabilities before step 1 (`toolkit.objectives.preference.reference`)
+    reference_pass: bool
+    # what its examples are called (pairs)
+    unit: str
+    # the length of `take_metrics`' sums
+    metric_width: int
 
     def __call__(self, model, batch: dict, inputs: dict) -> tuple[torch.Tensor, Any]:
         """(the micro-batch's summed loss, the model's output) for `batch`, its forward on `inputs`."""
@@ -90,13 +95,17 @@ class Loss(Protocol):
 class Context:
     """What an objective's batches, evaluation and reference pass are given of the run: made by the loop once
     the strategy has prepared the model."""
-    cfg: Any  # the run's config: an objective reads its own settings
-    strategy: Any  # `toolkit.parallel.strategy.Strategy`: the forwards, the data shard, the collectives
-    model: torch.nn.Module  # as the strategy prepared it
+    # the run's config: an objective reads its own settings
+    cfg: Any
+    # `toolkit.parallel.strategy.Strategy`: the forwards, the data shard, the collectives
+    strategy: Any
+    # as the strategy prepared it
+    model: torch.nn.Module
     tokenizer: Any
     out_dir: Path
     total_steps: int
-    log_every: int  # the metrics records' cadence
+    # the metrics records' cadence
+    log_every: int
     log: Callable[[str], None] = print
     # a frozen copy of the model as loaded, shaped as the policy is but without adapters or a layout (a full
     # finetune's reference, where the objective keeps one)
@@ -135,10 +144,13 @@ class Batches(Protocol):
 
 class Objective(Protocol):
     """What the loop asks of an objective (`toolkit.objectives.build`)."""
-    name: str  # --objective
-    unit: str  # what its examples are called
-    eval_metric: str  # the key of `evaluate`'s record that the run reports: eval_loss, or eval_reward
-    loss: Loss | None  # what the loss head runs (None: the head's own token loss); set by `make_loss`
+    # --objective what its examples are called
+    name: str
+    unit: str
+    # the key of `evaluate`'s record that the run reports: eval_loss, or eval_reward
+    eval_metric: str
+    # what the loss head runs (None: the head's own token loss); set by `make_loss`
+    loss: Loss | None
 
     def make_loss(self, hooks: LayoutHooks) -> Loss | None:
         """The loss the strategy's head runs, under the layout's `hooks`."""

@@ -34,7 +34,8 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
+# compiled blocks keep their training graphs
+@torch.compiler.set_stance("force_eager")
 def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy completions of `prompts` (each a user turn, rendered with the run's chat template) by
     the model being trained, through the same forward as the eval loss: the prepared model, so ZeRO-3

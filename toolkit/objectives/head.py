@@ -16,27 +16,36 @@ import torch
 from toolkit.objectives.sft.loss import target_loss_sum, token_loss_sum
 from toolkit.objectives.base import Loss
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
+# (logits, labels) -> summed loss
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class LossMetrics:
     """What the loss gathered over the micro-batches since the last read, on the device (nothing is read
     back): `LossHead.take_metrics`, the one read of a step's loss besides its value."""
-    aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens
-    objective: torch.Tensor | None = None  # the objective's metrics' sums
-    load: torch.Tensor | None = None  # tokens per expert, (MoE layers, experts)
-    fused: bool = False  # the head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
-    layers: tuple[str, ...] = ()  # the MoE layers, the rows of `load`
+    # the router load-balancing loss x target tokens
+    aux: torch.Tensor | None = None
+    # the objective's metrics' sums
+    objective: torch.Tensor | None = None
+    # tokens per expert, (MoE layers, experts)
+    load: torch.Tensor | None = None
+    # the head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
+    fused: bool = False
+    # the MoE layers, the rows of `load`
+    layers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class LossCheck:
     """The loss this layout trains against the model's own on a few rows (`Strategy.loss_check`)."""
-    ours: float | None  # per target token; None where this rank computes no loss (a pipeline's earlier stages)
+    # per target token; None where this rank computes no loss (a pipeline's earlier stages)
+    ours: float | None
     own: float | None
-    head: str  # what computed `ours`: the loss line's words
-    fused: bool = False  # a fused head computed it: full logits remain to fall back on (--loss auto)
+    # what computed `ours`: the loss line's words
+    head: str
+    # a fused head computed it: full logits remain to fall back on (--loss auto)
+    fused: bool = False
 
 
 class LossHead:
@@ -47,10 +56,13 @@ class LossHead:
     def __init__(self, loss_fn: LossFn = token_loss_sum, device_type: str = "cpu", precision: str = "no",
                  objective: Loss | None = None):
         self.loss_fn, self.device_type, self.head, self.rows_given = loss_fn, device_type, None, False
-        self.precision = precision  # the run's mixed precision: the dtype a fused kernel must take
+        # the run's mixed precision: the dtype a fused kernel must take
+        self.precision = precision
         self.aux_coef, self.aux_sum = 0.0, None
-        self.objective = objective  # an objective's loss other than the token loss (`Objective.make_loss`): full logits
-        self.router_load = None  # an MoE model's tokens per expert (`toolkit.model.router_load.RouterLoad`)
+        # an objective's loss other than the token loss (`Objective.make_loss`): full logits
+        self.objective = objective
+        # an MoE model's tokens per expert (`toolkit.model.router_load.RouterLoad`)
+        self.router_load = None
 
     def choose(self, model, choice: str) -> None:
         """`--loss` on the unwrapped model: a fused head where `choice`, the device and the model allow
@@ -67,7 +79,8 @@ class LossHead:
         if self.router_load is None:
             from toolkit.model.router_load import RouterLoad
 
-            self.router_load = RouterLoad.attach(model)  # tokens per expert, for the metrics
+            # tokens per expert, for the metrics
+            self.router_load = RouterLoad.attach(model)
 
     def full_logits(self) -> None:
         """Back to full logits (`--loss auto` after a failed loss check): the LM head restored."""
@@ -95,21 +108,26 @@ class LossHead:
 
         from toolkit.objectives.preference.functions import pairs_in
 
-        inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)  # a context-parallel slice's
+        # a context-parallel slice's
+        inputs = batch["inputs"] if "targets" in batch else model_inputs(batch)
         total, out = self.objective(model, batch, inputs)
-        count = batch["units"] if "units" in batch else pairs_in(batch)  # what the loop divides the sum by
+        # what the loop divides the sum by
+        count = batch["units"] if "units" in batch else pairs_in(batch)
         return total + self.aux(out, batch.get("labels"), False, count=count)
 
     def token_sum(self, model, batch: dict) -> torch.Tensor:
         """The summed token loss of `batch` (and the router's, x its target tokens)."""
         from toolkit.data.packing import model_inputs
 
-        if "targets" in batch:  # context parallel: this rank's slice, labels shifted before the split
+        # context parallel: this rank's slice, labels shifted before the split
+        if "targets" in batch:
             inputs, labels, shifted = batch["inputs"], batch["targets"], True
         else:
             inputs, labels, shifted = model_inputs(batch), batch["labels"], False
-        if self.head is not None:  # the head returns the loss sum in place of logits
-            rows = batch.get("target_rows")  # found by the collate on the CPU: no read-back to skip the others
+        # the head returns the loss sum in place of logits
+        if self.head is not None:
+            # found by the collate on the CPU: no read-back to skip the others
+            rows = batch.get("target_rows")
             self.rows_given = rows is not None
             with self.head.labels(labels, shifted, rows=rows):
                 out = model(**inputs)

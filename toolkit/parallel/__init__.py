@@ -27,7 +27,8 @@ def any_rank(accelerator, flag: bool) -> bool:
     return rank_max(accelerator, torch.tensor([float(flag)], device=accelerator.device)).item() > 0
 
 
-_HOST_GROUP: dict = {}  # the default group it was made beside -> the group
+# the default group it was made beside -> the group
+_HOST_GROUP: dict = {}
 
 
 def host_group():

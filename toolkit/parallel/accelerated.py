@@ -24,7 +24,8 @@ class AccelerateStrategy(Parts, Strategy):
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         optimizer = optimizer_fn(model)
-        if self.context.context is not None:  # accelerate would shard the data over every rank, cp peers included
+        # accelerate would shard the data over every rank, cp peers included
+        if self.context.context is not None:
             model, optimizer = apply_engine(self.accelerator, model, optimizer)
             loader = self.data.loader(loader)
         else:
@@ -59,10 +60,13 @@ class DeepSpeedStrategy(Parts, Strategy):
     file may bring its own optimizer and schedule (`toolkit.parallel.zero`). ZeRO-3 partitions inside
     `from_pretrained` itself."""
 
-    checkpoint_format = "hf"  # its per-rank ZeRO partitions: resumed on the same layout only
-    always_steps = True  # the engine must step every time (a non-finite step only counts as skipped there)
+    # its per-rank ZeRO partitions: resumed on the same layout only
+    checkpoint_format = "hf"
+    # the engine must step every time (a non-finite step only counts as skipped there)
+    always_steps = True
     frees_grads = True
-    file_schedule: dict | None = None  # a --deepspeed file's "scheduler", as it runs
+    # a --deepspeed file's "scheduler", as it runs
+    file_schedule: dict | None = None
 
     def prepare(self, model, optimizer_fn: Callable, loader):
         optimizer = zero.file_optimizer(self.ds_config, model, self.settings) or optimizer_fn(model)
@@ -81,7 +85,8 @@ class DeepSpeedStrategy(Parts, Strategy):
         return scheduler
 
     def describe(self) -> str:
-        slow = zero3_first_steps_note(self.ds_config)  # why its step 2 is slow
+        # why its step 2 is slow
+        slow = zero3_first_steps_note(self.ds_config)
         return zero_layout(self.ds_config, self.accelerator.num_processes) + "\n" + (slow + "\n" if slow else "") \
             + self.loss.describe()
 

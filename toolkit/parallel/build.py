@@ -29,12 +29,14 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from toolkit.model.load import resolved_precision  # imports torch: not at package import (the planner reads dims)
+    # imports torch: not at package import (the planner reads dims)
+    from toolkit.model.load import resolved_precision
     from toolkit.parallel.cpu_rehearsal import cpu_rehearsal
     from toolkit.parallel.elastic import join_restarted_group
     from toolkit.parallel import launch
 
-    join_restarted_group()  # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
+    # a torchrun restart: a fresh store prefix, not the dead attempt's addresses
+    join_restarted_group()
     kind = accelerate_plugin(cfg.parallel)
     # DeepSpeed and FSDP need a process group, also for one process that no launcher started: the same
     # variables on a GPU and a CPU (toolkit.parallel.launch).
@@ -117,9 +119,11 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
         "WORLD_SIZE", "1")), mixed_precision=resolved_precision(cfg), max_grad_norm=t.max_grad_norm, lr=cfg.lr,
         weight_decay=t.weight_decay, hidden_size=hidden)
     ds.pop("scheduler", None)
-    if compiles_cpu_adam(ds) and deepspeed_accelerator()[0] == "cpu":  # said by config (torch_adam_note)
+    # said by config (torch_adam_note)
+    if compiles_cpu_adam(ds) and deepspeed_accelerator()[0] == "cpu":
         ds = with_torch_adam(ds)
-    for key, value in QUIET_DEFAULTS.items():  # what the file does not say
+    # what the file does not say
+    for key, value in QUIET_DEFAULTS.items():
         ds.setdefault(key, value)
     return ds
 
@@ -147,7 +151,8 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     par, world = cfg.parallel, accelerator.num_processes
     problems = _model_problems(cfg, model_path, world) + rules.world_problems(par, world)
     dims, dim_problems = rules.dims_for(par, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    problems += [p for p in dim_problems if not problems]  # the model checks above name the world size already
+    # the model checks above name the world size already
+    problems += [p for p in dim_problems if not problems]
     if problems:
         raise UserError("; ".join(problems))
     kind = rules.runtime(par, dims)
@@ -203,7 +208,8 @@ def _parallelism(kind: str, accelerator, dims: ParallelDims, settings: Settings,
     if kind == "pipeline_one_process":
         from toolkit.parallel.pp import pipeline_devices
 
-        devices = tuple(pipeline_devices(settings.pp, settings.pp_devices))  # a missing GPU fails now, not later
+        # a missing GPU fails now, not later
+        devices = tuple(pipeline_devices(settings.pp, settings.pp_devices))
         return Parallelism(**common, stages=StageSpec(settings.pp, settings.pp_microbatches, settings.pp_schedule,
                                                       settings.pp_balance, devices=devices))
     ep_group, experts_mesh, _ = mesh.expert_groups()
@@ -252,7 +258,8 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
     if cfg.model.router_aux_loss_coef is not None:
         values.update(router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                       output_router_logits=cfg.model.router_aux_loss_coef > 0)
-    if par.tp > 1:  # a class attribute of the config, which to_dict() leaves out
+    # a class attribute of the config, which to_dict() leaves out
+    if par.tp > 1:
         from toolkit.parallel.tp.plan import text_config
 
         values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
@@ -261,7 +268,8 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
         from toolkit.parallel.pp import pipeline_problems
 
         problems += pipeline_problems(config, cfg.model.trust_remote_code)
-    if par.tp > 1 and not problems:  # the plan's regions against the blocks, on a meta-device copy
+    # the plan's regions against the blocks, on a meta-device copy
+    if par.tp > 1 and not problems:
         from toolkit.parallel.tp.plan import tp_tree_problems
 
         problems += tp_tree_problems(config, cfg.model.trust_remote_code)

@@ -35,8 +35,10 @@ from toolkit.data.labels import shift_labels
 from toolkit.config.objectives import WHOLE
 from toolkit.objectives.preference.functions import orpo_labels
 
-INNER = ("sdpa", "eager")  # the attention functions the wrapper has been checked with
-_active: dict | None = None  # inside `shard`: {"group": ..., "mask": the whole sequence's mask}
+# the attention functions the wrapper has been checked with inside `shard`: {"group": ..., "mask": the whole sequence's
+# mask}
+INNER = ("sdpa", "eager")
+_active: dict | None = None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,7 +58,8 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
     n = dist.get_world_size(group)
-    send = torch.stack(x.chunk(n, dim=scatter)).contiguous()  # (n, ...): part j goes to rank j
+    # (n, ...): part j goes to rank j
+    send = torch.stack(x.chunk(n, dim=scatter)).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather)
@@ -71,15 +74,19 @@ def ulysses_attention(module, query, key, value, attention_mask, *args, inner: s
     if _active is None:
         return attend(module, query, key, value, attention_mask, *args, **kwargs)
     group = _active["group"]
-    q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads split, whole sequence
+    # heads split, whole sequence
+    q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
     # The model built its mask for the local slice; attention here needs the whole sequence's, of this
     # layer's kind (a sliding-window layer its window's).
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     mask = _active["masks"]["sliding" if window else "full"]
-    if isinstance(getattr(module, "sinks", None), torch.Tensor):  # per-head sinks (gpt-oss): this rank's heads
+    # per-head sinks (gpt-oss): this rank's heads
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
         module = _HeadSlice(module, dist.get_rank(group), dist.get_world_size(group))
-    out, _ = attend(module, q, k, v, mask, *args, **kwargs)  # (B, S, H/cp, D)
-    return _AllToAll.apply(out, group, 1, 2), None  # (B, S/cp, H, D)
+    # (B, S, H/cp, D)
+    out, _ = attend(module, q, k, v, mask, *args, **kwargs)
+    # (B, S/cp, H, D)
+    return _AllToAll.apply(out, group, 1, 2), None
 
 
 class _HeadSlice:
@@ -110,7 +117,8 @@ def use_ulysses(model) -> str:
                         "(load it with --attn-implementation sdpa)")
     name = f"ulysses_{inner}"
     AttentionInterface.register(name, partial(ulysses_attention, inner=inner))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])  # masks as the inner builds them
+    # masks as the inner builds them
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     model.set_attn_implementation(name)
     return inner
 
@@ -136,10 +144,12 @@ class ContextParallel:
     """This rank's slice of every sequence, and the attention that sees the whole of it."""
 
     def __init__(self, group, model_config, dtype: torch.dtype = torch.float32):
-        self.group, self.config, self.dtype = group, model_config, dtype  # dtype: the masks' (as the model's)
+        # dtype: the masks' (as the model's)
+        self.group, self.config, self.dtype = group, model_config, dtype
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        self.sliding = getattr(text, "sliding_window", None) is not None  # some layers may attend in a window
+        # some layers may attend in a window
+        self.sliding = getattr(text, "sliding_window", None) is not None
 
     @contextmanager
     def shard(self, batch: dict[str, torch.Tensor]) -> Iterator[dict]:
@@ -162,11 +172,15 @@ class ContextParallel:
         mask = masks["full"]
         part = slice(self.rank * s // self.cp, (self.rank + 1) * s // self.cp)
         local = {"inputs": {"input_ids": ids[:, part], "position_ids": positions[:, part], "use_cache": False,
-                            "attention_mask": mask},  # a 4-D mask goes through the model as it is (or None)
-                 "targets": shift_labels(full["labels"])[:, part],  # shifted whole: a slice's last token keeps its target
-                 **({"orpo_targets": shift_labels(orpo_labels(full))[:, part]}  # pairs: ORPO's NLL labels
+                            # a 4-D mask goes through the model as it is (or None)
+                            "attention_mask": mask},
+                 # shifted whole: a slice's last token keeps its target
+                 "targets": shift_labels(full["labels"])[:, part],
+                 # pairs: ORPO's NLL labels
+                 **({"orpo_targets": shift_labels(orpo_labels(full))[:, part]}
                     if "pairs" in batch and "desirable" not in batch else {}),
-                 **{k: batch[k] for k in WHOLE if k in batch}}  # a preference objective's, whole
+                 # a preference objective's, whole
+                 **{k: batch[k] for k in WHOLE if k in batch}}
         _active = {"group": self.group, "masks": masks}
         try:
             yield local

@@ -31,7 +31,8 @@ def join_restarted_group() -> bool:
     backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "cuda:nccl,cpu:gloo"  # what accelerate picks for FSDP full state dicts; fine for DDP/DeepSpeed
+        # what accelerate picks for FSDP full state dicts; fine for DDP/DeepSpeed
+        backend = "cuda:nccl,cpu:gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(f"toolkit/attempt_{attempt}", store),
                             rank=rank, world_size=world)
     return True

@@ -51,7 +51,8 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh, reshard_after_for
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(compute_dtype)
-    for module in experts:  # inside a block, whose inputs the policy cast: the router's weights stay as it made them
+    # inside a block, whose inputs the policy cast: the router's weights stay as it made them
+    for module in experts:
         fully_shard(module, mesh=experts_mesh, mp_policy=mixed_precision_policy(compute_dtype, cast_inputs=False),
                     reshard_after_forward=reshard_after_forward)
         sum_gradients(module)

@@ -46,7 +46,8 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
         total += sq
     total = total.sqrt()
     if params and max_norm and max_norm != float("inf"):
-        if any(hasattr(p.grad, "to_local") for p in params):  # scale the shards in place, as torch's formula
+        # scale the shards in place, as torch's formula
+        if any(hasattr(p.grad, "to_local") for p in params):
             coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
             for p in params:
                 local(p.grad).mul_(coef.to(local(p.grad).device))

@@ -85,13 +85,16 @@ def run_ranks(nproc: int, script: str, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # its lines on the ranks: they say what happened
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks (the ranks set their own)
+        # its lines on the ranks: they say what happened
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torchrun's default for several ranks (the ranks set their own)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         run(get_args_parser().parse_args(["--standalone", "--nproc_per_node", str(nproc), script, *argv]))
     except SignalException as e:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         code = e.get_first_failure()[1].exitcode
-        return code if code > 0 else 128 - code  # a rank killed by a signal: -signal
+        # a rank killed by a signal: -signal
+        return code if code > 0 else 128 - code
     return 0

@@ -58,6 +58,7 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     optim = storage_bytes((v for s in base.state.values() for v in s.values() if torch.is_tensor(v)), seen)
     master = 0
     zero = getattr(optimizer, "optimizer", None)
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+    # ZeRO-1/2, ZeRO-3
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
         master += storage_bytes(getattr(zero, attr, None) or [], seen)
     return {"param_bytes": params, "optim_bytes": optim, "master_bytes": master}

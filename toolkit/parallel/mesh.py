@@ -27,17 +27,22 @@ class Mesh:
         self.dims = dims
         self.world = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
         views = {name: self.world[name] for name in MESH_DIMS}
-        views["dp"] = self.world["dp_replicate", "dp_shard"]._flatten("dp")  # the data-parallel group: replicas and shards
-        if dims.cp > 1:  # cp ranks read the same data but hold different tokens: gradients average over them too
+        # the data-parallel group: replicas and shards
+        views["dp"] = self.world["dp_replicate", "dp_shard"]._flatten("dp")
+        # cp ranks read the same data but hold different tokens: gradients average over them too
+        if dims.cp > 1:
             views["dp_cp"] = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-            views["dp_shard_cp"] = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's: FSDP2 shards over cp too
+            # torchtitan's: FSDP2 shards over cp too
+            views["dp_shard_cp"] = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
         self.experts = None
-        if dims.ep_over_tp:  # the ep group is the TP group: whole experts, sharded as the dense parts are
+        # the ep group is the TP group: whole experts, sharded as the dense parts are
+        if dims.ep_over_tp:
             if dims.ep != dims.tp:
                 raise ValueError(f"--ep {dims.ep} with --tp {dims.tp}: under TP --ep must equal --tp "
                                  "(toolkit.layout.rules.ep_tp_problems)")
             views["ep"] = views["tp"]
-        elif dims.ep > 1:  # dp_shard = (dp_shard_mod_ep, ep), ep inner: dp_shard coordinate d = m * ep + e
+        # dp_shard = (dp_shard_mod_ep, ep), ep inner: dp_shard coordinate d = m * ep + e
+        elif dims.ep > 1:
             # by index: torch 2.11's `_unflatten` refuses a dimension given by its name (its check is inverted)
             self.experts = self.world._unflatten(MESH_DIMS.index("dp_shard"), (dims.dp_shard // dims.ep, dims.ep),
                                                  ("dp_shard_mod_ep", "ep"))
@@ -103,7 +108,8 @@ class Mesh:
         if self.experts is None:
             return None
         inner = "dp_shard_mod_ep_cp" if self.dims.cp > 1 else "dp_shard_mod_ep"
-        if self.dims.dp_replicate > 1:  # a flattened view is registered on the world mesh, not the unflattened one
+        # a flattened view is registered on the world mesh, not the unflattened one
+        if self.dims.dp_replicate > 1:
             return (self.world if self.dims.cp > 1 else self.experts)["dp_replicate", inner]
         return self.get(inner)
 

@@ -55,7 +55,8 @@ class Parallelized:
     cuts: dict[str, Cut] = field(default_factory=dict)
     tp_group: Any = None
     experts: Any = None
-    plan: str = ""  # what TP split, per block, and what it kept whole
+    # what TP split, per block, and what it kept whole
+    plan: str = ""
 
     def describe(self) -> str:
         """The TP plan's line of the layout's description (none without TP)."""
@@ -77,7 +78,8 @@ class Parallelized:
                     if kind == ("ep" if cut[n].ep is not None else "tp" if cut[n].tp is not None else "whole")]
 
         parts = [(members("tp"), (*outer, *tp, *shard))]
-        if self.experts:  # the expert part, empty or not: every rank reduces the same parts
+        # the expert part, empty or not: every rank reduces the same parts
+        if self.experts:
             parts.append((members("ep"), (*outer, *expert_groups)))
         return [*parts, (members("whole"), (*outer, *shard))]
 
@@ -119,8 +121,10 @@ class StageSpec:
     stages: int
     microbatches: int = 1
     schedule: str = "gpipe"
-    balance: str = "params"  # blocks split by parameter count, or by measured time
-    layout: Any = None  # `toolkit.parallel.pp.PipelineLayout`
+    # blocks split by parameter count, or by measured time
+    balance: str = "params"
+    # `toolkit.parallel.pp.PipelineLayout`
+    layout: Any = None
     devices: tuple = ()
 
 
@@ -129,15 +133,20 @@ class Parallelism:
     """What `parallelize` applies, decided once by `toolkit.parallel.build.make_strategy` from the settings
     and the mesh."""
     model: ModelShape = ModelShape()
-    context: Any = None  # `toolkit.parallel.strategy.ContextSlices`: Ulysses attention where cp > 1
+    # `toolkit.parallel.strategy.ContextSlices`: Ulysses attention where cp > 1
+    context: Any = None
     tp_group: Any = None
     ep_group: Any = None
-    checkpointing: bool = False  # --gradient-checkpointing
-    compile: bool = False  # --compile (auto compiles later, from the loop, once steps are timed)
+    # --gradient-checkpointing
+    checkpointing: bool = False
+    # --compile (auto compiles later, from the loop, once steps are timed)
+    compile: bool = False
     fsdp: FsdpSpec | None = None
     ddp: DdpSpec | None = None
-    device: Any = None  # where the model goes before FSDP2 or DDP
-    stages: StageSpec | None = None  # a pipeline: FSDP2 waits for the stages (`apply_stages`)
+    # where the model goes before FSDP2 or DDP
+    device: Any = None
+    # a pipeline: FSDP2 waits for the stages (`apply_stages`)
+    stages: StageSpec | None = None
 
 
 def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Parallelized]:
@@ -152,10 +161,12 @@ def parallelize(model: nn.Module, p: Parallelism) -> tuple[nn.Module, Paralleliz
         model = apply_lora(model, p.model)
     if p.context is not None:
         model = p.context.attach(model)
-    cuts: dict[str, Cut] = {}  # how each parameter is cut, by name (`toolkit.parallel.cut`): TP's, then EP's
+    # how each parameter is cut, by name (`toolkit.parallel.cut`): TP's, then EP's
+    cuts: dict[str, Cut] = {}
     if p.tp_group is not None:
         model = apply_tensor_parallel(model, p.tp_group, cuts, skip_experts=p.ep_group is not None)
-    plan = getattr(model, "toolkit_tp", "")  # what TP split: read before a DDP wrapper hides it
+    # what TP split: read before a DDP wrapper hides it
+    plan = getattr(model, "toolkit_tp", "")
     experts = None
     if p.ep_group is not None:
         from toolkit.parallel.ep import apply_expert_parallel
@@ -244,12 +255,14 @@ def apply_stages(model: nn.Module, p: Parallelism, sample: tuple[int, int], pad_
     from toolkit.parallel.fsdp import half_dtype
     from toolkit.parallel.pp import NaivePipeline, StagePipeline, balance, decoder_parts, param_costs, time_costs
 
-    s, compute = p.stages, half_dtype(accelerator.mixed_precision)  # autocast's dtype, or the FSDP2 policy's
+    # autocast's dtype, or the FSDP2 policy's
+    s, compute = p.stages, half_dtype(accelerator.mixed_precision)
     micro = (sample[0] // s.microbatches, sample[1])
     if s.layout is None:
         return NaivePipeline(model, list(s.devices), s.microbatches, s.balance, micro, compute, loss_fn)
     parts = decoder_parts(model)
-    if s.balance == "time":  # measured once, on rank 0, so every rank cuts the model the same way
+    # measured once, on rank 0, so every rank cuts the model the same way
+    if s.balance == "time":
         costs = [time_costs(parts, *micro, accelerator.device) if accelerator.is_main_process else None]
         dist.broadcast_object_list(costs, src=0)
         blocks, first, last = costs[0]

@@ -41,7 +41,8 @@ class MeshStrategy(Parts, Strategy):
         """FSDP2 sums the shards' gradients (its division is off); DDP averages over dp (x cp)."""
         averaged_over = 1 if self.sharded else self.dims.dp * self.dims.cp
         total = accumulate(self.accelerator, model, micro, scale, self.loss, self.context, averaged_over)
-        if self.sharded:  # FSDP2 replaced the parameters, and with them the TP plan's gradient hooks
+        # FSDP2 replaced the parameters, and with them the TP plan's gradient hooks
+        if self.sharded:
             self.parallelized.reduce_partial_grads(self.unwrap(model))
         return total
 

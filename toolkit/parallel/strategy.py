@@ -43,12 +43,18 @@ if TYPE_CHECKING:
 class Settings:
     """What the strategies and `parallelize` read of the run's config, taken once by `of` (in
     `toolkit.parallel.build.make_strategy`): no strategy carries the config."""
-    loss: str = "auto"  # --loss
-    checkpointing: bool = False  # --gradient-checkpointing
-    compile: bool = False  # --compile given (auto compiles later, from the loop)
-    reshard: bool = True  # --fsdp-sharding full (grad_op keeps parameters gathered from forward to backward)
-    seq_len: int = 2048  # --seq-len: a pipeline times its stage split on the longest row it reads
-    model: ModelShape = ModelShape()  # the kernels and adapters `parallelize` applies first
+    # --loss
+    loss: str = "auto"
+    # --gradient-checkpointing
+    checkpointing: bool = False
+    # --compile given (auto compiles later, from the loop)
+    compile: bool = False
+    # --fsdp-sharding full (grad_op keeps parameters gathered from forward to backward)
+    reshard: bool = True
+    # --seq-len: a pipeline times its stage split on the longest row it reads
+    seq_len: int = 2048
+    # the kernels and adapters `parallelize` applies first
+    model: ModelShape = ModelShape()
     # DeepSpeed's engine divides by its configured accumulation; a --deepspeed file's optimizer and schedule
     # fill their "auto"s with the run's values
     grad_accum: int = 1
@@ -57,7 +63,8 @@ class Settings:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
-    deepspeed_file: str = ""  # --deepspeed
+    # --deepspeed
+    deepspeed_file: str = ""
     # the pipeline's (--pp, --pp-*): in one process --pp stages, which the world's dimensions do not count
     pp: int = 1
     pp_microbatches: int = 1
@@ -83,13 +90,20 @@ class Parts:
     accelerator: Any
     dims: ParallelDims | None = None
     settings: Settings = Settings()
-    data: "DataShard | None" = None  # which shard of every global batch this rank reads
-    loss: LossHead | None = None  # the loss of one micro-batch, with the run's objective (given at construction)
-    parallelism: "Parallelism | None" = None  # what `parallelize` applies (`shard_model`)
-    hooks: LayoutHooks = LayoutHooks()  # what the layout decides for an objective (its whole rows' forward)
-    context: "ContextSlices | None" = None  # context parallel's slices (the identity where cp = 1)
-    mesh: Any = None  # `toolkit.parallel.mesh.Mesh`, where the layout has one
-    parallelized: "Parallelized | None" = None  # how `shard_model` cut the model (nothing, until it runs)
+    # which shard of every global batch this rank reads
+    data: "DataShard | None" = None
+    # the loss of one micro-batch, with the run's objective (given at construction)
+    loss: LossHead | None = None
+    # what `parallelize` applies (`shard_model`)
+    parallelism: "Parallelism | None" = None
+    # what the layout decides for an objective (its whole rows' forward)
+    hooks: LayoutHooks = LayoutHooks()
+    # context parallel's slices (the identity where cp = 1)
+    context: "ContextSlices | None" = None
+    # `toolkit.parallel.mesh.Mesh`, where the layout has one
+    mesh: Any = None
+    # how `shard_model` cut the model (nothing, until it runs)
+    parallelized: "Parallelized | None" = None
     # the run's objective (`toolkit.objectives.build.build_objective`): the loop asks it, the head runs its loss
     objective: "Objective | None" = None
 
@@ -118,12 +132,18 @@ class Strategy(Protocol):
     parallelism: "Parallelism"
     hooks: LayoutHooks
     context: "ContextSlices"
-    parallelized: "Parallelized"  # how `parallelize` cut the model (nothing cut before `shard_model`, or without TP/EP)
-    objective: "Objective"  # the run's (`toolkit.objectives.base.Objective`)
-    checkpoint_format: str = "sharded"  # toolkit.layout.rules.checkpoint_format
-    whole_batches: bool = True  # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces)
-    always_steps: bool = False  # the optimizer must step even on a non-finite loss (DeepSpeed's engine)
-    frees_grads: bool = False  # gradients are freed inside backward, so none can be measured after it
+    # how `parallelize` cut the model (nothing cut before `shard_model`, or without TP/EP)
+    parallelized: "Parallelized"
+    # the run's (`toolkit.objectives.base.Objective`)
+    objective: "Objective"
+    # toolkit.layout.rules.checkpoint_format
+    checkpoint_format: str = "sharded"
+    # a micro-batch reaches the model as collated (not cut into stages' or cp's pieces) the optimizer must step even on
+    # a non-finite loss (DeepSpeed's engine)
+    whole_batches: bool = True
+    always_steps: bool = False
+    # gradients are freed inside backward, so none can be measured after it
+    frees_grads: bool = False
 
     @property
     def experts(self):
@@ -207,7 +227,8 @@ class Strategy(Protocol):
         together. Forwards inside may still be collective (the TP layers' all-reduces, among TP peers that
         hold the same prompts; expert parallel's all-to-alls, among ranks that hold others): give `sample`
         an `any_unfinished` that asks every rank. Training after it runs as it would have without it."""
-        if self.parallelism.stages is not None or self.dims.cp > 1:  # said first by `rules.generation_problems`
+        # said first by `rules.generation_problems`
+        if self.parallelism.stages is not None or self.dims.cp > 1:
             raise RuntimeError("sampling does not run under --pp / --cp yet")
         with torch.no_grad(), torch.compiler.set_stance("force_eager"), self.gathered(model) as module:
             yield module

@@ -36,5 +36,6 @@ def _tree_problem(key: str, dim: str) -> str:
 
     try:
         return next(iter((tp_tree_problems if dim == "tp" else pipeline_problems)(config)), "")
-    except (ValueError, KeyError, TypeError, RuntimeError):  # no causal LM of this type builds on meta: the run checks
+    # no causal LM of this type builds on meta: the run checks
+    except (ValueError, KeyError, TypeError, RuntimeError):
         return ""

@@ -28,19 +28,23 @@ LOSS_SCALER_KEY = "__loss_scaler__"
 
 def _plain(value, where: str = "optimizer state"):
     """A copy of `value` built from tensors, numbers, strings, lists, tuples and dicts only."""
-    if isinstance(value, enum.Enum):  # before the numbers: an IntEnum is an int too
+    # before the numbers: an IntEnum is an int too
+    if isinstance(value, enum.Enum):
         return _plain(value.value, where)
     if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
         return value
     if isinstance(value, dict):
         return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, tuple):  # named tuples and torch.Size become plain tuples
+    # named tuples and torch.Size become plain tuples
+    if isinstance(value, tuple):
         return tuple(_plain(v, where) for v in value)
     if isinstance(value, list):
         return [_plain(v, where) for v in value]
-    if dataclasses.is_dataclass(value):  # e.g. DeepSpeed's fragment_address (where a parameter sits in a partition)
+    # e.g. DeepSpeed's fragment_address (where a parameter sits in a partition)
+    if dataclasses.is_dataclass(value):
         return _plain(dataclasses.asdict(value), where)
-    if type(value).__name__.endswith("LossScaler"):  # DeepSpeed's (Dynamic)LossScaler: its numbers
+    # DeepSpeed's (Dynamic)LossScaler: its numbers
+    if type(value).__name__.endswith("LossScaler"):
         return {LOSS_SCALER_KEY: {k: _plain(v, where) for k, v in vars(value).items()}}
     raise TypeError(f"{where}: cannot store a {type(value).__name__} in a weights_only checkpoint")
 
@@ -82,8 +86,10 @@ def file_optimizer(ds_config: dict, model, settings):
     from accelerate.utils import DummyOptim
 
     params, decay = [p for p in model.parameters() if p.requires_grad], settings.weight_decay
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},  # as make_optimizer:
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay on norms, biases
+    # as make_optimizer:
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+              # no decay on norms, biases
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return DummyOptim([g for g in groups if g["params"]], lr=settings.lr, weight_decay=decay)
 
 
@@ -165,5 +171,6 @@ def gathered(engine) -> Iterator[torch.nn.Module]:
         finally:
             coordinator = getattr(offload, "param_coordinator", None)
             if coordinator is not None and not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()  # the generation's forwards are not training's order
+                # the generation's forwards are not training's order
+                coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)

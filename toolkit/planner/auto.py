@@ -57,7 +57,8 @@ def apply_layout(cfg: Config, world: int, name: str, dims: dict | None, checkpoi
     flags = mesh_flags(ParallelDims(world, **dims), micro_batch) if dims is not None else flags_of(name)
     layout = {k: getattr(flags, k) for k in ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard",
                                             "dp_replicate", "tp", "cp", "ep", "pp", "pp_microbatches", "pp_schedule")}
-    if dims is None or ParallelDims(world, **dims).pp == 1:  # the pipeline settings stay the user's
+    # the pipeline settings stay the user's
+    if dims is None or ParallelDims(world, **dims).pp == 1:
         del layout["pp_microbatches"], layout["pp_schedule"]
     return cfg.replace(**layout, gradient_checkpointing=checkpointing, micro_batch_size=micro_batch,
                        grad_accum=grad_accum)
@@ -65,7 +66,8 @@ def apply_layout(cfg: Config, world: int, name: str, dims: dict | None, checkpoi
 
 # --strategy auto after an out-of-memory: how many of the plan's fallbacks this process is past
 FALLBACK_ENV = "TOOLKIT_AUTO_FALLBACK"
-FALLBACK_STEPS = 3  # an out-of-memory in these first steps falls back; a later one is the layout's to report
+# an out-of-memory in these first steps falls back; a later one is the layout's to report
+FALLBACK_STEPS = 3
 
 
 def restart_after_oom(result: Plan, step: int, say) -> None:
@@ -96,7 +98,8 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
     from toolkit.config.objectives import plan_terms
 
     t = cfg.train
-    terms = plan_terms(t.objective, cfg.model.method, t.loss, cfg)  # a preference pair: two sequences, full logits
+    # a preference pair: two sequences, full logits
+    terms = plan_terms(t.objective, cfg.model.method, t.loss, cfg)
     return PlanInput(model=model_cfg, gpu_memory=memory, gpus_per_node=per_node, nodes=nodes,
                      sequences=terms["sequences"], extra_forwards=terms["extra_forwards"],
                      generation=terms.get("generation"),
@@ -139,7 +142,8 @@ def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
             ran = estimate(inp, STRATEGIES[name], t.gradient_checkpointing, t.micro_batch_size)
             parts.append(f"the planner puts this layout's peak at {ran.bytes['total'] / GiB:.1f} GiB per device, "
                          f"against {memory / GiB:.1f} GiB")
-        inp.checkpointing = None  # let it choose
+        # let it choose
+        inp.checkpointing = None
         result = plan(inp)
     except (KeyError, ValueError, UserError) as e:
         return f"the planner cannot say more for this model ({e})"
@@ -173,7 +177,8 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check
     if not result.chosen:
         raise UserError(f"--strategy auto: {result.advice}")
     taken = int(os.environ.get(FALLBACK_ENV, "0"))
-    if taken:  # a restart after an out-of-memory: the plan's fallback, not its choice
+    # a restart after an out-of-memory: the plan's fallback, not its choice
+    if taken:
         if taken > len(result.fallbacks):
             raise UserError(f"--strategy auto: out of memory on every fallback of the plan ({len(result.fallbacks)}); "
                             "use more GPUs, --method qlora or a shorter --seq-len")

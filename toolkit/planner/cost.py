@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 from toolkit.errors import UserError
 
-ADAM_STEP_BYTES = 28  # bytes an Adam step moves per parameter (fp32 weight, m and v read and written, grad read),
+# bytes an Adam step moves per parameter (fp32 weight, m and v read and written, grad read),
+ADAM_STEP_BYTES = 28
 #                     on the device or, with optimizer offload, on the host
 
 
@@ -27,15 +28,21 @@ class Hardware:
     """What the time model needs to know about one device and its links (bytes/s per device, one
     direction). `efficiency` is the fraction of `peak_flops` that training matmuls reach."""
     name: str
-    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype: fp32, bf16, fp16
+    # dense FLOP/s per compute dtype: fp32, bf16, fp16
+    peak_flops: dict[str, float]
     efficiency: float
-    intra_node_bw: float  # between devices of one node (NVLink, or PCIe without it)
-    inter_node_bw: float  # between nodes (the NIC per device)
-    pcie_bw: float  # device <-> host, for offload
-    host_bw: float  # host memory bandwidth per device, for the host's optimizer step
-    collective_latency: float = 0.0  # seconds per collective call, whatever its size
-    memory_bw: float = 0.0  # device memory bytes/s, for the optimizer step on the device (0: not counted)
-    overlap: float = 0.0  # fraction of data-parallel traffic hidden behind compute (up to the compute time)
+    # between devices of one node (NVLink, or PCIe without it) between nodes (the NIC per device)
+    intra_node_bw: float
+    inter_node_bw: float
+    # device <-> host, for offload host memory bandwidth per device, for the host's optimizer step
+    pcie_bw: float
+    host_bw: float
+    # seconds per collective call, whatever its size
+    collective_latency: float = 0.0
+    # device memory bytes/s, for the optimizer step on the device (0: not counted)
+    memory_bw: float = 0.0
+    # fraction of data-parallel traffic hidden behind compute (up to the compute time)
+    overlap: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def peak(self, precision: str) -> float:
@@ -161,8 +168,10 @@ class Traffic(NamedTuple):
     a blocking exchange adds to its own, tp, cp, ep or pp; overlapped traffic is dp, or dp_sync once
     per optimizer step)."""
     bytes: float
-    bandwidth: float  # link bytes/s
-    calls: int  # collective calls (each pays `Hardware.collective_latency`)
+    # link bytes/s
+    bandwidth: float
+    # collective calls (each pays `Hardware.collective_latency`)
+    calls: int
     kind: str
     term: str
 

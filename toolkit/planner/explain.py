@@ -1,6 +1,6 @@
 """The planner's words: why a plan chose what it chose, and the table `python -m toolkit plan` prints.
 
-`plan` runs the search (`toolkit.planner.estimate.search`) and says why: each choice names the term
+`plan` runs the search (`toolkit.planner.search.search`) and says why: each choice names the term
 of the time or memory model that decided it (`decision`), and for an MoE model one line says why
 expert parallel wins or loses (`expert_parallel_line`). Every line that compares two rows prints one
 number in one direction, the other's time per example against the chosen's (`time_against`); a
@@ -15,16 +15,17 @@ from typing import Any
 
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import num_experts
-from toolkit.planner.estimate import (ORDER, TIE, TOP, Candidate, GiB, Plan, PlanInput, asked_data_ranks, choose,
-                                      estimate, estimate_layout, flags_for, listed, offloads_row, rank_key, search,
-                                      simplicity, target_batch, tie_key, time_ratio)
+from toolkit.planner.estimate import Candidate, GiB, Plan, PlanInput, asked_data_ranks, estimate, estimate_layout
+from toolkit.planner.search import ORDER, TIE, TOP, choose, flags_for, listed, offloads_row, rank_key, search, simplicity, target_batch, tie_key, time_ratio
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import STRATEGIES
 from toolkit.planner.params import lora_layer_params
 
-HEADROOM = 0.05  # a choice that leaves less than this fraction of a memory limit says so (`memory_line`)
+# a choice that leaves less than this fraction of a memory limit says so (`memory_line`)
+HEADROOM = 0.05
 MEMORY_TERMS = ("weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers")
-TERM_TEXT = {  # `cost.TERMS`, as a user reads them
+# `cost.TERMS`, as a user reads them
+TERM_TEXT = {
     "compute": "compute (under pp, the largest stage's)",
     "recompute": "recomputing the forward under gradient checkpointing",
     "pp_bubble": "the pipeline bubble",
@@ -153,9 +154,11 @@ def decision(c: Candidate, chosen: Candidate, inp: PlanInput, rows: list[Candida
     if ratio <= TIE and (ratio >= -TIE or not chosen.asked):
         return (f"{time_against(c, chosen)}, within {TIE:.0%}: "
                 + ("the layout asked for stays" if chosen.asked else preferred(chosen, c, rows, target))), None
-    scale = chosen.global_batch / c.global_batch  # per optimizer step of the chosen's global batch
+    # per optimizer step of the chosen's global batch
+    scale = chosen.global_batch / c.global_batch
     diff = {k: c.seconds[k] * scale - chosen.seconds[k] for k in chosen.seconds}
-    term = (max if ratio > 0 else min)(diff, key=diff.get)  # what makes it slower, or faster
+    # what makes it slower, or faster
+    term = (max if ratio > 0 else min)(diff, key=diff.get)
     text = (f"{time_against(c, chosen)}, mostly {TERM_TEXT[term]} ({diff[term]:+.2g} s per "
             f"optimizer step of {chosen.global_batch} examples)")
     twin = next((x for x in rows if x.name == c.name and not x.checkpointing), None)

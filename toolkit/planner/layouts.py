@@ -100,7 +100,8 @@ def ep_degrees(cfg: dict[str, Any], d: ParallelDims) -> list[int]:
     refusals are the row's `why_not`)."""
     if not num_experts(cfg):
         return []
-    if d.tp > 1 and d.dp_shard == 1 and d.dp_replicate > 1:  # --ep shards the data-parallel ranks it is given
+    # --ep shards the data-parallel ranks it is given
+    if d.tp > 1 and d.dp_shard == 1 and d.dp_replicate > 1:
         return []
     return [ep for ep in ([d.tp] if d.tp > 1 else divisors(d.dp_shard)[1:])
             if not ep_problems(cfg, ep) and not not_runnable(replace(d, ep=ep), "full", "bf16", "auto")]
@@ -139,7 +140,8 @@ def stage_params(cfg: dict[str, Any], d: ParallelDims, stage: int, method: str, 
     counts = count_params(cfg)
     start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
-    head = counts.lm_head or (counts.embedding if d.pp > 1 else 0)  # tied: the last stage holds a copy
+    # tied: the last stage holds a copy
+    head = counts.lm_head or (counts.embedding if d.pp > 1 else 0)
     blocks = model_blocks(cfg)[start:stop]
     params = sum(b.per_rank(d.tp, d.ep) for b in blocks) + (counts.embedding if first else 0) \
         + (counts.final_norm + head if last else 0)
@@ -203,13 +205,15 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
     act = 2 if inp.precision in ("bf16", "fp16") else 4
     p = stage_params(cfg, d, stage, inp.method, inp.lora_r, inp.lora_targets)
 
-    def weight_bytes(params: int, trainable: int) -> int:  # LoRA: the frozen base at its width, fp32 adapters
+    # LoRA: the frozen base at its width, fp32 adapters
+    def weight_bytes(params: int, trainable: int) -> int:
         return 4 * params if inp.method == "full" else frozen_bytes_per_param(inp.precision) * params + 4 * trainable
 
     start, stop = stage_range(cfg, d.pp, stage)
     first, last = stage == 0, stage == d.pp - 1
     tokens = -(-inp.seq_len // d.cp)
-    fsdp = d.dp_shard > 1  # FSDP2's mixed-precision policy: the stream in the compute dtype, no autocast copies
+    # FSDP2's mixed-precision policy: the stream in the compute dtype, no autocast copies
+    fsdp = d.dp_shard > 1
     dt = saved.dtypes(inp.method, inp.precision, fsdp=fsdp)
     per = saved.layers(cfg, dt, None if inp.method == "full" else inp.lora_targets, inp.lora_r, inp.lora_dropout,
                        d.tp, start, stop, d.ep)
@@ -246,21 +250,25 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
     blocks = max(stage_blocks(cfg, d.pp))
     tokens = -(-inp.seq_len // d.cp)
     out = []
-    if d.tp > 1:  # 2 all-reduces of b x s x h per block forward, 2 backward, 2 more to recompute
+    # 2 all-reduces of b x s x h per block forward, 2 backward, 2 more to recompute
+    if d.tp > 1:
         calls = (4 + 2 * checkpointing) * blocks
         out.append(Traffic(calls * micro_batch * tokens * h * act * ring_factor(d.tp), hw.link(d.tp, G), calls,
                            "blocking", "tp"))
-    if d.cp > 1:  # q, k, v, out exchanged forward and backward (+ forward again to recompute), heads / tp
+    # q, k, v, out exchanged forward and backward (+ forward again to recompute), heads / tp
+    if d.cp > 1:
         sent = ulysses_comm_bytes(blocks, h, kv, micro_batch, inp.seq_len, d.cp, act) / d.tp
         out.append(Traffic(sent * (1 + 0.5 * checkpointing), hw.link(d.tp * d.cp, G), (8 + 4 * checkpointing) * blocks,
                            "blocking", "cp"))
-    if d.ep > 1:  # tokens to their experts' ranks and back: ep consecutive dp_shard ranks, stride cp x tp;
+    # tokens to their experts' ranks and back: ep consecutive dp_shard ranks, stride cp x tp;
+    if d.ep > 1:
         # under tp the TP group itself, each TP rank sending its 1/tp of the tokens
         e = next(b.experts for b in model_blocks(cfg) if b.experts)
         moe = moe_layers(cfg, d)
         sent = expert_all_to_all_bytes(moe, micro_batch * tokens // (d.tp if d.ep_over_tp else 1), e.top_k, e.hidden,
                                        d.ep, act, checkpointing)
-        calls = (4 + 2 * checkpointing + 1 + checkpointing) * moe  # + the per-expert counts, each forward
+        # + the per-expert counts, each forward
+        calls = (4 + 2 * checkpointing + 1 + checkpointing) * moe
         span = d.tp if d.ep_over_tp else d.ep * d.cp * d.tp
         out.append(Traffic(sent, hw.link(span, G), calls, "blocking", "ep"))
     p = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
@@ -268,19 +276,23 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
     if dp > 1:
         span = d.tp * dp
         grads = 4 * p.trainable
-        if d.dp_shard > 1:  # FSDP2: reduce-scatter the gradients, gather every block forward and backward
+        # FSDP2: reduce-scatter the gradients, gather every block forward and backward
+        if d.dp_shard > 1:
             shard, gathers, width = d.dp_shard * d.cp, 2 + checkpointing, gathered_bytes_per_param(inp.precision)
             # the dense part over dp_shard x cp; under ep the rank's E/ep experts over dp_shard/ep x cp (under
             # tp x ep over dp_shard x cp, as the dense part)
             sent = fsdp_bytes(shard, 4 * (p.trainable - p.experts_trainable), width * (p.params - p.experts), gathers) \
                 + fsdp_bytes(shard // d.ep_in_dp_shard, 4 * p.experts_trainable, width * p.experts, gathers)
-            sent += ring_factor(d.dp_replicate) * at_rest(grads, 4 * p.experts_trainable, d)  # HSDP: shards all-reduced
-            units = blocks + (moe_layers(cfg, d) if d.ep > 1 else 0)  # under ep the experts are units of their own
+            # HSDP: shards all-reduced
+            sent += ring_factor(d.dp_replicate) * at_rest(grads, 4 * p.experts_trainable, d)
+            # under ep the experts are units of their own
+            units = blocks + (moe_layers(cfg, d) if d.ep > 1 else 0)
             out.append(Traffic(sent, hw.link(span, G), (3 + checkpointing) * units, "overlapped", "dp"))
         else:
             out.append(Traffic(ring_factor(dp) * grads, hw.link(span, G), 1 + -(-grads // (25 * 1024**2)),
                                "overlapped_once", "dp_sync"))
-    if d.pp > 1:  # each stage boundary: activations forward, their gradients backward, per example
+    # each stage boundary: activations forward, their gradients backward, per example
+    if d.pp > 1:
         out.append(Traffic(2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch, "blocking", "pp"))
     return out
 
@@ -292,14 +304,16 @@ def mesh_step_terms(inp, d: ParallelDims, checkpointing: bool, micro_batch: int,
     cfg = inp.model
     counts = count_params(cfg)
     layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    active = counts.active  # a token's compute: an MoE layer's top-k experts
+    # a token's compute: an MoE layer's top-k experts
+    active = counts.active
     trainable = active if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
     per_token = flops_per_token(active, trainable, layers, h, inp.seq_len, False)
     recompute = flops_per_token(active, trainable, layers, h, inp.seq_len, True) - per_token if checkpointing else 0
     # a preference objective's no-grad forwards (LoRA's reference, KTO's KL estimate)
     per_token += inp.extra_forwards * forward_flops_per_token(active, layers, h, inp.seq_len)
     share = max(stage_blocks(cfg, d.pp)) / layers if d.pp > 1 else 1.0
-    rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)  # tokens x the fraction of the model this rank computes
+    # tokens x the fraction of the model this rank computes
+    rank = micro_batch * inp.seq_len * share / (d.tp * d.cp)
     bubble = pipeline_bubble(d.pp, pipeline_schedule(d, micro_batch)[1]) if d.pp > 1 else 0.0
     p = max(stage_params(cfg, d, s, inp.method, inp.lora_r, inp.lora_targets) for s in range(d.pp))
     return step_terms(rank * per_token, inp.precision, traffic(inp, d, checkpointing, micro_batch, hw), hw,

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ADAM_BYTES = 8  # exp_avg + exp_avg_sq in fp32
-MASTER_BYTES = 4  # DeepSpeed's fp32 master partition
+# exp_avg + exp_avg_sq in fp32
+ADAM_BYTES = 8
+# DeepSpeed's fp32 master partition
+MASTER_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,16 @@ class Sharding:
 
     name: str
     deepspeed: bool = False
-    shard_optimizer: bool = False  # ZeRO-1+ / FSDP
-    shard_grads: bool = False  # ZeRO-2+ / FSDP
-    shard_params: bool = False  # ZeRO-3 / FSDP full
+    # ZeRO-1+ / FSDP
+    shard_optimizer: bool = False
+    # ZeRO-2+ / FSDP
+    shard_grads: bool = False
+    # ZeRO-3 / FSDP full
+    shard_params: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
-    fsdp: bool = False  # FSDP2: its mixed-precision policy gathers in the compute dtype, no autocast
+    # FSDP2: its mixed-precision policy gathers in the compute dtype, no autocast
+    fsdp: bool = False
 
 
 STRATEGIES: dict[str, Sharding] = {s.name: s for s in [
@@ -106,7 +112,8 @@ def cpu_bytes(s: Sharding, params: int, trainable: int, n: int, precision: str) 
     """CPU RAM per GPU process that offload needs (the node needs this x GPUs per node)."""
     out = 0
     if s.offload_optimizer:
-        out += (ADAM_BYTES + MASTER_BYTES + 4) * trainable // n  # moments + master + fp32 grad partition
+        # moments + master + fp32 grad partition
+        out += (ADAM_BYTES + MASTER_BYTES + 4) * trainable // n
     if s.offload_params:
         out += weight_bytes_per_param(s, precision) * params // n
     return out
@@ -147,5 +154,6 @@ def ulysses_comm_bytes(layers: int, h: int, kv_dim: int, micro_batch: int, seq_l
     al. 2023, DeepSpeed-Ulysses, sec. 3.2): per layer, q, k, v (h, kv_dim, kv_dim wide) and the
     attention output (h) are each all-to-all'd once forward and once backward, and a rank sends the
     (cp-1)/cp of its s/cp tokens' slice that other ranks' heads need."""
-    per_token = 2 * (2 * h + 2 * kv_dim)  # forward + backward
+    # forward + backward
+    per_token = 2 * (2 * h + 2 * kv_dim)
     return layers * micro_batch * (-(-seq_len // cp)) * per_token * act_bytes * (cp - 1) // cp

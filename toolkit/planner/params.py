@@ -35,16 +35,20 @@ from toolkit.errors import UserError
 from toolkit.layout.rules import EXPERT_KEYS, num_experts  # noqa: F401 - the planner's names for them
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")  # Qwen3Attention, Qwen3MoeAttention, Gemma3Attention: q_norm, k_norm
-FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma3DecoderLayer: pre/post feedforward norms too
+# Qwen3Attention, Qwen3MoeAttention, Gemma3Attention: q_norm, k_norm
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+# Gemma3DecoderLayer: pre/post feedforward norms too
+FOUR_NORMS = ("gemma2", "gemma3_text")
 ONE_NORM = ("cohere",)
-QKV_BIAS = ("qwen2", "qwen2_moe")  # Qwen2Attention's q, k, v biases where the config does not say (qkv_bias: Qwen2-MoE)
+# Qwen2Attention's q, k, v biases where the config does not say (qkv_bias: Qwen2-MoE)
+QKV_BIAS = ("qwen2", "qwen2_moe")
 # What a config that leaves these fields out means (each config class's default, transformers 5.24
 # models/*/configuration_*.py); every other field the counts read defaults alike in every class.
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128}, "gemma2": {"head_dim": 256, "tie_word_embeddings": True},
     "gemma3_text": {"head_dim": 256, "tie_word_embeddings": True}, "cohere": {"tie_word_embeddings": True},
-    "gpt_oss": {"head_dim": 64, "attention_bias": True}}  # CohereDecoderLayer: attention and MLP in parallel after one norm
+    # CohereDecoderLayer: attention and MLP in parallel after one norm
+    "gpt_oss": {"head_dim": 64, "attention_bias": True}}
 # Blocks of another shape (LayerNorm biases, a fused biased qkv, a two-linear GELU MLP, learned
 # positions): counting them as the decoders above would be silently wrong
 NOT_COUNTED = ("gpt2", "gpt_neox", "gptj", "gpt_bigcode", "bloom", "falcon", "opt", "mpt")
@@ -73,7 +77,8 @@ class Experts:
     top_k: int
     hidden: int
     intermediate: int
-    bias: bool = False  # gpt-oss: gate_up_proj_bias, down_proj_bias and the router's bias
+    # gpt-oss: gate_up_proj_bias, down_proj_bias and the router's bias
+    bias: bool = False
 
     @property
     def per_expert(self) -> int:
@@ -151,7 +156,8 @@ def is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
 def _attention(cfg: dict[str, Any]) -> tuple[list[Linear], int]:
     """(the attention's linears, its parameters in no matmul)."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("kv_lora_rank"):  # DeepseekV3Attention (MLA)
+    # DeepseekV3Attention (MLA)
+    if cfg.get("kv_lora_rank"):
         bias = bool(cfg.get("attention_bias"))
         qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
         q_rank, kv_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
@@ -195,9 +201,11 @@ def block(cfg: dict[str, Any], layer: int) -> Block:
     if not is_moe_layer(cfg, layer):
         return Block(tuple(linears + _swiglu(h, cfg["intermediate_size"], bool(cfg.get("mlp_bias")))), other)
     i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    if cfg.get("n_shared_experts"):  # DeepseekV3MoE.shared_experts
+    # DeepseekV3MoE.shared_experts
+    if cfg.get("n_shared_experts"):
         linears += _swiglu(h, i * cfg["n_shared_experts"])
-    if cfg.get("shared_expert_intermediate_size"):  # Qwen2MoeSparseMoeBlock.shared_expert (+ its gate)
+    # Qwen2MoeSparseMoeBlock.shared_expert (+ its gate)
+    if cfg.get("shared_expert_intermediate_size"):
         linears += _swiglu(h, cfg["shared_expert_intermediate_size"]) + [Linear("shared_expert_gate", h, 1, tp="none")]
     top_k = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
     return Block(tuple(linears), other, Experts(num_experts(cfg), top_k, h, i, bias=cfg.get("model_type") == "gpt_oss"))
@@ -229,11 +237,15 @@ def linear_shapes(cfg: dict[str, Any], layer: int = 0) -> dict[str, tuple[int, i
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int
-    layers: tuple[int, ...]  # each block's parameters
-    active_layers: tuple[int, ...]  # each block's parameters one token uses (MoE: top-k routed experts)
+    # each block's parameters
+    layers: tuple[int, ...]
+    # each block's parameters one token uses (MoE: top-k routed experts)
+    active_layers: tuple[int, ...]
     final_norm: int
-    lm_head: int  # 0 when tied to the embedding
-    linear: int  # the blocks' nn.Linear weights (what bitsandbytes quantizes; not the 3-D experts)
+    # 0 when tied to the embedding
+    lm_head: int
+    # the blocks' nn.Linear weights (what bitsandbytes quantizes; not the 3-D experts)
+    linear: int
 
     @property
     def blocks(self) -> int:
@@ -460,7 +472,8 @@ def _lora_layers(key: tuple, r: int, targets: str, tp: int, ep: int, experts_onl
 
 # The parts of a decoder the plan names (`trainable_parts`), in the order it prints them
 PARTS = ("attention", "mlp", "experts", "router", "norms", "embeddings", "lm_head")
-ROUTER_LINEARS = ("shared_expert_gate",)  # Qwen2-MoE's 1-wide gate of the shared expert: routing, not an MLP
+# Qwen2-MoE's 1-wide gate of the shared expert: routing, not an MLP
+ROUTER_LINEARS = ("shared_expert_gate",)
 
 
 def trainable_parts(cfg: dict[str, Any], method: str, r: int = 16,

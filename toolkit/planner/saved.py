@@ -32,19 +32,26 @@ from typing import NamedTuple
 
 from toolkit.planner import params
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # `block`'s; the rest are row-parallel
+# `block`'s; the rest are row-parallel
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)
 class Dtypes:
     """Byte widths of a run's tensors (see `dtypes`)."""
 
-    residual: int  # the residual stream and norms' inputs: the embedding's dtype
-    compute: int  # autocast's dtype (2 under bf16/fp16), else the weights'
-    mlp: int  # the projections' outputs: `compute`, except bitsandbytes (the input's dtype)
-    trains_base: bool  # the base linears and norms train (a full finetune)
-    mask: int  # bytes per element of a dropout mask: 1 on CUDA (bool), the input's width on the CPU
-    adapter_cast: bool = True  # peft casts each adapter's input to the adapters' dtype (fp32 under autocast)
+    # the residual stream and norms' inputs: the embedding's dtype
+    residual: int
+    # autocast's dtype (2 under bf16/fp16), else the weights'
+    compute: int
+    # the projections' outputs: `compute`, except bitsandbytes (the input's dtype)
+    mlp: int
+    # the base linears and norms train (a full finetune)
+    trains_base: bool
+    # bytes per element of a dropout mask: 1 on CUDA (bool), the input's width on the CPU
+    mask: int
+    # peft casts each adapter's input to the adapters' dtype (fp32 under autocast)
+    adapter_cast: bool = True
 
 
 def dtypes(method: str, precision: str, device: str = "cuda", fsdp: bool = False) -> Dtypes:
@@ -58,7 +65,8 @@ def dtypes(method: str, precision: str, device: str = "cuda", fsdp: bool = False
     compute = 2 if half else 4
     residual = 2 if half and (method == "lora" or fsdp) else 4
     mlp = residual if method == "qlora" else compute
-    adapter_input = compute if fsdp else 4  # peft casts the input to the adapters' dtype before their dropout
+    # peft casts the input to the adapters' dtype before their dropout
+    adapter_input = compute if fsdp else 4
     return Dtypes(residual, compute, mlp, method == "full", 1 if device == "cuda" else adapter_input,
                   adapter_cast=not (fsdp and half))
 
@@ -187,9 +195,12 @@ def moe_merged(e: "params.Experts", adapters: list, d: Dtypes, tp: int = 1, ep: 
 
 class Layer(NamedTuple):
     """What one decoder layer keeps for backward (`layer`)."""
-    per_token: int  # bytes it saves per token
-    per_forward: int  # bytes it saves per forward whatever the tokens (LoRA-merged expert weights)
-    transient: int  # bytes per token of the gradients alive at once inside its backward
+    # bytes it saves per token
+    per_token: int
+    # bytes it saves per forward whatever the tokens (LoRA-merged expert weights)
+    per_forward: int
+    # bytes per token of the gradients alive at once inside its backward
+    transient: int
 
 
 def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int = 0, dropout: float = 0.0,
@@ -208,7 +219,8 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
     linear = [a for a in ads if not a.expert and a.name != "gate"]
     features = [a.fan_in // tp if a.tp == "row" else a.fan_in for a in linear]
     norms = params.norms_per_block(cfg) * rmsnorm(h, d)
-    if cfg.get("kv_lora_rank"):  # MLA: q_a and kv_a read the norm's output; q_b and kv_b their latents
+    # MLA: q_a and kv_a read the norm's output; q_b and kv_b their latents
+    if cfg.get("kv_lora_rank"):
         q_rank, kv_rank = cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"]
         qk = heads * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         norms += (rmsnorm(q_rank, d) if q_rank else 0) + rmsnorm(kv_rank, d)
@@ -224,12 +236,15 @@ def layer(cfg: dict, index: int, d: Dtypes, targets: str | None = None, r: int =
     if e is None:
         i = cfg["intermediate_size"]
         return Layer(per_token + mlp_inputs(h, i, d, tp) + mlp(i, d) // tp, 0, backward_transient(h, i // tp, d))
-    shared = sum(x.fan_out for x in b.linears if x.name == "gate_proj")  # DeepSeek's / Qwen2-MoE's shared experts
+    # DeepSeek's / Qwen2-MoE's shared experts
+    shared = sum(x.fan_out for x in b.linears if x.name == "gate_proj")
     router_trains = d.trains_base or any(a.name == "gate" for a in ads)
     experts_train = d.trains_base or any(a.expert for a in ads)
-    if ep > 1 and tp > 1:  # the ep group is the TP group: each TP rank routes 1/tp of the tokens to whole experts
+    # the ep group is the TP group: each TP rank routes 1/tp of the tokens to whole experts
+    if ep > 1 and tp > 1:
         routed = (moe_dispatch(e.top_k) + moe_experts(h, e.intermediate, e.top_k, d, experts_train)) // tp
-    else:  # under tp without ep every expert's I is cut, and every TP rank routes every token
+    # under tp without ep every expert's I is cut, and every TP rank routes every token
+    else:
         routed = moe_dispatch(e.top_k) + moe_experts(h, e.intermediate, e.top_k, d, experts_train, tp)
     per_token += moe_router(h, e.count, e.top_k, d, router_trains) + routed
     if shared:

@@ -15,11 +15,13 @@ def balance(block_costs: list[float], stages: int, first_extra: float = 0.0, las
     for c in block_costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
+    # stage s holds blocks i..j-1
+    def cost(s: int, i: int, j: int) -> float:
         return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
 
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][j]: first j blocks in s stages
+    # best[s][j]: first j blocks in s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):

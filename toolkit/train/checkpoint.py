@@ -142,7 +142,8 @@ def write_failure(e: BaseException, where: Path) -> str | None:
     if isinstance(e, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text):
         free = shutil.disk_usage(where).free if where.exists() else 0
         return NO_SPACE if free < 64 << 20 else "the write failed (an I/O error)"
-    for f in (getattr(e, "failures", None) or {}).values():  # CheckpointException: {rank: (exception, traceback)}
+    # CheckpointException: {rank: (exception, traceback)}
+    for f in (getattr(e, "failures", None) or {}).values():
         reason = write_failure(f[0] if isinstance(f, tuple) else f, where)
         if reason:
             return reason
@@ -166,11 +167,15 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
     accelerator = strategy.accelerator
     tmp = _fresh_tmp(accelerator, path)
     sharded = strategy.checkpoint_format == "sharded"
-    if not sharded:  # DeepSpeed: the HF folder, gathered
-        saved = strategy.export(model, final=False)  # a model split across ranks, gathered into one HF model
-        model_state = strategy.state_dict(saved)  # the collectives first: every rank takes part
+    # DeepSpeed: the HF folder, gathered
+    if not sharded:
+        # a model split across ranks, gathered into one HF model
+        saved = strategy.export(model, final=False)
+        # the collectives first: every rank takes part
+        model_state = strategy.state_dict(saved)
     inner = torch_optimizer(optimizer)
-    scaler = getattr(accelerator, "scaler", None)  # fp16 outside DeepSpeed (whose loss scaler is in its optimizer state)
+    # fp16 outside DeepSpeed (whose loss scaler is in its optimizer state)
+    scaler = getattr(accelerator, "scaler", None)
     rank_state = {"scheduler": scheduler.state_dict(), "rng": rng_state(),
                   "scaler": scaler.state_dict() if scaler is not None else None,
                   "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]}
@@ -185,18 +190,22 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
         else:
             _write_model(accelerator, strategy.unwrap(saved), tokenizer, tmp, model_state)
         if fault is not None:
-            fault("save", state["step"])  # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
+            # a crash here leaves only <name>.tmp: the previous checkpoint stays usable
+            fault("save", state["step"])
         torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
-        if accelerator.is_main_process:  # <name>.tmp is never read: the rename below is what publishes
+        # <name>.tmp is never read: the rename below is what publishes
+        if accelerator.is_main_process:
             record = {**state, "format": "sharded" if sharded else "hf", "world_size": accelerator.num_processes,
                       "layout": strategy.dims.describe(), "data_ranks": strategy.data.ranks, "manifest": MANIFEST}
             (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=2))
-    except (Exception, CheckpointException) as e:  # a write that failed (full disk, I/O error): one line
+    # a write that failed (full disk, I/O error): one line
+    except (Exception, CheckpointException) as e:
         failed = write_failure(e, tmp)
         if failed is None:
             raise
     needed = partial(_checkpoint_bytes, accelerator, path.parent, inner)
-    _stop_if_failed(accelerator, failed, tmp, path, needed)  # an all-reduce: past it, every rank's files are written
+    # an all-reduce: past it, every rank's files are written
+    _stop_if_failed(accelerator, failed, tmp, path, needed)
     if accelerator.is_main_process:
         try:
             write_manifest(tmp)
@@ -207,7 +216,8 @@ def save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, path: Path
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
+    # a DTensor: this rank's shard
+    t = getattr(t, "_local_tensor", t)
     return t.numel() * t.element_size()
 
 
@@ -303,9 +313,11 @@ def restore_sharded(strategy, model, optimizer, folder: Path) -> None:
 
     named = strategy.named_trainable(model)
     names = {n for n, _, _ in named}
-    saved = read_metadata(folder / STATE_DIR)  # every rank file's header: read once
+    # every rank file's header: read once
+    saved = read_metadata(folder / STATE_DIR)
     missing = sorted(n for n in names if f"model.{n}" not in saved)
-    if any_rank(strategy.accelerator, bool(missing)):  # every rank stops, none waits in DCP's collectives
+    # every rank stops, none waits in DCP's collectives
+    if any_rank(strategy.accelerator, bool(missing)):
         raise UserError(f"--resume {folder}: the checkpoint's weights do not fit this model (missing "
                         f"{missing[:3] or 'on another rank'}); it is from another model or method")
     load_sharded(folder / STATE_DIR, named, torch_optimizer(optimizer), meta=saved)
@@ -328,13 +340,15 @@ def convert_checkpoint(ckpt: Path, output: Path) -> str:
         raise UserError(f"--output {output} is not empty; choose another folder")
     output.mkdir(parents=True, exist_ok=True)
     sharded = json.loads((ckpt / TRAINER_STATE).read_text()).get("format") == "sharded"
-    for f in ckpt.iterdir():  # config, tokenizer (and, for a DeepSpeed checkpoint, the weights themselves)
+    # config, tokenizer (and, for a DeepSpeed checkpoint, the weights themselves)
+    for f in ckpt.iterdir():
         if f.is_file() and f.name not in (TRAINER_STATE, MANIFEST) and not (f.name.startswith("rank") and f.suffix == ".pt"):
             shutil.copy2(f, output / f.name)
     if not sharded:
         return f"{ckpt} holds an HF folder already (DeepSpeed format): copied to {output}"
     tensors = {k: v.contiguous() for k, v in full_tensors(ckpt / STATE_DIR).items()}
-    if (output / "adapter_config.json").is_file():  # peft's file names: the adapter's name left out
+    # peft's file names: the adapter's name left out
+    if (output / "adapter_config.json").is_file():
         config = json.loads((output / "adapter_config.json").read_text())
         (output / "adapter_config.json").write_text(json.dumps({**config, "inference_mode": True}, indent=2))
         save_file({k.replace(".default.", "."): v for k, v in tensors.items()}, output / "adapter_model.safetensors",

@@ -46,8 +46,10 @@ class Measured:
 # LoRA's figures (unmeasured: a regional compile compiles one block's graph whatever the depth, so the cost
 # follows a block's width and kind, not the layer count).
 MEASURED = {"lora": Measured(1 - 0.104 / 0.172, 12.8 + 6.7), "full": Measured(1 - 0.140 / 0.185, 7.6 + 3.0)}
-EAGER_STEPS = 2  # eager steps timed, after the first (the checks, the allocator's growth), before deciding
-RECOMPILES_SAID = 4  # graphs compiled after the warm-up step above which a run says its shapes keep changing
+# eager steps timed, after the first (the checks, the allocator's growth), before deciding
+EAGER_STEPS = 2
+# graphs compiled after the warm-up step above which a run says its shapes keep changing
+RECOMPILES_SAID = 4
 
 
 def measured(method: str) -> Measured:
@@ -98,7 +100,8 @@ def remember_compile_s(path: Path, key: str, seconds: float) -> None:
     seen[key] = round(seconds, 2)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes of other runs may write beside it
+        # processes of other runs may write beside it
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(seen, indent=1))
         tmp.replace(path)
     except OSError:
@@ -112,10 +115,14 @@ class Compiling:
     mode: str
     at: int | None = None
     key: str = ""
-    path: Path | None = None  # where the measured seconds are kept; None: not kept (or not this process)
-    keeps: bool = True  # this process writes the measured seconds to `path` (the main one)
-    expected: Measured = MEASURED["lora"]  # the method's measured gain and cold compile
-    collate: object | None = None  # the loader's `toolkit.data.packing.Collate`, whose widths bucket once blocks compile
+    # where the measured seconds are kept; None: not kept (or not this process)
+    path: Path | None = None
+    # this process writes the measured seconds to `path` (the main one)
+    keeps: bool = True
+    # the method's measured gain and cold compile
+    expected: Measured = MEASURED["lora"]
+    # the loader's `toolkit.data.packing.Collate`, whose widths bucket once blocks compile
+    collate: object | None = None
     eager_step_s: float | None = None
     graphs_after_warmup: int | None = None
     said_recompiles: bool = False
@@ -139,7 +146,8 @@ class Compiling:
         self.eager_step_s = agree((time.perf_counter() - self._t0) / EAGER_STEPS)
         left = total_steps - step
         cost, source = expected_compile_s(self.path, self.key, self.expected.cold_s)
-        cost = agree(cost)  # each node reads its own cache: the costliest decides for all
+        # each node reads its own cache: the costliest decides for all
+        cost = agree(cost)
         gain = self.expected.gain
         saved = left * self.eager_step_s * gain
         figures = (f"eager steps take {self.eager_step_s:.3f} s; the {left} steps left would save ~{saved:.0f} s at "
@@ -175,8 +183,10 @@ class Compiling:
         return {"compiled_graphs": graphs}
 
 
-BUCKET = 64  # unpacked batches' widths round up to a multiple of this where blocks may compile
-AUTO_DEVICES_ENV = "TOOLKIT_COMPILE_AUTO_DEVICES"  # the device types auto compiles on (default cuda); a test seam
+# unpacked batches' widths round up to a multiple of this where blocks may compile
+BUCKET = 64
+# the device types auto compiles on (default cuda); a test seam
+AUTO_DEVICES_ENV = "TOOLKIT_COMPILE_AUTO_DEVICES"
 CPU_EAGER = ("inductor's C++ build takes minutes on a few cores, and a CPU step is its matmuls; --compile "
              "compiles anyway")
 

@@ -23,7 +23,8 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: the run did not finish, a checkpoint was saved
+# 128 + SIGTERM: the run did not finish, a checkpoint was saved
+EXIT_PREEMPTED = 143
 
 
 class Preemption:
@@ -33,7 +34,8 @@ class Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (an in-process test): no handler, nothing to restore
+            # not the main thread (an in-process test): no handler, nothing to restore
+            except ValueError:
                 pass
 
     def _handle(self, signum, frame) -> None:

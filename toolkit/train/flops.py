@@ -52,7 +52,8 @@ def head_params(model: torch.nn.Module) -> int:
 
         c = count_params(base.config.to_dict())
         return c.lm_head or c.embedding
-    except (KeyError, ValueError, TypeError, UserError):  # a model the planner does not count
+    # a model the planner does not count
+    except (KeyError, ValueError, TypeError, UserError):
         head = base.get_output_embeddings()
         return 0 if head is None else getattr(head.weight, "ds_numel", head.weight.numel())
 
@@ -74,7 +75,8 @@ def matmul_params(model: torch.nn.Module) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
         return matmul_params_from_config(base.config.to_dict())
-    except (KeyError, ValueError, TypeError, UserError):  # a model the planner does not count
+    # a model the planner does not count
+    except (KeyError, ValueError, TypeError, UserError):
         seen: set[int] = set()
         total = 0
         for p in base.parameters():
@@ -119,7 +121,8 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
         best, calls = min(best, timed()), calls + 1
     del a, b
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # do not keep the probe's blocks in the allocator's cache
+        # do not keep the probe's blocks in the allocator's cache
+        torch.cuda.empty_cache()
     return 2.0 * n ** 3 / best
 
 
@@ -154,7 +157,8 @@ def cached_peak(device: torch.device, dtype: torch.dtype, path: Path, fresh: boo
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**known, key: measured}, indent=1))
-        os.replace(tmp, path)  # ranks writing at once: one whole file wins
+        # ranks writing at once: one whole file wins
+        os.replace(tmp, path)
     except OSError:
         pass
     return measured, False
@@ -162,10 +166,14 @@ def cached_peak(device: torch.device, dtype: torch.dtype, path: Path, fresh: boo
 
 @dataclass
 class Peak:
-    flops: float  # the MFU denominator, summed over ranks
-    measured: float  # the probes' sum, logged beside it
-    source: str  # "datasheet: ..." or "measured"
-    cache: Path | None = None  # where a measured figure was read from
+    # the MFU denominator, summed over ranks
+    flops: float
+    # the probes' sum, logged beside it
+    measured: float
+    # "datasheet: ..." or "measured"
+    source: str
+    # where a measured figure was read from
+    cache: Path | None = None
 
 
 def run_peak(accelerator, dtype: torch.dtype, cache: Path, fresh: bool = False) -> Peak:

@@ -39,8 +39,10 @@ from toolkit.objectives.sft.evaluate import eval_loss
 LEVELS = ("none", "files", "load", "full")
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
 INDEX = "model.safetensors.index.json"
-PROBE_ROWS, PROBE_TOKENS = 2, 64  # the reload batch: its cost, not its length, is what matters
-RELOAD_FLOPS = 2e12  # ~10-30 s of CPU forward (an 8B model on this batch): above it `load` checks the files only
+# the reload batch: its cost, not its length, is what matters
+PROBE_ROWS, PROBE_TOKENS = 2, 64
+# ~10-30 s of CPU forward (an 8B model on this batch): above it `load` checks the files only
+RELOAD_FLOPS = 2e12
 
 
 def tolerance(precision: str) -> float:
@@ -65,7 +67,8 @@ def saved_state(model, state: dict) -> dict[str, torch.Tensor]:
     try:
         from transformers.core_model_loading import revert_weight_conversion
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # a transformers without load-time conversions saves the state as it is
+    # a transformers without load-time conversions saves the state as it is
+    except ImportError:
         return out
     return revert_weight_conversion(model, remove_tied_weights_from_state_dict(out, model))
 
@@ -196,7 +199,8 @@ def verify_saved(strategy, model, tokenizer, rows: list[dict], final_dir: Path, 
     result["trained_loss"] = trained
     problem = None
     if accelerator.is_main_process:
-        try:  # whatever goes wrong here is the finding, and reaches the other ranks (no hang)
+        # whatever goes wrong here is the finding, and reaches the other ranks (no hang)
+        try:
             problem = _check_main(result, final_dir, base, batch, tokenizer.pad_token_id, quantized, precision,
                                   level, expected, trained)
         except Exception as e:  # noqa: BLE001
@@ -231,7 +235,8 @@ def _check_main(result: dict, final_dir: Path, base: str, batch: list[dict], pad
     if level not in ("load", "full"):
         return None
     skip = reload_fits(final_dir, base, sum(len(r["input_ids"]) for r in batch)) if level == "load" else None
-    if skip:  # the files equal what was gathered; the gather itself is then not checked independently
+    # the files equal what was gathered; the gather itself is then not checked independently
+    if skip:
         result["reload"] = f"skipped: {skip} (a sharded gather is checked only by a reload: --verify full)"
         return None
     result["reloaded_loss"], error = _reload(final_dir, base, batch, pad_id, quantized, fresh_process=level == "full")
@@ -260,7 +265,8 @@ def _reload(folder: Path, base: str, batch: list[dict], pad_id: int, quantized: 
            "--batch", f.name, "--pad-id", str(pad_id)] + (["--load-4bit"] if quantized else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a plain single process, as a user loading the folder would have
+        # a plain single process, as a user loading the folder would have
+        env.pop(k, None)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     os.unlink(f.name)
     if p.returncode != 0:
@@ -289,7 +295,8 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model.eval()
     rows = json.loads(Path(batch).read_text()) if isinstance(batch, str) else batch
-    batch = {k: v.to(model.device) for k, v in collate(rows, pad_id).items()}  # 4-bit loads on the GPU
+    # 4-bit loads on the GPU
+    batch = {k: v.to(model.device) for k, v in collate(rows, pad_id).items()}
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return (token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])).item()

@@ -42,14 +42,19 @@ from toolkit.train.step import Step, Window, batch_counts, host, sync_free
 
 @dataclass
 class TrainResult:
-    steps: int  # the run's last step
+    # the run's last step
+    steps: int
     final_loss: float
     tokens: int
-    elapsed_s: float  # of this process's steps
-    first_step: int = 1  # > 1 after a resume
-    elapsed_before: float = 0.0  # of the steps before the checkpoint it resumed from
-    eval_loss: float | None = None  # the last one measured
-    peak_allocated_bytes: int | None = None  # the device allocator's peak over the steps (None on a CPU)
+    # of this process's steps
+    elapsed_s: float
+    # > 1 after a resume
+    first_step: int = 1
+    # of the steps before the checkpoint it resumed from the last one measured
+    elapsed_before: float = 0.0
+    eval_loss: float | None = None
+    # the device allocator's peak over the steps (None on a CPU)
+    peak_allocated_bytes: int | None = None
 
     @property
     def steps_run(self) -> int:
@@ -154,14 +159,16 @@ def per_rank_bytes(accelerator, mine: dict[str, int]) -> dict[str, list[int]]:
 class Run:
     """One training run between its steps: what `set_up` built and what the steps carry forward."""
     cfg: Config
-    strategy: Any  # toolkit.parallel.strategy.Strategy
+    # toolkit.parallel.strategy.Strategy
+    strategy: Any
     model: torch.nn.Module
     optimizer: Any
     scheduler: Any
     tokenizer: Any
     eval_rows: list
     out_dir: Path
-    batches: Batches  # the objective's: read from the rows, or sampled
+    # the objective's: read from the rows, or sampled
+    batches: Batches
     metrics: MetricsLogger
     total_steps: int
     first_step: int
@@ -175,21 +182,32 @@ class Run:
     start: float
     window: Window
     sync_free: bool
-    memory: dict = field(default_factory=dict)  # step 1's memory figures, for its record
-    compiling: Compiling = field(default_factory=lambda: Compiling("off"))  # whether and from when blocks compile
-    elapsed_before: float = 0.0  # training seconds before the checkpoint this run resumed from
+    # step 1's memory figures, for its record
+    memory: dict = field(default_factory=dict)
+    # whether and from when blocks compile
+    compiling: Compiling = field(default_factory=lambda: Compiling("off"))
+    # training seconds before the checkpoint this run resumed from
+    elapsed_before: float = 0.0
     last_eval: float | None = None
     bad_in_a_row: int = 0
     mfu_warned: bool = False
-    idle_warned: bool = False  # experts left without a token: said once a run (`toolkit.model.router_load.idle_warning`)
-    fused: bool = False  # the loss head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
-    moe_layers: tuple[str, ...] = ()  # the MoE layers, the rows of a step's expert load
+    # experts left without a token: said once a run (`toolkit.model.router_load.idle_warning`)
+    idle_warned: bool = False
+    # the loss head computed the logits of the target tokens only (the MFU's LM-head FLOPs)
+    fused: bool = False
+    # the MoE layers, the rows of a step's expert load
+    moe_layers: tuple[str, ...] = ()
     last_loss: float = float("nan")
-    objective: Any = None  # the run's (`toolkit.objectives.base.Objective`): the strategy's
-    context: Context | None = None  # what the objective is given of the run
-    saved_step: int = 0  # the step of the newest checkpoint, this process's or the one it resumed from
-    done: tuple[int, int] = (0, 0)  # (step, epoch) of the last step whose update was applied
-    resume_hint: str = "--resume auto"  # how to continue this run, in the preemption's line
+    # the run's (`toolkit.objectives.base.Objective`): the strategy's
+    objective: Any = None
+    # what the objective is given of the run
+    context: Context | None = None
+    # the step of the newest checkpoint, this process's or the one it resumed from (step, epoch) of the last step whose
+    # update was applied
+    saved_step: int = 0
+    done: tuple[int, int] = (0, 0)
+    # how to continue this run, in the preemption's line
+    resume_hint: str = "--resume auto"
 
     @property
     def data_ranks(self) -> int:
@@ -202,7 +220,8 @@ class Run:
 
     @property
     def replicas(self) -> int:
-        return self.strategy.data.replicas  # model-parallel peers read the same data
+        # model-parallel peers read the same data
+        return self.strategy.data.replicas
 
 
 def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_rows: list[dict],
@@ -221,13 +240,17 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
 
         profiler = StepProfiler(out_dir, strategy.accelerator.device.type, run.first_step, run.total_steps,
                                 strategy.accelerator.is_main_process, run.metrics.write)
-    try:  # the progress bar closes before any error line, and the signal handlers are put back
-        if run.first_step == 1 and cfg.output.eval_on_start:  # the model as loaded: step 0
+    # the progress bar closes before any error line, and the signal handlers are put back
+    try:
+        # the model as loaded: step 0
+        if run.first_step == 1 and cfg.output.eval_on_start:
             evaluate(run, 0)
         for step in range(run.first_step, run.total_steps + 1):
             epoch, micro = next(run.batches)
-            run.window.t0 += run.batches.take_seconds()  # sampling and scoring: not training
-            if step == run.first_step:  # the loss this layout trains is the model's own, or the run stops
+            # sampling and scoring: not training
+            run.window.t0 += run.batches.take_seconds()
+            # the loss this layout trains is the model's own, or the run stops
+            if step == run.first_step:
                 check_loss(run, micro[0])
                 # packed or padding-free rows (pp and cp build the masks themselves)
                 if "position_ids" in micro[0] and run.strategy.whole_batches:
@@ -237,7 +260,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             run.window.add(step, one_step(run, micro, first=step == run.first_step))
             run.done = (step, epoch)
             if profiler is not None:
-                run.memory["profiled"] = profiler.active(step) or None  # its record: the profiler's overhead in it
+                # its record: the profiler's overhead in it
+                run.memory["profiled"] = profiler.active(step) or None
                 run.memory = {k: v for k, v in run.memory.items() if v is not None}
                 profiler.after(step)
             run.metrics.advance()
@@ -247,16 +271,19 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             if step % run.log_every == 0 or step == run.total_steps or apart:
                 log_window(run, step, epoch)
             after_step(run, step, epoch)
-    except Interrupted as stopped:  # a signal while the objective sampled or evaluated: its work is abandoned
+    # a signal while the objective sampled or evaluated: its work is abandoned
+    except Interrupted as stopped:
         preempted(run, *run.done, f"while {stopped}")
     except torch.OutOfMemoryError:
         if restart is not None:
             run.metrics.close()
-            restart(step)  # runs the command again on the plan's next fallback, or returns: none left
+            # runs the command again on the plan's next fallback, or returns: none left
+            restart(step)
         raise UserError(out_of_memory(cfg, step, strategy, run.strategy.unwrap(run.model).config.to_dict(),
                                       out_dir)) from None
     finally:
-        if run.window.steps:  # a fault between two records: what the steps measured is written (as far as it can be)
+        # a fault between two records: what the steps measured is written (as far as it can be)
+        if run.window.steps:
             try:
                 log_window(run, *run.done)
             except Exception:  # noqa: BLE001 - the device itself may be what failed; the fault is what is raised
@@ -280,7 +307,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     objective = strategy.objective
     attn = getattr(strategy.unwrap(model).config, "_attn_implementation", None)
     loader = objective.loader(train_rows, tokenizer, log, device.type == "cuda", strategy.whole_batches, attn)
-    compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None  # widths to bucket
+    # widths to bucket
+    compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None
     model, optimizer, loader = strategy.prepare(model, partial(make_optimizer, cfg=cfg), loader)
     log(strategy.describe())
     world = strategy.data.ranks
@@ -300,7 +328,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     accelerator = strategy.accelerator
     # MFU: model FLOPs over the devices' datasheet peak (a probe where the device is unknown).
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    reset_device_peak(accelerator.device)  # step 1's peak (preflight) counts what is loaded, then the run's own
+    # step 1's peak (preflight) counts what is loaded, then the run's own
+    reset_device_peak(accelerator.device)
     peak = run_peak(accelerator, dtype, cache_dir() / "peaks.json")
     run = Run(cfg, strategy, model, optimizer, scheduler, tokenizer, eval_rows, out_dir, iter(()),
               None, total_steps, 1, 0, peak, dtype, log_interval(cfg.output.log_every, total_steps),
@@ -315,22 +344,26 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     objective.before_training(run.context, loader, train_rows, eval_rows, steps_per_epoch, resume is not None)
     saved = restore(run, resume, log) if resume is not None else None
     run.saved_step, run.done = run.first_step - 1, (run.first_step - 1, 0)
-    if compiling.mode == "on":  # --compile: compiled by `parallelize`, its first forward the warm-up
+    # --compile: compiled by `parallelize`, its first forward the warm-up
+    if compiling.mode == "on":
         compiling.at = run.first_step
         compiling.bucket()
-    if cfg.output.resume and accelerator.is_main_process:  # records past the checkpoint (or all, when
-        keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)  # none was found) are of lost steps
+    # records past the checkpoint (or all, when none was found) are of lost steps
+    if cfg.output.resume and accelerator.is_main_process:
+        keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)
     # a checkpoint written mid-round keeps the round's rest
     run.batches = objective.batches(run.context, loader, train_rows, run.first_step, steps_per_epoch,
                                     saved.get(BATCHES_STATE) if saved is not None else None)
-    if on_start is not None:  # before the bar: what it prints stays whole
+    # before the bar: what it prints stays whole
+    if on_start is not None:
         on_start(model)
     run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
                                 trackers=trackers)
     run.start = time.perf_counter()
     run.window = Window(run.start)
     model.train()
-    if resume is not None:  # last: model set-up above may draw random numbers
+    # last: model set-up above may draw random numbers
+    if resume is not None:
         reseed(run, resume, saved)
     return run
 
@@ -358,17 +391,20 @@ def restore(run: Run, resume, log) -> dict:
     strategy, accelerator = run.strategy, run.strategy.accelerator
     # another layout reads rank 0's scheduler and hyperparameters (the same on every rank)
     saved = load_rank_state(accelerator, resume.path, accelerator.process_index if resume.same_layout else 0)
-    if resume.sharded:  # this layout's pieces, whatever layout wrote them
+    # this layout's pieces, whatever layout wrote them
+    if resume.sharded:
         restore_sharded(strategy, run.model, run.optimizer, resume.path)
         for group, hyper in zip(torch_optimizer(run.optimizer).param_groups, saved["param_groups"]):
             group.update(hyper)
-    else:  # weights were restored at load (DeepSpeed's format)
+    # weights were restored at load (DeepSpeed's format)
+    else:
         strategy.load_optimizer_state(run.model, run.optimizer, saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
     if saved.get("scaler") is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(saved["scaler"])
     run.first_step, run.tokens_seen = resume.step + 1, int(resume.state.get("tokens", 0))
-    run.elapsed_before = float(resume.state.get("elapsed_s", 0.0))  # elapsed_s counts the whole run
+    # elapsed_s counts the whole run
+    run.elapsed_before = float(resume.state.get("elapsed_s", 0.0))
     for note in resume.notes:
         log(note)
     log(f"resumed from {resume.path}: continuing at step {run.first_step} of {run.total_steps}")
@@ -399,26 +435,30 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     counts = accelerator.reduce(batch_counts(micro, accelerator.device), "sum") / run.replicas
     run.objective.begin_step(run.model, micro, partial(accelerator.reduce, reduction="sum"), run.replicas, counts[0])
     loss = strategy.forward_backward(run.model, micro, scale=1 / counts[0])
-    taken = strategy.take_metrics()  # the loss head's, once: the router's aux loss, the objective's sums, the load
+    # the loss head's, once: the router's aux loss, the objective's sums, the load
+    taken = strategy.take_metrics()
     run.fused = taken.fused
     aux, sums = taken.aux, taken.objective
     if sums is not None:
         sums = accelerator.reduce(sums, "sum") / run.replicas
     held = grad_bytes(run.model) if first and not strategy.frees_grads else None
     grad_norm = strategy.clip_grad_norm(run.model, t.max_grad_norm or float("inf"))
-    if grad_norm is not None:  # FSDP2's is a DTensor (replicated): its local value, every rank alike
+    # FSDP2's is a DTensor (replicated): its local value, every rank alike
+    if grad_norm is not None:
         grad_norm = full(torch.as_tensor(grad_norm)).to(accelerator.device)
     loss = accelerator.reduce(loss, "sum") / run.replicas
     finite = torch.isfinite(loss)
     if grad_norm is not None:
         finite = finite & torch.isfinite(grad_norm)
-    if run.sync_free:  # a non-finite step is skipped inside the fused kernel; the schedule goes on
+    # a non-finite step is skipped inside the fused kernel; the schedule goes on
+    if run.sync_free:
         torch_optimizer(run.optimizer).found_inf = (~finite).float()
         run.optimizer.step()
         run.scheduler.step()
     elif strategy.always_steps or host(finite)[0]:
         run.optimizer.step()
-        if strategy.step_applied(run.model):  # DeepSpeed skips fp16 overflow steps; so does the schedule
+        # DeepSpeed skips fp16 overflow steps; so does the schedule
+        if strategy.step_applied(run.model):
             run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     if first:
@@ -428,7 +468,8 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
     if aux is not None:
         aux = accelerator.reduce(aux, "sum") / run.replicas
     load = None
-    if taken.load is not None:  # tokens per expert: ratios are read from it, so no normaliser
+    # tokens per expert: ratios are read from it, so no normaliser
+    if taken.load is not None:
         load = accelerator.reduce(taken.load, "sum")
         run.moe_layers = taken.layers
     return Step(loss, counts, grad_norm, finite, aux, sums, load)
@@ -451,7 +492,8 @@ def compile_auto(run: Run, step: int) -> None:
 
     if step == run.first_step:
         c.start_timing(sync)
-    elif step == run.first_step + EAGER_STEPS:  # through `parallelize`'s own compile step
+    # through `parallelize`'s own compile step
+    elif step == run.first_step + EAGER_STEPS:
         from toolkit.parallel.parallelize import apply_compile
 
         c.decide(step, run.total_steps, sync, lambda: apply_compile(run.strategy.unwrap(run.model)), run.metrics.write,
@@ -469,13 +511,15 @@ def log_window(run: Run, step: int, epoch: int) -> None:
             run.metrics.write(f"step {s}: non-finite loss or gradient norm; update skipped ({run.bad_in_a_row} in a row)")
     if run.bad_in_a_row >= t.max_bad_steps:
         path = checkpoint(run, step, epoch)
-        run.window = Window(time.perf_counter())  # recorded above, step by step
+        # recorded above, step by step
+        run.window = Window(time.perf_counter())
         raise UserError(f"stopped at step {step}: the loss or gradient norm was not finite for {run.bad_in_a_row} "
                         f"steps in a row (--max-bad-steps {t.max_bad_steps}); state saved to {path}. Lower "
                         "--lr, check the data for broken rows, or use --mixed-precision bf16 instead of fp16")
     run.tokens_seen += int(w["tokens"])
     now = time.perf_counter()
-    if w["targets"]:  # some step of the window was finite
+    # some step of the window was finite
+    if w["targets"]:
         record_step(run, step, epoch, w, now)
     run.window = Window(now)
 
@@ -488,13 +532,15 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     run.last_loss = w["loss"] / w["targets"]
     tokens_per_sec = w["tokens"] / (now - run.window.t0)
     shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,
-             w["tokens"] / w["examples"])  # context: mean example length
+             # context: mean example length
+             w["tokens"] / w["examples"])
     flops = step_flops(w["tokens"], w["targets"] if run.fused else w["tokens"], *shape)
     # the objective's no-grad forwards (LoRA's reference, KTO's KL): 2N of 6N each
     flops += run.objective.extra_forwards() * step_flops(w["tokens"], w["tokens"], *shape) / 3
     per_token = flops / w["tokens"]
     mfu = per_token * tokens_per_sec / run.peak.flops
-    if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):  # cached under load: probe again
+    # cached under load: probe again
+    if run.peak.cache is not None and any_rank(strategy.accelerator, mfu > 1):
         run.peak = run_peak(strategy.accelerator, run.dtype, run.peak.cache, fresh=True)
         mfu = per_token * tokens_per_sec / run.peak.flops
     warning = None if run.mfu_warned else mfu_warning(mfu, run.peak)
@@ -503,13 +549,16 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
         run.mfu_warned = True
     grad_norm = w["steps"][-1][3]
     warmup = {}
-    if step == run.compiling.at:  # left out of every later record's tokens/s
+    # left out of every later record's tokens/s
+    if step == run.compiling.at:
         run.compiling.warmed_up(step, now - run.window.t0, run.metrics.write)
         warmup = {"compile_warmup": True, "compiled_graphs": run.compiling.graphs_after_warmup}
     else:
-        warmup = run.compiling.recompiles(run.metrics.write)  # graphs compiled so far, once warmed up
+        # graphs compiled so far, once warmed up
+        warmup = run.compiling.recompiles(run.metrics.write)
     extra = {"aux_loss": w["aux"] / w["targets"]} if w.get("aux") is not None else {}
-    if w.get("load") is not None:  # how evenly the routers spread the window's tokens
+    # how evenly the routers spread the window's tokens
+    if w.get("load") is not None:
         from toolkit.model.router_load import idle_warning, load_stats
 
         extra.update(load_stats(w["load"]))
@@ -539,8 +588,9 @@ def after_step(run: Run, step: int, epoch: int) -> None:
         evaluate(run, step, samples=False)
     if run.prompts and (last or (step % o.sample_every == 0 if o.sample_every else at_eval)):
         sample(run, step)
-    if o.save_every and (step % o.save_every == 0 or last):  # the last step too: --continue-finished goes on
-        checkpoint(run, step, epoch)                           # from it, at step N + 1, not from an earlier one
+    # the last step too: --continue-finished goes on from it, at step N + 1, not from an earlier one
+    if o.save_every and (step % o.save_every == 0 or last):
+        checkpoint(run, step, epoch)
     if run.fault is not None:
         run.fault("step", step)
     if not last and run.preempt.requested(run.strategy.accelerator):
@@ -562,7 +612,8 @@ def preempted(run: Run, step: int, epoch: int, where: str) -> None:
             path = checkpoint(run, step, epoch)
         said = f"checkpoint saved to {path}; continue with {run.resume_hint}"
     run.metrics.write(f"preempted {where}: {said}")
-    run.metrics.close()  # the bar ends before the exit
+    # the bar ends before the exit
+    run.metrics.close()
     run.strategy.accelerator.end_training()
     raise SystemExit(EXIT_PREEMPTED)
 
@@ -597,7 +648,8 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
     from toolkit.train.resume import fingerprint
 
     path = run.out_dir / f"checkpoint-{step}"
-    tokens = run.tokens_seen + run.window.tokens()  # this window's steps are not in tokens_seen yet
+    # this window's steps are not in tokens_seen yet
+    tokens = run.tokens_seen + run.window.tokens()
     settings = run.cfg.flat()
     state = {"step": step, "epoch": epoch, "tokens": tokens, "fingerprint": fingerprint(settings, run.data_ranks),
              "config": settings, "elapsed_s": run.elapsed(time.perf_counter())}
@@ -610,7 +662,8 @@ def checkpoint(run: Run, step: int, epoch: int) -> Path:
 
 
 def finish(run: Run) -> tuple[torch.nn.Module, TrainResult]:
-    peak = device_peak(run.strategy.accelerator.device)  # read before the export gathers anything
+    # read before the export gathers anything
+    peak = device_peak(run.strategy.accelerator.device)
     return run.strategy.export(run.model), TrainResult(run.total_steps, run.last_loss, run.tokens_seen,
                                                        time.perf_counter() - run.start, run.first_step,
                                                        run.elapsed_before, run.last_eval, peak)

@@ -48,10 +48,12 @@ def check_loss(run, batch: dict) -> None:
     logits and says so; otherwise the run stops with one line naming the model type and the head.
     Every rank checks its own rows; they agree on the worst. The bound is the dtype's (`mean_agreement`:
     1e-4 in fp32, 2.4e-4 in bf16)."""
-    strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write  # above the bar
+    # above the bar
+    strategy, accelerator, log = run.strategy, run.strategy.accelerator, run.metrics.write
     model_type = strategy.unwrap(run.model).config.get_text_config().model_type
     bound = mean_agreement(checked_dtype(run))
-    for attempt in range(2):  # the second: --loss auto's fall-back to full logits
+    # the second: --loss auto's fall-back to full logits
+    for attempt in range(2):
         with evaluating(run.model):
             got = strategy.loss_check(run.model, batch, full_logits=attempt == 1)
         ours, own = (got.ours, got.own) if got.ours is not None else (0.0, 0.0)
@@ -60,7 +62,8 @@ def check_loss(run, batch: dict) -> None:
         if gap <= bound:
             log(f"loss check: {'full logits give' if attempt else 'the loss trained is'} model type {model_type}'s "
                 f"own on the first rows (relative gap {gap:.1e})")
-            run.memory["loss_check_gap"] = gap  # in step 1's record
+            # in step 1's record
+            run.memory["loss_check_gap"] = gap
             return
         seen = f"{ours:.6f} against the model's own {own:.6f}" if got.ours is not None else "on another rank"
         if attempt == 0 and run.cfg.train.loss == "auto" and got.fused:
@@ -109,7 +112,8 @@ def check_packing(run, batch: dict, n: int = 8) -> None:
     gaps = torch.tensor(packing_gaps(packed, alone, n), device=ids.device)
     rounding, gap = rank_max(accelerator, gaps).tolist()
     dtype = checked_dtype(run)
-    run.memory["packing_check_gap"] = gap  # in step 1's record
+    # in step 1's record
+    run.memory["packing_check_gap"] = gap
     if leaks(rounding, gap, dtype):
         unwrapped = strategy.unwrap(run.model)
         model_type = unwrapped.config.get_text_config().model_type

@@ -47,7 +47,8 @@ def write_manifest(folder: Path) -> None:
     with open(folder / MANIFEST, "w") as f:
         f.write(json.dumps(record, indent=1))
         f.flush()
-        os.fsync(f.fileno())  # on disk before the rename that publishes the checkpoint
+        # on disk before the rename that publishes the checkpoint
+        os.fsync(f.fileno())
 
 
 def damage(folder: Path) -> str | None:
@@ -56,11 +57,13 @@ def damage(folder: Path) -> str | None:
     path = folder / MANIFEST
     if not path.is_file():
         state = folder / "trainer_state.json"
-        try:  # a checkpoint that says it has one (every one this version writes) has lost it
+        # a checkpoint that says it has one (every one this version writes) has lost it
+        try:
             promised = json.loads(state.read_text()).get("manifest") if state.is_file() else None
         except (OSError, ValueError, AttributeError):
             return f"{state} is unreadable"
-        return f"{path} is missing" if promised else None  # None: an earlier version's, nothing to check against
+        # None: an earlier version's, nothing to check against
+        return f"{path} is missing" if promised else None
     try:
         files = json.loads(path.read_text())["files"]
         expected = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in files.items()}

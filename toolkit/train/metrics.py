@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-RECORDS_PER_RUN = 50  # --log-every 0: about this many records, whatever the run's length
+# --log-every 0: about this many records, whatever the run's length
+RECORDS_PER_RUN = 50
 
 
 def log_interval(log_every: int, total_steps: int) -> int:
@@ -28,7 +29,8 @@ class MetricsLogger:
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         self._bar = self.trackers = None
-        self._writing = enabled  # False once a write failed
+        # False once a write failed
+        self._writing = enabled
         if not enabled:
             return
         from tqdm.auto import tqdm
@@ -38,7 +40,8 @@ class MetricsLogger:
         self._file = self.path.open("a", buffering=1)
         self._bar = tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
         self.trackers = trackers if trackers is not None else Trackers([], out_dir, {}, self.write)
-        self.trackers.say = self.write  # a tracker dropped mid-run: a line above the bar
+        # a tracker dropped mid-run: a line above the bar
+        self.trackers.say = self.write
 
     def log(self, record: dict[str, Any]) -> None:
         """Append a record (must hold `step`); its numbers also go to the trackers under their keys."""
@@ -48,7 +51,8 @@ class MetricsLogger:
         if self._writing:
             try:
                 self._file.write(json.dumps(record) + "\n")
-            except OSError as e:  # a full disk: said once, training goes on (the next checkpoint stops it cleanly)
+            # a full disk: said once, training goes on (the next checkpoint stops it cleanly)
+            except OSError as e:
                 self._writing = False
                 self.write(f"{self.path}: could not write ({(e.strerror or str(e)).lower()}); metrics are not "
                            f"recorded from step {record['step']} on")
@@ -95,7 +99,8 @@ class MetricsLogger:
             return
         self._bar.close()
         self.trackers.finish()
-        try:  # a full disk was said when it was met (or is said by the save that met it): not again here
+        # a full disk was said when it was met (or is said by the save that met it): not again here
+        try:
             self._file.close()
             plot_loss(read_records(self.path) if self._writing else self.records, self.path.parent / "loss.png")
         except OSError:
@@ -120,7 +125,8 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if not (train or evals):  # stopped before the first logged step: nothing to draw
+    # stopped before the first logged step: nothing to draw
+    if not (train or evals):
         return
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
@@ -137,7 +143,8 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("loss (nats/token)" if not (accuracy or reward) else "loss (per pair)" if accuracy else "loss")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    if accuracy:  # a preference objective: the reward accuracy beside the loss
+    # a preference objective: the reward accuracy beside the loss
+    if accuracy:
         right = ax.twinx()
         right.plot(*zip(*accuracy), color="tab:green", alpha=0.7, label="reward accuracy")
         if eval_accuracy:
@@ -145,7 +152,8 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
         right.set_ylim(*ACCURACY_LIMITS)
         right.set_ylabel("reward accuracy (chosen > rejected)")
         right.legend(loc="upper right")
-    if reward:  # --objective grpo: the sampled completions' mean reward (and the held-out prompts' greedy ones)
+    # --objective grpo: the sampled completions' mean reward (and the held-out prompts' greedy ones)
+    if reward:
         right = ax.twinx()
         right.plot(*zip(*reward), ".-", color="tab:green", alpha=0.7, label="reward")
         if eval_reward:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
-FP32_RTOL = 1e-4  # fp32's bound, relative: 100x what two fp32 kernels ordering sums differently differ by
+# fp32's bound, relative: 100x what two fp32 kernels ordering sums differently differ by
+FP32_RTOL = 1e-4
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}  # --mixed-precision -> compute dtype
+# --mixed-precision -> compute dtype
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
 def agreement(dtype: torch.dtype) -> float:

@@ -116,7 +116,8 @@ def token_counts(stats: DataStats, objective: str) -> str:
 @dataclass
 class RunResult:
     summary: dict[str, Any]
-    model: Any  # the trained model, unwrapped (what final/ holds)
+    # the trained model, unwrapped (what final/ holds)
+    model: Any
 
 
 def summarize(log, objective: str, out: Path, result, scores: dict, accelerator, model) -> RunResult:
@@ -125,7 +126,8 @@ def summarize(log, objective: str, out: Path, result, scores: dict, accelerator,
                "eval_loss": result.eval_loss, "tokens": result.tokens,
                "train_seconds": round(result.elapsed_before + result.elapsed_s, 1),
                "train_seconds_this_run": round(result.elapsed_s, 1), "final_dir": str(out / "final"),
-               "peak_allocated_bytes": result.peak_allocated_bytes}  # this rank's, over the steps
+               # this rank's, over the steps
+               "peak_allocated_bytes": result.peak_allocated_bytes}
     for when, (correct, total, samples) in scores.items():
         summary[f"exact_match_{when}"] = correct / total
         if when == "after":

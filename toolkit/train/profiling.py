@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-FIRST, STEPS, TOP = 4, 3, 25  # steps FIRST .. FIRST + STEPS - 1 (of the run's own), the table's rows
+# steps FIRST .. FIRST + STEPS - 1 (of the run's own), the table's rows
+FIRST, STEPS, TOP = 4, 3, 25
 
 
 def activities(device_type: str) -> list:
@@ -65,7 +66,8 @@ class StepProfiler:
             entries = top_entries(self.profile, self.device_type)
             for e in entries:
                 for k in ("self_ms", "cpu_self_ms", "cpu_total_ms"):
-                    e[k] = round(e[k] / steps, 3)  # per step
+                    # per step
+                    e[k] = round(e[k] / steps, 3)
             sort = "self_cuda_time_total" if self.device_type == "cuda" else "self_cpu_time_total"
             table = self.profile.key_averages().table(sort_by=sort, row_limit=TOP)
             (self.out_dir / "profile.txt").write_text(f"steps {self.start}-{self.stop} (totals over {steps})\n{table}\n")

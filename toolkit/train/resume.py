@@ -39,14 +39,17 @@ RESULT_KEYS = ("model", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_
 NEWER_RESULT_KEYS = {"streaming": False, "router_aux_loss_coef": None, "objective": "sft", "beta": None,
                      "simpo_gamma": DEFAULT_SIMPO_GAMMA, "label_smoothing": 0.0,
                      "desirable_weight": 1.0, "undesirable_weight": 1.0,
-                     "merge_adapter": False, "chat_template": ""}  # what older checkpoints ran with
+                     # what older checkpoints ran with
+                     "merge_adapter": False, "chat_template": ""}
 LAYOUT_KEYS = ("zero_stage", "offload", "fsdp", "fsdp_sharding", "dp_shard", "dp_replicate", "cp", "tp", "pp",
                "pp_microbatches")
 
-NEWER_LAYOUT_KEYS = {"dp_shard": 0, "dp_replicate": 0, "cp": 1}  # what older checkpoints ran with
+# what older checkpoints ran with
+NEWER_LAYOUT_KEYS = {"dp_shard": 0, "dp_replicate": 0, "cp": 1}
 
 
-BATCH_KEYS = ("micro_batch_size", "grad_accum")  # older checkpoints fingerprinted these in place of the global batch
+# older checkpoints fingerprinted these in place of the global batch
+BATCH_KEYS = ("micro_batch_size", "grad_accum")
 
 
 @dataclass
@@ -54,9 +57,12 @@ class ResumePoint:
     path: Path
     step: int
     state: dict
-    same_layout: bool = True  # the world size and layout that wrote it: each rank reads its own file
-    notes: tuple[str, ...] = ()  # what resuming changed (the batch re-split), for the log
-    split: tuple[int, int] | None = None  # (micro-batch, accumulation) that keep the checkpoint's global batch
+    # the world size and layout that wrote it: each rank reads its own file
+    same_layout: bool = True
+    # what resuming changed (the batch re-split), for the log
+    notes: tuple[str, ...] = ()
+    # (micro-batch, accumulation) that keep the checkpoint's global batch
+    split: tuple[int, int] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -86,7 +92,8 @@ def model_identity(name: str) -> dict | None:
 
         try:
             cached = try_to_load_from_cache(name, "config.json")
-        except ValueError:  # not a hub id either
+        # not a hub id either
+        except ValueError:
             return None
         if not isinstance(cached, str):
             return None
@@ -155,10 +162,12 @@ def find_checkpoint(settings: dict[str, Any], damaged: Callable[[Path], str | No
         return _read_point(path)
     out = Path(settings["output_dir"])
     refused = finished_problems(str(out), settings["continue_finished"], settings["max_steps"])
-    if refused:  # checked at start-up too; the folder may have changed since
+    # checked at start-up too; the folder may have changed since
+    if refused:
         raise UserError(refused[0])
     found, done, continuing = later_checkpoints(out), finished_step(out), []
-    if not found and done is not None:  # --continue-finished: from its newest checkpoint, past final/'s step
+    # --continue-finished: from its newest checkpoint, past final/'s step
+    if not found and done is not None:
         found = complete_checkpoints(out)
         continuing = [f"--continue-finished: the run finished at step {done}; training on to step "
                       f"{settings['max_steps']}, its learning-rate schedule stretched to that; final/ is replaced at "
@@ -175,7 +184,8 @@ def find_checkpoint(settings: dict[str, Any], damaged: Callable[[Path], str | No
         raise UserError(f"--resume auto: every checkpoint in {settings['output_dir']} is damaged "
                         f"({'; '.join(f'{n}: {why}' for n, why in skipped)}); restore one, or start again "
                         "without --resume in another --output-dir")
-    return None  # nothing to resume: start from step 0 (what an elastic restart before the first save needs)
+    # nothing to resume: start from step 0 (what an elastic restart before the first save needs)
+    return None
 
 
 def _read_point(path: Path) -> ResumePoint:
@@ -201,7 +211,8 @@ def mismatch(point: ResumePoint, settings: dict[str, Any], data_ranks: int) -> l
     # --continue-finished trains past the steps the checkpoint's run was asked for: only their number differs
     beyond = ("max_steps", "epochs") if settings["continue_finished"] else ()
     keys = [k for k in now["settings"] if k != "global_batch" and k not in beyond]
-    if "global_batch" not in then:  # an older checkpoint: same layout, so the same split
+    # an older checkpoint: same layout, so the same split
+    if "global_batch" not in then:
         now["settings"].update({k: settings[k] for k in BATCH_KEYS})
         keys += list(BATCH_KEYS)
     for k in keys:
@@ -235,7 +246,8 @@ def keep_global_batch(point: ResumePoint, settings: dict[str, Any], data_ranks: 
 def same_layout(point: ResumePoint, settings: dict[str, Any], world: int) -> bool:
     saved, now = point.state.get("fingerprint", {}).get("layout", {}), fingerprint_layout(settings)
     return point.state.get("world_size") == world and all(
-        saved.get(k, NEWER_LAYOUT_KEYS.get(k)) == v for k, v in now.items())  # older checkpoints: the old meaning
+        # older checkpoints: the old meaning
+        saved.get(k, NEWER_LAYOUT_KEYS.get(k)) == v for k, v in now.items())
 
 
 def fingerprint_layout(settings: dict[str, Any]) -> dict:
@@ -251,7 +263,8 @@ def layout_problems(point: ResumePoint, settings: dict[str, Any], world: int, de
         return ["it holds the model weights only (written by an older version that did not save ZeRO/FSDP "
                 "optimizer states); start a new run from it instead"]
     saved = point.state.get("fingerprint", {}).get("layout", {})
-    saved = {k: saved.get(k, NEWER_LAYOUT_KEYS.get(k)) for k in LAYOUT_KEYS}  # from before a key: its old meaning
+    # from before a key: its old meaning
+    saved = {k: saved.get(k, NEWER_LAYOUT_KEYS.get(k)) for k in LAYOUT_KEYS}
     problems = resume_problems("sharded" if point.sharded else "hf", point.state.get("world_size"), world, saved,
                                fingerprint_layout(settings), deepspeed)
     if point.sharded:

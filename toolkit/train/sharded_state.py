@@ -74,23 +74,28 @@ def piece(t: torch.Tensor, cut: Cut | None = None) -> Piece:
     slice of each part, an expert slice, each with this rank's place); None: whole."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):  # FSDP2: the shard within what the DTensor calls the full tensor
+    # FSDP2: the shard within what the DTensor calls the full tensor
+    if isinstance(t, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = t._local_tensor  # the storage itself, so a load writes into the parameter
+        # the storage itself, so a load writes into the parameter
+        local = t._local_tensor
         _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         offsets, shape = list(offsets), list(t.shape)
     else:
         local, offsets, shape = t.detach(), [0] * t.dim(), list(t.shape)
-    cut_slice = cut.slice if cut is not None else None  # a TP or an expert slice (never both), placed alike
+    # a TP or an expert slice (never both), placed alike
+    cut_slice = cut.slice if cut is not None else None
     if cut_slice is None or cut_slice.size == 1:
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
     tp_dim, tp_rank, tp = cut_slice.split, cut_slice.rank, cut_slice.size
-    if isinstance(tp_dim, int):  # contiguous: slice tp_rank of tp equal ones
+    # contiguous: slice tp_rank of tp equal ones
+    if isinstance(tp_dim, int):
         offsets[tp_dim] += tp_rank * shape[tp_dim]
         shape[tp_dim] *= tp
         return Piece(local, torch.Size(shape), [(torch.Size(offsets), local)])
-    d, boxes = tp_dim.dim, []  # packed: one run per part the local rows cross
+    # packed: one run per part the local rows cross
+    d, boxes = tp_dim.dim, []
     for at, full_at, n in tp_dim.runs(offsets[d], local.shape[d], tp_rank, tp):
         boxes.append((torch.Size(offsets[:d] + [full_at] + offsets[d + 1:]), local.narrow(d, at - offsets[d], n)))
     shape[d] = sum(tp_dim.parts)
@@ -126,7 +131,8 @@ class _RankFileWriter(HuggingFaceStorageWriter):
             k = next((i for i, (tensors, _) in enumerate(files) if fqn not in tensors), len(files))
             if k == len(files):
                 files.append(({}, {}))
-            t = planner.resolve_data(item).detach().cpu().contiguous()  # no copy when already so
+            # no copy when already so
+            t = planner.resolve_data(item).detach().cpu().contiguous()
             files[k][0][fqn] = t
             files[k][1][fqn] = {"saved_offsets": list(item.tensor_data.chunk.offsets)}
             size = t.numel() * t.element_size()
@@ -138,7 +144,8 @@ class _RankFileWriter(HuggingFaceStorageWriter):
                                                "format": "pt"})
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)  # on disk before the rename that publishes the checkpoint
+                # on disk before the rename that publishes the checkpoint
+                os.fsync(fd)
             finally:
                 os.close(fd)
         done: torch.futures.Future = torch.futures.Future()
@@ -167,7 +174,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_tensor(index)
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # DCP would unpickle (weights_only=False)
+    # DCP would unpickle (weights_only=False)
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
         raise ValueError(f"{read_item.dest_index.fqn}: a sharded checkpoint holds tensors only")
 
 
@@ -182,8 +190,10 @@ def _named_state(named: Iterable[tuple[str, torch.Tensor, Cut | None]], optimize
             for key, md in create_from.items():
                 prefix = f"optimizer.{name}."
                 if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
-                    state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == model[name].shape  # a moment
-                                                else torch.zeros(md.size, dtype=md.properties.dtype))  # step
+                    # a moment
+                    state[key[len(prefix):]] = (torch.zeros_like(p) if md.size == model[name].shape
+                                                # step
+                                                else torch.zeros(md.size, dtype=md.properties.dtype))
         optim[name] = {k: piece(v, cut) if v.dim() and v.shape == p.shape else v
                        for k, v in state.items() if isinstance(v, torch.Tensor)}
     return {"model": model, "optimizer": optim}

@@ -51,22 +51,30 @@ def batch_counts(micro: list[dict], device: torch.device) -> torch.Tensor:
 @dataclass
 class Step:
     """One step's numbers, on the device."""
-    loss: torch.Tensor  # the global batch's summed token loss
-    counts: torch.Tensor  # its (target tokens, real tokens, examples, computed tokens)
+    # the global batch's summed token loss
+    loss: torch.Tensor
+    # its (target tokens, real tokens, examples, computed tokens)
+    counts: torch.Tensor
     grad_norm: torch.Tensor | None
-    finite: torch.Tensor  # loss and gradient norm finite: the update was applied
-    aux: torch.Tensor | None = None  # the router load-balancing loss x target tokens (in `loss` x its coefficient)
-    objective: torch.Tensor | None = None  # the objective's metric sums (`Loss.take_metrics`)
-    load: torch.Tensor | None = None  # an MoE model's tokens per expert, (MoE layers, experts) (`RouterLoad`)
+    # loss and gradient norm finite: the update was applied
+    finite: torch.Tensor
+    # the router load-balancing loss x target tokens (in `loss` x its coefficient)
+    aux: torch.Tensor | None = None
+    # the objective's metric sums (`Loss.take_metrics`)
+    objective: torch.Tensor | None = None
+    # an MoE model's tokens per expert, (MoE layers, experts) (`RouterLoad`)
+    load: torch.Tensor | None = None
 
 
-FIXED = 8  # a step's columns in `Window.read`: its 4 counts, finite, loss, grad norm, aux
+# a step's columns in `Window.read`: its 4 counts, finite, loss, grad norm, aux
+FIXED = 8
 
 
 @dataclass
 class Window:
     """The steps since the last metrics record, kept on the device until `read`."""
-    t0: float  # when it began (eval and sample time is added, to keep it out of tokens/s)
+    # when it began (eval and sample time is added, to keep it out of tokens/s)
+    t0: float
     steps: list[tuple[int, Step]] = field(default_factory=list)
 
     def add(self, step: int, s: Step) -> None:
@@ -94,7 +102,8 @@ class Window:
                                    *([s.load.reshape(-1).to(s.loss.device, torch.float64)] if s.load is not None
                                      else [])]))
         values = host(torch.stack(rows))
-        width = len(values) // len(self.steps)  # FIXED columns, the objective's sums, the expert load
+        # FIXED columns, the objective's sums, the expert load
+        width = len(values) // len(self.steps)
         per = [values[i * width:(i + 1) * width] for i in range(len(self.steps))]
         good = [v for v in per if v[4]]
         has_aux = any(s.aux is not None for _, s in self.steps)

@@ -28,7 +28,8 @@ def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
     import socket
 
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy")):
-        return True  # behind a proxy a direct probe proves nothing
+        # behind a proxy a direct probe proves nothing
+        return True
     try:
         socket.create_connection((host, port), timeout=timeout).close()
         return True
@@ -36,7 +37,8 @@ def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
         return False
 
 
-_OUR_MLFLOW_URI: str | None = None  # the run folder's store this process last pointed mlflow at
+# the run folder's store this process last pointed mlflow at
+_OUR_MLFLOW_URI: str | None = None
 
 
 def _make(name: str, out_dir: Path, run_name: str):
@@ -49,9 +51,11 @@ def _make(name: str, out_dir: Path, run_name: str):
 
         global _OUR_MLFLOW_URI
         given = os.environ.get("MLFLOW_TRACKING_URI")
-        if given and given == _OUR_MLFLOW_URI:  # mlflow exports the URI it is set to: an earlier run's folder
+        # mlflow exports the URI it is set to: an earlier run's folder
+        if given and given == _OUR_MLFLOW_URI:
             given = None
-        if not given:  # this run's folder
+        # this run's folder
+        if not given:
             # mlflow 3 keeps the file store in maintenance and refuses it unless asked: a file store in the
             # run's folder is what an offline machine has (sqlite needs SQLAlchemy, not in mlflow-skinny)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -8,7 +8,8 @@ from toolkit.objectives.evaluate import sharded_batches
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
+# compiled blocks keep their training graphs
+@torch.compiler.set_stance("force_eager")
 def eval_preference(strategy, model, rows, batch_size: int, pad_id: int, objective) -> dict[str, float]:
     """A preference objective on held-out pairs (KTO's examples): its mean loss per pair (`eval_loss`;
     ORPO's NLL over all the held-out chosen tokens, as training's over the global batch's) and TRL's
@@ -25,11 +26,13 @@ def eval_preference(strategy, model, rows, batch_size: int, pad_id: int, objecti
 
     accelerator = strategy.accelerator
     model.eval()
-    total = None  # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
+    # pair loss, pairs, ORPO's NLL and its tokens, then the metrics' sums
+    total = None
     try:
         for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
             logps = strategy.sequence_logps(model, batch)
-            ref = objective.reference_logps(model, batch)  # through the layout's `strategy.sequence_logps`
+            # through the layout's `strategy.sequence_logps`
+            ref = objective.reference_logps(model, batch)
             if objective.kind.estimates_kl:
                 objective.state.kl = objective.kl_estimate(model, [batch], lambda x: x, 1)
             counts = (shift_labels(batch["labels"]) != IGNORE_INDEX).sum(1).to(logps.device)

@@ -151,7 +151,8 @@ def orpo_labels(batch: dict) -> torch.Tensor:
     if "position_ids" not in batch:
         return ids[0::2].masked_fill(mask[0::2] == 0, IGNORE_INDEX)
     starts = (batch["position_ids"] == 0) & (mask == 1)
-    document = starts.reshape(-1).cumsum(0).view(starts.shape) - 1  # over the rows laid end to end: whole pairs each
+    # over the rows laid end to end: whole pairs each
+    document = starts.reshape(-1).cumsum(0).view(starts.shape) - 1
     return ids.masked_fill(~((document % 2 == 0) & (mask == 1) & ~starts), IGNORE_INDEX)
 
 
@@ -184,7 +185,8 @@ def kl_batch(batch: dict) -> dict:
     with their precomputed reference where the rows carry one (`ref_kl_logps`)."""
     kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
           "labels": batch["kl_labels"]}
-    for key in ("position_ids", "documents", "cu_seq_lens", "max_length"):  # laid end to end (padding-free)
+    # laid end to end (padding-free)
+    for key in ("position_ids", "documents", "cu_seq_lens", "max_length"):
         if f"kl_{key}" in batch:
             kl[key] = batch[f"kl_{key}"]
     if "ref_kl_logps" in batch:

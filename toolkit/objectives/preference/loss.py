@@ -71,7 +71,8 @@ class ObjectiveSpec:
     simpo_gamma: float = DEFAULT_SIMPO_GAMMA
     label_smoothing: float = 0.0
     reference: str | None = None
-    desirable_weight: float = 1.0  # KTO's weights
+    # KTO's weights
+    desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
 
     @classmethod
@@ -101,8 +102,10 @@ class StepState:
     """What a step sets and gathers, apart from the settings: ORPO's NLL scale and KTO's z0, set before
     the global batch's first forward (`PreferenceLoss.begin_step`), and the metrics' sums since they
     were last taken."""
-    nll_scale: torch.Tensor | float = 1.0  # ORPO: the global pairs / the global NLL tokens
-    kl: torch.Tensor | float = 0.0  # KTO: z0, the step's KL estimate
+    # ORPO: the global pairs / the global NLL tokens
+    nll_scale: torch.Tensor | float = 1.0
+    # KTO: z0, the step's KL estimate
+    kl: torch.Tensor | float = 0.0
     sums: torch.Tensor | None = None
 
     def add(self, sums: torch.Tensor) -> None:
@@ -119,11 +122,16 @@ class Objective:
     """A preference objective on a micro-batch's per-sequence log-probabilities (and target counts, the
     reference's, KTO's labels): its summed loss, its metrics' sums kept in `state`."""
     spec: ObjectiveSpec
-    referenced: ClassVar[bool] = False  # trained against a reference (`ObjectiveSpec.reference`)
-    nll: ClassVar[bool] = False  # ORPO: + the chosen sequences' NLL (`orpo_nll`)
-    estimates_kl: ClassVar[bool] = False  # KTO: z0 estimated before each step (`PreferenceLoss.kl_estimate`)
-    width: ClassVar[int] = len(METRICS)  # the length of its metrics' sums
-    unit: ClassVar[str] = "pairs"  # what its examples are called
+    # trained against a reference (`ObjectiveSpec.reference`)
+    referenced: ClassVar[bool] = False
+    # ORPO: + the chosen sequences' NLL (`orpo_nll`)
+    nll: ClassVar[bool] = False
+    # KTO: z0 estimated before each step (`PreferenceLoss.kl_estimate`)
+    estimates_kl: ClassVar[bool] = False
+    # the length of its metrics' sums
+    width: ClassVar[int] = len(METRICS)
+    # what its examples are called
+    unit: ClassVar[str] = "pairs"
 
     def loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
              desirable: torch.Tensor | None, state: StepState) -> torch.Tensor:
@@ -140,7 +148,8 @@ class Objective:
 
 class PairObjective(Objective):
     """Interleaved (chosen, rejected) sequences."""
-    means: ClassVar[bool] = True  # on mean token log-probabilities, which TRL's logps/* then report too
+    # on mean token log-probabilities, which TRL's logps/* then report too
+    means: ClassVar[bool] = True
 
     def loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
              desirable: torch.Tensor | None, state: StepState) -> torch.Tensor:
@@ -337,7 +346,8 @@ class PreferenceLoss:
         layout lays the rows out (`LayoutHooks.logps`; a pipeline's last stage calls this itself)."""
         logps, counts = self.hooks.logps(logits, batch)
         total = self.hooks.whole(self.loss_of(logps, counts, ref, batch.get("desirable")), batch)
-        if self.kind.nll:  # ORPO's NLL; under cp this slice's share (the slices' shares add up)
+        # ORPO's NLL; under cp this slice's share (the slices' shares add up)
+        if self.kind.nll:
             labels, shifted = self.hooks.chosen_targets(batch)
             total = total + orpo_nll(logits, labels, shifted=shifted) * self.state.nll_scale
         return total

@@ -40,7 +40,8 @@ def cache_key(rows_key: str, *model_dirs: str) -> str:
     h = hashlib.sha256(rows_key.encode())
     for i, model_dir in enumerate(model_dirs):
         path = Path(model_dir)
-        if i:  # one folder hashes as it always did: older cache entries still match
+        # one folder hashes as it always did: older cache entries still match
+        if i:
             h.update(f"{i}\x00".encode())
         for f in sorted(path.iterdir()) if path.is_dir() else []:
             if f.suffix in (".safetensors", ".bin", ".json") and f.is_file():
@@ -56,7 +57,8 @@ def read_saved(path: Path, name: str, key: str) -> torch.Tensor | None:
 
     try:
         saved = load_file(str(path))
-    except (OSError, ValueError, RuntimeError):  # absent, or damaged: safetensors raises SafetensorError
+    # absent, or damaged: safetensors raises SafetensorError
+    except (OSError, ValueError, RuntimeError):
         return None
     if name not in saved or bytes(saved.get(f"{name}_key", torch.zeros(0, dtype=torch.uint8)).tolist()).decode() != key:
         return None
@@ -92,7 +94,8 @@ def unscored(values: torch.Tensor | None, needed: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
+# compiled blocks keep their training graphs
+@torch.compiler.set_stance("force_eager")
 def compute_reference(strategy, model, rows, batch_size: int, pad_id: int, padding_free: bool = False) -> torch.Tensor:
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
     example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
@@ -107,7 +110,8 @@ def compute_reference(strategy, model, rows, batch_size: int, pad_id: int, paddi
     model.eval()
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model), padding_free):
         logps = strategy.sequence_logps(model, batch)
-        if "kl_input_ids" in batch:  # KTO: one sequence per example, and its KL sequence
+        # KTO: one sequence per example, and its KL sequence
+        if "kl_input_ids" in batch:
             logps = torch.stack([logps, strategy.sequence_logps(model, kl_batch(batch))], 1)
         if held:
             out[torch.tensor(held, device=out.device)] = logps.view(-1, 2).to(out.device, torch.float64)
@@ -159,7 +163,8 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
                 save(mine, name, key, found, log)
             return
         if path == cached:
-            have = found  # what the cache holds, of other runs' rows: only the rest is scored
+            # what the cache holds, of other runs' rows: only the rest is scored
+            have = found
     todo = unscored(have, need)
     if resuming:
         raise UserError(f"--resume: the reference log-probabilities of {len(todo)} {name} {unit} this run reads are in "

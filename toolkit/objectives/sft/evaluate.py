@@ -12,7 +12,8 @@ from toolkit.objectives.evaluate import sharded_batches
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
+# compiled blocks keep their training graphs
+@torch.compiler.set_stance("force_eager")
 def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -> float:
     """Mean token loss over `rows`; `strategy` (toolkit.parallel.strategy) runs the forward."""
     accelerator = strategy.accelerator
@@ -21,13 +22,15 @@ def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         loss = strategy.eval_loss_sum(model, batch).to(accelerator.device)
         total += bool(held) * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
-    total = accelerator.reduce(total, "sum")  # model-parallel peers count both sums as often: the ratio holds
+    # model-parallel peers count both sums as often: the ratio holds
+    total = accelerator.reduce(total, "sum")
     model.train()
     return (total[0] / total[1]).item()
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # compiled blocks keep their training graphs
+# compiled blocks keep their training graphs
+@torch.compiler.set_stance("force_eager")
 def exact_match(strategy, model, tokenizer, conversations: list, answers: list[str],
                 batch_size: int = 16, max_new_tokens: int = 16) -> tuple[int, int, list[str]]:
     """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
@@ -40,7 +43,8 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
     rank, ranks, replicas = strategy.data.rank, strategy.data.ranks, strategy.data.replicas
     idx = list(range(rank, len(prompts), ranks))
     per_rank = -(-len(prompts) // ranks)
-    idx += [idx[0] if idx else 0] * (per_rank - len(idx))  # equal work on every rank; padding not scored
+    # equal work on every rank; padding not scored
+    idx += [idx[0] if idx else 0] * (per_rank - len(idx))
     n_real = len(range(rank, len(prompts), ranks))
     old_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     correct, samples = 0, []

@@ -68,17 +68,21 @@ def softmax_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     as `target_loss_sum`'s. Static shapes and no host reads: torch.compile fuses it into one kernel
     (measured on CPU inductor), eagerly every in-place op is one pass over the chunk."""
     valid = (targets != IGNORE_INDEX).unsqueeze(1)
-    y = torch.where(valid, targets.unsqueeze(1), 0)  # any column will do on an ignored row
-    z = logits.float()  # the same buffer when the logits are fp32
+    # any column will do on an ignored row
+    y = torch.where(valid, targets.unsqueeze(1), 0)
+    # the same buffer when the logits are fp32
+    z = logits.float()
     target = z.gather(1, y)
     top = z.amax(1, keepdim=True)
     z.sub_(top).exp_()
     norm = z.sum(1, keepdim=True)
     loss = torch.where(valid, top + norm.log() - target, 0.0).sum()
     z.div_(norm)
-    if torch.compiler.is_compiling():  # a column compare fuses into the pass; a scatter would split it
+    # a column compare fuses into the pass; a scatter would split it
+    if torch.compiler.is_compiling():
         z = torch.where(torch.arange(z.size(1), device=z.device) == y, z - 1.0, z)
-    else:  # c elements, where the compare would allocate a (c, V) mask
+    # c elements, where the compare would allocate a (c, V) mask
+    else:
         z.scatter_add_(1, y, torch.full_like(target, -1.0))
     z.mul_(valid)
     if z is not logits:
@@ -118,13 +122,15 @@ class LogitTransform:
 
     def __init__(self, scale: float = 1.0, softcap: float | None = None, read: tuple = ()):
         self.scale, self.softcap = float(scale), softcap
-        self.read = read  # (owner, attribute, identity value) for each transform the forward reads
+        # (owner, attribute, identity value) for each transform the forward reads
+        self.read = read
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> LogitTransform:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", None)
-        if config is None:  # not a transformers model: its head's output is its logits
+        # not a transformers model: its head's output is its logits
+        if config is None:
             return cls()
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         owners = {"model": base, "decoder": getattr(base, getattr(base, "base_model_prefix", "model"), None),
@@ -198,27 +204,34 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         b = bias.to(dtype) if bias is not None else None
         n = len(targets)
         targets = F.pad(targets, (0, -n % chunk), value=IGNORE_INDEX)
-        logits = h.new_zeros(chunk, weight.size(0))  # reused by every chunk; zeros: a short tail stays finite
+        # reused by every chunk; zeros: a short tail stays finite
+        logits = h.new_zeros(chunk, weight.size(0))
         total = h.new_zeros((), dtype=torch.float32)
         d_hidden = torch.empty_like(h) if need_h else None
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         d_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        capped = torch.empty_like(logits) if cap is not None else None  # tanh(z / cap), for its derivative
+        # tanh(z / cap), for its derivative
+        capped = torch.empty_like(logits) if cap is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 rows = slice(start, min(start + chunk, n))
-                z = logits[:rows.stop - start]  # (r, V)
+                # (r, V)
+                z = logits[:rows.stop - start]
                 if b is None:
                     torch.mm(h[rows], w.t(), out=z)
                 else:
                     torch.addmm(b, h[rows], w.t(), out=z)
-                if scale != 1.0:  # the model's logit scale, as its forward applies it
+                # the model's logit scale, as its forward applies it
+                if scale != 1.0:
                     z.mul_(scale)
-                if cap is not None:  # final softcapping: cap * tanh(z / cap)
+                # final softcapping: cap * tanh(z / cap)
+                if cap is not None:
                     torch.div(logits, cap, out=capped).tanh_()
                     torch.mul(capped, cap, out=logits)
-                total += step(logits, targets[start:start + chunk])  # z now holds dlogits
-                if cap is not None:  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+                # z now holds dlogits
+                total += step(logits, targets[start:start + chunk])
+                # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+                if cap is not None:
                     logits.mul_(capped.square_().neg_().add_(1.0))
                 if scale != 1.0:
                     z.mul_(scale)
@@ -299,7 +312,8 @@ def fused_kernel(kind: str, device_type: str, bias: bool, softcap: bool = False,
     if device_type != "cuda":
         raise UserError(f"--loss {kind} runs {package}'s Triton kernels, which need a CUDA GPU; this run is on "
                         f"{device_type}: use --loss chunked (the same loss in PyTorch)")
-    if kind == "cce" and dtype not in HALF:  # its backward asserts it (AssertionError at step 1)
+    # its backward asserts it (AssertionError at step 1)
+    if kind == "cce" and dtype not in HALF:
         raise UserError(f"--loss cce: Cut Cross-Entropy's backward runs in bf16 or fp16 only, and this run's head "
                         f"computes in {str(dtype).removeprefix('torch.')} (--mixed-precision no): use --loss chunked "
                         "(the same loss in PyTorch, any dtype), or --mixed-precision bf16")
@@ -328,8 +342,10 @@ def fused_loss_sum(kind: str, kernel: Callable, h: torch.Tensor, head: torch.nn.
     the weight's dtype (fp32 master weights: fp32); CCE multiplies in its inputs' dtype, so it gets
     autocast's, as F.linear would."""
     scale, cap = (transform.scale, transform.softcap) if transform is not None else (1.0, None)
-    extra = {} if cap is None else {"softcap": cap}  # both kernels cap each chunk's logits themselves
-    if kind == "liger":  # a logit scale folded into the rows and the bias: (s h) W^T + s b = s (h W^T + b)
+    # both kernels cap each chunk's logits themselves
+    extra = {} if cap is None else {"softcap": cap}
+    # a logit scale folded into the rows and the bias: (s h) W^T + s b = s (h W^T + b)
+    if kind == "liger":
         bias = head.bias * scale if head.bias is not None and scale != 1.0 else head.bias
         return kernel(h * scale if scale != 1.0 else h, head.weight, y, bias=bias, ignore_index=IGNORE_INDEX,
                       reduction="sum", **extra).float()
@@ -355,7 +371,8 @@ class FusedLossHead:
         if not isinstance(self.head, torch.nn.Linear):
             raise UserError(f"--loss {kind} needs a linear LM head; this model has {type(self.head).__name__}")
         self.kind, self.chunk, self.compiled, self.kernel = kind, chunk, compiled, kernel
-        self.transform = LogitTransform.of(model)  # applied here, the model's own turned off (`labels`)
+        # applied here, the model's own turned off (`labels`)
+        self.transform = LogitTransform.of(model)
         self.compile_error: str | None = None
         self._labels, self._shifted, self._rows = None, False, None
         original = self.head.forward
@@ -369,18 +386,21 @@ class FusedLossHead:
 
     def restore(self) -> None:
         """The LM head's own forward back (full logits from here on)."""
-        del self.head.forward  # the instance attribute set above; the class's forward shows through again
+        # the instance attribute set above; the class's forward shows through again
+        del self.head.forward
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is None and hidden.device.type == "cpu":  # host memory: finding the targets waits for nothing
+        # host memory: finding the targets waits for nothing
+        if rows is None and hidden.device.type == "cpu":
             rows = target_rows(labels, shifted)
         h, y = flat_targets(hidden, labels, shifted, rows)
         if self.kind != "chunked":
             return fused_loss_sum(self.kind, self.kernel, h, self.head, y, self.transform)
         try:
             return linear_cross_entropy_sum(h, self.head, y, self.chunk, self.compiled, self.transform)
-        except torch._dynamo.exc.TorchDynamoException as e:  # no working compiler (C++ on CPU, Triton on CUDA)
+        # no working compiler (C++ on CPU, Triton on CUDA)
+        except torch._dynamo.exc.TorchDynamoException as e:
             if not self.compiled:
                 raise
             self.compiled, self.compile_error = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -42,7 +42,8 @@ class SFT:
     """Supervised finetuning on the assistant's tokens (`toolkit.objectives.base.Objective`)."""
 
     eval_metric = "eval_loss"
-    loss: Loss | None = None  # the loss head's own token loss
+    # the loss head's own token loss
+    loss: Loss | None = None
 
     def __init__(self, cfg):
         self.cfg, self.name = cfg, cfg.train.objective

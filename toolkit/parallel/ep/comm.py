@@ -25,7 +25,8 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group, phase: s
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
     if traffic.wanted("ep"):
         row = x[0].numel() * x.element_size() if len(x) else 0
-        traffic.add("ep", phase, (len(x) - send[dist.get_rank(group)]) * row)  # what leaves this rank
+        # what leaves this rank
+        traffic.add("ep", phase, (len(x) - send[dist.get_rank(group)]) * row)
     return out
 
 

@@ -87,7 +87,8 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
         raise UserError(f"--ep {n}: found no routed-experts module (a forward taking hidden_states, top_k_index, "
                         "top_k_weights) in this model; drop --ep")
     cuts = cuts if cuts is not None else {}
-    names = {id(m): n for n, m in model.named_modules()}  # the experts modules stay, their parameters change
+    # the experts modules stay, their parameters change
+    names = {id(m): n for n, m in model.named_modules()}
     holders = []
     for module in modules:
         experts = module.num_experts
@@ -120,8 +121,9 @@ def apply_expert_parallel(model: nn.Module, group, cuts: dict[str, Cut] | None =
                 cuts[f"{at}.lora_A.{adapter}.weight"] = Cut(ep=Slice(0, rank, n, group))
                 cuts[f"{at}.lora_B.{adapter}.weight"] = Cut(ep=Slice(Packed(1, (experts,) * r), rank, n, group))
             wrapper.num_experts = local
-        module.num_experts, module.ep_experts = local, experts  # ep_experts: the global count (router_load)
-        owner = (_peft_wrappers(model, module) or [module])[0]  # the outermost: holds every expert parameter
+        # ep_experts: the global count (router_load) the outermost: holds every expert parameter
+        module.num_experts, module.ep_experts = local, experts
+        owner = (_peft_wrappers(model, module) or [module])[0]
         holders.append(owner)
         module.forward = _routed_forward(owner, module.forward, group, experts)
         if tp_group is not None:
@@ -173,21 +175,28 @@ def _routed_forward(owner: nn.Module, local_forward, group, experts: int):
         if hidden.dim() != 2:
             raise RuntimeError(f"expert parallel expects [tokens, hidden] states, got {tuple(hidden.shape)}")
         k = index.shape[-1]
-        order = torch.argsort(index.reshape(-1), stable=True)  # 1. pairs sorted by expert
+        # 1. pairs sorted by expert
+        order = torch.argsort(index.reshape(-1), stable=True)
         token = order // k
         counts = torch.bincount(index.reshape(-1), minlength=experts)
-        arriving = exchange_counts(counts, group)  # 2. [source rank, my expert]
+        # 2. [source rank, my expert]
+        arriving = exchange_counts(counts, group)
         send = counts.view(n, -1).sum(1).tolist()
         recv = arriving.sum(1).tolist()
-        x = all_to_all(hidden[token], recv, send, group)  # 3. dispatch
+        # 3. dispatch
+        x = all_to_all(hidden[token], recv, send, group)
         mine = torch.arange(experts // n, device=hidden.device).repeat(n).repeat_interleave(arriving.reshape(-1))
-        y = local_forward(x, mine[:, None], torch.ones(len(x), 1, dtype=weights.dtype, device=hidden.device))  # 4.
-        if len(x) == 0:  # no token came: an eager forward returns zeros tied to nothing, but the dispatch's
+        # 4.
+        y = local_forward(x, mine[:, None], torch.ones(len(x), 1, dtype=weights.dtype, device=hidden.device))
+        # no token came: an eager forward returns zeros tied to nothing, but the dispatch's
+        if len(x) == 0:
             # backward must still run (its peers wait in theirs) and the experts take part in the gradient
             # reduction (zeros)
             y = y + (x.sum() + sum(p.reshape(-1)[:1].sum() for p in owner.parameters())) * 0
-        back = all_to_all(y, send, recv, group)  # 5. combine
-        scaled = back * weights.reshape(-1)[order, None]  # in the weights' dtype, as the module's own product
+        # 5. combine
+        back = all_to_all(y, send, recv, group)
+        # in the weights' dtype, as the module's own product
+        scaled = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden).index_add(0, token, scaled.to(hidden.dtype))
 
     return forward

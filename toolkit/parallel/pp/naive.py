@@ -35,7 +35,8 @@ def split_microbatches(batch: dict[str, torch.Tensor], m: int) -> list[dict[str,
 
 def stage_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What every stage is given besides the activations: the padding mask, or the packed positions."""
-    if "position_ids" in batch:  # packed: per-example positions make the block-diagonal mask
+    # packed: per-example positions make the block-diagonal mask
+    if "position_ids" in batch:
         return {"position_ids": batch["position_ids"]}
     return {"attention_mask": batch["attention_mask"]}
 
@@ -55,9 +56,11 @@ class NaivePipeline(nn.Module):
                  sample_shape: tuple[int, int] | None = None, autocast_dtype: torch.dtype | None = None,
                  loss_fn=token_loss_sum):
         super().__init__()
-        self.loss_fn = loss_fn  # (logits, labels) -> summed loss
+        # (logits, labels) -> summed loss
+        self.loss_fn = loss_fn
         parts = decoder_parts(model)
-        self.__dict__["model"] = model  # not a submodule: parameters() are the stages' (shared) ones
+        # not a submodule: parameters() are the stages' (shared) ones
+        self.__dict__["model"] = model
         self.devices, self.microbatches = devices, microbatches
         self.sizes = split_sizes(parts, len(devices), by, sample_shape, devices[0])
         bounds = stage_bounds(self.sizes)
@@ -67,7 +70,8 @@ class NaivePipeline(nn.Module):
         tied = parts.head.weight is parts.embed.weight
         for stage, device in zip(self.stages, devices):
             for name, child in stage.named_children():
-                if not (tied and name == "head"):  # a tied head stays with the embeddings on stage 0
+                # a tied head stays with the embeddings on stage 0
+                if not (tied and name == "head"):
                     child.to(device)
         if parts.rotary is not None:
             parts.rotary.to(devices[0])

@@ -17,7 +17,8 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.objectives.sft.loss import LogitTransform
-from toolkit.planner.stages import balance, stage_bounds  # pure: the planner cuts the same way
+# pure: the planner cuts the same way
+from toolkit.planner.stages import balance, stage_bounds
 
 
 # the attention kinds whose masks transformers builds from the 2D mask and positions alone
@@ -33,14 +34,18 @@ class DecoderParts:
     blocks) in the decoder the model class names (`base_model_prefix`: `model`, `gpt_neox`), and the
     model's LM head (`get_output_embeddings`) with its logit transform."""
     config: object
-    decoder: nn.Module            # the base model: its forward makes the embeddings (`embeddings`)
-    before: dict[str, nn.Module]  # the plan's entries before the blocks: the embedding first
-    blocks: str                   # the plan's entry that runs per layer
+    # the base model: its forward makes the embeddings (`embeddings`) the plan's entries before the blocks: the
+    # embedding first the plan's entry that runs per layer
+    decoder: nn.Module
+    before: dict[str, nn.Module]
+    blocks: str
     layers: list[nn.Module]
-    after: dict[str, nn.Module]   # the plan's entries after the blocks: the final norm
-    rotary: nn.Module | None      # the decoder's `rotary_emb`, where it has one
+    # the plan's entries after the blocks: the final norm the decoder's `rotary_emb`, where it has one
+    after: dict[str, nn.Module]
+    rotary: nn.Module | None
     head: nn.Module
-    transform: LogitTransform     # what the model's forward does to the head's logits
+    # what the model's forward does to the head's logits
+    transform: LogitTransform
 
     @property
     def embed(self) -> nn.Module:
@@ -122,7 +127,8 @@ def decoder_parts(model: nn.Module, flag: str = "--pp") -> DecoderParts:
     if unknown:
         raise UserError(f"{flag}: {what} has {', '.join(unknown)} layers, whose state pipeline stages do not "
                         f"carry (they run {', '.join(MASKED_LAYER_TYPES)})")
-    if getattr(config, "use_bidirectional_attention", False):  # masks the stages' causal ones would not match
+    # masks the stages' causal ones would not match
+    if getattr(config, "use_bidirectional_attention", False):
         raise UserError(f"{flag}: {what} sets use_bidirectional_attention, which pipeline stages do not run")
     at = plan.index(blocks[0])
     return DecoderParts(config, decoder, {n: modules[n] for n in plan[:at]}, blocks[0], list(modules[blocks[0]]),
@@ -225,7 +231,8 @@ class DecoderStage(nn.Module):
     def __init__(self, parts: DecoderParts, start: int, stop: int, first: bool, last: bool,
                  autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        self.parts = parts  # a dataclass, not a module: the stage registers only the pieces it holds
+        # a dataclass, not a module: the stage registers only the pieces it holds
+        self.parts = parts
         self.config, self.start, self.first, self.last = parts.config, start, first, last
         self.before = nn.ModuleList(parts.before.values()) if first else None
         self.layers = nn.ModuleList(parts.layers[start:stop])
@@ -233,7 +240,8 @@ class DecoderStage(nn.Module):
         self.head = parts.head if last else None
         self.rotary = parts.rotary
         self.autocast_dtype = autocast_dtype
-        self.keep_hidden, self.kept = False, None  # the last stage's final hidden states, for the loss check
+        # the last stage's final hidden states, for the loss check
+        self.keep_hidden, self.kept = False, None
 
     @property
     def embed(self) -> nn.Module | None:
@@ -248,7 +256,8 @@ class DecoderStage(nn.Module):
     def _forward(self, x, attention_mask, position_ids, device) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=device).unsqueeze(0).expand(x.shape[0], -1)
-        if self.first:  # a tied embedding may live on another stage's device
+        # a tied embedding may live on another stage's device
+        if self.first:
             at = self.embed.weight.device
             x = self.parts.embeddings(x.to(at), attention_mask.to(at) if attention_mask is not None else None,
                                       position_ids.to(at))

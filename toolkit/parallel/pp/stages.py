@@ -26,8 +26,10 @@ from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage
 from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, stage_bounds
 from toolkit.objectives.sft.loss import count_targets, token_loss_sum
 
-PAD_MULTIPLE = 64  # sequences are padded to a multiple of this: a pipeline stage is built per shape
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")  # (B, T): what the stages are given
+# sequences are padded to a multiple of this: a pipeline stage is built per shape
+PAD_MULTIPLE = 64
+# (B, T): what the stages are given
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class PipelineLayout:
     dp_rank: int
     pp_group: Any
     dp_group: Any
-    tie_group: Any  # {first stage, last stage} of this pipeline
+    # {first stage, last stage} of this pipeline
+    tie_group: Any
 
 
 def make_pipeline_layout(pp: int, mesh=None) -> PipelineLayout:
@@ -100,9 +103,11 @@ class StagePipeline(nn.Module):
         """This rank's stage of `model`, blocks by `sizes`; `sharded`: FSDP2 shards the stage
         (`toolkit.parallel.parallelize.apply_stages`, after this), and its policy is the mixed precision."""
         super().__init__()
-        self.loss_fn = loss_fn  # (logits, labels) -> summed loss, computed on the last stage
+        # (logits, labels) -> summed loss, computed on the last stage
+        self.loss_fn = loss_fn
         parts = decoder_parts(model)
-        self.__dict__["model"] = model  # not a submodule: parameters() are this rank's stage only
+        # not a submodule: parameters() are this rank's stage only
+        self.__dict__["model"] = model
         self.layout, self.sizes, self.microbatches = layout, sizes, microbatches
         self.schedule_name, self.device, self.pad_id = schedule, device, pad_id
         start, stop = stage_bounds(sizes)[layout.pp_rank]
@@ -138,7 +143,8 @@ class StagePipeline(nn.Module):
                 f"(p-1)/(m+p-1) = {bubble_fraction(self.layout.pp, self.microbatches):.1%}")
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self._logps_only:  # a row's log-probability per record; nothing to back-propagate
+        # a row's log-probability per record; nothing to back-propagate
+        if self._logps_only:
             from toolkit.objectives.preference.functions import sequence_logps
 
             self._losses.append(sequence_logps(logits, target)[0].detach().double())
@@ -172,7 +178,8 @@ class StagePipeline(nn.Module):
         given = batch
         batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)
         extra = {k: v.to(self.device) for k, v in stage_inputs(batch).items()}
-        if "position_ids" not in extra:  # every stage builds its mask from the same positions
+        # every stage builds its mask from the same positions
+        if "position_ids" not in extra:
             b, t = batch["input_ids"].shape
             extra["position_ids"] = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t).contiguous()
         schedule = self._schedule(tuple(batch["input_ids"].shape), m, tuple(sorted(extra)), train)
@@ -180,12 +187,14 @@ class StagePipeline(nn.Module):
         target = None
         if self.last:
             target = batch["labels"]
-            if self._objective is not None:  # the padded sequences, and the rows' own values (a reference's)
+            # the padded sequences, and the rows' own values (a reference's)
+            if self._objective is not None:
                 target, self._rows = pack_rows({**given, **batch})
             target = target.to(self.device)
         self._losses, self._metrics = [], []
         kept = None
-        if self._objective is not None:  # the step's sums so far, apart from this batch's (`_loss` takes them)
+        # the step's sums so far, apart from this batch's (`_loss` takes them)
+        if self._objective is not None:
             kept = self._objective.take_metrics()
         (schedule.step if train else schedule.eval)(*args, target=target, losses=[] if self.last else None,
                                                     return_outputs=False, **extra)
@@ -199,7 +208,8 @@ class StagePipeline(nn.Module):
                      else torch.zeros((), dtype=torch.float64, device=self.device))
         # every rank of the pipeline reports the loss the last stage computed
         dist.broadcast(total, group=self.layout.pp_group, group_src=self.layout.pp - 1)
-        if self._objective is not None:  # and the objective's metrics, for the step's record
+        # and the objective's metrics, for the step's record
+        if self._objective is not None:
             sums = (torch.stack(self._metrics[-m:]).sum(0).to(self.device) if self.last
                     else torch.zeros(self._objective.metric_width, dtype=torch.float64, device=self.device))
             dist.broadcast(sums, group=self.layout.pp_group, group_src=self.layout.pp - 1)
@@ -237,7 +247,8 @@ class StagePipeline(nn.Module):
         """(the loss per target token as the last stage computes it, the model's own loss on the same
         final hidden states: `split.own_loss`) on `batch`, on the last stage; None on the others. One
         pipeline forward: every rank of the pipeline group calls it."""
-        batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)  # as `_run` pads it: the kept states' length
+        # as `_run` pads it: the kept states' length
+        batch = pad_to_multiple(batch, PAD_MULTIPLE, self.pad_id)
         self.stage.keep_hidden = self.last
         try:
             total = self._run(batch, 1, train=False)
@@ -246,7 +257,8 @@ class StagePipeline(nn.Module):
         if not self.last:
             return None
         hidden, self.stage.kept = self.stage.kept, None
-        if self.sharded:  # the LM head whole while the model's own forward runs it (collective over the shard group)
+        # the LM head whole while the model's own forward runs it (collective over the shard group)
+        if self.sharded:
             self.stage.unshard()
         try:
             with autocast(self.device, self.stage.autocast_dtype):
@@ -315,10 +327,13 @@ class StagePipeline(nn.Module):
         with torch.no_grad():
             for state in every:
                 for n, v in state.items():
-                    if n not in self.names:  # this rank's own are current
+                    # this rank's own are current
+                    if n not in self.names:
                         params[n].copy_(v)
-        if self.sharded:  # stays where it is: after training the weights the stage holds outside its blocks
-            if to_cpu:    # (embedding, norm, head) become whole tensors; blocks gather theirs in every forward
+        # stays where it is: after training the weights the stage holds outside its blocks (embedding, norm, head)
+        # become whole tensors; blocks gather theirs in every forward
+        if self.sharded:
+            if to_cpu:
                 self._unshard_outside_blocks()
             return self.model
         return self.model.to("cpu") if to_cpu else self.model

@@ -31,8 +31,10 @@ def pipeline_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
 class PipelineStrategy(Parts, Strategy):
     """Stages over the mesh's `pp` groups (`parallelism.stages.layout`), or every stage in this process."""
 
-    whole_batches = False  # cut into pipeline micro-batches
-    pipe = None  # the stages and their schedule, from `prepare`; None again once exported
+    # cut into pipeline micro-batches
+    whole_batches = False
+    # the stages and their schedule, from `prepare`; None again once exported
+    pipe = None
 
     @property
     def sharded(self) -> bool:
@@ -44,7 +46,8 @@ class PipelineStrategy(Parts, Strategy):
 
         # the stage split may be timed on a real micro-batch's shape; padding as the loader pads
         sample = (loader.batch_size, longest_row(loader.dataset, self.settings.seq_len))
-        fn = loader.collate_fn  # a partial of collate, or a stream's StreamCollate
+        # a partial of collate, or a stream's StreamCollate
+        fn = loader.collate_fn
         pad_id = fn.pad_id if hasattr(fn, "pad_id") else fn.keywords["pad_id"]
         # full logits on the last stage; an objective's dropout off, an MoE model's load counted
         self.loss.choose(model, "full")
@@ -80,18 +83,23 @@ class PipelineStrategy(Parts, Strategy):
         first, in a forward of the whole pipeline with the adapters disabled."""
         total = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         objective = self.loss.objective
-        for batch in micro:  # the stages run forward and backward themselves
+        # the stages run forward and backward themselves
+        for batch in micro:
             ref = objective.reference_logps(model, batch) if objective is not None else None
-            if ref is not None:  # LoRA's through `pipeline_logps`, adapters off; a precomputed one as it came
+            # LoRA's through `pipeline_logps`, adapters off; a precomputed one as it came
+            if ref is not None:
                 batch = {**batch, "ref_logps": ref}
             total += self.pipe.train_step(batch, scale=scale, objective=objective).to(total.device)
-        self.pipe.finish_grads()  # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
-        if self.sharded:  # the TP gradient hooks went with the parameters FSDP2 replaced
+        # tied embedding halves summed; gradients summed over dp (loss_scale: x 1)
+        self.pipe.finish_grads()
+        # the TP gradient hooks went with the parameters FSDP2 replaced
+        if self.sharded:
             self.parallelized.reduce_partial_grads(self.pipe.model)
         return total
 
     def clip_grad_norm(self, model, max_norm: float):
-        if self.mesh is None:  # the naive pipeline: every stage in this process
+        # the naive pipeline: every stage in this process
+        if self.mesh is None:
             return self.pipe.clip_grad_norm(max_norm)
         ep, _, expert_shard = self.mesh.expert_groups()
         shard = self.mesh.group("dp_shard") if self.sharded else None
@@ -101,7 +109,8 @@ class PipelineStrategy(Parts, Strategy):
         return self.accelerator.device if self.pipe is not None else next(model.parameters()).device
 
     def eval_loss_sum(self, model, batch: dict) -> torch.Tensor:
-        if self.pipe is not None:  # logits exist on the last stage only
+        # logits exist on the last stage only
+        if self.pipe is not None:
             return self.pipe.loss_sum(batch)
         return Strategy.eval_loss_sum(self, model, batch)
 

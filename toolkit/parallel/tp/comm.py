@@ -24,7 +24,8 @@ def group_size(group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group, phase: str) -> torch.Tensor:
-    x = x.contiguous().clone()  # never reduce into a tensor autograd may still need
+    # never reduce into a tensor autograd may still need
+    x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     if traffic.wanted("tp"):
         traffic.add("tp", phase, x.numel() * x.element_size())

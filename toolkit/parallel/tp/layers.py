@@ -91,7 +91,8 @@ class RowParallelLinear(nn.Linear):
         layer = _empty_linear(cls, linear.in_features // t, linear.out_features)
         layer.weight = shard(linear.weight, 1, group)
         layer.bias = None
-        if linear.bias is not None:  # full on every rank; its gradient comes from the reduced output
+        # full on every rank; its gradient comes from the reduced output
+        if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         layer.group, layer.input_is_parallel = group, input_is_parallel
         return layer

@@ -55,7 +55,8 @@ from toolkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, 
 
 LOCAL_SIZES = ("num_attention_heads", "num_heads", "num_key_value_heads", "intermediate_size")
 
-Record = dict[str, Cut]  # the run's table of cuts: full parameter name -> how the plan cut it
+# the run's table of cuts: full parameter name -> how the plan cut it
+Record = dict[str, Cut]
 
 
 def text_config(config):
@@ -153,7 +154,8 @@ def _region_parts(module: nn.Module, region: Region, config, t: int) -> dict[str
 
 def _linear(parent: nn.Module, name: str) -> nn.Module:
     target = parent.get_submodule(name)
-    return getattr(target, "base_layer", target)  # peft LoRA wraps the nn.Linear
+    # peft LoRA wraps the nn.Linear
+    return getattr(target, "base_layer", target)
 
 
 def _tp_cut(split: "int | Packed", group) -> Cut:
@@ -175,7 +177,8 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
                       parts: tuple[int, ...] | None = None, gathered: bool = False) -> None:
     """Replace `parent`'s projection `name` (`at`: `parent`'s name in the model) by its column or row layer,
     and its LoRA adapters by theirs, recording each cut parameter."""
-    target, base = parent.get_submodule(name), _linear(parent, name)  # an nn.Linear: `_check_region`
+    # an nn.Linear: `_check_region`
+    target, base = parent.get_submodule(name), _linear(parent, name)
     try:
         if kind == "column":
             sharded = ColumnParallelLinear.from_linear(base, group, gather_output=gathered, copy_input=gathered,
@@ -187,14 +190,16 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
     at = f"{at}.{name}"
     layer = at if target is base else f"{at}.base_layer"
     record[f"{layer}.weight"] = _tp_cut(split_of(0, parts) if kind == "column" else 1, group)
-    if kind == "column" and sharded.bias is not None:  # a row layer's bias is whole, added after the sum
+    # a row layer's bias is whole, added after the sum
+    if kind == "column" and sharded.bias is not None:
         record[f"{layer}.bias"] = _tp_cut(split_of(0, parts), group)
     if target is base:
         owner, _, leaf = name.rpartition(".")
         setattr(parent.get_submodule(owner) if owner else parent, leaf, sharded)
         return
     target.base_layer = sharded
-    if gathered:  # adapters whole: they read the whole input and add to the whole output
+    # adapters whole: they read the whole input and add to the whole output
+    if gathered:
         return
     target.in_features, target.out_features = sharded.in_features, sharded.out_features
     for adapter in target.lora_A:
@@ -204,9 +209,11 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
             if lora_b.bias is not None:
                 lora_b.bias = _shard(lora_b.bias, 0, group, record, f"{at}.lora_B.{adapter}.bias", parts)
             lora_b.out_features = lora_b.weight.shape[0]
-            for n, p in lora_a.named_parameters():  # replicated inside the region: each rank's gradient is partial
+            # replicated inside the region: each rank's gradient is partial
+            for n, p in lora_a.named_parameters():
                 _sum_grad(p, group, record, f"{at}.lora_A.{adapter}.{n}")
-        else:  # lora_B stays whole: its gradient comes from the reduced output
+        # lora_B stays whole: its gradient comes from the reduced output
+        else:
             lora_a.weight = _shard(lora_a.weight, 1, group, record, f"{at}.lora_A.{adapter}.weight")
             lora_a.in_features = lora_a.weight.shape[1]
             lora_a.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
@@ -218,7 +225,8 @@ def _shard_projection(parent: nn.Module, name: str, kind: str, group, where: str
 def _sum_grad(p: nn.Parameter, group, record: Record, name: str) -> None:
     if p.requires_grad:
         p.register_hook(all_reduce_grad(group))
-        record[name] = Cut(partial=True)  # for FSDP2, which replaces the parameter (and its hook)
+        # for FSDP2, which replaces the parameter (and its hook)
+        record[name] = Cut(partial=True)
 
 
 def _copy_input(module: nn.Module, group):
@@ -260,7 +268,8 @@ def _check_region(i: int, block: nn.Module, region: Region, blocks: str) -> None
                         f"base_model_tp_plan does not fit '{blocks}.{i}.{region.path}' (found {found})")
     owned = (*region.columns, region.row, *region.replicated)
     stray = [n for n, _ in module.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
-    if stray and not region.gathered:  # a per-head weight (Cohere's qk norms) would not fit this rank's heads
+    # a per-head weight (Cohere's qk norms) would not fit this rank's heads
+    if stray and not region.gathered:
         raise UserError(f"--tp: {blocks}.{i}.{region.path}.{stray[0]} sits between the column and row projections "
                         "but base_model_tp_plan gives it no style; drop --tp for this model")
     for kind, name in [*(("column", c) for c in region.columns), ("row", region.row)]:
@@ -279,8 +288,10 @@ def _split_experts(module: nn.Module, region: Region, group, where: str, record:
             raise UserError(f"--tp: {where}.{name} is not a stacked [experts, out, in] weight (LoRA on the experts "
                             "wraps them; TP does not split those adapters yet): use --method full, or drop --tp")
     try:
-        for name in region.columns:  # a fused gate_up is [gate; up], chunked in two by every transformers 5
-            full = getattr(module, name)  # experts forward, so split by parts even where the plan says colwise
+        # a fused gate_up is [gate; up], chunked in two by every transformers 5
+        for name in region.columns:
+            # experts forward, so split by parts even where the plan says colwise
+            full = getattr(module, name)
             parts = (full.shape[1] // 2,) * 2 if name in region.packed or "gate_up" in name else None
             setattr(module, name, _shard(full, 1, group, record, f"{at}.{name}", parts))
         setattr(module, region.row, _shard(getattr(module, region.row), 2, group, record, f"{at}.{region.row}"))
@@ -291,7 +302,8 @@ def _split_experts(module: nn.Module, region: Region, group, where: str, record:
             setattr(module, attr, getattr(module, attr) // t)
     names = list(inspect.signature(module.forward).parameters)
 
-    def copy_in(_module, args, kwargs):  # the tokens and their routing weights: whole gradients back
+    # the tokens and their routing weights: whole gradients back
+    def copy_in(_module, args, kwargs):
         args = [copy_to_tp(a, group) if i in (0, 2) else a for i, a in enumerate(args)]
         kwargs = {k: copy_to_tp(v, group) if k in (names[0], names[2]) else v for k, v in kwargs.items()}
         return tuple(args), kwargs
@@ -311,7 +323,8 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str, 
     if region.gathered:
         found = _region_parts(module, region, config, t)
         local, parts = found is not None, found or {}
-    else:  # a parameter between the projections without a style: refused by `tp_fit`
+    # a parameter between the projections without a style: refused by `tp_fit`
+    else:
         local = True
     for column in region.columns:
         _shard_projection(module, column, "column", group, where, record, at, parts.get(column), gathered=not local)
@@ -322,7 +335,8 @@ def _split_region(module: nn.Module, region: Region, group, config, where: str, 
     for name in region.replicated:
         for n, p in module.get_submodule(name).named_parameters():
             _sum_grad(p, group, record, f"{at}.{name}.{n}")
-    for attr in LOCAL_SIZES:  # some modules keep their own head counts
+    # some modules keep their own head counts
+    for attr in LOCAL_SIZES:
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, getattr(module, attr) // t)
     if hasattr(module, "config"):
@@ -350,12 +364,14 @@ def tp_fit(model: nn.Module, plan: TPPlan) -> list[tuple[int, Region]]:
     fit = [(i, region) for region in plan.regions for i, block in enumerate(blocks) if _applies(block, region, plan)]
     held = {region.path for _, region in fit}
     for region in plan.regions:
-        slot = region.path.split(".")[0]  # the block's module the region sits in: `mlp`, `self_attn`
+        # the block's module the region sits in: `mlp`, `self_attn`
+        slot = region.path.split(".")[0]
         if not any(path.split(".")[0] == slot for path in held):
             raise UserError(f"--tp: base_model_tp_plan region '{plan.blocks}.*.{region.path}' matches no module in "
                             f"{type(blocks[0]).__name__}")
     for i, region in fit:
-        if not region.experts:  # an experts module's weights are checked as they are split
+        # an experts module's weights are checked as they are split
+        if not region.experts:
             _check_region(i, blocks[i], region, plan.blocks)
     return fit
 
@@ -394,7 +410,8 @@ def apply_tensor_parallel(model: nn.Module, group, cuts: Record | None = None,
     plan = tp_plan_of(model.config)
     config = text_config(model.config)
     blocks = decoder_blocks(model, plan.blocks)
-    names = {id(m): n for n, m in model.named_modules()}  # the regions' modules stay, their projections change
+    # the regions' modules stay, their projections change
+    names = {id(m): n for n, m in model.named_modules()}
     how, record = {}, cuts if cuts is not None else {}
     for i, region in tp_fit(model, plan):
         if region.experts and skip_experts:
@@ -404,7 +421,8 @@ def apply_tensor_parallel(model: nn.Module, group, cuts: Record | None = None,
         how[region.path] = _split_region(module, region, group, config, f"{plan.blocks}.{i}.{region.path}", record,
                                          names[id(module)])
     unknown = set(record) - dict(model.named_parameters()).keys()
-    if unknown:  # the names the plan wrote are the model's own, or the table would miss its cuts
+    # the names the plan wrote are the model's own, or the table would miss its cuts
+    if unknown:
         raise RuntimeError(f"--tp: cuts recorded under names the model does not have: {sorted(unknown)[:3]}")
     outside = ", ".join(plan.outside + ("lm_head",))
     # not `tp_size`: transformers reserves that for its own TP
