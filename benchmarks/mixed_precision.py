@@ -1,7 +1,8 @@
 """What FSDP2's mixed-precision policy changes in the numerics, against autocast.
 
 The embedded default model (SmolLM2-135M, real weights: its first --layers blocks, embedding, final norm
-and head; bf16 matmuls are slow on a CPU), one batch of the builtin data, full finetune: the loss and the gradients of one forward/backward in fp32 (the reference), under bf16
+and head; bf16 matmuls are slow on a CPU), one batch of the builtin data, full finetune: the loss and the gradients of
+one forward/backward in fp32 (the reference), under bf16
 autocast with fp32 weights (DDP and one process), and under FSDP2's policy (`toolkit.parallel.fsdp`:
 bf16 gathers, fp32 reductions, no autocast; one gloo rank). Reports each one's loss error and the
 relative L2 error of the gradients against fp32, and the dtype each variant computes the residual

@@ -5,7 +5,8 @@ Method. Every figure is a fresh `python` process, as a user runs it, with warm c
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
 timed `--repeats` times and the median reported, beside the floor no toolkit change can go under:
 a process that only imports what the run needs (torch, the model's transformers class, peft,
-accelerate, pyarrow; the packages `toolkit.cli.startup` leaves unimported for the run left out the same way), timed the same
+accelerate, pyarrow; the packages `toolkit.cli.startup` leaves unimported for the run left out the same way), timed the
+same
 way, interleaved with the runs. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
 and "imports and config" is the time from the process's start to the first of them; `main()` is called
@@ -71,7 +72,8 @@ for mod, name in {phases!r}:  # parse_config is imported into finetune at module
     wrap(finetune if mod == "toolkit.config" else importlib.import_module(mod), name)
 sys.argv = ["finetune.py", *{argv!r}]
 finetune.main()  # as the command line calls it (no argv: the process is the run's own)
-print("RESULT " + json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() - t0}}))
+print("RESULT " + json.dumps({{"phases": timings, "to_first_phase": starts[0] - t0, "total": time.perf_counter() -
+t0}}))
 """
 
 

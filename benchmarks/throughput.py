@@ -16,9 +16,11 @@ kernel: the toolkit's and Trainer's default (`adamw_torch_fused`), and the raw l
 `fused=True` so that toolkit / raw measures the loop around the same kernels. All arms read the same batches in
 the same order (the toolkit's epoch-0 permutation), so they do the same work. The table gives
 medians, min-max spread and ratios; MFU uses one FLOP count (toolkit.train.flops, PaLM's 6N + 12LhT;
-a toolkit arm's head counted as it logs it: on target tokens only where its loss skips the others) and one peak: the best of the
+a toolkit arm's head counted as it logs it: on target tokens only where its loss skips the others) and one peak: the
+best of the
 matmul probes taken by the parent after the runs and by each run after its timed steps. Each run
-also reports torch.cuda.max_memory_allocated on a GPU, so arms compare at their memory. (d) TRL's SFTTrainer joins when `trl` imports
+also reports torch.cuda.max_memory_allocated on a GPU, so arms compare at their memory. (d) TRL's SFTTrainer joins when
+`trl` imports
 (it is not a toolkit dependency: `pip install --no-deps --target /tmp/trlpkg trl` and run with
 PYTHONPATH=/tmp/trlpkg); it gets the same pre-tokenized rows and collator, so it skips its own
 tokenization, and keeps its per-step extras (token accuracy, entropy) as users get them.

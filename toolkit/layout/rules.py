@@ -16,7 +16,8 @@ from toolkit.layout.dims import ParallelDims, infer_dims
 from toolkit.layout.flags import ParallelConfig
 from toolkit.layout.tp_regions import NotExpressible, read_tp_plan
 
-# Losses that fuse the LM head into the loss (`toolkit.objectives.sft.loss`); the pipeline's last stage computes full logits
+# Losses that fuse the LM head into the loss (`toolkit.objectives.sft.loss`); the pipeline's last stage computes full
+# logits
 FUSED_LOSSES = ("chunked", "liger", "cce")
 
 

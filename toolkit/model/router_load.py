@@ -2,7 +2,8 @@
 
 transformers 5 calls every routed-experts module of every MoE architecture the same way,
 `experts(hidden_states, top_k_index, top_k_weights)` (Mixtral, Qwen3-MoE, DeepSeek-V3; gpt-oss names
-them `router_indices`, `routing_weights`), whatever the experts' form inside: the model says where its experts are by that signature, and a
+them `router_indices`, `routing_weights`), whatever the experts' form inside: the model says where its experts are by
+that signature, and a
 forward pre-hook on each counts the tokens routed to each expert, on the device (no read-back), for
 the training forwards only (not evaluation, a reference or a KL forward without gradients, nor the
 recomputation of a checkpointed block in backward). Padding is not counted where the 2-D mask the

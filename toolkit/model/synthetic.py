@@ -147,7 +147,8 @@ _TINY_EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num
 
 def tiny_preset(preset: dict) -> PretrainedConfig:
     """The config of a preset's tiny model (`preset`: its published values, `toolkit.planner.presets.PRESETS`;
-    its `layer_types` and class defaults resolved as the published model's are; `AutoModelForCausalLM.from_config` builds it, `build_zoo_model_dir`'s steps
+    its `layer_types` and class defaults resolved as the published model's are; `AutoModelForCausalLM.from_config`
+    builds it, `build_zoo_model_dir`'s steps
     save it). The block count: 2, or one period of the layer pattern and the first routed layer, whichever
     is more (Gemma 3's 5 sliding : 1 full, 6 blocks; DeepSeek-V3's 3 dense blocks then a routed one, 4)."""
     from transformers import AutoConfig

@@ -1,8 +1,10 @@
 """What a strategy's step computes as its loss: one micro-batch's summed token loss through full logits
 or a fused head (`toolkit.objectives.sft.loss`), an objective's (`toolkit.objectives.base`: the preference objectives of
-`toolkit.objectives.preference.loss`), and the router load-balancing loss the model adds (`toolkit.model.router_load` counts its
+`toolkit.objectives.preference.loss`), and the router load-balancing loss the model adds (`toolkit.model.router_load`
+counts its
 experts' tokens). Every strategy composes one `LossHead`, given at construction with the objective's loss
-(`toolkit.objectives.base.Objective.make_loss`); the layout only decides how the batch reaches it. The loop reads what it
+(`toolkit.objectives.base.Objective.make_loss`); the layout only decides how the batch reaches it. The loop reads what
+it
 gathered once a step (`take_metrics`), never its parts.
 """
 

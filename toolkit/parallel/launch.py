@@ -8,7 +8,8 @@ deepspeed 0.19; `tests/test_launchers.py` runs every form):
 |---|---|---|
 | `python finetune.py` | none | - |
 | `accelerate launch`, one process, no DeepSpeed/FSDP | none | ACCELERATE_MIXED_PRECISION |
-| `accelerate launch --use_deepspeed/--use_fsdp/--multi_gpu` or a config naming one | all (torch.distributed.run inside) | ACCELERATE_USE_DEEPSPEED/_FSDP |
+| `accelerate launch --use_deepspeed/--use_fsdp/--multi_gpu` or a config naming one | all (torch.distributed.run
+inside) | ACCELERATE_USE_DEEPSPEED/_FSDP |
 | `torchrun` | all | TORCHELASTIC_RUN_ID |
 | `deepspeed` | all but LOCAL_WORLD_SIZE (it sets LOCAL_SIZE) | `--local_rank=K` in argv, CROSS_RANK |
 

@@ -5,7 +5,8 @@ optimizer state per parameter in mixed precision, partitioned over N_d ranks at 
 gradients at stage 2, plus parameters at stage 3), adapted to how this toolkit runs:
 - trainable weights are loaded in fp32, so DDP/FSDP trainable weights and gradients are 4 bytes per
   parameter; DDP computes in bf16 under autocast (which keeps a bf16 copy of each trainable weight for
-  backward), FSDP2 under its mixed-precision policy (each block gathered in bf16, no copies); DeepSpeed with bf16 converts the module to 2-byte weights
+  backward), FSDP2 under its mixed-precision policy (each block gathered in bf16, no copies); DeepSpeed with bf16
+  converts the module to 2-byte weights
   and keeps an fp32 master copy (4 bytes) next to Adam's two fp32 moments (8 bytes);
 - a LoRA run's frozen base is loaded in the half dtype under bf16/fp16 (`toolkit.model.load.load_model`),
   2 bytes per parameter under every strategy; fp32 runs keep it in fp32;
@@ -126,7 +127,8 @@ def logits_bytes(micro_batch: int, seq_len: int, vocab: int, act_bytes: int) -> 
 
 
 def kv_cache_bytes(layers: int, kv_dim: int, rows: int, tokens: int, act_bytes: int) -> int:
-    """A KV cache of `rows` sequences of `tokens` (transformers' DynamicCache, which `toolkit.objectives.grpo.sampling` fills:
+    """A KV cache of `rows` sequences of `tokens` (transformers' DynamicCache, which `toolkit.objectives.grpo.sampling`
+    fills:
     each layer's keys and values, (rows, kv heads, tokens, head dim) each): 2 x layers x rows x tokens x
     kv heads x head dim x act_bytes (checked against the cache's own tensors: tests/test_planner_params.py)."""
     return 2 * layers * rows * tokens * kv_dim * act_bytes

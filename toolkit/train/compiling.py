@@ -17,7 +17,8 @@ compile's measured seconds (said in one line, kept for the next run). Later reco
 `compiled_graphs`, dynamo's count of graphs compiled so far; a run that keeps compiling new graphs after
 its warm-up step (changing shapes) says so once. Once the blocks compile, the loader pads its batches to
 few widths (`toolkit.data.packing.Collate`). Every rank decides alike: on the slowest rank's eager step and the
-costliest node's expected compile; the main process keeps the measured seconds. Inductor's cache lives under `cache_dir()/inductor`
+costliest node's expected compile; the main process keeps the measured seconds. Inductor's cache lives under
+`cache_dir()/inductor`
 (unless TORCHINDUCTOR_CACHE_DIR is set), so the second run of a shape starts warm.
 """
 

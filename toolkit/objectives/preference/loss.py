@@ -32,7 +32,8 @@ The loss in parts: `ObjectiveSpec`, the settings, read from the config once; one
 objective (`DPO`, `ORPO`, `SimPO`, `KTO`: its loss and metrics, from `OBJECTIVE_TYPES`); `StepState`,
 what a step sets and gathers; `toolkit.objectives.base.LayoutHooks`, what the layout decides (the
 context-parallel slices, a pipeline's forwards), given by `make_strategy` when it builds the objective
-(`toolkit.objectives.preference.objective.Preference.make_loss`). `PreferenceLoss` puts them together, and its `reference_logps` is
+(`toolkit.objectives.preference.objective.Preference.make_loss`). `PreferenceLoss` puts them together, and its
+`reference_logps` is
 the one place that decides which reference a forward is compared against.
 """
 

@@ -1,7 +1,9 @@
 """DPO's and KTO's reference for a full finetune, without a second model: the log-probabilities of every
 pair's two sequences (a KTO example's sequence and its KL sequence) under the model as loaded, computed
-in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). A new LoRA needs none of this: its reference is the base model with
-the adapters disabled (`toolkit.objectives.preference.loss.PreferenceLoss.reference_logps`). A LoRA that trains on the SFT
+in one pass before step 1 and carried by the rows into each micro-batch (`ref_logps`, `ref_kl_logps`). A new LoRA needs
+none of this: its reference is the base model with
+the adapters disabled (`toolkit.objectives.preference.loss.PreferenceLoss.reference_logps`). A LoRA that trains on the
+SFT
 adapter `--model` names does (`toolkit.model.source.sft_adapter`): its reference is that adapter, on, as loaded.
 
 The pass scores only the training rows the run's steps read (`toolkit.data.loader.rows_read`: a 15-step
@@ -98,7 +100,8 @@ def unscored(values: torch.Tensor | None, needed: torch.Tensor) -> torch.Tensor:
 @torch.compiler.set_stance("force_eager")
 def compute_reference(strategy, model, rows, batch_size: int, pad_id: int, padding_free: bool = False) -> torch.Tensor:
     """(N, 2) float32: each pair's (chosen, rejected) sequence log-probabilities under `model` (a KTO
-    example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard (model-parallel peers the same one), the
+    example's: its sequence's, its KL sequence's), in eval mode. Each data-parallel rank takes a strided shard
+    (model-parallel peers the same one), the
     batches in lock-step, and the shards are summed over every rank. `padding_free`: the sequences end to end,
     each scored as its own document by the kernel a padding-free run trains with, so the policy at step 1 is
     the reference to the bit (DPO's ln 2, KTO's KL estimate 0), as padded rows are to padded ones."""

@@ -1,5 +1,6 @@
 """Expert parallelism on the device mesh: each MoE layer's experts split over the ranks of an ep group
-(borrowed from dp_shard, or under TP the TP group itself: `toolkit.layout.dims`), tokens exchanged by all-to-all (`comm`), the experts
+(borrowed from dp_shard, or under TP the TP group itself: `toolkit.layout.dims`), tokens exchanged by all-to-all
+(`comm`), the experts
 modules' own forwards run on what arrives (`experts`)."""
 
 from toolkit.parallel.ep.comm import all_to_all, exchange_counts
