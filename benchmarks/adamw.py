@@ -18,8 +18,8 @@ import torch
 
 from benchmarks.common import BENCH, cpu_device, md_table, median_seconds, write_pair
 
-H, I, KV, L, V = 576, 1536, 192, 30, 49152
-SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I), (H,), (H,)] * L + [(H,)]
+H, FF, KV, L, V = 576, 1536, 192, 30, 49152
+SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (FF, H), (FF, H), (H, FF), (H,), (H,)] * L + [(H,)]
 KINDS = {"per-tensor loop (torch CPU default)": {"foreach": False}, "multi-tensor (foreach)": {"foreach": True},
          "fused": {"fused": True}}
 

@@ -29,7 +29,8 @@ def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int
     warm-up micro-batch each, then `rounds` rounds alternating the variants: `real` tokens / the
     median seconds per variant, and every round's seconds. Batches are already on the model's device."""
     from toolkit.data.packing import model_inputs
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     model.train()
 

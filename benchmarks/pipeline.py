@@ -143,7 +143,7 @@ def naive(devices: list[str]) -> list[dict]:
 def write(rows: list[dict], out: Path) -> None:
     meta = {"model": SHAPES, "batch": BATCH, "seq": SEQ, "steps": STEPS, "torch": torch.__version__,
             "cores": len(os.sched_getaffinity(0)), "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
-    lines = [f"# Pipeline step time vs micro-batches (`python -m benchmarks.pipeline`)", "",
+    lines = ["# Pipeline step time vs micro-batches (`python -m benchmarks.pipeline`)", "",
              f"Llama {SHAPES['num_hidden_layers']} blocks, h {SHAPES['hidden_size']}, batch {BATCH} x seq {SEQ}, "
              f"fp32, {meta['cores']} CPU cores, torch {meta['torch']}; median of {STEPS} steps.", "",
              "| runtime | blocks per stage | m | step s | idle per stage (measured) | (p-1)/(m+p-1) |", "|---|---|---|---|---|---|"]

@@ -167,7 +167,8 @@ def run_raw(args) -> dict:
     import torch
 
     from toolkit.data import collate
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     cfg, model, tok, ordered, _, _ = setup(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -375,7 +375,8 @@ def packing_case(c: dict) -> dict:
     from benchmarks.packing import useful_tokens_per_sec
     from toolkit.data import collate
     from toolkit.data.packing import collate_packed, model_inputs, pack_rows
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
     from toolkit.parallel.build import cpu_threads_per_rank
     from toolkit.model.synthetic import token_rows
 

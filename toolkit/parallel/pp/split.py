@@ -17,8 +17,6 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.objectives.sft.loss import LogitTransform
-# pure: the planner cuts the same way
-from toolkit.planner.stages import balance, stage_bounds
 
 
 # the attention kinds whose masks transformers builds from the 2D mask and positions alone

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm, full, local
-from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
-from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, stage_bounds
-from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+from toolkit.parallel.pp.naive import bubble_fraction, stage_inputs
+from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss
+from toolkit.planner.stages import stage_bounds
+from toolkit.data.labels import count_targets
+from toolkit.objectives.sft.loss import token_loss_sum
 
 # sequences are padded to a multiple of this: a pipeline stage is built per shape
 PAD_MULTIPLE = 64
