@@ -40,7 +40,8 @@ def main() -> None:
     seconds = {name: step_seconds(kw) for name, kw in KINDS.items()}
     base = seconds["per-tensor loop (torch CPU default)"]
     out = {"params": n, "device": f"{cpu_device()}, {torch.get_num_threads()} threads", "dtype": "float32",
-           "torch": torch.__version__, "step_seconds": seconds, "speedup_over_default": {k: base / v for k, v in seconds.items()}}
+           "torch": torch.__version__, "step_seconds": seconds,
+           "speedup_over_default": {k: base / v for k, v in seconds.items()}}
     lines = [f"# One AdamW step, {n / 1e6:.1f}M fp32 parameters (SmolLM2-135M shapes)", "",
              "Reproduce: `python -m benchmarks.adamw` (method in its docstring).", ""]
     lines += md_table(["implementation", "step seconds (median of 7)", "speed-up over the default"],
