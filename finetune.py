@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None):
 
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
-    from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer, resolved_precision,
-                                    training_model)
+    from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer,
+                                    resolved_precision, training_model)
     from toolkit.model.source import tokenizer_dir
     from toolkit.parallel.tree import tree_problem
     from toolkit.parallel.build import make_accelerator, make_strategy

@@ -18,8 +18,8 @@ import torch
 
 from benchmarks.common import BENCH, cpu_device, md_table, median_seconds, write_pair
 
-H, I, KV, L, V = 576, 1536, 192, 30, 49152
-SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I), (H,), (H,)] * L + [(H,)]
+H, FF, KV, L, V = 576, 1536, 192, 30, 49152
+SHAPES = [(V, H)] + [(H, H), (KV, H), (KV, H), (H, H), (FF, H), (FF, H), (H, FF), (H,), (H,)] * L + [(H,)]
 KINDS = {"per-tensor loop (torch CPU default)": {"foreach": False}, "multi-tensor (foreach)": {"foreach": True},
          "fused": {"fused": True}}
 
@@ -40,7 +40,8 @@ def main() -> None:
     seconds = {name: step_seconds(kw) for name, kw in KINDS.items()}
     base = seconds["per-tensor loop (torch CPU default)"]
     out = {"params": n, "device": f"{cpu_device()}, {torch.get_num_threads()} threads", "dtype": "float32",
-           "torch": torch.__version__, "step_seconds": seconds, "speedup_over_default": {k: base / v for k, v in seconds.items()}}
+           "torch": torch.__version__, "step_seconds": seconds,
+           "speedup_over_default": {k: base / v for k, v in seconds.items()}}
     lines = [f"# One AdamW step, {n / 1e6:.1f}M fp32 parameters (SmolLM2-135M shapes)", "",
              "Reproduce: `python -m benchmarks.adamw` (method in its docstring).", ""]
     lines += md_table(["implementation", "step seconds (median of 7)", "speed-up over the default"],

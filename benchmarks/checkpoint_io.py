@@ -196,15 +196,17 @@ def main() -> None:
             print(json.dumps(results[-1] | {"per_rank": None}))
     lines = ["# Step-checkpoint save and load: sharded vs gathered",
              "",
-             "SmolLM2-135M full finetune (134.5M parameters, fp32, AdamW state after one step: 1.6 GiB in all), gloo on the",
-             "2-core CPU, FSDP2 over every rank where there are several. Produced by `python -m benchmarks.checkpoint_io`;",
+             "SmolLM2-135M full finetune (134.5M parameters, fp32, AdamW state after one step: 1.6 GiB in all), "
+             "gloo on the",
+             "2-core CPU, FSDP2 over every rank where there are several. Produced by "
+             "`python -m benchmarks.checkpoint_io`;",
              "method in its docstring. Times are the slowest rank's; peak RSS is what the phase added to a process",
              "(rank 0: where a gathered save concentrates; max: the worst rank); anonymous RSS leaves out the pages of",
              "memory-mapped files (safetensors maps the files it reads; the kernel can drop those pages). Both formats",
              "of one rank count ran back to back: compare within a rank count (ratios), not absolute times.",
              "",
-             "| ranks | format | save s | load s | save peak RSS rank 0 (MiB) | save peak RSS max | save peak anon max | "
-             "load peak RSS max | load peak anon max | on disk (MiB) |",
+             "| ranks | format | save s | load s | save peak RSS rank 0 (MiB) | save peak RSS max | "
+             "save peak anon max | load peak RSS max | load peak anon max | on disk (MiB) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['ranks']} | {r['format']} | {r['save_s']:.2f} | {r['load_s']:.2f} | "

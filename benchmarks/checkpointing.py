@@ -67,11 +67,13 @@ def main() -> None:
         rows.append(row)
     md = ["# Gradient checkpointing: step peak memory vs step time (SmolLM2-135M-Instruct, fp32, CPU)", "",
           "Reproduce: `python -m benchmarks.checkpointing` (method in its docstring).", "",
-          "| method | batch x seq | peak MiB no gc | peak MiB gc | memory saved | step s no gc | step s gc | time added |",
+          "| method | batch x seq | peak MiB no gc | peak MiB gc | memory saved | step s no gc | step s gc | "
+          "time added |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['method']} | {r['batch']} x {r['seq']} | {r['no_gc']['peak_mib']:.0f} | {r['gc']['peak_mib']:.0f} | "
-                  f"{r['memory_saved']:.0%} | {r['no_gc']['step_s']:.2f} | {r['gc']['step_s']:.2f} | {r['time_cost']:+.0%} |")
+        md.append(f"| {r['method']} | {r['batch']} x {r['seq']} | {r['no_gc']['peak_mib']:.0f} | "
+                  f"{r['gc']['peak_mib']:.0f} | {r['memory_saved']:.0%} | {r['no_gc']['step_s']:.2f} | "
+                  f"{r['gc']['step_s']:.2f} | {r['time_cost']:+.0%} |")
     write_pair(BENCH / "checkpointing", {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "rows": rows}, md)
 
 

@@ -60,7 +60,8 @@ def _worker(rank: int, world: int, layers: int, seq: int) -> dict:
     from toolkit.parallel.cp import ContextParallel, use_ulysses
     from toolkit.objectives.sft.loss import FusedLossHead
 
-    model = llama(**SHAPES, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048), attn_implementation="sdpa")
+    model = llama(**SHAPES, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048),
+                  attn_implementation="sdpa")
     use_ulysses(model)
     head = FusedLossHead(model)  # the chunked loss
     cp = ContextParallel(dist.group.WORLD, model.config)
@@ -150,10 +151,12 @@ def render(rows: list[dict], budget: int, layers: int) -> str:
                 continue
             base = at.get((1, s))
             vs = f"{base['activation_peak_bytes'] / r['activation_peak_bytes']:.2f}x less" if base and c > 1 else "-"
-            lines.append(f"| {s} | {c} | {r['peak_rise_bytes'] / 2**20:.0f} | {r['activation_peak_bytes'] / 2**20:.0f} | "
+            lines.append(f"| {s} | {c} | {r['peak_rise_bytes'] / 2**20:.0f} | "
+                         f"{r['activation_peak_bytes'] / 2**20:.0f} | "
                          f"{vs} | {r['saved_bytes'] / 2**20:.0f} | {r['predicted_activation_bytes'] / 2**20:.0f} | "
                          f"{r['predicted_activation_bytes'] / r['saved_bytes']:.2f} | "
-                         f"{r['predicted_activation_bytes'] / r['activation_peak_bytes']:.2f} | {r['tokens_per_s']:.0f} |")
+                         f"{r['predicted_activation_bytes'] / r['activation_peak_bytes']:.2f} | "
+                         f"{r['tokens_per_s']:.0f} |")
     lines += ["", f"Longest sequence within {budget / gib:.1f} GiB per rank (weights, gradients and AdamW state as "
               "held before the step, plus the step's rise):", "", "| cp | measured (largest S run that fits) | "
               "extrapolated (linear in S from the two longest runs) |", "|---:|---:|---:|"]
@@ -162,7 +165,8 @@ def render(rows: list[dict], budget: int, layers: int) -> str:
         lines.append(f"| {c} | {fit or 'none'} | {ext if ext is not None else '-'} |")
     lines += ["", "The activation part is a difference of two RSS peaks: where a rank's activations are a few hundred "
               "MiB or less, the buffers subtracted as fixed are of the same size and the difference is rough; the "
-              "saved bytes are exact.", "", "tokens/s are of one cp group on this shared 2-core machine (all ranks on the same two cores): "
+              "saved bytes are exact.", "",
+              "tokens/s are of one cp group on this shared 2-core machine (all ranks on the same two cores): "
               "recorded, not claimed; on GPUs each rank has its own device."]
     return "\n".join(lines) + "\n"
 

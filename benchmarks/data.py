@@ -148,8 +148,10 @@ def write_results(out: Path, rows: list[dict], floor: dict, ref: str) -> None:
     lines = ["# Data at scale: time to the first step and peak RSS", "",
              f"`python -m benchmarks.data`; today's path is `finetune.py` at {ref}. GSM8K alpaca rows repeated "
              "and shuffled, SmolLM2 tokenizer, seq-len 256, a 2-block hidden-64 Llama, 2-core CPU. RSS beyond the "
-             f"model: minus a warm 200-example run at the same rank count ({', '.join(f'{k} rank(s): {v:.0f} MiB' for k, v in floor.items())}).",
-             "", "| examples | ranks | path | first step (s) | speed-up vs today | peak RSS (MiB) | beyond model (MiB) |",
+             "model: minus a warm 200-example run at the same rank count "
+             f"({', '.join(f'{k} rank(s): {v:.0f} MiB' for k, v in floor.items())}).",
+             "",
+             "| examples | ranks | path | first step (s) | speed-up vs today | peak RSS (MiB) | beyond model (MiB) |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     for (n, ranks, path), r in by.items():
         if r.get("skipped"):

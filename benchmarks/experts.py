@@ -27,7 +27,8 @@ from benchmarks.common import BENCH, md_table, spawn_ranks, write_pair
 
 # Qwen/Qwen3-30B-A3B config.json: hidden 2048, moe_intermediate 768, 128 experts, top-8 (toolkit.planner.presets)
 SHAPES = {"cpu": dict(hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, tokens=512),
-          "cuda": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, tokens=8192)}
+          "cuda": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                       tokens=8192)}
 ARMS = ("eager", "grouped_mm", "batched_mm")
 
 

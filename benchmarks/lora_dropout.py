@@ -104,7 +104,8 @@ def run_finetune(name: str, args: list[str], work: Path, reuse: bool) -> dict:
     records = read_metrics(out)
     train = [r for r in records if "loss" in r and "eval_loss" not in r]
     got.update(summary=summary, final_loss=summary["final_loss"], train_seconds=summary["train_seconds"],
-               train_records=[{k: r[k] for k in ("step", "loss", "tokens", "tokens_per_sec", "elapsed_s")} for r in train],
+               train_records=[{k: r[k] for k in ("step", "loss", "tokens", "tokens_per_sec", "elapsed_s")}
+                              for r in train],
                evals=[{"step": r["step"], "eval_loss": r["eval_loss"]} for r in records if "eval_loss" in r])
     steps = summary["steps"]
     tail = [r for r in train if r["step"] > steps * 3 // 4]  # token-weighted mean over the last quarter
@@ -122,7 +123,8 @@ def run_finetune(name: str, args: list[str], work: Path, reuse: bool) -> dict:
 def quickstart(work: Path, reuse: bool) -> list[dict]:
     rows = []
     for p in DROPOUTS:
-        r = run_finetune(f"quickstart_p{p}", ["--config", "configs/quickstart.yaml", "--lora-dropout", str(p)], work, reuse)
+        r = run_finetune(f"quickstart_p{p}", ["--config", "configs/quickstart.yaml", "--lora-dropout", str(p)],
+                         work, reuse)
         rows.append({"dropout": p, **r})
     return rows
 
@@ -170,7 +172,8 @@ def plan_json(model_args: list[str], dropout: float, checkpointing: str) -> dict
         raise RuntimeError(f"plan failed: {p.stderr[-2000:]}")
     plan = json.loads(p.stdout)
     first = next(s for s in plan["strategies"] if s["name"] == "ddp")
-    return {"command": "python " + " ".join(argv), **{k: first["bytes"][k] for k in ("activations", "allocated", "total")}}
+    return {"command": "python " + " ".join(argv),
+            **{k: first["bytes"][k] for k in ("activations", "allocated", "total")}}
 
 
 def planner_part() -> list[dict]:
@@ -298,8 +301,9 @@ def spread(xs: list[float]) -> float | None:
 
 def render(res: dict) -> list[str]:
     md = ["# LoRA dropout: 0.05 vs 0, memory and loss (issue 34 item 6)", "",
-          f"Machine: {res['machine']}; torch {res['versions']['torch']}, transformers {res['versions']['transformers']}, "
-          f"peft {res['versions']['peft']}, Python {res['versions']['python']}. {res['date']}. Reproduce: "
+          f"Machine: {res['machine']}; torch {res['versions']['torch']}, "
+          f"transformers {res['versions']['transformers']}, peft {res['versions']['peft']}, "
+          f"Python {res['versions']['python']}. {res['date']}. Reproduce: "
           "`python -m benchmarks.lora_dropout` (method in its docstring). Every finetune run is a fresh "
           "`python finetune.py` process; fp32 on this CPU.", ""]
     if "memory" in res:
@@ -313,7 +317,8 @@ def render(res: dict) -> list[str]:
             a_on, a_off = pl["checkpointing_off_p0.05"]["activations"], pl["checkpointing_off_p0.0"]["activations"]
             al_on, al_off = pl["checkpointing_off_p0.05"]["allocated"], pl["checkpointing_off_p0.0"]["allocated"]
             c_on, c_off = pl["checkpointing_on_p0.05"]["activations"], pl["checkpointing_on_p0.0"]["activations"]
-            rows.append([r["model"], f"{t['block_bytes_per_token_no_dropout']:,}", f"{t['block_bytes_per_token_dropout']:,}",
+            rows.append([r["model"], f"{t['block_bytes_per_token_no_dropout']:,}",
+                         f"{t['block_bytes_per_token_dropout']:,}",
                          f"{t['mask_share_of_block']:.1%}", f"{a_off / 2**30:.2f} / {a_on / 2**30:.2f}",
                          f"{1 - a_off / a_on:.1%}", f"{al_off / 2**30:.2f} / {al_on / 2**30:.2f}",
                          f"{1 - al_off / al_on:.1%}", f"{c_off / 2**30:.2f} / {c_on / 2**30:.2f}"])
@@ -340,7 +345,8 @@ def render(res: dict) -> list[str]:
         b, s = st["p0.0"]["batch"], st["p0.0"]["seq"]
         md += ["", f"Peak RSS a training step adds (fp32, HF loss on full logits, {b} x {s} tokens, after a warm-up "
                f"step, MALLOC_MMAP_THRESHOLD_=65536): p 0: {st['p0.0']['peak_mib']:,.0f} MiB, p 0.05: "
-               f"{st['p0.05']['peak_mib']:,.0f} MiB ({1 - st['p0.0']['peak_mib'] / st['p0.05']['peak_mib']:.1%} less at p 0).", ""]
+               f"{st['p0.05']['peak_mib']:,.0f} MiB ({1 - st['p0.0']['peak_mib'] / st['p0.05']['peak_mib']:.1%} less "
+               "at p 0).", ""]
     if "quickstart" in res:
         md += ["## Quickstart (`configs/quickstart.yaml`: builtin:dates, 60 steps of 8, lr 1e-3, seed 42)", ""]
         rows = []
@@ -386,8 +392,8 @@ def render(res: dict) -> list[str]:
            "and the digest of finetune.py + toolkit/**/*.py before/after it (others edit the tree meanwhile):", ""]
     runs = res.get("quickstart", []) + res.get("alpaca", [])
     md += md_table(["run", "rc", "load before", "load after", "tree before", "tree after"],
-                   [[r["name"], r["rc"], "/".join(map(str, r["loadavg_before"])), "/".join(map(str, r["loadavg_after"])),
-                     r["tree_digest"], r["tree_digest_after"]] for r in runs])
+                   [[r["name"], r["rc"], "/".join(map(str, r["loadavg_before"])),
+                     "/".join(map(str, r["loadavg_after"])), r["tree_digest"], r["tree_digest_after"]] for r in runs])
     return md
 
 

@@ -51,9 +51,12 @@ def main() -> None:
         row["reduction"] = row["full_peak_mib"] / row["chunked_peak_mib"]
         rows.append(row)
         print(row)
-    lines = ["# Loss-step peak memory: full logits vs `--loss chunked` (SmolLM2-135M head: h 576, vocab 49,152, fp32, CPU)",
-             "", "Reproduce: `python -m benchmarks.loss_memory`. Method (peak RSS per fresh process) in its docstring.", "",
-             "| batch x seq | LM head | fp32 logits alone | full peak MiB | chunked peak MiB | reduction | loss (full / chunked) |",
+    lines = ["# Loss-step peak memory: full logits vs `--loss chunked` (SmolLM2-135M head: h 576, vocab 49,152, "
+             "fp32, CPU)",
+             "", "Reproduce: `python -m benchmarks.loss_memory`. Method (peak RSS per fresh process) in its docstring.",
+             "",
+             "| batch x seq | LM head | fp32 logits alone | full peak MiB | chunked peak MiB | reduction | "
+             "loss (full / chunked) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} x {r['seq']} | {'trainable' if r['head_trainable'] else 'frozen (LoRA)'} | "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -116,7 +115,8 @@ def main() -> None:
     dist.destroy_process_group()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": f"SmolLM2-135M (embedded default), its first {args.layers} blocks", "tokens": f"{args.rows} x {args.seq_len}",
+    meta = {"model": f"SmolLM2-135M (embedded default), its first {args.layers} blocks",
+            "tokens": f"{args.rows} x {args.seq_len}",
             "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d")}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

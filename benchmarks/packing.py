@@ -24,12 +24,14 @@ from benchmarks.common import BENCH, ROOT, sync, write_pair
 
 
 def useful_tokens_per_sec(model, opt, variants: dict[str, list[dict]], real: int, rounds: int,
-                          autocast=contextlib.nullcontext, log=print) -> tuple[dict[str, float], dict[str, list[float]]]:
+                          autocast=contextlib.nullcontext,
+                          log=print) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Timed passes (forward + backward + optimizer step over every micro-batch of a variant), one
     warm-up micro-batch each, then `rounds` rounds alternating the variants: `real` tokens / the
     median seconds per variant, and every round's seconds. Batches are already on the model's device."""
     from toolkit.data.packing import model_inputs
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     model.train()
 
@@ -99,10 +101,13 @@ def main() -> None:
     packed_rows = pack_rows(chosen, a.seq_len)
     packed = [collate_packed(packed_rows[i:i + a.rows], tok.pad_token_id) for i in range(0, len(packed_rows), a.rows)]
     real = sum(len(r["input_ids"]) for r in chosen)
-    assert real == sum(int(b["attention_mask"].sum()) for b in padded) == sum(int(b["attention_mask"].sum()) for b in packed)
-    slots = {"padded": sum(b["input_ids"].numel() for b in padded), "packed": sum(b["input_ids"].numel() for b in packed)}
+    assert (real == sum(int(b["attention_mask"].sum()) for b in padded)
+            == sum(int(b["attention_mask"].sum()) for b in packed))
+    slots = {"padded": sum(b["input_ids"].numel() for b in padded),
+             "packed": sum(b["input_ids"].numel() for b in packed)}
     torch.manual_seed(0)
-    model = parallelize(load_model(cfg, path), Parallelism(ModelShape.of(cfg)))[0]  # the weights, then LoRA (as the run's)
+    # the weights, then LoRA (as the run's)
+    model = parallelize(load_model(cfg, path), Parallelism(ModelShape.of(cfg)))[0]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     tps, times = useful_tokens_per_sec(model, opt, {"padded": padded, "packed": packed}, real, a.rounds)
     result = {"dataset": Path(a.dataset).name, "model": "SmolLM2-135M-Instruct", "method": "lora", "dtype": "float32",
@@ -112,15 +117,17 @@ def main() -> None:
               "packed_rows": len(packed_rows), "seconds": times, "useful_tokens_per_sec": tps,
               "packed_over_padded": tps["packed"] / tps["padded"], "torch": torch.__version__}
     md = ["# Packing vs padded micro-batches: useful tokens/s (GSM8K lengths)", "",
-          "Reproduce: `python -m benchmarks.packing` (method in its docstring). SmolLM2-135M-Instruct, LoRA, fp32, CPU.", "",
-          "| variant | micro-batches | token slots | padding | useful tokens/s (median of rounds) |", "|---|---|---|---|---|"]
+          "Reproduce: `python -m benchmarks.packing` (method in its docstring). SmolLM2-135M-Instruct, LoRA, fp32, "
+          "CPU.", "",
+          "| variant | micro-batches | token slots | padding | useful tokens/s (median of rounds) |",
+          "|---|---|---|---|---|"]
     for k in ("padded", "packed"):
         desc = f"{a.micro_batch} examples" if k == "padded" else f"{a.rows} rows of <= {a.seq_len}"
         md.append(f"| {k} ({desc}) | {len(padded) if k == 'padded' else len(packed)} | {slots[k]:,} | "
                   f"{result['padding_fraction'][k]:.1%} | {tps[k]:.1f} |")
-    md += ["", f"packed / padded: **{result['packed_over_padded']:.2f}x** on {a.examples} examples ({real:,} real tokens), "
-           f"{a.rounds} rounds. Packed attention runs over whole {a.seq_len}-token rows with a block-diagonal mask "
-           "(SDPA on CPU does not skip the masked blocks), which the ratio includes."]
+    md += ["", f"packed / padded: **{result['packed_over_padded']:.2f}x** on {a.examples} examples "
+           f"({real:,} real tokens), {a.rounds} rounds. Packed attention runs over whole {a.seq_len}-token rows with "
+           "a block-diagonal mask (SDPA on CPU does not skip the masked blocks), which the ratio includes."]
     write_pair(BENCH / "packing", result, md)
 
 

@@ -50,7 +50,8 @@ def stage_busy_seconds(stage, batch, m: int, first: bool, last: bool) -> float:
 
     t0 = time.perf_counter()
     for mb in split_microbatches(batch, m):
-        x = mb["input_ids"] if first else torch.randn(mb["input_ids"].shape + (SHAPES["hidden_size"],), requires_grad=True)
+        x = mb["input_ids"] if first else torch.randn(mb["input_ids"].shape + (SHAPES["hidden_size"],),
+                                                      requires_grad=True)
         out = stage(x, attention_mask=mb["attention_mask"])
         (token_loss_sum(out, mb["labels"]) if last else out.float().sum()).backward()
     stage.zero_grad(set_to_none=True)
@@ -142,15 +143,18 @@ def naive(devices: list[str]) -> list[dict]:
 
 def write(rows: list[dict], out: Path) -> None:
     meta = {"model": SHAPES, "batch": BATCH, "seq": SEQ, "steps": STEPS, "torch": torch.__version__,
-            "cores": len(os.sched_getaffinity(0)), "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
-    lines = [f"# Pipeline step time vs micro-batches (`python -m benchmarks.pipeline`)", "",
+            "cores": len(os.sched_getaffinity(0)),
+            "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()}
+    lines = ["# Pipeline step time vs micro-batches (`python -m benchmarks.pipeline`)", "",
              f"Llama {SHAPES['num_hidden_layers']} blocks, h {SHAPES['hidden_size']}, batch {BATCH} x seq {SEQ}, "
              f"fp32, {meta['cores']} CPU cores, torch {meta['torch']}; median of {STEPS} steps.", "",
-             "| runtime | blocks per stage | m | step s | idle per stage (measured) | (p-1)/(m+p-1) |", "|---|---|---|---|---|---|"]
+             "| runtime | blocks per stage | m | step s | idle per stage (measured) | (p-1)/(m+p-1) |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         idle = ", ".join(f"{x:.0%}" for x in r["idle_measured"]) if "idle_measured" in r else \
             f"n/a (unsplit model: {r['unsplit_step_s']:.3f} s)"
-        lines.append(f"| {r['runtime']} | {'+'.join(map(str, r['blocks_per_stage']))} | {r['m']} | {r['step_s']:.3f} | {idle} | {r['idle_gpipe']:.0%} |")
+        lines.append(f"| {r['runtime']} | {'+'.join(map(str, r['blocks_per_stage']))} | {r['m']} | "
+                     f"{r['step_s']:.3f} | {idle} | {r['idle_gpipe']:.0%} |")
     write_pair(out / "pipeline", {"meta": meta, "rows": rows}, lines)
     try:
         import matplotlib
@@ -161,7 +165,8 @@ def write(rows: list[dict], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for runtime in dict.fromkeys(r["runtime"] for r in rows if "idle_measured" in r):
             rs = [r for r in rows if r["runtime"] == runtime]
-            ax.plot([r["m"] for r in rs], [max(r["idle_measured"]) for r in rs], "o-", label=f"{runtime}: measured (worst stage)")
+            ax.plot([r["m"] for r in rs], [max(r["idle_measured"]) for r in rs], "o-",
+                    label=f"{runtime}: measured (worst stage)")
         rs = [r for r in rows if "idle_measured" in r]
         ms = sorted({r["m"] for r in rs})
         p = rs[0]["p"]

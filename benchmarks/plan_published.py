@@ -22,7 +22,8 @@ GLOBAL_BATCH = 64
 def main() -> None:
     # no options: --help says what it measures
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    print("| model | method | GPUs | seq | chosen | mb x accum | GiB/GPU | predicted tokens/s/GPU | runner-up (why it lost) |")
+    print("| model | method | GPUs | seq | chosen | mb x accum | GiB/GPU | predicted tokens/s/GPU | "
+          "runner-up (why it lost) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in MODELS:
         for method in ("full", "lora"):
@@ -37,9 +38,11 @@ def main() -> None:
                         continue
                     d = r.chosen_detail
                     tokens = d.examples_per_step * r.grad_accum * seq / d.step_time_s / r.world
-                    second = next((x for x in r.ranking if x["name"] != d.name or x["checkpointing"] != d.checkpointing),
-                                  None)  # the runner-up: the ranking lists the chosen first, then the rest
-                    lost = f"{second['name']}{' +gc' if second['checkpointing'] else ''}: {second['reason']}" if second else ""
+                    # the runner-up: the ranking lists the chosen first, then the rest
+                    second = next((x for x in r.ranking
+                                   if x["name"] != d.name or x["checkpointing"] != d.checkpointing), None)
+                    lost = (f"{second['name']}{' +gc' if second['checkpointing'] else ''}: {second['reason']}"
+                            if second else "")
                     print(f"{head} {d.name}{' +gc' if d.checkpointing else ''} | {d.micro_batch} x {r.grad_accum} | "
                           f"{d.bytes['total'] / GiB:.0f} | {tokens:,.0f} | {lost} |")
 

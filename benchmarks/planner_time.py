@@ -39,12 +39,14 @@ LAYOUTS = [
     ("fsdp", 2, ["--fsdp"], "fsdp_full", False),
     ("tp2", 2, ["--tp", "2"], {"tp": 2}, False),
     ("tp2 +gc", 2, ["--tp", "2", "--gradient-checkpointing"], {"tp": 2}, True),
-    ("pp2 (1f1b, 4 micro-batches)", 2, ["--pp", "2", "--pp-microbatches", str(MB), "--pp-schedule", "1f1b"], {"pp": 2}, False),
+    ("pp2 (1f1b, 4 micro-batches)", 2, ["--pp", "2", "--pp-microbatches", str(MB), "--pp-schedule", "1f1b"],
+     {"pp": 2}, False),
     ("cp2", 2, ["--cp", "2"], {"cp": 2}, False),
     ("ddp x4", 4, [], "ddp", False),
     ("tp2 x dp2", 4, ["--tp", "2"], {"tp": 2, "dp_replicate": 2}, False),
     ("tp2 x dp_shard2", 4, ["--tp", "2", "--dp-shard", "2"], {"tp": 2, "dp_shard": 2}, False),
-    ("pp2 x dp2", 4, ["--pp", "2", "--pp-microbatches", str(MB), "--pp-schedule", "1f1b"], {"pp": 2, "dp_replicate": 2}, False),
+    ("pp2 x dp2", 4, ["--pp", "2", "--pp-microbatches", str(MB), "--pp-schedule", "1f1b"],
+     {"pp": 2, "dp_replicate": 2}, False),
 ]
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from benchmarks.common import BENCH, ROOT, child_result, cpu_device, md_table, write_pair
 
 # (module, function) finetune.main calls, in order; each is wrapped with a timer in the phase run
-PHASES = [("toolkit.config", "parse_config"), ("toolkit.model.load", "check_model"), ("toolkit.model.load", "load_tokenizer"),
+PHASES = [("toolkit.config", "parse_config"), ("toolkit.model.load", "check_model"),
+          ("toolkit.model.load", "load_tokenizer"),
           ("toolkit.data.prepare", "prepare_data"), ("toolkit.parallel.build", "make_accelerator"),
           ("toolkit.parallel.build", "make_strategy"), ("toolkit.model.load", "load_model"),
           ("toolkit.train.loop", "train"), ("toolkit.train.checkpoint", "save_final"),
@@ -136,7 +137,8 @@ def main() -> None:
            "targets": {"help_seconds": 0.5, "tiny_run_seconds": 6.0}}
     lines = ["# Start-up: `finetune.py --help` and a 1-step tiny run", "",
              "Reproduce: `python -m benchmarks.startup` (method in its docstring). A 156k-parameter Llama, LoRA, "
-             "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each time.", ""]
+             "1,000 alpaca rows (tokenized data cached by an uncounted first run), 1 step, fresh process each "
+             "time.", ""]
     every = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     lines += md_table(["what", "median seconds", "all", "target"], [
         ["`finetune.py --help`", f"{out['help_seconds']['median']:.2f}", every(help_s), "< 0.5"],

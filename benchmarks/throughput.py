@@ -110,7 +110,8 @@ def resolve_arms(names: list[str], cuda: bool, best_loss: str | None = None) -> 
             spec["flags"] += ["--loss", loss] if loss else []
             if loss != BEST_LOSSES[0] and not best_loss:
                 notes.append(f"best: --loss {loss or '(none)'}: the losses before it in {'/'.join(BEST_LOSSES)} cannot "
-                             "run here (a CUDA GPU and cut-cross-entropy / liger-kernel, and a toolkit that takes them)")
+                             "run here (a CUDA GPU and cut-cross-entropy / liger-kernel, and a toolkit that takes "
+                             "them)")
             kernels = flag_problem(["--kernels", "liger"]) if liger else no_liger
             spec["flags"] += [] if kernels else ["--kernels", "liger"]
             if kernels:
@@ -142,7 +143,8 @@ def setup(args, flags: list[str] = ()):
     from toolkit.data.loader import EpochShuffleSampler
 
     out = tempfile.mkdtemp()
-    cfg = parse_config(["--model", args.model_path, "--method", args.method, "--micro-batch-size", str(args.micro_batch),
+    cfg = parse_config(["--model", args.model_path, "--method", args.method,
+                        "--micro-batch-size", str(args.micro_batch),
                         "--max-steps", str(args.warmup + args.steps), "--log-every", str(args.warmup),
                         "--mixed-precision", precision(args), "--lr-schedule", "constant", "--warmup-steps", "0",
                         "--output-dir", out, "--overwrite-output-dir", "--seq-len", str(getattr(args, "seq_len", 256)),
@@ -167,7 +169,8 @@ def run_raw(args) -> dict:
     import torch
 
     from toolkit.data import collate
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     cfg, model, tok, ordered, _, _ = setup(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -283,7 +286,8 @@ def run_arm(spec: dict) -> dict:
         if extra.get("torch_compile"):
             extra["torch_compile_backend"] = backend
     run = {"raw": run_raw, "toolkit": lambda a: run_toolkit(a, arm["flags"]),
-           "trainer": lambda a: run_hf_trainer(a, extra=extra), "sft": lambda a: run_hf_trainer(a, sft=True)}[arm["run"]]
+           "trainer": lambda a: run_hf_trainer(a, extra=extra),
+           "sft": lambda a: run_hf_trainer(a, sft=True)}[arm["run"]]
     result = run(args)
     result["peak_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result["peak_flops"] = measure_peak_flops(device, compute_dtype(args))  # after the timed steps
@@ -302,8 +306,8 @@ def subprocess_arm(spec: dict) -> dict:
 
     try:
         p = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--child", json.dumps(spec)],
-                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                           timeout=spec.get("timeout_s"))
+                           capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, timeout=spec.get("timeout_s"))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{spec['variant']}: timed out: killed after {spec['timeout_s']:.0f} s, at the end of "
                            "the time budget") from None
@@ -385,7 +389,8 @@ def measure(a: argparse.Namespace, path: str, log=print, runner=subprocess_arm, 
     return {"model": a.model, "method": a.method, "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
             "repeats": a.repeats, "dtype": str(compute_dtype(a)).removeprefix("torch."),
             "seq_len": getattr(a, "seq_len", None), "device": torch.cuda.get_device_name(0) if cuda else cpu_device(),
-            "torch": torch.__version__, "arms": arms, "compile_backend": getattr(a, "compile_backend", None) or "inductor",
+            "torch": torch.__version__, "arms": arms,
+            "compile_backend": getattr(a, "compile_backend", None) or "inductor",
             "notes": notes, "errors": errors, "left_out": left_out,
             "rounds": {v: len(results[v]) for v in arms},
             "peak_flops": peak, "peak_probes": [min(probes), statistics.median(probes), max(probes), len(probes)],
@@ -403,7 +408,8 @@ def measure(a: argparse.Namespace, path: str, log=print, runner=subprocess_arm, 
             # the median of each round's own ratio (the two runs of a round ran minutes apart)
             "ratios": {f"{x}/{y}": med[x] / med[y] for x, y in pairs},
             "round_ratios": {f"{x}/{y}": statistics.median(rx["tokens_per_sec"] / ry["tokens_per_sec"]
-                                                           for rx, ry in zip(results[x], results[y])) for x, y in pairs},
+                                                           for rx, ry in zip(results[x], results[y]))
+                             for x, y in pairs},
             "runs": results}
 
 
@@ -443,27 +449,31 @@ def render(data: list[dict], bench: Path) -> None:
              "'toolkit' is its default (`--loss auto`: here the chunked loss, the LM head on target tokens only); "
              "'toolkit --loss full' computes full logits as the raw loop and Trainer do. "
              "Ratios are of the medians; the median of each round's own ratio follows in brackets. "
-             "SFTTrainer: TRL 1.16 installed with --no-deps beside this environment; '-' where a row did not run it.", "",
-             "| model | method | micro-batch x steps | rounds | " + " | ".join(f"{LABELS[v]} tokens/s" for v in VARIANTS)
-             + " | " + " | ".join(ratio_keys) + " | MFU " + " / ".join(VARIANTS[:4]) + " | MFU the toolkit logged (default / --loss full) |",
+             "SFTTrainer: TRL 1.16 installed with --no-deps beside this environment; '-' where a row did not run "
+             "it.", "",
+             "| model | method | micro-batch x steps | rounds | "
+             + " | ".join(f"{LABELS[v]} tokens/s" for v in VARIANTS) + " | " + " | ".join(ratio_keys)
+             + " | MFU " + " / ".join(VARIANTS[:4]) + " | MFU the toolkit logged (default / --loss full) |",
              "|" + "---|" * (4 + len(VARIANTS) + len(ratio_keys) + 2)]
     for d in data:
         m, s = d["median_tokens_per_sec"], d["spread_tokens_per_sec"]
         cell = lambda v: f"{m[v]:.0f} [{s[v][0]:.0f}-{s[v][1]:.0f}]" if v in m else "-"  # noqa: E731
         ratio = lambda k: f"{d['ratios'][k]:.3f} ({d['round_ratios'][k]:.3f})" if k in d.get("ratios", {}) else "-"  # noqa: E731
         mfu = " / ".join(f"{d['mfu'][v]:.3f}" if v in d["mfu"] else "-" for v in VARIANTS[:4])
-        logged = " / ".join(f"{d['reported_mfu'][v]:.3f}" if v in d.get("reported_mfu", {}) else "-" for v in ("toolkit", "full"))
+        logged = " / ".join(f"{d['reported_mfu'][v]:.3f}" if v in d.get("reported_mfu", {}) else "-"
+                            for v in ("toolkit", "full"))
         lines.append(f"| {d['model']} | {d['method']} | {d['micro_batch']} x {d['steps']} | {d['repeats']} | "
                      + " | ".join(cell(v) for v in VARIANTS) + " | " + " | ".join(ratio(k) for k in ratio_keys)
                      + f" | {mfu} | {logged} |")
-    probes = "; ".join(f"{d['model']} {d['method']} {d['peak_flops'] / 1e9:.0f} (probes {d['peak_probes'][0] / 1e9:.0f} / "
-                       f"{d['peak_probes'][1] / 1e9:.0f} / {d['peak_probes'][2] / 1e9:.0f}, min / median / max of "
-                       f"{d['peak_probes'][3]})" for d in data)
-    lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU, GFLOP/s, per row: the best "
-              f"fp32 1024^3 matmul probe of the benchmark: {probes}. The toolkit's logged MFU divides by the "
+    probes = "; ".join(f"{d['model']} {d['method']} {d['peak_flops'] / 1e9:.0f} (probes "
+                       f"{d['peak_probes'][0] / 1e9:.0f} / {d['peak_probes'][1] / 1e9:.0f} / "
+                       f"{d['peak_probes'][2] / 1e9:.0f}, min / median / max of {d['peak_probes'][3]})"
+                       for d in data)
+    lines += ["", f"Device: {data[-1]['device']}, fp32, torch {data[-1]['torch']}. Peak for MFU, GFLOP/s, per row: "
+              f"the best fp32 1024^3 matmul probe of the benchmark: {probes}. The toolkit's logged MFU divides by the "
               "one probe its run took at start-up, so it reads higher where that probe read low. "
-              "MFU counts model FLOPs (6N + 12LhT per token); for the default toolkit arm the LM head's 6 N_head counts "
-              "on target tokens only, where its chunked loss runs the head (the FLOPs per token it logs). "
+              "MFU counts model FLOPs (6N + 12LhT per token); for the default toolkit arm the LM head's 6 N_head "
+              "counts on target tokens only, where its chunked loss runs the head (the FLOPs per token it logs). "
               "The --loss full arm is the like-for-like loop comparison."]
     (bench / "throughput.md").write_text("\n".join(lines) + "\n")
     import matplotlib

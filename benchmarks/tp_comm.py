@@ -123,14 +123,15 @@ def main() -> None:
              "LoRA grad bytes (expected) | all-reduces fwd/bwd | step s tp1 | step s tp2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['megatron_bytes']:,} | {r['forward_bytes']:,} | {r['expected_forward_bytes']:,} | "
+        lines.append(f"| {r['case']} | {r['megatron_bytes']:,} | {r['forward_bytes']:,} | "
+                     f"{r['expected_forward_bytes']:,} | "
                      f"{r['forward_ratio']:.3f} | {r['backward_bytes']:,} | {r['expected_backward_bytes']:,} | "
                      f"{r['backward_ratio']:.3f} | {r['backward_param_bytes']:,} ({r['expected_param_bytes']:,}) | "
                      f"{r['forward_calls']}/{r['backward_calls']} | {r['tp1_step_s']:.3f} | {r['step_s']:.3f} |")
-    lines += ["", f"tp1 runs moved {sum(r['tp1_bytes'] for r in rows)} bytes (no TP group). Machine: {meta['machine']}, "
-              f"torch {meta['torch']}. Step time = median of {STEPS} forward+backward passes after one warm-up; on "
-              "2 CPU cores with gloo, tp2 is slower than tp1 (two ranks share the cores and add all-reduces): "
-              "recorded, not a claim about GPUs."]
+    lines += ["", f"tp1 runs moved {sum(r['tp1_bytes'] for r in rows)} bytes (no TP group). "
+              f"Machine: {meta['machine']}, torch {meta['torch']}. Step time = median of {STEPS} forward+backward "
+              "passes after one warm-up; on 2 CPU cores with gloo, tp2 is slower than tp1 (two ranks share the cores "
+              "and add all-reduces): recorded, not a claim about GPUs."]
     write_pair(BENCH / "tp_comm", {"meta": meta, "rows": rows}, lines)
 
 

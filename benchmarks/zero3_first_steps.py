@@ -136,8 +136,8 @@ def render(results: dict, args) -> list[str]:
         if not any("fetch" in t for t in r["rank0_timers"].values()):
             continue
         lines += ["", f"## {name}: rank 0, seconds (calls) per step", ""]
-        names = ["step", "step_cpu", "forward", "backward", "fetch", "all_gather", "release", "reduce_grads", "optimizer",
-                 "trace_reset", "trace_invalidated"]
+        names = ["step", "step_cpu", "forward", "backward", "fetch", "all_gather", "release", "reduce_grads",
+                 "optimizer", "trace_reset", "trace_invalidated"]
         rows = []
         for n in names:
             cells = []
@@ -174,8 +174,8 @@ def main() -> None:
     data = work / "dates.jsonl"
     data.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in builtin_records("dates")))
     common = ["--dataset", str(data), "--max-steps", str(args.steps), "--log-every", "1", "--seq-len",
-              str(args.seq_len), "--micro-batch-size", str(args.micro_batch), "--mixed-precision", "no", "--method", args.method,
-              "--seed", "0"]
+              str(args.seq_len), "--micro-batch-size", str(args.micro_batch), "--mixed-precision", "no",
+              "--method", args.method, "--seed", "0"]
     cases: dict[str, list[str]] = {"zero3": ["--zero-stage", "3"]}
     for spec in args.case:
         name, _, settings = spec.partition("=")

@@ -43,7 +43,7 @@ def _brute_force(costs: list[float], p: int, first: float, last: float) -> float
 
 
 def test_balance_is_optimal_on_random_costs():
-    from toolkit.parallel.pp.split import balance
+    from toolkit.planner.stages import balance
 
     rng = random.Random(0)
     for _ in range(200):
@@ -66,7 +66,8 @@ def test_uneven_model_split_is_within_one_block_of_optimal(tmp_path):
     (so no boundary moved by one block could do better)."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.parallel.pp.split import balance, decoder_parts, param_costs
+    from toolkit.parallel.pp.split import decoder_parts, param_costs
+    from toolkit.planner.stages import balance
 
     path = build_model_dir(tmp_path / "m", num_hidden_layers=6)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -185,7 +186,8 @@ def _train_steps(model_dir, method: str, stages: int, microbatches: int, gc: boo
 
     from toolkit.parallel.parallelize import apply_checkpointing
     from toolkit.parallel.pp import NaivePipeline
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -347,7 +349,7 @@ def _own_losses(model, batches) -> list[float]:
 
 
 def _pipeline_losses(pipe, params, batches) -> list[float]:
-    from toolkit.objectives.sft.loss import count_targets
+    from toolkit.data.labels import count_targets
 
     opt = torch.optim.AdamW(params, lr=1e-3)
     losses = []

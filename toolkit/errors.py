@@ -54,7 +54,8 @@ def first_to_report(line: str) -> bool:
         return True
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(RANK_ZERO_FIRST)
-    launch = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"))
+    launch = "-".join(os.environ.get(k, "")
+                      for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"))
     said = hashlib.sha256(line.encode()).hexdigest()[:16]
     marker = Path(tempfile.gettempdir()) / f"toolkit-error-{os.getppid()}-{launch}-{said}"
     try:

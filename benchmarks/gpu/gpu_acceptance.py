@@ -137,8 +137,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # the toolkit's progress bar, once per case, is noise in this log
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
-         "pipeline", "deepspeed", "launchers", "models", "moe")
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing",
+         "chunked_loss", "epoch_boundary", "memory", "pipeline", "deepspeed", "launchers", "models", "moe")
 
 # Public configs (config.json on the hub): HuggingFaceTB/SmolLM2-135M-Instruct, meta-llama/Llama-3.2-1B.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -166,7 +166,8 @@ SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B, "llama3-head": LLA
           **ARCHS}
 SMOKE_SHAPES = {"smollm2-135m": TINY, "llama-1b": {**TINY, "num_hidden_layers": 3},
                 "llama3-head": {**TINY, "vocab_size": 4096},
-                **{name: {"model_type": shape["model_type"]} for name, shape in ARCHS.items()}}  # toolkit.model.synthetic.ZOO's
+                # toolkit.model.synthetic.ZOO's
+                **{name: {"model_type": shape["model_type"]} for name, shape in ARCHS.items()}}
 TOL = {"bf16": 2e-2, "no": 1e-4}  # relative loss agreement: bf16 autocast orders sums differently; fp32 to rounding
 # Issue 35's targets (H100, the Llama-3.2-1B shape, bf16, 2048 tokens). DEFAULT_IS_FASTEST: a default
 # within 3% of the fastest choice counts as it (rounds of the same arm spread by 1-2% on 2026-11-24).
@@ -318,8 +319,8 @@ def train_case(c: dict) -> dict:
                         "--log-every", "1", "--lr-schedule", "constant", "--warmup-steps", "0",
                         "--mixed-precision", c["precision"], "--seq-len", str(c["seq_len"]),
                         "--micro-batch-size", str(c["micro_batch"]), "--max-steps", str(c["steps"]), *c["flags"]])
-    rows = token_rows(c.get("examples") or c["micro_batch"] * c["steps"], tuple(c.get("lengths") or (c["seq_len"],) * 2),
-                      c["vocab"], seed=1)
+    rows = token_rows(c.get("examples") or c["micro_batch"] * c["steps"],
+                      tuple(c.get("lengths") or (c["seq_len"],) * 2), c["vocab"], seed=1)
     strategy = make_strategy(cfg, make_accelerator(cfg, c["model_dir"]), c["model_dir"])
     tok = load_tokenizer(c["model_dir"])
     model = strategy.shard_model(load_model(cfg, c["model_dir"]))
@@ -344,7 +345,8 @@ def train_case(c: dict) -> dict:
                                      "qlora" in c["flags"], log=lambda *a, **k: None)
         except SystemExit as e:
             integrity = {"ok": False, "error": str(e)}
-        got["integrity"] = {k: integrity.get(k) for k in ("ok", "trained_loss", "reloaded_loss", "relative_diff", "error")}
+        got["integrity"] = {k: integrity.get(k)
+                            for k in ("ok", "trained_loss", "reloaded_loss", "relative_diff", "error")}
     strategy.accelerator.end_training()
     return got
 
@@ -359,7 +361,8 @@ def attention_kernels(device: str) -> tuple[list[str], list[str], str | None]:
     why = {k: attention.unavailable(k, device) or (flag_problem(["--attn", k]) if k != "sdpa" else None)
            for k in ("sdpa", "flex", "varlen", "flash")}
     kernels = [k for k, problem in why.items() if not problem]
-    return kernels, [f"{k}: {problem}" for k, problem in why.items() if problem], attention.auto_choice(device, True, kernels)
+    return (kernels, [f"{k}: {problem}" for k, problem in why.items() if problem],
+            attention.auto_choice(device, True, kernels))
 
 
 def packing_case(c: dict) -> dict:
@@ -375,7 +378,8 @@ def packing_case(c: dict) -> dict:
     from benchmarks.packing import useful_tokens_per_sec
     from toolkit.data import collate
     from toolkit.data.packing import collate_packed, model_inputs, pack_rows
-    from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+    from toolkit.data.labels import count_targets
+    from toolkit.objectives.sft.loss import token_loss_sum
     from toolkit.parallel.build import cpu_threads_per_rank
     from toolkit.model.synthetic import token_rows
 
@@ -545,8 +549,8 @@ def part_throughput(run: Run, method: str) -> dict:
             checks.append(check(f"{method}: {what} tokens/s", ratios[key], ">=" if key in target else None,
                                 target.get(key), judged=gpu))
     if "toolkit" in mfu:
-        checks.append(check(f"{method}: toolkit MFU (measured matmul peak)", mfu["toolkit"], ">=" if "mfu" in target else None,
-                            target.get("mfu"), judged=gpu))
+        checks.append(check(f"{method}: toolkit MFU (measured matmul peak)", mfu["toolkit"],
+                            ">=" if "mfu" in target else None, target.get("mfu"), judged=gpu))
     for key in ("compile/trainer", "best/trainer", "trainer_best/trainer", "best/trainer_best", "toolkit/trainer_best"):
         if key in ratios:  # side by side: each side's best flags
             checks.append(check(f"{method}: {key.replace('/', ' / ')} tokens/s", ratios[key], None, None))
@@ -554,7 +558,8 @@ def part_throughput(run: Run, method: str) -> dict:
     if "toolkit" in toolkit_arms:
         fastest = max(toolkit_arms, key=toolkit_arms.get)
         peak = e["peak_bytes"]  # "at the same memory": the fastest arm's peak beside the default's
-        memory = f", {peak[fastest] / peak['toolkit']:.2f}x its memory" if peak.get(fastest) and peak.get("toolkit") else ""
+        memory = (f", {peak[fastest] / peak['toolkit']:.2f}x its memory" if peak.get(fastest) and peak.get("toolkit")
+                  else "")
         checks.append(check(f"{method}: toolkit default / its fastest arm ({fastest}{memory}) tokens/s",
                             toolkit_arms["toolkit"] / toolkit_arms[fastest], ">=", DEFAULT_IS_FASTEST, judged=gpu))
     skipped = smoke_skip + e["notes"] + e["left_out"]
@@ -577,7 +582,8 @@ def part_memory(run: Run) -> dict:
     which = os.environ.get("MEMORY_GRID", "all")
     for method in methods if which != "large" else ():
         for gc in (False, True):
-            grid += [("smollm2-135m", method, gc, seq, mb) for seq in (seqs if not run.smoke else seqs[:1] if gc else seqs[1:])]
+            grid += [("smollm2-135m", method, gc, seq, mb)
+                     for seq in (seqs if not run.smoke else seqs[:1] if gc else seqs[1:])]
     for model, big_mb in () if run.smoke or which == "small" else (("llama-1b", 4), ("llama-8b", 1)):
         grid += [(model, "lora", gc, 2048, big_mb) for gc in (False, True)]
     cases, checks = [], []
@@ -638,7 +644,8 @@ def part_chunked_loss(run: Run) -> dict:
         peers = {k: c for k, c in got.items() if c["peak"]["allocated"] <= auto["peak"]["allocated"]}
         fastest = min(peers, key=lambda k: peers[k]["step_seconds"])
         checks.append(check(f"auto: speed / the fastest loss at no more memory ({fastest})",
-                            peers[fastest]["step_seconds"] / auto["step_seconds"], ">=", DEFAULT_IS_FASTEST, judged=run.gpu))
+                            peers[fastest]["step_seconds"] / auto["step_seconds"], ">=", DEFAULT_IS_FASTEST,
+                            judged=run.gpu))
     return {"cases": cases, "checks": checks, "skipped": skipped, "vocab": run.shapes["llama3-head"]["vocab_size"]}
 
 
@@ -659,8 +666,9 @@ def part_packing(run: Run) -> dict:
             continue
         print(f"  {k}: packed vs padded", flush=True)
         r = in_child(packing_case, {**spec, "kernel": k}, timeout=run.timeout())
-        case = {"name": k, "model": model, **{x: spec[x] for x in ("examples", "min_len", "seq_len", "micro_batch", "rows",
-                                                                  "precision", "rounds")}}
+        case = {"name": k, "model": model,
+                **{x: spec[x] for x in ("examples", "min_len", "seq_len", "micro_batch", "rows", "precision",
+                                        "rounds")}}
         cases.append({**case, **(r["ok"] if "ok" in r else {"error": r["error"]})})
         if "ok" not in r:
             continue
@@ -705,7 +713,8 @@ def whole_epochs(examples: int, lengths: tuple[int, int], seq_len: int, micro_ba
     from toolkit.data.packing import pack_bins
     from toolkit.model.synthetic import token_rows
 
-    while len(pack_bins([len(r["input_ids"]) for r in token_rows(examples, lengths, vocab, seed=1)], seq_len)) % micro_batch:
+    while len(pack_bins([len(r["input_ids"]) for r in token_rows(examples, lengths, vocab, seed=1)],
+                        seq_len)) % micro_batch:
         examples += 1
     return examples
 
@@ -797,8 +806,8 @@ def part_moe(run: Run) -> dict:
     cases += list(runs.values())
     if not any("error" in c or "skipped" in c for c in runs.values()):
         g, e = runs["grouped_mm"], runs["eager"]
-        checks.append(check("qwen3-moe training: grouped_mm / eager tokens/s", g["tokens_per_sec"] / e["tokens_per_sec"],
-                            None, None))
+        checks.append(check("qwen3-moe training: grouped_mm / eager tokens/s",
+                            g["tokens_per_sec"] / e["tokens_per_sec"], None, None))
         checks.append(check("qwen3-moe training: grouped_mm vs eager, per-step losses (max relative diff)",
                             rel_diffs(g["losses"], e["losses"]), "<=", TOL[run.precision]))
         shape = json.loads((Path(run.model("qwen3-moe")) / "config.json").read_text())
@@ -839,10 +848,11 @@ def part_deepspeed(run: Run) -> dict:
         cases.append(c)
         if "error" in c:
             continue
-        checks.append(check(f"{name}: saved model passes the integrity gate", float(bool(c["integrity"]["ok"])), ">=", 1.0))
+        checks.append(check(f"{name}: saved model passes the integrity gate", float(bool(c["integrity"]["ok"])),
+                            ">=", 1.0))
         if "error" not in base:
-            checks.append(check(f"{name} vs plain, per-step losses (max relative diff)", rel_diffs(c["losses"], base["losses"]),
-                                "<=", TOL[run.precision]))
+            checks.append(check(f"{name} vs plain, per-step losses (max relative diff)",
+                                rel_diffs(c["losses"], base["losses"]), "<=", TOL[run.precision]))
     return {"cases": cases, "checks": checks}
 
 
@@ -877,10 +887,12 @@ def launch_forms(run: Run, work: Path) -> list[tuple[str, list[str], list[str]]]
             ("accelerate launch --use_fsdp", [*acc(), "--use_fsdp", "--num_processes", "1", script], [])]
     if run.smoke:  # the two kinds of form, on the CPU: the script runs, not the matrix
         return [out[0], out[-1]]
-    out += [(f"accelerate launch --config_file {n}.yaml", [*acc(), "--config_file", str(work / f"{n}.yaml"), script], [])
+    out += [(f"accelerate launch --config_file {n}.yaml",
+             [*acc(), "--config_file", str(work / f"{n}.yaml"), script], [])
             for n in ("zero3", "fsdp")]
     out += [(f"python finetune.py --zero-stage {k}", [py, script], ["--zero-stage", str(k)]) for k in (0, 1, 2)]
-    out += [("python finetune.py --deepspeed ds_config.json", [py, script], ["--deepspeed", str(work / "ds_config.json")]),
+    out += [("python finetune.py --deepspeed ds_config.json", [py, script],
+             ["--deepspeed", str(work / "ds_config.json")]),
             ("python finetune.py --strategy auto", [py, script], ["--strategy", "auto"]),
             ("accelerate launch --strategy auto", [*acc(), script], ["--strategy", "auto"])]
     return out + published_forms(work, py, script, acc)
@@ -1010,29 +1022,34 @@ def arms_table(d: dict) -> list[str]:
     lines = ["", f"{d['part']}: {e['model']} {e['method']}, {e['micro_batch']} x {e.get('seq_len')} tokens, "
              f"{e['warmup']} warm-up + {e['steps']} timed steps a run, {e['dtype']}; torch.compile's backend "
              f"{e.get('compile_backend', 'inductor')}",
-             "", "| arm | what runs | rounds | tokens/s median [min-max] | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+             "", "| arm | what runs | rounds | tokens/s median [min-max] | MFU | peak GiB |",
+             "|---|---|---|---|---|---|"]
     for v, arm in e["arms"].items():
         what = {"raw": "raw PyTorch loop", "sft": "TRL SFTTrainer"}.get(arm["run"])
         if what is None:
-            opts = arm.get("flags") if arm["run"] == "toolkit" else [f"{k}={x}" for k, x in arm.get("trainer_args", {}).items()]
+            opts = (arm.get("flags") if arm["run"] == "toolkit"
+                    else [f"{k}={x}" for k, x in arm.get("trainer_args", {}).items()])
             what = f"{'toolkit' if arm['run'] == 'toolkit' else 'Trainer'} {' '.join(opts) or '(defaults)'}"
         med, spread = e["median_tokens_per_sec"].get(v), e["spread_tokens_per_sec"].get(v)
         tps = f"{med:.0f} [{spread[0]:.0f}-{spread[1]:.0f}]" if med else ("error" if v in e["errors"] else "-")
         mfu = f"{e['mfu'][v]:.3f}" if v in e["mfu"] else "-"
         peak = e.get("peak_bytes", {}).get(v)
-        lines.append(f"| {v} | `{what}` | {e['rounds'][v]} | {tps} | {mfu} | {f'{peak / 2**30:.1f}' if peak else '-'} |")
+        lines.append(f"| {v} | `{what}` | {e['rounds'][v]} | {tps} | {mfu} | "
+                     f"{f'{peak / 2**30:.1f}' if peak else '-'} |")
     return lines
 
 
 def render(out: Path) -> str:
     parts = {p: json.loads((out / f"{p}.json").read_text()) for p in PARTS if (out / f"{p}.json").exists()}
     lines = ["# GPU acceptance", "",
-             "Written by `benchmarks/gpu/gpu_acceptance.py` (what each part measures and how: its docstring); one JSON per "
-             "part beside this file, with each case's configuration. 'within 10%': |value - 1| <= 0.10; "
+             "Written by `benchmarks/gpu/gpu_acceptance.py` (what each part measures and how: its docstring); "
+             "one JSON per part beside this file, with each case's configuration. 'within 10%': "
+             "|value - 1| <= 0.10; "
              "'short by': how far a figure fell short of its target, as a share of it.", ""]
     if not parts:
-        return "\n".join(lines + ["No part has run on a GPU yet. On a lent GPU machine: `bash benchmarks/gpu/gpu_acceptance.sh "
-                                  "PARTS` (the device tool's commands are in that script's header)."]) + "\n"
+        return "\n".join(lines + ["No part has run on a GPU yet. On a lent GPU machine: "
+                                  "`bash benchmarks/gpu/gpu_acceptance.sh PARTS` (the device tool's commands are in "
+                                  "that script's header)."]) + "\n"
     lines += ["| part | date | device | torch / CUDA / driver | transformers / accelerate / peft / deepspeed | "
               "liger / flash_attn / cut_cross_entropy | seconds |", "|---|---|---|---|---|---|---|"]
     for p, d in parts.items():
@@ -1054,7 +1071,8 @@ def render(out: Path) -> str:
         for c in d["cases"]:
             if c.get("error"):
                 lines.append(f"| {p} | {c.get('name') or c.get('method') or 'case'}: **error** | "
-                             f"{c['error'].strip().splitlines()[-1][:160] if c['error'].strip() else '?'} | - | **no** |")
+                             f"{c['error'].strip().splitlines()[-1][:160] if c['error'].strip() else '?'} "
+                             "| - | **no** |")
         for s in d.get("skipped", []):
             lines.append(f"| {p} | skipped: {s} | - | - | - |")
     for d in parts.values():
@@ -1067,7 +1085,8 @@ def main() -> None:
     ap.add_argument("--parts", default="all", help=f"all, or comma-separated from {', '.join(PARTS)}")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps: the script end to end, anywhere")
-    ap.add_argument("--out", help="where the JSON and README.md go (default benchmarks/gpu; with --smoke a temp folder)")
+    ap.add_argument("--out", help="where the JSON and README.md go (default benchmarks/gpu; with --smoke a temp "
+                    "folder)")
     ap.add_argument("--work", help="models and run folders (default a temp folder; the same folder again reuses "
                     "the models built there)")
     ap.add_argument("--render", action="store_true", help="only redraw OUT/README.md from the JSON there")
@@ -1119,7 +1138,8 @@ def main() -> None:
         for p in parts:
             print(f"{p}:", flush=True)
             fn = {"user": lambda r: part_user(r, check), "yardstick": lambda r: part_yardstick(r, check),
-                  "epoch_lora": lambda r: part_epoch(r, check, "lora"), "epoch_full": lambda r: part_epoch(r, check, "full"),
+                  "epoch_lora": lambda r: part_epoch(r, check, "lora"),
+                  "epoch_full": lambda r: part_epoch(r, check, "full"),
                   "throughput_full": lambda r: part_throughput(r, "full"),
                   "throughput_lora": lambda r: part_throughput(r, "lora"), "memory": part_memory,
                   "chunked_loss": part_chunked_loss, "packing": part_packing, "epoch_boundary": part_epoch_boundary,

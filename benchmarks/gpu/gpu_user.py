@@ -329,9 +329,11 @@ def table(d: dict) -> list[str]:
              "packing check | integrity | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in d["cases"]:
         lines.append(f"| {c['name']} | {yes(c.get('started'))} | {f(c.get('seconds_to_step1'), '.0f')} | "
-                     f"{f(c.get('seconds'), '.0f')} | {f(c.get('tokens_per_s'), '.0f')} | {f(c.get('step_time_cv'), '.2f')} | "
-                     f"{f(c.get('logged_mfu'), '.3f')} | {f(c.get('peak_gib'), '.1f')} | {f(c.get('loss_check_gap'), '.1e')} | "
-                     f"{f(c.get('packing_check_gap'), '.1e')} | {yes(c.get('integrity'))} | {(c.get('error') or '')[:120]} |")
+                     f"{f(c.get('seconds'), '.0f')} | {f(c.get('tokens_per_s'), '.0f')} | "
+                     f"{f(c.get('step_time_cv'), '.2f')} | {f(c.get('logged_mfu'), '.3f')} | "
+                     f"{f(c.get('peak_gib'), '.1f')} | {f(c.get('loss_check_gap'), '.1e')} | "
+                     f"{f(c.get('packing_check_gap'), '.1e')} | {yes(c.get('integrity'))} | "
+                     f"{(c.get('error') or '')[:120]} |")
     grpo = [c for c in d["cases"] if c["name"].startswith("grpo")]
     if grpo:
         g = grpo[0].get("settings") or GRPO_SETTINGS

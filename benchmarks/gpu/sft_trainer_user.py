@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--max-steps", type=int, default=30)
-    ap.add_argument("--compile-backend", default="inductor", help="--best's torch.compile backend (a CPU smoke: aot_eager)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="--best's torch.compile backend (a CPU smoke: aot_eager)")
     a = ap.parse_args()
 
     import torch

@@ -11,7 +11,8 @@ def cmd_accelerate_config(args) -> None:
     from toolkit.layout.launcher import accelerate_yaml, write_accelerate_yaml
 
     flags = ["--offload", args.offload, "--fsdp-sharding", args.fsdp_sharding, "--output-dir", "/nonexistent"]
-    flags += (["--zero-stage", str(args.zero_stage)] if args.zero_stage is not None else []) + (["--fsdp"] if args.fsdp else [])
+    flags += ((["--zero-stage", str(args.zero_stage)] if args.zero_stage is not None else [])
+              + (["--fsdp"] if args.fsdp else []))
     # same checks as finetune.py
     par = parse_config(flags, prog="python -m toolkit accelerate-config").parallel
     cfg = accelerate_yaml(par.zero_stage, par.offload, par.fsdp, par.fsdp_sharding, args.num_processes,

@@ -165,7 +165,8 @@ def calibrate(output: Path, log=print) -> Hardware | None:
         # several nodes: the node-local groups give the intra-node figure
         if world > local:
             group, _ = dist.new_subgroups(group_size=local)
-            measured["node"] = {k: slowest(v, device) for k, v in collective_figures(device, nbytes, sync, group).items()}
+            measured["node"] = {k: slowest(v, device)
+                                for k, v in collective_figures(device, nbytes, sync, group).items()}
             intra = measured["node"]["all_reduce"]
         else:
             intra = inter

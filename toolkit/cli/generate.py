@@ -31,12 +31,13 @@ def sampling_options(args) -> dict:
     given = [f"--{k.replace('_', '-')}" for k in SAMPLING if getattr(args, k) is not None]
     if given and not args.do_sample:
         raise UserError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} sampling, and decoding is greedy "
-                        f"without --do-sample; add --do-sample to sample, or leave {'them' if len(given) > 1 else 'it'} "
-                        "out")
+                        "without --do-sample; add --do-sample to sample, or leave "
+                        f"{'them' if len(given) > 1 else 'it'} out")
     options = {"do_sample": args.do_sample, "repetition_penalty": args.repetition_penalty}
     # what greedy decoding ignores (transformers warns when given them)
     if args.do_sample:
-        options.update({k: default if getattr(args, k) is None else getattr(args, k) for k, default in SAMPLING.items()})
+        options.update({k: default if getattr(args, k) is None else getattr(args, k)
+                        for k, default in SAMPLING.items()})
     return options
 
 

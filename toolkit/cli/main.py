@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "write over a non-empty --output")
     s.add_argument("--tiny", metavar="ARCH", help="instead, a tiny random model (2 blocks, hidden 64, random weights, "
                                                   "a 384-token tokenizer) of this architecture, one of "
-                                                  "toolkit/model/synthetic.py's ZOO: qwen3_moe, mixtral, deepseek_v3 and "
-                                                  "gpt_oss are MoE (to try --ep), llama, qwen3, gemma2, ... dense")
+                                                  "toolkit/model/synthetic.py's ZOO: qwen3_moe, mixtral, "
+                                                  "deepseek_v3 and gpt_oss are MoE (to try --ep), llama, qwen3, "
+                                                  "gemma2, ... dense")
     s.add_argument("--output", metavar="DIR", help="with --tiny: the folder to write the model and tokenizer to")
     s.set_defaults(fn=cmd_prepare_model)
     s = sub.add_parser("prepare-data", help="tokenize a run's data into the cache (finetune.py's flags or --config)")
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nodes", type=int, default=1, help="nodes")
     s.add_argument("--gpu", choices=tuple(GPU_PRESETS), help="a card: sets --gpu-memory and, where one exists, "
                                                              "the time model (--hardware)")
-    s.add_argument("--gpu-memory", default="80GB", help="memory per GPU in GB: 80 or 80GB (GB = GiB, as GPUs are sold), or 1.5TB")
+    s.add_argument("--gpu-memory", default="80GB",
+                   help="memory per GPU in GB: 80 or 80GB (GB = GiB, as GPUs are sold), or 1.5TB")
     s.add_argument("--cpu-memory", help="host RAM per node, which CPU offload needs (default: this machine's where "
                                         "the plan is for it, one node of its GPU count; unknown, and not checked, "
                                         "for any other machine; 'unlimited' not to check it)")
@@ -140,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--objective", default=t.objective, choices=OBJECTIVES,
                    help="a preference objective's micro-batch holds two sequences per example, with full logits")
     s.add_argument("--loss", default="auto", choices=("auto", "full", "chunked", "liger", "cce"),
-                   help="the run's --loss: full logits, or one chunk's (auto, chunked, liger, cce; pipeline stages use full)")
+                   help="the run's --loss: full logits, or one chunk's (auto, chunked, liger, cce; pipeline stages "
+                        "use full)")
     s.add_argument("--global-batch", type=int,
                    help="examples per optimizer step (default: --micro-batch-size x --grad-accum x GPUs, what plain "
                         "data parallelism runs); each layout keeps it, re-split between micro-batch and accumulation")

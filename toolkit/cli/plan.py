@@ -104,7 +104,8 @@ def from_run_config(args: argparse.Namespace) -> tuple[str, Asked | None]:
     named = []
     if not {"gpu", "gpu_memory"} & typed and (machine.plan_gpu or machine.plan_gpu_memory):
         args.gpu, args.gpu_memory = machine.plan_gpu or None, machine.plan_gpu_memory or args.gpu_memory
-        named.append(f"plan_gpu {machine.plan_gpu}" if machine.plan_gpu else f"plan_gpu_memory {machine.plan_gpu_memory}")
+        named.append(f"plan_gpu {machine.plan_gpu}" if machine.plan_gpu
+                     else f"plan_gpu_memory {machine.plan_gpu_memory}")
     for dest in ("gpus_per_node", "nodes", "cpu_memory"):
         value = getattr(machine, f"plan_{dest}")
         if value not in (None, "") and dest not in typed:

@@ -45,7 +45,8 @@ def cmd_prepare_data(args) -> None:
     from toolkit.model.source import resolve_model, tokenizer_dir
 
     # the run's own output dir is not touched here: a placeholder keeps its checks out of the way
-    cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"], prog="python -m toolkit prepare-data")
+    cfg = parse_config([*args.flags, "--output-dir", "/nonexistent/prepare-data"],
+                       prog="python -m toolkit prepare-data")
     # the data's columns, before the tokenizer loads
     check_data(cfg.data_settings)
     # the tokenizer finetune.py will use (an SFT adapter's own, saved beside it), so the run reads this cache

@@ -63,8 +63,8 @@ def validate(cfg: Config) -> list[str]:
     from toolkit.layout.launcher import nproc_problem
 
     p.extend(x for x in [nproc_problem(cfg.parallel.nproc_per_node, os.environ)] if x)
-    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True, m.attn,
-                             t.objective if generates(t.objective) else None))
+    p.extend(layout_problems(cfg.parallel, m.method, t.mixed_precision, t.loss, t.micro_batch_size, t.compile is True,
+                             m.attn, t.objective if generates(t.objective) else None))
     p.extend(objective_problems(cfg))
     blocked = padding_free_blocked(cfg)
     need(not (d.padding_free and blocked), f"--padding-free: {blocked}; drop it (the batches are padded there)")

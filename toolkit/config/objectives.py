@@ -101,7 +101,8 @@ def objective_problems(cfg) -> list[str]:
     if t.objective in ("orpo", "kto") and d.packing:
         why = "its NLL reads each chosen sequence's prompt" if t.objective == "orpo" else \
             "its KL estimate's sequences are not packed"
-        p.append(f"--objective {t.objective} does not run with --packing yet ({why}); drop --packing, or use dpo or simpo")
+        p.append(f"--objective {t.objective} does not run with --packing yet ({why}); drop --packing, or use dpo "
+                 "or simpo")
     if par.cp > 1 and d.packing:
         p.append(f"--cp {par.cp} with --packing does not run yet for {o} (a slice holds no whole documents); "
                  "drop one")

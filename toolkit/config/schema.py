@@ -122,9 +122,9 @@ class TrainConfig:
                            "inside the head's forward, so batch x seq x vocab fp32 logits never exist (same loss and "
                            "gradients; its softmax compiled on CUDA); liger / cce: the same through Liger-Kernel's / "
                            "Apple's Cut Cross-Entropy's Triton kernels (CUDA only; pip install 'toolkit[gpu]'); auto: "
-                           "on a GPU full logits where the planner says they fit, else chunked (cce and liger only when "
-                           "asked: slower on real packed data; cce refuses fp32); on CPU chunked; full under --pp or "
-                           "with a non-linear LM head",
+                           "on a GPU full logits where the planner says they fit, else chunked (cce and liger only "
+                           "when asked: slower on real packed data; cce refuses fp32); on CPU chunked; full under --pp "
+                           "or with a non-linear LM head",
                    ("auto", "full", "chunked", "liger", "cce"))
     compile: Optional[bool] = _f(None, "compile each decoder block with torch.compile (regional); unset (auto, the "
                                        "default): on CUDA from step 4 where the steps left repay the compile, timed "
@@ -214,7 +214,8 @@ class OutputConfig:
     save_every: int = _f(0, "steps between resumable checkpoints (0 = only the final model)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: str = _f("", "resume from 'auto' (the newest complete checkpoint in --output-dir) or a checkpoint folder")
-    resume_ignore_mismatch: bool = _f(False, "resume even if the dataset or result-changing settings differ from the checkpoint's")
+    resume_ignore_mismatch: bool = _f(False, "resume even if the dataset or result-changing settings differ from the "
+                                             "checkpoint's")
     continue_finished: bool = _f(False, "with --resume auto on a finished run (final/ written): train it further, to a "
                                         "larger --max-steps, from its newest checkpoint; final/ is replaced at the end")
     verify: str = _f("load", "after the final save: files = the weight files equal the trained tensors; load = "

@@ -218,8 +218,8 @@ def check_trainable(stats: DataStats, settings: DataSettings, what: str, named: 
         cut = stats.dropped - stats.empty
         raise UserError(f"{named or '--dataset ' + settings.data.dataset}: no {what} {unit} is left: {stats.empty} of "
                         f"{stats.examples} have an empty or whitespace-only {sides}"
-                        + (f", the other {cut} no {'answer' if wants == 'conversations' else 'completion'} tokens after "
-                           f"truncation to --seq-len {settings.data.seq_len}" if cut else "")
+                        + (f", the other {cut} no {'answer' if wants == 'conversations' else 'completion'} "
+                           f"tokens after truncation to --seq-len {settings.data.seq_len}" if cut else "")
                         + f"; fill in the {sides} text (or point --columns at the columns that hold it)")
     raise UserError(f"every {what} example is left with no answer tokens after truncation to "
                     f"--seq-len {settings.data.seq_len}; raise --seq-len (longest prompt is longer)")

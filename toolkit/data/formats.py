@@ -139,7 +139,8 @@ def column_renames(cols: list[str], source: DataSource) -> dict[str, str]:
         if yours not in cols:
             hint = difflib.get_close_matches(yours, cols, n=1)
             raise UserError(f"{source.named(f'{ours}={yours}')}: {source.flag} {source.path} has no column '{yours}'"
-                            + (f" (did you mean '{hint[0]}'?)" if hint else "") + f"; its columns are {', '.join(cols)}")
+                            + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                            + f"; its columns are {', '.join(cols)}")
         if ours in cols and ours not in mapping.values():
             raise UserError(f"{source.named(f'{ours}={yours}')}: {source.flag} {source.path} already has a column "
                             f"'{ours}'; map that one elsewhere too, or drop {ours}={yours}")
@@ -201,7 +202,8 @@ def utf8_problem(files: list[Path]) -> str | None:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as e:
                     line = lineno + chunk[:max(e.start, 0)].count(b"\n")
-                    return f"{path}: line {line} is not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the file as UTF-8"
+                    return (f"{path}: line {line} is not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the file "
+                            "as UTF-8")
                 lineno += chunk.count(b"\n")
     return None
 
@@ -216,7 +218,8 @@ def json_lines_problem(path: Path) -> str | None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                return f"{path}: invalid JSON on line {lineno} ({e.msg}); each line of a .jsonl file must be one JSON object"
+                return (f"{path}: invalid JSON on line {lineno} ({e.msg}); each line of a .jsonl file must be one "
+                        "JSON object")
             if not isinstance(row, dict):
                 return f"{path}: line {lineno} is a {type(row).__name__}, expected an object"
     return None

@@ -149,7 +149,8 @@ def collate_padding_free(batch: list[dict], pad_id: int, whole: bool = False, mu
         n = len(batch)
         rows = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in batch]
         kl = collate_packed([end_to_end(kl_rows(batch))], *args)
-        return {**collate_packed([end_to_end(rows)], *args), "documents": n, **kto_extras(batch, {**kl, "documents": n})}
+        return {**collate_packed([end_to_end(rows)], *args), "documents": n,
+                **kto_extras(batch, {**kl, "documents": n})}
     return collate_packed([end_to_end(batch)], *args)
 
 
@@ -202,5 +203,6 @@ class Collate:
         if self.packed:
             return collate_packed(batch, self.pad_id, self.whole, multiple, cap, self.seq_len, compiled=self.bucket)
         if self.padding_free:
-            return collate_padding_free(batch, self.pad_id, self.whole, multiple, cap, self.seq_len, compiled=self.bucket)
+            return collate_padding_free(batch, self.pad_id, self.whole, multiple, cap, self.seq_len,
+                                        compiled=self.bucket)
         return collate(batch, self.pad_id, self.whole, multiple, cap)

@@ -163,7 +163,8 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, data: DataConfi
         given = with_system_prompt(prompt, data.system_prompt)
         added.append(given is not prompt)
         empty.append(blank(chosen) or blank(rejected))
-        chats += [given + [{"role": "assistant", "content": chosen}], given + [{"role": "assistant", "content": rejected}]]
+        chats += [given + [{"role": "assistant", "content": chosen}],
+                  given + [{"role": "assistant", "content": rejected}]]
     encs = encode_batch(tokenizer, chats, data.seq_len, False, last_turn=True)
     chosen, rejected = token_columns(encs[0::2]), token_columns(encs[1::2])
     return {"input_ids": chosen["input_ids"], "labels": chosen["labels"],

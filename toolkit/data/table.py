@@ -194,7 +194,8 @@ def _view(array, buffer: int = 1, length: int | None = None):
     kind = array.type if buffer == 1 and not pa.types.is_list(array.type) else None
     dtype = {pa.int32(): np.int32, pa.int64(): np.int64, pa.int8(): np.int8}[kind] if kind else np.int32
     count = len(array) + (0 if kind else 1)
-    return np.frombuffer(array.buffers()[buffer], dtype=dtype, count=count, offset=array.offset * np.dtype(dtype).itemsize)
+    return np.frombuffer(array.buffers()[buffer], dtype=dtype, count=count,
+                         offset=array.offset * np.dtype(dtype).itemsize)
 
 
 def column(table, name: str):

@@ -66,7 +66,8 @@ def encode(tokenizer, example: list[dict[str, str]] | str, seq_len: int, train_o
     return encode_batch(tokenizer, [example], seq_len, train_on_prompt)[0]
 
 
-def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool, last_turn: bool = False) -> list[Encoded]:
+def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool,
+                 last_turn: bool = False) -> list[Encoded]:
     """Conversations and texts tokenized in one call to the tokenizer (its Rust batch path: no
     per-example call overhead); the same ids as one call per example. `last_turn`: only the last
     assistant turn is trained (a preference pair's completion; earlier turns are its prompt). An example

@@ -72,8 +72,8 @@ def deepspeed_config(stage: int, offload: str = "none", mixed_precision: str = "
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto" if mixed_precision == "auto" else mixed_precision == "bf16"},
-        "fp16": {"enabled": "auto" if mixed_precision == "auto" else mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "fp16": {"enabled": "auto" if mixed_precision == "auto" else mixed_precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         # The toolkit passes its own torch AdamW; with offload DeepSpeed would otherwise insist on
@@ -167,9 +167,10 @@ def file_settings(ds: dict[str, Any]) -> dict[str, Any]:
     out["zero_stage"] = int(zero["stage"]) if _set(zero.get("stage")) else 0
     param = (zero.get("offload_param") or {}).get("device", "none")
     optim = (zero.get("offload_optimizer") or {}).get("device", "none")
-    out["offload"] = "optimizer+param" if param not in ("none", None) else "optimizer" if optim not in ("none", None) else "none"
-    for key, ours in (("train_micro_batch_size_per_gpu", "micro_batch_size"), ("gradient_accumulation_steps", "grad_accum"),
-                      ("gradient_clipping", "max_grad_norm")):
+    out["offload"] = ("optimizer+param" if param not in ("none", None)
+                      else "optimizer" if optim not in ("none", None) else "none")
+    for key, ours in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                      ("gradient_accumulation_steps", "grad_accum"), ("gradient_clipping", "max_grad_norm")):
         if _set(ds.get(key)):
             out[ours] = ds[key]
     sections = {dtype: precision_key(ds, dtype) for dtype in ("bf16", "fp16")}

@@ -67,7 +67,8 @@ class ParallelDims:
 
     def problems(self) -> list[str]:
         """Every way these degrees fail to cover the world, as one list."""
-        p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})" for d in MESH_DIMS if getattr(self, d) < 1]
+        p = [f"--{d.replace('_', '-')} must be >= 1 (got {getattr(self, d)})"
+             for d in MESH_DIMS if getattr(self, d) < 1]
         if self.ep < 1:
             p.append(f"--ep must be >= 1 (got {self.ep})")
         # the TP group: --ep against --tp is `toolkit.layout.rules`' refusal
@@ -126,9 +127,9 @@ def infer_dims(world_size: int, tp: int = 1, pp: int = 1, sharded: bool = False,
         dp_replicate = rest // dp_shard if rest % dp_shard == 0 else 0
     if dp_shard < 1 or dp_replicate < 1 or dp_shard * dp_replicate != rest:
         return ParallelDims(world_size, pp=pp, cp=cp, tp=tp), [
-            f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp}) "
-            f"leave {rest} data-parallel rank{'s' if rest != 1 else ''}; launch {model_parallel * (dp_shard or 1) * (dp_replicate or 1)} "
-            f"processes or change the degrees"]
+            f"{given} does not fit: {world_size} process{'es' if world_size != 1 else ''} / (pp {pp}"
+            f"{f' x cp {cp}' if cp > 1 else ''} x tp {tp}) leave {rest} data-parallel rank{'s' if rest != 1 else ''}; "
+            f"launch {model_parallel * (dp_shard or 1) * (dp_replicate or 1)} processes or change the degrees"]
     dims = ParallelDims(world_size, pp=pp, tp=tp, cp=cp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
     return dims, dims.problems()
 

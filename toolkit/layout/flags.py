@@ -17,19 +17,22 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
 class ParallelConfig:
     """How a run is laid out over its ranks (`toolkit.layout.rules` says which layouts may run)."""
 
-    strategy: str = _f("manual", "auto: let the planner pick the layout (DDP/ZeRO/FSDP/offload or a tp/pp/cp/dp-shard mesh), "
-                                   "checkpointing and batch sizes",
+    strategy: str = _f("manual", "auto: let the planner pick the layout (DDP/ZeRO/FSDP/offload or a tp/pp/cp/dp-shard "
+                                 "mesh), checkpointing and batch sizes",
                        ("manual", "auto"))
     zero_stage: Optional[int] = _f(None, "DeepSpeed ZeRO stage (unset = plain DDP)", (0, 1, 2, 3))
-    offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)", ("none", "optimizer", "optimizer+param"))
+    offload: str = _f("none", "DeepSpeed CPU offload (param offload needs ZeRO-3)",
+                      ("none", "optimizer", "optimizer+param"))
     fsdp: bool = _f(False, "shard with PyTorch FSDP2 over the data-parallel ranks (--dp-shard inferred; composes with "
                            "--tp, --pp and --cp); under bf16 each block is gathered in bf16 and gradients reduce in "
                            "fp32, with no autocast (also on one GPU)")
     fsdp_sharding: str = _f("full", "FSDP2: full = ZeRO-3-like, grad_op = ZeRO-2-like, hybrid = shard within a "
-                                    "node and replicate across nodes (HSDP: --dp-replicate nodes)", ("full", "grad_op", "hybrid"))
+                                    "node and replicate across nodes (HSDP: --dp-replicate nodes)",
+                            ("full", "grad_op", "hybrid"))
     dp_shard: int = _f(0, "ranks that shard the weights with FSDP2 on the device mesh (0 = inferred); composes "
                           "with --tp and --dp-replicate")
-    dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with --dp-shard: HSDP")
+    dp_replicate: int = _f(0, "replicas of the sharded (or DDP) data-parallel group (0 = inferred); with "
+                              "--dp-shard: HSDP")
     tp: int = _f(1, "tensor-parallel degree: split every block over this many ranks of a node "
                     "(world = tp x data-parallel) as the config's base_model_tp_plan says (an MoE block's experts: "
                     "each expert's intermediate), with DDP, --dp-shard or --ep")

@@ -52,7 +52,8 @@ def strategy_name(par: ParallelConfig) -> str | None:
     if par.fsdp:
         return "fsdp_grad_op" if par.fsdp_sharding == "grad_op" else "fsdp_full"
     if par.zero_stage:
-        return f"zero{par.zero_stage}" + {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[par.offload]
+        return (f"zero{par.zero_stage}"
+                + {"none": "", "optimizer": "_offload", "optimizer+param": "_offload_param"}[par.offload])
     return "ddp"
 
 
@@ -196,7 +197,8 @@ def _mesh_problems(par: ParallelConfig, method: str, precision: str) -> list[str
          for name in ("dp_shard", "dp_replicate") if getattr(par, name) < 0]
     if not mesh_sharded(par):
         return p
-    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}" for n in ("dp_shard", "dp_replicate") if getattr(par, n))
+    flags = " ".join(f"--{n.replace('_', '-')} {getattr(par, n)}"
+                     for n in ("dp_shard", "dp_replicate") if getattr(par, n))
     # --fsdp alone: its clashes with --zero-stage, --strategy auto and QLoRA are said above
     if not flags:
         # --ep: _ep_problems
@@ -268,7 +270,8 @@ def _pipeline_problems(par: ParallelConfig, method: str, precision: str, loss: s
                  "data parallel on the mesh: use --dp-shard N (FSDP2) or DDP (drop one of them)")
     p += _method_problems(f"--pp {par.pp}", "pp", method, precision)
     if loss in FUSED_LOSSES:
-        p.append(f"--pp {par.pp} with --loss {loss} is not supported; the last stage computes full logits (use --loss full)")
+        p.append(f"--pp {par.pp} with --loss {loss} is not supported; the last stage computes full logits "
+                 "(use --loss full)")
     if par.pp_schedule == "1f1b" and par.pp_microbatches < par.pp:
         p.append(f"--pp-schedule 1f1b needs --pp-microbatches >= --pp ({par.pp_microbatches} < {par.pp})")
     devices = [x for x in par.pp_devices.split(",") if x.strip()]

@@ -104,9 +104,9 @@ ZOO: dict[str, dict] = {
                     router_aux_loss_coef=0.5),
     "qwen3_moe": dict(_SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
-    "deepseek_v3": dict(_SMALL, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                        v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "deepseek_v3": dict(_SMALL, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
     "gpt_oss": dict(_SMALL, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                     output_router_logits=True, router_aux_loss_coef=0.5, **_WINDOWS),
 }

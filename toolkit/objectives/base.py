@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from toolkit.objectives.preference.functions import document_logps, orpo_labels, sequence_logps, sliced_logps, whole_row_logps
+from toolkit.objectives.preference.functions import (document_logps, orpo_labels, sequence_logps, sliced_logps,
+                                                     whole_row_logps)
 
 # (model, batch, reference=False) -> each whole row's log-probability
 LogpsFn = Callable[..., torch.Tensor]

@@ -61,7 +61,8 @@ def sample_completions(strategy, model, tokenizer, prompts: list[str], max_new_t
             out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         **{name: cache})
             cache = out.get(name)
-            nxt = torch.where(done, torch.full_like(done, pad, dtype=ids.dtype), out.logits[:, -1].argmax(-1).to(ids.dtype))
+            nxt = torch.where(done, torch.full_like(done, pad, dtype=ids.dtype),
+                              out.logits[:, -1].argmax(-1).to(ids.dtype))
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             mask = torch.cat([mask, (~done).to(mask.dtype)[:, None]], dim=1)
             done |= nxt == tokenizer.eos_token_id

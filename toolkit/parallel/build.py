@@ -54,7 +54,8 @@ def make_accelerator(cfg: Config, model_path: str | None = None):
     # value, only add a collective and a read-back at the epoch boundary)
     kwargs: dict = {"mixed_precision": resolved_precision(cfg), "rng_types": [],
                     "dataloader_config": DataLoaderConfiguration(dispatch_batches=False, non_blocking=launch.on_cuda()),
-                    "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga, sync_with_dataloader=False)}
+                    "gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=ga,
+                                                                               sync_with_dataloader=False)}
     if kind == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
 
@@ -112,7 +113,8 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     # Keys the file leaves out are the run's, as "auto" would be: accelerate would otherwise put 1 for a
     # missing accumulation (the loop scales the loss by --grad-accum for DeepSpeed to divide by) and
     # DeepSpeed would not clip; no zero_optimization section is stage 0 (accelerate refuses none).
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "gradient_clipping"):
         ds.setdefault(key, "auto")
     ds.setdefault("zero_optimization", {"stage": 0})
     ds = fill_auto(ds, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, data_ranks=int(os.environ.get(

@@ -70,7 +70,8 @@ def ulysses_attention(module, query, key, value, attention_mask, *args, inner: s
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # eager is not in the interface: each modeling file has its own (the default it falls back to)
-    attend = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else sys.modules[type(module).__module__].eager_attention_forward
+    attend = (ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager"
+              else sys.modules[type(module).__module__].eager_attention_forward)
     if _active is None:
         return attend(module, query, key, value, attention_mask, *args, **kwargs)
     group = _active["group"]

@@ -343,7 +343,8 @@ class ContextSlices:
         return total
 
     def describe(self) -> str:
-        return f"context parallel: {self.cp} ranks per sequence (Ulysses all-to-all attention)\n" if self.context else ""
+        return (f"context parallel: {self.cp} ranks per sequence (Ulysses all-to-all attention)\n" if self.context
+                else "")
 
 
 def loss_scale(scale: float | torch.Tensor, averaged_over: int, divided_by: int) -> float | torch.Tensor:

@@ -173,7 +173,8 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check
     try:
         result = plan(inp)
     except (KeyError, ValueError) as e:
-        raise UserError(f"--strategy auto: cannot plan for {model_path} ({e}); pass --zero-stage/--fsdp yourself") from None
+        raise UserError(f"--strategy auto: cannot plan for {model_path} ({e}); pass --zero-stage/--fsdp "
+                        "yourself") from None
     if not result.chosen:
         raise UserError(f"--strategy auto: {result.advice}")
     taken = int(os.environ.get(FALLBACK_ENV, "0"))

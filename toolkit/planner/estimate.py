@@ -22,8 +22,8 @@ from toolkit.layout.dims import MESH_DIMS, ParallelDims, layout_name
 from toolkit.layout.rules import (cp_divisibility_problems, dims_for, model_problems,
                                   ep_problems, not_runnable, strategy_name, tp_divisibility_problems)
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_token, forward_flops_per_token,
-                                  load_hardware, optimizer_step_seconds, optimizer_step_terms, ring_factor, step_seconds,
-                                  step_terms)
+                                  load_hardware, optimizer_step_seconds, optimizer_step_terms, ring_factor,
+                                  step_seconds, step_terms)
 from toolkit.planner.layouts import (gathered_block, loss_bytes, mesh_step_terms, stage_bytes,
                                      traffic)
 from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
@@ -301,7 +301,8 @@ class Plan:
 
 def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
     nkv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], nkv * head_dim(cfg), cfg["vocab_size"]
+    return (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], nkv * head_dim(cfg),
+            cfg["vocab_size"])
 
 
 def offloads(s: Sharding) -> bool:
@@ -356,8 +357,9 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
     resident = s.deepspeed or n > 1
     embedding_grad = 4 * vocab * h if inp.method == "full" else 0
     b["buffers"] = buckets
-    b["allocated"] = saved.allocated_peak(b["weights"], b["grads"], b["optimizer"], casts, forward, backward, b["logits"],
-                                          checkpointing, resident, embedding_grad, 3 * PROBE_MATMUL_GPU ** 2 * act) + buckets
+    b["allocated"] = saved.allocated_peak(b["weights"], b["grads"], b["optimizer"], casts, forward, backward,
+                                          b["logits"], checkpointing, resident, embedding_grad,
+                                          3 * PROBE_MATMUL_GPU ** 2 * act) + buckets
     # sampling's own peak: weights, optimizer state, resident gradients, the KV cache
     if inp.generation:
         rows_g, tokens_g = inp.generation
@@ -399,7 +401,8 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
     traffic = [
         Traffic(grads_sent, link, grad_calls if n > 1 else 0, *(("overlapped_once", "dp_sync") if s.name == "ddp"
                                                                 else ("overlapped", "dp"))),
-        Traffic(comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0, "overlapped", "dp")]
+        Traffic(comm - grads_sent, link, layers * gathers * (7 if s.deepspeed else 1) if n > 1 else 0,
+                "overlapped", "dp")]
     tokens = rows * inp.seq_len
     per_token += inp.extra_forwards * forward_flops_per_token(active, layers, h, inp.seq_len)
     terms = step_terms(tokens * per_token, inp.precision, traffic, hw, pcie, host, optimizer_bytes=on_device,
@@ -450,7 +453,8 @@ def tree_problems(inp: PlanInput, d: ParallelDims) -> str:
     check handed in by the caller: `toolkit.parallel.tree.tree_problem`), '' where it runs or nobody asked."""
     if inp.tree_check is None:
         return ""
-    return (inp.tree_check(inp.model, "tp") if d.tp > 1 else "") or (inp.tree_check(inp.model, "pp") if d.pp > 1 else "")
+    return ((inp.tree_check(inp.model, "tp") if d.tp > 1 else "")
+            or (inp.tree_check(inp.model, "pp") if d.pp > 1 else ""))
 
 
 def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
@@ -461,7 +465,8 @@ def asked_candidate(inp: PlanInput) -> tuple[Candidate | None, str]:
     name = strategy_name(par)
     if name is not None:
         if name not in STRATEGIES:
-            return None, f"the planner has no memory model for {name} (--zero-stage {par.zero_stage} --offload {par.offload})"
+            return None, (f"the planner has no memory model for {name} (--zero-stage {par.zero_stage} "
+                          f"--offload {par.offload})")
         c = estimate(inp, STRATEGIES[name], gc, inp.micro_batch)
     elif world == 1 and par.pp > 1:
         return None, (f"--pp {par.pp} in one process (the naive pipeline over --pp-devices) is not predicted; "

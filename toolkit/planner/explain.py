@@ -16,7 +16,8 @@ from typing import Any
 from toolkit.layout.dims import ParallelDims
 from toolkit.layout.rules import num_experts
 from toolkit.planner.estimate import Candidate, GiB, Plan, PlanInput, asked_data_ranks, estimate, estimate_layout
-from toolkit.planner.search import ORDER, TIE, TOP, choose, flags_for, listed, offloads_row, rank_key, search, simplicity, target_batch, tie_key, time_ratio
+from toolkit.planner.search import (ORDER, TIE, TOP, choose, flags_for, listed, offloads_row, rank_key, search,
+                                    simplicity, target_batch, tie_key, time_ratio)
 from toolkit.planner.layouts import flags as mesh_flags
 from toolkit.planner.memory import STRATEGIES
 from toolkit.planner.params import lora_layer_params
@@ -115,7 +116,8 @@ def fallback_record(c: Candidate, chosen: Candidate, inp: PlanInput) -> dict[str
     elif not chosen.checkpointing and c.micro_batch == chosen.micro_batch:
         what = "gradient checkpointing on"
     else:
-        what = f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} with gradient checkpointing (the global batch kept)"
+        what = (f"micro-batch {c.micro_batch} x accumulation {c.grad_accum} with gradient checkpointing (the global "
+                "batch kept)")
     flags = flags_for(c.name, True, c.micro_batch, c.grad_accum, inp.method) if c.dims is None else \
         (["--method", inp.method] + mesh_flags(ParallelDims(world, **c.dims), c.micro_batch)
          + ["--gradient-checkpointing", "--micro-batch-size", str(c.micro_batch), "--grad-accum", str(c.grad_accum)])
@@ -183,7 +185,8 @@ def preferred(chosen: Candidate, c: Candidate, rows: list[Candidate], target: in
     if a == b:
         if c.checkpointing != chosen.checkpointing:
             return "the chosen needs no gradient checkpointing"
-        return "as simple as the chosen" + (", and slower" if time_ratio(c, chosen) > 0 else ": the chosen was found first")
+        return "as simple as the chosen" + (", and slower" if time_ratio(c, chosen) > 0
+                                            else ": the chosen was found first")
     if a[0] == b[0] == 0:
         return f"{c.name} comes after the chosen in the 1-D order ({', '.join(ORDER[a[1]:b[1] + 1])})"
     if a[0] == 0:
@@ -200,7 +203,8 @@ def smaller_because(c: Candidate, term: str, inp: PlanInput) -> str:
     if term != "activations" or c.dims is None:
         return ""
     d = c.dims
-    parts = [f"cp {d['cp']} gives each rank {-(-inp.seq_len // d['cp']):,} of the {inp.seq_len:,} tokens"] * (d["cp"] > 1)
+    parts = ([f"cp {d['cp']} gives each rank {-(-inp.seq_len // d['cp']):,} of the {inp.seq_len:,} tokens"]
+             * (d["cp"] > 1))
     parts += [f"tp {d['tp']} splits each block's attention and MLP"] * (d["tp"] > 1)
     parts += [f"each of pp {d['pp']} stages holds 1/{d['pp']} of the blocks"] * (d["pp"] > 1)
     ep, experts = d.get("ep", 1), num_experts(inp.model)
@@ -239,7 +243,8 @@ def batch_line(inp: PlanInput, c: Candidate) -> str:
              f"rank{'s' if c.data_ranks != 1 else ''}")
     if c.global_batch == target:
         same = (c.micro_batch, c.grad_accum, c.data_ranks) == (inp.micro_batch, inp.grad_accum, ranks)
-        return f"global batch {target} kept: {split} ({'as asked' if same and not inp.global_batch else f'asked: {asked}'})"
+        return (f"global batch {target} kept: {split} "
+                f"({'as asked' if same and not inp.global_batch else f'asked: {asked}'})")
     return (f"global batch {c.global_batch}, not the {target} asked ({asked}): no layout that fits shares {target} "
             f"evenly over its data-parallel ranks, this is the nearest multiple of its {c.data_ranks}: {split}")
 
@@ -382,7 +387,8 @@ def render_table(p: Plan) -> str:
     `rank_key`) with why each lost, then the choice: its split of the global batch,
     its headroom where it is tight (`memory_line`), its predicted step term by term, what decided it,
     and its flags. Each figure is printed once, and every GiB figure as `gib` rounds it."""
-    cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated", "total"]
+    cols = ["weights", "grads", "optimizer", "autocast_copies", "activations", "logits", "buffers", "allocated",
+            "total"]
     gpu = p.device == "GPU"
     per = "GPU" if gpu else "process"
     ram = ("unknown, not checked" if p.cpu_memory_unknown else "not checked") if p.cpu_memory is None \
@@ -392,7 +398,8 @@ def render_table(p: Plan) -> str:
     mesh = len([c for c in p.strategies if c.dims is not None and not c.asked])
     world = f"{p.world} GPU{'s' * (p.world != 1)}" if gpu else f"{p.world} CPU process{'es' * (p.world != 1)}"
     lines = [f"params {p.params:,}  trainable {p.trainable_params:,}  world {world}  "
-             f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  step times for {p.hardware}  "
+             f"{'GPU memory' if gpu else 'memory per process'} {p.gpu_memory / GiB:.0f} GiB  "
+             f"step times for {p.hardware}  "
              f"host RAM per node {ram}  (GiB per {per} below)", parts_line(p), *p.notes,
              f"{'layout':<26}" + "".join(f"{c:>{max(12, len(c) + 1)}}" for c in cols)
              + f"{'cpu/node':>10}{'mb x acc':>10}{'step s':>8}  {'fits'}"]

@@ -293,7 +293,8 @@ def traffic(inp, d: ParallelDims, checkpointing: bool, micro_batch: int, hw) -> 
                                "overlapped_once", "dp_sync"))
     # each stage boundary: activations forward, their gradients backward, per example
     if d.pp > 1:
-        out.append(Traffic(2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch, "blocking", "pp"))
+        out.append(Traffic(2 * micro_batch * tokens * h * act, hw.link(d.world_size, G), 2 * micro_batch,
+                           "blocking", "pp"))
     return out
 
 

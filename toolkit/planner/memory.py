@@ -151,7 +151,8 @@ def chunked_loss_bytes(micro_batch: int, seq_len: int, vocab: int, h: int, act_b
         + (4 * vocab * h if head_trainable else 0)
 
 
-def ulysses_comm_bytes(layers: int, h: int, kv_dim: int, micro_batch: int, seq_len: int, cp: int, act_bytes: int) -> int:
+def ulysses_comm_bytes(layers: int, h: int, kv_dim: int, micro_batch: int, seq_len: int, cp: int,
+                       act_bytes: int) -> int:
     """Bytes each rank sends per micro-batch under Ulysses context parallelism of degree cp (Jacobs et
     al. 2023, DeepSpeed-Ulysses, sec. 3.2): per layer, q, k, v (h, kv_dim, kv_dim wide) and the
     attention output (h) are each all-to-all'd once forward and once backward, and a rank sends the

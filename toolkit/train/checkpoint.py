@@ -342,7 +342,8 @@ def convert_checkpoint(ckpt: Path, output: Path) -> str:
     sharded = json.loads((ckpt / TRAINER_STATE).read_text()).get("format") == "sharded"
     # config, tokenizer (and, for a DeepSpeed checkpoint, the weights themselves)
     for f in ckpt.iterdir():
-        if f.is_file() and f.name not in (TRAINER_STATE, MANIFEST) and not (f.name.startswith("rank") and f.suffix == ".pt"):
+        if (f.is_file() and f.name not in (TRAINER_STATE, MANIFEST)
+                and not (f.name.startswith("rank") and f.suffix == ".pt")):
             shutil.copy2(f, output / f.name)
     if not sharded:
         return f"{ckpt} holds an HF folder already (DeepSpeed format): copied to {output}"

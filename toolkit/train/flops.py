@@ -104,7 +104,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
 
-    def timed() -> float:
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -115,10 +115,10 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None =
 
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        timed()
+        timed(a, b)
     best, calls, end = float("inf"), 0, time.perf_counter() + seconds
     while calls < 3 or time.perf_counter() < end:
-        best, calls = min(best, timed()), calls + 1
+        best, calls = min(best, timed(a, b)), calls + 1
     del a, b
     if device.type == "cuda":
         # do not keep the probe's blocks in the allocator's cache

@@ -99,8 +99,8 @@ def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Pa
     t, p = cfg.train, cfg.parallel
     kept = complete_checkpoints(out_dir)
     layout = strategy_name(p) or f"tp {p.tp} x pp {p.pp} x cp {p.cp} x dp-shard {p.dp_shard or 1}"
-    where = (f"layout {layout} on {strategy.accelerator.num_processes} process(es), micro-batch {t.micro_batch_size}, seq-len {cfg.data.seq_len}, "
-             f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}")
+    where = (f"layout {layout} on {strategy.accelerator.num_processes} process(es), micro-batch {t.micro_batch_size}, "
+             f"seq-len {cfg.data.seq_len}, gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}")
     return (f"out of memory at step {step} ({where}): {memory_advice(cfg, model_cfg, resolved_precision(cfg))}. "
             + (f"The last checkpoint, {kept[-1]}, is intact (--resume auto continues from it)" if kept
                else "No checkpoint had been written (--save-every N keeps some)"))
@@ -462,7 +462,8 @@ def one_step(run: Run, micro: list[dict], first: bool = False) -> Step:
             run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     if first:
-        run.memory.update(preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(), run.metrics.write))
+        run.memory.update(preflight(run.cfg, accelerator, strategy.unwrap(run.model).config.to_dict(),
+                                    run.metrics.write))
         run.memory.update({**per_rank_bytes(accelerator, held_bytes(run.model, run.optimizer)),
                            "grad_bytes": per_rank_bytes(accelerator, {"g": held})["g"] if held is not None else None})
     if aux is not None:
@@ -508,7 +509,8 @@ def log_window(run: Run, step: int, epoch: int) -> None:
         run.bad_in_a_row = 0 if finite else run.bad_in_a_row + 1
         if not finite:
             run.metrics.log({"step": s, "skipped_update": True, "loss_sum": loss, "grad_norm": grad_norm})
-            run.metrics.write(f"step {s}: non-finite loss or gradient norm; update skipped ({run.bad_in_a_row} in a row)")
+            run.metrics.write(f"step {s}: non-finite loss or gradient norm; update skipped "
+                              f"({run.bad_in_a_row} in a row)")
     if run.bad_in_a_row >= t.max_bad_steps:
         path = checkpoint(run, step, epoch)
         # recorded above, step by step

@@ -56,8 +56,8 @@ def report_data(log, data_cfg: DataConfig, train: TrainConfig, chat_template: st
             "training reads it")
         _eval_file_line(log, data_cfg.eval_dataset, data, unit)
         return
-    log(f"data: {data_cfg.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training {unit}, "
-        f"{n_eval} eval; {token_counts(stats, train.objective)}"
+    log(f"data: {data_cfg.dataset}: format {examples.format} ({how}); {stats.examples - stats.dropped} training "
+        f"{unit}, {n_eval} eval; {token_counts(stats, train.objective)}"
         + (" (tokenized data read from the cache)" if stats.cached else ""))
     for spec, fmt, weight, n in examples.sources or []:
         log(f"data: mixture source {spec}: format {fmt}, weight {weight:.3f}, {n} training records")

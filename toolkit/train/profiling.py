@@ -70,7 +70,8 @@ class StepProfiler:
                     e[k] = round(e[k] / steps, 3)
             sort = "self_cuda_time_total" if self.device_type == "cuda" else "self_cpu_time_total"
             table = self.profile.key_averages().table(sort_by=sort, row_limit=TOP)
-            (self.out_dir / "profile.txt").write_text(f"steps {self.start}-{self.stop} (totals over {steps})\n{table}\n")
+            (self.out_dir / "profile.txt").write_text(f"steps {self.start}-{self.stop} (totals over {steps})\n"
+                                                      f"{table}\n")
             (self.out_dir / "profile.json").write_text(json.dumps({"steps": [self.start, self.stop],
                                                                    "per_step_top": entries}, indent=1))
             self.profile.export_chrome_trace(str(self.out_dir / "profile_trace.json"))

@@ -250,6 +250,6 @@ def full_tensors(folder: Path, prefix: str = "model.") -> dict[str, torch.Tensor
     state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in meta.items()
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     with _dcp():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), planner=_LoadPlanner(flatten_state_dict=False),
-                 no_dist=True)
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)),
+                 planner=_LoadPlanner(flatten_state_dict=False), no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}

@@ -82,7 +82,8 @@ def start_failure(name: str, e: Exception) -> str:
     fix = f"fix its settings, or leave {name} out of --report-to (metrics.jsonl is always written)"
     if name == "mlflow" and os.environ.get("MLFLOW_TRACKING_URI"):
         fix = (f"MLFLOW_TRACKING_URI={os.environ['MLFLOW_TRACKING_URI']} is what it refused: point it at a tracking "
-               f"server or a store this mlflow accepts, unset it to write OUTPUT_DIR/mlruns, or {fix.split(', or ')[1]}")
+               "server or a store this mlflow accepts, unset it to write OUTPUT_DIR/mlruns, or "
+               f"{fix.split(', or ')[1]}")
     return f"--report-to {name} could not start ({_why(e)}); {fix}"
 
 

@@ -4,8 +4,8 @@ the clipped per-token policy loss, its aggregation and its metrics, written as T
 and parity-tested against those methods in tests/test_grpo_functions.py.
 
 One difference, on purpose: each loss is (a sum over this micro-batch) / (a normaliser over the whole global
-batch: every rank, every accumulation step), as `toolkit.objectives.sft.loss` does for the token loss, so the update does
-not depend on how the global batch is split. TRL divides each micro-batch by something local instead, and
+batch: every rank, every accumulation step), as `toolkit.objectives.sft.loss` does for the token loss, so the
+update does not depend on how the global batch is split. TRL divides each micro-batch by something local instead, and
 then by the accumulation steps; on equal micro-batches that is the same update for grpo, dr_grpo and dapo
 (TRL's dapo already counts the generation batch's tokens), not for bnpo, whose normaliser is the local
 micro-batch's tokens. Here bnpo is normalised by the global batch's tokens, the one definition that does not

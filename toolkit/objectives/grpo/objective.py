@@ -44,9 +44,10 @@ class GRPO:
         p += [groups] if groups else []
         whole = kind == "accelerate" or (kind == "deepspeed" and (par.zero_stage or 0) < 3)
         if self.spec.reference == "copy" and not whole:
-            p.append(f"--objective grpo with --beta {self.spec.beta:g} and --method full: the reference is a frozen copy "
-                     "of the model, which this layout would have to shard like the policy (not yet); use DDP, ZeRO-1/2 "
-                     "or one process, or --method lora (its reference is the base, adapters disabled), or --beta 0")
+            p.append(f"--objective grpo with --beta {self.spec.beta:g} and --method full: the reference is a frozen "
+                     "copy of the model, which this layout would have to shard like the policy (not yet); use DDP, "
+                     "ZeRO-1/2 or one process, or --method lora (its reference is the base, adapters disabled), or "
+                     "--beta 0")
         return p
 
     def loader(self, rows, tokenizer, log: Callable[[str], None], pin: bool, whole: bool, attn: str | None):
@@ -60,8 +61,9 @@ class GRPO:
 
     def batch_words(self, global_batch: int) -> str:
         g = self.cfg.rl.num_generations
-        return (f"{global_batch} completions ({global_batch // g} prompts x {g} generations); a loss near 0 is expected "
-                "(the advantages of a group sum to 0: the loss moves the policy without being small or large)")
+        return (f"{global_batch} completions ({global_batch // g} prompts x {g} generations); a loss near 0 is "
+                "expected (the advantages of a group sum to 0: the loss moves the policy without being small or "
+                "large)")
 
     def before_training(self, ctx: Context, loader, rows, eval_rows, steps_per_epoch: int, resuming: bool) -> None:
         """A full finetune's reference with beta > 0: a frozen copy of the model as loaded."""

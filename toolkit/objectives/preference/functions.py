@@ -25,7 +25,8 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                             reduction="none").view(targets.shape)
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor,
+                   shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the target tokens' log-probabilities, their count) per row: logits (B, T, V), labels
     (B, T) (`shifted`: already targets) -> (B,), (B,)."""
     targets = (labels if shifted else shift_labels(labels)).to(logits.device)

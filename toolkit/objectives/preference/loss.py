@@ -46,8 +46,8 @@ import torch
 
 from toolkit.objectives.base import LayoutHooks
 from toolkit.config.objectives import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
-from toolkit.objectives.preference.functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll, orpo_nll_tokens,
-                                          orpo_odds_loss, simpo_loss)
+from toolkit.objectives.preference.functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll,
+                                                     orpo_nll_tokens, orpo_odds_loss, simpo_loss)
 
 
 # Said once, in the objective's line: a `kl` of 0.0 is the clamp (TRL's), not a missing term. The estimate,

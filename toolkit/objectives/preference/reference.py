@@ -81,8 +81,8 @@ def save(path: Path, name: str, key: str, values: torch.Tensor, log=print) -> No
         except (OSError, ValueError, RuntimeError):
             old = {}
         tmp = path.with_name(path.name + ".tmp")
-        save_file({**old, name: values.contiguous(), f"{name}_key": torch.tensor(list(key.encode()), dtype=torch.uint8)},
-                  str(tmp))
+        save_file({**old, name: values.contiguous(),
+                   f"{name}_key": torch.tensor(list(key.encode()), dtype=torch.uint8)}, str(tmp))
         os.replace(tmp, path)
     except OSError as e:
         log(f"reference: could not write {path} ({e.strerror or e}); a resume of this run then cannot find it")
@@ -172,7 +172,8 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     if resuming:
         raise UserError(f"--resume: the reference log-probabilities of {len(todo)} {name} {unit} this run reads are in "
                         f"neither {mine} nor {cached} (its first run scored those its own steps read), and the "
-                        "checkpoint's weights are trained, no longer the reference; start the run again without --resume")
+                        "checkpoint's weights are trained, no longer the reference; start the run again without "
+                        "--resume")
     start = time.perf_counter()
     try:
         scores = compute_reference(strategy, run.model, torch.utils.data.Subset(rows, todo.tolist()),

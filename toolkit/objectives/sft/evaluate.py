@@ -21,7 +21,8 @@ def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for batch, held in sharded_batches(strategy, rows, batch_size, pad_id, strategy.eval_device(model)):
         loss = strategy.eval_loss_sum(model, batch).to(accelerator.device)
-        total += bool(held) * torch.stack([loss.double(), count_targets(batch["labels"]).double().to(accelerator.device)])
+        total += bool(held) * torch.stack([loss.double(),
+                                           count_targets(batch["labels"]).double().to(accelerator.device)])
     # model-parallel peers count both sums as often: the ratio holds
     total = accelerator.reduce(total, "sum")
     model.train()

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from toolkit.data.labels import count_targets, shift_labels, target_rows
+from toolkit.data.labels import shift_labels, target_rows
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.errors import UserError
 

@@ -77,7 +77,8 @@ class SFT:
         t = self.cfg.train
         epoch, step_in_epoch = divmod(first_step - 1, steps_per_epoch)
         if self.cfg.data.streaming:
-            rows.start, step_in_epoch = (first_step - 1) * t.grad_accum * t.micro_batch_size * ctx.strategy.data.ranks, 0
+            rows.start, step_in_epoch = ((first_step - 1) * t.grad_accum * t.micro_batch_size
+                                         * ctx.strategy.data.ranks, 0)
         return ReadBatches(global_batches(loader, t.grad_accum, (epoch, step_in_epoch * t.grad_accum)))
 
     def begin_step(self, model, micro: list[dict], reduce, replicas: int, examples: torch.Tensor) -> None:

@@ -16,7 +16,8 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.parallel.pp.naive import NaivePipeline, bubble_fraction
-from toolkit.parallel.pp.split import balance, decoder_parts, param_costs, time_costs
+from toolkit.parallel.pp.split import decoder_parts, param_costs, time_costs
+from toolkit.planner.stages import balance
 from toolkit.parallel.pp.stages import PipelineLayout, StagePipeline, make_pipeline_layout
 
 __all__ = ["NaivePipeline", "StagePipeline", "PipelineLayout", "bubble_fraction", "balance", "decoder_parts",

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm
-from toolkit.parallel.pp.split import (DecoderStage, autocast, balance, decoder_parts, own_loss, param_costs,
-                                       stage_bounds, time_costs)
-from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, param_costs, time_costs
+from toolkit.planner.stages import balance, stage_bounds
+from toolkit.data.labels import count_targets
+from toolkit.objectives.sft.loss import token_loss_sum
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

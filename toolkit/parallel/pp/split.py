@@ -17,8 +17,6 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.objectives.sft.loss import LogitTransform
-# pure: the planner cuts the same way
-from toolkit.planner.stages import balance, stage_bounds
 
 
 # the attention kinds whose masks transformers builds from the 2D mask and positions alone
@@ -120,7 +118,8 @@ def decoder_parts(model: nn.Module, flag: str = "--pp") -> DecoderParts:
     head = base.get_output_embeddings()
     if missing or len(blocks) != 1 or blocks[0] == plan[0] or head is None:
         why = (f"{', '.join(missing)} missing" if missing else "no LM head" if head is None
-               else f"{len(blocks)} block lists ({', '.join(blocks)})" if len(blocks) != 1 else "no embedding before the blocks")
+               else f"{len(blocks)} block lists ({', '.join(blocks)})" if len(blocks) != 1
+               else "no embedding before the blocks")
         raise UserError(f"{flag}: cannot cut {what} into pipeline stages by its base_model_pp_plan "
                         f"({', '.join(plan)}): {why}")
     unknown = sorted(set(getattr(config, "layer_types", None) or ()) - set(MASKED_LAYER_TYPES))
@@ -181,7 +180,8 @@ def param_costs(parts: DecoderParts) -> tuple[list[float], float, float]:
     return [float(count(b)) for b in parts.layers], float(count(*parts.before.values())), float(last)
 
 
-def time_costs(parts: DecoderParts, batch: int, seq: int, device: torch.device, reps: int = 3) -> tuple[list[float], float, float]:
+def time_costs(parts: DecoderParts, batch: int, seq: int, device: torch.device,
+               reps: int = 3) -> tuple[list[float], float, float]:
     """(per-block, embeddings, norm + head) forward+backward seconds on a random (batch, seq)
     input, median of `reps` after a warm-up; for models whose blocks differ in cost."""
     import time
@@ -264,7 +264,8 @@ class DecoderStage(nn.Module):
         x = x.to(device)
         position_ids = position_ids.to(device)
         attention_mask = attention_mask.to(device) if attention_mask is not None else None
-        inputs = self.parts.block_kwargs(x, attention_mask, position_ids, range(self.start, self.start + len(self.layers)))
+        inputs = self.parts.block_kwargs(x, attention_mask, position_ids,
+                                         range(self.start, self.start + len(self.layers)))
         for layer, kw in zip(self.layers, inputs):
             x = layer(x, **kw)
         if self.last:

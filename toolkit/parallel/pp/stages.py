@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.parallel.grad_norm import clip_grad_norm, full, local
-from toolkit.parallel.pp.naive import bubble_fraction, split_microbatches, stage_inputs
-from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss, stage_bounds
-from toolkit.objectives.sft.loss import count_targets, token_loss_sum
+from toolkit.parallel.pp.naive import bubble_fraction, stage_inputs
+from toolkit.parallel.pp.split import DecoderStage, autocast, decoder_parts, own_loss
+from toolkit.planner.stages import stage_bounds
+from toolkit.data.labels import count_targets
+from toolkit.objectives.sft.loss import token_loss_sum
 
 # sequences are padded to a multiple of this: a pipeline stage is built per shape
 PAD_MULTIPLE = 64
@@ -113,7 +115,8 @@ class StagePipeline(nn.Module):
         start, stop = stage_bounds(sizes)[layout.pp_rank]
         self.first, self.last = layout.pp_rank == 0, layout.pp_rank == layout.pp - 1
         # mixed precision: FSDP2's policy where the stage is sharded, else autocast (fp32 weights)
-        self.stage = DecoderStage(parts, start, stop, self.first, self.last, None if sharded else compute_dtype).to(device)
+        self.stage = DecoderStage(parts, start, stop, self.first, self.last,
+                                  None if sharded else compute_dtype).to(device)
         self.sharded, self._tied = sharded, parts.head.weight is parts.embed.weight and layout.pp > 1
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
@@ -294,13 +297,15 @@ class StagePipeline(nn.Module):
                 for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
 
-    def clip_grad_norm(self, max_norm: float, parallelized, shard_group=None, expert_groups: tuple = ()) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, parallelized, shard_group=None,
+                       expert_groups: tuple = ()) -> torch.Tensor:
         """The full model's gradient norm: squares summed over the stages (a tied weight once), and
         over the groups that hold the rest of each parameter (`toolkit.parallel.parallelize.
         Parallelized.norm_parts`: TP slices over the TP group, FSDP2 shards over `shard_group`, the
         experts over `expert_groups`)."""
         params = list(self.stage.parameters())
-        counted = {n: p for n, p in self.names.items() if not (self.tied is not None and p is self.tied and not self.first)}
+        counted = {n: p for n, p in self.names.items()
+                   if not (self.tied is not None and p is self.tied and not self.first)}
         shard = (shard_group,) if shard_group is not None else ()
         parts = parallelized.norm_parts(counted, shard, outer=(self.layout.pp_group,), expert_groups=expert_groups)
         return clip_grad_norm(params, max_norm, parts)

@@ -427,5 +427,6 @@ def apply_tensor_parallel(model: nn.Module, group, cuts: Record | None = None,
     outside = ", ".join(plan.outside + ("lm_head",))
     # not `tp_size`: transformers reserves that for its own TP
     model.toolkit_tp = (f"tensor parallel over {t} ranks from base_model_tp_plan, per block: "
-                        f"{'; '.join(how.values())}; whole on every rank (always correct): embeddings, norms, {outside}")
+                        f"{'; '.join(how.values())}; whole on every rank (always correct): embeddings, norms, "
+                        f"{outside}")
     return model
