@@ -12,59 +12,35 @@ import os
 import sys
 from functools import partial
 
-from toolkit.config import parse_config, save_config
-from toolkit.console import quiet
-from toolkit.data.peek import check_data
+from toolkit.cli.startup import settle
 from toolkit.errors import exit_on_user_error
-from toolkit.parallel.launch import started_here
-from toolkit.cli.startup import leave_unimported
-from toolkit.config.trackers import requested
 
 
 @exit_on_user_error("finetune.py")
 def main(argv: list[str] | None = None):
-    if "--debug" in (sys.argv[1:] if argv is None else argv):
-        os.environ["TOOLKIT_DEBUG"] = "1"
-    # bad flags and YAML fail here, before anything heavy is imported
-    cfg = parse_config(argv)
-    # so do the data's columns: read from the files' first bytes by the full read's rules
-    check_data(cfg.data_settings)
-    # refused now, not after training: offline, no token, the hub out of reach
-    if cfg.output.push_to_hub:
-        from toolkit.config.hub import check_push
+    # every check that needs no model, before torch is imported (bad flags, YAML, data columns, --push-to-hub)
+    cfg = settle(argv)
 
-        check_push(cfg.output.push_to_hub)
-    # --nproc-per-node N: this process starts
-    if argv is None and started_here(cfg.parallel.nproc_per_node):
-        # the ranks and exits with their code
-        from toolkit.parallel.launch import run_ranks
-
-        sys.exit(run_ranks(cfg.parallel.nproc_per_node, sys.argv[0], sys.argv[1:]))
-    # the command line's own process: packages this layout never uses stay unimported
-    if argv is None:
-        leave_unimported(cfg.model.method, cfg.parallel, cfg.output.report_to)
-    # third-party notices the user cannot act on (shown with --debug)
-    quiet()
-
+    from toolkit.config import save_config
+    from toolkit.config.trackers import requested
     from toolkit.data.prepare import prepare_data
     from toolkit.data.tokenize import ensure_chat_template
     from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer,
                                     resolved_precision, training_model)
     from toolkit.model.source import tokenizer_dir
-    from toolkit.parallel.tree import tree_problem
+    from toolkit.objectives.sft.evaluate import ExactMatch
     from toolkit.parallel.build import make_accelerator, make_strategy
+    from toolkit.parallel.tree import tree_problem
     from toolkit.planner.auto import apply_auto_strategy, restart_after_oom
     from toolkit.train.checkpoint import save_final
-    from toolkit.objectives.sft.evaluate import exact_match
     from toolkit.train.integrity import verify_saved
     from toolkit.train.loop import train
     from toolkit.train.output import prepare_output_dir, report_data, summarize
     from toolkit.train.resume import resume_point, resumed_weights
     from toolkit.train.trackers import start_trackers
 
-    # a LoRA adapter folder: its base (or, merged, the merged folder)
+    # a LoRA adapter folder: its base (or, merged, the merged folder); LoRA targets checked on a weightless skeleton
     model_path, source = training_model(cfg)
-    # LoRA targets, the attention it runs: on a weightless skeleton
     attention = check_model(cfg, model_path)
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
@@ -77,13 +53,11 @@ def main(argv: list[str] | None = None):
     if cfg.parallel.strategy == "auto":
         cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem)
     accelerator = make_accelerator(cfg, model_path)
-    # refuses a checkpoint of another run, before loading
+    # a checkpoint of another run is refused before loading; its global batch re-split for this launch
     resume = resume_point(cfg.flat(), cfg.parallel, accelerator)
-    # its global batch, re-split for this launch
     if resume is not None and resume.split is not None:
-        # the config is final here
         cfg = cfg.replace(micro_batch_size=resume.split[0], grad_accum=resume.split[1])
-    # the layout, decided once
+    # the layout and the objective, decided once (a reward file that cannot load fails here, before the weights)
     strategy = make_strategy(cfg, accelerator, model_path)
     log = accelerator.print
     # where the model came from (an SFT adapter), and the layout when not from our flags (a launcher, a DeepSpeed file)
@@ -98,7 +72,6 @@ def main(argv: list[str] | None = None):
             (out_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
             log(table)
     report_data(log, cfg.data, cfg.train, cfg.model.chat_template, data, added_template)
-    # or stop here
     trackers = start_trackers(requested(cfg.output.report_to), out_dir, cfg.flat(), accelerator, log)
 
     # loaded, then shaped in one place (`parallelize`: adapters, kernels, the layout); a DeepSpeed checkpoint's weights
@@ -107,29 +80,19 @@ def main(argv: list[str] | None = None):
     per = " on this rank" if cfg.parallel.tp > 1 or cfg.parallel.ep > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method}); "
         f"{attention}")
-    scores = {}
-
-    # on the prepared model: ZeRO-3's weights are partitioned before it
-    def score_before(prepared) -> None:
-        scores["before"] = exact_match(strategy, prepared, tokenizer, data.em_conversations, data.answers)
-        log(f"exact match before training: {scores['before'][0]}/{scores['before'][1]}")
-
+    scores = ExactMatch(strategy, tokenizer, data.em_conversations, data.answers, log)
     # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
     restart = None
     if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:
         restart = partial(restart_after_oom, planned, say=log)
     model, result = train(cfg, strategy, model, tokenizer, data.train, data.eval, out_dir, log, resume, restart,
-                          trackers, score_before if data.answers else None)
-    # the tensors saved, for the check
+                          trackers, scores.before if data.answers else None)
     written = save_final(strategy, model, tokenizer, out_dir / "final")
     verify_saved(strategy, model, tokenizer, data.train, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
     # a full copy of the weights on the main process under ZeRO-3/FSDP
     del written
-
-    if data.answers:
-        scores["after"] = exact_match(strategy, model, tokenizer, data.em_conversations, data.answers)
-    run = summarize(log, cfg.train.objective, out_dir, result, scores, accelerator, model)
+    run = summarize(log, cfg.train.objective, out_dir, result, scores.after(model), accelerator, model)
     accelerator.wait_for_everyone()
     # destroy the process group: gloo/DeepSpeed threads alive at exit can abort a rank
     accelerator.end_training()
@@ -143,7 +106,7 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    # saved, the group destroyed: no interpreter teardown, where freed gloo groups aborted a rank (SIGABRT)
     main()
+    # saved, the group destroyed: no interpreter teardown, where freed gloo groups aborted a rank (SIGABRT)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)

@@ -1,5 +1,6 @@
-"""What the command-line process leaves unimported: packages other libraries import on the chance they
-are needed, which this run's layout never uses.
+"""What the command-line process does before anything heavy: the run's settings checked (`settle`), and the
+packages it leaves unimported: packages other libraries import on the chance they are needed, which this
+run's layout never uses.
 
 - peft imports bitsandbytes when peft itself is imported (`peft/helpers.py`: `try: import bitsandbytes`),
   and bitsandbytes pulls in torch._inductor: seconds of a run's start (`-X importtime`; the figures are in
@@ -74,3 +75,34 @@ def leave_unimported(method: str, parallel: ParallelConfig, report_to: str) -> N
     for name in names:
         if name not in kept:
             sys.modules[name] = None  # type: ignore[assignment]
+
+
+def settle(argv: list[str] | None):
+    """The run's `Config`, every check that needs no model done before torch is imported: the flags and the
+    YAML, the data's columns (read from the files' first bytes by the full read's rules), a --push-to-hub
+    that could not upload (offline, no token: refused now, not after training). Under --nproc-per-node N
+    this process starts the ranks and exits with their code; the command line's own process leaves the
+    packages this layout never uses unimported; third-party notices are quieted (shown with --debug)."""
+    import os
+
+    from toolkit.config import parse_config
+    from toolkit.console import quiet
+    from toolkit.data.peek import check_data
+    from toolkit.parallel.launch import started_here
+
+    if "--debug" in (sys.argv[1:] if argv is None else argv):
+        os.environ["TOOLKIT_DEBUG"] = "1"
+    cfg = parse_config(argv)
+    check_data(cfg.data_settings)
+    if cfg.output.push_to_hub:
+        from toolkit.config.hub import check_push
+
+        check_push(cfg.output.push_to_hub)
+    if argv is None and started_here(cfg.parallel.nproc_per_node):
+        from toolkit.parallel.launch import run_ranks
+
+        sys.exit(run_ranks(cfg.parallel.nproc_per_node, sys.argv[0], sys.argv[1:]))
+    if argv is None:
+        leave_unimported(cfg.model.method, cfg.parallel, cfg.output.report_to)
+    quiet()
+    return cfg

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 ARTIFACTS = ("metrics.jsonl", "tensorboard", "final", "final.tmp", "loss.png", "config.yaml", "summary.json",
              "integrity.json", "ds_config.json", "plan.json", "samples.jsonl", "mlruns", "wandb",
-             "reference_logps.safetensors")
+             "reference_logps.safetensors", "completions.jsonl")
 
 
 def prepare_output_dir(output: OutputConfig, accelerator) -> Path:

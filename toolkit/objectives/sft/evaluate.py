@@ -68,3 +68,22 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
     total = accelerator.reduce(torch.tensor([correct], device=accelerator.device), "sum").item() // replicas
     model.train()
     return int(total), len(prompts), samples
+
+
+class ExactMatch:
+    """A built-in task's exact-match accuracy of greedy answers, before training (on the prepared model: ZeRO-3's
+    weights are partitioned by then) and after: the run's `scores` (`toolkit.train.output.summarize`). Nothing
+    where the data holds no answers."""
+
+    def __init__(self, strategy, tokenizer, conversations: list, answers: list[str] | None, log=print):
+        self.strategy, self.tokenizer, self.log = strategy, tokenizer, log
+        self.conversations, self.answers, self.scores = conversations, answers, {}
+
+    def before(self, prepared) -> None:
+        self.scores["before"] = exact_match(self.strategy, prepared, self.tokenizer, self.conversations, self.answers)
+        self.log(f"exact match before training: {self.scores['before'][0]}/{self.scores['before'][1]}")
+
+    def after(self, model) -> dict:
+        if self.answers:
+            self.scores["after"] = exact_match(self.strategy, model, self.tokenizer, self.conversations, self.answers)
+        return self.scores
