@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_llama
 
-from toolkit import attention
+from toolkit.model import attention
 from toolkit.errors import UserError
 
 DOCS = ((7, 12, 5), (20, 6), (9,))  # three packed rows: 3, 2 and 1 documents, right-padded to 26 tokens

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit import grpo_functions as gf
-from toolkit import rewards as rw
-from toolkit import sampling as sm
+from toolkit.objectives.grpo import functions as gf
+from toolkit.objectives.grpo import rewards as rw
+from toolkit.objectives.grpo import sampling as sm
 from toolkit.errors import UserError
 
 trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")
