@@ -379,7 +379,7 @@ def test_a_package_is_left_out_only_where_no_installed_distribution_requires_it(
     machine has installed)."""
     from importlib import metadata
 
-    from toolkit import startup
+    from toolkit.cli import startup
 
     def dist(name: str, *requires: str):
         info = tmp_path / f"{name}-1.0.dist-info"
