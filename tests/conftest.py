@@ -16,9 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from toolkit.model.synthetic import build_model_dir, build_tokenizer, corpus  # noqa: E402
-
-__all__ = ["build_model_dir", "build_tokenizer"]  # tests import the builders from here
+from toolkit.model.synthetic import build_model_dir, corpus  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

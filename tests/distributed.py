@@ -314,13 +314,6 @@ def parity_args(model, data, out, method: str) -> list[str]:
             "--lr-schedule", "linear", "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7"]
 
 
-def records(out) -> list[dict]:
-    """The run's metrics.jsonl records."""
-    import json
-
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
 def assert_metric_close(got: list[dict], want: list[dict], key: str, rel: float, abs: float, what=None) -> None:
     """`key` is in the same records of both runs, and close (pytest.approx's rel/abs) where present.
 

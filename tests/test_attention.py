@@ -12,6 +12,7 @@ over 2 key/value heads, fp32). Tolerance 1e-5 absolute for per-token losses and 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_llama
 
 from toolkit.model import attention
 from toolkit.errors import UserError
@@ -20,18 +21,9 @@ DOCS = ((7, 12, 5), (20, 6), (9,))  # three packed rows: 3, 2 and 1 documents, r
 TOL = 1e-5
 
 
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=64, tie_word_embeddings=False))
-
-
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +215,7 @@ def test_checkpointed_layers_reuse_the_boundaries(documents, alone, monkeypatch)
     derive = attention.document_bounds
     monkeypatch.setattr(attention, "document_bounds", lambda p: calls.append(1) or derive(p))
     monkeypatch.setattr(attention, "_varlen_kernel", lambda *_: kernels.append(1) or attention.reference_varlen)
-    model = tiny()
+    model = tiny_llama()
     apply_checkpointing(model)
     model.train()
     losses, grads = run(model, attention.register("varlen"), model_inputs_of(packed(documents)))

@@ -79,14 +79,12 @@ def case(tmp_path, name):
         return ["--pp", "2", "--micro-batch-size", "4", "--pp-microbatches", "3"], \
             "--pp-microbatches 3 does not divide --micro-batch-size 4"
     if name == "pp_unknown_architecture":
-        from conftest import build_tokenizer
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from helpers import build_tokenizer, random_model, save_model_dir
 
         tok = build_tokenizer()
-        GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                   bos_token_id=tok.bos_token_id)).save_pretrained(d / "gpt2")
-        tok.save_pretrained(d / "gpt2")
-        return ["--pp", "2", "--model", str(d / "gpt2")], \
+        gpt2 = random_model("gpt2", n_embd=16, n_layer=2, n_head=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                            bos_token_id=tok.bos_token_id)
+        return ["--pp", "2", "--model", str(save_model_dir(d / "gpt2", gpt2, tok))], \
             "GPT2LMHeadModel (model type gpt2) declares no base_model_pp_plan; --pp needs it"
     if name == "unknown_yaml_key":
         (d / "run.yaml").write_text("learning_rat: 0.001\n")
@@ -127,7 +125,7 @@ def case(tmp_path, name):
     if name == "model_needs_remote_code":
         import shutil
 
-        from conftest import build_model_dir
+        from helpers import build_model_dir
 
         m = build_model_dir(d / "custom")
         cfg = json.loads((m / "config.json").read_text())

@@ -16,8 +16,8 @@ import json
 
 import pytest
 import torch
-from conftest import build_model_dir
-from distributed import launch_layouts, parity_args, records, run_stdout
+from distributed import launch_layouts, parity_args, run_stdout
+from helpers import build_model_dir, losses, records
 from safetensors.torch import load_file
 
 PACKED = ["--packing", "--seq-len", "160"]  # 16 rows of about two documents: 2 global batches of 8
@@ -105,8 +105,8 @@ def final_weights(out, method):
 @pytest.mark.parametrize("layout, method", [(lay, m) for lay in LAYOUTS for m in METHODS.get(lay, ["full", "lora"])])
 def test_composed_layout_matches_one_process(runs, layout, method):
     ref, out = runs(REFERENCE.get(layout, ("single",))[0], method), runs(layout, method)
-    want = [r for r in records(ref) if "loss" in r]
-    got = [r for r in records(out) if "loss" in r]
+    want = records(ref, "loss")
+    got = records(out, "loss")
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
@@ -155,8 +155,8 @@ def test_composed_layout_resumes_exactly(runs, layout):
     method = RESUMED[layout]
     full, out = runs(layout, method), runs(layout, method, "resumed")
     assert "continuing at step 3" in run_stdout(out)
-    got = [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
-    want = [(r["step"], r["loss"]) for r in records(full) if "loss" in r and r["step"] >= 3]
+    got = losses(out, steps=True)
+    want = [(s, v) for s, v in losses(full, steps=True) if s >= 3]
     assert [s for s, _ in got] == [3, 4, 5]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6, abs=1e-6)
     got_w, want_w = final_weights(out, method), final_weights(full, method)

@@ -7,20 +7,12 @@ runs (cp2, cp2 x dp2 packed, cp2 x dp_shard2, cp2 x tp2) are in test_composition
 import pytest
 import torch
 from distributed import run_distributed
+from helpers import tiny_llama
 
 from toolkit.config import Config, validate
 from toolkit.layout.dims import infer_dims
 
 DOCS = (5, 6, 4)  # a packed row of three documents: 15 tokens, odd, so cp2 pads it to 16
-
-
-def tiny(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=64, attn_implementation=attn))
 
 
 def batches() -> dict[str, dict]:
@@ -42,7 +34,7 @@ def one_process(attn: str, name: str) -> tuple[float, dict]:
     from toolkit.data.packing import model_inputs
     from toolkit.objectives.sft.loss import token_loss_sum
 
-    model, batch = tiny(attn), batches()[name]
+    model, batch = tiny_llama(attn_implementation=attn), batches()[name]
     loss = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
     loss.backward()
     return loss.item(), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
@@ -52,7 +44,7 @@ def unpacked_loss(attn: str) -> float:
     """The packed row's documents, each run on its own."""
     from toolkit.objectives.sft.loss import token_loss_sum
 
-    model, batch, total, start = tiny(attn), batches()["packed"], 0.0, 0
+    model, batch, total, start = tiny_llama(attn_implementation=attn), batches()["packed"], 0.0, 0
     with torch.no_grad():
         for n in DOCS:
             ids = batch["input_ids"][:, start:start + n]
@@ -74,7 +66,7 @@ def cp_ranks(cases: list[tuple[str, str]]) -> list[tuple[float, dict]]:
     out = []
     try:
         for attn, name in cases:
-            model, batch = tiny(attn), batches()[name]
+            model, batch = tiny_llama(attn_implementation=attn), batches()[name]
             use_ulysses(model)
             cp = ContextParallel(dist.group.WORLD, model.config)
             with cp.shard(batch) as local:

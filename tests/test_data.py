@@ -2,7 +2,8 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import CHATML, build_tokenizer, make_records
+from conftest import CHATML, make_records
+from helpers import build_tokenizer
 
 from toolkit.config import parse_config
 from toolkit.data import collate, load_examples, tokenize_examples

@@ -1,16 +1,10 @@
 """Multi-process behaviour on 2 gloo ranks: the global batch, not its split, defines the update."""
 
-import json
-
 import pytest
 import torch
 from distributed import launch, run_distributed
+from helpers import losses
 from safetensors.torch import load_file
-
-
-def losses(out):
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
 
 
 def args(tiny_model, dataset, out, mb, ga):

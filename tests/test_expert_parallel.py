@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from distributed import run_distributed
+from helpers import losses, records
 
 MOE = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
@@ -284,16 +285,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
     return out
 
 
-def _losses(run) -> dict[int, float]:
-    from distributed import records
-
-    return {r["step"]: r["loss"] for r in records(run["out"]) if "loss" in r}
-
-
 def _norms(run) -> list[float]:
-    from distributed import records
-
-    return [r["grad_norm"] for r in records(run["out"]) if "grad_norm" in r]
+    return [r["grad_norm"] for r in records(run["out"], "grad_norm")]
 
 
 def _ran(run) -> str:
@@ -319,9 +312,9 @@ def test_expert_parallel_runs_match_one_process(runs, method, layout):
     assert "2 of 4 experts each per rank, tokens dispatched and combined by all-to-all" in said, said[-2000:]
     assert EXPERT_SHARDS[layout] in said, said[-2000:]
     assert "reloads with plain transformers/peft" in said
-    want = _losses(runs[f"qwen3_moe-{method}-one"])
+    want = dict(losses(runs[f"qwen3_moe-{method}-one"]["out"], steps=True))
     assert len(want) == 4
-    assert _losses(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(want, rel=TOL)
+    assert dict(losses(runs[f"qwen3_moe-{method}-{layout}"]["out"], steps=True)) == pytest.approx(want, rel=TOL)
     # the gradient norm: every part's squares summed over the groups that split it (the experts' over ep)
     assert _norms(runs[f"qwen3_moe-{method}-{layout}"]) == pytest.approx(_norms(runs[f"qwen3_moe-{method}-one"]),
                                                                         rel=TOL)
@@ -356,8 +349,8 @@ def test_every_layer_routed_as_published_trains_like_one_process_or_is_refused_i
         assert "expert parallel over the TP group's 2 ranks" in said, said[-2000:]
     if "ep" in layout:
         assert "2 of 4 experts each per rank" in said, said[-2000:]
-    want = _losses(runs[f"routed-{method}-one"])
-    assert len(want) == 4 and _losses(run) == pytest.approx(want, rel=TOL)
+    want = dict(losses(runs[f"routed-{method}-one"]["out"], steps=True))
+    assert len(want) == 4 and dict(losses(run["out"], steps=True)) == pytest.approx(want, rel=TOL)
     assert _norms(run) == pytest.approx(_norms(runs[f"routed-{method}-one"]), rel=TOL)
 
 
@@ -366,14 +359,12 @@ def test_the_router_loss_under_expert_parallel_equals_the_data_parallel_ranks(ru
     """With the router load-balancing loss on (the zoo's coefficient 0.5), --ep 2 trains what --dp-shard 2
     trains: each rank's router loss over its own tokens, the experts' outputs equal; the expert load
     the same too. Mixtral's with --experts eager (the local experts in a loop), Qwen3-MoE's grouped_mm."""
-    from distributed import records
-
     ep, shard = runs[f"{model_type}-{method}-ep2_aux"], runs[f"{model_type}-{method}-shard2_aux"]
     said = _ran(ep) + _ran(shard)
     implementation = "eager" if model_type == "mixtral" else "grouped_mm"  # --experts eager, or transformers' choice
     assert said.count(f"experts: {implementation} (transformers' experts_implementation)") == 2, said[-2000:]
-    assert _losses(ep) == pytest.approx(_losses(shard), rel=TOL)
-    load = [[r["expert_load_cv"] for r in records(x["out"]) if "loss" in r] for x in (ep, shard)]
+    assert dict(losses(ep["out"], steps=True)) == pytest.approx(dict(losses(shard["out"], steps=True)), rel=TOL)
+    load = [[r["expert_load_cv"] for r in records(x["out"], "loss")] for x in (ep, shard)]
     assert load[0] == pytest.approx(load[1], rel=TOL)
 
 
@@ -382,7 +373,7 @@ def test_bf16_under_expert_parallel_trains_what_fsdp2_trains(runs):
     experts' sums in another order, rounded to bf16 between them; measured 3e-5 at step 3, 2026-11-26)."""
     ep, shard = runs["qwen3_moe-full-ep2_bf16"], runs["qwen3_moe-full-shard2_bf16"]
     _ran(ep), _ran(shard)
-    got, want = _losses(ep), _losses(shard)
+    got, want = dict(losses(ep["out"], steps=True)), dict(losses(shard["out"], steps=True))
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-3)
 
 
@@ -391,8 +382,8 @@ def test_dpo_under_expert_parallel_equals_the_data_parallel_ranks(runs):
     step 1 is ln 2 and both steps equal --dp-shard 2's."""
     ep, shard = runs["qwen3_moe-lora-dpo_ep2"], runs["qwen3_moe-lora-dpo_shard2"]
     _ran(ep), _ran(shard)
-    got = _losses(ep)
-    assert got[1] == pytest.approx(0.6931472, abs=1e-6) and got == pytest.approx(_losses(shard), rel=TOL)
+    got, want = dict(losses(ep["out"], steps=True)), dict(losses(shard["out"], steps=True))
+    assert got[1] == pytest.approx(0.6931472, abs=1e-6) and got == pytest.approx(want, rel=TOL)
 
 
 def test_ep_on_a_dense_model_is_refused_in_one_line_before_the_weights_load(runs):
@@ -413,7 +404,8 @@ def test_a_checkpoint_of_ep2_resumes_on_another_ep_or_dp_degree(runs, method, re
     (over dp_shard pairs): steps 3 and 4 equal the uninterrupted one-process run's."""
     said = _ran(runs[f"qwen3_moe-{method}-{resumed}"])
     assert ("1 of 4 experts each per rank" in said) == (resumed == "ep4_resumed")
-    got, want = _losses(runs[f"qwen3_moe-{method}-{resumed}"]), _losses(runs[f"qwen3_moe-{method}-one"])
+    got = dict(losses(runs[f"qwen3_moe-{method}-{resumed}"]["out"], steps=True))
+    want = dict(losses(runs[f"qwen3_moe-{method}-one"]["out"], steps=True))
     assert sorted(got) == [3, 4]
     assert got == pytest.approx({s: want[s] for s in (3, 4)}, rel=TOL)
 

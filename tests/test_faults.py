@@ -22,16 +22,12 @@ import torch
 
 import finetune
 from distributed import launch_layouts
+from helpers import losses
 from toolkit.errors import UserError
 
 FLAGS = ["--seq-len", "64", "--micro-batch-size", "4", "--max-steps", "6", "--save-every", "2", "--keep-last", "3",
          "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "1", "--lora-dropout", "0.1", "--seed", "7",
          "--mixed-precision", "no", "--verify", "files"]
-
-
-def losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +107,8 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_and_resumes_exactly(traine
     said = capsys.readouterr().out
     assert f"--resume auto: skipped checkpoint-4, damaged: {shard} is 100 bytes" in said
     assert f"resumed from {out / 'checkpoint-2'}: continuing at step 3" in said
-    want = losses(trained["out"])
-    assert losses(out) == pytest.approx(want, abs=1e-6) and sorted(losses(out)) == list(range(1, 7))
+    got, want = dict(losses(out, steps=True)), dict(losses(trained["out"], steps=True))
+    assert got == pytest.approx(want, abs=1e-6) and sorted(got) == list(range(1, 7))
 
 
 def test_every_checkpoint_damaged_is_one_line_and_nothing_is_removed(trained, tmp_path, capsys):
@@ -209,7 +205,7 @@ def test_a_real_full_disk_is_one_line_and_the_last_checkpoint_resumes(trained, t
     moved = tmp_path / "moved"
     shutil.copytree(disk / "out", moved)
     finetune.main([*trained["common"], "--output-dir", str(moved), "--resume", "auto"])
-    assert losses(moved) == pytest.approx(losses(trained["out"]), abs=1e-6)
+    assert dict(losses(moved, steps=True)) == pytest.approx(dict(losses(trained["out"], steps=True)), abs=1e-6)
 
 
 def test_an_output_folder_that_cannot_be_written_stops_before_the_model_loads(trained, tmp_path, tmpfs, capsys):
@@ -259,12 +255,12 @@ def test_a_stream_that_breaks_past_its_first_block_names_the_line(tmp_path):
     bad = tmp_path / "big.jsonl"
     bad.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5000)) + "{oops\n")
 
-    def records():
+    def rows():
         yield {"text": "row 0"}
         raise ValueError("JSON parse error: Missing a name for object member. in row 0")  # pyarrow's words
 
     stream = RecordStream.__new__(RecordStream)
-    stream.records, stream.spec, stream.renames, stream.start = records(), str(bad), {}, 0
+    stream.records, stream.spec, stream.renames, stream.start = rows(), str(bad), {}, 0
     with pytest.raises(UserError, match=rf"--dataset {bad}: invalid JSON on line 5001"):
         list(zip(range(10), stream))
 

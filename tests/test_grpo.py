@@ -12,6 +12,7 @@ import random
 import shutil
 
 import pytest
+from helpers import records
 
 REWARD = '''
 def vowels(prompts, completions, completion_ids, **columns):
@@ -99,12 +100,6 @@ def completions(out) -> list[tuple]:
             for c in map(json.loads, (out / "completions.jsonl").read_text().splitlines())]
 
 
-def steps(out) -> list[dict]:
-    from distributed import records
-
-    return [r for r in records(out) if "loss" in r]
-
-
 @pytest.mark.parametrize("name", [n for n, (_, _, ref) in RUNS.items() if ref])
 def test_every_layout_samples_and_trains_as_one_process(runs, name):
     """Each layout's completions (every step's, every rank's) equal one process's exactly, and its per-step
@@ -115,7 +110,7 @@ def test_every_layout_samples_and_trains_as_one_process(runs, name):
     ref = runs(RUNS[name][2])
     got = runs(name)
     assert completions(got) == completions(ref)
-    a, b = steps(got), steps(ref)
+    a, b = records(got, "loss"), records(ref, "loss")
     assert [r["step"] for r in a] == [1, 2, 3, 4]
     # QLoRA: bitsandbytes' 4-bit matmul on the CPU rounds differently for another number of rows (2 a
     # micro-batch here, 8 in one process): 1.4e-4 relative by step 3, measured; its completions are still equal
@@ -132,7 +127,7 @@ def test_a_run_says_what_it_trains_and_logs_trls_metrics(runs):
     and their rewards."""
     from distributed import run_stdout
 
-    first, *rest = steps(runs("one_lora"))
+    first, *rest = records(runs("one_lora"), "loss")
     for key in ("reward", "reward_std", "rewards/vowels/mean", "rewards/math_answer/mean", "frac_reward_zero_std",
                 "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
                 "completions/clipped_ratio", "generation_tokens_per_sec", "time/generate_s", "time/score_s"):
@@ -158,8 +153,8 @@ def test_the_static_decode_path_samples_and_trains_as_the_dynamic_one(runs, tmp_
     assert got["exit"] == 0, got["stderr"].read_text()[-3000:]
     ref = runs("one_lora")
     assert completions(got["out"]) == completions(ref)
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in steps(got["out"])] == \
-        [(r["step"], r["loss"], r["grad_norm"]) for r in steps(ref)]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in records(got["out"], "loss")] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in records(ref, "loss")]
     said = got["stdout"].read_text()
     assert "decode: static KV cache (prompt + completion length), the prompt's forward eager, each decode step " \
            "compiled (torch.compile backend aot_eager)" in said and "the static path failed" not in said
@@ -194,7 +189,7 @@ def test_a_resume_in_the_middle_of_a_round_continues_exactly(runs, resumed, name
     run = resumed[name]
     assert run["exit"] == 0, run["stderr"].read_text()[-3000:]
     assert "checkpoint-1: continuing at step 2" in run["stdout"].read_text()
-    got, ref = steps(run["out"]), steps(runs(name))
+    got, ref = records(run["out"], "loss"), records(runs(name), "loss")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     tol = 0 if name.startswith("one") else 1e-6
     for key in ("loss", "grad_norm", "kl", "reward"):

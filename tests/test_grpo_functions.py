@@ -197,7 +197,8 @@ def trl_scorer(scale_rewards: str, mask_truncated: bool, funcs=(length, count_a)
     return s
 
 
-def records() -> list[dict]:
+def trl_inputs() -> list[dict]:
+    """The rollout's input records, as TRL's trainer is handed them: a prompt and an answer per completion."""
     return [{"prompt": f"question {i // G}", "answer": str(i)} for i in range(len(COMPLETIONS))]
 
 
@@ -205,10 +206,10 @@ def records() -> list[dict]:
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_advantages_equal_trls_generate_and_score_completions(scale_rewards, mask_truncated):
     trainer = trl_scorer(scale_rewards, mask_truncated)
-    theirs = trl.GRPOTrainer._generate_and_score_completions(trainer, records())
+    theirs = trl.GRPOTrainer._generate_and_score_completions(trainer, trl_inputs())
     rewards = [rw.Reward("length", "length", length, 1.0), rw.Reward("count_a", "count_a", count_a, 0.5)]
-    prompts = [x["prompt"] for x in records()]
-    scores = rw.score(rewards, prompts, COMPLETIONS, COMPLETION_IDS, {"answer": [x["answer"] for x in records()]}, G)
+    prompts = [x["prompt"] for x in trl_inputs()]
+    scores = rw.score(rewards, prompts, COMPLETIONS, COMPLETION_IDS, {"answer": [x["answer"] for x in trl_inputs()]}, G)
     per_func = torch.tensor(scores.rewards)
     total = gf.weighted_rewards(per_func, torch.tensor([r.weight for r in rewards]))
     advantages = gf.group_advantages(total, G, scale_rewards)
@@ -239,10 +240,10 @@ def test_a_reward_function_gets_the_arguments_trl_gives_it():
         return [0.0] * len(completions)
 
     trainer = trl_scorer("group", False, funcs=(spy,), weights=(1.0,))
-    trl.GRPOTrainer._generate_and_score_completions(trainer, records())
-    prompts = [x["prompt"] for x in records()]
+    trl.GRPOTrainer._generate_and_score_completions(trainer, trl_inputs())
+    prompts = [x["prompt"] for x in trl_inputs()]
     rw.score([rw.Reward("spy", "spy", spy)], prompts, COMPLETIONS, COMPLETION_IDS,
-             {"prompt": prompts, "answer": [x["answer"] for x in records()]}, G, state=rw.RewardState(global_step=3))
+             {"prompt": prompts, "answer": [x["answer"] for x in trl_inputs()]}, G, state=rw.RewardState(global_step=3))
     theirs, ours = seen["calls"]
     assert set(ours) == set(theirs)
     for key in ("prompts", "completions", "completion_ids", "answer"):
@@ -421,7 +422,7 @@ def test_inverse_cdf_draws_each_token_in_proportion_and_never_a_filtered_one():
 
 
 def test_sampling_runs_without_dropout_and_restores_each_modules_mode(tmp_path):
-    from conftest import build_model_dir
+    from helpers import build_model_dir
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

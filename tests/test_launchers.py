@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from distributed import common_args, launch, launch_layouts, records
+from distributed import common_args, launch, launch_layouts
+from helpers import losses, records
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
@@ -383,10 +384,6 @@ def launched(tmp_path_factory, tiny_model, data_files, files):
     return get
 
 
-def _losses(out) -> list[float]:
-    return [r["loss"] for r in records(out) if "loss" in r]
-
-
 FORM_NAMES = ["python", "accelerate_1", "accelerate_2", "torchrun_1", "torchrun_2", "deepspeed_1", "deepspeed_2",
               "use_deepspeed_z3_1", "use_deepspeed_z2_2", "use_fsdp_1", "use_fsdp_2", "config_zero2_1",
               "config_zero3_2", "config_fsdp_2", "config_template_2", "trl_zero3_2", "trl_fsdp2_2"]
@@ -405,7 +402,7 @@ def _tolerance(run) -> float:
 @pytest.mark.parametrize("name", FORM_NAMES)
 def test_every_launch_form_trains_with_the_reference_losses_and_reloads(launched, name):
     got = launched(name)
-    reference = _losses(launched("python")["runs"]["ddp"]["out"])
+    reference = losses(launched("python")["runs"]["ddp"]["out"])
     assert len(reference) == 2
     for layout, run in got["runs"].items():
         if layout in PUBLISHED_RUNS or layout == SPELLINGS_RUN:  # their own tests, below
@@ -417,8 +414,8 @@ def test_every_launch_form_trains_with_the_reference_losses_and_reloads(launched
             # transformers' ZeRO-3 file (in other spellings) brings its own too: the file as published on one
             # process is the reference
             expected = reference if name != "config_template_2" else \
-                _losses(launched("python")["runs"]["pub_transformers_zero3"]["out"])
-            assert _losses(run["out"]) == pytest.approx(expected, rel=_tolerance(run)), f"{name}/{layout}"
+                losses(launched("python")["runs"]["pub_transformers_zero3"]["out"])
+            assert losses(run["out"]) == pytest.approx(expected, rel=_tolerance(run)), f"{name}/{layout}"
         integrity = json.loads((run["out"] / "integrity.json").read_text())
         assert integrity["ok"] and integrity["relative_diff"] <= _tolerance(run), f"{name}/{layout}: {integrity}"
         stage = {"zero2": 2, "zero3": 3, "dsfile": 2, "dsfile_own": 3}.get(layout.removesuffix("_gpu_path"))
@@ -454,7 +451,7 @@ def test_published_deepspeed_json_runs_on_1_and_2_ranks(launched, name):
     ds = json.loads((PUBLISHED / PUBLISHED_JSONS[name]).read_text())
     zero = ds["zero_optimization"]
     runs = {n: launched(form)["runs"][name] for form, n in (("python", 1), ("torchrun_2", 2))}
-    losses = {}
+    by_ranks = {}
     for n, run in runs.items():
         assert run["exit"] == 0, f"{name} on {n} rank(s):\n{(run['out'].parent / 'stderr.txt').read_text()[-3000:]}"
         ran = json.loads((run["out"] / "ds_config.json").read_text())
@@ -475,11 +472,11 @@ def test_published_deepspeed_json_runs_on_1_and_2_ranks(launched, name):
         # ZeRO-3 says once why its step 2 is slow, unless the file sets the reuse distance to 0 (axolotl)
         walks = zero["stage"] == 3 and zero.get("stage3_max_reuse_distance", zero.get("max_reuse_distance")) != 0
         assert said.count("zero-3: step 2 runs long once") == int(walks), name
-        losses[n] = _losses(run["out"])
+        by_ranks[n] = losses(run["out"])
     tolerance = _tolerance(runs[1])
-    assert losses[2] == pytest.approx(losses[1], rel=tolerance), name
+    assert by_ranks[2] == pytest.approx(by_ranks[1], rel=tolerance), name
     if "optimizer" not in ds and "scheduler" not in ds:  # else its own (transformers': WarmupLR from lr 0)
-        assert losses[1] == pytest.approx(_losses(launched("python")["runs"]["ddp"]["out"]), rel=tolerance), name
+        assert by_ranks[1] == pytest.approx(losses(launched("python")["runs"]["ddp"]["out"]), rel=tolerance), name
 
 
 def test_a_file_in_deepspeeds_other_spellings_runs_at_1_and_2_ranks_and_under_accelerate(launched):
@@ -499,7 +496,7 @@ def test_a_file_in_deepspeeds_other_spellings_runs_at_1_and_2_ranks_and_under_ac
         assert ran["bf16"] == {"enabled": False} and "bfloat16" not in ran, ran
         assert run["stdout"].read_text().count("zero-3: step 2 runs long once") == 1, form
         published = launched(reference)["runs"]["pub_transformers_zero3"]
-        assert _losses(run["out"]) == pytest.approx(_losses(published["out"]), rel=_tolerance(run)), form
+        assert losses(run["out"]) == pytest.approx(losses(published["out"]), rel=_tolerance(run)), form
 
 
 def test_a_launcher_conflict_is_one_line_and_writes_nothing(tmp_path, tiny_model, data_files):

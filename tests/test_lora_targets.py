@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build_tokenizer, random_model, save_model_dir
 
 from toolkit.config import parse_config
 from toolkit.errors import UserError
@@ -55,13 +56,6 @@ def linear_subclasses() -> set[str]:
         bases |= more
 
 
-def tiny(model_type: str, kw: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).float()
-
-
 def test_every_linear_subclass_transformers_ships_is_known():
     """A new one (a transformers upgrade) is named here: give it a tiny config above if LoRA must leave it alone."""
     assert linear_subclasses() == set(LINEAR_SUBCLASSES)
@@ -72,7 +66,7 @@ def test_lora_leaves_a_linear_that_breaks_its_contract_and_trains(cls):
     """Exactly that class's modules are left out; LoRA applies to the rest and a forward and backward run
     (on the old targets peft wrapped them and the forward crashed: 'tuple' object has no attribute 'dtype')."""
     model_type, kw = REFUSED[cls]
-    model = tiny(model_type, kw)
+    model = random_model(model_type, **kw).float()
     skipped = untargetable_linears(model)
     assert skipped and set(skipped.values()) == {cls}
     assert {n for n, m in model.named_modules() if type(m).__name__ == cls} == set(skipped)
@@ -92,7 +86,7 @@ def test_lora_leaves_a_linear_that_breaks_its_contract_and_trains(cls):
 
 def test_a_linear_subclass_that_returns_its_tensor_stays_a_target():
     """Falcon's Linear (its own bias add) returns one tensor of its width: LoRA wraps it as any Linear."""
-    model = tiny("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=384))
+    model = random_model("falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=384).float()
     assert not untargetable_linears(model)
     peft_model = apply_lora(model, ModelShape.of(parse_config(["--model", "unused"])))
     assert any(type(m).__name__ == "FalconLinear" for n, m in peft_model.named_modules() if n.endswith("base_layer"))
@@ -101,14 +95,12 @@ def test_a_linear_subclass_that_returns_its_tensor_stays_a_target():
 def test_a_router_model_trains_lora_end_to_end(tmp_path, data_files, capsys):
     """PhiMoE (its router returns logits, weights and experts) through finetune.py: LoRA trains, final/ reloads."""
     import finetune
-    from toolkit.model.synthetic import build_tokenizer
 
     tok = build_tokenizer()
     model_type, kw = REFUSED["PhimoeTopKRouter"]
-    folder = tmp_path / "phimoe"
-    tiny(model_type, dict(kw, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          bos_token_id=tok.bos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    model = random_model(model_type, **dict(kw, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)).float()
+    folder = save_model_dir(tmp_path / "phimoe", model, tok)
     out = tmp_path / "out"
     finetune.main(["--model", str(folder), "--dataset", str(data_files["alpaca"]), "--output-dir", str(out),
                    "--max-steps", "2", "--seq-len", "64", "--micro-batch-size", "2", "--report-to", "none"])

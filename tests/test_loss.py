@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import records
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import toolkit.objectives.sft.loss as loss_mod
@@ -372,8 +373,6 @@ def test_the_loss_check_falls_back_or_stops_where_a_head_would_train_another_obj
     unlisted transform would be): under --loss auto the check before step 1 falls back to full logits,
     whose losses then equal --loss full's; under --loss chunked the run stops with one line naming the
     model type and the head, before any step or file of a model."""
-    import json
-
     import finetune
     from toolkit.model.synthetic import build_zoo_model_dir
 
@@ -384,7 +383,7 @@ def test_the_loss_check_falls_back_or_stops_where_a_head_would_train_another_obj
         finetune.main(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(out),
                        "--seq-len", "64", "--max-steps", "2", "--mixed-precision", "no", "--method", "full",
                        "--report-to", "none", "--verify", "files", "--loss", loss])
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in records(out)]
 
     full = run("full")
     monkeypatch.setattr(loss_mod.LogitTransform, "KNOWN", {})

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from distributed import batched_runs, common_args, parity_args, records, run_stdout
+from distributed import batched_runs, common_args, parity_args, run_stdout
+from helpers import random_model, records
 
 from toolkit.train.flops import flops_per_token, head_params, matmul_params, measure_peak_flops, step_flops
 from toolkit.objectives.sft.loss import chunked_loss_sum, token_loss_sum
@@ -144,7 +145,7 @@ def test_mfu_divides_by_the_datasheet_peak_of_a_known_device(tmp_path, tiny_mode
     monkeypatch.setattr("toolkit.train.flops.device_name", lambda device: "NVIDIA H100 80GB HBM3")
     out = tmp_path / "out"
     finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
-    recs = [r for r in records(out) if "loss" in r]
+    recs = records(out, "loss")
     assert recs and all(r["peak_flops"] == 67e12 and r["peak_source"].startswith("datasheet: NVIDIA H100 SXM fp32")
                         for r in recs)
     for r in recs:
@@ -165,7 +166,7 @@ def test_mfu_above_one_comes_with_a_warning(tmp_path, tiny_model, data_files, mo
     for run, warned in (("probed", 1), ("cached_then_probed_low", 1), ("cached_then_probed_quiet", 0)):
         out = tmp_path / run
         finetune.main(parity_args(tiny_model, data_files["chat"], out, "full") + ["--max-steps", "2"])
-        recs = [r for r in records(out) if "loss" in r]
+        recs = records(out, "loss")
         assert all((r["mfu"] > 1) == bool(warned) and r["peak_source"] == "measured" for r in recs), run
         said = [ln for ln in capsys.readouterr().out.splitlines() if "> 1: the peak was measured low" in ln]
         assert len(said) == warned, run
@@ -191,7 +192,7 @@ def test_peak_probe_runs_once_per_device_and_a_damaged_cache_is_probed_over(tmp_
 
 
 def test_mfu_is_in_every_training_record(runs):
-    recs = [r for r in records(runs("single", "full", "full")) if "loss" in r]
+    recs = records(runs("single", "full", "full"), "loss")
     assert recs and all(0 < r["mfu"] < 1 and r["peak_flops"] > 0 for r in recs)
     for r in recs:
         assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
@@ -203,8 +204,8 @@ def test_mfu_counts_the_head_only_where_the_chunked_loss_runs_it(runs, tiny_mode
     from transformers import AutoModelForCausalLM
 
     head = head_params(AutoModelForCausalLM.from_pretrained(tiny_model))
-    full = [r for r in records(runs("single", "full", "full")) if "loss" in r]
-    chunked = [r for r in records(runs("single", "full", "chunked")) if "loss" in r]
+    full = records(runs("single", "full", "full"), "loss")
+    chunked = records(runs("single", "full", "chunked"), "loss")
     assert len(full) == len(chunked)
     for f, c in zip(full, chunked):
         assert f["flops_per_token"] - 6 * head < c["flops_per_token"] < f["flops_per_token"]
@@ -272,7 +273,7 @@ def test_unpacked_batches_go_padding_free_and_train_as_padded_ones(runs):
     (varlen attention), so the tokens it computes are its real ones (`padding_ratio` at most 1.05; the padded
     run's is above it, over examples of 63 to 91 tokens); the packing check runs on its rows, and it trains the
     padded run's per-step losses (1e-5) on the same tokens."""
-    free, padded = ([r for r in records(runs(name, "full", "full")) if "loss" in r] for name in ("free", "padded"))
+    free, padded = (records(runs(name, "full", "full"), "loss") for name in ("free", "padded"))
     assert len(free) == len(padded) == 5
     assert all(r["padding_ratio"] <= 1.05 for r in free) and max(r["padding_ratio"] for r in padded) > 1.05
     assert [r["loss"] for r in free] == pytest.approx([r["loss"] for r in padded], abs=1e-5, rel=1e-5)
@@ -344,15 +345,13 @@ def test_adamw_uses_the_fused_kernel_where_torch_has_one():
 def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
     """`--loss auto` (the default) takes the chunked path on a linear head and falls back to full
     logits on any other head; `--loss chunked` on such a head is a clear error."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.config import Config
     from toolkit.errors import UserError
     from toolkit.objectives.sft.loss import FusedLossHead, loss_head_for
 
     assert Config().train.loss == "auto"
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, vocab_size=64))
+    model = random_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         vocab_size=64)
     assert loss_head_for(model, "full", "cpu") is None
     head = loss_head_for(model, "auto", "cpu")
     assert isinstance(head, FusedLossHead) and head.kind == "chunked" and head.head is model.lm_head

@@ -14,8 +14,9 @@ import random
 
 import pytest
 import torch
-from conftest import CHATML, build_model_dir
-from distributed import batched_runs, common_args, records, run_stdout
+from conftest import CHATML
+from distributed import batched_runs, common_args, run_stdout
+from helpers import build_model_dir, records
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

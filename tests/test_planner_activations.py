@@ -3,10 +3,12 @@ terms (`toolkit.planner.saved`) on models loaded as the toolkit loads them, and 
 
 import pytest
 import torch
+from helpers import build_model_dir, random_model
 
 
 CFG = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+SDPA = dict(CFG, attn_implementation="sdpa", use_cache=False)  # the mesh layouts' model: sdpa, no KV cache
 
 
 # SmolLM2-135M's block (the shape of the H100 memory cases), two of them
@@ -15,8 +17,6 @@ SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_a
 
 @pytest.fixture(scope="module")
 def shaped_model(tmp_path_factory):
-    from toolkit.model.synthetic import build_model_dir
-
     return build_model_dir(tmp_path_factory.mktemp("saved") / "model", **SHAPE)
 
 
@@ -156,15 +156,6 @@ def _saved(run, params) -> int:
     return sum(seen.values())
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CFG, attn_implementation="sdpa"))
-    model.config.use_cache = False
-    return model.train()
-
-
 def _predicted(dims, stage: int, batch: int, seq: int) -> int:
     from toolkit.planner.layouts import stage_bytes
     from toolkit.planner.estimate import PlanInput
@@ -198,7 +189,7 @@ def _mesh_saved(batch: int, seq: int) -> dict[str, int]:
         rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         out = {}
         for name, tp, cp in (("tp2", True, False), ("cp2", False, True), ("cp2_tp2", True, True)):
-            model = _model()
+            model = random_model("llama", **SDPA).train()
             if tp:
                 model = apply_tensor_parallel(model, tp_group)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -213,7 +204,7 @@ def _mesh_saved(batch: int, seq: int) -> dict[str, int]:
                     model(**local["inputs"])
 
             out[name] = _saved(forward, params)
-        model = apply_tensor_parallel(_model(), tp_group)
+        model = apply_tensor_parallel(random_model("llama", **SDPA).train(), tp_group)
         parts, sizes = decoder_parts(model), stage_blocks(CFG, 2)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         ids = torch.randint(0, CFG["vocab_size"], (1, 2 * seq), generator=torch.Generator().manual_seed(1))

@@ -116,7 +116,8 @@ def test_strategy_auto_runs_the_mesh_layout_it_plans(tmp_path, tiny_model, data_
     the activations at its boundary, so the planner picks pp2 and the run trains as a pipeline,
     saves a folder that reloads (integrity gate) and records the layout in config.yaml."""
     import yaml
-    from distributed import launch, records
+    from distributed import launch
+    from helpers import records
 
     hw = tmp_path / "slow_links.json"
     hw.write_text(json.dumps({**HARDWARE["cpu"].to_json(), "name": "slow links", "intra_node_bw": 1e6,

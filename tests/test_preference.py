@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHATML, build_model_dir
+from conftest import CHATML
+from helpers import build_model_dir, records
 from toolkit.model.synthetic import corpus
 
 from toolkit.objectives.preference.loss import PreferenceLoss
@@ -308,8 +309,6 @@ def runs(tmp_path_factory, tiny_model, pairs_file, unpaired_file):
 def test_dpo_on_every_layout_matches_one_process(runs, name, method):
     """Per-step losses and reward accuracies of DPO on 2 ranks (DDP, ZeRO-2, ZeRO-3, FSDP2, TP, CP) within
     1e-4 relative of one process's; step 1 is ln 2 on both (the reference is the model as loaded)."""
-    from distributed import records
-
     ref, got = records(runs("one", method, "dpo")), records(runs(name, method, "dpo"))
     assert len(got) == len(ref) == 5
     assert ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -326,8 +325,6 @@ def test_orpo_and_simpo_normalise_over_the_global_batch(runs, method, objective,
     """ORPO's NLL term (over the global batch's chosen tokens) and SimPO's pairs: 2 ranks x 2
     accumulation steps give one process's losses; under --cp 2 too, SimPO's mean log-probabilities (each
     sequence's sum and token count over its two slices) and ORPO's (its NLL each slice's share)."""
-    from distributed import records
-
     ref, got = records(runs("one", method, objective)), records(runs(layout, method, objective))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
     assert ref[0]["loss"] != pytest.approx(ref[-1]["loss"], rel=1e-3)  # it trains
@@ -338,7 +335,7 @@ def test_kto_on_every_layout_matches_one_process(runs, name):
     """KTO on 2 ranks x 2 accumulation steps (DDP, ZeRO-3, FSDP2, TP, CP) gives one process's losses, KL
     estimates and rewards within 1e-4: its estimate is the global batch's whatever the split. Step 1 is
     0.5 per example, weighted (policy = reference, estimate 0); TRL's metrics are logged; it trains."""
-    from distributed import assert_metric_close, records
+    from distributed import assert_metric_close
 
     method = KTO_LAYOUTS[name][0]
     ref, got = records(runs("one", method, "kto")), records(runs(name, method, "kto"))
@@ -352,7 +349,7 @@ def test_kto_on_every_layout_matches_one_process(runs, name):
 
 
 def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
-    from distributed import records, run_stdout
+    from distributed import run_stdout
 
     first = records(runs("one", "lora", "dpo"))[0]
     # the reference's forward (adapters disabled) counts in the model FLOPs: 1/3 more than SimPO's step
@@ -464,7 +461,7 @@ def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeyp
     import shutil
 
     import finetune
-    from distributed import parity_args, records
+    from distributed import parity_args
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     first = tmp_path / "first"
@@ -511,7 +508,7 @@ def test_checkpointing_and_dropout_leave_dpo_as_it_was(runs):
     """LoRA DPO with --gradient-checkpointing (the reference's no-gradient forward inside it) and
     --lora-dropout 0.1, which a preference objective turns off as TRL does (or the policy would not be
     its reference at step 1): one process's losses, step 1 ln 2, and the run says it."""
-    from distributed import records, run_stdout
+    from distributed import run_stdout
 
     got, ref = records(runs("one", "lora", "dpo_gc_dropout")), records(runs("one", "lora", "dpo"))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
@@ -525,9 +522,7 @@ def test_held_out_pairs_are_scored_with_trls_metrics(runs, objective):
     metrics on held-out pairs (their reference computed before step 1 too): DPO's at step 0 is ln 2 with
     every reward 0 (accuracy 0: no pair's chosen reward exceeds its rejected's); ORPO's is its odds term
     plus the held-out chosen tokens' NLL."""
-    from distributed import records
-
-    evals = [r for r in records(runs("one", "full", f"{objective}_eval")) if "eval_loss" in r]
+    evals = records(runs("one", "full", f"{objective}_eval"), "eval_loss")
     assert [r["step"] for r in evals] == [0, 5]
     for key in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
         assert all(math.isfinite(r[key]) for r in evals)
@@ -543,7 +538,7 @@ def test_orpo_through_a_pipeline_trains_and_evaluates_as_one_process(runs):
     """ORPO under --pp 2 (a pair per pipeline micro-batch, the objective on the last stage from the
     target tensor it is handed: labels, and the chosen NLL's labels): one process's training losses and
     held-out records within 1e-4 (its eval from the pipeline's per-row log-probabilities)."""
-    from distributed import assert_metric_close, records
+    from distributed import assert_metric_close
 
     ref, got = records(runs("one", "full", "orpo_eval")), records(runs("pp", "full", "orpo_eval"))
     assert [r["step"] for r in got] == [r["step"] for r in ref] and len(ref) == 7  # 5 steps, 2 evals
@@ -554,9 +549,7 @@ def test_orpo_through_a_pipeline_trains_and_evaluates_as_one_process(runs):
 def test_held_out_kto_examples_are_scored_with_trls_metrics(runs):
     """KTO's eval records: the mean loss per held-out example (0.5 each, x 1.5 where desirable, at step 0:
     the policy is the reference) and TRL's metrics, its KL estimate from the held-out batches."""
-    from distributed import records
-
-    evals = [r for r in records(runs("one", "lora", "kto_eval")) if "eval_loss" in r]
+    evals = records(runs("one", "lora", "kto_eval"), "eval_loss")
     assert [r["step"] for r in evals] == [0, 5]
     assert 0.5 < evals[0]["eval_loss"] < 0.75 and evals[0]["eval_kl"] == 0.0
     assert evals[0]["eval_rewards/chosen"] == evals[0]["eval_rewards/rejected"] == 0.0
@@ -587,8 +580,8 @@ def test_kto_reads_its_unpaired_form_and_splits_pairs(tmp_path, monkeypatch, tin
               "pairs": [("Name a colour.", "Blue.", True, "Red."), ("Name a sound.", "Quiet.", True, "Blue."),
                         ("Name a colour.", "Loud.", False, "Quiet."), ("Name a sound.", "Red.", False, "Loud.")]}
     expect["conversational"] = expect["standard"]
-    for form, records in forms.items():
-        cfg = parse_config(["--dataset", str(write_pairs(tmp_path / f"{form}.jsonl", records)), "--objective", "kto",
+    for form, examples in forms.items():
+        cfg = parse_config(["--dataset", str(write_pairs(tmp_path / f"{form}.jsonl", examples)), "--objective", "kto",
                             "--seq-len", "64"])
         rows = prepare_data(cfg.data_settings, tok).train
         assert len(rows) == len(expect[form]), form
@@ -709,7 +702,7 @@ def test_packed_dpo_trains_from_ln_2_and_matches_one_process_on_2_ranks(runs):
     """--packing under DPO: pairs packed into rows of 2 x --seq-len (their documents kept apart, the
     start-up packing check holding), step 1 ln 2 for LoRA and full (the precomputed reference carried
     through the packed rows), and 2 DDP ranks give one process's losses within 1e-4."""
-    from distributed import records, run_stdout
+    from distributed import run_stdout
 
     for method in ("lora", "full"):
         got = records(runs("one", method, "dpo_packed"))
@@ -739,7 +732,6 @@ def test_dpo_straight_after_a_lora_sft_trains_its_adapter_on_from_ln_2(tmp_path,
     import shutil
 
     import finetune
-    from distributed import records
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

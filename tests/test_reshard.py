@@ -23,7 +23,8 @@ import sys
 
 import pytest
 import torch
-from distributed import ROOT, launch, records
+from distributed import ROOT, launch
+from helpers import losses
 from safetensors.torch import load_file
 
 STEPS = 8
@@ -46,10 +47,6 @@ def args(model, data, out, method: str, extra=()) -> list[str]:
             "--seq-len", "64", "--max-steps", str(STEPS), "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "2",
             "--lr-schedule", "linear", "--mixed-precision", "no", "--lora-dropout", "0", "--seed", "7",
             "--micro-batch-size", "2", "--grad-accum", "4", "--lora-r", "128", *extra]
-
-
-def losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
 
 
 def run_chain(model, data, out, method: str) -> list[subprocess.CompletedProcess]:
@@ -94,7 +91,7 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(chains, method):
         dp = {"one": 1, "tp2": 1, "fsdp4": 4, "dp_shard4": 4}.get(names[i - 1], 2)
         assert (f"global batch 8 kept: micro-batch 2 x accumulation {4 // dp} x {dp} data-parallel ranks"
                 in p.stdout) == (dp != 1), (names[i - 1], p.stdout[-2000:])
-    got, want = losses(out), losses(ref)
+    got, want = dict(losses(out, steps=True)), dict(losses(ref, steps=True))
     assert sorted(got) == list(range(1, STEPS + 1))  # every step logged once
     for step in want:
         on = min(step, len(names)) - 1

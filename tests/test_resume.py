@@ -18,7 +18,8 @@ import time
 
 import pytest
 import torch
-from distributed import ROOT, batched_runs, free_port, launch, launch_layouts, records
+from distributed import ROOT, batched_runs, free_port, launch, launch_layouts
+from helpers import losses, records
 
 
 def args(model, data, out, method="lora", steps=8, extra=()) -> list[str]:
@@ -29,10 +30,6 @@ def args(model, data, out, method="lora", steps=8, extra=()) -> list[str]:
             "--micro-batch-size", "4", "--save-every", "2", *extra]
 
 
-def losses(out) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
-
-
 def weights(out, method="lora") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -41,8 +38,8 @@ def weights(out, method="lora") -> dict[str, torch.Tensor]:
 
 def assert_matches(out, ref, method="lora", steps=8) -> None:
     """Every step logged once, losses and final weights within 1e-6 of the reference run."""
-    assert [s for s, _ in losses(out)] == list(range(1, steps + 1))
-    assert [v for _, v in losses(out)] == pytest.approx([v for _, v in losses(ref)], abs=1e-6, rel=1e-6)
+    assert [s for s, _ in losses(out, steps=True)] == list(range(1, steps + 1))
+    assert losses(out) == pytest.approx(losses(ref), abs=1e-6, rel=1e-6)
     got, want = weights(out, method), weights(ref, method)
     assert got.keys() == want.keys()
     for k in want:
@@ -91,7 +88,7 @@ def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model, data,
     expected_from = 2 if fault == "save:4" else 2 * (int(fault.split(":")[1]) // 2)
     assert f"checkpoint-{expected_from}: continuing at step {expected_from + 1}" in p.stdout
     ref = reference("lora")
-    assert losses(out) == losses(ref)
+    assert losses(out, steps=True) == losses(ref, steps=True)
     got, want = weights(out), weights(ref)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -109,10 +106,10 @@ def test_full_finetune_resume_is_bitwise_identical(tmp_path, tiny_model, data, r
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps_this_run"] == 4
     # elapsed_s and train_seconds count the whole run: the killed run's steps, then the resumed ones
-    elapsed = [r["elapsed_s"] for r in records(out) if "loss" in r]
+    elapsed = [r["elapsed_s"] for r in records(out, "loss")]
     assert elapsed == sorted(elapsed) and summary["train_seconds"] > summary["train_seconds_this_run"]
     ref = reference("full")
-    assert losses(out) == losses(ref)
+    assert losses(out, steps=True) == losses(ref, steps=True)
     got, want = weights(out, "full"), weights(ref, "full")
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -239,8 +236,8 @@ def test_a_finished_run_survives_resume_auto_and_is_continued_only_when_asked(tm
     p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "checkpoint-8: continuing at step 9 of 10" in p.stdout and "the run finished at step 8" in p.stdout
-    assert [s for s, _ in losses(out)] == list(range(1, 11))
-    assert losses(out)[:8] == losses(reference())[:8]
+    assert [s for s, _ in losses(out, steps=True)] == list(range(1, 11))
+    assert losses(out, steps=True)[:8] == losses(reference(), steps=True)[:8]
     assert json.loads((out / "summary.json").read_text())["steps"] == 10
     assert not torch.equal(weights(out)[k := next(iter(weights(out)))], weights(reference())[k])  # final/ replaced
     p = run(args(tiny_model, data, out, steps=10, extra=["--resume", "auto", "--continue-finished"]))
@@ -257,11 +254,11 @@ def test_a_finished_run_saves_its_last_step_and_continues_after_it(tmp_path, tin
     out = tmp_path / "out"
     finetune.main(args(tiny_model, data, out, steps=3, extra=["--report-to", "none"]))
     assert [c.name for c in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
-    before = losses(out)
+    before = losses(out, steps=True)
     finetune.main(args(tiny_model, data, out, steps=4, extra=["--report-to", "none", "--resume", "auto",
                                                                  "--continue-finished"]))
     assert f"resumed from {out / 'checkpoint-3'}: continuing at step 4 of 4" in capsys.readouterr().out
-    assert losses(out)[:3] == before and [s for s, _ in losses(out)] == [1, 2, 3, 4]
+    assert losses(out, steps=True)[:3] == before and [s for s, _ in losses(out, steps=True)] == [1, 2, 3, 4]
 
 
 def test_resume_refuses_a_changed_run(tmp_path, tiny_model, data, reference):

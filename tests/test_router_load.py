@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_model, records
 
 from toolkit.model.router_load import RouterLoad, experts_modules, load_stats
 from toolkit.model.synthetic import ZOO
 
 
-def tiny(model_type: str, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **{**ZOO[model_type], "vocab_size": 97, **overrides})
-    return AutoModelForCausalLM.from_config(config).train()
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_counts_are_the_routers_top_k_over_real_tokens(model_type):
-    model = tiny(model_type)
+    model = random_model(model_type, **ZOO[model_type], vocab_size=97).train()
     load = RouterLoad.attach(model)
     assert load is not None and len(load.handles) - 1 == len(experts_modules(model)) >= 1
     ids = torch.randint(0, 97, (3, 12))
@@ -45,7 +38,7 @@ def test_counts_are_the_routers_top_k_over_real_tokens(model_type):
 
 
 def test_a_checkpointed_block_is_counted_once():
-    model = tiny("qwen3_moe")
+    model = random_model("qwen3_moe", **ZOO["qwen3_moe"], vocab_size=97).train()
     ids = torch.randint(0, 97, (2, 10))
     load = RouterLoad.attach(model)
     model(input_ids=ids).logits.sum().backward()
@@ -56,7 +49,7 @@ def test_a_checkpointed_block_is_counted_once():
 
 
 def test_dense_models_have_no_experts_to_count():
-    assert RouterLoad.attach(tiny("llama")) is None
+    assert RouterLoad.attach(random_model("llama", **ZOO["llama"], vocab_size=97).train()) is None
 
 
 def test_load_stats_are_shares_of_each_layers_mean():
@@ -88,8 +81,6 @@ def test_a_run_whose_router_sends_every_token_to_one_expert_says_so_once(tmp_pat
     """A tiny gpt-oss (its router has a bias) whose routers' bias makes expert 0 win every token (top-1):
     the run trains, expert_load_min is 0 in every record, and one line names the idle experts of both
     MoE layers, once, though every logged window has them."""
-    import json
-
     from safetensors.torch import load_file, save_file
 
     import finetune
@@ -108,8 +99,7 @@ def test_a_run_whose_router_sends_every_token_to_one_expert_says_so_once(tmp_pat
     finetune.main(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(out),
                    "--seq-len", "64", "--max-steps", "4", "--log-every", "2", "--micro-batch-size", "8",
                    "--mixed-precision", "no", "--method", "full", "--report-to", "none", "--verify", "none"])
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    loads = [r["expert_load_min"] for r in records if "loss" in r]
+    loads = [r["expert_load_min"] for r in records(out, "loss")]
     assert len(loads) == 2 and set(loads) == {0.0}
     said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("expert load:")]
     assert len(said) == 1, said

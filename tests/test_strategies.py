@@ -10,7 +10,8 @@ import json
 
 import pytest
 import torch
-from distributed import batched_runs, common_args, parity_args, records, run_stdout
+from distributed import batched_runs, common_args, parity_args, run_stdout
+from helpers import losses, records
 from safetensors.torch import load_file
 
 STRATEGIES = {
@@ -193,12 +194,9 @@ def test_fsdp_in_bf16_is_one_numerics(strategy_runs):
     parameters gathered in bf16 by its mixed-precision policy, gradients reduced in fp32, no autocast)
     and log identical losses; they, and --fsdp in one process, stay within bf16 noise of one process under
     autocast: 1e-3 relative (measured on this model: 1.2e-4 at most over the 5 steps)."""
-    def losses(name):
-        return [r["loss"] for r in records(strategy_runs("bf16", name))]
-
-    ref = losses("ref")
-    assert len(ref) == 5 and losses("fsdp") == losses("dp_shard")
+    ref = losses(strategy_runs("bf16", "ref"))
+    assert len(ref) == 5 and losses(strategy_runs("bf16", "fsdp")) == losses(strategy_runs("bf16", "dp_shard"))
     for name in ("fsdp", "fsdp_one_process"):
-        assert losses(name) == pytest.approx(ref, rel=1e-3), name
+        assert losses(strategy_runs("bf16", name)) == pytest.approx(ref, rel=1e-3), name
     for name in ("fsdp", "dp_shard"):
         assert "gathered in bf16, gradients reduced in fp32" in run_stdout(strategy_runs("bf16", name)), name

@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 from conftest import make_records
-from distributed import launch, records, run_once
+from distributed import launch, run_once
+from helpers import build_tokenizer, losses
 
 SEED, N = 7, 64
 STEPS = 5  # x global batch 8 = 40 of the 64 records: within epoch 0
@@ -27,10 +28,6 @@ def args(model, data, out, *extra) -> list[str]:
             "--seq-len", "128", "--max-steps", str(STEPS), "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
             "--lr-schedule", "linear", "--mixed-precision", "no", "--seed", str(SEED), "--micro-batch-size", "2",
             "--grad-accum", "2", "--save-every", "2", *extra]
-
-
-def losses(out) -> list[float]:
-    return [r["loss"] for r in records(out) if "loss" in r]
 
 
 def weights(out) -> dict[str, torch.Tensor]:
@@ -95,8 +92,6 @@ def test_streamed_run_resumes_exactly_after_sigkill(tmp_path, tiny_model, files,
 def test_stream_skips_wraps_and_packs_each_micro_batch(files, tmp_path):
     """`start` skips records (a resume), the stream goes on into the next epoch in the same order,
     and --packing puts a micro-batch's examples into fewer rows with the same trained tokens."""
-    from conftest import build_tokenizer
-
     from toolkit.config import parse_config
     from toolkit.data.packing import count_examples
     from toolkit.data.stream import RecordStream, StreamCollate

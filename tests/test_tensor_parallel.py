@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import batched_runs, common_args, records, run_distributed
+from distributed import batched_runs, common_args, run_distributed
+from helpers import build_model_dir, build_tokenizer, random_model, records, save_model_dir
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -133,28 +134,15 @@ def _model_dirs(root) -> dict:
     Llama MHA with attention and MLP biases (row-parallel bias added once), Qwen3 (q/k RMSNorm inside
     the TP region, head_dim != h/heads, tied embeddings), Qwen2 (q/k/v biases), Mistral (GQA,
     sliding-window config). Each: {"path", "methods"} (full and LoRA)."""
-    from conftest import build_model_dir, build_tokenizer
-    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
-
-    dirs = {"llama_gqa": build_model_dir(root / "llama_gqa"),
-            "llama_bias": build_model_dir(root / "llama_bias", num_key_value_heads=4, attention_bias=True, mlp_bias=True)}
     tok = build_tokenizer()
-    torch.manual_seed(0)
-    qwen = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                        vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=True))
-    qwen.save_pretrained(root / "qwen3")
-    tok.save_pretrained(root / "qwen3")
-    dirs["qwen3"] = root / "qwen3"
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=len(tok), max_position_embeddings=256)
-    for name, config, cls in (("qwen2", Qwen2Config(**small), Qwen2ForCausalLM),
-                              ("mistral", MistralConfig(**small, sliding_window=64), MistralForCausalLM)):
-        torch.manual_seed(0)
-        cls(config).save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs[name] = root / name
+    dirs = {"llama_gqa": build_model_dir(root / "llama_gqa"),
+            "llama_bias": build_model_dir(root / "llama_bias", num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+            "qwen3": save_model_dir(root / "qwen3", random_model("qwen3", **small, head_dim=24,
+                                                                 tie_word_embeddings=True), tok),
+            "qwen2": save_model_dir(root / "qwen2", random_model("qwen2", **small), tok),
+            "mistral": save_model_dir(root / "mistral", random_model("mistral", **small, sliding_window=64), tok)}
     return {k: {"path": str(v), "methods": ("full", "lora")} for k, v in dirs.items()}
 
 

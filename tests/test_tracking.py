@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import losses, records
 
 import finetune
 from toolkit.errors import UserError
@@ -29,14 +30,10 @@ def tracked(tmp_path_factory, tiny_model, data_files):
     return out
 
 
-def records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_eval_at_step_0_and_every_step_logged_by_default(tracked):
-    evals = [r["step"] for r in records(tracked) if "eval_loss" in r]
+    evals = [r["step"] for r in records(tracked, "eval_loss")]
     assert evals == [0, 3, 6]
-    assert [r["step"] for r in records(tracked) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # --log-every 0, 6 steps
+    assert [s for s, _ in losses(tracked, steps=True)] == [1, 2, 3, 4, 5, 6]  # --log-every 0, 6 steps
 
 
 def test_log_interval_gives_about_fifty_records():
@@ -124,8 +121,7 @@ def test_tensorboard_and_mlflow_get_the_metrics_and_the_config(tracked):
     events.Reload()
     assert {"loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes/rank0"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
-    assert [round(e.value, 4) for e in events.Scalars("loss")] == [round(r["loss"], 4) for r in records(tracked)
-                                                                    if "loss" in r]
+    assert [round(e.value, 4) for e in events.Scalars("loss")] == [round(loss, 4) for loss in losses(tracked)]
     client = MlflowClient(tracking_uri=(tracked / "mlruns").as_uri())
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.data.params["lr"] == "0.003" and run.data.params["method"] == "lora"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import losses, records
 
 import finetune
 from toolkit.config import parse_config
@@ -19,10 +20,6 @@ def run(tmp_path, model, dataset, *extra):
             "--micro-batch-size", "4", "--max-steps", "6", "--log-every", "1", "--warmup-steps", "1",
             "--lr", "3e-3", *extra]
     return finetune.main(argv), out
-
-
-def records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def fixed_batch(model_dir, dataset, tmp_path):
@@ -39,7 +36,7 @@ def fixed_batch(model_dir, dataset, tmp_path):
 @pytest.mark.parametrize("fmt", ["alpaca", "chat", "sharegpt", "text"])
 def test_each_format_and_method_trains_and_saves(tmp_path, tiny_model, data_files, fmt, method):
     result, out = run(tmp_path, tiny_model, data_files[fmt], "--method", method)
-    recs = [r for r in records(out) if "loss" in r]
+    recs = records(out, "loss")
     assert [r["step"] for r in recs] == list(range(1, 7))
     for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s"):
         assert all(isinstance(r[key], (int, float)) for r in recs), key
@@ -70,18 +67,17 @@ def test_eval_split_records_eval_loss_and_an_eval_file_gives_the_same(tmp_path, 
     (tmp_path / "held.jsonl").write_text("".join(lines[i] + "\n" for i in held))
     _, out = run(tmp_path / "file", tiny_model, tmp_path / "train.jsonl", "--eval-dataset", str(tmp_path / "held.jsonl"),
                  *quick)
-    evals = [[r for r in records(o) if "eval_loss" in r] for o in (split, out)]
+    evals = [records(o, "eval_loss") for o in (split, out)]
     assert [r["step"] for r in evals[0]] == [0, 3, 6] and evals[0][2]["eval_loss"] < evals[0][1]["eval_loss"]
     assert [r["step"] for r in evals[1]] == [0, 3, 6]
     assert [r["eval_loss"] for r in evals[1]] == pytest.approx([r["eval_loss"] for r in evals[0]], rel=1e-6)
-    assert [r["loss"] for r in records(out) if "loss" in r] == pytest.approx(
-        [r["loss"] for r in records(split) if "loss" in r], rel=1e-6)
+    assert losses(out) == pytest.approx(losses(split), rel=1e-6)
 
 
 def test_qlora_trains_4bit_base(tmp_path, tiny_model, data_files):
     result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "qlora")
     assert any(type(m).__name__ == "Linear4bit" for m in result.model.modules())
-    recs = [r for r in records(out) if "loss" in r]
+    recs = records(out, "loss")
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
@@ -296,7 +292,7 @@ def test_lora_bf16_step_runs_on_cpu_and_holds_the_planned_bytes(tmp_path, tiny_m
 
     result, out = run(tmp_path, tiny_model, data_files["chat"], "--method", "lora", "--mixed-precision", "bf16",
                       "--lora-r", "8")
-    recs = [r for r in records(out) if "loss" in r]
+    recs = records(out, "loss")
     assert len(recs) == 6 and all(r["loss"] == r["loss"] for r in recs)  # finite
     assert json.loads((out / "integrity.json").read_text())["ok"]
     cfg = json.loads((tiny_model / "config.json").read_text())
@@ -437,7 +433,7 @@ def test_first_step_peak_is_logged_beside_the_prediction_and_a_high_one_warns(tm
 
     monkeypatch.setattr("toolkit.train.loop.device_peak", lambda device: 10 * 2**30)
     result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "2")
-    first = [r for r in records(out) if "loss" in r][0]
+    first = records(out, "loss")[0]
     cfg = parse_config(["--model", str(tiny_model), "--dataset", str(data_files["alpaca"]), "--output-dir",
                         str(out), "--overwrite-output-dir", "--seq-len", "64", "--micro-batch-size", "4", "--method", "lora"])
     assert first["peak_allocated_bytes"] == 10 * 2**30
@@ -447,7 +443,7 @@ def test_first_step_peak_is_logged_beside_the_prediction_and_a_high_one_warns(tm
     assert len(said) == 1 and said[0].startswith("warning: step 1 peaked at 10.00 GiB")
     monkeypatch.undo()
     _, cpu = run(tmp_path / "cpu", tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "1")
-    assert "peak_allocated_bytes" not in [r for r in records(cpu) if "loss" in r][0]
+    assert "peak_allocated_bytes" not in records(cpu, "loss")[0]
 
 
 def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, data_files, monkeypatch):
@@ -510,10 +506,10 @@ def test_a_step_reads_nothing_back_except_for_its_record(tmp_path, tiny_model, d
         m.setattr(torch.Tensor, "tolist", tolist)
         _, out = run(tmp_path, tiny_model, data_files["alpaca"], "--log-every", "3", "--method", "full")
     assert {s: counts.get(s, 0) for s in range(2, 7)} == {2: 0, 3: 100, 4: 0, 5: 0, 6: 100}, counts
-    every = records(run(tmp_path / "every", tiny_model, data_files["alpaca"], "--method", "full")[1])
-    logged = {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+    every = run(tmp_path / "every", tiny_model, data_files["alpaca"], "--method", "full")[1]
+    logged = dict(losses(out, steps=True))
     assert sorted(logged) == [3, 6]
-    by_step = {r["step"]: r["loss"] for r in every if "loss" in r}
+    by_step = dict(losses(every, steps=True))
     assert logged[6] == pytest.approx((by_step[4] + by_step[5] + by_step[6]) / 3, rel=0.05)
 
 
@@ -533,7 +529,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     bucketed, collate = [], Collate.__call__
     monkeypatch.setattr(Collate, "__call__", lambda self, batch: bucketed.append(self.bucket) or collate(self, batch))
     args = (tiny_model, data_files["chat"], "--method", "full")
-    eager = [r["loss"] for r in records(run(tmp_path / "cpu", *args)[1]) if "loss" in r]
+    eager = losses(run(tmp_path / "cpu", *args)[1])
     said = capsys.readouterr().out
     assert said.count("compile: auto: eager on cpu (inductor's C++ build takes minutes") == 1
     assert bucketed and not any(bucketed)  # eager: each batch as wide as its longest row
@@ -545,7 +541,7 @@ def test_compile_auto_times_eager_steps_then_compiles_where_it_pays(tmp_path, ti
     said = capsys.readouterr().out
     assert "compile: auto: compiling the decoder blocks from step 4: eager steps take" in said
     assert "an H200's cold compile of the 1B shape" in said and "compile: step 4 compiled the blocks in" in said
-    got = [r for r in records(out) if "loss" in r]
+    got = records(out, "loss")
     assert [r["loss"] for r in got] == pytest.approx(eager, rel=1e-4)
     assert [r["step"] for r in got if r.get("compile_warmup")] == [4]
     assert all(r["compiled_graphs"] >= 1 for r in got if r["step"] > 4) and "compiled_graphs" not in got[0]
@@ -642,9 +638,9 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, m
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     data = data_files["alpaca" if "--packing" in extra else "chat"]  # alpaca's: a row packs several, their count varies
-    eager = [r["loss"] for r in records(run(tmp_path / "eager", tiny_model, data, *extra)[1]) if "loss" in r]
+    eager = losses(run(tmp_path / "eager", tiny_model, data, *extra)[1])
     result, out = run(tmp_path / "compiled", tiny_model, data, *extra, "--compile")
-    compiled = [r for r in records(out) if "loss" in r]
+    compiled = records(out, "loss")
     assert [r["loss"] for r in compiled] == pytest.approx(eager, rel=1e-4)
     assert compiled[0].get("compile_warmup") and not any(r.get("compile_warmup") for r in compiled[1:])
     assert all(b._compiled_call_impl is not None for b in decoder_layers(result.model))
@@ -665,4 +661,4 @@ def test_profile_names_what_a_step_spends(tmp_path, tiny_model, data_files, caps
     assert any(e["name"] == "aten::mm" and e["self_ms"] > 0 for e in profile["per_step_top"])
     assert (out / "profile.txt").read_text().startswith("steps 4-6") and (out / "profile_trace.json").stat().st_size
     assert "profile: steps 4-6 in" in said
-    assert [r["loss"] for r in records(out) if "loss" in r] == [r["loss"] for r in records(plain) if "loss" in r]
+    assert losses(out) == losses(plain)

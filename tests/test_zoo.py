@@ -19,7 +19,8 @@ loss is a product of means over the tokens a rank sees, so two ranks' halves are
 from __future__ import annotations
 
 import pytest
-from distributed import launch_layouts, records
+from distributed import launch_layouts
+from helpers import losses, records
 
 from toolkit.model.synthetic import ZOO, build_zoo_model_dir
 
@@ -62,10 +63,6 @@ def zoo(tmp_path_factory, data_files):
     return results
 
 
-def losses(out) -> list[float]:
-    return [r["loss"] for r in records(out) if "loss" in r]
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_architecture_trains_its_own_loss_on_each_layout_or_is_refused_in_one_line(zoo, arch, layout):
@@ -85,7 +82,7 @@ def test_each_architecture_trains_its_own_loss_on_each_layout_or_is_refused_in_o
     steps = losses(run["out"])
     assert len(steps) == 2
     moe = arch in MOE_AUX or arch == "deepseek_v3"  # the routers' spread is in every record (toolkit.model.router_load)
-    for r in (r for r in records(run["out"]) if "loss" in r):
+    for r in records(run["out"], "loss"):
         assert ("expert_load_cv" in r) == moe, (arch, layout)
         if moe:
             assert 0 <= r["expert_load_min"] <= 1 <= r["expert_load_max"] and r["expert_load_cv"] >= 0
