@@ -261,7 +261,8 @@ def test_each_preference_objective_gives_its_padded_loss(tiny_model, preference_
     if objective == "orpo":
         assert float(sa[0]) != 1.0  # the NLL scale was set: pairs / the chosen sequences' tokens
     if objective == "kto":  # the estimate may be the clamp's 0: its sequences' log-probabilities themselves
-        from toolkit.objectives.preference.functions import kl_batch, whole_row_logps
+        from toolkit.objectives.preference.functions import kl_batch
+        from toolkit.objectives.logps import whole_row_logps
 
         kl_free, kl_padded = (whole_row_logps(model, kl_batch(x)) for x in (free, padded))
         assert kl_free.shape == (5,) and kl_free.abs().min() > 1

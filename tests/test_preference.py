@@ -16,7 +16,8 @@ from helpers import build_model_dir, records
 from toolkit.model.synthetic import corpus
 
 from toolkit.objectives.preference.loss import PreferenceLoss
-from toolkit.objectives.preference.functions import orpo_nll_tokens, sequence_logps
+from toolkit.objectives.preference.functions import orpo_nll_tokens
+from toolkit.objectives.logps import sequence_logps
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 trl = pytest.importorskip("trl", reason="trl is in the dev extras: pip install -e '.[dev]'")

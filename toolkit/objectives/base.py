@@ -18,8 +18,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from toolkit.objectives.preference.functions import (document_logps, orpo_labels, sequence_logps, sliced_logps,
-                                                     whole_row_logps)
+from toolkit.objectives.logps import document_logps, sequence_logps, sliced_logps, whole_row_logps
 
 # (model, batch, reference=False) -> each whole row's log-probability
 LogpsFn = Callable[..., torch.Tensor]
@@ -51,11 +50,6 @@ class LayoutHooks:
         """A loss every cp rank computes whole from the summed slices: its value once over the group, its
         gradient whole through each rank's slice."""
         return total - total.detach() * (1 - 1 / self.cp) if "targets" in batch else total
-
-    def chosen_targets(self, batch: dict) -> tuple[torch.Tensor, bool]:
-        """(ORPO's NLL labels for this micro-batch, whether shifted already): a context-parallel slice's
-        share (`toolkit.parallel.cp`), else the chosen sequences' whole."""
-        return (batch["orpo_targets"], True) if "targets" in batch else (orpo_labels(batch), False)
 
 
 class Loss(Protocol):

@@ -46,7 +46,8 @@ import torch
 
 from toolkit.objectives.base import LayoutHooks
 from toolkit.config.objectives import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, KTO_METRICS, METRICS
-from toolkit.objectives.preference.functions import (dpo_loss, kl_batch, kto_loss, no_grad_logps, orpo_nll,
+from toolkit.objectives.logps import no_grad_logps
+from toolkit.objectives.preference.functions import (dpo_loss, kl_batch, kto_loss, orpo_labels, orpo_nll,
                                                      orpo_nll_tokens, orpo_odds_loss, simpo_loss)
 
 
@@ -349,7 +350,7 @@ class PreferenceLoss:
         total = self.hooks.whole(self.loss_of(logps, counts, ref, batch.get("desirable")), batch)
         # ORPO's NLL; under cp this slice's share (the slices' shares add up)
         if self.kind.nll:
-            labels, shifted = self.hooks.chosen_targets(batch)
+            labels, shifted = chosen_targets(batch)
             total = total + orpo_nll(logits, labels, shifted=shifted) * self.state.nll_scale
         return total
 
@@ -372,3 +373,9 @@ class PreferenceLoss:
     def take_metrics(self) -> torch.Tensor | None:
         """The metrics' sums since the last call."""
         return self.state.take()
+
+
+def chosen_targets(batch: dict) -> tuple[torch.Tensor, bool]:
+    """(ORPO's NLL labels for this micro-batch, whether shifted already): a context-parallel slice's share
+    (`toolkit.parallel.cp`), else the chosen sequences' whole."""
+    return (batch["orpo_targets"], True) if "targets" in batch else (orpo_labels(batch), False)

@@ -148,7 +148,7 @@ class StagePipeline(nn.Module):
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # a row's log-probability per record; nothing to back-propagate
         if self._logps_only:
-            from toolkit.objectives.preference.functions import sequence_logps
+            from toolkit.objectives.logps import sequence_logps
 
             self._losses.append(sequence_logps(logits, target)[0].detach().double())
             return logits.new_zeros(())

@@ -20,7 +20,7 @@ def pipeline_logps(model, batch: dict, reference: bool = False) -> torch.Tensor:
     through a pipeline's stages, the last stage's sent to every stage (`model`: the prepared pipeline;
     before `prepare` and after its export, the HF model's own forward); `reference`: LoRA's adapters off."""
     from toolkit.parallel.pp import StagePipeline
-    from toolkit.objectives.preference.functions import whole_row_logps
+    from toolkit.objectives.logps import whole_row_logps
 
     if not isinstance(model, StagePipeline):
         return whole_row_logps(model, batch, reference)
