@@ -42,7 +42,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, queue, finish
     torch.set_num_threads(1)
     try:
         queue.put((rank, fn(*args), None))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # noqa: BLE001 - reported to the parent
         import traceback
 
         queue.put((rank, None, traceback.format_exc()))
@@ -132,7 +132,8 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
     else:
         config = "--config_file" in launcher_args
         cmd = [sys.executable, "-m", "accelerate.commands.launch",
-               *(["--multi_gpu"] if nproc > 1 and multi_gpu and not launcher_args else []), "--num_processes", str(nproc),
+               *(["--multi_gpu"] if nproc > 1 and multi_gpu and not launcher_args else []),
+               "--num_processes", str(nproc),
                *([] if config else ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
@@ -190,9 +191,10 @@ def fork_launch(script: Path, argv: list[str], nproc: int, env: dict[str, str],
                "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
                "TORCHELASTIC_USE_AGENT_STORE": "True"}
     with tempfile.TemporaryDirectory(prefix="fork_launch_") as logs:
-        procs = [ctx.Process(target=_forked_rank, args=(str(script), argv, {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)}
-                                                                                     if nproc > 1 else {})},
-                                                        f"{logs}/{r}")) for r in range(nproc)]
+        procs = [ctx.Process(target=_forked_rank,
+                             args=(str(script), argv,
+                                   {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {})},
+                                   f"{logs}/{r}")) for r in range(nproc)]
         read = lambda suffix: "".join(Path(f"{logs}/{r}.{suffix}").read_text(errors="replace")  # noqa: E731
                                       for r in range(nproc) if Path(f"{logs}/{r}.{suffix}").exists())
         try:
@@ -241,8 +243,8 @@ def launch_layouts(out: Path, common: list[str], runs: dict[str, list[str]], npr
     spec = out / "spec.json"
     spec.write_text(json.dumps({"common": common, "runs": runs, "out": str(out), "cuda_path": list(cuda_path),
                                 "env": run_env or {}}))
-    p = launch([str(spec)], nproc=nproc, env=env, timeout=timeout, launcher=launcher, script=ROOT / "tests" / "layouts.py",
-               launcher_args=launcher_args)
+    p = launch([str(spec)], nproc=nproc, env=env, timeout=timeout, launcher=launcher,
+               script=ROOT / "tests" / "layouts.py", launcher_args=launcher_args)
     (out / "stdout.txt").write_text(p.stdout)
     (out / "stderr.txt").write_text(p.stderr)
     assert (out / "results.json").exists(), f"exit {p.returncode}:\n{p.stderr[-4000:]}"

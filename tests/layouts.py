@@ -10,9 +10,10 @@ up until the last run: accelerate and DeepSpeed join the one that exists.
     <launcher> tests/layouts.py SPEC.json
 SPEC: {"common": [flags every run takes], "runs": {name: [flags]}, "out": folder, "cuda_path": [names],
 "env": {name: {variable: value}} (a run's own environment on top of the launch's, e.g. a TOOLKIT_FAULT)}.
-Each run writes OUT/name and its stdout and stderr to OUT/name.stdout.txt and OUT/name.stderr.txt; rank 0 writes OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs
-named in "cuda_path" take the launch set-up's GPU branch on this CPU (`toolkit.parallel.launch.on_cuda`
-answers True): one process only, where accelerate then runs DeepSpeed as on one GPU.
+Each run writes OUT/name and its stdout and stderr to OUT/name.stdout.txt and OUT/name.stderr.txt; rank 0 writes
+OUT/results.json: {name: {"exit": 0 or the exit code}}. The runs named in "cuda_path" take the launch set-up's GPU
+branch on this CPU (`toolkit.parallel.launch.on_cuda` answers True): one process only, where accelerate then runs
+DeepSpeed as on one GPU.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def test_only_parallelize_wraps_the_model():
         rel = f.relative_to(PACKAGE)
         for function, line, what in wrapping_calls(f):
             seen.add(what.rsplit(".", 1)[-1])
-            allowed = str(rel) == "parallel/parallelize.py" or (rel.parts[0] == "parallel" and function.startswith("apply_"))
+            allowed = (str(rel) == "parallel/parallelize.py"
+                       or (rel.parts[0] == "parallel" and function.startswith("apply_")))
             if not allowed and (rel.name, function) not in KERNELS:
                 elsewhere.append(f"{rel}:{line} {function}: {what}")
     assert not elsewhere, "\n".join(elsewhere)
@@ -166,9 +167,9 @@ def test_only_parallelize_wraps_the_model():
     assert {"DistributedDataParallel", "fully_shard", "compile", "prepare", "activation_checkpointing_enable"} <= seen
 
 
-# Where the command line becomes settings (`cli/plan.py`, and what builds from them: the model, the layout, the plan) and
-# the one loop that runs them: the only modules that take the whole `Config`. The rest are passed the sections or
-# values they read (issue 67: "Settings, not the config"), so a function's signature says what it depends on.
+# Where the command line becomes settings (`cli/plan.py`, and what builds from them: the model, the layout, the plan)
+# and the one loop that runs them: the only modules that take the whole `Config`. The rest are passed the sections
+# or values they read (issue 67: "Settings, not the config"), so a function's signature says what it depends on.
 CONFIG_READERS = {"cli/plan.py", "model/load.py", "parallel/build.py", "planner/auto.py", "train/loop.py"}
 
 

@@ -321,8 +321,8 @@ def test_each_model_gets_the_attention_it_supports_or_one_line():
     assert attention.model_features(skeleton("gpt2", attn_pdrop=0.1), 64) == ["attention dropout"]  # GPT-2's default
     with pytest.raises(UserError, match="Gemma2ForCausalLM does not support torch's scaled_dot_product_attention"):
         choose("sdpa", "cpu", False, gemma2, 64)
-    with pytest.raises(UserError, match="--attn varlen does not implement Gemma2ForCausalLM's softcap, sliding windows; "
-                                        "leave --attn out"):
+    with pytest.raises(UserError, match="--attn varlen does not implement Gemma2ForCausalLM's softcap, "
+                                        "sliding windows; leave --attn out"):
         choose("varlen", "cpu", True, gemma2, 64)
 
 

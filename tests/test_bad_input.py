@@ -16,10 +16,12 @@ def case(tmp_path, name):
         (d / "qa.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
         return ["--dataset", str(d / "qa.jsonl")], "cannot tell the format from columns answer, question"
     if name == "wrong_format_name":
-        return ["--format", "alpacca"], "--format must be one of auto, alpaca, chat, sharegpt, text; got 'alpacca' (did you mean 'alpaca'?)"
+        return ["--format", "alpacca"], \
+            "--format must be one of auto, alpaca, chat, sharegpt, text; got 'alpacca' (did you mean 'alpaca'?)"
     if name == "wrong_format_for_columns":
         (d / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
-        return ["--dataset", str(d / "t.jsonl"), "--format", "sharegpt"], "--format sharegpt needs column(s) conversations"
+        return ["--dataset", str(d / "t.jsonl"), "--format", "sharegpt"], \
+            "--format sharegpt needs column(s) conversations"
     if name == "empty_dataset":
         (d / "empty.jsonl").write_text("")
         return ["--dataset", str(d / "empty.jsonl")], "empty.jsonl: file is empty"
@@ -30,12 +32,14 @@ def case(tmp_path, name):
         (d / "obj.json").write_text("{}")
         return ["--dataset", str(d / "obj.json")], "obj.json: holds no records (only {}, an object without fields)"
     if name == "every_answer_empty":  # trained the end-of-turn token alone, 4 of 4, no line said so
-        (d / "blank.jsonl").write_text("".join(json.dumps({"instruction": f"q{i}", "output": " "}) + "\n" for i in range(4)))
+        (d / "blank.jsonl").write_text("".join(json.dumps({"instruction": f"q{i}", "output": " "}) + "\n"
+                                               for i in range(4)))
         return ["--dataset", str(d / "blank.jsonl")], \
             "blank.jsonl: no training example is left: 4 of 4 have an empty or whitespace-only answer"
     if name == "sharegpt_with_other_keys":
         (d / "dialog.jsonl").write_text(json.dumps({"dialog": [{"who": "customer", "says": "my order is late"},
-                                                               {"who": "agent", "says": "sorry, it ships today"}]}) + "\n")
+                                                               {"who": "agent", "says": "sorry, it ships today"}]})
+                                        + "\n")
         return ["--dataset", str(d / "dialog.jsonl")], \
             "e.g. --columns conversations=dialog,role=who,content=says,user_role=customer,assistant_role=agent"
     if name == "malformed_jsonl":
@@ -45,7 +49,8 @@ def case(tmp_path, name):
         rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 1100
         rows[1057] = {"messages": [{"role": "user", "content": "no answer"}]}
         (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return ["--dataset", str(d / "chat.jsonl"), "--data-workers", "2"], "chat.jsonl: record 1058 (line 1058) has no assistant turn"
+        return ["--dataset", str(d / "chat.jsonl"), "--data-workers", "2"], \
+            "chat.jsonl: record 1058 (line 1058) has no assistant turn"
     if name == "streaming_without_max_steps":
         return ["--dataset", str(d.parent / "nope.jsonl"), "--streaming"], "--streaming needs --max-steps"
     if name == "unknown_flag":
@@ -62,7 +67,8 @@ def case(tmp_path, name):
             "--columns output=reply: --dataset"
     if name == "system_prompt_on_text":
         (d / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
-        return ["--dataset", str(d / "t.jsonl"), "--system-prompt", "be brief"], "--system-prompt applies to conversations"
+        return ["--dataset", str(d / "t.jsonl"), "--system-prompt", "be brief"], \
+            "--system-prompt applies to conversations"
     if name == "tp_without_ranks":
         return ["--tp", "2"], "--tp 2 needs a world size that is a multiple of 2 (got 1 process)"
     if name == "tp_not_dividing_heads":
@@ -110,15 +116,17 @@ def case(tmp_path, name):
     if name == "resume_truncated_checkpoint":
         (d / "checkpoint-2").mkdir()
         (d / "checkpoint-2" / "model.safetensors").write_bytes(b"\0" * 16)
-        return ["--resume", str(d / "checkpoint-2"), "--no-overwrite"], "not a complete checkpoint (no trainer_state.json)"
+        return ["--resume", str(d / "checkpoint-2"), "--no-overwrite"], \
+            "not a complete checkpoint (no trainer_state.json)"
     if name == "resume_checkpoint_of_another_run":
         ck = d / "checkpoint-2"
         ck.mkdir()
         (ck / "rank0.pt").write_bytes(b"")
         layout = {"zero_stage": None, "offload": "none", "fsdp": False, "fsdp_sharding": "full", "tp": 1, "pp": 1,
                   "pp_microbatches": 1}
-        (ck / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 1, "resumable": True, "fingerprint": {
-            "dataset": "0" * 64, "settings": {"lr": 0.5}, "layout": layout}}))
+        (ck / "trainer_state.json").write_text(json.dumps({
+            "step": 2, "world_size": 1, "resumable": True,
+            "fingerprint": {"dataset": "0" * 64, "settings": {"lr": 0.5}, "layout": layout}}))
         return ["--resume", str(ck), "--no-overwrite"], "this is not the run that wrote it: the dataset changed"
     if name == "resume_with_overwrite":
         return ["--resume", "auto"], "--resume and --overwrite-output-dir contradict each other"
@@ -155,8 +163,8 @@ def case(tmp_path, name):
                                   "yaml_column_list", "trainer_flag_out_of_range",
                                   "out_of_range", "lora_targets_match_nothing", "every_example_too_long",
                                   "output_dir_would_be_clobbered", "resume_truncated_checkpoint",
-                                  "resume_checkpoint_of_another_run", "resume_with_overwrite", "model_needs_remote_code",
-                                  "kernels_without_a_gpu", "attention_kernel_not_here"])
+                                  "resume_checkpoint_of_another_run", "resume_with_overwrite",
+                                  "model_needs_remote_code", "kernels_without_a_gpu", "attention_kernel_not_here"])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model, name):
     out = tmp_path / "out"
     out.mkdir()
@@ -187,7 +195,8 @@ def test_a_data_error_comes_before_torch_transformers_and_datasets_load(tmp_path
 
     (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     code = ("import sys, finetune\ntry:\n    finetune.main(['--dataset', sys.argv[1], '--output-dir', sys.argv[2]])\n"
-            "except SystemExit as e:\n    print(e.code, sorted({'torch', 'transformers', 'datasets'} & set(sys.modules)))")
+            "except SystemExit as e:\n"
+            "    print(e.code, sorted({'torch', 'transformers', 'datasets'} & set(sys.modules)))")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "qa.jsonl"), str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert p.stdout.split("\n")[0] == "2 []", p.stdout + p.stderr
@@ -201,7 +210,8 @@ def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp
     out = tmp_path / "out"
     p = launch(["--model", str(tiny_model), "--dataset", str(data_files["chat"]), "--output-dir", str(out)],
                nproc=2, launcher="accelerate", multi_gpu=False, env={"HF_HUB_OFFLINE": "1"}, timeout=120)
-    assert p.returncode != 0, p.stderr[-2000:]  # finetune.py exits 2; accelerate's launcher then exits 1 with its own traceback
+    # finetune.py exits 2; accelerate's launcher then exits 1 with its own traceback
+    assert p.returncode != 0, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert errors == ["finetune.py: error: accelerate launch --num_processes 2 started one process, not 2: accelerate "
                       "starts several only with --multi_gpu (or by itself where it sees more than one GPU); run "
@@ -213,7 +223,8 @@ def test_accelerate_launch_without_multi_gpu_stops_instead_of_training_alone(tmp
 
 @pytest.mark.parametrize("argv, expected", [
     (["generate", "--model", "m", "--prompt", "hi", "--temperature", "0.7"],
-     "--temperature sets sampling, and decoding is greedy without --do-sample; add --do-sample to sample, or leave it out"),
+     "--temperature sets sampling, and decoding is greedy without --do-sample; add --do-sample to sample, "
+     "or leave it out"),
     (["generate", "--model", "m", "--prompt", "hi", "--top-p", "0.5", "--top-k", "5"],
      "--top-p and --top-k set sampling, and decoding is greedy without --do-sample; add --do-sample"),
     (["generate", "--model", "m", "--prompt", "hi", "--seed", "3"], "--seed sets sampling"),

@@ -48,7 +48,8 @@ LAYOUTS.update({  # context parallel, one method each (4-rank runs are dear on 2
 METHODS = {"cp2_dp2_packed": ["full"], "cp2_dp_shard2": ["lora"], "cp2_tp2": ["full"],
            "3d": ["lora"]}  # 8 ranks on 2 cores: one method (each pair of its dimensions runs both)
 # The one-process run each layout is held to: packed rows, or a model whose 4 key/value heads split over tp x cp.
-REFERENCE = {"cp2_dp2_packed": ("single_packed", ["--micro-batch-size", "8", *PACKED]), "cp2_tp2": ("single_mha", ["--micro-batch-size", "8"])}
+REFERENCE = {"cp2_dp2_packed": ("single_packed", ["--micro-batch-size", "8", *PACKED]),
+             "cp2_tp2": ("single_mha", ["--micro-batch-size", "8"])}
 RANKS = {"3d": 8}
 # Resumed once each, full finetune or LoRA: 3d's sharded optimizer state of TP slices on pipeline
 # stages covers tp2_dp_shard2's and pp2_tp2's (4- and 8-rank runs are dear on 2 cores).
@@ -89,7 +90,8 @@ def runs(tmp_path_factory, tiny_model, mha_model, data_files):
         n = RANKS.get(lay, 4)
         groups[n][name(lay, m)] = flags(lay, m)
         if RESUMED.get(lay) == m:
-            groups[n][name(lay, m, "resumed")] = flags(lay, m) + ["--resume", str(roots[n] / name(lay, m) / "checkpoint-2")]
+            groups[n][name(lay, m, "resumed")] = flags(lay, m) + ["--resume",
+                                                                  str(roots[n] / name(lay, m) / "checkpoint-2")]
     outs = {}
     for n, group in groups.items():
         for key, r in launch_layouts(roots[n], common, group, nproc=n, launcher="fork").items():

@@ -32,7 +32,8 @@ def test_saved_config_reads_back_to_the_same_run(tmp_path):
     (["--format", "xml"], "--format must be one of auto, alpaca, chat, sharegpt, text"),
     (["--seq-len", "long"], "--seq-len must be an integer"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--micro-batch-size", "0", "--eval-split", "1.5"], "--eval-split must be in [0, 1) (got 1.5); --micro-batch-size must be >= 1 (got 0)"),
+    (["--micro-batch-size", "0", "--eval-split", "1.5"],
+     "--eval-split must be in [0, 1) (got 1.5); --micro-batch-size must be >= 1 (got 0)"),
     (["--dataset", "missing.jsonl"], "--dataset missing.jsonl: file not found"),
     (["--dataset", "notes.txt"], "unsupported file type"),
 ])
@@ -56,12 +57,14 @@ def test_yaml_typos_and_bad_values_are_said_together(tmp_path):
     """Typo'd keys were said and `micro_batch_size: 0` beside them was not (the keys raised before any value
     was checked): every problem of the file is in the one line."""
     f = tmp_path / "run.yaml"
-    f.write_text(f"lerning_rate: 1e-4\nmicro_batch_size: 0\ngrad_accum: 2.5\nwarmup_step: 3\noutput_dir: {tmp_path / 'o'}\n")
+    f.write_text("lerning_rate: 1e-4\nmicro_batch_size: 0\ngrad_accum: 2.5\nwarmup_step: 3\n"
+                 f"output_dir: {tmp_path / 'o'}\n")
     with pytest.raises(UserError) as e:
         parse_config(["--config", str(f)])
     assert str(e.value).split("; ") == [
         f"unknown key 'lerning_rate' in {f} (did you mean 'lr'?)", f"unknown key 'warmup_step' in {f} (did you mean "
-        f"'warmup_steps'?)", f"'grad_accum' in {f} must be an integer, got 2.5", "--micro-batch-size must be >= 1 (got 0)"]
+        f"'warmup_steps'?)", f"'grad_accum' in {f} must be an integer, got 2.5",
+        "--micro-batch-size must be >= 1 (got 0)"]
 
 
 def test_yaml_wrong_type(tmp_path):
@@ -423,7 +426,8 @@ def test_resume_over_a_config_file_that_overwrites_its_folder(tmp_path):
 
 
 @pytest.mark.parametrize("flags, said", [([], "2e-05 (the default for --method full; --lr sets it)"),
-                                         (["--objective", "grpo", "--method", "lora", "--reward", "builtin:math_answer", "--num-generations", "4"],
+                                         (["--objective", "grpo", "--method", "lora", "--reward", "builtin:math_answer",
+                                           "--num-generations", "4"],
                                           "1e-05 (--objective grpo's default for --method lora; --lr sets it)"),
                                          (["--lr", "3e-4"], "0.0003 (--lr)")])
 def test_the_learning_rate_in_force_says_where_it_comes_from(tmp_path, flags, said):

@@ -20,7 +20,7 @@ def tokenizer(request):
 
 
 def trained_text(tok, enc) -> str:
-    return tok.decode([i for i, l in zip(enc.input_ids, enc.labels) if l != IGNORE_INDEX])
+    return tok.decode([i for i, label in zip(enc.input_ids, enc.labels) if label != IGNORE_INDEX])
 
 
 @pytest.mark.parametrize("fmt", ["alpaca", "chat", "sharegpt", "text"])
@@ -56,7 +56,8 @@ def test_text_format_trains_every_token_and_ends_with_eos(tokenizer):
 
 
 def test_sharegpt_and_alpaca_become_chats():
-    sg = to_conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}, "sharegpt")
+    sg = to_conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
+                         "sharegpt")
     assert sg == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     al = to_conversation({"instruction": "do", "input": "this", "output": "done"}, "alpaca")
     assert al == [{"role": "user", "content": "do\n\nthis"}, {"role": "assistant", "content": "done"}]
@@ -72,7 +73,8 @@ def test_truncation_is_counted_and_fully_masked_examples_dropped(tokenizer, tmp_
                                     tokenizer, cfg.data_settings)
     assert stats.truncated == 2 and stats.dropped == 1 and len(rows) == 2
     assert all(len(r["input_ids"]) <= 32 for r in rows)
-    with pytest.raises(UserError, match="every training example is left with no answer tokens after truncation to --seq-len 32"):
+    with pytest.raises(UserError, match="every training example is left with no answer tokens after truncation to "
+                                        "--seq-len 32"):
         tokenize_examples([long_prompt], tokenizer, cfg.data_settings)
 
 
@@ -84,7 +86,8 @@ def test_collate_pads_right_with_masked_labels(tokenizer):
 
 
 def test_eval_split_holds_out_a_fraction(data_files, tmp_path):
-    cfg = parse_config(["--dataset", str(data_files["chat"]), "--eval-split", "0.25", "--output-dir", str(tmp_path / "o")])
+    cfg = parse_config(["--dataset", str(data_files["chat"]), "--eval-split", "0.25",
+                        "--output-dir", str(tmp_path / "o")])
     ex = load_examples(cfg.data_settings)
     assert (len(ex.train), len(ex.eval)) == (24, 8)
     assert not any(c in ex.eval for c in ex.train)
@@ -123,7 +126,8 @@ def test_builtin_arithmetic_is_graded_by_math_answer_and_holds_out_its_own_produ
         assert math_answer(prompts, [f"{a} * {b} = {a * b}" for a, b in map(operands, rows)],
                            answer=answers) == [1.0] * len(rows)
         assert math_answer(prompts, [str(int(x) + 1) for x in answers], answer=answers) == [0.0] * len(rows)
-        assert math_answer(prompts, ["To solve this problem, we need to"] * len(rows), answer=answers) == [0.0] * len(rows)
+        assert math_answer(prompts, ["To solve this problem, we need to"] * len(rows),
+                           answer=answers) == [0.0] * len(rows)
         assert detect_format(list(rows[0]), "auto", "builtin:arithmetic") == "chat"
     train, held = ({frozenset(operands(r)) for r in rows} for rows in splits.values())
     assert len(splits["train"]) == 534 and len(splits["eval"]) == 64 and len(train) == 50 and not train & held
@@ -171,13 +175,15 @@ def _settings(tmp_path, data, *flags):
 
 
 def test_column_mapping_reads_your_own_names(tmp_path):
-    data = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "Say hi", "response": "hi"}, {"prompt": "Say no", "response": "no"}])
+    data = _jsonl(tmp_path / "qa.jsonl", [{"prompt": "Say hi", "response": "hi"},
+                                          {"prompt": "Say no", "response": "no"}])
     with pytest.raises(UserError, match="cannot tell the format .* name yours with --columns"):
         load_examples(_settings(tmp_path, data))
     ex = load_examples(_settings(tmp_path, data, "--columns", "instruction=prompt,output=response"))
     assert ex.format == "alpaca"
     assert ex.train[0] == [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
-    with pytest.raises(UserError, match="has no column 'respons' \\(did you mean 'response'\\?\\); its columns are prompt, response"):
+    with pytest.raises(UserError, match="has no column 'respons' \\(did you mean 'response'\\?\\); "
+                                        "its columns are prompt, response"):
         load_examples(_settings(tmp_path, data, "--columns", "instruction=prompt,output=respons"))
 
 
@@ -198,10 +204,11 @@ def test_system_prompt_goes_where_there_is_none(tmp_path, tokenizer):
     ex = load_examples(cfg.data_settings)
     assert ex.system_added == 1
     assert ex.train[0][0] == {"role": "system", "content": "cold northern skies"}
-    assert [m["role"] for m in ex.train[1]] == ["system", "user", "assistant"] and ex.train[1][0]["content"] == "be brief"
+    assert ([m["role"] for m in ex.train[1]] == ["system", "user", "assistant"]
+            and ex.train[1][0]["content"] == "be brief")
     rows, _ = tokenize_examples(ex.train, tokenizer, cfg.data_settings)
     assert "cold northern skies" in tokenizer.decode(rows[0]["input_ids"])  # in the prompt ...
-    enc = [i for i, l in zip(rows[0]["input_ids"], rows[0]["labels"]) if l != IGNORE_INDEX]
+    enc = [i for i, label in zip(rows[0]["input_ids"], rows[0]["labels"]) if label != IGNORE_INDEX]
     assert "cold northern" not in tokenizer.decode(enc)  # ... and not trained on
     text = _jsonl(tmp_path / "t.jsonl", [{"text": "a plain document"}])
     with pytest.raises(UserError, match="--system-prompt applies to conversations"):
@@ -361,7 +368,8 @@ def test_rows_read_the_mapped_table_as_pyarrow_does_across_chunks_and_slices():
     want = table.to_pylist()
     keep = np.array([0, 2, 8, 9, 17])
     for rows, idx in ((Rows(table), range(len(want))), (Rows(table, keep), keep)):
-        assert [dict(r) for r in rows] == [{"input_ids": want[i]["input_ids"], "labels": want[i]["labels"]} for i in idx]
+        assert [dict(r) for r in rows] == [{"input_ids": want[i]["input_ids"], "labels": want[i]["labels"]}
+                                           for i in idx]
         assert rows[-1] == rows[len(rows) - 1] and list(rows.lengths) == [want[i]["length"] for i in idx]
     assert column(table, "truncated").tolist() == [int(r["truncated"]) for r in want]
     stats, kept = table_stats(table)
@@ -475,7 +483,8 @@ def test_empty_answers_are_dropped_and_counted_and_a_file_of_them_is_one_error(t
     tok = build_tokenizer(CHATML)
     chat = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "  "},
             {"role": "user", "content": "second question"}, {"role": "assistant", "content": "second answer"}]
-    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i}"}]}
             for i in range(4)]
     rows += [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
              {"messages": chat}]
@@ -573,7 +582,8 @@ def test_each_mixture_source_maps_its_own_columns(data_files, tmp_path):
     yaml.write_text(f"dataset:\n  - {{path: {qa}, weight: 0.5, columns: {{instruction: q, output: a}}}}\n"
                     f"  - {{path: {data_files['sharegpt']}, weight: 0.5}}\noutput_dir: {tmp_path / 'o'}\n")
     assert parse_config(["--config", str(yaml)]).data.dataset == spec
-    with pytest.raises(UserError, match="'output=a' reads as a source of its own; separate a source's columns with ';'"):
+    with pytest.raises(UserError, match="'output=a' reads as a source of its own; "
+                                        "separate a source's columns with ';'"):
         _cfg(tmp_path, f"{qa}:0.5:instruction=q,output=a,{data_files['sharegpt']}:0.5")
     with pytest.raises(UserError, match="--columns text=body applies to no source"):
         _cfg(tmp_path, f"{spec}:conversations=conversations", "--columns", "text=body")
@@ -627,7 +637,8 @@ def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatc
     from toolkit.data.prepare import prepare_data
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
-    dialog = [{"dialog": [{"who": "customer", "says": f"late {i}"}, {"who": "agent", "says": "sorry"}]} for i in range(3)]
+    dialog = [{"dialog": [{"who": "customer", "says": f"late {i}"}, {"who": "agent", "says": "sorry"}]}
+              for i in range(3)]
     rows, flags = {
         "no_format": ([{"question": "q", "answer": "a"}], []),
         "mapped_missing": ([{"prompt": "q", "response": "a"}], ["--columns", "instruction=prompt,output=reply"]),
@@ -636,7 +647,8 @@ def test_the_early_check_says_what_the_full_read_says(case, tmp_path, monkeypatc
         "all_empty": ([{"instruction": f"q{i}", "output": " "} for i in range(3)], []),
         "own_columns_all_empty": ([{"instruction": "q", "reply": ""}], []),
         "empty_object": ([{}], []),
-        "kto_columns": ([{"prompt": "q", "reply": "a", "ok": True}], ["--objective", "kto", "--columns", "completion=reply"]),
+        "kto_columns": ([{"prompt": "q", "reply": "a", "ok": True}],
+                        ["--objective", "kto", "--columns", "completion=reply"]),
     }[case]
     spec = f"{_jsonl(tmp_path / 'd.jsonl', rows)}" + (":output=reply" if case.startswith("own") else "")
     cfg = _cfg(tmp_path, spec, *flags)

@@ -74,7 +74,8 @@ def _ep_against_unsplit(tp: int = 1) -> dict:
                 got, want = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
                 got.loss.backward()
                 want.loss.backward()
-            diffs = {"loss": (got.loss - want.loss).abs().item(), "logits": (got.logits - want.logits).abs().max().item()}
+            diffs = {"loss": (got.loss - want.loss).abs().item(),
+                     "logits": (got.logits - want.logits).abs().max().item()}
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
             assert {n for n, p in ep.named_parameters() if p.grad is not None} == set(ref_grads), model_type
             grads = full_state_dict(_Grads(ep), split)  # TP slices or EP slices, gathered
@@ -229,7 +230,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
     root = tmp_path_factory.mktemp("ep")
     models = {t: str(build_zoo_model_dir(root / t, t)) for t in ("qwen3_moe", "mixtral")}
     common = ["--dataset", str(data_files["alpaca"]), "--seq-len", "64", "--log-every", "1", "--lr", "1e-3",
-              "--warmup-steps", "0", "--mixed-precision", "no", "--seed", "7", "--report-to", "none", "--lora-dropout", "0"]
+              "--warmup-steps", "0", "--mixed-precision", "no", "--seed", "7", "--report-to", "none",
+              "--lora-dropout", "0"]
     q = ["--model", models["qwen3_moe"]]
     one = {f"qwen3_moe-{m}-one": [*q, "--method", m, "--micro-batch-size", "8", *PARITY] for m in ("full", "lora")}
     two = {f"qwen3_moe-{m}-ep2": [*q, "--method", m, "--ep", "2", "--micro-batch-size", "2", "--grad-accum", "2",
@@ -238,7 +240,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
     two["qwen3_moe-full-shard2_resumed"] = [*q, "--method", "full", "--dp-shard", "2", "--micro-batch-size", "2",
                                             "--grad-accum", "2", *PARITY, "--resume",
                                             str(root / "ranks2" / "qwen3_moe-full-ep2" / "checkpoint-2")]
-    two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2", "--max-steps", "3",
+    two.update({f"{t}-{m}-{name}": ["--model", models[t], "--method", m, *flags, "--micro-batch-size", "2",
+                                    "--max-steps", "3",
                                     *(["--experts", "eager"] if t == "mixtral" else [])]  # its local experts in a loop
                 for t, m in (("qwen3_moe", "full"), ("mixtral", "full"), ("mixtral", "lora"))
                 for name, flags in (("ep2_aux", ["--ep", "2"]), ("shard2_aux", ["--dp-shard", "2"]))})
@@ -277,7 +280,8 @@ def runs(tmp_path_factory, data_files, tiny_model):
     four.update({f"routed-{m}-{name}": [*routed, "--method", m, *flags, *PARITY] for m in ("full", "lora")
                  for name, (ranks, flags) in ROUTED.items() if ranks == 4})
     four.update({f"qwen3_moe-{m}-ep2_pp2": [*q, "--method", m, "--ep", "2", "--pp", "2", "--pp-microbatches", "2",
-                                            "--micro-batch-size", "2", "--grad-accum", "2", *PARITY] for m in ("full", "lora")})
+                                            "--micro-batch-size", "2", "--grad-accum", "2", *PARITY]
+                 for m in ("full", "lora")})
     four.update({f"qwen3_moe-{m}-ep4_resumed": [*q, "--method", m, "--ep", "4", "--micro-batch-size", "2", *PARITY,
                                                 "--resume", str(out[f"qwen3_moe-{m}-ep2"]["out"] / "checkpoint-2")]
                  for m in ("full", "lora")})
@@ -299,7 +303,8 @@ def _ran(run) -> str:
 # the TP pair, so the dense parts' dp_shard ranks at the same TP coordinate hold the same experts)
 EXPERT_SHARDS = {"ep2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_shard4": "over dp_shard_mod_ep: 2 rank(s)",
                  "ep2_cp2": "over dp_shard_mod_ep_cp: 2 rank(s)", "ep2_tp2": "over dp_shard: 2 rank(s)",
-                 "ep2_pp2": "over dp_shard_mod_ep: 1 rank(s)", "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
+                 "ep2_pp2": "over dp_shard_mod_ep: 1 rank(s)",
+                 "ep2_hsdp": "over dp_replicate x dp_shard_mod_ep: 2 rank(s)"}
 
 
 @pytest.mark.parametrize(("method", "layout"), [("full", "ep2"), ("lora", "ep2"), ("full", "ep2_shard4"),
@@ -430,8 +435,8 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_does_not_compose():
         return layout_problems(ParallelConfig(**flags), flags.pop("method", "full"), "no", "auto", 2)
 
     assert refused(ep=2, zero_stage=3)[0] == ("--ep 2 with --zero-stage 3 is not supported; expert parallel runs on "
-                                              "the device mesh, with --dp-shard (FSDP2), --dp-replicate, --cp, --tp and "
-                                              "--pp (drop one of them)")
+                                              "the device mesh, with --dp-shard (FSDP2), --dp-replicate, --cp, --tp "
+                                              "and --pp (drop one of them)")
     assert layout_problems(ParallelConfig(ep=2), "qlora", "no", "auto", 2) == [
         "--ep 2 with --method qlora is not supported (4-bit weights are not sharded); use --method lora"]
     assert refused(ep=2, cp=2) == refused(ep=2, tp=2) == refused(ep=2, dp_shard=4, dp_replicate=2) == []
@@ -496,5 +501,6 @@ def test_experts_flag_on_a_dense_model_is_one_line_before_the_weights_load(tiny_
     from toolkit.model.load import check_model
 
     cfg = parse_config(["--model", str(tiny_model), "--experts", "eager", "--output-dir", str(tmp_path / "o")])
-    with pytest.raises(UserError, match=r"^--experts eager: LlamaForCausalLM has no routed experts; leave the flag out$"):
+    with pytest.raises(UserError, match=r"^--experts eager: LlamaForCausalLM has no routed experts; "
+                                        r"leave the flag out$"):
         check_model(cfg, str(tiny_model))

@@ -102,7 +102,8 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_and_resumes_exactly(traine
     truncate(shard)
     argv = [*trained["common"], "--output-dir", str(out)]
     line = one_error(capsys, [*argv, "--resume", str(out / "checkpoint-4")])
-    assert f"the checkpoint is damaged: {shard} is 100 bytes" in line and "--resume auto picks the newest intact" in line
+    assert (f"the checkpoint is damaged: {shard} is 100 bytes" in line
+            and "--resume auto picks the newest intact" in line)
     finetune.main([*argv, "--resume", "auto"])
     said = capsys.readouterr().out
     assert f"--resume auto: skipped checkpoint-4, damaged: {shard} is 100 bytes" in said
@@ -175,7 +176,8 @@ def tmpfs(tmp_path):
 
     yield mount
     for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)  # lazy: a process still holding a file there must not leave the mount behind
+        # lazy: a process still holding a file there must not leave the mount behind
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def folder_kb(path) -> int:
@@ -201,7 +203,8 @@ def test_a_real_full_disk_is_one_line_and_the_last_checkpoint_resumes(trained, t
     if where == "final":
         assert "then run again" in line
         return
-    assert "(checkpoint-2 intact). Free space (or keep fewer with --keep-last), then continue with --resume auto" in line
+    assert ("(checkpoint-2 intact). Free space (or keep fewer with --keep-last), "
+            "then continue with --resume auto" in line)
     moved = tmp_path / "moved"
     shutil.copytree(disk / "out", moved)
     finetune.main([*trained["common"], "--output-dir", str(moved), "--resume", "auto"])
@@ -311,7 +314,8 @@ def test_generate_and_merge_read_a_step_checkpoint(trained, tmp_path, capsys):
     ids = torch.arange(1, 17).view(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, want.eval()(ids).logits, atol=1e-5, rtol=1e-5)
-        assert not torch.allclose(merged(ids).logits, AutoModelForCausalLM.from_pretrained(trained["model"])(ids).logits)
+        assert not torch.allclose(merged(ids).logits,
+                                  AutoModelForCausalLM.from_pretrained(trained["model"])(ids).logits)
 
 
 def test_a_model_replaced_under_its_path_is_refused_at_resume(trained, tmp_path, data_files):
@@ -323,7 +327,8 @@ def test_a_model_replaced_under_its_path_is_refused_at_resume(trained, tmp_path,
 
     model = tmp_path / "model"
     shutil.copytree(trained["model"], model)
-    cfg = parse_config(["--model", str(model), "--dataset", str(data_files["alpaca"]), "--output-dir", str(tmp_path / "o")])
+    cfg = parse_config(["--model", str(model), "--dataset", str(data_files["alpaca"]),
+                        "--output-dir", str(tmp_path / "o")])
     point = ResumePoint(tmp_path / "checkpoint-2", 2, {"fingerprint": fingerprint(cfg.flat(), 1)})
     assert mismatch(point, cfg.flat(), 1) == []
     from safetensors.torch import load_file, save_file

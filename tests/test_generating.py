@@ -1,9 +1,9 @@
 """`Strategy.generating` (what `--objective grpo` samples from, issue 65) on the layouts that may sample: on 2
 gloo ranks, DDP, ZeRO-2, ZeRO-3, FSDP2 and TP 2 each sample one process's completions for the same seeds
-(`toolkit.objectives.grpo.sampling.completion_seed`); ZeRO-3 and FSDP2 all-gather their parameters when `generating` begins
-and never while it decodes (the collectives counted from the profiler), where the same sampling outside it
-gathers at every token; and the two training steps after a generation give exactly the losses of the same
-layout without one, with as many all-gathers. --pp and --cp are refused before anything loads."""
+(`toolkit.objectives.grpo.sampling.completion_seed`); ZeRO-3 and FSDP2 all-gather their parameters when `generating`
+begins and never while it decodes (the collectives counted from the profiler), where the same sampling outside it
+gathers at every token; and the two training steps after a generation give exactly the losses of the same layout
+without one, with as many all-gathers. --pp and --cp are refused before anything loads."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def _layouts(model: str, data: str, scratch: str) -> dict:
             for _ in range(2):
                 batch = next(batches)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                    counts = accelerator.reduce(batch_counts([batch], accelerator.device), "sum") / strategy.data.replicas
+                    counts = (accelerator.reduce(batch_counts([batch], accelerator.device), "sum")
+                              / strategy.data.replicas)
                     loss = strategy.forward_backward(m, [batch], scale=1 / counts[0])
                     strategy.clip_grad_norm(m, 1.0)
                     optimizer.step()

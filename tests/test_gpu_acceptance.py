@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["-m", "benchmarks.gpu.gpu_acceptance"]  # from ROOT, as `python -m` runs it
 BENCH = ROOT / "benchmarks" / "gpu"
-PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing", "chunked_loss", "epoch_boundary", "memory",
-         "pipeline", "deepspeed", "launchers", "moe")
+PARTS = ("user", "yardstick", "epoch_lora", "epoch_full", "throughput_full", "throughput_lora", "packing",
+         "chunked_loss", "epoch_boundary", "memory", "pipeline", "deepspeed", "launchers", "moe")
 
 
 def snapshot() -> dict[str, bytes]:
@@ -85,7 +85,8 @@ def test_smoke_runs_every_part(tmp_path):
         assert d["shapes"]["llama-1b"]["num_hidden_layers"] == 3 and e["seq_len"] == 64 and e["micro_batch"] == 4
     full = parts["throughput_full"]["cases"][0]
     assert full["rounds"] == {arm: 1 for arm in ("raw", "trainer", "toolkit", "compile", "best", "trainer_best")}
-    assert full["arms"]["compile"]["flags"] == ["--compile"] and full["arms"]["trainer_best"]["trainer_args"]["torch_compile"]
+    assert (full["arms"]["compile"]["flags"] == ["--compile"]
+            and full["arms"]["trainer_best"]["trainer_args"]["torch_compile"])
     assert "use_liger_kernel left out" in skipped["throughput_full"]  # liger needs CUDA: the arm runs without it
     boundary = parts["epoch_boundary"]["cases"][0]
     assert boundary["figures"]["boundaries"] and len(parts["epoch_boundary"]["checks"]) == 2

@@ -272,14 +272,16 @@ BAD = [  # flags, the reward functions, the line (its start), whether training s
     (["--max-steps", "8"], ("rewards.py:fails_in_round_2",), "reward rewards.py:fails_in_round_2 failed on prompt 0 "
                                                                  "completion 0 (record", True),
     ([], ("rewards.py:wrong_length",), "reward rewards.py:wrong_length returned 1 rewards for 16 completions", False),
-    ([], ("rewards.py:not_a_number",), "reward rewards.py:not_a_number returned a str for prompt 0 completion 0", False),
+    ([], ("rewards.py:not_a_number",), "reward rewards.py:not_a_number returned a str for prompt 0 "
+                                       "completion 0", False),
 ]
 
 
 EARLY = [  # refused by the config's checks: the line (its start)
     (["--reward", "nowhere.py:vowels"], "--reward nowhere.py:vowels: no file nowhere.py"),
     (["--reward", "rewards.py:nowhere"], "--reward rewards.py:nowhere: rewards.py has no 'nowhere' (its functions: "
-                                         "constant, fails_in_round_2, mostly_none, not_a_number, vowels, wrong_length)"),
+                                         "constant, fails_in_round_2, mostly_none, not_a_number, vowels, "
+                                         "wrong_length)"),
     (["--reward", "broken.py:f"], "--reward broken.py:f: broken.py is not Python that parses (SyntaxError"),
     (["--reward", "builtin:regex:("], "--reward builtin:regex:(: not a regular expression"),
     (["--reward", "builtin:math_answer", "--num-generations", "3"], "--objective grpo: the global batch (8 micro-batch "
@@ -301,8 +303,8 @@ def test_refusals_that_need_no_model_come_before_torch_is_imported(files, tiny_m
               "out = []\n"
               f"for flags in {[f for f, _ in EARLY]!r}:\n"
               "    try:\n"
-              f"        finetune.main(['--model', {str(tiny_model)!r}, '--dataset', 'add.jsonl', '--objective', 'grpo', "
-              "'--micro-batch-size', '8', '--num-generations', '4', *flags])\n"
+              f"        finetune.main(['--model', {str(tiny_model)!r}, '--dataset', 'add.jsonl', "
+              "'--objective', 'grpo', '--micro-batch-size', '8', '--num-generations', '4', *flags])\n"
               "    except SystemExit as e:\n"
               "        out.append([e.code, 'torch' in sys.modules])\n"
               "print(json.dumps(out))\n")

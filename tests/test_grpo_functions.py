@@ -336,8 +336,8 @@ def test_math_answer_without_an_answer_column_names_the_record():
                  {"hint": ["4"]}, records=[7])
     # alpaca's `output` (or a `solution` column) is the answer where there is no `answer` column
     for column in ("output", "solution"):
-        scored = rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q", "q"], ["it is 4", "5"],
-                          [[1], [1]], {column: ["The sum is 4.", "#### 4"]})
+        scored = rw.score([rw.Reward("builtin:math_answer", "math_answer", rw.math_answer)], ["q", "q"],
+                          ["it is 4", "5"], [[1], [1]], {column: ["The sum is 4.", "#### 4"]})
         assert scored.rewards == [[1.0], [0.0]]
 
 

@@ -29,7 +29,6 @@ from helpers import losses, records
 from toolkit.config import parse_config
 from toolkit.errors import UserError
 from toolkit.layout import launcher as L
-from toolkit.layout.launcher import accelerate_yaml
 from toolkit.parallel.launch import RANK_VARS, rank_env
 from toolkit.layout.deepspeed import fill_auto, file_settings, read_user_config, user_config_problems
 
@@ -136,7 +135,8 @@ def test_a_single_process_launch_names_its_count_and_accelerates_traceback(monke
         monkeypatch.delenv(k)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what accelerate's simple launcher exports
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setattr(L, "_parent_cmdline", lambda: ["python", "-m", "accelerate.commands.launch", "--num_processes", "3"])
+    monkeypatch.setattr(L, "_parent_cmdline",
+                        lambda: ["python", "-m", "accelerate.commands.launch", "--num_processes", "3"])
     with pytest.raises(UserError) as e:
         parse_config(["--output-dir", str(tmp_path / "o")])
     line = str(e.value)
@@ -162,16 +162,19 @@ def _cfg(monkeypatch, env: dict, flags: list[str], tmp_path):
 
 def test_accelerate_settings_are_adopted_and_said(monkeypatch, tmp_path):
     ds = _cfg(monkeypatch, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_MIXED_PRECISION": "bf16"},
+                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+                            "ACCELERATE_MIXED_PRECISION": "bf16"},
               [], tmp_path)
     assert (ds.parallel.zero_stage, ds.parallel.offload, ds.train.mixed_precision) == (3, "optimizer", "bf16")
     assert ds.notes == ("layout: ZeRO-3 with optimizer offload from accelerate config /x/acc.yaml; bf16 from it too",)
     # what accelerate exports for the toolkit's own FSDP2 grad_op config (FSDP_SHARDING_STRATEGY is always
     # exported, FULL_SHARD by default), and for FSDP1 configs by name, by number, or in the reshard field
-    for env, want in (({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_SHARDING_STRATEGY": "FULL_SHARD"},
+    for env, want in (({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+                        "FSDP_SHARDING_STRATEGY": "FULL_SHARD"},
                        "grad_op"),
                       ({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true"}, "full"),
-                      ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2", "FSDP_RESHARD_AFTER_FORWARD": "true"}, "grad_op"),
+                      ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2", "FSDP_RESHARD_AFTER_FORWARD": "true"},
+                       "grad_op"),
                       ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}, "hybrid")):
         fsdp = _cfg(monkeypatch, {"ACCELERATE_USE_FSDP": "true", **env}, [], tmp_path)
         assert (fsdp.parallel.fsdp, fsdp.parallel.fsdp_sharding) == (True, want), env
@@ -346,21 +349,29 @@ def forms(files) -> dict[str, dict]:
         "use_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--use_fsdp"], runs={"fsdp": []},
                            line="layout: FSDP2, full sharding, from accelerate launch --use_fsdp"),
         "config_zero2_1": dict(launcher="accelerate", nproc=1, args=["--config_file", str(f / "acc_zero2_1.yaml")],
-                               runs={"zero2": []}, line=f"layout: ZeRO-2 from accelerate config {f / 'acc_zero2_1.yaml'}"),
+                               runs={"zero2": []},
+                               line=f"layout: ZeRO-2 from accelerate config {f / 'acc_zero2_1.yaml'}"),
         "config_zero3_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_zero3_2.yaml")],
-                               runs={"zero3": []}, line=f"layout: ZeRO-3 from accelerate config {f / 'acc_zero3_2.yaml'}"),
-        "config_fsdp_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_fsdp_grad_op_2.yaml")],
+                               runs={"zero3": []},
+                               line=f"layout: ZeRO-3 from accelerate config {f / 'acc_zero3_2.yaml'}"),
+        "config_fsdp_2": dict(launcher="accelerate", nproc=2,
+                              args=["--config_file", str(f / "acc_fsdp_grad_op_2.yaml")],
                               runs={"fsdp": []}, line=f"layout: FSDP2, grad_op sharding, from accelerate config "
                                                       f"{f / 'acc_fsdp_grad_op_2.yaml'}"),
-        "config_template_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(f / "acc_template_2.yaml")],
+        "config_template_2": dict(launcher="accelerate", nproc=2,
+                                  args=["--config_file", str(f / "acc_template_2.yaml")],
                                   runs={"zero3": []},
-                                  line=f"layout: ZeRO-3 from DeepSpeed config {f / SPELLINGS_FILE}, named by accelerate "
-                                       f"config {f / 'acc_template_2.yaml'}; also from the file: offload optimizer+param"),
+                                  line=f"layout: ZeRO-3 from DeepSpeed config {f / SPELLINGS_FILE}, named by "
+                                       f"accelerate config {f / 'acc_template_2.yaml'}; also from the file: "
+                                       "offload optimizer+param"),
         # TRL's own configs as a user on a smaller machine runs them: --num_processes 2 instead of their 8
-        "trl_zero3_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(PUBLISHED / "trl" / "zero3.yaml")],
-                            runs={"zero3": []}, line=f"layout: ZeRO-3 from accelerate config {PUBLISHED / 'trl' / 'zero3.yaml'}"
-                                                     "; bf16 from it too"),
-        "trl_fsdp2_2": dict(launcher="accelerate", nproc=2, args=["--config_file", str(PUBLISHED / "trl" / "fsdp2.yaml")],
+        "trl_zero3_2": dict(launcher="accelerate", nproc=2,
+                            args=["--config_file", str(PUBLISHED / "trl" / "zero3.yaml")],
+                            runs={"zero3": []},
+                            line=f"layout: ZeRO-3 from accelerate config {PUBLISHED / 'trl' / 'zero3.yaml'}"
+                                 "; bf16 from it too"),
+        "trl_fsdp2_2": dict(launcher="accelerate", nproc=2,
+                            args=["--config_file", str(PUBLISHED / "trl" / "fsdp2.yaml")],
                             runs={"fsdp": []}, line=f"layout: FSDP2, full sharding, from accelerate config "
                                                     f"{PUBLISHED / 'trl' / 'fsdp2.yaml'}; bf16 from it too"),
     }

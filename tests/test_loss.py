@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import toolkit.objectives.sft.loss as loss_mod
 from toolkit.errors import UserError
-from toolkit.objectives.sft.loss import (FusedLossHead, choose_loss, chunked_loss_sum, loss_head_for, target_loss_sum, target_rows,
-                          token_loss_sum)
+from toolkit.objectives.sft.loss import (FusedLossHead, choose_loss, chunked_loss_sum, loss_head_for, target_loss_sum,
+                                         target_rows, token_loss_sum)
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 

@@ -24,7 +24,8 @@ def test_problems_name_the_degrees_and_the_launch():
     _, problems = infer_dims(6, tp=4)
     assert problems == ["--tp 4 needs a world size that is a multiple of 4 (got 6); launch torchrun "
                         "--nproc_per_node 4 (times the data-parallel degree you want)"]
-    assert ParallelDims(4, tp=2).problems() == ["tp 2 is 2 ranks, but 4 were launched; launch 2 processes or change the degrees"]
+    assert ParallelDims(4, tp=2).problems() == ["tp 2 is 2 ranks, but 4 were launched; launch 2 processes or change "
+                                                "the degrees"]
     assert ParallelDims(2, tp=0, pp=-1).problems() == ["--pp must be >= 1 (got -1)", "--tp must be >= 1 (got 0)"]
     _, problems = infer_dims(4, tp=2, dp_shard=4)
     assert problems == ["--dp-shard 4 does not fit: 4 processes / (pp 1 x tp 2) leave 2 data-parallel ranks; "
@@ -66,10 +67,12 @@ def _groups(tp: int, pp: int) -> dict:
     try:
         if tp > 1:
             layout = make_layout(tp)
-            return {"tp": dist.get_process_group_ranks(layout.tp_group), "dp": dist.get_process_group_ranks(layout.dp_group),
+            return {"tp": dist.get_process_group_ranks(layout.tp_group),
+                    "dp": dist.get_process_group_ranks(layout.dp_group),
                     "rank": (layout.tp_rank, layout.dp_rank)}
         layout = make_pipeline_layout(pp)
-        return {"pp": dist.get_process_group_ranks(layout.pp_group), "dp": dist.get_process_group_ranks(layout.dp_group),
+        return {"pp": dist.get_process_group_ranks(layout.pp_group),
+                "dp": dist.get_process_group_ranks(layout.dp_group),
                 "tie": dist.get_process_group_ranks(layout.tie_group), "rank": (layout.pp_rank, layout.dp_rank)}
     finally:
         dist.destroy_process_group()

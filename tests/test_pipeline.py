@@ -118,7 +118,8 @@ def test_router_load_balancing_loss_is_refused_under_pp():
         config = AutoConfig.for_model(model_type, **ZOO[model_type]).to_dict()
         problems = model_problems(config, tp=1, pp=2, cp=1, world=2)
         assert len(problems) == 1 and problems[0].startswith(f"--pp 2: model type {model_type} adds a router "
-                                                             "load-balancing loss (output_router_logits, coefficient 0.5)"), problems
+                                                             "load-balancing loss (output_router_logits, "
+                                                             "coefficient 0.5)"), problems
         assert "--router-aux-loss-coef 0" in problems[0]
         assert model_problems({**config, "router_aux_loss_coef": 0.0}, tp=1, pp=2, cp=1, world=2) == []
         assert model_problems({**config, "output_router_logits": False}, tp=1, pp=2, cp=1, world=1) == []
@@ -265,7 +266,8 @@ def test_stage_modules_come_from_the_config():
     assert parts.rotary is model.gpt_neox.rotary_emb
     model.config.base_model_pp_plan = {"embed_in": None, "layers": None, "ln_f": None}
     with pytest.raises(UserError, match=r"^--pp: cannot cut GPTNeoXForCausalLM \(model type gpt_neox\) into pipeline "
-                                        r"stages by its base_model_pp_plan \(embed_in, layers, ln_f\): gpt_neox.ln_f missing$"):
+                                        r"stages by its base_model_pp_plan \(embed_in, layers, ln_f\): "
+                                        r"gpt_neox.ln_f missing$"):
         decoder_parts(model)
 
 
@@ -380,7 +382,8 @@ def test_naive_pipeline_trains_the_models_own_loss_on_every_architecture(zoo):
             if model_type == "cohere":
                 pipe.stages[-1].parts.transform = LogitTransform()  # the model's logit_scale left out
                 wrong, own = pipe.loss_check({k: v[:2] for k, v in batches[0].items()})
-                assert abs(wrong - own) > 1e-3 * own  # 10x the start-up check's fp32 bound (toolkit.train.numerics.FP32_RTOL)
+                # 10x the start-up check's fp32 bound (toolkit.train.numerics.FP32_RTOL)
+                assert abs(wrong - own) > 1e-3 * own
                 pipe.stages[-1].parts.transform = LogitTransform.of(model)
             got = _pipeline_losses(pipe, [p for p in model.parameters() if p.requires_grad], batches)
             assert got == pytest.approx(want, abs=1e-5, rel=1e-5), model_type
@@ -433,7 +436,8 @@ def runs(tmp_path_factory, tied_model, data_files):
                "naive2_time": (1, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2",
                                    "--pp-balance", "time"]),
                "gpipe2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "2"]),
-               "1f1b2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "4", "--pp-schedule", "1f1b"]),
+               "1f1b2": (2, ["--micro-batch-size", "4", "--pp", "2", "--pp-microbatches", "4",
+                             "--pp-schedule", "1f1b"]),
                "pp2_dp2": (4, ["--micro-batch-size", "2", "--pp", "2", "--pp-microbatches", "2"])}
     used = [("single", "full"), ("single", "lora"), ("naive2_time", "full"), ("gpipe2", "full"), ("1f1b2", "full"),
             ("1f1b2", "lora"), ("pp2_dp2", "full")]

@@ -180,8 +180,8 @@ def part_of(name: str) -> str:
     return "norms"
 
 
-@pytest.mark.parametrize("name, targets", [(n, "all-linear") for n in TINY] + [("tiny-qwen2-moe", "gate_proj,up_proj,down_proj"),
-                                                                              ("tiny-deepseek-v3", "q_b_proj,kv_b_proj")])
+@pytest.mark.parametrize("name, targets", [(n, "all-linear") for n in TINY] + [
+    ("tiny-qwen2-moe", "gate_proj,up_proj,down_proj"), ("tiny-deepseek-v3", "q_b_proj,kv_b_proj")])
 def test_trainable_parts_match_the_model_part_by_part(name, targets):
     """Issue 57: the plan breaks its trainable count down by where the parameters sit (attention, MLP,
     routed experts, routers, norms, embeddings, LM head). Each part equals the sum of the meta model's
@@ -233,8 +233,8 @@ def test_plan_asks_the_runs_model_rules(monkeypatch):
     """Every mesh row of a plan for the MoE presets is runnable exactly when the run's own rules
     (`rules.not_runnable`, `rules.model_problems` on the config with its class's TP plan, as
     `parallel.build` gives it) accept it, and the chosen layout is one of those: Qwen3-30B-A3B's tp rows
-    are all refused under LoRA (its adapters on the stacked experts) and the choice has no tp. The wiring, shown with one rule: a
-    model_problems that refuses every --tp leaves no runnable tp row, each one giving its words."""
+    are all refused under LoRA (its adapters on the stacked experts) and the choice has no tp. The wiring, shown
+    with one rule: a model_problems that refuses every --tp leaves no runnable tp row, each one giving its words."""
     from toolkit.layout import rules
     from toolkit.layout.dims import ParallelDims
     from toolkit.planner import estimate

@@ -77,8 +77,10 @@ def test_gradient_traffic_decides_only_where_it_costs_time(capsys):
 
 def test_more_memory_pressure_picks_more_sharding(capsys):
     """Less GPU memory: the chosen layout holds fewer bytes of model state per GPU."""
-    roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
-    tight = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "24GB", "--method", "full")
+    roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB",
+                      "--method", "full")
+    tight = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "24GB",
+                      "--method", "full")
 
     def states(out):
         return sum(out["chosen_detail"]["bytes"][k] for k in ("weights", "grads", "optimizer"))
@@ -116,10 +118,12 @@ def test_checkpointing_is_compared_not_ranked_first(capsys):
     runs without it. When everything that fits offloads (70B full on one node: 1.1 TB of weights,
     gradients and Adam state over 640 GB, whatever the layout), the offload rows are compared by
     predicted time per example and the fastest is taken."""
-    roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
+    roomy = plan_json(capsys, "--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB",
+                      "--method", "full")
     rows = {(s["name"], s["checkpointing"]): s for s in roomy["strategies"]}
     assert rows[("zero1", True)]["fits"] and not roomy["chosen_detail"]["checkpointing"]
-    big = plan_json(capsys, "--model", "llama-3-70b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--method", "full")
+    big = plan_json(capsys, "--model", "llama-3-70b", "--gpus-per-node", "8", "--gpu-memory", "80GB",
+                    "--method", "full")
     fitting = [s for s in big["strategies"] if s["fits"]]
     assert fitting and all("offload" in s["name"] for s in fitting)
     chosen = big["chosen_detail"]
@@ -211,7 +215,8 @@ def test_mesh_rows_follow_divisibility(capsys):
             "dp2_dp_shard4", "cp2_dp_shard4"} <= set(rows)  # 32 heads / 8 kv heads: 2, 4, 8 divide
     assert rows["tp8"]["bytes"]["weights"] < rows["tp2_dp4"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
     assert rows["pp4_dp2"]["bytes"]["weights"] < rows["pp2_dp4"]["bytes"]["weights"] < rows["ddp"]["bytes"]["weights"]
-    assert rows["pp2_tp2_dp_shard2"]["bytes"]["weights"] == pytest.approx(rows["pp2_tp2_dp2"]["bytes"]["weights"] / 2, rel=1e-6)
+    assert rows["pp2_tp2_dp_shard2"]["bytes"]["weights"] == pytest.approx(rows["pp2_tp2_dp2"]["bytes"]["weights"] / 2,
+                                                                          rel=1e-6)
     assert not rows["cp2_pp2_dp2"]["runnable"] and "pipeline" in rows["cp2_pp2_dp2"]["why_not"] \
         if "cp2_pp2_dp2" in rows else not rows["pp2_cp2_dp2"]["runnable"]
     qwen = plan_json(capsys, "--model", "qwen2.5-7b", "--gpus-per-node", "8", "--gpu-memory", "80GB")
@@ -226,7 +231,8 @@ def test_cp_rows_split_the_sequence(capsys):
     Ulysses all-to-all bytes; a 128k-token LoRA run that DDP does not fit fits at cp 8."""
     argv = ["--model", "llama-3-8b", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--gradient-checkpointing", "on",
             "--micro-batch-size", "1"]  # every row then runs micro-batch 1 (larger ones are not 5% faster here)
-    rows = {s["name"]: s for s in plan_json(capsys, *argv, "--seq-len", "131072", "--cp", "2", "--cp", "8")["strategies"]}
+    rows = {s["name"]: s
+            for s in plan_json(capsys, *argv, "--seq-len", "131072", "--cp", "2", "--cp", "8")["strategies"]}
     half = {s["name"]: s for s in plan_json(capsys, *argv, "--seq-len", "65536")["strategies"]}
     assert rows["cp2_dp4"]["bytes"]["weights"] == rows["ddp"]["bytes"]["weights"]
     assert rows["cp2_dp4"]["bytes"]["activations"] == half["ddp"]["bytes"]["activations"]  # s/2 tokens per rank
@@ -234,17 +240,21 @@ def test_cp_rows_split_the_sequence(capsys):
     # a rank sends (C-1)/C of its s/C tokens' q, k, v and output: s/4 of them at cp 2, 7s/64 at cp 8
     # (both reduce gradients over dp x cp = 8 ranks, as DDP does)
     ddp = rows["ddp +gc" if "ddp +gc" in rows else "ddp"]["comm_bytes"]
-    assert (rows["cp2_dp4"]["comm_bytes"] - ddp) / (rows["cp8"]["comm_bytes"] - ddp) == pytest.approx((1 / 4) / (7 / 64), rel=1e-6)
+    assert ((rows["cp2_dp4"]["comm_bytes"] - ddp) / (rows["cp8"]["comm_bytes"] - ddp)
+            == pytest.approx((1 / 4) / (7 / 64), rel=1e-6))
     assert not rows["ddp"]["fits"] and rows["cp8"]["fits"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "smollm2-135m", "--cp", "2"], "--cp 2 needs query and key/value heads divisible by 2 (this model has 9 and 3)"),
-    (["--model", "llama-3-8b", "--tp", "3"], "--tp 3: must divide the attention heads (32), kv heads (8), intermediate size (14336)"),
+    (["--model", "smollm2-135m", "--cp", "2"],
+     "--cp 2 needs query and key/value heads divisible by 2 (this model has 9 and 3)"),
+    (["--model", "llama-3-8b", "--tp", "3"],
+     "--tp 3: must divide the attention heads (32), kv heads (8), intermediate size (14336)"),
     (["--model", "llama-3-8b", "--tp", "16"], "--tp 16: must divide"),
     (["--model", "llama-3-8b", "--gpus-per-node", "2", "--tp", "4"], "--tp 4: must be <= GPUs per node (2)"),
     (["--model", "smollm2-135m", "--pp", "64"], "--pp 64: needs 2 <= stages <= blocks (30)"),
-    (["--model", "smollm2-135m", "--pp", "3"], "--pp 3: needs 2 <= stages <= blocks (30) and to divide the world size (8)"),
+    (["--model", "smollm2-135m", "--pp", "3"],
+     "--pp 3: needs 2 <= stages <= blocks (30) and to divide the world size (8)"),
 ])
 def test_impossible_model_parallel_degrees(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -289,7 +299,8 @@ def test_auto_applies_what_plan_prints(capsys, tmp_path, argv):
 
     model = PRESETS[argv[1]]
     gb = int(argv[argv.index("--global-batch") + 1]) if "--global-batch" in argv else None
-    result = plan(PlanInput(model=model, gpu_memory=80 * 1024**3, cpu_memory=2 * 1024**4, method=argv[3], global_batch=gb))
+    result = plan(PlanInput(model=model, gpu_memory=80 * 1024**3, cpu_memory=2 * 1024**4, method=argv[3],
+                            global_batch=gb))
     assert result.chosen
     auto = parse_config(["--strategy", "auto", "--output-dir", str(tmp_path / "a"), "--method", argv[3]])
     auto = apply_plan(auto, result)
@@ -330,7 +341,8 @@ def test_plan_speaks_as_finetune_does(capsys):
     from toolkit.config import DataConfig, ModelConfig, TrainConfig
 
     args = build_parser().parse_args(["plan"])
-    assert (args.seq_len, args.micro_batch_size, args.grad_accum) == (DataConfig().seq_len, TrainConfig().micro_batch_size,
+    assert (args.seq_len, args.micro_batch_size, args.grad_accum) == (DataConfig().seq_len,
+                                                                       TrainConfig().micro_batch_size,
                                                                        TrainConfig().grad_accum)
     assert (args.method, args.lora_r, args.lora_dropout) == (ModelConfig().method, ModelConfig().lora_r,
                                                              ModelConfig().lora_dropout)
@@ -355,7 +367,8 @@ def flag(flags: list[str], name: str) -> int:
     (["--model", "llama-3-8b", "--method", "lora", "--micro-batch-size", "4"], 8, 4 * 1 * 8, False),
     (["--model", "llama-3-8b", "--method", "full", "--seq-len", "1024", "--micro-batch-size", "4", "--grad-accum", "2"],
      8, 4 * 2 * 8, False),
-    (["--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1"], 8, 1 * 1 * 8, False),
+    (["--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1"], 8, 1 * 1 * 8,
+     False),
     (["--model", "smollm2-135m", "--gpus-per-node", "2", "--micro-batch-size", "3", "--grad-accum", "2"], 2, 3 * 2 * 2,
      False),
     (["--model", "smollm2-135m", "--global-batch", "12"], 8, 12, True),  # pp2_dp4: 4 ranks share 12, DDP's 8 do not
@@ -397,7 +410,8 @@ def test_the_plan_says_how_it_split_the_batch(capsys):
     assert f"batch: {line}" in capsys.readouterr().out.splitlines()
     cli([*argv, "--global-batch", "12", "--json"])
     assert json.loads(capsys.readouterr().out)["batch"] == line
-    out = plan_json(capsys, "--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048", "--micro-batch-size", "1")
+    out = plan_json(capsys, "--model", "llama-3-70b", "--method", "lora", "--seq-len", "2048",
+                    "--micro-batch-size", "1")
     assert out["batch"] == ("global batch 8 kept: micro-batch 1 x accumulation 2 x 4 data-parallel ranks "
                             "(asked: 1 x 1 x 8)") and out["chosen"] == "tp2_dp_shard4"
     assert plan_json(capsys, "--model", "smollm2-135m")["batch"].endswith("x 8 data-parallel ranks (as asked)")
@@ -410,9 +424,10 @@ def test_the_choice_names_the_term_that_decided_it(capsys):
     """Each layout's predicted optimizer step is the sum of the time model's terms (`seconds`); the
     choice names, against the runner-up and the best 1-D strategy, the term that decided it. 70B
     LoRA at 2,048 tokens on 8 x 80 GB: tp2_dp_shard4 over FSDP (the best 1-D strategy: it gathers in
-    bf16, ZeRO-3 moves the same bytes in more calls) because FSDP only fits with checkpointing (activations of 2,048 tokens per rank), whose recomputed forward costs LoRA half
-    its compute again (its backward skips the frozen weights' gradients), while tp 2 splits each
-    block's attention and MLP and fits without it."""
+    bf16, ZeRO-3 moves the same bytes in more calls) because FSDP only fits with checkpointing
+    (activations of 2,048 tokens per rank), whose recomputed forward costs LoRA half its compute again
+    (its backward skips the frozen weights' gradients), while tp 2 splits each block's attention and MLP
+    and fits without it."""
     import re
 
     from toolkit.planner.cost import TERMS
@@ -629,7 +644,8 @@ def test_a_preference_pair_is_two_sequences_and_lora_dpo_pays_its_reference_forw
     inp = plan_input(parse_config(["--objective", "dpo", "--method", "full"]), model, "bf16", 8, 80 * 2**30, 1, "H100")
     assert (inp.sequences, inp.extra_forwards) == (2, 0)
     for method, forwards in (("lora", 3), ("full", 1)):  # KTO: one sequence; its KL's (and LoRA's reference's)
-        inp = plan_input(parse_config(["--objective", "kto", "--method", method]), model, "bf16", 8, 80 * 2**30, 1, "H100")
+        inp = plan_input(parse_config(["--objective", "kto", "--method", method]), model, "bf16", 8, 80 * 2**30, 1,
+                         "H100")
         assert (inp.sequences, inp.extra_forwards) == (1, forwards)
 
 
@@ -745,7 +761,7 @@ def test_one_comparison_is_one_number_with_one_sign(capsys):
     out = plan_json(capsys, *MOE_30B, "--method", "lora")
     zero1 = next(s for s in out["strategies"] if s["name"] == "zero1" and s["checkpointing"])
     chosen = out["chosen_detail"]
-    said = f"{(zero1['step_time_s'] / zero1['global_batch']) / (chosen['step_time_s'] / chosen['global_batch']) - 1:+.1%}"
+    said = f"{zero1['step_time_s'] / zero1['global_batch'] / (chosen['step_time_s'] / chosen['global_batch']) - 1:+.1%}"
     cli(["plan", *MOE_30B, "--method", "lora", "--cpu-memory", "2TB"])
     lines = capsys.readouterr().out.splitlines()
     why = next(x for x in lines if x.startswith("why: against zero1 +gc"))

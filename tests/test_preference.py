@@ -30,7 +30,8 @@ def chatml_dir(tmp_path_factory):
 
 def conversational_pairs(n: int = 8, seed: int = 3) -> list[dict]:
     t = corpus(3 * n, seed)
-    return [{"prompt": [{"role": "user", "content": t[3 * i]}], "chosen": [{"role": "assistant", "content": t[3 * i + 1]}],
+    return [{"prompt": [{"role": "user", "content": t[3 * i]}],
+             "chosen": [{"role": "assistant", "content": t[3 * i + 1]}],
              "rejected": [{"role": "assistant", "content": t[3 * i + 2]}]} for i in range(n)]
 
 
@@ -177,7 +178,8 @@ def test_orpo_and_simpo_equal_trls_trainers(chatml_dir, tmp_path, objective):
 
 def conversational_unpaired(n: int = 8, seed: int = 3) -> list[dict]:
     t = corpus(2 * n, seed)
-    return [{"prompt": [{"role": "user", "content": t[2 * i]}], "completion": [{"role": "assistant", "content": t[2 * i + 1]}],
+    return [{"prompt": [{"role": "user", "content": t[2 * i]}],
+             "completion": [{"role": "assistant", "content": t[2 * i + 1]}],
              "label": i % 3 != 0} for i in range(n)]
 
 
@@ -312,7 +314,8 @@ def test_dpo_on_every_layout_matches_one_process(runs, name, method):
     1e-4 relative of one process's; step 1 is ln 2 on both (the reference is the model as loaded)."""
     ref, got = records(runs("one", method, "dpo")), records(runs(name, method, "dpo"))
     assert len(got) == len(ref) == 5
-    assert ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert (ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+            and got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4), name
     assert [r["logps/chosen"] for r in got] == pytest.approx([r["logps/chosen"] for r in ref], rel=1e-4)
     # step 1's rewards are all 0 up to rounding (the policy is the reference): ties, which CP's slice sums
@@ -354,8 +357,8 @@ def test_a_dpo_run_logs_trls_metrics_and_says_what_it_trains(runs):
 
     first = records(runs("one", "lora", "dpo"))[0]
     # the reference's forward (adapters disabled) counts in the model FLOPs: 1/3 more than SimPO's step
-    assert first["flops_per_token"] == pytest.approx(4 / 3 * records(runs("one", "lora", "simpo"))[0]["flops_per_token"],
-                                                     rel=1e-9)
+    assert first["flops_per_token"] == pytest.approx(
+        4 / 3 * records(runs("one", "lora", "simpo"))[0]["flops_per_token"], rel=1e-9)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):
         assert key in first
@@ -373,7 +376,8 @@ FORMS = {  # each form of one pair: prompt "Name a colour.", chosen "Blue.", rej
                        "chosen": [{"role": "assistant", "content": "Blue."}],
                        "rejected": [{"role": "assistant", "content": "Loud."}]},
     "implicit": {"chosen": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
-                 "rejected": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Loud."}]},
+                 "rejected": [{"role": "user", "content": "Name a colour."},
+                              {"role": "assistant", "content": "Loud."}]},
     "alpaca": {"instruction": "Name a colour.", "input": "", "chosen": "Blue.", "rejected": "Loud."},
     "sharegpt": {"conversations": [{"from": "human", "value": "Name a colour."}],
                  "chosen": {"from": "gpt", "value": "Blue."}, "rejected": {"from": "gpt", "value": "Loud."}},
@@ -493,7 +497,8 @@ def test_a_full_dpo_run_resumes_exactly_on_its_saved_reference(tmp_path, monkeyp
         finetune.main([*argv[:argv.index("--output-dir")], "--output-dir", str(third),
                        *argv[argv.index("--output-dir") + 2:], "--resume", str(first / "checkpoint-2")])
     err = capsys.readouterr().err
-    assert "reference log-probabilities of 16 train pairs this run reads are in neither" in err and "Traceback" not in err
+    assert ("reference log-probabilities of 16 train pairs this run reads are in neither" in err
+            and "Traceback" not in err)
 
     longer = tmp_path / "longer"
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))

@@ -1,8 +1,8 @@
 """Fault tolerance: a run killed (SIGKILL) at a step or in the middle of a checkpoint write and
 resumed with `--resume auto` continues exactly; SIGTERM; the NaN guard; refusals.
 
-Exactness: bitwise for one process (fp32, CPU), 1e-6 for 2 ranks (DDP, ZeRO-1/2/3, FSDP2, TP, PP). Kills are injected with
-TOOLKIT_FAULT (toolkit/train/faults.py), at steps drawn from a seeded RNG.
+Exactness: bitwise for one process (fp32, CPU), 1e-6 for 2 ranks (DDP, ZeRO-1/2/3, FSDP2, TP, PP). Kills are
+injected with TOOLKIT_FAULT (toolkit/train/faults.py), at steps drawn from a seeded RNG.
 """
 
 from __future__ import annotations

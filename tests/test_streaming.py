@@ -106,7 +106,8 @@ def test_stream_skips_wraps_and_packs_each_micro_batch(files, tmp_path):
     assert [i for _, (i, _) in zip(range(4), stream)] == [N - 2, N - 1, 0, 1]
     stream.start = 0
     first = [x for _, x in zip(range(4), stream)]
-    plain, packed = StreamCollate(stream, tok.pad_token_id, False)(first), StreamCollate(stream, tok.pad_token_id, True)(first)
+    plain, packed = (StreamCollate(stream, tok.pad_token_id, False)(first),
+                     StreamCollate(stream, tok.pad_token_id, True)(first))
     assert plain["input_ids"].shape[0] == 4 and packed["input_ids"].shape[0] < 4 and int(count_examples(packed)) == 4
     assert int((packed["labels"] != -100).sum()) == int((plain["labels"] != -100).sum())
 

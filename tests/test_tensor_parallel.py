@@ -135,10 +135,11 @@ def _model_dirs(root) -> dict:
     the TP region, head_dim != h/heads, tied embeddings), Qwen2 (q/k/v biases), Mistral (GQA,
     sliding-window config). Each: {"path", "methods"} (full and LoRA)."""
     tok = build_tokenizer()
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=len(tok), max_position_embeddings=256)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256)
     dirs = {"llama_gqa": build_model_dir(root / "llama_gqa"),
-            "llama_bias": build_model_dir(root / "llama_bias", num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+            "llama_bias": build_model_dir(root / "llama_bias", num_key_value_heads=4, attention_bias=True,
+                                          mlp_bias=True),
             "qwen3": save_model_dir(root / "qwen3", random_model("qwen3", **small, head_dim=24,
                                                                  tie_word_embeddings=True), tok),
             "qwen2": save_model_dir(root / "qwen2", random_model("qwen2", **small), tok),
@@ -332,8 +333,8 @@ def test_zoo_tp_support_matrix(tmp_path):
     cfg.model.method = "lora"  # LoRA's adapters on stacked experts are not split: refused before the weights load
     for t in ZOO_TP_MOE:
         problems = _model_problems(cfg, str(tmp_path / t), world=2)
-        assert problems == [f"--tp 2 with --method lora: {t}'s LoRA adapts its stacked experts, which TP does not split "
-                            "yet; use --method full with --tp, or drop --tp (--dp-shard N or --zero-stage 3)"]
+        assert problems == [f"--tp 2 with --method lora: {t}'s LoRA adapts its stacked experts, which TP does not "
+                            "split yet; use --method full with --tp, or drop --tp (--dp-shard N or --zero-stage 3)"]
 
 
 def test_reading_the_plan():

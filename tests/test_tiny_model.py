@@ -26,7 +26,8 @@ def test_prepare_model_tiny_writes_a_loadable_moe(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--tiny", "nope", "--output", "OUT"], "--tiny nope: not an architecture toolkit/model/synthetic.py builds; one of "),
+    (["--tiny", "nope", "--output", "OUT"],
+     "--tiny nope: not an architecture toolkit/model/synthetic.py builds; one of "),
     (["--tiny", "qwen3_moe"], "--tiny qwen3_moe needs --output DIR"),
     (["--output", "OUT"], "--output goes with --tiny"),
     (["--tiny", "qwen3_moe", "--output", "FULL"], "--output FULL exists and is not an empty folder; pass --force"),

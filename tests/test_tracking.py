@@ -83,7 +83,8 @@ def test_samples_decode_one_token_per_forward_through_the_kv_cache(tiny_model):
     got = sample_completions(SimpleNamespace(eval_device=lambda m: torch.device("cpu")), model, tok, prompts, 6)
     assert lengths[0] > 1 and lengths[1:] == [1] * 5
     for prompt, completion in zip(prompts, got):
-        enc = tok(prompt_text(tok, [{"role": "user", "content": prompt}]), return_tensors="pt", add_special_tokens=False)
+        enc = tok(prompt_text(tok, [{"role": "user", "content": prompt}]), return_tensors="pt",
+                  add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
         assert completion == tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
@@ -119,7 +120,8 @@ def test_tensorboard_and_mlflow_get_the_metrics_and_the_config(tracked):
 
     events = EventAccumulator(str(tracked / "tensorboard"))
     events.Reload()
-    assert {"loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes/rank0"} <= set(events.Tags()["scalars"])
+    assert ({"loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes/rank0"}
+            <= set(events.Tags()["scalars"]))
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert [round(e.value, 4) for e in events.Scalars("loss")] == [round(loss, 4) for loss in losses(tracked)]
     client = MlflowClient(tracking_uri=(tracked / "mlruns").as_uri())

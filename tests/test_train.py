@@ -65,8 +65,8 @@ def test_eval_split_records_eval_loss_and_an_eval_file_gives_the_same(tmp_path, 
     train, held = split_indices(len(lines), settings, "")
     (tmp_path / "train.jsonl").write_text("".join(lines[i] + "\n" for i in train))
     (tmp_path / "held.jsonl").write_text("".join(lines[i] + "\n" for i in held))
-    _, out = run(tmp_path / "file", tiny_model, tmp_path / "train.jsonl", "--eval-dataset", str(tmp_path / "held.jsonl"),
-                 *quick)
+    _, out = run(tmp_path / "file", tiny_model, tmp_path / "train.jsonl",
+                 "--eval-dataset", str(tmp_path / "held.jsonl"), *quick)
     evals = [records(o, "eval_loss") for o in (split, out)]
     assert [r["step"] for r in evals[0]] == [0, 3, 6] and evals[0][2]["eval_loss"] < evals[0][1]["eval_loss"]
     assert [r["step"] for r in evals[1]] == [0, 3, 6]
@@ -87,7 +87,8 @@ def test_gradient_checkpointing_gives_the_same_losses(tmp_path, tiny_model, data
     from toolkit.model.kernels import decoder_layers
 
     plain, a = run(tmp_path / "a", tiny_model, data_files["chat"], "--method", "lora")
-    checkpointed, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora", "--gradient-checkpointing")
+    checkpointed, b = run(tmp_path / "b", tiny_model, data_files["chat"], "--method", "lora",
+                          "--gradient-checkpointing")
     assert [layer.gradient_checkpointing for layer in decoder_layers(checkpointed.model)] == [True] * 2
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(plain.model))
     la = [r["loss"] for r in records(a)]
@@ -198,7 +199,8 @@ def test_integrity_check_fails_loudly_on_a_bad_save(tmp_path, tiny_model, data_f
                             level=level, expected=written)
 
     assert check(good, "files", expected)["ok"]
-    for how, words in (("zeros", "differs from the trained model's"), ("one_weight", "differs from the trained model's"),
+    for how, words in (("zeros", "differs from the trained model's"),
+                       ("one_weight", "differs from the trained model's"),
                        ("missing", "was not saved"), ("truncated", "cannot be read")):
         with pytest.raises(SystemExit, match=f"integrity check FAILED: .*{words}"):
             check(damaged(how), "files", expected)
@@ -312,8 +314,8 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
 
     from toolkit.train.integrity import check_files, saved_state
 
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=128, tie_word_embeddings=True)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
     if arch != "LlamaForCausalLM":
         small.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                      shared_expert_intermediate_size=16)
@@ -333,11 +335,11 @@ def test_integrity_files_check_passes_a_good_save_whatever_transformers_renames(
 def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_files):
     """A LoRA run from the command line, its data already cached, imports peft but not datasets or
     pandas (the cached table is read with pyarrow), bitsandbytes (QLoRA only), DeepSpeed (no ZeRO
-    layout), scipy or boto3 (toolkit.cli.startup): together 2-3 s of a tiny run's start-up on 2 cores (benchmarks/startup.md).
-    A package that another installed distribution requires stays importable: here a stand-in for
-    scikit-learn (a distribution requiring scipy, importing scipy.sparse when imported) and a stand-in
-    scipy, on the path; transformers 4.47-5.20 import scikit-learn at module level, so hiding scipy
-    stopped every run (issue 56)."""
+    layout), scipy or boto3 (toolkit.cli.startup): together 2-3 s of a tiny run's start-up on 2 cores
+    (benchmarks/startup.md). A package that another installed distribution requires stays importable:
+    here a stand-in for scikit-learn (a distribution requiring scipy, importing scipy.sparse when
+    imported) and a stand-in scipy, on the path; transformers 4.47-5.20 import scikit-learn at module
+    level, so hiding scipy stopped every run (issue 56)."""
     import subprocess
     import sys
 
@@ -362,7 +364,8 @@ def test_command_line_run_imports_only_what_it_uses(tmp_path, tiny_model, data_f
         "Requires-Dist: boto3; extra == 's3'\n")  # an extra's requirement does not count: boto3 stays out
     script = ("import json, sys; sys.argv = ['finetune.py', *sys.argv[1:]]; import finetune; finetune.main(); "
               "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None and '.' not in m))); "
-              "print('boto3 hidden:', sys.modules.get('boto3', 1) is None); import sklearnish; print('sklearnish imports')")
+              "print('boto3 hidden:', sys.modules.get('boto3', 1) is None); import sklearnish; "
+              "print('sklearnish imports')")
     p = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
                        cwd=Path(finetune.__file__).parent, env={**os.environ, "PYTHONPATH": str(site)})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -419,7 +422,8 @@ def test_out_of_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_
     assert e.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "%|" not in ln]
     assert len(err) == 1 and err[0].startswith("finetune.py: error: out of memory at step 3 ("), err
-    assert "(layout ddp on 1 process(es), micro-batch 4, seq-len 64" in err[0] and "a layout that fits: " in err[0] and "Traceback" not in err[0]
+    assert ("(layout ddp on 1 process(es), micro-batch 4, seq-len 64" in err[0] and "a layout that fits: " in err[0]
+            and "Traceback" not in err[0])
     assert f"The last checkpoint, {tmp_path / 'out' / 'checkpoint-2'}, is intact" in err[0]
     assert [p.name for p in complete_checkpoints(tmp_path / "out")] == ["checkpoint-2"]
 
@@ -435,7 +439,8 @@ def test_first_step_peak_is_logged_beside_the_prediction_and_a_high_one_warns(tm
     result, out = run(tmp_path, tiny_model, data_files["alpaca"], "--method", "lora", "--max-steps", "2")
     first = records(out, "loss")[0]
     cfg = parse_config(["--model", str(tiny_model), "--dataset", str(data_files["alpaca"]), "--output-dir",
-                        str(out), "--overwrite-output-dir", "--seq-len", "64", "--micro-batch-size", "4", "--method", "lora"])
+                        str(out), "--overwrite-output-dir", "--seq-len", "64", "--micro-batch-size", "4",
+                        "--method", "lora"])
     assert first["peak_allocated_bytes"] == 10 * 2**30
     assert first["predicted_peak_bytes"] == predicted_peak(cfg, json.loads((tiny_model / "config.json").read_text()),
                                                            "no") > 0
@@ -563,7 +568,8 @@ def test_compile_auto_says_why_a_layout_runs_eager_and_buckets_what_compiles():
     from toolkit.data import bucket_width
     from toolkit.train import compiling
 
-    for flags, words in ((["--zero-stage", "3"], "compile: auto: eager: --compile with --zero-stage 3 is not supported"),
+    for flags, words in ((["--zero-stage", "3"],
+                          "compile: auto: eager: --compile with --zero-stage 3 is not supported"),
                          (["--pp", "2"], "compile: auto: eager: --compile with --pp 2 is not supported yet")):
         cfg, said = parse_config(["--dataset", "x.json", *flags], check_dataset=False), []
         assert compiling.plan(cfg, "cuda", None, 2, Path("."), said.append).mode == "off"
@@ -593,7 +599,6 @@ def test_batches_bucket_to_few_widths_once_blocks_compile():
     batches to a multiple of 64 up to --seq-len, packed rows (a pair's: 2 x --seq-len) to the packing
     width, their padding's positions below --seq-len; the real tokens and labels are the same."""
     from toolkit.data.packing import Collate
-    from toolkit.data.packing import PackedRows
 
     def rows(*lengths):
         return [{"input_ids": list(range(5, 5 + n)), "labels": [-100] + list(range(6, 5 + n))} for n in lengths]
@@ -631,9 +636,9 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path, tiny_model, data_files, m
     compile warm-up; packed rows compile nothing after step 1 (issue 66: step 2 compiled the blocks again, the
     documents a row holds and the longest's length having changed). (Checkpointed blocks with packed rows
     compile nothing on a CPU: the per-document attention there is left out of graphs, and a checkpointed
-    region must trace whole; on a GPU it is the varlen kernel.) Compiled with the aot_eager backend (dynamo + AOTAutograd, the graphs a GPU run
-    compiles, without inductor's C++ build: minutes on 2 cores); the block is really compiled (its
-    compiled call is set)."""
+    region must trace whole; on a GPU it is the varlen kernel.) Compiled with the aot_eager backend (dynamo
+    + AOTAutograd, the graphs a GPU run compiles, without inductor's C++ build: minutes on 2 cores); the
+    block is really compiled (its compiled call is set)."""
     from toolkit.model.kernels import COMPILE_BACKEND_ENV, decoder_layers
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
