@@ -54,8 +54,8 @@ def test_default_run_prints_only_the_toolkits_lines_and_the_bar(tmp_path, tiny_m
     assert p.returncode == 0, p.stderr[-3000:]
     bar = [seg for seg in re.split(r"[\r\n]", p.stderr) if seg.strip()]
     assert bar and all(seg.startswith("train:") for seg in bar), p.stderr
-    prefixes = ("data:", "model:", "layout:", "loss:", "training:", "loss check:", "compile:", "batches:", "integrity:",
-                "done:")
+    prefixes = ("data:", "model:", "learning rate:", "layout:", "loss:", "training:", "loss check:", "compile:",
+                "batches:", "integrity:", "done:")
     assert all(line.startswith(prefixes) for line in p.stdout.splitlines() if line.strip()), p.stdout
     for text in NOISE:
         assert text.split(":")[0] not in p.stdout + p.stderr

@@ -147,7 +147,7 @@ def test_grpo_on_a_builtin_holds_out_its_own_eval_split(tokenizer, tmp_path):
 
     def run(*flags):
         cfg = parse_config(["--dataset", "builtin:arithmetic", "--objective", "grpo", "--reward", "builtin:math_answer",
-                            "--output-dir", str(tmp_path / "o"), *flags])
+                            "--num-generations", "4", "--output-dir", str(tmp_path / "o"), *flags])
         return prepare_prompts(cfg.data_settings, tokenizer)
 
     train, held = builtin_records("arithmetic", "train"), builtin_records("arithmetic", "eval")

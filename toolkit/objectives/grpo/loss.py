@@ -5,9 +5,9 @@ count of the loss type's units (completions, or their tokens) as it divides SFT'
 
 Each token's log-probability is of the logits / the sampling temperature, as TRL's GRPOTrainer computes the
 policy's, the old policy's and the reference's. The loss has `toolkit.objectives.base.Loss`'s shape for the
-loss head it is given to (`toolkit.objectives.grpo.objective.GRPO.make_loss`): `prepare`, `describe`, `begin_step`, the call
-on a micro-batch, and its metrics' sums (`take_metrics`, `metric_values`); the layout's hooks change nothing
-in it (sampling is the rollout's, through `Strategy.generating`).
+loss head it is given to (`toolkit.objectives.grpo.objective.GRPO.make_loss`): `prepare`, `describe`,
+`begin_step`, the call on a micro-batch, and its metrics' sums (`take_metrics`, `metric_values`); the layout's
+hooks change nothing in it (sampling is the rollout's, through `Strategy.generating`).
 """
 
 from __future__ import annotations

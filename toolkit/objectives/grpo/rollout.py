@@ -137,13 +137,13 @@ class Rollouts:
         self.P = self.per_step // self.G  # prompts a step
         self.per_epoch = len(prompts) // self.P  # prompt batches an epoch (its last, short one is not sampled)
         if self.per_epoch == 0:
-            raise UserError(f"--objective grpo: {len(prompts)} training prompt(s), fewer than the {self.P} a step samples "
-                            f"from (global batch {self.per_step} completions / --num-generations {self.G}); lower "
-                            "--micro-batch-size or --grad-accum, or give more prompts")
+            raise UserError(f"--objective grpo: {len(prompts)} training prompt(s), fewer than the {self.P} a step "
+                            f"samples from (global batch {self.per_step} completions / --num-generations {self.G}); "
+                            "lower --micro-batch-size or --grad-accum, or give more prompts")
         self.K, self.mu = self.spec.steps_per_generation, self.spec.num_iterations
         self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
-        # the decode path (`toolkit.objectives.grpo.sampling.decoder_for`: a static cache and a compiled step on CUDA), kept for
-        # the run, and the line that names it in the run's log
+        # the decode path (`toolkit.objectives.grpo.sampling.decoder_for`: a static cache and a compiled step on
+        # CUDA), kept for the run, and the line that names it in the run's log
         self.decoder, self.decode_line = decoder_for(run.strategy.unwrap(run.model))
         if self.decoder is not None:  # one cache length for every round: the longest prompt's
             self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
@@ -273,7 +273,8 @@ class Rollouts:
                        self.G, rows, state)
         lengths = [len(x) for x in ids]
         mine = (self.data.rank, scores.rewards, lengths, completions.truncated.tolist())
-        every = {r: (s, n, t) for r, s, n, t in self.run.strategy.gather_objects(mine)}  # model-parallel peers hold the same share
+        # model-parallel peers hold the same share
+        every = {r: (s, n, t) for r, s, n, t in self.run.strategy.gather_objects(mine)}
         share, K = self.per_step // self.data.ranks, len(rows) // (self.per_step // self.data.ranks)
         ordered_rewards, ordered_lengths, ordered_truncated = [], [], []
         for k in range(K):  # step k's completions, rank by rank
