@@ -341,6 +341,43 @@ def test_math_answer_without_an_answer_column_names_the_record():
         assert scored.rewards == [[1.0], [0.0]]
 
 
+# --- the completion tokens' log-probabilities
+@pytest.mark.parametrize("rows", [1, 4, 7, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_log_probabilities_and_entropies_are_trls(rows, dtype):
+    """`selective_logps`, any chunk of positions, against TRL's `selective_log_softmax` and `entropy_from_logits` of
+    logits / temperature in fp32 (as `_get_per_token_logps_and_entropies` without its fused head), values and
+    the gradient of a weighted sum (autograd through TRL's, the logits' dtype kept)."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 6, 500, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 500, (3, 6), generator=g)
+    weights = torch.randn(3, 6, generator=g)
+    scaled = logits.float() / 0.7
+    want = selective_log_softmax(scaled, targets)
+    want_grad, = torch.autograd.grad((want * weights).sum(), logits)
+    got, entropies = gf.selective_logps(logits, targets, 0.7, entropy=True, rows=rows)
+    got_grad, = torch.autograd.grad((got * weights).sum(), logits)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(entropies, entropy_from_logits(scaled.detach()), atol=2e-6, rtol=1e-6)
+    assert got.dtype == entropies.dtype == torch.float32 and not entropies.requires_grad
+    assert got_grad.dtype == dtype
+    torch.testing.assert_close(got_grad, want_grad, **(TOL if dtype == torch.float32 else {}))
+
+
+def test_chunked_log_probabilities_keep_only_the_logits_for_backward():
+    """What autograd saves: the logits (the model's output, alive anyway), the targets and one log-sum-exp per
+    position; no (N, V) log-softmax, softmax or scaled copy (the full-vocabulary intermediates a step made)."""
+    logits = torch.randn(4, 9, 300, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        gf.selective_logps(logits * 1.0, torch.zeros(4, 9, dtype=torch.long), 0.5, entropy=True, rows=5)
+    big = [t for t in saved if t.numel() >= 300 * 9]
+    assert len(big) == 1 and big[0].shape == (36, 300), [t.shape for t in saved]
+    assert sum(t.numel() for t in saved) == 36 * 300 + 2 * 36
+
+
 # --- sampling
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def tiny(request, tmp_path_factory):
@@ -397,6 +434,40 @@ def test_the_cached_decode_draws_what_one_full_forward_gives(tiny):
     redrawn = torch.stack([sm.inverse_cdf(torch.softmax(warp(ids, scores[:, t]), -1), u[:, t])
                            for t in range(steps)], 1)
     assert torch.equal(redrawn, out.ids)
+
+
+def test_a_models_completion_log_probabilities_are_its_full_log_softmax(tiny):
+    """`completion_logps` (the logits of the completion positions only, chunked) on left-padded prompts and
+    right-padded completions: each token's log-probability and entropy as one full forward's log-softmax gives
+    them, and the same gradients; without gradients, no graph."""
+    from toolkit.objectives.grpo.loss import completion_logps
+    from toolkit.objectives.grpo.rollout import collate_rollout
+
+    out = sm.sample(tiny, PROMPTS, seeds_for(range(4)), CFG, EOS, pad_id=0)
+    batch = collate_rollout(PROMPTS, out.ids, out.mask, 0, "cpu")
+    width = batch["completion_ids"].shape[1]
+    weights = torch.randn(out.ids.shape, generator=torch.Generator().manual_seed(1)) * out.mask
+
+    def gradients(logps):
+        tiny.zero_grad(set_to_none=True)
+        (logps * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in tiny.named_parameters() if p.grad is not None}
+
+    logits = tiny(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["positions"]).logits[:, -width - 1:-1].float() / CFG.temperature
+    full = torch.log_softmax(logits, -1)
+    want = full.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    want_entropy = -(full.exp() * full).sum(-1).detach()
+    want_grads = gradients(want)
+    got, entropies = completion_logps(tiny, batch, CFG.temperature, entropy=True)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(entropies, want_entropy, atol=2e-6, rtol=1e-6)
+    got_grads = gradients(got)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        assert not completion_logps(tiny, batch, CFG.temperature)[0].requires_grad
 
 
 def test_the_warpers_are_those_generate_applies(tiny):

@@ -79,6 +79,76 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int, scale_rewards: 
     return torch.isclose(std, torch.zeros_like(std))
 
 
+# --- each completion token's log-probability, a chunk of positions at a time
+# fp32 elements of one chunk's buffers: 2**22 (16 MiB) is 85 positions of SmolLM2's 49,152-token vocabulary
+LOGP_CHUNK_ELEMENTS = 2 ** 22
+
+
+def chunk_rows(vocab: int, elements: int = LOGP_CHUNK_ELEMENTS) -> int:
+    """Positions per chunk: as many (vocab,) rows as `elements` holds, at least one."""
+    return max(1, elements // vocab)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """Each position's log-probability of its target under softmax(logits / temperature), and (without a
+    gradient) its entropy, formed a chunk of positions at a time: the (N, V) log-softmax, its exp and their
+    product never exist whole (TRL's `selective_log_softmax` and `entropy_from_logits`, chunked). Saved for
+    backward: the logits the model returned (alive anyway) and each position's log-sum-exp; backward forms
+    each chunk's softmax again and writes its gradient, g x (onehot(target) - softmax) / temperature, into
+    one buffer of the logits' shape, the gradient autograd would hand the LM head."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, rows: int, entropy: bool):
+        n = logits.shape[0]
+        logps = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logps)
+        ent = torch.empty_like(logps) if entropy else None
+        for start in range(0, n, rows):
+            part = slice(start, min(start + rows, n))
+            scaled = logits[part].float() / temperature
+            lse[part] = torch.logsumexp(scaled, dim=-1)
+            # log_softmax in place: the chunk's log-probabilities
+            lp = scaled.sub_(lse[part].unsqueeze(1))
+            logps[part] = lp.gather(1, targets[part].unsqueeze(1)).squeeze(1)
+            if ent is not None:
+                ent[part] = -(lp.exp() * lp).sum(-1)
+            del scaled, lp
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logps, ent
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_entropy=None):
+        logits, targets, lse = ctx.saved_tensors
+        t, rows = ctx.temperature, ctx.rows
+        out = torch.empty_like(logits)
+        grad = grad.float()
+        for start in range(0, logits.shape[0], rows):
+            part = slice(start, min(start + rows, logits.shape[0]))
+            g = grad[part].unsqueeze(1)
+            # softmax from the saved log-sum-exp, then d logp_y / d z = onehot(y) - softmax, times g / T
+            p = (logits[part].float() / t).sub_(lse[part].unsqueeze(1)).exp_()
+            p.mul_(g.neg()).scatter_add_(1, targets[part].unsqueeze(1), g).div_(t)
+            out[part] = p
+        return out, None, None, None, None
+
+
+def selective_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False,
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """((...,) the log-probability of each of `targets` (...,) under softmax(`logits` (..., V) / temperature),
+    in fp32; (...,) the entropies of those distributions, without gradient, or None): TRL's
+    `selective_log_softmax` (trl/trainer/utils.py) and `entropy_from_logits`, `rows` positions at a time
+    (`chunk_rows`), so that no (..., V) intermediate exists beside the logits themselves, in forward or
+    backward."""
+    shape, vocab = targets.shape, logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    logps, ent = _SelectiveLogSoftmax.apply(flat, targets.reshape(-1).to(logits.device), float(temperature),
+                                            rows or chunk_rows(vocab), entropy)
+    return logps.view(shape), ent.view(shape) if ent is not None else None
+
+
 # --- the policy loss of a micro-batch
 def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
                            level: str = "token") -> torch.Tensor:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from toolkit.objectives.grpo.functions import LOSS_TYPES, loss_sum, policy_loss_terms, policy_metrics
+from toolkit.objectives.grpo.functions import (LOSS_TYPES, loss_sum, policy_loss_terms, policy_metrics,
+                                                selective_logps)
 
 # (sum, count) pairs: TRL's names, means over the window's tokens (sequences for GSPO's ratio)
 METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
@@ -74,19 +75,17 @@ def completion_logps(model, batch: dict, temperature: float, entropy: bool = Fal
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """((B, C) each completion token's log-probability of logits / `temperature`, (B, C) the entropies or
     None) of `batch`'s rows (left-padded prompts, then right-padded completions of width C): only the
-    completion positions' logits are formed (`logits_to_keep`)."""
+    completion positions' logits are formed (`logits_to_keep`), and their log-softmax only a chunk of
+    positions at a time (`selective_logps`)."""
     completion = batch["completion_ids"]
     width = completion.shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["positions"], logits_to_keep=width + 1, use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature  # (B, C, V): position t predicts completion token t
-    logps = torch.log_softmax(logits, dim=-1)
-    chosen = logps.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = -(logps.exp() * logps).sum(-1)
-    return chosen, ent
+    # position t predicts completion token t; the last position predicts none (a target 0, dropped): the
+    # logits are taken whole, as the model returned them, not copied into a (B, C, V) slice
+    targets = torch.nn.functional.pad(completion, (0, 1))
+    logps, ent = selective_logps(out.logits, targets, temperature, entropy)
+    return logps[:, :-1], ent[:, :-1] if ent is not None else None
 
 
 class GRPOLoss:
