@@ -1,10 +1,12 @@
 """Chunked loss (`--loss chunked`) and MFU in the metrics: same numbers as the plain path, and the
-FLOP count written out by hand."""
+FLOP count written out by hand; freed CPU tensors give their memory back to the OS."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import time
 
 import pytest
@@ -359,3 +361,44 @@ def test_auto_loss_is_chunked_where_the_lm_head_is_linear():
     assert loss_head_for(model, "auto", "cpu") is None
     with pytest.raises(UserError, match="--loss chunked needs a linear LM head"):
         loss_head_for(model, "chunked", "cpu")
+
+
+FREES = """
+import sys
+from pathlib import Path
+
+import torch
+
+
+def rss_mib():
+    status = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) // 1024
+
+
+if sys.argv[1] == "mapped":
+    from toolkit.parallel.build import map_large_allocations
+
+    assert map_large_allocations()
+big = torch.ones(2 ** 21)  # 8 MiB, mapped, then freed: glibc's own threshold rises to 8 MiB
+del big
+held = [torch.ones(2 ** 20) for _ in range(100)]  # 100 x 4 MiB: activations' sizes
+last = torch.ones(2 ** 20)  # allocated after them, still alive
+before = rss_mib()
+del held
+print(before - rss_mib())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_freed_cpu_tensors_give_their_memory_back():
+    """`map_large_allocations` (a CPU run's accelerator sets it): 400 MiB of 4 MiB tensors freed below one still
+    alive go back to the OS; with glibc's own dynamic threshold they stay resident in the heap's holes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | {"PYTHONPATH": str(root)}
+    freed = {how: int(subprocess.run([sys.executable, "-c", FREES, how], capture_output=True, text=True, env=env,
+                                     check=True, timeout=120).stdout.split()[-1]) for how in ("default", "mapped")}
+    assert freed["mapped"] >= 380 and freed["default"] < 100, freed
