@@ -40,6 +40,20 @@ def constant(prompts, completions, completion_ids, **columns):
 
 def mostly_none(prompts, completions, completion_ids, **columns):
     return [None if i % 4 else 0.0 for i in range(len(completions))]
+
+
+def hangs_at_step_3(prompts, completions, completion_ids, trainer_state, **columns):
+    """Step 3's scoring on rank 0: SIGTERM to itself, then an hour's sleep that swallows any Exception."""
+    import os, pathlib, signal, time
+
+    if trainer_state.global_step == 3 and os.environ.get("RANK", "0") == "0":
+        pathlib.Path(__file__).with_name("hung.fired").touch()
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            time.sleep(3600)
+        except Exception:
+            pass
+    return [0.0] * len(completions)
 '''
 
 
@@ -221,6 +235,14 @@ def stopped(tmp_path_factory, tiny_model, files):
         stop["stdout_text"] = stop["stdout"].read_text()
         again = launch_layouts(root / name, flags, {name: [*split, "--resume", "auto"]}, nproc=ranks)[name]
         out[name] = {"stop": stop, "again": again}
+    # a reward function that would not return for an hour, on rank 0 of 2, signalled inside it
+    rewards = (f"{files / 'rewards.py'}:vowels", f"{files / 'rewards.py'}:hangs_at_step_3")
+    flags = [*common(tiny_model, files, rewards), *EACH_STEP, *TWO, "--save-every", "0"]
+    hung = launch_layouts(root / "hung", flags, {"hung": []}, nproc=2)["hung"]
+    fired = files / "hung.fired"
+    hung["seconds"] = time.time() - fired.stat().st_mtime if fired.exists() else None
+    hung["checkpoints"] = sorted(p.name for p in hung["out"].glob("checkpoint-*"))
+    out["hung"] = hung
     return out
 
 
@@ -244,6 +266,17 @@ def test_a_stop_inside_a_sampling_round_saves_the_last_step_and_resumes_exactly(
     assert [r["step"] for r in got] == [2, 3] and [r["step"] for r in want] == [1, 2, 3]
     for key in ("loss", "grad_norm", "reward"):
         assert_metric_close(got[-1:], want[-1:], key, rel=1e-5, abs=1e-6, what=name)
+
+
+def test_a_stop_inside_a_reward_function_ends_it_at_once(stopped):
+    """SIGTERM while a reward function runs (one that would sleep an hour, and catches Exception): the call is
+    ended at once (the handler raises a BaseException there), both ranks abandon step 3's round, and the run
+    saves checkpoint-2 and exits 143 well within a scheduler's 30 s grace."""
+    hung = stopped["hung"]
+    assert hung["exit"] == 143, hung["stderr"].read_text()[-3000:]
+    assert hung["seconds"] is not None and hung["seconds"] < 30
+    assert "preempted while scoring step 3: checkpoint saved to" in hung["stdout"].read_text()
+    assert hung["checkpoints"] == ["checkpoint-2"]
 
 
 def test_a_run_that_cannot_learn_says_so(tmp_path, tiny_model, files):
@@ -280,8 +313,8 @@ BAD = [  # flags, the reward functions, the line (its start), whether training s
 EARLY = [  # refused by the config's checks: the line (its start)
     (["--reward", "nowhere.py:vowels"], "--reward nowhere.py:vowels: no file nowhere.py"),
     (["--reward", "rewards.py:nowhere"], "--reward rewards.py:nowhere: rewards.py has no 'nowhere' (its functions: "
-                                         "constant, fails_in_round_2, mostly_none, not_a_number, vowels, "
-                                         "wrong_length)"),
+                                         "constant, fails_in_round_2, hangs_at_step_3, mostly_none, not_a_number, "
+                                         "vowels, wrong_length)"),
     (["--reward", "broken.py:f"], "--reward broken.py:f: broken.py is not Python that parses (SyntaxError"),
     (["--reward", "builtin:regex:("], "--reward builtin:regex:(: not a regular expression"),
     (["--reward", "builtin:math_answer", "--num-generations", "3"], "--objective grpo: the global batch (8 micro-batch "

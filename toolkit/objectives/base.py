@@ -12,9 +12,10 @@ no strategy knows which objective it trains and the objective knows no layout be
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -111,6 +112,9 @@ class Context:
     fault: Callable[[str, int], None] | None = None
     # a warning line while training runs (above the progress bar, once, by the main process)
     warn: Callable[[str], None] = print
+    # `with run.abandonable():` work a signal ends at once, to be redone on resume (a reward function's call);
+    # afterwards `stop_requested()` says whether it was
+    abandonable: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 class Interrupted(Exception):

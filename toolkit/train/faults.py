@@ -1,7 +1,9 @@
 """Preemption and fault injection.
 
 `Preemption` turns SIGTERM/SIGINT into a flag the loop checks once per step (all ranks agree through
-one all-reduce), so the run saves a checkpoint and exits instead of dying mid-step.
+one all-reduce), so the run saves a checkpoint and exits instead of dying mid-step. Work that can be
+dropped and redone the same (a user's reward function scoring a round) runs `abandonable()`: a signal
+then also ends it at once, however long it would have taken.
 
 `fault_hook()` is how the crash tests kill a run at a chosen point, deterministically:
     TOOLKIT_FAULT="step:5"                 SIGKILL this process after step 5 completes
@@ -27,9 +29,30 @@ from typing import Callable
 EXIT_PREEMPTED = 143
 
 
+class Abandoned(BaseException):
+    """Raised by the signal handler inside `Preemption.abandonable()`; a BaseException, as KeyboardInterrupt
+    is, so that a user's `except Exception` does not swallow it."""
+
+
+class Abandonable:
+    """`with preemption.abandonable():` a signal inside the block ends it there (the handler raises
+    `Abandoned`, which the block's end swallows): the caller then finds `preemption.signal` set."""
+
+    def __init__(self, preemption: Preemption):
+        self.preemption = preemption
+
+    def __enter__(self) -> None:
+        self.preemption.abandoning = True
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self.preemption.abandoning = False
+        return kind is Abandoned
+
+
 class Preemption:
     def __init__(self):
         self.signal: int | None = None
+        self.abandoning = False
         self._old = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -40,6 +63,14 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
+        # not inside Abandonable.__exit__ itself: the block has ended, nothing is left to abandon
+        if self.abandoning and frame is not None and frame.f_code is not Abandonable.__exit__.__code__:
+            self.abandoning = False
+            raise Abandoned
+
+    def abandonable(self) -> Abandonable:
+        """A block a signal ends at once (`Abandonable`)."""
+        return Abandonable(self)
 
     def requested(self, accelerator) -> bool:
         """True on every rank once any rank got the signal (collective when there are several). The ranks

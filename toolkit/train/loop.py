@@ -339,7 +339,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     run.objective = objective
     run.context = Context(cfg, strategy, model, tokenizer, out_dir, total_steps, run.log_every, log,
                           partial(frozen_copy, cfg, strategy, model), lambda: run.preempt.signal is not None,
-                          run.fault, lambda line: run.metrics.write(line))
+                          run.fault, lambda line: run.metrics.write(line), run.preempt.abandonable)
     # before the checkpoint's weights are restored: a reference is the model as loaded
     objective.before_training(run.context, loader, train_rows, eval_rows, steps_per_epoch, resume is not None)
     saved = restore(run, resume, log) if resume is not None else None

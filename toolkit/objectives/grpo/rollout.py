@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -181,7 +182,6 @@ class Rollouts:
         completions = self.sample(prompt_ids, seeds)
         generated = time.perf_counter()
         texts, rewards = self.score(rows, completions, first)
-        self.check_stop("scoring")
         scored = time.perf_counter()
         advantages = self.advantages(rewards, len(batches))
         out = self.micro_batches(batches, rows, prompt_ids, completions, advantages)
@@ -231,11 +231,6 @@ class Rollouts:
             self.run.fault("sampling", self.step)
         return unfinished_anywhere(self.run, unfinished, f"sampling step {self.step}")
 
-    def check_stop(self, doing: str) -> None:
-        """Stop here, every rank alike, if any rank was asked to (between a round's pieces)."""
-        if self.run.strategy.host_max(float(self.run.stop_requested())) > 0:
-            raise Interrupted(f"{doing} step {self.step}")
-
     def sample(self, prompt_ids: list[list[int]], seeds: list[int]):
         """This rank's completions, a step's share at a time, from the policy as the layout gives it for
         generating (its parameters gathered once: `Strategy.generating`)."""
@@ -269,8 +264,9 @@ class Rollouts:
         texts = tok.batch_decode(ids, skip_special_tokens=True)
         prompts = [self.prompts.prompts[r] for r in rows]
         state = RewardState(first, self.run.total_steps, (first - 1) / self.steps_per_epoch())
-        scores = score(self.rewards, prompts, completions_for(prompts, texts), ids, self.prompts.columns_of(rows),
-                       self.G, rows, state)
+        scores = scored_unless_stopped(self.run, f"scoring step {self.step}", score, self.rewards, prompts,
+                                       completions_for(prompts, texts), ids, self.prompts.columns_of(rows), self.G,
+                                       rows, state)
         lengths = [len(x) for x in ids]
         mine = (self.data.rank, scores.rewards, lengths, completions.truncated.tolist())
         # model-parallel peers hold the same share
@@ -417,6 +413,18 @@ class Rollouts:
                         for epoch, micro in state.get("pending", [])]
 
 
+def scored_unless_stopped(run, doing: str, score: Callable, *args):
+    """`score(*args)`, the user's reward functions, ended at once by a signal (`run.abandonable`: the
+    completions depend only on the seed, the step and the prompt, so a resumed run scores them again); then
+    every rank asks whether any was stopped, and all abandon the round alike (`Interrupted`)."""
+    out = None
+    with run.abandonable():
+        out = score(*args)
+    if run.strategy.host_max(float(run.stop_requested())) > 0:
+        raise Interrupted(doing)
+    return out
+
+
 @torch.no_grad()
 def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
     """Greedy completions (the most likely token each step) of the held-out prompts, each data-parallel rank
@@ -445,7 +453,8 @@ def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
             ids = out.token_lists()
             texts = tok.batch_decode(ids, skip_special_tokens=True)
             given = [prompts.prompts[r] for r in part]
-            s = score(rewards, given, completions_for(given, texts), ids, prompts.columns_of(part), 1, part)
+            s = scored_unless_stopped(run, "evaluating", score, rewards, given, completions_for(given, texts), ids,
+                                      prompts.columns_of(part), 1, part)
             scored += s.rewards
     every = [x for part in strategy.gather_objects((data.rank, scored)) for x in [part]]
     table = torch.tensor([r for _, s in {rank: s for rank, s in every}.items() for r in s], dtype=torch.float64)
