@@ -50,25 +50,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.common import md_table, reset_peak_rss, status_kib, write_pair
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = ROOT / "benchmarks" / "grpo_cpu"
 QUICKSTART = Path("configs") / "grpo_quickstart.yaml"
 
 
 # ----------------------------------------------------------------------------- in the measured process
-
-
-def status_kib(field: str) -> int:
-    """A `/proc/self/status` figure in KiB (VmRSS, VmHWM): the kernel's count, every allocator alike."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_hwm() -> None:
-    """The high-water mark set back to the current RSS (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 class PhasePeaks:
@@ -84,7 +73,7 @@ class PhasePeaks:
     def mark(self) -> None:
         name = self.stack[-1]
         self.peak[name] = max(self.peak.get(name, 0), status_kib("VmHWM"))
-        reset_hwm()
+        reset_peak_rss()
 
     def wrap(self, fn: Callable, name: str) -> Callable:
         @functools.wraps(fn)
@@ -168,7 +157,7 @@ def child(a: argparse.Namespace, argv: list[str]) -> None:
         starts.append(time.perf_counter())
         if not a.phases and len(starts) == a.warmup + 1:
             warmup_hwm.append(status_kib("VmHWM"))
-            reset_hwm()
+            reset_peak_rss()
         return next_batch(self)
 
     def timed_sample(self, *args, **kwargs):
@@ -402,13 +391,6 @@ def markdown(data: dict) -> list[str]:
     return lines
 
 
-def md_table(columns: list[str], rows: list[list[object]]) -> list[str]:
-    def line(cells) -> str:
-        return "|" + "|".join(f" {c} " for c in cells) + "|"
-
-    return [line(columns), "|" + "---|" * len(columns)] + [line(r) for r in rows]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
@@ -481,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(data: dict) -> None:
     """benchmarks/grpo_cpu.json and .md from the same figures."""
-    STEM.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    STEM.with_suffix(".md").write_text("\n".join(markdown(data)) + "\n")
+    write_pair(STEM, data, markdown(data), echo=False)
 
 
 if __name__ == "__main__":

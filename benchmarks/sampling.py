@@ -1,8 +1,7 @@
-"""GRPO's sampling loop (`toolkit.objectives.grpo.sampling.sample`) on the CPU: its decode paths side by side, and
-against
-transformers' `model.generate`. The same prompts, the same warpers (temperature 0.8, top-k 40, top-p 0.9),
-the same number of new tokens (no EOS stops any: ours gets no EOS ids, generate an EOS id no draw can
-produce), a KV cache every arm; tokens/s of new tokens, the median of `--repeats` rounds, each round
+"""GRPO's sampling loop (`toolkit.objectives.grpo.sampling.sample`) on the CPU: its decode paths side
+by side, and against transformers' `model.generate`. The same prompts, the same warpers (temperature 0.8,
+top-k 40, top-p 0.9), the same number of new tokens (no EOS stops any: ours gets no EOS ids, generate an
+EOS id no draw can produce), a KV cache every arm; tokens/s of new tokens, the median of `--repeats` rounds, each round
 every arm in turn, after one warm-up call of each (which compiles the compiled arm).
 
 Arms:

@@ -5,9 +5,8 @@ Method. Every figure is a fresh `python` process, as a user runs it, with warm c
 data cached by a first run that is not counted; the OS file cache warm). `--help` and the tiny run are each
 timed `--repeats` times and the median reported, beside the floor no toolkit change can go under:
 a process that only imports what the run needs (torch, the model's transformers class, peft,
-accelerate, pyarrow; the packages `toolkit.cli.startup` leaves unimported for the run left out the same way), timed the
-same
-way, interleaved with the runs. The phases come from one more run of `finetune.main` in
+accelerate, pyarrow; the packages `toolkit.cli.startup` leaves unimported for the run left out the same
+way), timed the same way, interleaved with the runs. The phases come from one more run of `finetune.main` in
 a process of its own: the functions `finetune.py` calls are wrapped with a timer (nothing else changes),
 and "imports and config" is the time from the process's start to the first of them; `main()` is called
 with no argv, as the command line calls it. `-X importtime` of a

@@ -222,9 +222,8 @@ class Strategy(Protocol):
 
     @contextmanager
     def generating(self, model) -> Iterator[torch.nn.Module]:
-        """The HF module to sample from (`toolkit.objectives.grpo.sampling.sample`), its parameters gathered once for
-        the
-        whole block, not once per token (`gathered`), compiled blocks run eagerly. Every rank enters it
+        """The HF module to sample from (`toolkit.objectives.grpo.sampling.sample`), its parameters gathered once
+        for the whole block, not once per token (`gathered`), compiled blocks run eagerly. Every rank enters it
         together. Forwards inside may still be collective (the TP layers' all-reduces, among TP peers that
         hold the same prompts; expert parallel's all-to-alls, among ranks that hold others): give `sample`
         an `any_unfinished` that asks every rank. Training after it runs as it would have without it."""
