@@ -85,8 +85,10 @@ def reset_peak_rss() -> int:
 
 
 def peak_rss_mib(before_kib: int) -> float:
-    """MiB the process's peak RSS rose above `before_kib` (from `reset_peak_rss`). PyTorch's CPU
-    allocator returns large blocks to the OS at once, so RSS follows the live tensors."""
+    """MiB the process's peak RSS rose above `before_kib` (from `reset_peak_rss`). A freed block goes back
+    to the OS at once only if glibc mapped it (at or above its mmap threshold, which rises as blocks are
+    freed): a toolkit run fixes the threshold at 1 MiB (`map_large_allocations`), so its RSS follows
+    the live tensors; elsewhere the heap may keep freed memory."""
     return (status_kib("VmHWM") - before_kib) / 1024
 
 

@@ -133,19 +133,19 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
 
 # glibc's mallopt parameter (malloc.h): the size from which an allocation is a mapping of its own
 M_MMAP_THRESHOLD = -3
-# glibc's own initial threshold, kept: a micro-batch's activations of a few hundred KiB are mapped too
-HOST_MMAP_THRESHOLD = 128 * 2 ** 10
+# 1 MiB: a step's activations and logits are mapped; a decode step's KV-cache blocks (128 KiB-1 MiB, made
+# anew each token) stay in the heap, where mapping them made each token's page faults cost 1.4x in time
+# (benchmarks/grpo_cpu.md)
+HOST_MMAP_THRESHOLD = 2 ** 20
 
 
 def map_large_allocations(threshold: int = HOST_MMAP_THRESHOLD) -> bool:
     """Host allocations of `threshold` bytes or more (CPU tensors) made as mappings of their own, which `free`
     unmaps, so the resident memory follows the live tensors. glibc's own threshold rises to the size of each
     mapped block freed (up to 32 MiB), after which a step's activations come from the heap, which gives memory
-    back only from its top: the resident memory keeps every hole the step's freed tensors left, in every
-    thread's arena (benchmarks/grpo_cpu.md: the GRPO quickstart with and without). Measured on a CPU step of
-    the embedded model, the mapped allocations cost no time that the machine's noise showed. Left alone
-    where MALLOC_MMAP_THRESHOLD_ is set (the user's choice) or the C library is not glibc. Returns whether
-    the threshold was set."""
+    back only from its top: the resident memory keeps the holes a step's freed tensors left. Left alone where
+    MALLOC_MMAP_THRESHOLD_ is set (the user's choice) or the C library is not glibc. Returns whether the
+    threshold was set."""
     import ctypes
     import platform
 
