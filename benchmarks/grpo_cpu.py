@@ -20,8 +20,9 @@ toolkit's config leaves it off. Each run is a fresh process, toolkit and TRL int
 toolkit, TRL, ...), `--steps` steps each, with each library's default torch threads (every core) unless
 `--threads`. Figures:
 - peak RSS: the process's resident high-water mark (the kernel's VmHWM), start-up included;
-- steady peak RSS: the mark reset when the warm-up's last step has ended (`--warmup` steps), read at the
-  end: the peak of the steady steps alone;
+- steady peak RSS: the mark reset when the warm-up's last step has ended (`--warmup` steps), read when the
+  last step has ended: the peak of the steady steps alone (the toolkit's final save and its integrity check,
+  which reloads the saved model beside the trained one, come after);
 - s/step: the median over the steady steps of a whole optimizer step (sampling, scoring, forward,
   backward, update), start of one step's batch to the next's (TRL: its callback's step ends);
 - generation tokens/s: completion tokens (EOS included) over the seconds of the call that samples them
@@ -150,6 +151,7 @@ def child(a: argparse.Namespace, argv: list[str]) -> None:
     starts: list[float] = []  # each step's start: its batch asked for
     generation: list[tuple[float, int]] = []
     warmup_hwm: list[int] = []
+    steps_hwm: list[int] = []
     ends: list[float] = []
     next_batch, sample, finish = Rollouts.__next__, Rollouts.sample, loop.finish
 
@@ -168,6 +170,8 @@ def child(a: argparse.Namespace, argv: list[str]) -> None:
 
     def timed_finish(*args, **kwargs):
         ends.append(time.perf_counter())
+        if warmup_hwm:  # the steady steps' peak: read when the last step has ended, before the final save
+            steps_hwm.append(status_kib("VmHWM"))
         return finish(*args, **kwargs)
 
     Rollouts.__next__, Rollouts.sample, loop.finish = timed_next, timed_sample, timed_finish
@@ -186,8 +190,8 @@ def child(a: argparse.Namespace, argv: list[str]) -> None:
     if a.phases:
         result["phases"] = peaks.rows()
         result["peak_rss_mib"] = max(r["peak_rss_mib"] for r in result["phases"])
-    elif warmup_hwm:
-        result["steady_peak_rss_mib"] = status_kib("VmHWM") / 1024
+    elif steps_hwm:
+        result["steady_peak_rss_mib"] = steps_hwm[0] / 1024
     Path(a.result).write_text(json.dumps(result))
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # as finetune.py ends: no interpreter teardown

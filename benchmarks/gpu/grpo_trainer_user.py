@@ -28,7 +28,8 @@ Figures (OUT/grpo_metrics.json), each over the steps after WARMUP (compile and a
 plus wall_s, seconds_to_step1, peak_gib and what ran. Runs on the CPU too (fp32): the smoke test, and
 benchmarks/grpo_cpu.py's TRL arm, for which a CPU run also records the process's peak resident memory
 (peak_rss_mib: the kernel's high-water mark, VmHWM) and the peak over the steps after WARMUP alone
-(steady_peak_rss_mib: the mark reset when the warm-up's last step ends), and each step's seconds.
+(steady_peak_rss_mib: the mark reset when the warm-up's last step ends, read when the last step ends),
+and each step's seconds.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def main() -> None:
     generation: list[tuple[float, int]] = []  # (seconds, completion tokens) per generate call
     rounds: list[float] = []  # seconds of each _generate_and_score_completions
     warmup_hwm: list[int] = []  # KiB: the process's peak until the warm-up's last step ended (CPU)
+    steps_hwm: list[int] = []  # KiB: the peak from then until the last step ended
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -119,6 +121,8 @@ def main() -> None:
             if not gpu and len(ends) == a.warmup:  # the steady steps' peak starts from the memory held now
                 warmup_hwm.append(status_kib("VmHWM"))
                 Path("/proc/self/clear_refs").write_text("5")
+            if not gpu and warmup_hwm and len(ends) == a.max_steps:  # ... and ends with the last step
+                steps_hwm.append(status_kib("VmHWM"))
 
     trainer = GRPOTrainer(model=model, reward_funcs=math_answer, args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
@@ -171,7 +175,7 @@ def main() -> None:
            "wall_s": round(time.perf_counter() - t_start, 1),
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
            "peak_rss_mib": None if gpu else max([status_kib("VmHWM"), *warmup_hwm]) / 1024,
-           "steady_peak_rss_mib": status_kib("VmHWM") / 1024 if warmup_hwm else None,
+           "steady_peak_rss_mib": steps_hwm[0] / 1024 if steps_hwm else None,
            "temperature": a.temperature, "lr": config.learning_rate, "seed": a.seed,
            "threads": torch.get_num_threads(),
            "completions_mean_length": [r["completions/mean_length"] for r in trainer.state.log_history
