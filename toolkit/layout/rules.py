@@ -57,6 +57,11 @@ def strategy_name(par: ParallelConfig) -> str | None:
     return "ddp"
 
 
+def layout_words(par: ParallelConfig) -> str:
+    """The layout as a line names it: the 1-D strategy's name, else the mesh's sizes."""
+    return strategy_name(par) or f"tp {par.tp} x pp {par.pp} x cp {par.cp} x dp-shard {par.dp_shard or 1}"
+
+
 def flags_of(name: str) -> ParallelConfig:
     """`strategy_name`'s inverse: the flags of a planner's 1-D strategy."""
     if name.startswith("zero"):

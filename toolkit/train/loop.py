@@ -91,15 +91,15 @@ def preflight(cfg: Config, accelerator, model_cfg: dict, warn) -> dict:
 def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Path) -> str:
     """One line for an out-of-memory at `step`: where, the planner's figures and a layout that fits,
     and what was kept (the checkpoints on disk are complete: a save is renamed into place whole)."""
-    from toolkit.layout.rules import strategy_name
+    from toolkit.layout.rules import layout_words
     from toolkit.model.load import resolved_precision
     from toolkit.planner.auto import memory_advice
     from toolkit.train.checkpoint import complete_checkpoints
 
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     kept = complete_checkpoints(out_dir)
-    layout = strategy_name(p) or f"tp {p.tp} x pp {p.pp} x cp {p.cp} x dp-shard {p.dp_shard or 1}"
-    where = (f"layout {layout} on {strategy.accelerator.num_processes} process(es), micro-batch {t.micro_batch_size}, "
+    where = (f"layout {layout_words(cfg.parallel)} on {strategy.accelerator.num_processes} process(es), "
+             f"micro-batch {t.micro_batch_size}, "
              f"seq-len {cfg.data.seq_len}, gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}")
     return (f"out of memory at step {step} ({where}): {memory_advice(cfg, model_cfg, resolved_precision(cfg))}. "
             + (f"The last checkpoint, {kept[-1]}, is intact (--resume auto continues from it)" if kept
