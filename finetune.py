@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None):
     from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer,
                                     resolved_precision, training_model)
     from toolkit.model.source import tokenizer_dir
+    from toolkit.model.vision import processor_for
     from toolkit.objectives.sft.evaluate import ExactMatch
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.parallel.tree import tree_problem
@@ -45,8 +46,10 @@ def main(argv: list[str] | None = None):
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
+    # an image-text model's (None for a causal LM): its images' inputs in every batch, saved in final/
+    processor = processor_for(model_path, tokenizer, cfg.model.trust_remote_code)
     # tokenized once into the cache; bad data fails before the model
-    data = prepare_data(cfg.data_settings, tokenizer)
+    data = prepare_data(cfg.data_settings, tokenizer, processor=processor)
 
     planned = None
     # the planner's layout, checkpointing and batch sizes
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None):
         restart = partial(restart_after_oom, planned, say=log)
     model, result = train(cfg, strategy, model, tokenizer, data.train, data.eval, out_dir, log, resume, restart,
                           trackers, scores.before if data.answers else None)
-    written = save_final(strategy, model, tokenizer, out_dir / "final")
+    written = save_final(strategy, model, processor or tokenizer, out_dir / "final")
     verify_saved(strategy, model, tokenizer, data.train, out_dir / "final", model_path,
                  resolved_precision(cfg), cfg.model.method == "qlora", log, cfg.output.verify, written)
     # a full copy of the weights on the main process under ZeRO-3/FSDP

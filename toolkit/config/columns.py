@@ -12,7 +12,9 @@ from dataclasses import dataclass
 # the fields the formats read (toolkit.data.formats), which --columns may map a dataset's columns to
 DATA_FIELDS = ("instruction", "input", "output", "system", "messages", "conversations", "text",
                # from prompt on: preference data (pairs, KTO)
-               "prompt", "chosen", "rejected", "completion", "label")
+               "prompt", "chosen", "rejected", "completion", "label",
+               # examples with images (`toolkit.data.images`)
+               "images", "image")
 # how the turns of messages / conversations (and of preference data's message lists) are written, as LLaMA-
 # Factory's dataset_info `tags`: the key of a turn's speaker (ours: role, ShareGPT's from) and of its text
 # (content, ShareGPT's value), and your speaker values for our three roles (beside ShareGPT's own names)

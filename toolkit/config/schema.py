@@ -42,6 +42,9 @@ class ModelConfig:
                                          "each adapted layer's input (benchmarks/lora_dropout.md)")
     lora_targets: str = _f("all-linear", "comma-separated module names, or 'all-linear'")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub to run")
+    train_vision: str = _f("none", "image-text models: what of the vision side trains besides the language model "
+                                   "(LoRA adapts the language model's linears; a full finetune trains it and the "
+                                   "projector): projector, or all (the vision tower too)", ("none", "projector", "all"))
     merge_adapter: bool = _f(False, "with --model a LoRA adapter folder: fold it into its base first (as python -m "
                                     "toolkit merge does) and train a new adapter, or the full model, on the merged "
                                     "weights; by default LoRA trains the same adapter on")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from toolkit.errors import UserError
+from toolkit.data.images import content_parts
 from toolkit.config.columns import SAME_JOB, TURN_FIELDS, Turns, parse_columns, record_columns, turn_mapping
 from toolkit.config.paths import DATA_SUFFIXES
 
@@ -32,7 +33,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 # a turn's speaker and text keys
 TURN_KEYS = {"chat": ("role", "content"), "sharegpt": ("from", "value")}
 # what each format reads beyond its FORMAT_COLUMNS (toolkit.data.pairs adds the preference formats')
-OPTIONAL_COLUMNS = {"alpaca": ("input", "system")}
+# `images`/`image`: examples with images (`toolkit.data.images`)
+OPTIONAL_COLUMNS = {"alpaca": ("input", "system", "images", "image"), "chat": ("images", "image"),
+                    "sharegpt": ("images", "image")}
 # formats whose records hold no list of turns for role=, content=, ..._role= to map
 NO_TURNS = ("alpaca", "text")
 
@@ -373,7 +376,8 @@ def read_turns(turns: Any, fmt: str, where: str, mapping: Turns = Turns()) -> li
             raise UserError(f"{where}unknown ShareGPT speaker '{speaker}' (expected one of "
                             f"{', '.join(sorted(SHAREGPT_ROLES))}; or name its role with --columns "
                             f"user_role={speaker}, assistant_role={speaker} or system_role={speaker})")
-        out.append({"role": role, "content": str(t[text_key] or "")})
+        # a list of content parts: kept as parts where it holds an image (`toolkit.data.images`)
+        out.append({"role": role, "content": content_parts(t[text_key], where)})
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from toolkit.data.image_rows import MediaCollate
 from toolkit.data.packing import Collate, PackedRows, pack_bins
 
 
@@ -111,7 +112,16 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
     an example is called."""
     from toolkit.model.attention import padding_free_on
 
-    padding_free = padding_free_on(cfg, attn)
+    processor = getattr(train_rows, "processor", None)
+    # images: padded batches, the processor's inputs beside them (`toolkit.data.image_rows`)
+    padding_free = padding_free_on(cfg, attn) and processor is None
+    if processor is not None:
+        log("batches: padded to each micro-batch's longest row, with the processor's image inputs "
+            "(padding-free image batches: not yet)")
+        return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
+                          sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
+                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id),
+                          generator=torch.Generator().manual_seed(cfg.train.seed))
     if not cfg.data.packing:
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else "")))
     if cfg.data.streaming:

@@ -17,6 +17,7 @@ import torch
 
 from toolkit.data import collate
 from toolkit.data.tokenize import IGNORE_INDEX
+from toolkit.data.images import MEDIA
 
 
 def pack_bins(lengths, seq_len: int) -> list[list[int]]:
@@ -159,7 +160,9 @@ def model_inputs(batch: dict[str, torch.Tensor | int]) -> dict[str, torch.Tensor
     the documents' boundaries where the collate computed them (transformers' FlashAttentionKwargs,
     which every attention function is handed and only the varlen ones read)."""
     if "position_ids" not in batch:
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        # an image-text batch's pixel_values, image_grid_thw, ... (`toolkit.data.images.MediaCollate`)
+        media = {k[len(MEDIA):]: v for k, v in batch.items() if k.startswith(MEDIA)}
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **media}
     # no KV cache either: transformers only looks for packing without one
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     if "cu_seq_lens" in batch:

@@ -98,10 +98,16 @@ def _identity(spec: str) -> str:
     return identity
 
 
-def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None) -> PreparedData:
+def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, processor=None) -> PreparedData:
     """The run's training and eval rows, from the cache or built into it (with --streaming, the
-    record stream, read as training goes)."""
+    record stream, read as training goes). `processor`: an image-text model's (`toolkit.data.images`)."""
     from toolkit.cache import cache_dir
+
+    if processor is not None:
+        from toolkit.data.image_rows import prepare_images
+
+        fmt, train, held, stats, held_stats, added = prepare_images(settings, processor)
+        return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added)
 
     # prompts: tokenized as they are read (a prompt file is small)
     if form(settings.objective) == "prompts":

@@ -58,7 +58,9 @@ def empty_answers(example: list[dict[str, str]] | str) -> tuple[bool, int]:
     turns). A conversation without an assistant turn is not empty: it has no answer to be empty."""
     if isinstance(example, str):
         return blank(example), 0
-    answers = [blank(m["content"]) for m in example if m["role"] == "assistant"]
+    # content parts (`toolkit.data.images`): their text
+    answers = [blank(m["content"] if isinstance(m["content"], str) else
+                     "".join(p.get("text", "") for p in m["content"])) for m in example if m["role"] == "assistant"]
     return bool(answers) and all(answers), sum(answers)
 
 
@@ -84,6 +86,9 @@ def encode_batch(tokenizer, examples: list, seq_len: int, train_on_prompt: bool,
             labels = [IGNORE_INDEX] * len(ids) if empty else list(ids)
             out[i] = Encoded(ids[:seq_len], labels[:seq_len], len(ids) > seq_len, empty)
     chats = [i for i, x in enumerate(examples) if not isinstance(x, str)]
+    if any(isinstance(m["content"], list) for i in chats for m in examples[i]):
+        raise UserError("an example holds images, but --model is a text-only model (no vision_config in its "
+                        "config.json); train an image-text model, or drop the images")
     if chats:
         # The end-of-turn marker right after an answer (<|im_end|>, <|eot_id|>, </s>, ...) is trained
         # too, so the model learns to stop: any special token that directly follows the content.

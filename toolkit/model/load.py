@@ -68,7 +68,9 @@ def load_model(cfg: Config, path: str):
     dtype), nothing else: the kernels, the adapters and every layout's changes follow in one place,
     `toolkit.parallel.parallelize` (the strategy's `shard_model`), so every layout starts from the same
     weights and adapter init."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from toolkit.model.vision import auto_class, freeze_vision, image_text
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg),
                     **router_kwargs(cfg.model)}
@@ -81,13 +83,16 @@ def load_model(cfg: Config, path: str):
         if torch.cuda.is_available():
             kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = auto_class(config).from_pretrained(path, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
+    if image_text(config):
+        freeze_vision(model, cfg.model.train_vision, cfg.model.method)
     return model
 
 
@@ -111,6 +116,8 @@ class ModelShape:
     lora_targets: str = "all-linear"
     # the SFT adapter trained on (`sft_adapter`)
     adapter: str | None = None
+    # image-text models: --train-vision
+    train_vision: str = "none"
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelShape":
@@ -118,7 +125,7 @@ class ModelShape:
 
         m = cfg.model
         return cls(m.method, m.attn, *end_to_end(cfg), cfg.data.seq_len, m.experts, cfg.train.kernels, m.lora_r,
-                   m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(m))
+                   m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(m), m.train_vision)
 
 
 def apply_kernels(model, shape: ModelShape) -> None:
@@ -139,9 +146,12 @@ def attention(shape: ModelShape, model) -> tuple[str | None, str]:
     Rows cut by --cp go through the Ulysses wrapper of the model's own attention; unpacked rows go padding-free
     where the kernel picked keeps them apart (`toolkit.model.attention.end_to_end`)."""
     from toolkit.model.attention import choose_attention
+    from toolkit.model.vision import image_text
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, shape.padding_free)
+    # image batches are padded (`toolkit.data.images`)
+    padding_free = None if image_text(model.config) else shape.padding_free
+    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, padding_free)
 
 
 def apply_lora(model, shape: ModelShape, base: str | None = None):
@@ -156,12 +166,19 @@ def apply_lora(model, shape: ModelShape, base: str | None = None):
     if shape.adapter is not None:
         model = PeftModel.from_pretrained(model, shape.adapter, is_trainable=True)
     else:
+        from toolkit.model.vision import image_text, language_linears, lora_extras
+
         targets: str | list[str] = shape.lora_targets
+        skip = untargetable_linears(model)
+        saved = None
         if targets != "all-linear":
             targets = [t.strip() for t in targets.split(",") if t.strip()]
             check_lora_targets(model, targets)
+        elif image_text(model.config):
+            # all-linear on the language model only: the vision side trains as --train-vision says
+            targets, saved = language_linears(model, set(skip)), lora_extras(model, shape.train_vision)
         lora = LoraConfig(r=shape.lora_r, lora_alpha=shape.lora_alpha, lora_dropout=shape.lora_dropout,
-                          target_modules=targets, exclude_modules=sorted(untargetable_linears(model)) or None,
+                          target_modules=targets, exclude_modules=sorted(skip) or None, modules_to_save=saved,
                           task_type="CAUSAL_LM", bias="none")
         model = get_peft_model(model, lora)
     model.peft_config[model.active_adapter].base_model_name_or_path = recorded_base(
@@ -220,8 +237,10 @@ def check_model(cfg: Config, path: str) -> str:
         if liger_problem:
             raise UserError(liger_problem)
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
+
+    from toolkit.model.vision import auto_class
 
     m = cfg.model
     level = hf_logging.get_verbosity()
@@ -230,7 +249,7 @@ def check_model(cfg: Config, path: str) -> str:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
         with init_empty_weights():
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+            skeleton = auto_class(config).from_config(config, trust_remote_code=m.trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
@@ -332,7 +351,9 @@ def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = 
                        trust_remote_code: bool = False, flag: str = "--model"):
     """A full model folder or an adapter folder (base from `base` or from the adapter's config). A
     model that asks to run its own code is refused unless `trust_remote_code`, naming `flag`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from toolkit.model.vision import auto_class
 
     where = f"{flag} {path}"
     try:
@@ -341,11 +362,12 @@ def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = 
 
             base_path = resolve_model(base) if base else adapter_base_path(path, flag)
             where = f"the base model {base or adapter_base(path, flag)}"
-            base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype,
-                                                              trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+            base_model = auto_class(config).from_pretrained(base_path, dtype=dtype, trust_remote_code=trust_remote_code)
             return PeftModel.from_pretrained(base_model, path)
-        return AutoModelForCausalLM.from_pretrained(resolve_model(path), dtype=dtype,
-                                                    trust_remote_code=trust_remote_code)
+        path = resolve_model(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return auto_class(config).from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"{where} needs its own code to run; pass --trust-remote-code if you trust its "

@@ -176,3 +176,39 @@ def tiny_preset(preset: dict) -> PretrainedConfig:
     if getattr(published, "mlp_only_layers", None) is not None:
         tiny["mlp_only_layers"] = [i for i in published.mlp_only_layers if i < layers]
     return AutoConfig.for_model(model_type, **{**values, **tiny, "num_hidden_layers": layers})
+
+
+# a chat template in the shape of the hub's image-text ones: content parts, an image as its placeholder token
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_llava_dir(path: Path, image_size: int = 28, patch_size: int = 14, **text) -> Path:
+    """A LLaVA (a CLIP vision tower of 2 blocks, hidden 32; the Llama of `build_model_dir` as its language model)
+    saved with its processor: the tests' tokenizer with an `<image>` token, CLIP's image processor resizing to
+    `image_size`, `VLM_CHAT_TEMPLATE`. Each image is (image_size / patch_size)^2 tokens."""
+    import torch
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+    size = {"shortest_edge": image_size}
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size=size, crop_size={"height": image_size,
+                                                                                       "width": image_size}),
+                               tokenizer=tok, patch_size=patch_size, vision_feature_select_strategy="full",
+                               chat_template=VLM_CHAT_TEMPLATE, num_additional_image_tokens=1)
+    text_config = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                       **text)
+    vision_config = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, image_size=image_size, patch_size=patch_size)
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config, vision_feature_layer=-1,
+                         image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="full")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return Path(path)

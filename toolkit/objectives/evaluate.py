@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from toolkit.data import collate
+from toolkit.data.image_rows import MediaCollate
 from toolkit.data.tokenize import prompt_text
 
 
@@ -26,10 +27,13 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
 
     rank, ranks = strategy.data.rank, strategy.data.ranks
     index = list(range(rank, len(rows), ranks))
+    # rows with images: collated with their processor's inputs (`toolkit.data.images.ImageRows`)
+    processor = getattr(rows, "processor", None)
     for i in range(-(-len(rows) // (batch_size * ranks))):
         held = index[i * batch_size:(i + 1) * batch_size]
         chosen = [rows[j] for j in (held or index[:1] or [0])]
-        batch = collate_padding_free(chosen, pad_id, whole=True) if padding_free else collate(chosen, pad_id)
+        batch = MediaCollate(processor, pad_id)(chosen) if processor is not None else \
+            collate_padding_free(chosen, pad_id, whole=True) if padding_free else collate(chosen, pad_id)
         yield {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, held
 
 

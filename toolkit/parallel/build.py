@@ -102,8 +102,9 @@ def run_deepspeed_config(cfg: Config, model_path: str | None = None) -> dict:
     if model_path:
         from transformers import AutoConfig
 
-        hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code),
-                         "hidden_size", None)
+        # an image-text model's: its language model's
+        hidden = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+                         .get_text_config(), "hidden_size", None)
     t = cfg.train
     if not cfg.parallel.deepspeed:
         ds = deepspeed_config(cfg.parallel.zero_stage, cfg.parallel.offload, resolved_precision(cfg), hidden,
@@ -293,6 +294,12 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
         values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
     problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method, par.ep)
+    from toolkit.model.vision import image_text
+
+    cut = [f"--{d} {n}" for d, n in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if n > 1]
+    if cut and image_text(config):
+        problems.insert(0, f"{', '.join(cut)}: not yet for image-text models ({type(config).__name__}); their layouts "
+                           "are data-parallel: DDP, --zero-stage 1/2/3 or --fsdp")
     if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 

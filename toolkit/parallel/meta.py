@@ -10,7 +10,8 @@ def meta_model(config, trust_remote_code: bool = False):
     `init_empty_weights`, which moves parameters only once registered: stacked experts are built as
     `nn.Parameter(torch.empty(...))`, allocated on the host first (DeepSeek-V3: 30 GB a layer)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from toolkit.model.vision import auto_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return auto_class(config).from_config(config, trust_remote_code=trust_remote_code)

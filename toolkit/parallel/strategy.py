@@ -197,7 +197,10 @@ class Strategy(Protocol):
         return next(model.parameters()).device
 
     def eval_loss_sum(self, model, batch: dict) -> torch.Tensor:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        from toolkit.data.packing import model_inputs
+
+        # an image-text batch's image inputs too
+        logits = model(**model_inputs(batch)).logits
         return self.loss.loss_fn(logits, batch["labels"])
 
     def sequence_logps(self, model, batch: dict, reference: bool = False) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Iterator
 import torch
 
 from toolkit.data import collate
+from toolkit.data.image_rows import ImageRows, MediaCollate
+from toolkit.data.packing import model_inputs
 from toolkit.train.numerics import FP32_RTOL, agreement
 from toolkit.parallel import any_rank
 from toolkit.objectives.sft.evaluate import eval_loss
@@ -137,6 +139,10 @@ def saved_params(folder: Path) -> int:
 
 def probe_batch(rows) -> list[dict]:
     """PROBE_ROWS rows, each cut to its last PROBE_TOKENS tokens (the completion, where the targets are)."""
+    processor = getattr(rows, "processor", None)
+    # rows with images whole: a cut would split an image's tokens
+    if processor is not None:
+        return ImageRows([dict(r) for r in rows[:PROBE_ROWS]], processor)
     out = []
     for r in list(rows[:PROBE_ROWS]):
         out.append({"input_ids": list(r["input_ids"])[-PROBE_TOKENS:], "labels": list(r["labels"])[-PROBE_TOKENS:]})
@@ -277,7 +283,9 @@ def _reload(folder: Path, base: str, batch: list[dict], pad_id: int, quantized: 
 def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, load_4bit: bool) -> float:
     """Plain from_pretrained, nothing from the training run: the folder's loss on `batch` (rows, or
     a JSON file of them)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, BitsAndBytesConfig
+
+    from toolkit.model.vision import auto_class
 
     from toolkit.data.labels import count_targets
     from toolkit.objectives.sft.loss import token_loss_sum
@@ -287,16 +295,25 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_use_double_quant=True,
                                                            bnb_4bit_compute_dtype=torch.float32)
-    if (Path(folder) / "adapter_config.json").is_file():
+    adapter = (Path(folder) / "adapter_config.json").is_file()
+    cls = auto_class(AutoConfig.from_pretrained(base if adapter else folder))
+    if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, **kwargs), folder)
+        model = PeftModel.from_pretrained(cls.from_pretrained(base, **kwargs), folder)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        model = cls.from_pretrained(folder, **kwargs)
     model.eval()
     rows = json.loads(Path(batch).read_text()) if isinstance(batch, str) else batch
+    if rows and "images" in rows[0]:
+        from transformers import AutoProcessor
+
+        # the folder's own processor: final/ reloads as a user loads it
+        collated = MediaCollate(AutoProcessor.from_pretrained(folder), pad_id)(rows)
+    else:
+        collated = collate(rows, pad_id)
     # 4-bit loads on the GPU
-    batch = {k: v.to(model.device) for k, v in collate(rows, pad_id).items()}
+    batch = {k: v.to(model.device) for k, v in collated.items()}
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
     return (token_loss_sum(logits, batch["labels"]) / count_targets(batch["labels"])).item()

@@ -530,7 +530,7 @@ def record_step(run: Run, step: int, epoch: int, w: dict, now: float) -> None:
     """Loss, throughput and MFU of the window's finite steps, into metrics.jsonl and the trackers."""
     strategy = run.strategy
     unwrapped = strategy.unwrap(run.model)
-    model_cfg = unwrapped.config
+    model_cfg = unwrapped.config.get_text_config()
     run.last_loss = w["loss"] / w["targets"]
     tokens_per_sec = w["tokens"] / (now - run.window.t0)
     shape = (matmul_params(unwrapped), head_params(unwrapped), model_cfg.num_hidden_layers, model_cfg.hidden_size,

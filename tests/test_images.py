@@ -1,0 +1,240 @@
+"""Image-text models (issue 73): a tiny LLaVA of random weights with its real processor (CLIP's PIL image processor),
+built here and loaded through `from_pretrained`; PNG files drawn here. The data forms users have, the labels, SFT with
+LoRA and full through finetune.py, the data-parallel layouts against one process, the saved folder in plain
+transformers/peft, and bad input as one line."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import launch_layouts, parity_args
+from helpers import losses, records
+
+from toolkit.model.synthetic import build_llava_dir
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+# (28 / 14)^2 patches + CLIP's class token (vision_feature_select_strategy "full")
+TOKENS_PER_IMAGE = 5
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return build_llava_dir(tmp_path_factory.mktemp("llava") / "model")
+
+
+def chat_record(image: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                      {"type": "text", "text": "What color is it?"}]},
+                         {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """24 one-color PNGs of varied sizes in `images/`, and chat.jsonl beside it: each asks the color (relative paths),
+    one text-only example, one with two images (one as OpenAI's image_url)."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("vision")
+    (d / "images").mkdir()
+    rows = []
+    for i in range(24):
+        name = list(COLORS)[i % 3]
+        Image.new("RGB", (30 + 3 * i, 44 - i), COLORS[name]).save(d / "images" / f"{i}.png")
+        rows.append(chat_record(f"images/{i}.png", name))
+    rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
+                                 {"role": "assistant", "content": "jumps"}]})
+    rows.append({"messages": [{"role": "user", "content": [
+        {"type": "image", "image": "images/1.png"}, {"type": "image_url", "image_url": {"url": "images/2.png"}},
+        {"type": "text", "text": "same color?"}]}, {"role": "assistant", "content": "no"}]})
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def prepared(argv: list[str]):
+    """finetune.py's data for `argv`: the settled config, the processor, the prepared rows."""
+    from toolkit.cli.startup import settle
+    from toolkit.data.prepare import prepare_data
+    from toolkit.model.load import load_tokenizer
+    from toolkit.model.vision import processor_for
+
+    cfg = settle(argv)
+    tokenizer = load_tokenizer(cfg.model.model)
+    processor = processor_for(cfg.model.model, tokenizer)
+    return processor, prepare_data(cfg.data_settings, tokenizer, processor=processor)
+
+
+def test_labels_are_the_answer_tokens_and_never_an_image_token(llava, images):
+    """Each image's placeholder expands to its TOKENS_PER_IMAGE tokens as the processor expands it; the labels are the
+    answer and its end-of-turn token, wherever the image tokens moved them."""
+    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "chat.jsonl")])
+    image_id = processor.image_token_id
+    assert len(data.train) == 26 and data.stats.examples == 26 and data.stats.dropped == 0
+    answers = [json.loads(line)["messages"][-1]["content"] for line in (images / "chat.jsonl").read_text().splitlines()]
+    for row, answer in zip(data.train, answers):
+        assert row["input_ids"].count(image_id) == TOKENS_PER_IMAGE * len(row["images"])
+        trained = [t for t in row["labels"] if t != -100]
+        assert image_id not in trained
+        assert processor.tokenizer.decode(trained) == answer + "<|im_end|>"
+        # the labels sit on the answer's own ids
+        assert all(t == -100 or t == i for t, i in zip(row["labels"], row["input_ids"]))
+    assert [len(r["images"]) for r in data.train].count(0) == 1
+    assert all(Path(p).is_absolute() and Path(p).is_file() for r in data.train for p in r["images"])
+
+
+def test_the_forms_users_have_give_the_same_rows(llava, images, tmp_path):
+    """LLaMA-Factory/ShareGPT's <image> placeholders with an images column, alpaca rows with an image column (named
+    with --columns), and an image as a data URL give the rows chat messages with image parts give."""
+    first = [json.loads(line) for line in (images / "chat.jsonl").read_text().splitlines()][:3]
+    path = [r["messages"][0]["content"][0]["image"] for r in first]
+    answers = [r["messages"][1]["content"] for r in first]
+    sharegpt = [{"conversations": [{"from": "human", "value": "<image>What color is it?"},
+                                   {"from": "gpt", "value": a}], "images": [p]} for p, a in zip(path, answers)]
+    alpaca = [{"instruction": "What color is it?", "output": a, "photo": p} for p, a in zip(path, answers)]
+    url = "data:image/png;base64," + base64.b64encode((images / path[0]).read_bytes()).decode()
+    (images / "sharegpt.json").write_text(json.dumps(sharegpt))
+    (images / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
+    (images / "chat3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (tmp_path / "url.jsonl").write_text(json.dumps(chat_record(url, answers[0])) + "\n")
+    base = ["--model", str(llava)]
+    want = prepared(base + ["--dataset", str(images / "chat3.jsonl")])[1].train
+    for argv in (["--dataset", str(images / "sharegpt.json")],
+                 ["--dataset", str(images / "alpaca.jsonl"), "--columns", "image=photo"]):
+        got = prepared(base + argv)[1].train
+        assert [(r["input_ids"], r["labels"], r["images"]) for r in got] == \
+            [(r["input_ids"], r["labels"], r["images"]) for r in want], argv
+    processor, data = prepared(base + ["--dataset", str(tmp_path / "url.jsonl")])
+    (row,) = data.train
+    assert (row["input_ids"], row["labels"]) == (want[0]["input_ids"], want[0]["labels"])
+    from toolkit.data.image_rows import MediaCollate
+
+    a, b = (MediaCollate(processor, 0)([r]) for r in (row, want[0]))
+    assert torch.equal(a["media:pixel_values"], b["media:pixel_values"])
+
+
+def common(llava, images) -> list[str]:
+    args = parity_args(llava, images / "chat.jsonl", "unused", "lora")
+    i = args.index("--output-dir")
+    return args[:i] + args[i + 2:]
+
+
+@pytest.fixture(scope="module")
+def runs(llava, images, tmp_path_factory) -> dict[str, Path]:
+    """One process (micro-batch 4) and 2 ranks (micro-batch 2 each: the same global batch), one launch each: LoRA
+    (also training the projector), full; DDP LoRA, ZeRO-3 and FSDP2 full."""
+    out: dict[str, Path] = {}
+    for n, group in ((1, {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
+                          "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"]}),
+                     (2, {"ddp": ["--micro-batch-size", "2"],
+                          "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size", "2"],
+                          "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"]})):
+        root = tmp_path_factory.mktemp(f"vision{n}")
+        for name, r in launch_layouts(root, common(llava, images), group, nproc=n).items():
+            assert r["exit"] == 0, f"{name}:\n{r['stderr'].read_text()[-3000:]}"
+            out[name] = r["out"]
+    return out
+
+
+@pytest.mark.parametrize("layout, reference", [("ddp", "lora"), ("zero3", "full"), ("fsdp", "full")])
+def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
+    """Same seed and data: each step's loss within 1e-5 (relative, fp32) of one process's."""
+    want, got = losses(runs[reference]), losses(runs[layout])
+    assert len(got) == len(want) == 5
+    assert got == pytest.approx(want, rel=1e-5)
+    assert want[-1] < want[0]
+
+
+def test_the_saved_folder_loads_in_plain_transformers_and_peft(runs, llava, images):
+    """final/ holds the processor; AutoProcessor + AutoModelForImageTextToText (+ PeftModel on the base) load it, and
+    its forward on an image example gives the loss the run's integrity check reloaded (itself equal to the trained
+    model's)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from toolkit.data.image_rows import MediaCollate
+    from toolkit.data.packing import model_inputs
+
+    _, data = prepared(["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--seq-len", "64"])
+    for name in ("lora", "full", "zero3", "fsdp", "lora_projector"):
+        final = runs[name] / "final"
+        check = json.loads((runs[name] / "integrity.json").read_text())
+        assert check["ok"] and check["relative_diff"] < 1e-5, name
+        processor = AutoProcessor.from_pretrained(final)
+        if (final / "adapter_config.json").is_file():
+            model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(llava), final)
+        else:
+            model = AutoModelForImageTextToText.from_pretrained(final)
+        batch = MediaCollate(processor, processor.tokenizer.pad_token_id)(list(data.train[:3]))
+        with torch.no_grad():
+            loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+        assert torch.isfinite(loss), name
+        ids = model.generate(**model_inputs(batch), max_new_tokens=2, do_sample=False)
+        assert ids.shape[1] == batch["input_ids"].shape[1] + 2
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_what_trains_on_the_vision_side(runs, llava):
+    """A full finetune leaves the vision tower as it was and trains the projector and the language model; LoRA
+    adapts the language model's linears only, and --train-vision projector saves the projector whole beside them."""
+    base, full = tensors(llava / "model.safetensors"), tensors(runs["full"] / "final" / "model.safetensors")
+    changed = {k for k in base if not torch.equal(base[k], full[k])}
+    assert not any("vision_tower" in k for k in changed)
+    assert any("multi_modal_projector" in k for k in changed) and any("language_model" in k for k in changed)
+    lora = tensors(runs["lora"] / "final" / "adapter_model.safetensors")
+    assert lora and all(".language_model." in k and "lora_" in k for k in lora)
+    extra = tensors(runs["lora_projector"] / "final" / "adapter_model.safetensors")
+    assert {k for k in extra if "lora_" not in k} and all(
+        "multi_modal_projector" in k for k in extra if "lora_" not in k)
+    assert records(runs["lora"], "loss")[-1]["loss"] < records(runs["lora"], "loss")[0]["loss"]
+
+
+def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str], str]:
+    rows = [json.loads(line) for line in (images / "chat.jsonl").read_text().splitlines()]
+    # beside the images: their paths are relative to it
+    data = images / f"{case}.jsonl"
+    if case == "missing_image":
+        rows[3] = chat_record("images/nope.png", "red")
+        expect = "missing_image.jsonl: record 4 (line 4): image images/nope.png not found"
+    elif case == "unreadable_image":
+        (tmp_path / "broken.png").write_bytes(b"not a png")
+        rows[2] = chat_record(str(tmp_path / "broken.png"), "red")
+        expect = "unreadable_image.jsonl: record 3 (line 3): an image could not be read"
+    elif case == "placeholders_and_images_differ":
+        rows = [{"conversations": [{"from": "human", "value": "<image><image>What?"}, {"from": "gpt", "value": "red"}],
+                 "images": [str(images / "images" / "0.png")]}]
+        expect = "record 1 (line 1): has 2 <image> placeholders but 1 image in 'images'"
+    elif case == "images_for_a_text_model":
+        from toolkit.model.synthetic import build_model_dir
+
+        data = images / "chat.jsonl"
+        return (["--model", str(build_model_dir(tmp_path / "text-model")), "--dataset", str(data)],
+                "an example holds images, but --model is a text-only model")
+    elif case == "pipeline":
+        return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
+                "--pp 2: not yet for image-text models (LlavaConfig)")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["--model", str(llava), "--dataset", str(data)], expect
+
+
+@pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
+                                  "images_for_a_text_model", "pipeline"])
+def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
+    import finetune
+
+    argv, expect = bad(tmp_path, llava, images, case)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv + ["--output-dir", str(out)])
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("finetune.py: error: "), said.err
+    assert expect in lines[0] and "Traceback" not in said.err
+    assert "model:" not in said.out and not out.exists()

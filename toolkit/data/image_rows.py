@@ -1,0 +1,213 @@
+"""Rows and batches of examples with images (`toolkit.data.images` reads them into conversations).
+
+Tokens and labels (`encode`): the chat is rendered by the processor's template and tokenized with offsets, and the
+answers' tokens found as for text (`toolkit.data.tokenize`); the processor then expands each image's placeholder
+into the image's tokens. The labels follow the unexpanded ids into the expanded ones through their matching blocks
+(difflib): any processor expands its own way (LLaVA repeats one token, Idefics3 writes rows and columns, Gemma 3
+wraps them), and an answer's tokens are untouched by it (checked: a label that finds no match is an error). Image
+tokens are never labels. A row is cut at --seq-len only after its last image token; a longer one is dropped.
+
+The collate (`MediaCollate`) runs the processor on each micro-batch's rendered texts and images: the model's own
+inputs (pixel_values, image_grid_thw, pixel_attention_mask, ...) as it expects them, the ids checked equal to the
+prepared ones, and passed to the model under `MEDIA` keys (`toolkit.data.packing.model_inputs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, template_messages
+from toolkit.errors import UserError
+
+
+def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, where: str) -> dict | None:
+    """One conversation with images as a row: {input_ids, labels} expanded as the processor expands them, the
+    rendered `text` and the `images` it takes (see the module's docstring); None where --seq-len would cut an image."""
+    from toolkit.data.tokenize import IGNORE_INDEX, _answer_labels, blank
+
+    tokenizer = processor.tokenizer
+    text = processor.apply_chat_template(template_messages(conv), tokenize=False)
+    spans, cursor = [], 0
+    specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+    for m in conv:
+        for piece in answer_texts(m):
+            if not piece or (m["role"] == "assistant" and blank(piece)):
+                continue
+            start = text.find(piece, cursor)
+            if start < 0:
+                raise UserError(f"{where}the processor's chat template dropped or rewrote a message's text, so prompt "
+                                "and answer cannot be told apart; use --train-on-prompt or another --chat-template")
+            cursor = start + len(piece)
+            if m["role"] == "assistant":
+                end = cursor + next((len(t) for t in specials if text.startswith(t, cursor)), 0)
+                spans.append((start, end))
+    plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids0 = plain["input_ids"]
+    labels0 = list(ids0) if train_on_prompt else _answer_labels(ids0, plain["offset_mapping"], spans)
+    refs = image_refs(conv)
+    try:
+        images = [open_image(r) for r in refs]
+    except Exception as e:  # noqa: BLE001 - PIL raises several kinds on a damaged file
+        raise UserError(f"{where}an image could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "replace the file") from None
+    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    labels, inserted = expanded_labels(ids0, labels0, ids, where)
+    token = image_token_id(processor)
+    inserted |= {k for k, t in enumerate(ids) if t == token}
+    if train_on_prompt:
+        # every text token trains; the image tokens never do
+        labels = [IGNORE_INDEX if k in inserted else t for k, t in enumerate(ids)]
+    truncated = len(ids) > seq_len
+    if truncated and max(inserted, default=-1) >= seq_len:
+        return None
+    return {"input_ids": ids[:seq_len], "labels": labels[:seq_len], "text": text, "images": refs,
+            "truncated": truncated}
+
+
+def image_token_id(processor) -> int | None:
+    """The id the processor repeats for an image's features (`image_token_id`, else its `image_token`'s)."""
+    token = getattr(processor, "image_token_id", None)
+    if token is None and getattr(processor, "image_token", None):
+        token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return token
+
+
+def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: str) -> tuple[list[int], set[int]]:
+    """(labels over the processor's expanded `ids`, the positions it inserted or rewrote): each label of `ids0` carried
+    to its token's place in `ids` through the two sequences' matching blocks."""
+    import difflib
+
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    labels = [IGNORE_INDEX] * len(ids)
+    matched: set[int] = set()
+    place = {}
+    for a, b, n in difflib.SequenceMatcher(None, ids0, ids, autojunk=False).get_matching_blocks():
+        for k in range(n):
+            place[a + k] = b + k
+            matched.add(b + k)
+    for k, label in enumerate(labels0):
+        if label == IGNORE_INDEX:
+            continue
+        if k not in place:
+            raise UserError(f"{where}the processor changed an answer's tokens while placing the images, so its labels "
+                            "cannot be found; report the model and its processor")
+        labels[place[k]] = label
+    return labels, set(range(len(ids))) - matched
+
+
+class ImageRows(list):
+    """Rows of examples with images (`encode`'s dicts), with the processor that collates them (`MediaCollate`)."""
+
+    def __init__(self, rows: list[dict], processor):
+        super().__init__(rows)
+        self.processor = processor
+        self.lengths = [len(r["input_ids"]) for r in rows]
+
+    def digest(self) -> str:
+        """sha256 of the rows' tokens, texts and image references."""
+        h = hashlib.sha256()
+        for r in self:
+            h.update(repr((r["input_ids"], r["labels"], r["images"])).encode())
+        return h.hexdigest()
+
+
+class MediaCollate:
+    """A micro-batch of `ImageRows` right-padded, with the processor's image inputs (its ids checked equal to the
+    prepared ones) under `MEDIA` keys; a tensor of the processor's that is per token (B, T, ...) cut as the ids are."""
+
+    def __init__(self, processor, pad_id: int):
+        self.processor, self.pad_id = processor, pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        import torch
+
+        from toolkit.data import collate_sequences
+
+        out = collate_sequences(batch, self.pad_id)
+        images = [[open_image(r) for r in x["images"]] for x in batch]
+        if not any(images):
+            return out
+        enc = self.processor(text=[x["text"] for x in batch], images=images, add_special_tokens=False,
+                             padding=True, padding_side="right", return_tensors="pt")
+        width = out["input_ids"].shape[1]
+        for i, x in enumerate(batch):
+            n = len(x["input_ids"])
+            if enc["input_ids"][i, :n].tolist() != x["input_ids"]:
+                raise RuntimeError(f"the processor tokenized example {i} of a batch unlike when it was prepared")
+        shape = tuple(enc["input_ids"].shape)
+        for k, v in enc.items():
+            if k in ("input_ids", "attention_mask") or not torch.is_tensor(v):
+                continue
+            if tuple(v.shape[:2]) == shape:
+                v = v[:, :width]
+            out[MEDIA + k] = v
+        return out
+
+
+def prepare_images(settings, processor) -> tuple:
+    """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats` each, conversations given
+    --system-prompt) of a run on an image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records
+    read and checked as SFT reads them (`toolkit.data.as_example`: the images placed and found), --eval-split held
+    out, each example `encode`d. Read every run (the images are opened to count their tokens), nothing cached."""
+    from toolkit.config.datasets import is_mixture
+    from toolkit.config.objectives import form
+    from toolkit.data import check_trainable, data_sources, eval_source, split_indices
+    from toolkit.data.table import DataStats
+
+    d = settings.data
+    blocked = ("a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else
+               "--packing" if d.packing else f"--objective {settings.objective}"
+               if form(settings.objective) != "conversations" else "")
+    if blocked:
+        raise UserError(f"{blocked}: not yet for image-text models, which train SFT on one dataset file, padded "
+                        "batches; leave it out")
+    fmt, convs, added, source = _read(settings, data_sources(d)[0])
+    train_idx, held_idx = split_indices(len(convs), settings, "")
+    train, stats = _encoded(processor, settings, source, [(i, convs[i]) for i in train_idx])
+    check_trainable(stats, settings, "training")
+    held, held_stats = _encoded(processor, settings, source, [(i, convs[i]) for i in held_idx])
+    if not held_idx and d.eval_dataset:
+        _, eval_convs, _, held_source = _read(settings, eval_source(d))
+        held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
+    return fmt, train, held, stats, held_stats or DataStats(), added
+
+
+def _read(settings, source):
+    """(format, the records as conversations, how many got --system-prompt, `source`) of one file."""
+    from toolkit.data import as_example, source_format
+    from toolkit.data.formats import load_records, map_columns
+
+    records = map_columns(load_records(source.path, source.flag), source)
+    fmt = source_format(records.column_names, settings, source, records[0])
+    pairs = [as_example(r, fmt, i, settings.data, source) for i, r in enumerate(records)]
+    return fmt, [c for c, _ in pairs], sum(a for _, a in pairs), source
+
+
+def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | str]]):
+    """(`ImageRows` of the examples that keep an answer token, their `DataStats`)."""
+    from toolkit.data.formats import record_place
+    from toolkit.data.table import DataStats
+    from toolkit.data.tokenize import IGNORE_INDEX, empty_answers
+
+    d, rows, stats = settings.data, [], DataStats()
+    for i, conv in indexed:
+        if isinstance(conv, str):
+            conv = [{"role": "user", "content": ""}, {"role": "assistant", "content": conv}]
+        stats.examples += 1
+        try:
+            row = encode(processor, conv, d.seq_len, d.train_on_prompt, "")
+        except UserError as e:
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
+        empty = empty_answers(conv)[0]
+        if row is None or empty or all(t == IGNORE_INDEX for t in row["labels"]):
+            stats.dropped += 1
+            stats.empty += int(empty)
+            stats.truncated += int(row is None or row["truncated"])
+            continue
+        stats.truncated += int(row.pop("truncated"))
+        stats.tokens += len(row["input_ids"])
+        stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
+        rows.append(row)
+    return ImageRows(rows, processor), stats

@@ -1,0 +1,158 @@
+"""Examples with images, for image-text models (`toolkit.model.vision`).
+
+The forms users have, each read into one conversation whose messages hold content parts
+(`{"type": "image", "image": REF}`, `{"type": "text", "text": ...}`), REF a resolved path or a data URL:
+- chat messages whose content lists image parts: `{"type": "image", "image": "a.png"}` (also `path` or `url` for the
+  key) or OpenAI's `{"type": "image_url", "image_url": {"url": "a.png" or "data:image/png;base64,..."}}`;
+- LLaMA-Factory/ShareGPT: `<image>` placeholders in the turns, with an `images` column of paths, in order;
+- alpaca-like rows with an `image` (or `images`) column (`--columns image=photo`): the images go first in the prompt.
+Paths resolve relative to the data file's folder. Images are opened when a batch is collated, never held.
+
+Their rows, labels and batches: `toolkit.data.image_rows`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+
+PLACEHOLDER = "<image>"
+IMAGE_COLUMNS = ("images", "image")
+# a batch key the model is called with under the rest of its name (`toolkit.data.image_rows.MediaCollate`)
+MEDIA = "media:"
+
+
+def reference(part: dict) -> Any:
+    """The image a content part names (a path, a URL string), or None where it is not an image part."""
+    kind = part.get("type")
+    if kind == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    if kind == "image":
+        return next((part[k] for k in ("image", "path", "url") if part.get(k) is not None), "")
+    return None
+
+
+def content_parts(value: Any, where: str) -> str | list[dict]:
+    """A turn's content: a string as it is; a list of parts as our parts when it holds an image (else its text parts
+    joined: a text model's data written as parts)."""
+    if not isinstance(value, list):
+        return str(value or "")
+    parts: list[dict] = []
+    for p in value:
+        if isinstance(p, str):
+            parts.append({"type": "text", "text": p})
+        elif isinstance(p, dict) and reference(p) is not None:
+            parts.append({"type": "image", "image": reference(p)})
+        elif isinstance(p, dict) and p.get("type", "text") == "text":
+            parts.append({"type": "text", "text": str(p.get("text") or "")})
+        else:
+            raise UserError(f"{where}a content part must be {{type: text, text}} or {{type: image, image}} "
+                            f"(or OpenAI's image_url); got {str(p)[:80]}")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def has_images(conv: list[dict] | str) -> bool:
+    return not isinstance(conv, str) and any(isinstance(m["content"], list) for m in conv)
+
+
+def image_refs(conv: list[dict]) -> list[str]:
+    return [p["image"] for m in conv if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
+def with_images(conv: list[dict], row: dict, data_file: str, where: str) -> list[dict]:
+    """`conv` with the record's image column placed at its `<image>` placeholders (else before the first user turn's
+    text), and every image reference resolved against `data_file`'s folder and checked to exist."""
+    column = next((c for c in IMAGE_COLUMNS if row.get(c) not in (None, [], "")), None)
+    if column is not None:
+        given = row[column] if isinstance(row[column], list) else [row[column]]
+        conv = _placed(conv, [str(g.get("path") if isinstance(g, dict) else g) for g in given], column, where)
+    elif any(isinstance(m["content"], str) and PLACEHOLDER in m["content"] for m in conv) and \
+            any(c in row for c in IMAGE_COLUMNS):
+        raise UserError(f"{where}has {PLACEHOLDER} placeholders but no images in its image column")
+    folder = Path(data_file).expanduser().parent if Path(data_file).expanduser().exists() else Path(".")
+    for m in conv:
+        if isinstance(m["content"], list):
+            m["content"] = [{"type": "image", "image": _resolved(p["image"], folder, where)} if p["type"] == "image"
+                            else p for p in m["content"]]
+    return conv
+
+
+def _placed(conv: list[dict], images: list[str], column: str, where: str) -> list[dict]:
+    """The images at the `<image>` placeholders, in order; as many placeholders as images, or none at all (then
+    they go first in the first user turn)."""
+    marks = sum(m["content"].count(PLACEHOLDER) for m in conv if isinstance(m["content"], str))
+    if marks == 0:
+        first = next(i for i, m in enumerate(conv) if m["role"] == "user") if any(
+            m["role"] == "user" for m in conv) else 0
+        text = conv[first]["content"]
+        conv = [*conv[:first], {**conv[first], "content": [{"type": "image", "image": r} for r in images]
+                                + ([{"type": "text", "text": text}] if isinstance(text, str) else text)},
+                *conv[first + 1:]]
+        return conv
+    if marks != len(images):
+        raise UserError(f"{where}has {marks} {PLACEHOLDER} placeholder{'s' * (marks != 1)} but {len(images)} "
+                        f"image{'s' * (len(images) != 1)} in '{column}'; give one image per placeholder")
+    queue = iter(images)
+    out = []
+    for m in conv:
+        if not isinstance(m["content"], str) or PLACEHOLDER not in m["content"]:
+            out.append(m)
+            continue
+        pieces = m["content"].split(PLACEHOLDER)
+        parts: list[dict] = []
+        for k, piece in enumerate(pieces):
+            if k:
+                parts.append({"type": "image", "image": next(queue)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**m, "content": parts})
+    return out
+
+
+def _resolved(ref: str, folder: Path, where: str) -> str:
+    """A data URL or http(s) URL as it is; a path made absolute against the data file's folder, which must hold it."""
+    if not isinstance(ref, str) or not ref:
+        raise UserError(f"{where}an image part names no image (give its path, or a data URL)")
+    if ref.startswith(("data:", "http://", "https://")):
+        if ref.startswith("http"):
+            raise UserError(f"{where}image {ref[:80]}: URLs are not fetched (nothing downloads at run time); save "
+                            "the image and give its path")
+        return ref
+    path = Path(ref).expanduser()
+    path = path if path.is_absolute() else folder / path
+    if not path.is_file():
+        raise UserError(f"{where}image {ref} not found (looked for {path}; paths are relative to the data file's "
+                        "folder)")
+    return str(path.resolve())
+
+
+def open_image(ref: str):
+    """The image `ref` names, decoded as RGB (a data URL's base64 bytes, or the file)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    if ref.startswith("data:"):
+        data = io.BytesIO(base64.b64decode(ref.split(",", 1)[1]))
+        return Image.open(data).convert("RGB")
+    with Image.open(ref) as img:
+        return img.convert("RGB")
+
+
+def template_messages(conv: list[dict]) -> list[dict]:
+    """The conversation as processor chat templates take it: every content a list of parts, images as bare
+    `{"type": "image"}` (the pixels go to the processor apart)."""
+    return [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]
+             if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]} for m in conv]
+
+
+def answer_texts(message: dict) -> list[str]:
+    content = message["content"]
+    return [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+

@@ -1,0 +1,112 @@
+"""Image-text models (LLaVA, Idefics3/SmolVLM, Gemma 3, Mllama, ... : transformers' `AutoModelForImageTextToText`):
+which configs are one, their processor, and the model's parts named from the model itself, never from a table of
+names: the language model is `get_decoder()`, the output head `get_output_embeddings()`, the vision tower the
+submodule built from `config.vision_config`; whatever else sits beside them (LLaVA's `multi_modal_projector`,
+Idefics3's `connector`) is the projector.
+
+What trains (`--train-vision`): LoRA adapts the language model's linears only; a full finetune trains the language
+model and the projector. `projector` adds the projector to a LoRA run (as modules_to_save), `all` the vision tower too.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from toolkit.errors import UserError
+
+
+def image_text(config) -> bool:
+    """The config is an image-text-to-text model's: a `vision_config` and a class in transformers'
+    `AutoModelForImageTextToText` mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return getattr(config, "vision_config", None) is not None and \
+        config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def auto_class(config):
+    """The Auto class that builds this config's model for training: image-text or causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if image_text(config) else AutoModelForCausalLM
+
+
+def load_processor(path: str, trust_remote_code: bool = False):
+    """The model's processor (tokenizer + image processor + chat template). transformers falls back to the PIL image
+    processor where torchvision is missing; a processor that has no such fallback is one line naming the package."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()),
+                       "a package that is not installed")
+        raise UserError(f"--model {path}: its processor needs {package} (`pip install {package}`): "
+                        f"{' '.join(str(e).split())[:160]}") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
+                        "files (preprocessor_config.json, the tokenizer)") from None
+
+
+def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
+
+
+def parts(model: torch.nn.Module) -> dict[str, str]:
+    """{part: module name} of an image-text model: `language`, `tower`, and `projector` where the model has one
+    (module names under `model`'s own, so a peft wrapper's prefix is not in them)."""
+    config = model.config
+    language = _name_of(model, model.get_decoder())
+    tower = next(name for name, module in model.named_modules()
+                 if getattr(module, "config", None) is config.vision_config and name)
+    parent = tower.rsplit(".", 1)[0] if "." in tower else ""
+    head = _name_of(model, model.get_output_embeddings())
+    taken = {language, tower, head}
+    rest = [name for name, module in (model.get_submodule(parent) if parent else model).named_children()
+            if (f"{parent}.{name}" if parent else name) not in taken and any(True for _ in module.parameters())]
+    found = {"language": language, "tower": tower}
+    if rest:
+        found["projector"] = f"{parent}.{rest[0]}" if parent else rest[0]
+    return found
+
+
+def language_linears(model: torch.nn.Module, skip: set[str] = frozenset()) -> str:
+    """peft's `target_modules` (a regex, matched whole) for the language model's Linears, less `skip`: all-linear on
+    the text side only, so the vision tower and the projector keep their weights."""
+    language = parts(model)["language"]
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.get_submodule(language).named_modules()
+                     if isinstance(module, torch.nn.Linear) and f"{language}.{name}" not in skip})
+    return rf"{re.escape(language)}\..*\.({'|'.join(map(re.escape, leaves))})"
+
+
+def freeze_vision(model: torch.nn.Module, train_vision: str, method: str) -> None:
+    """The vision side's `requires_grad` for a full finetune: the tower frozen unless --train-vision all; the projector
+    trains (LoRA runs freeze the whole base and add what --train-vision names as modules_to_save: `lora_extras`)."""
+    if method != "full" or train_vision == "all":
+        return
+    for p in model.get_submodule(parts(model)["tower"]).parameters():
+        p.requires_grad_(False)
+
+
+def lora_extras(model: torch.nn.Module, train_vision: str) -> list[str] | None:
+    """peft's `modules_to_save` for --train-vision under LoRA: the projector, or the projector and the tower."""
+    found = parts(model)
+    names = {"none": [], "projector": ["projector"], "all": ["projector", "tower"]}[train_vision]
+    return [found[n] for n in names if n in found] or None
+
+
+def processor_for(path: str, tokenizer, trust_remote_code: bool = False):
+    """The processor of the image-text model at `path` with the run's `tokenizer` in it (its pad token, its
+    --chat-template where the processor has no template of its own); None for a causal LM."""
+    from transformers import AutoConfig
+
+    if not image_text(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)):
+        return None
+    processor = load_processor(path, trust_remote_code)
+    processor.tokenizer = tokenizer
+    if not getattr(processor, "chat_template", None):
+        processor.chat_template = tokenizer.chat_template
+    return processor
