@@ -98,6 +98,11 @@ def generate_checks(args) -> None:
         raise UserError("--prompt is empty; give the text to continue or answer")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    if args.image and (args.prompt is None or args.raw):
+        raise UserError("--image goes with --prompt (and the chat template: not --raw)")
+    missing = [p for p in args.image or [] if not Path(p).is_file()]
+    if missing:
+        raise UserError(f"--image {missing[0]}: file not found")
     if args.raw:
         chat = [f for f, given in (("--chat", args.chat), ("--system-prompt", args.system_prompt),
                                    ("--chat-template", args.chat_template)) if given]
@@ -126,6 +131,35 @@ def complete(model, tok, texts: list[str], options: dict, raw: bool, max_new_tok
     finally:
         tok.padding_side = side
     return out
+
+
+def images_processor(model, folder: str, trust_remote_code: bool):
+    """The processor saved in `folder`, for --image; a text-only model is one line."""
+    from toolkit.model.vision import image_text, load_processor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not image_text(base.config):
+        raise UserError("--image: the model is a text-only model (no vision_config in its config.json); leave it out")
+    return load_processor(folder, trust_remote_code)
+
+
+def complete_with_images(model, processor, messages: list[dict], images: list[str], options: dict,
+                         max_new_tokens: int) -> str:
+    """The completion of `messages` whose last user turn is preceded by `images`, through the model's processor (the
+    one saved with it: final/ of a run that trained an image-text model holds its run's)."""
+    import torch
+
+    from toolkit.data.images import open_image, template_messages
+
+    parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": messages[-1]["content"]}]
+    messages = [*messages[:-1], {**messages[-1], "content": parts}]
+    text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=[[open_image(p) for p in images]], add_special_tokens=False,
+                    return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=processor.tokenizer.pad_token_id,
+                             **options)
+    return processor.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)[0].strip()
 
 
 def cmd_generate(args) -> None:
@@ -165,6 +199,7 @@ def cmd_generate(args) -> None:
         ensure_chat_template(tok)
         texts = [given if args.raw else render(messages) for given, messages in prompts]
         model = load_for_inference(src, trust_remote_code=args.trust_remote_code).eval()
+        processor = images_processor(model, src, args.trust_remote_code) if args.image else None
     if args.do_sample:
         from transformers import set_seed
 
@@ -173,7 +208,10 @@ def cmd_generate(args) -> None:
     def answer(texts: list[str]) -> list[str]:
         return complete(model, tok, texts, options, args.raw, args.max_new_tokens, args.batch_size)
 
-    if args.prompt is not None:
+    if args.image:
+        print(complete_with_images(model, processor, prompts[0][1], [str(Path(p).resolve()) for p in args.image],
+                                   options, args.max_new_tokens))
+    elif args.prompt is not None:
         print(answer(texts)[0])
     elif args.prompt_file:
         for (given, _), text in zip(prompts, answer(texts)):

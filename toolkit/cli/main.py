@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True,
                    help="model folder, adapter folder, step checkpoint (checkpoint-N), or the default name")
     s.add_argument("--prompt", help="the text to answer (or, with --raw, to continue)")
+    s.add_argument("--image", action="append", metavar="PATH", help="with --prompt, to an image-text model: an image "
+                                                                     "before the prompt's text (repeat for several)")
     s.add_argument("--prompt-file", metavar="FILE", help="instead, every prompt of a file, in batches: one per line, "
                                                          "or JSON Lines of {\"prompt\": ...} or {\"messages\": [...]}; "
                                                          "prints a JSON line {\"prompt\" (or \"messages\"), "

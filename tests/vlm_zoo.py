@@ -1,0 +1,185 @@
+"""Tiny random image-text models of the architectures people finetune, each saved with its REAL processor.
+
+`build_vlm_dir(path, kind)` follows `toolkit.model.synthetic.build_llava_dir`: the tests' BPE tokenizer
+(`build_tokenizer()`) plus the special tokens the processor needs, a chat template in the style of
+`VLM_CHAT_TEMPLATE` that writes the placeholder this processor expects, a language model of hidden 64,
+2 blocks, 4 heads, 2 kv heads, and a vision tower of hidden 32, 2 blocks, on tiny images. Nothing is
+downloaded; no torchvision is needed (transformers falls back to its PIL image processors).
+
+kind            placeholder in the rendered text               tokens per image in input_ids
+"idefics3"      <image>                                         <fake><global-img> 4x<image> <fake>  (6)
+"gemma3"        <start_of_image>                                \n\n <boi> 4x<image_soft_token> <eoi> \n\n
+"mllama"        <|image|>                                       1 (<|image|>; cross-attention to the tiles)
+"qwen2_vl"      <|vision_start|><|image_pad|><|vision_end|>     NotImplementedError (needs torchvision)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.model.synthetic import build_tokenizer
+
+KINDS = ("idefics3", "gemma3", "mllama", "qwen2_vl")
+_CHAT = ("<|im_start|>", "<|im_end|>")
+
+
+def vlm_chat_template(placeholder: str, prefix: str = "") -> str:
+    """`VLM_CHAT_TEMPLATE` with `placeholder` written for each image part (`prefix`: Jinja put before all)."""
+    return (
+        prefix + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}" + placeholder + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(extra: list[str], **named):
+    """`build_tokenizer()` with `extra` special tokens; `named`: model-specific named tokens (Gemma 3's
+    `boi_token`...), which the processor reads as `tokenizer.boi_token` / `tokenizer.image_token_id`."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer()
+    tokens = [*_CHAT, *extra]
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    if not named:
+        return tok
+    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token=tok.eos_token,
+                                   pad_token=tok.pad_token, bos_token=tok.bos_token,
+                                   additional_special_tokens=tokens, **named)
+
+
+def _text(tok, **kw) -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **kw)
+
+
+def _idefics3(image_size: int = 56, patch_size: int = 14):
+    """SmolVLM's shape: no image splitting, each image resized to `image_size` square; pixel shuffle
+    (scale 2) makes (image_size / patch_size / 2)^2 = 4 `<image>` tokens, between `<fake_token_around_image>
+    <global-img>` and `<fake_token_around_image>`."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, \
+        Idefics3Processor
+
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"])
+    scale = 2
+    seq_len = (image_size // patch_size) ** 2 // scale ** 2
+    edge = {"longest_edge": image_size}
+    image_processor = Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=seq_len,
+                                  chat_template=vlm_chat_template("<image>"))
+    config = Idefics3Config(
+        text_config=dict(_text(tok), model_type="llama", tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=image_size, patch_size=patch_size),
+        scale_factor=scale, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False)
+    return Idefics3ForConditionalGeneration, config, processor
+
+
+def _gemma3(image_size: int = 56, patch_size: int = 14, tokens_per_image: int = 4):
+    """A SigLIP tower on `image_size` squares whose (image_size / patch_size)^2 patches the projector
+    pools to `tokens_per_image` soft tokens; the text holds `<start_of_image>`, the processor expands it
+    to `\\n\\n<start_of_image>` + soft tokens + `<end_of_image>\\n\\n` and returns `token_type_ids` (1 on the
+    soft tokens: the model's bidirectional image attention and, in training, a required input)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, \
+        Gemma3Processor
+
+    boi, eoi, soft = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+    tok = _tokenizer([boi, eoi, soft], boi_token=boi, eoi_token=eoi, image_token=soft)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size},
+                                              do_pan_and_scan=False)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=tokens_per_image,
+                                chat_template=vlm_chat_template(boi))
+    text = _text(tok, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                 layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
+    config = Gemma3Config(
+        text_config=dict(text, model_type="gemma3_text"),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=image_size, patch_size=patch_size,
+                           vision_use_head=False),
+        mm_tokens_per_image=tokens_per_image, boi_token_index=tok.convert_tokens_to_ids(boi),
+        eoi_token_index=tok.convert_tokens_to_ids(eoi), image_token_index=tok.convert_tokens_to_ids(soft),
+        tie_word_embeddings=True)
+    return Gemma3ForConditionalGeneration, config, processor
+
+
+def _mllama(tile_size: int = 28, patch_size: int = 14, max_tiles: int = 2):
+    """Llama 3.2 Vision's shape: one `<|image|>` token per image in the text (the template starts with
+    `bos_token`, so the processor adds none), the image cut into up to `max_tiles` tiles of `tile_size`;
+    text block 1 cross-attends to the tiles through the processor's `cross_attention_mask`."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessorPil, \
+        MllamaProcessor
+
+    tok = _tokenizer(["<|image|>", "<|python_tag|>"])
+    image_processor = MllamaImageProcessorPil(size={"height": tile_size, "width": tile_size},
+                                              max_image_tiles=max_tiles)
+    processor = MllamaProcessor(image_processor=image_processor, tokenizer=tok,
+                                chat_template=vlm_chat_template("<|image|>", prefix="{{ bos_token }}"))
+    # the aspect ratios (tiles wide, tiles high) the image processor chooses among, in its order
+    ratios = [[w, h] for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1) if w * h <= max_tiles]
+    layers = [1]
+    config = MllamaConfig(
+        text_config=dict(_text(tok), cross_attention_layers=[1]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                           attention_heads=4, image_size=tile_size, patch_size=patch_size, max_num_tiles=max_tiles,
+                           supported_aspect_ratios=ratios, intermediate_layers_indices=layers,
+                           vision_output_dim=32 * (len(layers) + 1)),
+        image_token_index=tok.convert_tokens_to_ids("<|image|>"))
+    return MllamaForConditionalGeneration, config, processor
+
+
+def _qwen2_vl():
+    """Qwen2-VL (placeholder `<|vision_start|><|image_pad|><|vision_end|>`) is not built: without torchvision
+    even `Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok, video_processor=None)`
+    fails (transformers 5.24: `AttributeError: type object 'VIDEO_PROCESSOR_MAPPING' has no attribute
+    '_extra_content'`, from `ProcessorMixin.check_argument_for_proper_class` looking up `Qwen2VLVideoProcessor`),
+    and `Qwen2VLVideoProcessor()` itself raises `ImportError: Qwen2VLVideoProcessor requires the Torchvision
+    library but it was not found in your environment`. With torchvision it is still unchecked."""
+    from transformers.utils import is_torchvision_available
+
+    why = ("requires torchvision, which is not installed" if not is_torchvision_available()
+           else "is not built here (only checked without torchvision)")
+    raise NotImplementedError(f"qwen2_vl: Qwen2VLProcessor (its video processor, Qwen2VLVideoProcessor) {why}")
+
+
+_BUILDERS = {"idefics3": _idefics3, "gemma3": _gemma3, "mllama": _mllama, "qwen2_vl": _qwen2_vl}
+
+
+def build_vlm_dir(path, kind: str) -> Path:
+    """The tiny random `kind` model (one of `KINDS`) saved at `path` with its processor (tokenizer, image
+    processor, chat template); `AutoProcessor` and `AutoModelForImageTextToText` load it back."""
+    import torch
+
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
+    model_class, config, processor = _BUILDERS[kind]()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return Path(path)
+
+
+def qwen2_vl_without_torchvision(path) -> Path:
+    """A tiny Qwen2-VL folder as the hub ships one (its config, weights, tokenizer, image processor config and
+    `processor_config.json`), written file by file: on a machine without torchvision its processor cannot be built
+    (`_qwen2_vl`), so `AutoProcessor` fails on it as it fails on the real Qwen2-VL-2B."""
+    import json
+
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok = _tokenizer(marks)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in marks}
+    config = Qwen2VLConfig(text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                           vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                                              patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
+    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    return Path(path)
