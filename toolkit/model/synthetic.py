@@ -201,9 +201,9 @@ def build_llava_dir(path: Path, image_size: int = 28, patch_size: int = 14, **te
                                tokenizer=tok, patch_size=patch_size, vision_feature_select_strategy="full",
                                chat_template=VLM_CHAT_TEMPLATE, num_additional_image_tokens=1)
     text_config = {**dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id),
-                   **text}
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                          max_position_embeddings=256, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          bos_token_id=tok.bos_token_id), **text}
     vision_config = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, image_size=image_size, patch_size=patch_size)
     config = LlavaConfig(vision_config=vision_config, text_config=text_config, vision_feature_layer=-1,
