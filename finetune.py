@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None):
     per = " on this rank" if cfg.parallel.tp > 1 or cfg.parallel.ep > 1 else ""
     log(f"model: {model_path} ({human(total)} params{per}, {human(trainable)} trainable, method {cfg.model.method}); "
         f"{attention}")
-    scores = ExactMatch(strategy, tokenizer, data.em_conversations, data.answers, log)
+    scores = ExactMatch(strategy, tokenizer, data.em_conversations, data.answers, log, processor)
     # --strategy auto on one process: an out-of-memory in the first steps runs the plan's next fallback
     restart = None
     if planned and argv is None and accelerator.num_processes == 1 and not cfg.output.resume:

@@ -199,6 +199,9 @@ def cmd_plan(args) -> None:
     hardware = load_hardware(args.hardware)
 
     cfg = load_model_config(args.model_config or args.model)
+    if "vision_config" in cfg:
+        raise UserError(f"--model {args.model}: an image-text model; the planner does not count its vision side yet "
+                        "(the tower, the image tokens)")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                if k not in cfg]
     if missing:

@@ -15,6 +15,13 @@ the product) so SFT reads it too. SmolLM2-135M-Instruct knows most products but 
 problem, we need to ..." and runs out of tokens first: a reward for the right last number teaches it to answer
 at once (`configs/grpo_quickstart.yaml`). Train and eval are disjoint in the pair of operands (7 x 8 and 8 x 7
 are one pair): a held-out question is a product never seen in training, in any phrasing.
+
+`shapes`: pictures the toolkit draws itself (56 px, a circle, square or triangle on a light background, one of six
+colors, big or small, anywhere), asked "What size and color is the shape?" and answered "big red", for an image-text
+model (`configs/vlm_quickstart.yaml`). The answer is in the pixels alone, so a model that has not learnt to read
+them cannot answer better than chance (1 in 12): exact match on the 64 held-out pictures is the metric. The PNGs are
+drawn once into the toolkit cache (`shapes-v1/`), deterministically from the seed; held-out pictures are drawn from
+their own random stream.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ PROMPTS = [
     "What is {d} in ledger style?",
     "Ledger style for {d}, please.",
 ]
-BUILTIN = ("dates", "date-pairs", "arithmetic")
+BUILTIN = ("dates", "date-pairs", "arithmetic", "shapes")
+SHAPE_COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40),
+                "purple": (140, 60, 180), "orange": (240, 140, 30)}
+SHAPE_QUESTION = "What size and color is the shape?"
 ARITHMETIC_PROMPTS = [
     "What is {a} * {b}? Answer with the number only.",
     "What is {a} times {b}?",
@@ -107,6 +117,8 @@ def builtin_records(name: str, split: str = "train", seed: int = 0) -> list[dict
                         f"{', '.join('builtin:' + b for b in BUILTIN)})")
     if name == "arithmetic":
         return _arithmetic(split, seed)
+    if name == "shapes":
+        return _shapes(split, seed)
     rng = random.Random(f"{seed}-{split}-prompts")
     rows = []
     for d in _dates(split, seed):
@@ -123,3 +135,53 @@ def builtin_dataset(name: str, split: str = "train", seed: int = 0):
     import datasets
 
     return datasets.Dataset.from_list(builtin_records(name, split, seed))
+
+
+def _shapes(split: str, seed: int, size: int = 56) -> list[dict]:
+    """The split's pictures, drawn into the toolkit cache the first time (a finished folder is renamed into place, so
+    ranks started together draw the same files; a half-drawn one is never read), as chat records with an image part."""
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    from toolkit.cache import cache_dir
+
+    folder = cache_dir() / "builtin" / "shapes-v1" / f"{split}-{seed}"
+    rng = random.Random(f"{seed}-{split}-shapes")
+    drawn = [(rng.choice(list(SHAPE_COLORS)), rng.choice(("circle", "square", "triangle")), rng.random() < 0.5,
+              rng.random(), rng.random(), rng.random()) for _ in range(SIZES[split])]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not folder.is_dir():
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for i, picture in enumerate(drawn):
+                _draw(size, *picture).save(tmp / f"{i}.png")
+            os.replace(tmp, folder)
+    return [{"messages": [{"role": "user", "content": [{"type": "image", "image": str(folder / f"{i}.png")},
+                                                       {"type": "text", "text": SHAPE_QUESTION}]},
+                          # parts too: one Arrow type for every turn's content
+                          {"role": "assistant", "content": [{"type": "text",
+                                                             "text": f"{'big' if big else 'small'} {color}"}]}],
+             "answer": f"{'big' if big else 'small'} {color}"}
+            for i, (color, _, big, *_) in enumerate(drawn)]
+
+
+def _draw(size: int, color: str, shape: str, big: bool, u: float, v: float, w: float):
+    """One picture: the shape of radius 16-22 px (big) or 5-8 px (small) at a place drawn from (u, v)."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (245, 245, 245))
+    pen = ImageDraw.Draw(img)
+    r = int(16 + 7 * w) if big else int(5 + 4 * w)
+    cx, cy = r + int(u * (size - 2 * r)), r + int(v * (size - 2 * r))
+    fill = SHAPE_COLORS[color]
+    if shape == "circle":
+        pen.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        pen.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return img

@@ -148,7 +148,7 @@ class MediaCollate:
 
 def prepare_images(settings, processor) -> tuple:
     """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats` each, conversations given
-    --system-prompt) of a run on an image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records
+    --system-prompt, a built-in's exact-match conversations and answers) of a run on an image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records
     read and checked as SFT reads them (`toolkit.data.as_example`: the images placed and found), --eval-split held
     out, each example `encode`d. Read every run (the images are opened to count their tokens), nothing cached."""
     from toolkit.config.datasets import is_mixture
@@ -164,14 +164,27 @@ def prepare_images(settings, processor) -> tuple:
         raise UserError(f"{blocked}: not yet for image-text models, which train SFT on one dataset file, padded "
                         "batches; leave it out")
     fmt, convs, added, source = _read(settings, data_sources(d)[0])
-    train_idx, held_idx = split_indices(len(convs), settings, "")
+    scored, answers = None, None
+    if d.dataset.startswith("builtin:"):
+        from toolkit.data import as_example
+        from toolkit.data.builtin import builtin_records
+
+        # the built-in's own held-out examples: the eval split and the exact-match questions, as for text
+        records = builtin_records(d.dataset.split(":", 1)[1], split="eval")
+        scored = [as_example(r, fmt, i, d, source)[0] for i, r in enumerate(records)]
+        answers = [r["answer"] for r in records]
+        train_idx, held_idx = list(range(len(convs))), []
+    else:
+        train_idx, held_idx = split_indices(len(convs), settings, "")
     train, stats = _encoded(processor, settings, source, [(i, convs[i]) for i in train_idx])
     check_trainable(stats, settings, "training")
     held, held_stats = _encoded(processor, settings, source, [(i, convs[i]) for i in held_idx])
-    if not held_idx and d.eval_dataset:
+    if scored is not None and d.eval_split > 0:
+        held, held_stats = _encoded(processor, settings, source, list(enumerate(scored)))
+    elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
-    return fmt, train, held, stats, held_stats or DataStats(), added
+    return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 
 def _read(settings, source):

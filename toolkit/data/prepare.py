@@ -106,8 +106,9 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
     if processor is not None:
         from toolkit.data.image_rows import prepare_images
 
-        fmt, train, held, stats, held_stats, added = prepare_images(settings, processor)
-        return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added)
+        fmt, train, held, stats, held_stats, added, scored, answers = prepare_images(settings, processor)
+        return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added,
+                            em_conversations=scored, answers=answers)
 
     # prompts: tokenized as they are read (a prompt file is small)
     if form(settings.objective) == "prompts":

@@ -88,6 +88,38 @@ def prepare_default_model(force: bool = False, log=print) -> Path:
     return target
 
 
+# models built from a small config with random weights: nothing to download (`prepare_builtin_model`)
+BUILTIN_MODELS = ("builtin:tiny-llava",)
+
+
+def prepare_builtin_model(name: str) -> Path:
+    """`builtin:tiny-llava`: a LLaVA of 0.45M parameters and random weights (seed 0) for the image quickstart
+    (`configs/vlm_quickstart.yaml`), since no pretrained image-text model can be downloaded here: a CLIP tower of 2
+    blocks on 56 px images (17 tokens an image) and a Llama of 2 blocks, hidden 128, with the toolkit's small BPE
+    tokenizer (`toolkit.model.synthetic.build_llava_dir`). Generation stops at the end of a turn. Built once into
+    the toolkit cache, under a file lock, renamed into place whole."""
+    from filelock import FileLock
+    from transformers import GenerationConfig
+
+    from toolkit.model.synthetic import build_llava_dir
+
+    target = cache_dir() / "models" / f"{name.split(':', 1)[1]}-v1"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_llava_dir(tmp, image_size=56, hidden_size=128, intermediate_size=256)
+        generation = GenerationConfig.from_pretrained(tmp)
+        tok = json.loads((tmp / "tokenizer.json").read_text())
+        end = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_end|>")
+        generation.eos_token_id = [generation.eos_token_id, end]
+        generation.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
 def resolve_model(name: str) -> str:
     """Turn `--model` into something `from_pretrained` can open without network surprises.
 
@@ -97,6 +129,8 @@ def resolve_model(name: str) -> str:
     """
     if name == DEFAULT_MODEL:
         return str(prepare_default_model())
+    if name in BUILTIN_MODELS:
+        return str(prepare_builtin_model(name))
     path = Path(name).expanduser()
     if path.exists():
         if is_adapter_dir(path) and not (path / "config.json").is_file():

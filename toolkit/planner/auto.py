@@ -169,6 +169,10 @@ def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check
         from transformers import AutoConfig
 
         model_cfg = AutoConfig.from_pretrained(model_path).to_dict()
+    if "vision_config" in model_cfg:
+        raise UserError(f"--strategy auto: {model_path} is an image-text model, and the planner does not count its "
+                        "vision side yet (the tower, the image tokens); choose the layout yourself: DDP, --zero-stage "
+                        "or --fsdp")
     inp = replace(plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what), tree_check=tree_check)
     try:
         result = plan(inp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.data.labels import count_targets
+from toolkit.data.images import answer_texts, image_refs, open_image, template_messages
 from toolkit.data.tokenize import prompt_text
 from toolkit.objectives.evaluate import sharded_batches
 
@@ -33,14 +34,17 @@ def eval_loss(strategy, model, rows: list[dict], batch_size: int, pad_id: int) -
 # compiled blocks keep their training graphs
 @torch.compiler.set_stance("force_eager")
 def exact_match(strategy, model, tokenizer, conversations: list, answers: list[str],
-                batch_size: int = 16, max_new_tokens: int = 16) -> tuple[int, int, list[str]]:
-    """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer."""
+                batch_size: int = 16, max_new_tokens: int = 16, processor=None) -> tuple[int, int, list[str]]:
+    """(correct, total, rank-0 samples): greedy completion of each prompt vs the expected answer. `processor`: an
+    image-text model's, which renders the prompts and reads their images (`toolkit.data.images`)."""
     accelerator = strategy.accelerator
     model.eval()
     gen_model = strategy.unwrap(model)
     # Before prepare() the model is still where it was loaded (CPU, or its device_map for QLoRA).
     device = next(gen_model.parameters()).device
-    prompts = [prompt_text(tokenizer, [m for m in c if m["role"] != "assistant"]) for c in conversations]
+    asked = [[m for m in c if m["role"] != "assistant"] for c in conversations]
+    prompts = [prompt_text(tokenizer, c) if processor is None else processor.apply_chat_template(
+        template_messages(c), tokenize=False, add_generation_prompt=True) for c in asked]
     rank, ranks, replicas = strategy.data.rank, strategy.data.ranks, strategy.data.replicas
     idx = list(range(rank, len(prompts), ranks))
     per_rank = -(-len(prompts) // ranks)
@@ -51,8 +55,13 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
     correct, samples = 0, []
     for start in range(0, len(idx), batch_size):
         chunk = idx[start:start + batch_size]
-        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(device)
+        if processor is None:
+            enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        else:
+            enc = processor(text=[prompts[i] for i in chunk], return_tensors="pt", padding=True, padding_side="left",
+                            add_special_tokens=False, images=[[open_image(r) for r in image_refs(asked[i])]
+                                                              for i in chunk] if any(map(image_refs, asked)) else None)
+        enc = enc.to(device)
         out = gen_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, use_cache=True,
                                  synced_gpus=accelerator.num_processes > 1)
@@ -61,7 +70,8 @@ def exact_match(strategy, model, tokenizer, conversations: list, answers: list[s
             if start + j < n_real:
                 correct += text.strip() == answers[i].strip()
                 if len(samples) < 3:
-                    question = next(m["content"] for m in reversed(conversations[i]) if m["role"] == "user")
+                    question = " ".join(answer_texts(next(m for m in reversed(conversations[i])
+                                                          if m["role"] == "user")))
                     samples.append(f"{question!r} -> {text.strip()!r} "
                                    f"(expected {answers[i]!r})")
     tokenizer.padding_side = old_side
@@ -75,15 +85,17 @@ class ExactMatch:
     weights are partitioned by then) and after: the run's `scores` (`toolkit.train.output.summarize`). Nothing
     where the data holds no answers."""
 
-    def __init__(self, strategy, tokenizer, conversations: list, answers: list[str] | None, log=print):
-        self.strategy, self.tokenizer, self.log = strategy, tokenizer, log
+    def __init__(self, strategy, tokenizer, conversations: list, answers: list[str] | None, log=print, processor=None):
+        self.strategy, self.tokenizer, self.log, self.processor = strategy, tokenizer, log, processor
         self.conversations, self.answers, self.scores = conversations, answers, {}
 
     def before(self, prepared) -> None:
-        self.scores["before"] = exact_match(self.strategy, prepared, self.tokenizer, self.conversations, self.answers)
+        self.scores["before"] = exact_match(self.strategy, prepared, self.tokenizer, self.conversations, self.answers,
+                                             processor=self.processor)
         self.log(f"exact match before training: {self.scores['before'][0]}/{self.scores['before'][1]}")
 
     def after(self, model) -> dict:
         if self.answers:
-            self.scores["after"] = exact_match(self.strategy, model, self.tokenizer, self.conversations, self.answers)
+            self.scores["after"] = exact_match(self.strategy, model, self.tokenizer, self.conversations, self.answers,
+                                            processor=self.processor)
         return self.scores
