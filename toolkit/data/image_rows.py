@@ -148,9 +148,10 @@ class MediaCollate:
 
 def prepare_images(settings, processor) -> tuple:
     """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats` each, conversations given
-    --system-prompt, a built-in's exact-match conversations and answers) of a run on an image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records
-    read and checked as SFT reads them (`toolkit.data.as_example`: the images placed and found), --eval-split held
-    out, each example `encode`d. Read every run (the images are opened to count their tokens), nothing cached."""
+    --system-prompt, a built-in's exact-match conversations and answers) of a run on an image-text model
+    (`toolkit.data.prepare.prepare_data` hands it over): the records read and checked as SFT reads them
+    (`toolkit.data.as_example`: the images placed and found), --eval-split held out (a built-in: its own held-out
+    examples), each example `encode`d. Read every run (the images are opened to count their tokens), nothing cached."""
     from toolkit.config.datasets import is_mixture
     from toolkit.config.objectives import form
     from toolkit.data import check_trainable, data_sources, eval_source, split_indices
