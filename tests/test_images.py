@@ -143,7 +143,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
     out: dict[str, Path] = {}
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
-           "term": ["--micro-batch-size", "4"],
+           "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
            **{f"{kind}_{method}": ["--model", str(zoo[kind]), "--method", method, "--micro-batch-size", "4"]
               for kind in ZOO for method in ("lora", "full")}}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
@@ -291,6 +291,25 @@ def test_the_quickstart_learns_to_read_the_pictures(tmp_path):
     before, after = map(int, re.search(r"before (\d+)/64 .* after (\d+)/64", p.stdout).groups())
     assert before == 0 and after >= 40, p.stdout[-2000:]
     assert (tmp_path / "cache" / "models" / "tiny-llava-v1" / "config.json").is_file()
+
+
+def test_qlora_quantizes_the_language_model_only(runs, llava, images):
+    """QLoRA: the language model's linears in NF4, the vision tower, the projector and the output head as they were;
+    the run trains and its adapter reloads in plain transformers/peft (with the same skip list) to the trained loss."""
+    import bitsandbytes as bnb
+
+    from toolkit.cli.startup import settle
+    from toolkit.model.load import load_model
+
+    cfg = settle(["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--method", "qlora"])
+    model = load_model(cfg, str(llava))
+    kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(k is bnb.nn.Linear4bit for n, k in kinds.items() if ".language_model." in n)
+    assert all(k is torch.nn.Linear for n, k in kinds.items() if ".language_model." not in n)
+    assert any(".vision_tower." in n for n in kinds) and any("multi_modal_projector" in n for n in kinds)
+    got = losses(runs["qlora"])
+    assert len(got) == 5 and got[-1] < got[0]
+    assert json.loads((runs["qlora"] / "integrity.json").read_text())["ok"]
 
 
 def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str], str]:

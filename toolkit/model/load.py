@@ -63,6 +63,18 @@ def load_dtype(cfg: Config) -> torch.dtype:
     return compute_dtype(cfg) if cfg.model.method == "lora" else torch.float32
 
 
+def nf4_config(config, compute: torch.dtype):
+    """QLoRA's quantization: NF4 with double quantization, computing in `compute`; an image-text model's vision
+    side and output head left as they are (`toolkit.model.vision.unquantized`)."""
+    from transformers import BitsAndBytesConfig
+
+    from toolkit.model.vision import image_text, unquantized
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=torch.uint8,
+                              llm_int8_skip_modules=unquantized(config) if image_text(config) else None)
+
+
 def load_model(cfg: Config, path: str):
     """Load the causal LM (`load_dtype`; QLoRA's frozen base in NF4, bitsandbytes, computing in the run's
     dtype), nothing else: the kernels, the adapters and every layout's changes follow in one place,
@@ -74,16 +86,12 @@ def load_model(cfg: Config, path: str):
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg),
                     **router_kwargs(cfg.model)}
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.method == "qlora":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype(cfg), bnb_4bit_quant_storage=torch.uint8)
+        kwargs["quantization_config"] = nf4_config(config, compute_dtype(cfg))
         if torch.cuda.is_available():
             kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         model = auto_class(config).from_pretrained(path, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):

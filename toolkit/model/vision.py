@@ -73,6 +73,18 @@ def parts(model: torch.nn.Module) -> dict[str, str]:
     return found
 
 
+def unquantized(config) -> list[str]:
+    """What QLoRA leaves unquantized in an image-text model (bitsandbytes' `llm_int8_skip_modules`): the vision tower,
+    the projector and the output head, named on a weightless skeleton."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        skeleton = auto_class(config).from_config(config)
+    found = parts(skeleton)
+    return [name for name in (found["tower"], found.get("projector"),
+                              _name_of(skeleton, skeleton.get_output_embeddings())) if name]
+
+
 def language_linears(model: torch.nn.Module, skip: set[str] = frozenset()) -> str:
     """peft's `target_modules` (a regex, matched whole) for the language model's Linears, less `skip`: all-linear on
     the text side only, so the vision tower and the projector keep their weights."""

@@ -283,20 +283,19 @@ def _reload(folder: Path, base: str, batch: list[dict], pad_id: int, quantized: 
 def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, load_4bit: bool) -> float:
     """Plain from_pretrained, nothing from the training run: the folder's loss on `batch` (rows, or
     a JSON file of them)."""
-    from transformers import AutoConfig, BitsAndBytesConfig
-
-    from toolkit.model.vision import auto_class
+    from transformers import AutoConfig
 
     from toolkit.data.labels import count_targets
+    from toolkit.model.load import nf4_config
+    from toolkit.model.vision import auto_class
     from toolkit.objectives.sft.loss import token_loss_sum
 
     kwargs: dict = {"dtype": torch.float32}
-    if load_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True,
-                                                           bnb_4bit_compute_dtype=torch.float32)
     adapter = (Path(folder) / "adapter_config.json").is_file()
-    cls = auto_class(AutoConfig.from_pretrained(base if adapter else folder))
+    config = AutoConfig.from_pretrained(base if adapter else folder)
+    if load_4bit:
+        kwargs["quantization_config"] = nf4_config(config, torch.float32)
+    cls = auto_class(config)
     if adapter:
         from peft import PeftModel
 
