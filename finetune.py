@@ -12,7 +12,7 @@ import os
 import sys
 from functools import partial
 
-from toolkit.cli.startup import settle
+from toolkit.cli.startup import resolve_images, settle
 from toolkit.errors import exit_on_user_error
 
 
@@ -42,12 +42,15 @@ def main(argv: list[str] | None = None):
 
     # a LoRA adapter folder: its base (or, merged, the merged folder); LoRA targets checked on a weightless skeleton
     model_path, source = training_model(cfg)
+    # --images auto: on where the model is image-text and the data holds images
+    cfg = resolve_images(cfg, model_path)
     attention = check_model(cfg, model_path)
     tokenizer = load_tokenizer(tokenizer_dir(cfg.model.model, model_path), cfg.model.trust_remote_code,
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
-    # an image-text model's (None for a causal LM): its images' inputs in every batch, saved in final/
-    processor = processor_for(model_path, tokenizer, cfg.model.trust_remote_code)
+    # an image-text model's, where the run reads images: their inputs in every batch, saved in final/
+    processor = processor_for(model_path, tokenizer, cfg.model.trust_remote_code, cfg.model.chat_template) \
+        if cfg.data.images == "on" else None
     # tokenized once into the cache; bad data fails before the model
     data = prepare_data(cfg.data_settings, tokenizer, processor=processor)
 

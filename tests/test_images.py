@@ -38,7 +38,7 @@ def chat_record(image: str, answer: str) -> dict:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """24 one-color PNGs of varied sizes in `images/`, and chat.jsonl beside it: each asks the color (relative paths),
-    one text-only example, one with two images (one as OpenAI's image_url)."""
+    and one example with two images (one as OpenAI's image_url); mixed.jsonl adds a text-only example."""
     from PIL import Image
 
     d = tmp_path_factory.mktemp("vision")
@@ -48,35 +48,38 @@ def images(tmp_path_factory) -> Path:
         name = list(COLORS)[i % 3]
         Image.new("RGB", (30 + 3 * i, 44 - i), COLORS[name]).save(d / "images" / f"{i}.png")
         rows.append(chat_record(f"images/{i}.png", name))
-    rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
-                                 {"role": "assistant", "content": "jumps"}]})
     rows.append({"messages": [{"role": "user", "content": [
         {"type": "image", "image": "images/1.png"}, {"type": "image_url", "image_url": {"url": "images/2.png"}},
         {"type": "text", "text": "same color?"}]}, {"role": "assistant", "content": "no"}]})
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
+                                 {"role": "assistant", "content": "jumps"}]})
+    (d / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
 
 
 def prepared(argv: list[str]):
-    """finetune.py's data for `argv`: the settled config, the processor, the prepared rows."""
-    from toolkit.cli.startup import settle
+    """finetune.py's data for `argv`: the processor and the prepared rows (--images resolved as the run does)."""
+    from toolkit.cli.startup import resolve_images, settle
     from toolkit.data.prepare import prepare_data
     from toolkit.model.load import load_tokenizer
     from toolkit.model.vision import processor_for
 
     cfg = settle(argv)
+    cfg = resolve_images(cfg, cfg.model.model)
     tokenizer = load_tokenizer(cfg.model.model)
-    processor = processor_for(cfg.model.model, tokenizer)
+    processor = processor_for(cfg.model.model, tokenizer) if cfg.data.images == "on" else None
     return processor, prepare_data(cfg.data_settings, tokenizer, processor=processor)
 
 
 def test_labels_are_the_answer_tokens_and_never_an_image_token(llava, images):
     """Each image's placeholder expands to its TOKENS_PER_IMAGE tokens as the processor expands it; the labels are the
     answer and its end-of-turn token, wherever the image tokens moved them."""
-    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "chat.jsonl")])
+    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
     image_id = processor.image_token_id
     assert len(data.train) == 26 and data.stats.examples == 26 and data.stats.dropped == 0
-    answers = [json.loads(line)["messages"][-1]["content"] for line in (images / "chat.jsonl").read_text().splitlines()]
+    lines = (images / "mixed.jsonl").read_text().splitlines()
+    answers = [json.loads(line)["messages"][-1]["content"] for line in lines]
     for row, answer in zip(data.train, answers):
         assert row["input_ids"].count(image_id) == TOKENS_PER_IMAGE * len(row["images"])
         trained = [t for t in row["labels"] if t != -100]
@@ -97,6 +100,11 @@ def test_the_forms_users_have_give_the_same_rows(llava, images, tmp_path):
     sharegpt = [{"conversations": [{"from": "human", "value": "<image>What color is it?"},
                                    {"from": "gpt", "value": a}], "images": [p]} for p, a in zip(path, answers)]
     alpaca = [{"instruction": "What color is it?", "output": a, "photo": p} for p, a in zip(path, answers)]
+    # Hugging Face's layout: bare image parts, the images' paths in a column
+    asked = [{"type": "image"}, {"type": "text", "text": "What color is it?"}]
+    bare = [{"messages": [{"role": "user", "content": asked}, {"role": "assistant", "content": a}], "images": [p]}
+            for p, a in zip(path, answers)]
+    (images / "bare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bare))
     url = "data:image/png;base64," + base64.b64encode((images / path[0]).read_bytes()).decode()
     (images / "sharegpt.json").write_text(json.dumps(sharegpt))
     (images / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
@@ -104,7 +112,7 @@ def test_the_forms_users_have_give_the_same_rows(llava, images, tmp_path):
     (tmp_path / "url.jsonl").write_text(json.dumps(chat_record(url, answers[0])) + "\n")
     base = ["--model", str(llava)]
     want = prepared(base + ["--dataset", str(images / "chat3.jsonl")])[1].train
-    for argv in (["--dataset", str(images / "sharegpt.json")],
+    for argv in (["--dataset", str(images / "sharegpt.json")], ["--dataset", str(images / "bare.jsonl")],
                  ["--dataset", str(images / "alpaca.jsonl"), "--columns", "image=photo"]):
         got = prepared(base + argv)[1].train
         assert [(r["input_ids"], r["labels"], r["images"]) for r in got] == \
@@ -116,6 +124,69 @@ def test_the_forms_users_have_give_the_same_rows(llava, images, tmp_path):
 
     a, b = (MediaCollate(processor, 0)([r]) for r in (row, want[0]))
     assert torch.equal(a["media:pixel_values"], b["media:pixel_values"])
+
+
+def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
+    """datasets gives an Image feature's values as PIL images (or {bytes, path} undecoded): both become data URLs whose
+    pixels are the file's; a bare image part takes them in order."""
+    from PIL import Image
+
+    from toolkit.data.images import open_image, with_images
+
+    conv = [{"role": "user", "content": [{"type": "image", "image": ""}, {"type": "image", "image": ""},
+                                         {"type": "text", "text": "?"}]}, {"role": "assistant", "content": "red"}]
+    png = images / "images" / "0.png"
+    row = {"images": [Image.open(png), {"bytes": png.read_bytes(), "path": None}]}
+    got = [p["image"] for p in with_images(conv, row, str(images / "x.jsonl"), "")[0]["content"][:2]]
+    assert all(ref.startswith("data:") for ref in got)
+    assert all(list(open_image(ref).getdata()) == list(open_image(str(png)).getdata()) for ref in got)
+
+
+def test_images_are_read_where_the_model_and_data_have_them(llava, zoo, images, tmp_path):
+    """--images auto: on for image data on an image-text model; a model that also loads as a causal LM (Gemma 3)
+    trains text-only data as one (its padding-free text path, its causal class); LLaVA, which loads only as an
+    image-text model, reads text-only data through the processor too; off trains the text alone."""
+    from toolkit.cli.startup import resolve_images, settle
+    from toolkit.model.vision import auto_class
+
+    text = tmp_path / "text.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    text.write_text(json.dumps({"messages": chat}) + "\n")
+
+    def images_of(model, data, *flags):
+        cfg = settle(["--model", str(model), "--dataset", str(data), *flags])
+        return resolve_images(cfg, str(model)).data.images
+
+    assert images_of(zoo["gemma3"], images / "chat.jsonl") == "on"
+    assert images_of(zoo["gemma3"], text) == "off"
+    assert images_of(llava, text) == "on"
+    assert images_of(zoo["gemma3"], images / "chat.jsonl", "--images", "off") == "off"
+    from transformers import AutoConfig
+
+    assert auto_class(AutoConfig.from_pretrained(zoo["mllama"])).__name__ == "AutoModelForCausalLM"
+    assert auto_class(AutoConfig.from_pretrained(zoo["mllama"]), True).__name__ == "AutoModelForImageTextToText"
+
+
+def test_lora_targets_named_by_the_user_stay_on_the_language_model(llava, images):
+    """--lora-targets q_proj,v_proj: the CLIP tower's q_proj and v_proj share the names, and keep their weights."""
+    from toolkit.cli.startup import resolve_images, settle
+    from toolkit.model.load import ModelShape, apply_lora, load_model
+
+    cfg = settle(["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--lora-targets", "q_proj,v_proj"])
+    cfg = resolve_images(cfg, str(llava))
+    model = apply_lora(load_model(cfg, str(llava)), ModelShape.of(cfg))
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert adapted and all(".language_model." in n and n.endswith(("q_proj", "v_proj")) for n in adapted)
+
+
+def test_examples_without_an_image_are_one_line_on_several_ranks(llava, images, monkeypatch):
+    """A micro-batch without an image would skip the vision tower that the other ranks run (a ZeRO-3 or FSDP hang,
+    DDP's unused projector): on 2 ranks the text-only example is refused before the model loads."""
+    from toolkit.errors import UserError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks"):
+        prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
 
 
 def common(llava, images) -> list[str]:
@@ -332,7 +403,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
         data = images / "chat.jsonl"
         return (["--model", str(build_model_dir(tmp_path / "text-model")), "--dataset", str(data)],
-                "an example holds images, but --model is a text-only model")
+                "chat.jsonl holds images, but --model")
     elif case == "processor_needs_torchvision":
         return (["--model", str(qwen2_vl_without_torchvision(tmp_path / "qwen2-vl")), "--dataset",
                  str(images / "chat.jsonl")], "its processor needs torchvision (`pip install torchvision`)")

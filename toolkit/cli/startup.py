@@ -106,3 +106,25 @@ def settle(argv: list[str] | None):
         leave_unimported(cfg.model.method, cfg.parallel, cfg.output.report_to)
     quiet()
     return cfg
+
+
+def resolve_images(cfg, model_path: str):
+    """`cfg` with --images made on or off, before the model or the data is read: on where the model is image-text
+    (`toolkit.model.vision.image_text`) and the data holds images (`toolkit.data.peek.data_images`), or where the
+    model trains only as an image-text one; images given to a text-only model are one line (unless off)."""
+    from transformers import AutoConfig
+
+    from toolkit.data.peek import data_images
+    from toolkit.errors import UserError
+    from toolkit.model.vision import image_text, only_image_text
+
+    if cfg.data.images == "off":
+        return cfg
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    pictured = cfg.data.images == "on" or data_images(cfg.data_settings)
+    if pictured and not image_text(config):
+        raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is a text-only "
+                        "model (no vision_config in its config.json); train an image-text model, or pass --images "
+                        "off to train on the text alone")
+    on = pictured or only_image_text(config)
+    return cfg.replace(images="on" if on else "off")

@@ -88,6 +88,9 @@ class DataConfig:
                           "user_role=customer,assistant_role=agent)")
     system_prompt: str = _f("", "system message added to every conversation that has none")
     train_on_prompt: bool = _f(False, "also train on prompt tokens (default: completions only)")
+    images: str = _f("auto", "train on the data's images (an image-text model, toolkit/data/images.py), or off: on the "
+                             "text alone; auto: on where the model is image-text and the data has images, or where "
+                             "the model loads only as an image-text model", ("auto", "on", "off"))
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
     padding_free: Optional[bool] = _f(None, "lay each micro-batch's examples (a pair's chosen and rejected) end to "

@@ -16,7 +16,7 @@ from toolkit.config.schema import DataConfig, DataSettings
 from toolkit.data.table import DataStats
 from toolkit.data.formats import (OPTIONAL_COLUMNS, DataSource, detect_format, load_records, map_columns, record_place,
                                   to_conversation, unread_mapping, with_system_prompt)
-from toolkit.data.images import IMAGE_COLUMNS, has_images, with_images
+from toolkit.data.images import IMAGE_COLUMNS, has_images, with_images, without_images
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
@@ -69,8 +69,11 @@ def as_example(row: dict, fmt: str, index: int, data: DataConfig, source: DataSo
         raise UserError(f"{source.flag} {record_place(source.path, index)}: {e}") from None
     if fmt == "text":
         return conv, False
-    if any(c in row for c in IMAGE_COLUMNS) or has_images(conv):
+    # the resolved --images (`toolkit.cli.startup.resolve_images`; still auto when the columns are first checked)
+    if data.images == "on" and (any(c in row for c in IMAGE_COLUMNS) or has_images(conv)):
         conv = with_images(conv, row, source.path, f"{source.flag} {record_place(source.path, index)}: ")
+    elif data.images == "off" and has_images(conv):
+        conv = without_images(conv)
     given = with_system_prompt(conv, data.system_prompt)
     if not data.train_on_prompt and not any(m["role"] == "assistant" for m in given):
         raise UserError(f"{source.flag} {record_place(source.path, index)} has no assistant turn, so it has nothing "
@@ -90,7 +93,7 @@ def source_format(columns: list[str], settings: DataSettings, source: DataSource
     spec, flag = source.path, source.flag
     wants = form(settings.objective)
     pictured = [c for c in IMAGE_COLUMNS if c in columns]
-    if pictured and wants != "conversations":
+    if pictured and wants != "conversations" and settings.data.images == "on":
         raise UserError(f"--objective {settings.objective}: {flag} {spec} has images (column '{pictured[0]}'), which "
                         "only SFT reads yet; train SFT on them, or drop the column")
     # prompts: their completions are sampled in the loop (`toolkit.data.prompts`)

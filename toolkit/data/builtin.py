@@ -39,6 +39,8 @@ PROMPTS = [
     "Ledger style for {d}, please.",
 ]
 BUILTIN = ("dates", "date-pairs", "arithmetic", "shapes")
+# the built-ins whose records hold images
+IMAGE_BUILTINS = ("shapes",)
 SHAPE_COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40),
                 "purple": (140, 60, 180), "orange": (240, 140, 30)}
 SHAPE_QUESTION = "What size and color is the shape?"

@@ -15,6 +15,7 @@ prepared ones, and passed to the model under `MEDIA` keys (`toolkit.data.packing
 from __future__ import annotations
 
 import hashlib
+import os
 
 from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, template_messages
 from toolkit.errors import UserError
@@ -29,11 +30,16 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     text = processor.apply_chat_template(template_messages(conv), tokenize=False)
     spans, cursor = [], 0
     specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
-    for m in conv:
+    # every token trains: no answer to find
+    for m in [] if train_on_prompt else conv:
         for piece in answer_texts(m):
-            if not piece or (m["role"] == "assistant" and blank(piece)):
+            if not piece.strip() or (m["role"] == "assistant" and blank(piece)):
                 continue
+            # templates that trim a part's text (Gemma 3's) keep it without the spaces around
             start = text.find(piece, cursor)
+            if start < 0:
+                piece = piece.strip()
+                start = text.find(piece, cursor)
             if start < 0:
                 raise UserError(f"{where}the processor's chat template dropped or rewrote a message's text, so prompt "
                                 "and answer cannot be told apart; use --train-on-prompt or another --chat-template")
@@ -113,6 +119,10 @@ class ImageRows(list):
         return h.hexdigest()
 
 
+# the processors' outputs that hold a value per token (B, T, ...): cut with the ids
+PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
+
+
 class MediaCollate:
     """A micro-batch of `ImageRows` right-padded, with the processor's image inputs (its ids checked equal to the
     prepared ones) under `MEDIA` keys; a tensor of the processor's that is per token (B, T, ...) cut as the ids are."""
@@ -136,13 +146,10 @@ class MediaCollate:
             n = len(x["input_ids"])
             if enc["input_ids"][i, :n].tolist() != x["input_ids"]:
                 raise RuntimeError(f"the processor tokenized example {i} of a batch unlike when it was prepared")
-        shape = tuple(enc["input_ids"].shape)
         for k, v in enc.items():
             if k in ("input_ids", "attention_mask") or not torch.is_tensor(v):
                 continue
-            if tuple(v.shape[:2]) == shape:
-                v = v[:, :width]
-            out[MEDIA + k] = v
+            out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
         return out
 
 
@@ -185,6 +192,13 @@ def prepare_images(settings, processor) -> tuple:
     elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
+    plain = sum(not r["images"] for r in [*train, *held])
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if plain and ranks > 1:
+        raise UserError(f"--dataset {d.dataset}: {plain} of {len(train) + len(held)} examples have no image; on "
+                        f"{ranks} ranks a micro-batch without one skips the vision tower the other ranks run "
+                        "(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): give each example an image, "
+                        "or train on one process")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 

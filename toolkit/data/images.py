@@ -57,29 +57,71 @@ def content_parts(value: Any, where: str) -> str | list[dict]:
 
 
 def has_images(conv: list[dict] | str) -> bool:
+    """A conversation with an image part."""
     return not isinstance(conv, str) and any(isinstance(m["content"], list) for m in conv)
 
 
 def image_refs(conv: list[dict]) -> list[str]:
+    """The image references of a conversation's parts, in order."""
     return [p["image"] for m in conv if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
 
 
 def with_images(conv: list[dict], row: dict, data_file: str, where: str) -> list[dict]:
-    """`conv` with the record's image column placed at its `<image>` placeholders (else before the first user turn's
-    text), and every image reference resolved against `data_file`'s folder and checked to exist."""
+    """`conv` with the record's image column placed: in its image parts that name no image (Hugging Face's
+    `{"type": "image"}` beside an `images` column), else at its `<image>` placeholders, else before the first user
+    turn's text; every image reference resolved against `data_file`'s folder and checked to exist."""
     column = next((c for c in IMAGE_COLUMNS if row.get(c) not in (None, [], "")), None)
-    if column is not None:
-        given = row[column] if isinstance(row[column], list) else [row[column]]
-        conv = _placed(conv, [str(g.get("path") if isinstance(g, dict) else g) for g in given], column, where)
+    given = [] if column is None else row[column] if isinstance(row[column], list) else [row[column]]
+    refs = [image_value(g, where) for g in given]
+    bare = sum(p["image"] == "" for m in conv if isinstance(m["content"], list) for p in m["content"]
+               if p["type"] == "image")
+    if bare:
+        if bare != len(refs):
+            raise UserError(f"{where}has {bare} image part{'s' * (bare != 1)} that name no image but {len(refs)} "
+                            f"image{'s' * (len(refs) != 1)} in {repr(column) if column else 'no image column'}; give "
+                            "one image per part")
+        queue = iter(refs)
+        conv = [{**m, "content": [{"type": "image", "image": next(queue)} if p["type"] == "image" and p["image"] == ""
+                                  else p for p in m["content"]]} if isinstance(m["content"], list) else m for m in conv]
+    elif column is not None:
+        conv = _placed(conv, refs, column, where)
     elif any(isinstance(m["content"], str) and PLACEHOLDER in m["content"] for m in conv) and \
             any(c in row for c in IMAGE_COLUMNS):
         raise UserError(f"{where}has {PLACEHOLDER} placeholders but no images in its image column")
-    folder = Path(data_file).expanduser().parent if Path(data_file).expanduser().exists() else Path(".")
+    data = Path(data_file).expanduser()
+    # a folder of data files: paths are relative to it
+    folder = data if data.is_dir() else data.parent if data.exists() else Path(".")
     for m in conv:
         if isinstance(m["content"], list):
             m["content"] = [{"type": "image", "image": _resolved(p["image"], folder, where)} if p["type"] == "image"
                             else p for p in m["content"]]
     return conv
+
+
+def image_value(value: Any, where: str) -> str:
+    """An image column's entry as a reference: a path or URL as it is; a decoded image (datasets' Image feature gives
+    PIL images) or its {"bytes", "path"} dict as a data URL, or its path."""
+    import base64
+    import io
+
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        if value.get("bytes"):
+            return "data:image;base64," + base64.b64encode(value["bytes"]).decode()
+        return str(value["path"])
+    if hasattr(value, "save") and hasattr(value, "size"):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    raise UserError(f"{where}an entry of its image column is {type(value).__name__} {str(value)[:40]!r}: give a "
+                    "path, a data URL, or an image (PIL, or datasets' {bytes, path})")
+
+
+def without_images(conv: list[dict]) -> list[dict]:
+    """`conv` as text alone (--images off): each turn's text parts joined, its images left out."""
+    return [{**m, "content": "".join(p["text"] for p in m["content"] if p["type"] == "text")}
+            if isinstance(m["content"], list) else m for m in conv]
 
 
 def _placed(conv: list[dict], images: list[str], column: str, where: str) -> list[dict]:
@@ -153,6 +195,7 @@ def template_messages(conv: list[dict]) -> list[dict]:
 
 
 def answer_texts(message: dict) -> list[str]:
+    """A message's text parts (its content, where that is a string)."""
     content = message["content"]
     return [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
 

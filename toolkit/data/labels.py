@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.images import MEDIA
 from toolkit.data.tokenize import IGNORE_INDEX
 
 
@@ -50,5 +51,7 @@ def check_window(batch: dict, vocab_size: int, rows: int = 2, budget: int = CHEC
     # token j predicts label j + 1
     start = has[order].to(torch.int8).argmax(1).clamp(max=s - length)
     index = start[:, None] + torch.arange(length, device=labels.device)
+    # an image batch's inputs are left out: a window cuts its image tokens from their features, and the check is of
+    # the loss head, which both sides then run on the same text-only rows
     return {k: v[order].gather(1, index.to(v.device)) if v.shape == labels.shape else v[order.to(v.device)]
-            for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+            for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2 and not k.startswith(MEDIA)}

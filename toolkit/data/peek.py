@@ -145,3 +145,33 @@ def _parquet_columns(path: Path, flag: str) -> tuple[list[str], list[dict]] | No
         return pq.read_schema(path).names, []
     except Exception:  # noqa: BLE001 - a damaged file: the full read says so
         return None
+
+
+def data_images(settings: DataSettings) -> bool:
+    """The training data holds images: an image column (the mapping applied) with a value, or a turn whose content
+    lists an image part. Read from the peeked records, else from the first 100 of the full read; a built-in says."""
+    from toolkit.data.builtin import IMAGE_BUILTINS
+    from toolkit.data.formats import load_records, map_columns
+    from toolkit.data.images import IMAGE_COLUMNS, reference
+
+    def pictured(turns) -> bool:
+        return isinstance(turns, list) and any(
+            isinstance(value, list) and any(isinstance(p, dict) and reference(p) is not None for p in value)
+            for t in turns if isinstance(t, dict) for value in t.values())
+
+    for source in data_sources(settings.data):
+        if source.path.startswith("builtin:"):
+            if source.path.split(":", 1)[1] in IMAGE_BUILTINS:
+                return True
+            continue
+        peeked = peek(source)
+        if peeked is not None and peeked[1]:
+            renames = column_renames(peeked[0], source)
+            rows = [{renames.get(k, k): v for k, v in r.items()} for r in peeked[1]]
+        else:
+            records = map_columns(load_records(source.path, source.flag), source)
+            rows = [records[i] for i in range(min(100, len(records)))]
+        if any(row.get(c) not in (None, [], "") for row in rows for c in IMAGE_COLUMNS) or \
+                any(pictured(v) for row in rows for v in row.values()):
+            return True
+    return False

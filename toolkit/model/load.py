@@ -63,16 +63,16 @@ def load_dtype(cfg: Config) -> torch.dtype:
     return compute_dtype(cfg) if cfg.model.method == "lora" else torch.float32
 
 
-def nf4_config(config, compute: torch.dtype):
+def nf4_config(config, compute: torch.dtype, images: bool = False):
     """QLoRA's quantization: NF4 with double quantization, computing in `compute`; an image-text model's vision
-    side and output head left as they are (`toolkit.model.vision.unquantized`)."""
+    side and output head left as they are (`toolkit.model.vision.unquantized`; `images`: the run reads images)."""
     from transformers import BitsAndBytesConfig
 
-    from toolkit.model.vision import image_text, unquantized
+    from toolkit.model.vision import unquantized
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=torch.uint8,
-                              llm_int8_skip_modules=unquantized(config) if image_text(config) else None)
+                              llm_int8_skip_modules=unquantized(config, images))
 
 
 def load_model(cfg: Config, path: str):
@@ -82,25 +82,27 @@ def load_model(cfg: Config, path: str):
     weights and adapter init."""
     from transformers import AutoConfig
 
-    from toolkit.model.vision import auto_class, freeze_vision, image_text
+    from toolkit.model.vision import auto_class, freeze_vision
 
     kwargs: dict = {"trust_remote_code": cfg.model.trust_remote_code, "dtype": load_dtype(cfg),
                     **router_kwargs(cfg.model)}
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    # the resolved --images (`toolkit.cli.startup.resolve_images`)
+    images = cfg.data.images == "on"
     if cfg.model.method == "qlora":
-        kwargs["quantization_config"] = nf4_config(config, compute_dtype(cfg))
+        kwargs["quantization_config"] = nf4_config(config, compute_dtype(cfg), images)
         if torch.cuda.is_available():
             kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     try:
-        model = auto_class(config).from_pretrained(path, **kwargs)
+        model = auto_class(config, images).from_pretrained(path, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
                             "if you trust its author") from None
         raise
     model.config.use_cache = False
-    if image_text(config):
-        freeze_vision(model, cfg.model.train_vision, cfg.model.method)
+    model.config.get_text_config().use_cache = False
+    freeze_vision(model, cfg.model.train_vision, cfg.model.method)
     return model
 
 
@@ -124,8 +126,9 @@ class ModelShape:
     lora_targets: str = "all-linear"
     # the SFT adapter trained on (`sft_adapter`)
     adapter: str | None = None
-    # image-text models: --train-vision
+    # image-text models: --train-vision, and the run reads images (the resolved --images)
     train_vision: str = "none"
+    images: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelShape":
@@ -133,7 +136,8 @@ class ModelShape:
 
         m = cfg.model
         return cls(m.method, m.attn, *end_to_end(cfg), cfg.data.seq_len, m.experts, cfg.train.kernels, m.lora_r,
-                   m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(m), m.train_vision)
+                   m.lora_alpha, m.lora_dropout, m.lora_targets, sft_adapter(m), m.train_vision,
+                   cfg.data.images == "on")
 
 
 def apply_kernels(model, shape: ModelShape) -> None:
@@ -154,11 +158,10 @@ def attention(shape: ModelShape, model) -> tuple[str | None, str]:
     Rows cut by --cp go through the Ulysses wrapper of the model's own attention; unpacked rows go padding-free
     where the kernel picked keeps them apart (`toolkit.model.attention.end_to_end`)."""
     from toolkit.model.attention import choose_attention
-    from toolkit.model.vision import image_text
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # image batches are padded (`toolkit.data.images`)
-    padding_free = None if image_text(model.config) else shape.padding_free
+    # image batches are padded (`toolkit.data.image_rows`)
+    padding_free = None if shape.images else shape.padding_free
     return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, padding_free)
 
 
@@ -174,7 +177,7 @@ def apply_lora(model, shape: ModelShape, base: str | None = None):
     if shape.adapter is not None:
         model = PeftModel.from_pretrained(model, shape.adapter, is_trainable=True)
     else:
-        from toolkit.model.vision import image_text, language_linears, lora_extras
+        from toolkit.model.vision import has_vision, language_linears, lora_extras
 
         targets: str | list[str] = shape.lora_targets
         skip = untargetable_linears(model)
@@ -182,9 +185,11 @@ def apply_lora(model, shape: ModelShape, base: str | None = None):
         if targets != "all-linear":
             targets = [t.strip() for t in targets.split(",") if t.strip()]
             check_lora_targets(model, targets)
-        elif image_text(model.config):
-            # all-linear on the language model only: the vision side trains as --train-vision says
-            targets, saved = language_linears(model, set(skip)), lora_extras(model, shape.train_vision)
+        if has_vision(model):
+            # the language model's Linears only (all, or those --lora-targets names): the vision side trains as
+            # --train-vision says
+            targets, saved = (language_linears(model, set(skip), None if targets == "all-linear" else targets),
+                              lora_extras(model, shape.train_vision))
         lora = LoraConfig(r=shape.lora_r, lora_alpha=shape.lora_alpha, lora_dropout=shape.lora_dropout,
                           target_modules=targets, exclude_modules=sorted(skip) or None, modules_to_save=saved,
                           task_type="CAUSAL_LM", bias="none")
@@ -257,7 +262,8 @@ def check_model(cfg: Config, path: str) -> str:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
         with init_empty_weights():
-            skeleton = auto_class(config).from_config(config, trust_remote_code=m.trust_remote_code)
+            skeleton = auto_class(config, cfg.data.images == "on").from_config(config,
+                                                                                trust_remote_code=m.trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"--model {path} needs its own code to run; pass --trust-remote-code "
@@ -358,12 +364,14 @@ def merged_model_dir(adapter: str, base: str, trust_remote_code: bool = False) -
 def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = torch.float32,
                        trust_remote_code: bool = False, flag: str = "--model"):
     """A full model folder or an adapter folder (base from `base` or from the adapter's config). A
-    model that asks to run its own code is refused unless `trust_remote_code`, naming `flag`."""
+    model that asks to run its own code is refused unless `trust_remote_code`, naming `flag`. A folder that holds an
+    image processor (final/ of a run that read images) loads as an image-text model (`auto_class`)."""
     from transformers import AutoConfig
 
     from toolkit.model.vision import auto_class
 
     where = f"{flag} {path}"
+    images = (Path(path) / "preprocessor_config.json").is_file()
     try:
         if is_adapter_dir(path):
             from peft import PeftModel
@@ -371,11 +379,12 @@ def load_for_inference(path: str, base: str | None = None, dtype: torch.dtype = 
             base_path = resolve_model(base) if base else adapter_base_path(path, flag)
             where = f"the base model {base or adapter_base(path, flag)}"
             config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
-            base_model = auto_class(config).from_pretrained(base_path, dtype=dtype, trust_remote_code=trust_remote_code)
+            base_model = auto_class(config, images).from_pretrained(base_path, dtype=dtype,
+                                                                   trust_remote_code=trust_remote_code)
             return PeftModel.from_pretrained(base_model, path)
         path = resolve_model(path)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return auto_class(config).from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return auto_class(config, images).from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise UserError(f"{where} needs its own code to run; pass --trust-remote-code if you trust its "

@@ -26,11 +26,22 @@ def image_text(config) -> bool:
         config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def auto_class(config):
-    """The Auto class that builds this config's model for training: image-text or causal LM."""
+def only_image_text(config) -> bool:
+    """An image-text model transformers builds no causal LM of (LLaVA, Idefics3): it trains as one even on text.
+    Gemma 3, Mllama, Llama 4, Qwen3.5 also load as causal LMs, and train text as those."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return image_text(config) and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def auto_class(config, images: bool = False):
+    """The Auto class that builds this config's model: image-text where the run reads images (`images`, the resolved
+    --images) or the model is `only_image_text`, else the causal LM (a model of both kinds trained on text loads as it
+    did before images were read)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if image_text(config) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if (images and image_text(config)) or only_image_text(config) \
+        else AutoModelForCausalLM
 
 
 def load_processor(path: str, trust_remote_code: bool = False):
@@ -41,10 +52,10 @@ def load_processor(path: str, trust_remote_code: bool = False):
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ImportError as e:
-        package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()),
-                       "a package that is not installed")
-        raise UserError(f"--model {path}: its processor needs {package} (`pip install {package}`): "
-                        f"{' '.join(str(e).split())[:160]}") from None
+        package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()), None)
+        needs = f"{package} (`pip install {package}`, the build that matches your torch)" if package else \
+            "a package that is not installed"
+        raise UserError(f"--model {path}: its processor needs {needs}: {' '.join(str(e).split())[:160]}") from None
     except (OSError, ValueError) as e:
         raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
@@ -52,12 +63,19 @@ def load_processor(path: str, trust_remote_code: bool = False):
 
 
 def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    """The module name of `target` in `model`."""
     return next(name for name, module in model.named_modules() if module is target)
 
 
+def has_vision(model: torch.nn.Module) -> bool:
+    """`model` holds a vision tower (an image-text model loaded as one; Mllama's causal LM holds none)."""
+    vision = getattr(model.config, "vision_config", None)
+    return vision is not None and any(getattr(m, "config", None) is vision for m in model.modules())
+
+
 def parts(model: torch.nn.Module) -> dict[str, str]:
-    """{part: module name} of an image-text model: `language`, `tower`, and `projector` where the model has one
-    (module names under `model`'s own, so a peft wrapper's prefix is not in them)."""
+    """{part: module name} of an image-text model (`has_vision`): `language`, `tower`, and `projector` where the model
+    has one (module names under `model`'s own, so a peft wrapper's prefix is not in them)."""
     config = model.config
     language = _name_of(model, model.get_decoder())
     tower = next(name for name, module in model.named_modules()
@@ -73,31 +91,38 @@ def parts(model: torch.nn.Module) -> dict[str, str]:
     return found
 
 
-def unquantized(config) -> list[str]:
+def unquantized(config, images: bool) -> list[str] | None:
     """What QLoRA leaves unquantized in an image-text model (bitsandbytes' `llm_int8_skip_modules`): the vision tower,
-    the projector and the output head, named on a weightless skeleton."""
+    the projector and the output head of the class `auto_class` loads, named on a weightless skeleton; None where it
+    holds no vision tower."""
     from accelerate import init_empty_weights
 
+    if not image_text(config):
+        return None
     with init_empty_weights():
-        skeleton = auto_class(config).from_config(config)
+        skeleton = auto_class(config, images).from_config(config)
+    if not has_vision(skeleton):
+        return None
     found = parts(skeleton)
     return [name for name in (found["tower"], found.get("projector"),
                               _name_of(skeleton, skeleton.get_output_embeddings())) if name]
 
 
-def language_linears(model: torch.nn.Module, skip: set[str] = frozenset()) -> str:
-    """peft's `target_modules` (a regex, matched whole) for the language model's Linears, less `skip`: all-linear on
-    the text side only, so the vision tower and the projector keep their weights."""
+def language_linears(model: torch.nn.Module, skip: set[str] = frozenset(), names: list[str] | None = None) -> str:
+    """peft's `target_modules` (a regex, matched whole) for the language model's Linears, less `skip` (`names`: only
+    those with these leaf names, --lora-targets): the text side only, so the vision tower and the projector (whose
+    q_proj and v_proj share the names) keep their weights."""
     language = parts(model)["language"]
     leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.get_submodule(language).named_modules()
-                     if isinstance(module, torch.nn.Linear) and f"{language}.{name}" not in skip})
+                     if isinstance(module, torch.nn.Linear) and f"{language}.{name}" not in skip
+                     and (names is None or name.rsplit(".", 1)[-1] in names)})
     return rf"{re.escape(language)}\..*\.({'|'.join(map(re.escape, leaves))})"
 
 
 def freeze_vision(model: torch.nn.Module, train_vision: str, method: str) -> None:
     """The vision side's `requires_grad` for a full finetune: the tower frozen unless --train-vision all; the projector
     trains (LoRA runs freeze the whole base and add what --train-vision names as modules_to_save: `lora_extras`)."""
-    if method != "full" or train_vision == "all":
+    if method != "full" or train_vision == "all" or not has_vision(model):
         return
     for p in model.get_submodule(parts(model)["tower"]).parameters():
         p.requires_grad_(False)
@@ -110,15 +135,18 @@ def lora_extras(model: torch.nn.Module, train_vision: str) -> list[str] | None:
     return [found[n] for n in names if n in found] or None
 
 
-def processor_for(path: str, tokenizer, trust_remote_code: bool = False):
-    """The processor of the image-text model at `path` with the run's `tokenizer` in it (its pad token, its
-    --chat-template where the processor has no template of its own); None for a causal LM."""
-    from transformers import AutoConfig
-
-    if not image_text(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)):
-        return None
+def processor_for(path: str, tokenizer, trust_remote_code: bool = False, chat_template: str = ""):
+    """The processor of the image-text model at `path` with the run's `tokenizer` in it (its pad token), rendering with
+    --chat-template where given (the tokenizer carries it), else its own template."""
     processor = load_processor(path, trust_remote_code)
     processor.tokenizer = tokenizer
-    if not getattr(processor, "chat_template", None):
+    if chat_template or not getattr(processor, "chat_template", None):
         processor.chat_template = tokenizer.chat_template
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    try:
+        processor.apply_chat_template(probe, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a template that cannot take content parts fails in Jinja's own ways
+        raise UserError(f"--model {path}: the chat template cannot render a message with an image part "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:120]}); pass --chat-template FILE, a "
+                        "template that renders content parts") from None
     return processor

@@ -294,10 +294,11 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
         values["base_model_tp_plan"] = getattr(text_config(config), "base_model_tp_plan", None)
     problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method, par.ep)
-    from toolkit.model.vision import image_text
+    from toolkit.model.vision import only_image_text
 
     cut = [f"--{d} {n}" for d, n in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if n > 1]
-    if cut and image_text(config):
+    # a run that reads images (the resolved --images), or a model that trains only as an image-text one
+    if cut and (cfg.data.images == "on" or only_image_text(config)):
         problems.insert(0, f"{', '.join(cut)}: not yet for image-text models ({type(config).__name__}); their layouts "
                            "are data-parallel: DDP, --zero-stage 1/2/3 or --fsdp")
     if par.pp > 1 and not problems:

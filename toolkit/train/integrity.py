@@ -293,9 +293,12 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
     kwargs: dict = {"dtype": torch.float32}
     adapter = (Path(folder) / "adapter_config.json").is_file()
     config = AutoConfig.from_pretrained(base if adapter else folder)
+    rows = json.loads(Path(batch).read_text()) if isinstance(batch, str) else batch
+    # rows with images: the image-text class, as the run trained it
+    images = bool(rows) and "images" in rows[0]
     if load_4bit:
-        kwargs["quantization_config"] = nf4_config(config, torch.float32)
-    cls = auto_class(config)
+        kwargs["quantization_config"] = nf4_config(config, torch.float32, images)
+    cls = auto_class(config, images)
     if adapter:
         from peft import PeftModel
 
@@ -303,8 +306,7 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
     else:
         model = cls.from_pretrained(folder, **kwargs)
     model.eval()
-    rows = json.loads(Path(batch).read_text()) if isinstance(batch, str) else batch
-    if rows and "images" in rows[0]:
+    if images:
         from transformers import AutoProcessor
 
         # the folder's own processor: final/ reloads as a user loads it
