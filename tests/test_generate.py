@@ -37,7 +37,7 @@ def test_help_shows_every_default():
                  "greedy too (default: 1.0)", "sample instead of greedy decoding (default: greedy)"):
         assert want in text, want
     valued = [a for a in parser._actions if a.option_strings and a.nargs is None and not a.required
-              and a.dest not in ("prompt", "prompt_file")]  # the prompt itself has no default
+              and a.dest not in ("prompt", "prompt_file", "image")]  # the prompt itself (and its images) has no default
     assert len(valued) == 9 and all("default" in (a.help or "") or a.default is not None for a in valued)
     assert "(default: None)" not in text and "(default: False)" not in text
 

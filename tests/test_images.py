@@ -406,7 +406,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
                 "chat.jsonl holds images, but --model")
     elif case == "processor_needs_torchvision":
         return (["--model", str(qwen2_vl_without_torchvision(tmp_path / "qwen2-vl")), "--dataset",
-                 str(images / "chat.jsonl")], "its processor needs torchvision (`pip install torchvision`)")
+                 str(images / "chat.jsonl")], "its processor needs torchvision (`pip install torchvision`")
     elif case == "planner":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--strategy", "auto"],
                 "is an image-text model, and the planner does not count its vision side yet")
@@ -414,7 +414,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         rows = [{"prompt": "<image>What color?", "chosen": "red", "rejected": "blue", "images": ["images/0.png"]}] * 4
         (images / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return (["--model", str(llava), "--dataset", str(images / "pairs.jsonl"), "--objective", "dpo"],
-                "has images (column 'images'), which only SFT reads yet")
+                "--objective dpo: not yet for image-text models")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig)")
