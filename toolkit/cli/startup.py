@@ -120,8 +120,15 @@ def resolve_images(cfg, model_path: str):
 
     if cfg.data.images == "off":
         return cfg
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    pictured = cfg.data.images == "on" or data_images(cfg.data_settings)
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"--model {model_path} needs its own code to run; pass --trust-remote-code if you trust "
+                            "its author") from None
+        raise
+    # a text model's data is only peeked (no full read on every run): what it misses, tokenizing refuses
+    pictured = cfg.data.images == "on" or data_images(cfg.data_settings, full=image_text(config))
     if pictured and not image_text(config):
         raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is a text-only "
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "

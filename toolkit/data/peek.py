@@ -147,9 +147,10 @@ def _parquet_columns(path: Path, flag: str) -> tuple[list[str], list[dict]] | No
         return None
 
 
-def data_images(settings: DataSettings) -> bool:
+def data_images(settings: DataSettings, full: bool = True) -> bool:
     """The training data holds images: an image column (the mapping applied) with a value, or a turn whose content
-    lists an image part. Read from the peeked records, else from the first 100 of the full read; a built-in says."""
+    lists an image part. Read from the peeked records, else (`full`) from the first 100 of the full read, whose own
+    errors are left to the data's preparation to say; a built-in says."""
     from toolkit.data.builtin import IMAGE_BUILTINS
     from toolkit.data.formats import load_records, map_columns
     from toolkit.data.images import IMAGE_COLUMNS, reference
@@ -168,9 +169,15 @@ def data_images(settings: DataSettings) -> bool:
         if peeked is not None and peeked[1]:
             renames = column_renames(peeked[0], source)
             rows = [{renames.get(k, k): v for k, v in r.items()} for r in peeked[1]]
+        elif not full:
+            continue
         else:
-            records = map_columns(load_records(source.path, source.flag), source)
-            rows = [records[i] for i in range(min(100, len(records)))]
+            try:
+                records = map_columns(load_records(source.path, source.flag), source)
+                rows = [records[i] for i in range(min(100, len(records)))]
+            # a file the full read refuses (not UTF-8, ...): `prepare_data` says so in one line
+            except Exception:  # noqa: BLE001
+                continue
         if any(row.get(c) not in (None, [], "") for row in rows for c in IMAGE_COLUMNS) or \
                 any(pictured(v) for row in rows for v in row.values()):
             return True

@@ -298,7 +298,8 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
 
     cut = [f"--{d} {n}" for d, n in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if n > 1]
     # a run that reads images (the resolved --images), or a model that trains only as an image-text one
-    if cut and (cfg.data.images == "on" or only_image_text(config)):
+    images = getattr(getattr(cfg, "data", None), "images", "off") == "on"
+    if cut and (images or only_image_text(config)):
         problems.insert(0, f"{', '.join(cut)}: not yet for image-text models ({type(config).__name__}); their layouts "
                            "are data-parallel: DDP, --zero-stage 1/2/3 or --fsdp")
     if par.pp > 1 and not problems:
