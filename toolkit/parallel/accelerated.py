@@ -84,6 +84,9 @@ class DeepSpeedStrategy(Parts, Strategy):
         self.file_schedule, scheduler = zero.file_scheduler(self.settings, optimizer, total_steps)
         return scheduler
 
+    def schedule_words(self) -> str:
+        return "the --deepspeed file's schedule"
+
     def describe(self) -> str:
         # why its step 2 is slow
         slow = zero3_first_steps_note(self.ds_config)

@@ -166,6 +166,10 @@ class Strategy(Protocol):
         """The learning-rate schedule the layout brings (a --deepspeed file's), or None for --lr-schedule."""
         return None
 
+    def schedule_words(self) -> str:
+        """What the start-up line calls the schedule `scheduler` brought."""
+        return "the layout's schedule"
+
     @abstractmethod
     def describe(self) -> str:
         """The log lines that say how this layout runs (after `prepare`)."""

@@ -316,7 +316,7 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
     # Not passed to prepare(): accelerate would step it once per process.
     scheduler = strategy.scheduler(optimizer, total_steps)
-    schedule = "the --deepspeed file's schedule" if scheduler is not None else t.lr_schedule + (
+    schedule = strategy.schedule_words() if scheduler is not None else t.lr_schedule + (
         f" after {min(t.warmup_steps, total_steps)} warm-up steps" if t.warmup_steps else "")
     scheduler = scheduler or get_scheduler(
         t.lr_schedule, optimizer, num_warmup_steps=min(t.warmup_steps, total_steps), num_training_steps=total_steps)
