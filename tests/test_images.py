@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -35,10 +36,23 @@ def chat_record(image: str, answer: str) -> dict:
                          {"role": "assistant", "content": answer}]}
 
 
+def pair_records(first: int, last: int) -> list[dict]:
+    """TRL's image-text preference pairs (its `rlaif-v_formatted` layout: an images column, bare image parts in the
+    prompt, completions as content parts): for each image first..last-1, its color chosen over each other color. A
+    model blind to the images ranks at most the larger side of each two colors' pairs right."""
+    asked = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is it?"}]}]
+    names = list(COLORS)
+    return [{"images": [f"images/{i}.png"], "prompt": asked,
+             "chosen": [{"role": "assistant", "content": [{"type": "text", "text": names[i % 3]}]}],
+             "rejected": [{"role": "assistant", "content": [{"type": "text", "text": names[(i + k) % 3]}]}]}
+            for i in range(first, last) for k in (1, 2)]
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """24 one-color PNGs of varied sizes in `images/`, and chat.jsonl beside it: each asks the color (relative paths),
-    and one example with two images (one as OpenAI's image_url); mixed.jsonl adds a text-only example."""
+    and one example with two images (one as OpenAI's image_url); mixed.jsonl adds a text-only example; pairs_train.jsonl
+    and pairs_eval.jsonl, `pair_records` of images 0-15 and 16-23."""
     from PIL import Image
 
     d = tmp_path_factory.mktemp("vision")
@@ -52,6 +66,8 @@ def images(tmp_path_factory) -> Path:
         {"type": "image", "image": "images/1.png"}, {"type": "image_url", "image_url": {"url": "images/2.png"}},
         {"type": "text", "text": "same color?"}]}, {"role": "assistant", "content": "no"}]})
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, first, last in (("pairs_train", 0, 16), ("pairs_eval", 16, 24)):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pair_records(first, last)))
     rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
                                  {"role": "assistant", "content": "jumps"}]})
     (d / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -126,6 +142,46 @@ def test_the_forms_users_have_give_the_same_rows(llava, images, tmp_path):
     assert torch.equal(a["media:pixel_values"], b["media:pixel_values"])
 
 
+def test_image_pairs_train_the_completions_and_read_in_the_forms_users_have(llava, images, tmp_path):
+    """A pair's two sequences share the prompt and its image; labels on each completion and its end-of-turn token
+    only, ORPO's NLL labels on the chosen sequence's text, never an image token. ShareGPT's pairs (<image>, images
+    column) and a prompt with OpenAI's image_url give the rows TRL's layout gives; a batch is chosen, rejected, ..."""
+    from toolkit.data.image_rows import MediaCollate
+
+    base = ["--model", str(llava), "--objective", "dpo"]
+    processor, data = prepared(base + ["--dataset", str(images / "pairs_train.jsonl")])
+    tok, image_id = processor.tokenizer, processor.image_token_id
+    records = pair_records(0, 16)
+    assert len(data.train) == 32 and data.stats.dropped == 0
+    for row, r in zip(data.train, records):
+        for ids, labels, side in ((row["input_ids"], row["labels"], "chosen"),
+                                  (row["rejected_input_ids"], row["rejected_labels"], "rejected")):
+            assert ids.count(image_id) == TOKENS_PER_IMAGE
+            assert tok.decode([t for t in labels if t != -100]) == r[side][0]["content"][0]["text"] + "<|im_end|>"
+            assert all(t == -100 or t == i for t, i in zip(labels, ids))
+        assert image_id not in row["orpo_labels"] and sum(t != -100 for t in row["orpo_labels"]) == \
+            len(row["input_ids"]) - TOKENS_PER_IMAGE
+    first = records[:2]
+    sharegpt = [{"conversations": [{"from": "human", "value": "<image>What color is it?"}],
+                 "chosen": {"from": "gpt", "value": r["chosen"][0]["content"][0]["text"]},
+                 "rejected": {"from": "gpt", "value": r["rejected"][0]["content"][0]["text"]}, "images": r["images"]}
+                for r in first]
+    openai = [{"prompt": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": r["images"][0]}}, {"type": "text", "text": "What color is it?"}]}],
+        "chosen": r["chosen"][0]["content"][0]["text"], "rejected": r["rejected"][0]["content"][0]["text"]}
+        for r in first]
+    keys = ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "images", "orpo_labels")
+    for name, rows in (("sharegpt_pairs", sharegpt), ("openai_pairs", openai)):
+        (images / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        got = prepared(base + ["--dataset", str(images / f"{name}.jsonl")])[1].train
+        assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in list(data.train)[:2]], name
+    batch = MediaCollate(processor, tok.pad_token_id)(list(data.train)[:2])
+    assert batch["input_ids"].shape[0] == 4 and batch["media:pixel_values"].shape[0] == 4 and int(batch["pairs"]) == 2
+    assert batch["input_ids"][1, :len(data.train[0]["rejected_input_ids"])].tolist() == \
+        data.train[0]["rejected_input_ids"]
+    assert torch.equal(batch["media:pixel_values"][0], batch["media:pixel_values"][1])
+
+
 def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
     """datasets gives an Image feature's values as PIL images (or {bytes, path} undecoded): both become data URLs whose
     pixels are the file's; a bare image part takes them in order."""
@@ -196,6 +252,7 @@ def common(llava, images) -> list[str]:
 
 
 TERM_AT = 3
+LEARN_STEPS = 60
 ZOO = ("idefics3", "gemma3", "mllama")
 
 
@@ -210,24 +267,38 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
 def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
     """One process (micro-batch 4) and 2 ranks (micro-batch 2 each: the same global batch), one launch each: LoRA
     (also training the projector, and SIGTERMed at step TERM_AT of the 7 of an epoch), full; DDP LoRA, ZeRO-3 and
-    FSDP2 full, and the SIGTERMed run resumed on 2 ranks (`--resume auto`)."""
+    FSDP2 full, and the SIGTERMed run resumed on 2 ranks (`--resume auto`). The same for DPO on image pairs (ORPO and
+    SimPO on one process), and a DPO full finetune of LEARN_STEPS steps scored on held-out pairs."""
     out: dict[str, Path] = {}
+    pairs = ["--dataset", str(images / "pairs_train.jsonl"), "--objective", "dpo"]
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
            **{f"{kind}_{method}": ["--model", str(zoo[kind]), "--method", method, "--micro-batch-size", "4"]
-              for kind in ZOO for method in ("lora", "full")}}
+              for kind in ZOO for method in ("lora", "full")},
+           **{name: [*pairs, *flags, "--micro-batch-size", "4"] for name, flags in (
+               ("dpo_lora", []), ("dpo_full", ["--method", "full"]), ("dpo_term", ["--method", "full"]),
+               ("orpo", ["--objective", "orpo"]), ("simpo", ["--objective", "simpo"]),
+               ("dpo_learns", ["--method", "full", "--max-steps", str(LEARN_STEPS), "--lr-schedule", "constant",
+                               "--eval-dataset", str(images / "pairs_eval.jsonl"), "--eval-every", str(LEARN_STEPS),
+                               "--log-every", "10"]))}}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
-           "resumed": ["--micro-batch-size", "2", "--resume", "auto"]}
+           "resumed": ["--micro-batch-size", "2", "--resume", "auto"],
+           **{name: [*pairs, *flags, "--micro-batch-size", "2"] for name, flags in (
+               ("dpo_ddp", []), ("dpo_zero3", ["--method", "full", "--zero-stage", "3"]),
+               ("dpo_fsdp", ["--method", "full", "--fsdp"]),
+               ("dpo_resumed", ["--method", "full", "--fsdp", "--resume", "auto"]))}}
+    terms = {"term": "resumed", "dpo_term": "dpo_resumed"}
     for n, group in ((1, one), (2, two)):
         root = tmp_path_factory.mktemp(f"vision{n}")
         if n == 2:
-            shutil.copytree(out.pop("term"), root / "resumed")
-        env = {"term": {"TOOLKIT_FAULT": f"step:{TERM_AT}:signal=term"}} if n == 1 else None
+            for term, resumed in terms.items():
+                shutil.copytree(out.pop(term), root / resumed)
+        env = {term: {"TOOLKIT_FAULT": f"step:{TERM_AT}:signal=term"} for term in terms} if n == 1 else None
         for name, r in launch_layouts(root, common(llava, images), group, nproc=n, run_env=env).items():
-            assert r["exit"] == (143 if name == "term" else 0), f"{name}:\n{r['stderr'].read_text()[-3000:]}"
+            assert r["exit"] == (143 if name in terms else 0), f"{name}:\n{r['stderr'].read_text()[-3000:]}"
             out[name] = r["out"]
             out[name + ".stdout"] = r["stdout"]
     return out
@@ -250,6 +321,39 @@ def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
     assert len(got) == len(want) == 5
     assert got == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]
+
+
+@pytest.mark.parametrize("layout, reference", [("dpo_ddp", "dpo_lora"), ("dpo_zero3", "dpo_full"),
+                                               ("dpo_fsdp", "dpo_full"), ("dpo_resumed", "dpo_full")])
+def test_image_pairs_train_alike_on_every_data_parallel_layout(runs, layout, reference):
+    """DPO on image pairs: step 1's loss is ln 2 (the policy is its reference: the base with the adapters off, or the
+    log-probabilities computed before step 1); each step's loss within 1e-5 (relative, fp32) of one process's, a
+    full finetune SIGTERMed at step TERM_AT and resumed on 2 ranks under FSDP2 included (its reference read back
+    from the run's folder, not computed again from the trained weights)."""
+    want, got = losses(runs[reference]), losses(runs[layout])
+    assert len(got) == len(want) == 5 and want[0] == pytest.approx(math.log(2), rel=1e-6)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert want[-1] < want[0]
+    if layout == "dpo_resumed":
+        assert "reference: train pairs' log-probabilities read from" in runs["dpo_resumed.stdout"].read_text()
+
+
+def test_orpo_and_simpo_train_on_image_pairs(runs):
+    """ORPO (its NLL on the chosen sequences' text tokens) and SimPO train on image pairs: losses fall, the folder
+    reloads to the trained loss."""
+    for name in ("orpo", "simpo"):
+        got = losses(runs[name])
+        assert len(got) == 5 and got[-1] < got[0], (name, got)
+        assert json.loads((runs[name] / "integrity.json").read_text())["ok"]
+
+
+def test_dpo_on_image_pairs_learns_to_rank_by_the_picture(runs):
+    """After LEARN_STEPS steps of DPO the policy ranks (nearly) every held-out pair right: images 16-23 it never saw,
+    each color chosen over both others, where a model blind to the image ranks at most 9 of the 16 right (the larger
+    side of each two colors' pairs)."""
+    (record,) = [r for r in records(runs["dpo_learns"], "eval_loss")]
+    assert record["step"] == LEARN_STEPS
+    assert record["eval_rewards/accuracies"] >= 15 / 16 and record["eval_loss"] < 0.5 * math.log(2), record
 
 
 def test_the_saved_folder_loads_in_plain_transformers_and_peft(runs, llava, images):
@@ -410,11 +514,11 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
     elif case == "planner":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--strategy", "auto"],
                 "is an image-text model, and the planner does not count its vision side yet")
-    elif case == "preference_objective":
-        rows = [{"prompt": "<image>What color?", "chosen": "red", "rejected": "blue", "images": ["images/0.png"]}] * 4
-        (images / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return (["--model", str(llava), "--dataset", str(images / "pairs.jsonl"), "--objective", "dpo"],
-                "--objective dpo: not yet for image-text models")
+    elif case == "kto":
+        rows = [{"prompt": "<image>What color?", "completion": "red", "label": True, "images": ["images/0.png"]}] * 4
+        (images / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return (["--model", str(llava), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
+                "--objective kto: not yet for image-text models, which train sft, dpo, orpo or simpo")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig)")
@@ -424,7 +528,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
-                                  "processor_needs_torchvision", "planner", "preference_objective"])
+                                  "processor_needs_torchvision", "planner", "kto"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

@@ -21,9 +21,12 @@ from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, tem
 from toolkit.errors import UserError
 
 
-def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, where: str) -> dict | None:
+def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, where: str,
+           last_turn: bool = False) -> dict | None:
     """One conversation with images as a row: {input_ids, labels} expanded as the processor expands them, the
-    rendered `text` and the `images` it takes (see the module's docstring); None where --seq-len would cut an image."""
+    rendered `text` and the `images` it takes, and `text_labels`, every token's id but the processor's (ORPO's NLL
+    labels; see the module's docstring); None where --seq-len would cut an image. `last_turn`: labels on the last
+    message alone (a preference pair's completion)."""
     from toolkit.data.tokenize import IGNORE_INDEX, _answer_labels, blank
 
     tokenizer = processor.tokenizer
@@ -44,7 +47,7 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
                 raise UserError(f"{where}the processor's chat template dropped or rewrote a message's text, so prompt "
                                 "and answer cannot be told apart; use --train-on-prompt or another --chat-template")
             cursor = start + len(piece)
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and (not last_turn or m is conv[-1]):
                 end = cursor + next((len(t) for t in specials if text.startswith(t, cursor)), 0)
                 spans.append((start, end))
     plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -61,14 +64,39 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     labels, inserted = expanded_labels(ids0, labels0, ids, where)
     token = image_token_id(processor)
     inserted |= {k for k, t in enumerate(ids) if t == token}
+    # every text token; the image tokens never
+    text_labels = [IGNORE_INDEX if k in inserted else t for k, t in enumerate(ids)]
     if train_on_prompt:
-        # every text token trains; the image tokens never do
-        labels = [IGNORE_INDEX if k in inserted else t for k, t in enumerate(ids)]
+        labels = text_labels
     truncated = len(ids) > seq_len
     if truncated and max(inserted, default=-1) >= seq_len:
         return None
     return {"input_ids": ids[:seq_len], "labels": labels[:seq_len], "text": text, "images": refs,
-            "truncated": truncated}
+            "truncated": truncated, "text_labels": text_labels[:seq_len]}
+
+
+def encode_pair(processor, prompt: list[dict], chosen: str, rejected: str, seq_len: int,
+                where: str) -> dict | None:
+    """A preference pair with images as one row: prompt + chosen `encode`d (labels on the completion) in
+    `input_ids`/`labels`/`text`, prompt + rejected beside it (`rejected_*`), the prompt's `images` shared, and the
+    chosen sequence's `orpo_labels` (its text tokens, ORPO's NLL); None where --seq-len would cut an image."""
+    sides = [encode(processor, prompt + [{"role": "assistant", "content": c}], seq_len, False, where, last_turn=True)
+             for c in (chosen, rejected)]
+    if sides[0] is None or sides[1] is None:
+        return None
+    a, b = sides
+    return {"input_ids": a["input_ids"], "labels": a["labels"], "text": a["text"], "images": a["images"],
+            "rejected_input_ids": b["input_ids"], "rejected_labels": b["labels"], "rejected_text": b["text"],
+            "orpo_labels": a["text_labels"], "truncated": a["truncated"] or b["truncated"]}
+
+
+def pair_sequences(batch: list[dict]) -> list[dict]:
+    """A micro-batch of image pairs as 2 x len(batch) sequences, chosen at even rows and rejected at odd ones, each
+    with the pair's images (`toolkit.data.pairs.pair_rows`' order)."""
+    return [seq for x in batch for seq in (
+        {"input_ids": x["input_ids"], "labels": x["labels"], "text": x["text"], "images": x["images"]},
+        {"input_ids": x["rejected_input_ids"], "labels": x["rejected_labels"], "text": x["rejected_text"],
+         "images": x["images"]})]
 
 
 def image_token_id(processor) -> int | None:
@@ -104,18 +132,37 @@ def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: 
 
 
 class ImageRows(list):
-    """Rows of examples with images (`encode`'s dicts), with the processor that collates them (`MediaCollate`)."""
+    """Rows of examples with images (`encode`'s or `encode_pair`'s dicts), with the processor that collates them
+    (`MediaCollate`); a pair's row also gives its `reference` log-probabilities once they are attached
+    (`toolkit.objectives.preference.reference`), as `toolkit.data.table.Rows` does."""
 
     def __init__(self, rows: list[dict], processor):
         super().__init__(rows)
         self.processor = processor
-        self.lengths = [len(r["input_ids"]) for r in rows]
+        self.lengths = [len(r["input_ids"]) + len(r.get("rejected_input_ids", ())) for r in rows]
+        self.reference = None
+
+    def __getitem__(self, i):
+        row = super().__getitem__(i)
+        if self.reference is None or not isinstance(i, int):
+            return row
+        ref = self.reference[i].tolist()
+        # NaN: a row the reference pass did not score
+        if ref != ref:
+            raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.data.loader.rows_read and the "
+                               "loader disagree on the rows the run reads)")
+        return {**row, "ref_logps": ref}
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
 
     def digest(self) -> str:
         """sha256 of the rows' tokens, texts and image references."""
         h = hashlib.sha256()
-        for r in self:
-            h.update(repr((r["input_ids"], r["labels"], r["images"])).encode())
+        for r in list.__iter__(self):
+            h.update(repr((r["input_ids"], r["labels"], r["images"], r.get("rejected_input_ids"),
+                           r.get("rejected_labels"))).encode())
         return h.hexdigest()
 
 
@@ -135,7 +182,20 @@ class MediaCollate:
 
         from toolkit.data import collate_sequences
 
-        out = collate_sequences(batch, self.pad_id)
+        extras = {}
+        # preference pairs: their two sequences each, the pairs' count and reference, ORPO's NLL labels
+        if "rejected_input_ids" in batch[0]:
+            from toolkit.data.pairs import pair_extras
+            from toolkit.data.tokenize import IGNORE_INDEX
+
+            nll = [x["orpo_labels"] for x in batch]
+            extras = pair_extras(batch)
+            batch = pair_sequences(batch)
+        out = {**collate_sequences(batch, self.pad_id), **extras}
+        if extras:
+            out["orpo_labels"] = torch.full((len(nll), out["input_ids"].shape[1]), IGNORE_INDEX, dtype=torch.long)
+            for i, labels in enumerate(nll):
+                out["orpo_labels"][i, :len(labels)] = torch.tensor(labels)
         images = [[open_image(r) for r in x["images"]] for x in batch]
         if not any(images):
             return out
@@ -165,12 +225,16 @@ def prepare_images(settings, processor) -> tuple:
     from toolkit.data.table import DataStats
 
     d = settings.data
+    if form(settings.objective) not in ("conversations", "pairs"):
+        raise UserError(f"--objective {settings.objective}: not yet for image-text models, which train sft, dpo, orpo "
+                        "or simpo; choose one of those")
     blocked = ("a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else
-               "--packing" if d.packing else f"--objective {settings.objective}"
-               if form(settings.objective) != "conversations" else "")
+               "--packing" if d.packing else "")
     if blocked:
-        raise UserError(f"{blocked}: not yet for image-text models, which train SFT on one dataset file, padded "
+        raise UserError(f"{blocked}: not yet for image-text models, which train on one dataset file, padded "
                         "batches; leave it out")
+    if form(settings.objective) == "pairs":
+        return _prepare_pairs(settings, processor)
     fmt, convs, added, source = _read(settings, data_sources(d)[0])
     scored, answers = None, None
     if d.dataset.startswith("builtin:"):
@@ -192,14 +256,63 @@ def prepare_images(settings, processor) -> tuple:
     elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
-    plain = sum(not r["images"] for r in [*train, *held])
+    _every_image(train, held, d.dataset, "examples")
+    return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
+
+
+def _every_image(train: ImageRows, held: ImageRows, dataset: str, unit: str) -> None:
+    """One line where rows without an image would train on several ranks."""
+    plain = sum(not r["images"] for r in [*list.__iter__(train), *list.__iter__(held)])
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if plain and ranks > 1:
-        raise UserError(f"--dataset {d.dataset}: {plain} of {len(train) + len(held)} examples have no image; on "
+        raise UserError(f"--dataset {dataset}: {plain} of {len(train) + len(held)} {unit} have no image; on "
                         f"{ranks} ranks a micro-batch without one skips the vision tower the other ranks run "
                         "(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): give each example an image, "
                         "or train on one process")
-    return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
+
+
+def _prepare_pairs(settings, processor) -> tuple:
+    """`prepare_images` for preference pairs: each record read as the text pairs are
+    (`toolkit.data.pairs.to_pair`), its images placed in the prompt, --eval-split or --eval-dataset held out, each
+    pair `encode_pair`ed."""
+    from toolkit.data import check_trainable, data_sources, eval_source, split_indices
+    from toolkit.data.table import DataStats
+
+    d = settings.data
+    fmt, pairs, added, source = _read_pairs(settings, data_sources(d)[0])
+    train_idx, held_idx = split_indices(len(pairs), settings, "")
+    train, stats = _encoded_pairs(processor, settings, source, [(i, pairs[i]) for i in train_idx])
+    check_trainable(stats, settings, "training")
+    held, held_stats = _encoded_pairs(processor, settings, source, [(i, pairs[i]) for i in held_idx])
+    if not held_idx and d.eval_dataset:
+        _, held_pairs, _, held_source = _read_pairs(settings, eval_source(d))
+        held, held_stats = _encoded_pairs(processor, settings, held_source, list(enumerate(held_pairs)))
+    _every_image(train, held, d.dataset, "pairs")
+    return fmt, train, held, stats, held_stats or DataStats(), added, None, None
+
+
+def _read_pairs(settings, source):
+    """(format, each record as (prompt messages with its images, chosen, rejected), how many got --system-prompt,
+    `source`) of one file."""
+    from toolkit.data import source_format
+    from toolkit.data.formats import load_records, map_columns, record_place, with_system_prompt
+    from toolkit.data.images import with_images
+    from toolkit.data.pairs import to_pair
+
+    records = map_columns(load_records(source.path, source.flag), source)
+    fmt = source_format(records.column_names, settings, source, records[0])
+    pairs, added = [], 0
+    for i, row in enumerate(records):
+        where = f"{source.flag} {record_place(source.path, i)}: "
+        try:
+            prompt, chosen, rejected = to_pair(row, fmt, source.turns)
+        except UserError as e:
+            raise UserError(f"{where}{e}") from None
+        prompt = with_images(prompt, row, source.path, where)
+        given = with_system_prompt(prompt, settings.data.system_prompt)
+        added += given is not prompt
+        pairs.append((given, chosen, rejected))
+    return fmt, pairs, added, source
 
 
 def _read(settings, source):
@@ -211,6 +324,35 @@ def _read(settings, source):
     fmt = source_format(records.column_names, settings, source, records[0])
     pairs = [as_example(r, fmt, i, settings.data, source) for i, r in enumerate(records)]
     return fmt, [c for c, _ in pairs], sum(a for _, a in pairs), source
+
+
+def _encoded_pairs(processor, settings, source, indexed: list[tuple[int, tuple[list[dict], str, str]]]):
+    """(`ImageRows` of the pairs that keep a completion token on both sides, their `DataStats`: `tokens` both
+    sequences', `target_tokens` the fewer of their completions', as the text pairs' table counts them)."""
+    from toolkit.data.formats import record_place
+    from toolkit.data.table import DataStats
+    from toolkit.data.tokenize import IGNORE_INDEX, blank
+
+    rows, stats = [], DataStats()
+    for i, (prompt, chosen, rejected) in indexed:
+        stats.examples += 1
+        try:
+            row = encode_pair(processor, prompt, chosen, rejected, settings.data.seq_len, "")
+        except UserError as e:
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
+        empty = blank(chosen) or blank(rejected)
+        sides = () if row is None else (row["labels"], row["rejected_labels"])
+        targets = [sum(t != IGNORE_INDEX for t in labels) for labels in sides] or [0]
+        if row is None or empty or not min(targets):
+            stats.dropped += 1
+            stats.empty += int(empty)
+            stats.truncated += int(row is None or row["truncated"])
+            continue
+        stats.truncated += int(row.pop("truncated"))
+        stats.tokens += len(row["input_ids"]) + len(row["rejected_input_ids"])
+        stats.target_tokens += min(targets)
+        rows.append(row)
+    return ImageRows(rows, processor), stats
 
 
 def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | str]]):
@@ -234,6 +376,7 @@ def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | 
             stats.empty += int(empty)
             stats.truncated += int(row is None or row["truncated"])
             continue
+        row.pop("text_labels")
         stats.truncated += int(row.pop("truncated"))
         stats.tokens += len(row["input_ids"])
         stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])

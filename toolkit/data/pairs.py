@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config.columns import Turns
 from toolkit.config.schema import DataConfig
+from toolkit.data.images import content_parts, has_images, without_images
 from toolkit.data.tokenize import blank
 from toolkit.config.objectives import form
 from toolkit.errors import UserError
@@ -78,6 +79,9 @@ def _answer(value: Any, what: str, turns: Turns = Turns()) -> str:
         return value
     if isinstance(value, dict):
         text = value.get(turns.content) if turns.content else value.get("content", value.get("value"))
+        # content parts of text alone (TRL's image-text pairs write completions so)
+        if isinstance(text, list):
+            text = content_parts(text, "")
         if isinstance(text, str):
             return text
     if isinstance(value, list) and len(value) == 1:
@@ -86,14 +90,16 @@ def _answer(value: Any, what: str, turns: Turns = Turns()) -> str:
                     f"{type(value).__name__}{f' of {len(value)} turns' if isinstance(value, list) else ''}")
 
 
-def _messages(value: Any, what: str, turns: Turns = Turns()) -> list[dict[str, str]]:
+def _messages(value: Any, what: str, turns: Turns = Turns()) -> list[dict]:
     """A prompt (or a whole conversation) as messages: a string is one user turn; a list of {role, content}
-    (or of the keys and speakers `turns` names)."""
+    (or of the keys and speakers `turns` names), a content of parts as `toolkit.data.images.content_parts` reads
+    it (text parts joined; image parts kept, for an image-text model)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     role, content = turns.keys("role", "content")
     if isinstance(value, list) and all(isinstance(m, dict) and role in m and content in m for m in value):
-        return [{"role": turns.role_of(str(m[role])) or str(m[role]), "content": str(m[content] or "")} for m in value]
+        return [{"role": turns.role_of(str(m[role])) or str(m[role]),
+                 "content": content_parts(m[content], f"'{what}': ")} for m in value]
     raise UserError(f"'{what}' must be a string or a list of {{{role}, {content}}} messages")
 
 
@@ -160,6 +166,8 @@ def encode_pairs(rows: list[dict], indices: list[int], fmt: str, data: DataConfi
             prompt, chosen, rejected = to_pair(row, fmt, source.turns)
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
+        # a text model's run (--images off): the prompt's text alone
+        prompt = without_images(prompt) if has_images(prompt) else prompt
         given = with_system_prompt(prompt, data.system_prompt)
         added.append(given is not prompt)
         empty.append(blank(chosen) or blank(rejected))
@@ -222,6 +230,7 @@ def encode_kto(rows: list[dict], indices: list[int], fmt: str, data: DataConfig,
                 sides = [(chosen, True), (rejected, False)]
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
+        prompt = without_images(prompt) if has_images(prompt) else prompt
         given = with_system_prompt(prompt, data.system_prompt)
         for completion, good in sides:
             chats.append(given + [{"role": "assistant", "content": completion}])

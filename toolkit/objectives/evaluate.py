@@ -27,8 +27,9 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
 
     rank, ranks = strategy.data.rank, strategy.data.ranks
     index = list(range(rank, len(rows), ranks))
-    # rows with images: collated with their processor's inputs (`toolkit.data.images.ImageRows`)
-    processor = getattr(rows, "processor", None)
+    # rows with images (a Subset's too, the reference pass's): collated with their processor's inputs
+    # (`toolkit.data.image_rows.ImageRows`)
+    processor = getattr(rows, "processor", None) or getattr(getattr(rows, "dataset", None), "processor", None)
     for i in range(-(-len(rows) // (batch_size * ranks))):
         held = index[i * batch_size:(i + 1) * batch_size]
         chosen = [rows[j] for j in (held or index[:1] or [0])]

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.images import MEDIA
 from toolkit.data.tokenize import IGNORE_INDEX
 from toolkit.objectives.logps import sequence_logps
 
@@ -76,6 +77,9 @@ def orpo_labels(batch: dict) -> torch.Tensor:
     the sequences end to end (packed or padding-free: documents chosen, rejected, chosen, ...) get labels
     for every row: the chosen documents' ids, each document's first token unset (nothing before it in its
     document predicts it, as nothing does at a padded row's position 0)."""
+    # image pairs: their text tokens, the image tokens left out (`toolkit.data.image_rows.encode_pair`)
+    if "orpo_labels" in batch:
+        return batch["orpo_labels"]
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if "position_ids" not in batch:
         return ids[0::2].masked_fill(mask[0::2] == 0, IGNORE_INDEX)
@@ -90,12 +94,20 @@ def orpo_nll_tokens(batch: dict) -> torch.Tensor:
     ORPO trains the chosen sequence's prompt too)."""
     if "position_ids" in batch:
         return (orpo_labels(batch) != IGNORE_INDEX).sum()
+    if "orpo_labels" in batch:
+        return (batch["orpo_labels"][:, 1:] != IGNORE_INDEX).sum()
     return batch["attention_mask"][0::2, 1:].sum()
 
 
 def orpo_rows(batch: dict) -> dict:
     """The rows ORPO's NLL scores as a batch of their own (evaluation's whole-row forward, which a
-    pipeline gives no logits for): the chosen sequences, on `orpo_labels`."""
+    pipeline gives no logits for): the chosen sequences, on `orpo_labels`. Image pairs: every row with its images
+    (the processor's inputs are not split by row), the rejected rows' labels unset."""
+    media = {k: v for k, v in batch.items() if k.startswith(MEDIA)}
+    if media:
+        labels = torch.full_like(batch["labels"], IGNORE_INDEX)
+        labels[0::2] = orpo_labels(batch)
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels, **media}
     return {"input_ids": batch["input_ids"][0::2], "attention_mask": batch["attention_mask"][0::2],
             "labels": orpo_labels(batch)}
 
