@@ -182,6 +182,60 @@ def test_image_pairs_train_the_completions_and_read_in_the_forms_users_have(llav
     assert torch.equal(batch["media:pixel_values"][0], batch["media:pixel_values"][1])
 
 
+def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean next-token loss of `batch` (padded rows, or one row end to end) through `model`, and its gradients."""
+    import torch.nn.functional as F
+
+    from toolkit.data.packing import model_inputs
+
+    model.zero_grad()
+    logits = model(**model_inputs(batch)).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zoo, images, kind):
+    """Four examples (one with two images) end to end in one row, each one's image features at its own tokens, the
+    language model's attention kept to each example by the varlen kernel (the vision tower keeps its own): the loss
+    and every gradient of the padded batch, within 1e-5 (fp32; the kernels round apart). Pairs likewise: each
+    sequence's DPO log-probability."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.data.image_rows import MediaCollate
+    from toolkit.model.attention import register
+    from toolkit.objectives.logps import whole_row_logps
+
+    path = llava if kind == "llava" else zoo[kind]
+    processor, data = prepared(["--model", str(path), "--dataset", str(images / "chat.jsonl"), "--seq-len", "128"])
+    rows = [data.train[i] for i in (0, 1, 24, 2)]
+    assert len(rows[2]["images"]) == 2
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    model.set_attn_implementation({"text_config": register("varlen")})
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    pad = processor.tokenizer.pad_token_id
+    padded, free = MediaCollate(processor, pad)(rows), MediaCollate(processor, pad, padding_free=True, whole=True)(rows)
+    assert free["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))
+    assert torch.equal(padded["media:pixel_values"], free["media:pixel_values"])
+    want, want_grads = loss_and_grads(model, padded)
+    got, got_grads = loss_and_grads(model, free)
+    assert got == pytest.approx(float(want), rel=1e-5)
+    assert want_grads.keys() == got_grads.keys() and any(".vision_tower." in n or ".vision_model." in n
+                                                         for n in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # image pairs: each sequence's log-probability, chosen and rejected
+    _, pairs = prepared(["--model", str(path), "--dataset", str(images / "pairs_train.jsonl"), "--objective", "dpo",
+                         "--seq-len", "128"])
+    two = [pairs.train[0], pairs.train[3]]
+    want = whole_row_logps(model, MediaCollate(processor, pad)(two))
+    got = whole_row_logps(model, {**MediaCollate(processor, pad, padding_free=True, whole=True)(two), "documents": 4})
+    assert got.tolist() == pytest.approx(want.tolist(), rel=1e-5)
+
+
 def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
     """datasets gives an Image feature's values as PIL images (or {bytes, path} undecoded): both become data URLs whose
     pixels are the file's; a bare image part takes them in order."""
@@ -274,10 +328,12 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
+           "padded": ["--micro-batch-size", "4", "--no-padding-free"],
            **{f"{kind}_{method}": ["--model", str(zoo[kind]), "--method", method, "--micro-batch-size", "4"]
               for kind in ZOO for method in ("lora", "full")},
            **{name: [*pairs, *flags, "--micro-batch-size", "4"] for name, flags in (
                ("dpo_lora", []), ("dpo_full", ["--method", "full"]), ("dpo_term", ["--method", "full"]),
+               ("dpo_padded", ["--method", "full", "--no-padding-free"]),
                ("orpo", ["--objective", "orpo"]), ("simpo", ["--objective", "simpo"]),
                ("dpo_learns", ["--method", "full", "--max-steps", str(LEARN_STEPS), "--lr-schedule", "constant",
                                "--eval-dataset", str(images / "pairs_eval.jsonl"), "--eval-every", str(LEARN_STEPS),
@@ -321,6 +377,19 @@ def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
     assert len(got) == len(want) == 5
     assert got == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]
+
+
+@pytest.mark.parametrize("padded, free", [("padded", "lora"), ("dpo_padded", "dpo_full")])
+def test_image_runs_go_padding_free_by_default_with_the_padded_losses(runs, padded, free):
+    """LLaVA's image batches go padding-free by default (its image features are placed at their tokens in order):
+    each step's loss within 1e-5 of the same run's padded batches (--no-padding-free), SFT and DPO (whose reference
+    pass scores the rows end to end as it trains them)."""
+    said = runs[f"{free}.stdout"].read_text()
+    assert "batches: padding-free: each micro-batch's 4" in said and "with the processor's image inputs" in said
+    padded_said = runs[f"{padded}.stdout"].read_text()
+    assert "batches: padded to each micro-batch's longest row (--no-padding-free)" in padded_said
+    want, got = losses(runs[padded]), losses(runs[free])
+    assert len(got) == len(want) == 5 and got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout, reference", [("dpo_ddp", "dpo_lora"), ("dpo_zero3", "dpo_full"),

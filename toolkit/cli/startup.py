@@ -116,7 +116,7 @@ def resolve_images(cfg, model_path: str):
 
     from toolkit.data.peek import data_images
     from toolkit.errors import UserError
-    from toolkit.model.vision import image_text, only_image_text
+    from toolkit.model.vision import end_to_end_problem, image_text, only_image_text
 
     if cfg.data.images == "off":
         return cfg
@@ -134,4 +134,8 @@ def resolve_images(cfg, model_path: str):
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
     on = pictured or only_image_text(config)
+    why = on and cfg.data.padding_free and end_to_end_problem(config)
+    if why:
+        raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "
+                        "it out (this model's image batches are padded)")
     return cfg.replace(images="on" if on else "off")

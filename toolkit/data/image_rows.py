@@ -171,45 +171,67 @@ PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
 
 class MediaCollate:
-    """A micro-batch of `ImageRows` right-padded, with the processor's image inputs (its ids checked equal to the
-    prepared ones) under `MEDIA` keys; a tensor of the processor's that is per token (B, T, ...) cut as the ids are."""
+    """A micro-batch of `ImageRows` right-padded, or (`padding_free`) its examples end to end in one row as
+    `toolkit.data.packing.collate_padding_free` lays text (`whole`: with the documents' boundaries), with the
+    processor's image inputs (its ids checked equal to the prepared ones) under `MEDIA` keys; a tensor of the
+    processor's that is per token (B, T, ...) cut as the ids are. End to end, the image features go to their tokens
+    in the row in the order the padded batch places them (`toolkit.model.vision.end_to_end_problem`: models that need
+    more are padded)."""
 
-    def __init__(self, processor, pad_id: int):
-        self.processor, self.pad_id = processor, pad_id
+    def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False):
+        self.processor, self.pad_id, self.padding_free, self.whole = processor, pad_id, padding_free, whole
 
     def __call__(self, batch: list[dict]) -> dict:
         import torch
 
-        from toolkit.data import collate_sequences
-
-        extras = {}
-        # preference pairs: their two sequences each, the pairs' count and reference, ORPO's NLL labels
-        if "rejected_input_ids" in batch[0]:
-            from toolkit.data.pairs import pair_extras
-            from toolkit.data.tokenize import IGNORE_INDEX
-
-            nll = [x["orpo_labels"] for x in batch]
-            extras = pair_extras(batch)
-            batch = pair_sequences(batch)
-        out = {**collate_sequences(batch, self.pad_id), **extras}
-        if extras:
-            out["orpo_labels"] = torch.full((len(nll), out["input_ids"].shape[1]), IGNORE_INDEX, dtype=torch.long)
-            for i, labels in enumerate(nll):
-                out["orpo_labels"][i, :len(labels)] = torch.tensor(labels)
-        images = [[open_image(r) for r in x["images"]] for x in batch]
+        sequences = pair_sequences(batch) if "rejected_input_ids" in batch[0] else batch
+        out = self._rows(batch)
+        images = [[open_image(r) for r in x["images"]] for x in sequences]
         if not any(images):
             return out
-        enc = self.processor(text=[x["text"] for x in batch], images=images, add_special_tokens=False,
+        enc = self.processor(text=[x["text"] for x in sequences], images=images, add_special_tokens=False,
                              padding=True, padding_side="right", return_tensors="pt")
         width = out["input_ids"].shape[1]
-        for i, x in enumerate(batch):
+        for i, x in enumerate(sequences):
             n = len(x["input_ids"])
             if enc["input_ids"][i, :n].tolist() != x["input_ids"]:
                 raise RuntimeError(f"the processor tokenized example {i} of a batch unlike when it was prepared")
         for k, v in enc.items():
             if k in ("input_ids", "attention_mask") or not torch.is_tensor(v):
                 continue
+            if k in PER_TOKEN and self.padding_free:
+                raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
+        return out
+
+    def _rows(self, batch: list[dict]) -> dict:
+        """The tokens: padded rows, or one row end to end; a preference pair's two sequences each (chosen, then
+        rejected), with the pairs' count and reference and ORPO's NLL labels (`orpo_labels`: a padded batch's per
+        pair, an end-to-end row's laid out as its documents, each one's first unset)."""
+        import torch
+
+        from toolkit.data import collate_sequences
+        from toolkit.data.packing import collate_padding_free
+        from toolkit.data.tokenize import IGNORE_INDEX
+
+        if self.padding_free:
+            out = collate_padding_free(batch, self.pad_id, self.whole)
+        else:
+            pairs = "rejected_input_ids" in batch[0]
+            out = collate_sequences(pair_sequences(batch) if pairs else batch, self.pad_id)
+        if "rejected_input_ids" not in batch[0]:
+            return out
+        if self.padding_free:
+            nll = [[t for x in batch for t in [IGNORE_INDEX, *x["orpo_labels"][1:]]
+                    + [IGNORE_INDEX] * len(x["rejected_input_ids"])]]
+        else:
+            from toolkit.data.pairs import pair_extras
+
+            out.update(pair_extras(batch))
+            nll = [x["orpo_labels"] for x in batch]
+        out["orpo_labels"] = torch.full((len(nll), out["input_ids"].shape[1]), IGNORE_INDEX, dtype=torch.long)
+        for i, labels in enumerate(nll):
+            out["orpo_labels"][i, :len(labels)] = torch.tensor(labels)
         return out
 
 

@@ -110,17 +110,20 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
     padding-free where `toolkit.model.attention.padding_free_on` says (`attn`: the model's attention), said in one
     line either way. `sequences`: an example's sequences (a pair's two), each up to --seq-len tokens; `unit`: what
     an example is called."""
-    from toolkit.model.attention import padding_free_on
+    from toolkit.model.attention import end_to_end, padding_free_on
 
     processor = getattr(train_rows, "processor", None)
-    # images: padded batches, the processor's inputs beside them (`toolkit.data.image_rows`)
-    padding_free = padding_free_on(cfg, attn) and processor is None
+    padding_free = padding_free_on(cfg, attn)
+    # images: the processor's inputs beside the rows (`toolkit.data.image_rows`)
     if processor is not None:
-        log("batches: padded to each micro-batch's longest row, with the processor's image inputs "
-            "(padding-free image batches: not yet)")
+        # not padding-free where it would be for text: the model's attention line says why
+        why = "this model's images are tied to their rows: its attention line says how" \
+            if not padding_free and end_to_end(cfg)[1] == "auto" else None
+        log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else ""), why)
+            + ", with the processor's image inputs")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
                           sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
-                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id),
+                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id, padding_free, whole),
                           generator=torch.Generator().manual_seed(cfg.train.seed))
     if not cfg.data.packing:
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else "")))
@@ -141,8 +144,9 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
     return make_loader(train_rows, cfg, tokenizer.pad_token_id, pin, whole, width, padding_free)
 
 
-def padding_free_line(cfg, attn: str | None, on: bool, unit: str = "examples") -> str:
-    """What an unpacked run's batches are: padding-free, or padded and why (`unit`: what an example is called)."""
+def padding_free_line(cfg, attn: str | None, on: bool, unit: str = "examples", why: str | None = None) -> str:
+    """What an unpacked run's batches are: padding-free, or padded and why (`unit`: what an example is called; `why`:
+    the reason, where the caller knows it)."""
     from toolkit.model.attention import kernel_of
     from toolkit.config import padding_free_blocked
 
@@ -150,6 +154,6 @@ def padding_free_line(cfg, attn: str | None, on: bool, unit: str = "examples") -
     if on:
         return (f"batches: padding-free: each micro-batch's {cfg.train.micro_batch_size} {unit} end to end in one row, "
                 f"positions restarting at each, kept apart by {attn} attention (--no-padding-free pads them)")
-    why = ("--no-padding-free" if cfg.data.padding_free is False else padding_free_blocked(cfg) or
-           f"{attn} attention would need a dense mask over the row (--padding-free lays them end to end anyway)")
+    why = why or ("--no-padding-free" if cfg.data.padding_free is False else padding_free_blocked(cfg) or
+                  f"{attn} attention would need a dense mask over the row (--padding-free lays them end to end anyway)")
     return f"batches: padded to each micro-batch's longest row ({why})"

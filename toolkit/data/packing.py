@@ -160,11 +160,12 @@ def model_inputs(batch: dict[str, torch.Tensor | int]) -> dict[str, torch.Tensor
     the documents' boundaries where the collate computed them (transformers' FlashAttentionKwargs,
     which every attention function is handed and only the varlen ones read)."""
     if "position_ids" not in batch:
-        # an image-text batch's pixel_values, image_grid_thw, ... (`toolkit.data.images.MediaCollate`)
+        # an image-text batch's pixel_values, image_grid_thw, ... (`toolkit.data.image_rows.MediaCollate`)
         media = {k[len(MEDIA):]: v for k, v in batch.items() if k.startswith(MEDIA)}
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **media}
-    # no KV cache either: transformers only looks for packing without one
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    # no KV cache either: transformers only looks for packing without one; an image-text row's image inputs
+    media = {k[len(MEDIA):]: v for k, v in batch.items() if k.startswith(MEDIA)}
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False, **media}
     if "cu_seq_lens" in batch:
         cu, longest = batch["cu_seq_lens"], batch["max_length"]
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

@@ -147,7 +147,11 @@ def apply_kernels(model, shape: ModelShape) -> None:
         model.set_experts_implementation(shape.experts)
     name, _ = attention(shape, model)
     if name is not None:
-        model.set_attn_implementation(name)
+        from toolkit.model.vision import text_config_key
+
+        # an image-text model's language model alone: the vision tower's attention is bidirectional
+        key = text_config_key(model)
+        model.set_attn_implementation({key: name} if key else name)
     if shape.kernels == "liger":
         apply_liger(model)
 
@@ -159,10 +163,14 @@ def attention(shape: ModelShape, model) -> tuple[str | None, str]:
     where the kernel picked keeps them apart (`toolkit.model.attention.end_to_end`)."""
     from toolkit.model.attention import choose_attention
 
+    from toolkit.model.vision import end_to_end_problem
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # image batches are padded (`toolkit.data.image_rows`)
-    padding_free = None if shape.images else shape.padding_free
-    return choose_attention(shape.attn, device, shape.packing, model, shape.seq_len, padding_free)
+    # image batches of a model that ties its images to their rows are padded (`toolkit.data.image_rows`)
+    why = shape.images and shape.padding_free and end_to_end_problem(model.config)
+    name, line = choose_attention(shape.attn, device, shape.packing, model, shape.seq_len,
+                                  None if why else shape.padding_free)
+    return name, line + (f"; image batches padded ({why})" if why else "")
 
 
 def apply_lora(model, shape: ModelShape, base: str | None = None):

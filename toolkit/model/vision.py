@@ -44,6 +44,37 @@ def auto_class(config, images: bool = False):
         else AutoModelForCausalLM
 
 
+# what a model's forward takes that ties an image to its example's own row: a micro-batch's examples laid end to end in
+# one row would need it rebuilt per example (named from the forward's arguments, not from a table of models)
+ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_ids)",
+             "cross_attention_mask": "its images enter through cross-attention (cross_attention_mask)",
+             "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
+
+
+def end_to_end_problem(config) -> str | None:
+    """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
+    their tokens in order (LLaVA's, Idefics3's), so examples laid end to end take theirs unchanged, unless its forward
+    takes one of `ROW_BOUND`'s per-row inputs."""
+    import inspect
+
+    from transformers.models.auto.auto_factory import _get_model_class
+    from transformers import AutoModelForImageTextToText
+
+    cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
+    taken = inspect.signature(cls.forward).parameters
+    why = [reason for name, reason in ROW_BOUND.items() if name in taken]
+    return f"{cls.__name__}: {'; '.join(why)}" if why else None
+
+
+def text_config_key(model) -> str:
+    """The name of the language model's sub-config ("text_config"), "" for a model that is its own language model:
+    `set_attn_implementation({key: kernel})` gives the language model alone a kernel (the vision tower keeps its own,
+    bidirectional attention)."""
+    config = model.config
+    text = config.get_text_config()
+    return next((key for key in getattr(config, "sub_configs", {}) if getattr(config, key, None) is text), "")
+
+
 def load_processor(path: str, trust_remote_code: bool = False):
     """The model's processor (tokenizer + image processor + chat template). transformers falls back to the PIL image
     processor where torchvision is missing; a processor that has no such fallback is one line naming the package."""

@@ -33,7 +33,7 @@ def sharded_batches(strategy, rows, batch_size: int, pad_id: int, device,
     for i in range(-(-len(rows) // (batch_size * ranks))):
         held = index[i * batch_size:(i + 1) * batch_size]
         chosen = [rows[j] for j in (held or index[:1] or [0])]
-        batch = MediaCollate(processor, pad_id)(chosen) if processor is not None else \
+        batch = MediaCollate(processor, pad_id, padding_free, whole=True)(chosen) if processor is not None else \
             collate_padding_free(chosen, pad_id, whole=True) if padding_free else collate(chosen, pad_id)
         yield {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, held
 

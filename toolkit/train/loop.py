@@ -305,7 +305,8 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     compiling = compile_plan(cfg, device.type, model, strategy.accelerator.num_processes, cache_dir(), log,
                              keeps=strategy.accelerator.is_main_process)
     objective = strategy.objective
-    attn = getattr(strategy.unwrap(model).config, "_attn_implementation", None)
+    # the language model's (an image-text model's vision tower keeps its own)
+    attn = getattr(strategy.unwrap(model).config.get_text_config(), "_attn_implementation", None)
     loader = objective.loader(train_rows, tokenizer, log, device.type == "cuda", strategy.whole_batches, attn)
     # widths to bucket
     compiling.collate = loader.collate_fn if isinstance(loader.collate_fn, Collate) else None

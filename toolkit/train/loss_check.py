@@ -117,7 +117,7 @@ def check_packing(run, batch: dict, n: int = 8) -> None:
     if leaks(rounding, gap, dtype):
         unwrapped = strategy.unwrap(run.model)
         model_type = unwrapped.config.get_text_config().model_type
-        impl = unwrapped.config._attn_implementation
+        impl = unwrapped.config.get_text_config()._attn_implementation
         bound = max(agreement(dtype), 4 * rounding)
         packing = run.cfg.data.packing
         raise UserError(f"{'--packing' if packing else 'padding-free rows'}: model type {model_type}'s {impl} "

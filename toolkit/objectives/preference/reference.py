@@ -148,7 +148,7 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
     # the training rows of a padding-free run are scored as it trains them (eval's stay padded, as eval runs)
-    free = name == "train" and padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config,
+    free = name == "train" and padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config.get_text_config(),
                                                                 "_attn_implementation", None))
     key = rows_key(rows.digest() + ("\x00padding-free" if free else ""), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
