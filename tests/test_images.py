@@ -342,10 +342,14 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
            "resumed": ["--micro-batch-size", "2", "--resume", "auto"],
+           # tensor parallel: dp 1, so the one process's micro-batch
+           "tp": ["--tp", "2", "--micro-batch-size", "4"],
+           "gemma3_tp": ["--model", str(zoo["gemma3"]), "--tp", "2", "--micro-batch-size", "4"],
            **{name: [*pairs, *flags, "--micro-batch-size", "2"] for name, flags in (
                ("dpo_ddp", []), ("dpo_zero3", ["--method", "full", "--zero-stage", "3"]),
                ("dpo_fsdp", ["--method", "full", "--fsdp"]),
-               ("dpo_resumed", ["--method", "full", "--fsdp", "--resume", "auto"]))}}
+               ("dpo_resumed", ["--method", "full", "--fsdp", "--resume", "auto"]))},
+           "dpo_tp": [*pairs, "--method", "full", "--tp", "2", "--micro-batch-size", "4"]}
     terms = {"term": "resumed", "dpo_term": "dpo_resumed"}
     for n, group in ((1, one), (2, two)):
         root = tmp_path_factory.mktemp(f"vision{n}")
@@ -370,13 +374,19 @@ def test_a_preempted_run_resumes_exactly_on_another_layout(runs):
     assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout, reference", [("ddp", "lora"), ("zero3", "full"), ("fsdp", "full")])
+@pytest.mark.parametrize("layout, reference", [("ddp", "lora"), ("zero3", "full"), ("fsdp", "full"), ("tp", "lora"),
+                                               ("gemma3_tp", "gemma3_lora")])
 def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
-    """Same seed and data: each step's loss within 1e-5 (relative, fp32) of one process's."""
+    """Same seed and data: each step's loss within 1e-5 (relative, fp32) of one process's; under --tp 2 the language
+    model's blocks split over the ranks, the vision tower and projector whole on each (LLaVA padding-free, Gemma 3
+    padded), and the saved folder reloads to the trained loss."""
     want, got = losses(runs[reference]), losses(runs[layout])
     assert len(got) == len(want) == 5
     assert got == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]
+    if layout.endswith("tp"):
+        assert "layout: device mesh tp 2" in runs[f"{layout}.stdout"].read_text()
+        assert json.loads((runs[layout] / "integrity.json").read_text())["ok"]
 
 
 @pytest.mark.parametrize("padded, free", [("padded", "lora"), ("dpo_padded", "dpo_full")])
@@ -393,7 +403,8 @@ def test_image_runs_go_padding_free_by_default_with_the_padded_losses(runs, padd
 
 
 @pytest.mark.parametrize("layout, reference", [("dpo_ddp", "dpo_lora"), ("dpo_zero3", "dpo_full"),
-                                               ("dpo_fsdp", "dpo_full"), ("dpo_resumed", "dpo_full")])
+                                               ("dpo_fsdp", "dpo_full"), ("dpo_resumed", "dpo_full"),
+                                               ("dpo_tp", "dpo_full")])
 def test_image_pairs_train_alike_on_every_data_parallel_layout(runs, layout, reference):
     """DPO on image pairs: step 1's loss is ln 2 (the policy is its reference: the base with the adapters off, or the
     log-probabilities computed before step 1); each step's loss within 1e-5 (relative, fp32) of one process's, a
@@ -590,7 +601,8 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
                 "--objective kto: not yet for image-text models, which train sft, dpo, orpo or simpo")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
-                "--pp 2: not yet for image-text models (LlavaConfig)")
+                "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
+                "--zero-stage 1/2/3, --fsdp) and --tp")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return ["--model", str(llava), "--dataset", str(data)], expect
 

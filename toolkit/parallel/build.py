@@ -296,12 +296,14 @@ def _model_problems(cfg: Config, model_path: str | None, world: int) -> list[str
     problems = model_problems(values, par.tp, par.pp, par.cp, world, cfg.model.method, par.ep)
     from toolkit.model.vision import only_image_text
 
-    cut = [f"--{d} {n}" for d, n in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if n > 1]
+    # tensor parallel splits the language model's blocks (`get_decoder`), the vision tower and projector whole on
+    # every rank as the embeddings are; pipeline, context and expert parallel not yet
+    cut = [f"--{d} {n}" for d, n in (("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if n > 1]
     # a run that reads images (the resolved --images), or a model that trains only as an image-text one
     images = getattr(getattr(cfg, "data", None), "images", "off") == "on"
     if cut and (images or only_image_text(config)):
         problems.insert(0, f"{', '.join(cut)}: not yet for image-text models ({type(config).__name__}); their layouts "
-                           "are data-parallel: DDP, --zero-stage 1/2/3 or --fsdp")
+                           "are data-parallel (DDP, --zero-stage 1/2/3, --fsdp) and --tp")
     if par.pp > 1 and not problems:
         from toolkit.parallel.pp import pipeline_problems
 
