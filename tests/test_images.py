@@ -36,6 +36,15 @@ def chat_record(image: str, answer: str) -> dict:
                          {"role": "assistant", "content": answer}]}
 
 
+# TRL's reward signature: the picture's color's first letter anywhere in the completion (it varies among a random
+# model's completions, and with the picture)
+REWARD = '''
+def initial(completions, answer, **kwargs):
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(a[0] in t) for t, a in zip(texts, answer)]
+'''
+
+
 def pair_records(first: int, last: int) -> list[dict]:
     """TRL's image-text preference pairs (its `rlaif-v_formatted` layout: an images column, bare image parts in the
     prompt, completions as content parts): for each image first..last-1, its color chosen over each other color. A
@@ -52,7 +61,8 @@ def pair_records(first: int, last: int) -> list[dict]:
 def images(tmp_path_factory) -> Path:
     """24 one-color PNGs of varied sizes in `images/`, and chat.jsonl beside it: each asks the color (relative paths),
     and one example with two images (one as OpenAI's image_url); mixed.jsonl adds a text-only example; pairs_train.jsonl
-    and pairs_eval.jsonl, `pair_records` of images 0-15 and 16-23."""
+    and pairs_eval.jsonl, `pair_records` of images 0-15 and 16-23; prompts.jsonl, GRPO's prompts asking the color of
+    images 0-15 (the fourth with two images), and reward.py (`REWARD`)."""
     from PIL import Image
 
     d = tmp_path_factory.mktemp("vision")
@@ -66,6 +76,12 @@ def images(tmp_path_factory) -> Path:
         {"type": "image", "image": "images/1.png"}, {"type": "image_url", "image_url": {"url": "images/2.png"}},
         {"type": "text", "text": "same color?"}]}, {"role": "assistant", "content": "no"}]})
     (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color?"}]}],
+                "images": [f"images/{i}.png"], "answer": list(COLORS)[i % 3]} for i in range(16)]
+    prompts[3]["prompt"][0]["content"].insert(0, {"type": "image"})
+    prompts[3]["images"].insert(0, "images/5.png")
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    (d / "reward.py").write_text(REWARD)
     for name, first, last in (("pairs_train", 0, 16), ("pairs_eval", 16, 24)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pair_records(first, last)))
     rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
@@ -322,9 +338,14 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
     """One process (micro-batch 4) and 2 ranks (micro-batch 2 each: the same global batch), one launch each: LoRA
     (also training the projector, and SIGTERMed at step TERM_AT of the 7 of an epoch), full; DDP LoRA, ZeRO-3 and
     FSDP2 full, and the SIGTERMed run resumed on 2 ranks (`--resume auto`). The same for DPO on image pairs (ORPO and
-    SimPO on one process), and a DPO full finetune of LEARN_STEPS steps scored on held-out pairs."""
+    SimPO on one process), a DPO full finetune of LEARN_STEPS steps scored on held-out pairs, and GRPO on image
+    prompts."""
     out: dict[str, Path] = {}
     pairs = ["--dataset", str(images / "pairs_train.jsonl"), "--objective", "dpo"]
+    grpo = ["--dataset", str(images / "prompts.jsonl"), "--objective", "grpo", "--reward",
+            f"{images / 'reward.py'}:initial", "--num-generations", "4", "--max-completion-length", "8", "--max-steps",
+            "4", "--steps-per-generation", "2", "--num-iterations", "2", "--lr", "1e-2"]
+    lora_beta, full_b0 = ["--beta", "0.05"], ["--method", "full", "--loss-type", "grpo"]
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
@@ -337,7 +358,9 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
                ("orpo", ["--objective", "orpo"]), ("simpo", ["--objective", "simpo"]),
                ("dpo_learns", ["--method", "full", "--max-steps", str(LEARN_STEPS), "--lr-schedule", "constant",
                                "--eval-dataset", str(images / "pairs_eval.jsonl"), "--eval-every", str(LEARN_STEPS),
-                               "--log-every", "10"]))}}
+                               "--log-every", "10"]))},
+           "grpo_lora": [*grpo, *lora_beta, "--micro-batch-size", "8"],
+           "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"]}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
@@ -349,7 +372,11 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
                ("dpo_ddp", []), ("dpo_zero3", ["--method", "full", "--zero-stage", "3"]),
                ("dpo_fsdp", ["--method", "full", "--fsdp"]),
                ("dpo_resumed", ["--method", "full", "--fsdp", "--resume", "auto"]))},
-           "dpo_tp": [*pairs, "--method", "full", "--tp", "2", "--micro-batch-size", "4"]}
+           "dpo_tp": [*pairs, "--method", "full", "--tp", "2", "--micro-batch-size", "4"],
+           # GRPO: the same 8 completions a step (2 ranks x 2 x 2; under --tp both ranks sample the 8)
+           "grpo_ddp": [*grpo, *lora_beta, "--micro-batch-size", "2", "--grad-accum", "2"],
+           "grpo_zero3": [*grpo, *full_b0, "--micro-batch-size", "2", "--grad-accum", "2", "--zero-stage", "3"],
+           "grpo_tp": [*grpo, *lora_beta, "--micro-batch-size", "8", "--tp", "2"]}
     terms = {"term": "resumed", "dpo_term": "dpo_resumed"}
     for n, group in ((1, one), (2, two)):
         root = tmp_path_factory.mktemp(f"vision{n}")
@@ -416,6 +443,65 @@ def test_image_pairs_train_alike_on_every_data_parallel_layout(runs, layout, ref
     assert want[-1] < want[0]
     if layout == "dpo_resumed":
         assert "reference: train pairs' log-probabilities read from" in runs["dpo_resumed.stdout"].read_text()
+
+
+def sampled(out: Path) -> list[tuple]:
+    return [(c["step"], c["completion"], json.dumps(c["rewards"]))
+            for c in map(json.loads, (out / "completions.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("layout, reference", [("grpo_ddp", "grpo_lora"), ("grpo_zero3", "grpo_full"),
+                                               ("grpo_tp", "grpo_lora")])
+def test_grpo_on_image_prompts_samples_and_trains_as_one_process(runs, layout, reference):
+    """GRPO on image prompts (the images in each prompt's forward when sampling and training, the reference's too:
+    LoRA's base, adapters off, beta 0.05): each layout's completions equal one process's as text, every step's, and
+    its losses, rewards and KL within 1e-5 (fp32)."""
+    from distributed import assert_metric_close
+
+    assert sampled(runs[layout]) == sampled(runs[reference])
+    a, b = records(runs[layout], "loss"), records(runs[reference], "loss")
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and any(r["loss"] != 0 for r in b)
+    # one round (2 prompt batches x 2 iterations): its reward logged at step 1, neither none nor all of it
+    rewards = [r["reward"] for r in b if "reward" in r]
+    assert len(rewards) == 1 and 0 < rewards[0] < 1
+    for key in ("loss", "grad_norm", "reward", "kl", "entropy"):
+        assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
+
+
+def test_image_prompts_sample_as_transformers_generate_does(llava, images):
+    """The sampler's prompt forward reads the images: greedy completions (top-k 1) of image prompts, one of them with
+    two images, left-padded together, equal transformers' `generate` on each prompt alone from the processor's own
+    inputs; another picture gives other completions."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.data.images import open_image
+    from toolkit.objectives.grpo.rollout import eos_ids
+    from toolkit.objectives.grpo.sampling import SamplingConfig, sample
+
+    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "prompts.jsonl"),
+                                "--objective", "grpo", "--reward", f"{images / 'reward.py'}:initial",
+                                "--num-generations", "4", "--micro-batch-size", "4"])
+    prompts = data.train
+    rows = [0, 3, 1]
+    assert len(prompts.images[3]) == 2 and len(prompts.prompt_ids[3]) > len(prompts.prompt_ids[0])
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32)
+    tok, ends = processor.tokenizer, eos_ids(processor.tokenizer, model)
+    # the image token is never sampled (it would ask the training forward for another image), as transformers'
+    # suppress_tokens does
+    cfg = SamplingConfig(6, 1.0, top_k=1, suppress=(processor.image_token_id,))
+    ours = sample(model, [prompts.prompt_ids[r] for r in rows], [0] * 3, cfg, ends, tok.pad_token_id,
+                  media=prompts.media(rows)).token_lists()
+    for r, got in zip(rows, ours):
+        enc = processor(text=[prompts.texts[r]], images=[[open_image(x) for x in prompts.images[r]]],
+                        add_special_tokens=False, return_tensors="pt")
+        want = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=ends,
+                              pad_token_id=tok.pad_token_id, suppress_tokens=[processor.image_token_id])
+        assert got == want[0, enc["input_ids"].shape[1]:].tolist()[:len(got)] and got, r
+    # the first prompt with the second's picture (another color)
+    other = prompts.media([1])
+    swapped = sample(model, [prompts.prompt_ids[0]], [0], cfg, ends, tok.pad_token_id, media=other).token_lists()
+    assert swapped[0] != ours[0]
 
 
 def test_orpo_and_simpo_train_on_image_pairs(runs):
@@ -598,7 +684,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         rows = [{"prompt": "<image>What color?", "completion": "red", "label": True, "images": ["images/0.png"]}] * 4
         (images / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return (["--model", str(llava), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
-                "--objective kto: not yet for image-text models, which train sft, dpo, orpo or simpo")
+                "--objective kto: not yet for image-text models, which train sft, dpo, orpo, simpo or grpo")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "

@@ -134,6 +134,10 @@ def resolve_images(cfg, model_path: str):
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
     on = pictured or only_image_text(config)
+    why = on and cfg.train.objective == "grpo" and image_text(config) and end_to_end_problem(config)
+    if why:
+        raise UserError(f"--objective grpo: {why}, which sampling from image prompts does not lay out yet; GRPO reads "
+                        "images on models that place them at their tokens alone (LLaVA, Idefics3/SmolVLM)")
     why = on and cfg.data.padding_free and end_to_end_problem(config)
     if why:
         raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "

@@ -248,8 +248,8 @@ def prepare_images(settings, processor) -> tuple:
 
     d = settings.data
     if form(settings.objective) not in ("conversations", "pairs"):
-        raise UserError(f"--objective {settings.objective}: not yet for image-text models, which train sft, dpo, orpo "
-                        "or simpo; choose one of those")
+        raise UserError(f"--objective {settings.objective}: not yet for image-text models, which train sft, dpo, orpo, "
+                        "simpo or grpo; choose one of those")
     blocked = ("a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else
                "--packing" if d.packing else "")
     if blocked:

@@ -103,6 +103,9 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
     record stream, read as training goes). `processor`: an image-text model's (`toolkit.data.images`)."""
     from toolkit.cache import cache_dir
 
+    # prompts: tokenized as they are read (a prompt file is small); an image-text model's through its processor
+    if form(settings.objective) == "prompts":
+        return prepare_prompts(settings, tokenizer, processor)
     if processor is not None:
         from toolkit.data.image_rows import prepare_images
 
@@ -110,9 +113,6 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
         return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added,
                             em_conversations=scored, answers=answers)
 
-    # prompts: tokenized as they are read (a prompt file is small)
-    if form(settings.objective) == "prompts":
-        return prepare_prompts(settings, tokenizer)
     cache = cache or cache_dir() / "data"
     if settings.data.streaming:
         from toolkit.data.stream import RecordStream
@@ -286,17 +286,17 @@ def _build(settings: DataSettings, tokenizer, out: Path, cache: Path) -> None:
                                                    "system_added": added, "sources": meta_sources}))
 
 
-def prepare_prompts(settings: DataSettings, tokenizer):
+def prepare_prompts(settings: DataSettings, tokenizer, processor=None):
     """The run's training and eval prompts (`toolkit.data.prepare.PreparedData`): --dataset's, less
     --eval-split's held-out share (drawn with the seed, as SFT's; a built-in's own eval split instead), and
-    --eval-dataset's."""
+    --eval-dataset's. `processor`: an image-text model's (`toolkit.data.prompts.load_prompts`)."""
     from toolkit.data.prompts import PromptRows, builtin_eval_prompts, load_prompts, subset
 
     sources = data_sources(settings.data)
     if len(sources) > 1:
         raise UserError(f"--objective grpo reads one prompt file (got a mixture of {len(sources)}: "
                         f"{settings.data.dataset}); give one --dataset")
-    whole = load_prompts(settings.data, sources[0], tokenizer)
+    whole = load_prompts(settings.data, sources[0], tokenizer, processor=processor)
     if not whole:
         raise UserError(f"--dataset {settings.data.dataset}: no prompt is left to sample from"
                         + (f" ({whole.dropped} longer than --seq-len {settings.data.seq_len}: raise it)"
@@ -304,13 +304,13 @@ def prepare_prompts(settings: DataSettings, tokenizer):
     # its own eval split, as SFT's (--eval-split > 0 asks for it)
     if sources[0].path.startswith("builtin:"):
         train, held = list(range(len(whole))), []
-        held_rows = builtin_eval_prompts(settings.data, sources[0], tokenizer) if settings.data.eval_split > 0 \
-            else PromptRows()
+        held_rows = PromptRows() if settings.data.eval_split == 0 else \
+            builtin_eval_prompts(settings.data, sources[0], tokenizer, processor)
     else:
         train, held = split_indices(len(whole), settings, "")
         held_rows = subset(whole, held) if held else PromptRows()
     if settings.data.eval_dataset:
-        held_rows = load_prompts(settings.data, eval_source(settings.data), tokenizer)
+        held_rows = load_prompts(settings.data, eval_source(settings.data), tokenizer, processor=processor)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
     return PreparedData(whole.format, settings.data.format == "auto", subset(whole, train), held_rows, stats,
                         DataStats(), eval_format=held_rows.format if settings.data.eval_dataset else None)

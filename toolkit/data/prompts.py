@@ -46,7 +46,10 @@ def prompt_of(row: dict[str, Any], fmt: str, where: str, source: DataSource) -> 
     turns = source.turns
     role, content = turns.keys("role", "content")
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and role in m and content in m for m in prompt):
-        return [{"role": turns.role_of(str(m[role])) or str(m[role]), "content": str(m[content] or "")}
+        from toolkit.data.images import content_parts
+
+        # a content of parts: its text joined, or kept with its image parts (an image-text model's prompt)
+        return [{"role": turns.role_of(str(m[role])) or str(m[role]), "content": content_parts(m[content], where)}
                 for m in prompt]
     raise UserError(f"{where}: 'prompt' must be a string or a list of {{{role}, {content}}} messages")
 
@@ -70,6 +73,10 @@ class PromptRows:
     format: str = "prompt"
     # longer than --seq-len
     dropped: int = 0
+    # image prompts (an image-text model's): each one's rendered text and image references, and the processor
+    texts: list[str] = field(default_factory=list)
+    images: list[list[str]] = field(default_factory=list)
+    processor: Any = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -81,48 +88,96 @@ class PromptRows:
         """A prompt as a row of tokens (the integrity check's probe: a loss on the prompt's own tokens)."""
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return {"input_ids": self.prompt_ids[i], "labels": self.prompt_ids[i]}
+        row = {"input_ids": self.prompt_ids[i], "labels": self.prompt_ids[i]}
+        # an image prompt: what `toolkit.data.image_rows.MediaCollate` collates it from
+        return {**row, "text": self.texts[i], "images": self.images[i]} if self.processor is not None else row
 
     def columns_of(self, rows: list[int]) -> dict[str, list]:
         """The other columns of `rows`, by name, for the reward functions."""
         return {k: [v[i] for i in rows] for k, v in self.columns.items()}
 
+    def media(self, rows: list[int]) -> dict:
+        """The processor's image inputs of `rows`' prompts, in order (pixel_values, ...), as the model takes them;
+        empty for text prompts. Per row, whatever the ids' padding: a model whose image inputs are per token is
+        refused before (`toolkit.model.vision.end_to_end_problem`)."""
+        import torch
 
-def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None) -> PromptRows:
-    """Every record of `source` (or the given `records`, a `datasets.Dataset` already mapped) as a prompt."""
+        from toolkit.data.images import open_image
+
+        if self.processor is None or not any(self.images[i] for i in rows):
+            return {}
+        enc = self.processor(text=[self.texts[i] for i in rows],
+                             images=[[open_image(r) for r in self.images[i]] for i in rows],
+                             add_special_tokens=False, padding=True, return_tensors="pt")
+        return {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)}
+
+
+def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, processor=None) -> PromptRows:
+    """Every record of `source` (or the given `records`, a `datasets.Dataset` already mapped) as a prompt.
+    `processor`: an image-text model's: the record's images placed in its prompt as SFT places them
+    (`toolkit.data.images.with_images`), the prompt rendered by the processor's template and its image tokens
+    expanded as the processor expands them."""
     from toolkit.data.formats import load_records, map_columns
+    from toolkit.data.images import with_images
     from toolkit.data.tokenize import prompt_text
 
     if records is None:
         records = map_columns(load_records(source.path, source.flag), source)
     fmt = prompt_format(records.column_names, source)
-    out = PromptRows(format=fmt)
+    out = PromptRows(format=fmt, processor=processor)
     others = [c for c in records.column_names if c not in ("prompt",)]
     for i, row in enumerate(records):
         where = f"{source.flag} {record_place(source.path, i)}"
         prompt = prompt_of(row, fmt, where, source)
-        text = prompt_text(tokenizer, prompt_messages(prompt, data.system_prompt, row.get("system")))
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        messages = prompt_messages(prompt, data.system_prompt, row.get("system"))
+        if processor is not None:
+            messages = with_images([dict(m) for m in messages], row, source.path, f"{where}: ")
+            text, refs, ids = _image_prompt(processor, messages, where)
+        else:
+            text = prompt_text(tokenizer, messages)
+            ids, refs = tokenizer(text, add_special_tokens=False)["input_ids"], []
         if len(ids) > data.seq_len:
             out.dropped += 1
             continue
         out.prompt_ids.append(ids)
         out.prompts.append(prompt)
+        if processor is not None:
+            out.texts.append(text)
+            out.images.append(refs)
         for c in others:
             out.columns.setdefault(c, []).append(row[c])
     return out
 
 
+def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
+    """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
+    with each image's tokens expanded)."""
+    from toolkit.data.images import image_refs, open_image, template_messages
+
+    text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
+    refs = image_refs(messages)
+    try:
+        images = [open_image(r) for r in refs]
+    except Exception as e:  # noqa: BLE001 - PIL raises several kinds on a damaged file
+        raise UserError(f"{where}: an image could not be read ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:160]}); replace the file") from None
+    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    return text, refs, list(ids.tolist() if hasattr(ids, "tolist") else ids)
+
+
 def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
     """The rows `keep` of `rows`, in that order."""
+    images = bool(rows.texts)
     return PromptRows([rows.prompt_ids[i] for i in keep], [rows.prompts[i] for i in keep],
-                      {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0)
+                      {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0,
+                      [rows.texts[i] for i in keep] if images else [], [rows.images[i] for i in keep] if images else [],
+                      rows.processor)
 
 
-def builtin_eval_prompts(data: DataConfig, source: DataSource, tokenizer) -> PromptRows:
+def builtin_eval_prompts(data: DataConfig, source: DataSource, tokenizer, processor=None) -> PromptRows:
     """A built-in dataset's own held-out prompts (`toolkit.data.builtin`: disjoint from its training ones)."""
     from toolkit.data.builtin import builtin_dataset
     from toolkit.data.formats import map_columns
 
     return load_prompts(data, source, tokenizer, map_columns(builtin_dataset(source.path.split(":", 1)[1], "eval"),
-                                                        source))
+                                                        source), processor)

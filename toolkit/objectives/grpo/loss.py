@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from toolkit.data.images import MEDIA
 from toolkit.objectives.grpo.functions import (LOSS_TYPES, loss_sum, policy_loss_terms, policy_metrics,
                                                 selective_logps)
 
@@ -79,8 +80,10 @@ def completion_logps(model, batch: dict, temperature: float, entropy: bool = Fal
     positions at a time (`selective_logps`)."""
     completion = batch["completion_ids"]
     width = completion.shape[1]
+    # an image-text model's image inputs of the rows' prompts (`toolkit.data.images.MEDIA` keys)
+    media = {k[len(MEDIA):]: v for k, v in batch.items() if k.startswith(MEDIA)}
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["positions"], logits_to_keep=width + 1, use_cache=False)
+                position_ids=batch["positions"], logits_to_keep=width + 1, use_cache=False, **media)
     # position t predicts completion token t; the last position predicts none (a target 0, dropped): the
     # logits are taken whole, as the model returned them, not copied into a (B, C, V) slice
     targets = torch.nn.functional.pad(completion, (0, 1))

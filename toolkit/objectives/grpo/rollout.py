@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from toolkit.data.images import MEDIA
 from toolkit.errors import UserError
 from toolkit.objectives.base import Interrupted
 
@@ -92,6 +93,14 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def suppressed(prompts) -> tuple[int, ...]:
+    """The ids sampling never draws for `prompts` (`SamplingConfig.suppress`): an image-text model's image token."""
+    from toolkit.data.image_rows import image_token_id
+
+    token = image_token_id(prompts.processor) if getattr(prompts, "processor", None) is not None else None
+    return () if token is None else (token,)
+
+
 def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                     pad_id: int, device) -> dict:
     """A micro-batch of (prompt, completion) rows: prompts left-padded so every completion starts at one
@@ -142,10 +151,14 @@ class Rollouts:
                             f"samples from (global batch {self.per_step} completions / --num-generations {self.G}); "
                             "lower --micro-batch-size or --grad-accum, or give more prompts")
         self.K, self.mu = self.spec.steps_per_generation, self.spec.num_iterations
-        self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
+        self.sampling = SamplingConfig(cfg.rl.max_completion_length, cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p,
+                                       suppress=suppressed(prompts))
         # the decode path (`toolkit.objectives.grpo.sampling.decoder_for`: a static cache and a compiled step on
         # CUDA), kept for the run, and the line that names it in the run's log
         self.decoder, self.decode_line = decoder_for(run.strategy.unwrap(run.model))
+        if prompts.processor is not None and self.decoder is not None:
+            # the prompts' forward takes their images, which the static path's compiled step does not
+            self.decoder, self.decode_line = None, "decode: dynamic KV cache, eager steps (image prompts)"
         if self.decoder is not None:  # one cache length for every round: the longest prompt's
             self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
         self.pending: list[tuple[int, list[dict]]] = []
@@ -179,7 +192,7 @@ class Rollouts:
         batches = [start + k for k in range(self.K)]
         t0 = time.perf_counter()
         rows, prompt_ids, seeds, steps = self.rows_of(batches, first)
-        completions = self.sample(prompt_ids, seeds)
+        completions = self.sample(prompt_ids, seeds, rows)
         generated = time.perf_counter()
         texts, rewards = self.score(rows, completions, first)
         scored = time.perf_counter()
@@ -231,9 +244,10 @@ class Rollouts:
             self.run.fault("sampling", self.step)
         return unfinished_anywhere(self.run, unfinished, f"sampling step {self.step}")
 
-    def sample(self, prompt_ids: list[list[int]], seeds: list[int]):
+    def sample(self, prompt_ids: list[list[int]], seeds: list[int], rows: list[int]):
         """This rank's completions, a step's share at a time, from the policy as the layout gives it for
-        generating (its parameters gathered once: `Strategy.generating`)."""
+        generating (its parameters gathered once: `Strategy.generating`); `rows`: their prompts' rows (their
+        images, for an image-text model)."""
         from toolkit.objectives.grpo.sampling import Completions, sample
 
         run = self.run
@@ -245,7 +259,8 @@ class Rollouts:
             ends = eos_ids(tok, model)
             for i in range(0, len(prompt_ids), share):
                 parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
-                                    tok.pad_token_id, any_unfinished=self.unfinished_or_stop, decoder=self.decoder))
+                                    tok.pad_token_id, any_unfinished=self.unfinished_or_stop, decoder=self.decoder,
+                                    media=self.prompts.media(rows[i:i + share])))
         width = max(p.ids.shape[1] for p in parts)
 
         def padded(x, value):
@@ -345,6 +360,8 @@ class Rollouts:
                 part = slice(i, i + mb)
                 batch = collate_rollout(prompt_ids[part], completions.ids[part], mask[part], run.tokenizer.pad_token_id,
                                         device)
+                # an image-text model's image inputs of the rows' prompts
+                batch.update({MEDIA + k: v.to(device) for k, v in self.prompts.media(rows[part]).items()})
                 if spec.mask_truncated:  # the labels the loop counts: the loss tokens
                     batch["labels"][:, -batch["completion_mask"].shape[1]:][batch["completion_mask"] == 0] = -100
                 batch["advantages"] = advantages[part].to(device)
@@ -436,7 +453,7 @@ def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
     from toolkit.objectives.grpo.sampling import SamplingConfig, sample
 
     strategy, tok, data = run.strategy, run.tokenizer, run.strategy.data
-    cfg = SamplingConfig(run.cfg.rl.max_completion_length, 1.0, 1, 1.0)  # top-k 1: greedy
+    cfg = SamplingConfig(run.cfg.rl.max_completion_length, 1.0, 1, 1.0, suppress=suppressed(prompts))  # greedy
     rows = list(range(data.rank, len(prompts), data.ranks))
     size = run.cfg.train.micro_batch_size * run.cfg.rl.num_generations
     n_batches = math.ceil(len(prompts) / (size * data.ranks))  # the same count on every rank (sharded forwards)
@@ -447,7 +464,8 @@ def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
             out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=partial(unfinished_anywhere, run, doing="evaluating"), decoder=decoder)
+                         any_unfinished=partial(unfinished_anywhere, run, doing="evaluating"),
+                         decoder=None if prompts.processor is not None else decoder, media=prompts.media(held))
             if not part:
                 continue
             ids = out.token_lists()

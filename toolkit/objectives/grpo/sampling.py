@@ -51,6 +51,9 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float | None = None
+    # ids never sampled (transformers' suppress_tokens): an image-text model's image token, which in a completion
+    # would ask its training forward for an image the prompt does not hold
+    suppress: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_completion_length < 1:
@@ -90,10 +93,13 @@ def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
 def logits_warpers(cfg: SamplingConfig):
     """transformers' LogitsProcessorList for `cfg`, in `GenerationMixin._get_logits_processor`'s order and with
     its conditions (a warper that would do nothing is left out)."""
-    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, SuppressTokensLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     warpers = LogitsProcessorList()
+    # a processor before the warpers, as transformers orders them
+    if cfg.suppress:
+        warpers.append(SuppressTokensLogitsProcessor(cfg.suppress))
     if cfg.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(cfg.temperature))
     if cfg.top_k != 0:
@@ -166,7 +172,7 @@ def _draw(logits: torch.Tensor, u: torch.Tensor, finished: torch.Tensor, warpers
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, finished after it): each row's next token from its last position's `logits` (B, V) at uniform
     `u` (B,), pad_id where the row had already finished. The warpers are called one by one (not through
-    LogitsProcessorList.__call__, which inspects signatures: a graph break under torch.compile); these four
+    LogitsProcessorList.__call__, which inspects signatures: a graph break under torch.compile); these five
     read no input ids."""
     scores = logits.float()
     for warper in warpers:
@@ -310,11 +316,13 @@ def decoder_for(model) -> tuple[StaticDecoder | None, str]:
 def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], cfg: SamplingConfig,
            eos_ids: Sequence[int], pad_id: int,
            any_unfinished: Callable[[torch.Tensor], bool] = any_unfinished_here,
-           decoder: StaticDecoder | None = None) -> Completions:
+           decoder: StaticDecoder | None = None, media: dict | None = None) -> Completions:
     """One completion per prompt (a prompt repeated for its G generations, each with its own seed), sampled
     from `model` with a KV cache; the model's train/eval mode is restored after. `decoder`: the static path
     (None: the dynamic one); where its compiled step fails to build or run, it says why once and this call
-    and later ones take the dynamic path (out of memory is raised: another path would not fit either)."""
+    and later ones take the dynamic path (out of memory is raised: another path would not fit either).
+    `media`: an image-text model's image inputs of the prompts (pixel_values, ...), read by the prompts' forward
+    (the dynamic path: their features then sit in the cache)."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"sample: {len(seeds)} seeds for {len(prompt_ids)} prompts")
     device = next(model.parameters()).device
@@ -340,22 +348,26 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
                 print(f"decode: the static path failed ({decoder.failed}); dynamic KV cache, eager steps from here",
                       flush=True)
         tokens, live, finished = decoded or _decode_dynamic(model, ids, attention, positions, u, cfg, warpers, eos,
-                                                            pad_id, keep, any_unfinished)
+                                                            pad_id, keep, any_unfinished, media or {})
     ids, mask = torch.stack(tokens, 1), torch.stack(live, 1).long()
     width = int(mask.sum(1).max())  # the static path may run a few all-finished steps past the last end
     return Completions(ids[:, :width], mask[:, :width], ~finished)
 
 
 def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, warpers, eos, pad_id: int, keep: dict,
-                    any_unfinished) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The dynamic path: a DynamicCache, every forward eager; the host looks at the rows after every step."""
+                    any_unfinished, media: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                         torch.Tensor]:
+    """The dynamic path: a DynamicCache, every forward eager; the host looks at the rows after every step.
+    `media`: the prompts' image inputs, given to their forward alone."""
     from transformers import DynamicCache
 
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     tokens, live = [], []
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     cache = DynamicCache(config=config)
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, **keep)
+    media = {k: v.to(ids.device) for k, v in (media or {}).items()}
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, **keep,
+                **media)
     for t in range(cfg.max_completion_length):
         token, after = _draw(out.logits[:, -1], u[:, t], finished, warpers, eos, pad_id)
         tokens.append(token)
