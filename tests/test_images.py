@@ -62,7 +62,7 @@ def images(tmp_path_factory) -> Path:
     """24 one-color PNGs of varied sizes in `images/`, and chat.jsonl beside it: each asks the color (relative paths),
     and one example with two images (one as OpenAI's image_url); mixed.jsonl adds a text-only example; pairs_train.jsonl
     and pairs_eval.jsonl, `pair_records` of images 0-15 and 16-23; prompts.jsonl, GRPO's prompts asking the color of
-    images 0-15 (the fourth with two images), and reward.py (`REWARD`)."""
+    images 0-15 (the fourth with two images), and reward.py (`REWARD`); unpaired.jsonl, KTO's form of images 0-15."""
     from PIL import Image
 
     d = tmp_path_factory.mktemp("vision")
@@ -82,6 +82,10 @@ def images(tmp_path_factory) -> Path:
     prompts[3]["images"].insert(0, "images/5.png")
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
     (d / "reward.py").write_text(REWARD)
+    # KTO's unpaired form (TRL's): each image's color desirable, the next color not
+    unpaired = [{"images": r["images"], "prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                for r in pair_records(0, 16)[0::2] for side in ("chosen", "rejected")]
+    (d / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired))
     for name, first, last in (("pairs_train", 0, 16), ("pairs_eval", 16, 24)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pair_records(first, last)))
     rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
@@ -346,6 +350,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
             f"{images / 'reward.py'}:initial", "--num-generations", "4", "--max-completion-length", "8", "--max-steps",
             "4", "--steps-per-generation", "2", "--num-iterations", "2", "--lr", "1e-2"]
     lora_beta, full_b0 = ["--beta", "0.05"], ["--method", "full", "--loss-type", "grpo"]
+    kto = ["--dataset", str(images / "unpaired.jsonl"), "--objective", "kto", "--lr", "1e-2"]
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
@@ -359,6 +364,8 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
                ("dpo_learns", ["--method", "full", "--max-steps", str(LEARN_STEPS), "--lr-schedule", "constant",
                                "--eval-dataset", str(images / "pairs_eval.jsonl"), "--eval-every", str(LEARN_STEPS),
                                "--log-every", "10"]))},
+           "kto_lora": [*kto, "--micro-batch-size", "4"],
+           "kto_full": [*kto, "--method", "full", "--micro-batch-size", "4"],
            "grpo_lora": [*grpo, *lora_beta, "--micro-batch-size", "8"],
            "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"]}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
@@ -373,6 +380,8 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
                ("dpo_fsdp", ["--method", "full", "--fsdp"]),
                ("dpo_resumed", ["--method", "full", "--fsdp", "--resume", "auto"]))},
            "dpo_tp": [*pairs, "--method", "full", "--tp", "2", "--micro-batch-size", "4"],
+           "kto_ddp": [*kto, "--micro-batch-size", "2"],
+           "kto_fsdp": [*kto, "--method", "full", "--fsdp", "--micro-batch-size", "2"],
            # GRPO: the same 8 completions a step (2 ranks x 2 x 2; under --tp both ranks sample the 8)
            "grpo_ddp": [*grpo, *lora_beta, "--micro-batch-size", "2", "--grad-accum", "2"],
            "grpo_zero3": [*grpo, *full_b0, "--micro-batch-size", "2", "--grad-accum", "2", "--zero-stage", "3"],
@@ -502,6 +511,20 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, images):
     other = prompts.media([1])
     swapped = sample(model, [prompts.prompt_ids[0]], [0], cfg, ends, tok.pad_token_id, media=other).token_lists()
     assert swapped[0] != ours[0]
+
+
+@pytest.mark.parametrize("layout, reference", [("kto_ddp", "kto_lora"), ("kto_fsdp", "kto_full")])
+def test_kto_on_image_examples_trains_alike_on_every_data_parallel_layout(runs, layout, reference):
+    """KTO on image examples (each KL sequence its own example's prompt and images with another's completion): step
+    1's loss is 0.5 (the policy is its reference), each step's loss and KL estimate within 1e-5 of one process's."""
+    from distributed import assert_metric_close
+
+    a, b = records(runs[layout], "loss"), records(runs[reference], "loss")
+    assert len(b) == 5 and b[0]["loss"] == pytest.approx(0.5, rel=1e-6)
+    # the full finetune's estimate rises above TRL's clamp at 0 (the LoRA's stays at it over these 5 steps)
+    assert reference != "kto_full" or any(r["kl"] > 0 for r in b)
+    for key in ("loss", "kl", "rewards/margins"):
+        assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
 
 
 def test_orpo_and_simpo_train_on_image_pairs(runs):
@@ -680,11 +703,11 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
     elif case == "planner":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--strategy", "auto"],
                 "is an image-text model, and the planner does not count its vision side yet")
-    elif case == "kto":
-        rows = [{"prompt": "<image>What color?", "completion": "red", "label": True, "images": ["images/0.png"]}] * 4
-        (images / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return (["--model", str(llava), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
-                "--objective kto: not yet for image-text models, which train sft, dpo, orpo, simpo or grpo")
+    elif case == "grpo_on_gemma3":
+        gemma3 = build_vlm_dir(tmp_path / "gemma3", "gemma3")
+        return (["--model", str(gemma3), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
+                 "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
+                "--objective grpo: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids)")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -695,7 +718,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
-                                  "processor_needs_torchvision", "planner", "kto"])
+                                  "processor_needs_torchvision", "planner", "grpo_on_gemma3"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available
@@ -704,6 +727,8 @@ def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, ima
         pytest.skip("torchvision is installed: Qwen2-VL's processor loads")
 
     argv, expect = bad(tmp_path, llava, images, case)
+    # what building a model printed
+    capsys.readouterr()
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         finetune.main(argv + ["--output-dir", str(out)])

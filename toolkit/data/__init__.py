@@ -92,11 +92,6 @@ def source_format(columns: list[str], settings: DataSettings, source: DataSource
 
     spec, flag = source.path, source.flag
     wants = form(settings.objective)
-    pictured = [c for c in IMAGE_COLUMNS if c in columns]
-    if pictured and wants == "labelled" and settings.data.images == "on":
-        raise UserError(f"--objective {settings.objective}: {flag} {spec} has images (column '{pictured[0]}'), which "
-                        "KTO does not read yet (SFT, dpo, orpo, simpo and grpo do); train one of those on them, or "
-                        "drop the column")
     # prompts: their completions are sampled in the loop (`toolkit.data.prompts`)
     if wants == "prompts":
         from toolkit.data.prompts import prompt_format

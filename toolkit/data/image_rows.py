@@ -157,12 +157,16 @@ class ImageRows(list):
         for i in range(len(self)):
             yield self[i]
 
+    def desirable(self) -> list[bool]:
+        """KTO's labels of the rows (empty for other rows), as `toolkit.data.table.Rows.desirable`."""
+        return [r["desirable"] for r in list.__iter__(self) if "desirable" in r]
+
     def digest(self) -> str:
         """sha256 of the rows' tokens, texts and image references."""
         h = hashlib.sha256()
         for r in list.__iter__(self):
             h.update(repr((r["input_ids"], r["labels"], r["images"], r.get("rejected_input_ids"),
-                           r.get("rejected_labels"))).encode())
+                           r.get("rejected_labels"), r.get("kl_input_ids"), r.get("desirable"))).encode())
         return h.hexdigest()
 
 
@@ -216,6 +220,11 @@ class MediaCollate:
 
         if self.padding_free:
             out = collate_padding_free(batch, self.pad_id, self.whole)
+        elif "kl_input_ids" in batch[0]:
+            from toolkit.data import collate
+
+            # KTO's examples and, as their own rows, their KL sequences (the batch's images again, in order)
+            return collate(batch, self.pad_id)
         else:
             pairs = "rejected_input_ids" in batch[0]
             out = collate_sequences(pair_sequences(batch) if pairs else batch, self.pad_id)
@@ -247,15 +256,12 @@ def prepare_images(settings, processor) -> tuple:
     from toolkit.data.table import DataStats
 
     d = settings.data
-    if form(settings.objective) not in ("conversations", "pairs"):
-        raise UserError(f"--objective {settings.objective}: not yet for image-text models, which train sft, dpo, orpo, "
-                        "simpo or grpo; choose one of those")
     blocked = ("a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else
                "--packing" if d.packing else "")
     if blocked:
         raise UserError(f"{blocked}: not yet for image-text models, which train on one dataset file, padded "
                         "batches; leave it out")
-    if form(settings.objective) == "pairs":
+    if form(settings.objective) in ("pairs", "labelled"):
         return _prepare_pairs(settings, processor)
     fmt, convs, added, source = _read(settings, data_sources(d)[0])
     scored, answers = None, None
@@ -294,32 +300,34 @@ def _every_image(train: ImageRows, held: ImageRows, dataset: str, unit: str) -> 
 
 
 def _prepare_pairs(settings, processor) -> tuple:
-    """`prepare_images` for preference pairs: each record read as the text pairs are
-    (`toolkit.data.pairs.to_pair`), its images placed in the prompt, --eval-split or --eval-dataset held out, each
-    pair `encode_pair`ed."""
+    """`prepare_images` for preference pairs (KTO's examples): each record read as the text pairs are
+    (`toolkit.data.pairs.to_pair`, `to_unpaired`), its images placed in the prompt, --eval-split or --eval-dataset
+    held out, each pair `encode_pair`ed (each KTO example `_encoded_kto`)."""
+    from toolkit.config.objectives import form
     from toolkit.data import check_trainable, data_sources, eval_source, split_indices
     from toolkit.data.table import DataStats
 
     d = settings.data
+    encoded = _encoded_kto if form(settings.objective) == "labelled" else _encoded_pairs
     fmt, pairs, added, source = _read_pairs(settings, data_sources(d)[0])
     train_idx, held_idx = split_indices(len(pairs), settings, "")
-    train, stats = _encoded_pairs(processor, settings, source, [(i, pairs[i]) for i in train_idx])
+    train, stats = encoded(processor, settings, source, [(i, pairs[i]) for i in train_idx])
     check_trainable(stats, settings, "training")
-    held, held_stats = _encoded_pairs(processor, settings, source, [(i, pairs[i]) for i in held_idx])
+    held, held_stats = encoded(processor, settings, source, [(i, pairs[i]) for i in held_idx])
     if not held_idx and d.eval_dataset:
         _, held_pairs, _, held_source = _read_pairs(settings, eval_source(d))
-        held, held_stats = _encoded_pairs(processor, settings, held_source, list(enumerate(held_pairs)))
-    _every_image(train, held, d.dataset, "pairs")
+        held, held_stats = encoded(processor, settings, held_source, list(enumerate(held_pairs)))
+    _every_image(train, held, d.dataset, "pairs" if encoded is _encoded_pairs else "examples")
     return fmt, train, held, stats, held_stats or DataStats(), added, None, None
 
 
 def _read_pairs(settings, source):
-    """(format, each record as (prompt messages with its images, chosen, rejected), how many got --system-prompt,
-    `source`) of one file."""
+    """(format, each record as (prompt messages with its images, chosen, rejected) (KTO's unpaired form: (prompt,
+    completion, desirable)), how many got --system-prompt, `source`) of one file."""
     from toolkit.data import source_format
     from toolkit.data.formats import load_records, map_columns, record_place, with_system_prompt
     from toolkit.data.images import with_images
-    from toolkit.data.pairs import to_pair
+    from toolkit.data.pairs import to_pair, to_unpaired
 
     records = map_columns(load_records(source.path, source.flag), source)
     fmt = source_format(records.column_names, settings, source, records[0])
@@ -327,14 +335,54 @@ def _read_pairs(settings, source):
     for i, row in enumerate(records):
         where = f"{source.flag} {record_place(source.path, i)}: "
         try:
-            prompt, chosen, rejected = to_pair(row, fmt, source.turns)
+            prompt, *sides = to_unpaired(row, source.turns) if fmt == "unpaired" else to_pair(row, fmt, source.turns)
         except UserError as e:
             raise UserError(f"{where}{e}") from None
         prompt = with_images(prompt, row, source.path, where)
         given = with_system_prompt(prompt, settings.data.system_prompt)
         added += given is not prompt
-        pairs.append((given, chosen, rejected))
+        pairs.append((given, *sides))
     return fmt, pairs, added, source
+
+
+def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]]):
+    """(`ImageRows` of KTO's examples, their `DataStats`), as `toolkit.data.pairs.encode_kto` makes text's: pairs
+    split into a desirable and an undesirable example (every chosen, then every rejected: TRL's unpairing), each
+    prompt + completion `encode`d with labels on the completion, and beside it its KL sequence (its own prompt's
+    tokens, images included, with the previous example's completion: `toolkit.data.pairs.kl_sequences`), whose
+    images are its own example's; an example with a `blank` completion is kept out of the rows and counted."""
+    from toolkit.data.formats import record_place
+    from toolkit.data.pairs import kl_sequences
+    from toolkit.data.table import DataStats
+    from toolkit.data.tokenize import IGNORE_INDEX, blank
+
+    # (record index, prompt, completion, desirable); pairs split, every chosen example first
+    examples = [(i, e[0], e[1], e[2]) for i, e in indexed if len(e) == 3 and isinstance(e[2], bool)]
+    if not examples:
+        examples = [(i, e[0], e[1], True) for i, e in indexed] + [(i, e[0], e[2], False) for i, e in indexed]
+    rows, stats = [], DataStats()
+    for i, prompt, completion, good in examples:
+        stats.examples += 1
+        try:
+            row = encode(processor, prompt + [{"role": "assistant", "content": completion}], settings.data.seq_len,
+                         False, "", last_turn=True)
+        except UserError as e:
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
+        empty = blank(completion)
+        if row is None or empty or all(t == IGNORE_INDEX for t in row["labels"]):
+            stats.dropped += 1
+            stats.empty += int(empty)
+            stats.truncated += int(row is None or row["truncated"])
+            continue
+        row.pop("text_labels")
+        stats.truncated += int(row.pop("truncated"))
+        stats.tokens += len(row["input_ids"])
+        stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
+        rows.append({**row, "desirable": good})
+    kl_ids, kl_labels = kl_sequences([r["input_ids"] for r in rows], [r["labels"] for r in rows], settings.data.seq_len)
+    for row, ids, labels in zip(rows, kl_ids, kl_labels):
+        row.update(kl_input_ids=ids, kl_labels=labels)
+    return ImageRows(rows, processor), stats
 
 
 def _read(settings, source):
