@@ -98,6 +98,7 @@ RUNS = {  # name -> (ranks, flags, the one-process run it must equal)
     "zero3_full": (2, ["--method", "full", "--loss-type", "grpo", *TWO, "--zero-stage", "3"], "one_full_b0"),
     "fsdp_full": (2, ["--method", "full", "--loss-type", "grpo", *TWO, "--fsdp"], "one_full_b0"),
     "tp2_lora": (2, ["--method", "lora", *BETA, *ONE, "--tp", "2"], "one_lora"),  # both ranks sample the 8
+    "overlong": (1, ["--method", "lora", *ONE, "--overlong-buffer", "4", "--overlong-penalty", "0.5"], None),
 }
 
 
@@ -132,6 +133,23 @@ def test_every_layout_samples_and_trains_as_one_process(runs, name):
     for key in ("loss", "grad_norm", "reward", "kl", "entropy", "clip_ratio/region_mean", "rewards/vowels/mean",
                 "completions/mean_length"):
         assert_metric_close(a, b, key, rel=rel, abs=1e-6, what=name)
+
+
+def test_the_overlong_penalty_is_a_reward_beside_the_users(runs):
+    """--overlong-buffer 4 --overlong-penalty 0.5 on 8-token completions: each completion's `overlong` reward in
+    completions.jsonl is between 0 and -0.5, and each round's mean lies between the penalties of its shortest and
+    its longest completion (DAPO's penalty falls with length); it adds to the reward with weight 1."""
+    from toolkit.objectives.grpo.functions import overlong_penalty
+
+    logged = [json.loads(line)["rewards"] for line in (runs("overlong") / "completions.jsonl").read_text().splitlines()]
+    assert logged and all(-0.5 <= r["overlong"] <= 0 for r in logged)
+    rounds = [r for r in records(runs("overlong"), "loss") if "rewards/overlong/mean" in r]
+    assert rounds
+    for r in rounds:
+        low, high = overlong_penalty([r["completions/max_length"], r["completions/min_length"]], 8, 4, 0.5)
+        assert low - 1e-9 <= r["rewards/overlong/mean"] <= high + 1e-9
+        assert r["reward"] == pytest.approx(r["rewards/vowels/mean"] + 0.5 * r["rewards/math_answer/mean"]
+                                            + r["rewards/overlong/mean"], abs=1e-6)
 
 
 def test_a_run_says_what_it_trains_and_logs_trls_metrics(runs):

@@ -271,6 +271,29 @@ def test_math_answer_reads_gsm8k_answers(completion, answer, reward):
     assert rw.math_answer([[{"role": "user", "content": "q"}]], [conversational], answer=[answer]) == [reward]
 
 
+def dapo_length_reward(length: int, l_max: int, l_cache: int) -> float:
+    """DAPO's R_length (Yu et al. 2025, eq. 13), written piecewise as the paper does."""
+    if length <= l_max - l_cache:
+        return 0.0
+    if length <= l_max:
+        return ((l_max - l_cache) - length) / l_cache
+    return -1.0
+
+
+@pytest.mark.parametrize("l_max, l_cache", [(16, 4), (512, 128), (8, 7)])
+def test_the_overlong_penalty_is_dapos_soft_length_punishment(l_max, l_cache):
+    """--overlong-buffer's reward: DAPO's eq. 13 for every length up to the cap (0 until l_max - l_cache, then -1 at
+    l_max), scaled by --overlong-penalty; the reward function reads the lengths from `completion_ids`."""
+    lengths = list(range(0, l_max + 1))
+    assert gf.overlong_penalty(lengths, l_max, l_cache) == pytest.approx(
+        [dapo_length_reward(n, l_max, l_cache) for n in lengths], abs=1e-12)
+    assert gf.overlong_penalty([l_max], l_max, l_cache, 0.5) == [-0.5]
+    reward = rw.overlong_reward(l_max, l_cache, 2.0)
+    assert reward.name == "overlong" and reward.weight == 1.0
+    ids = [[1] * (l_max - l_cache), [1] * l_max]
+    assert reward.fn(["p", "p"], ["a", "b"], ids) == [0.0, -2.0]
+
+
 def test_regex_reward_searches_across_lines():
     name, fn = rw.load_reward(r"builtin:regex:^<think>.*</think>\s*<answer>\d+</answer>$")
     done = "<think>a\nb</think>\n<answer>42</answer>"

@@ -144,6 +144,9 @@ def grpo_problems(cfg) -> list[str]:
                            ("--epsilon-high", rl.epsilon_high is None or rl.epsilon_high > 0, "> 0"),
                            ("--steps-per-generation", rl.steps_per_generation >= 1, ">= 1"),
                            ("--num-iterations", rl.num_iterations >= 1, ">= 1"),
+                           ("--overlong-buffer", 0 <= rl.overlong_buffer < rl.max_completion_length,
+                            f">= 0 and below --max-completion-length {rl.max_completion_length}"),
+                           ("--overlong-penalty", rl.overlong_penalty >= 0, ">= 0"),
                            ("--log-completions-every", rl.log_completions_every >= 0, ">= 0 (0 = at each metrics "
                                                                                        "record)"),
                            ("--beta", t.beta is None or t.beta >= 0, ">= 0 (grpo's KL coefficient; 0 = off)")):

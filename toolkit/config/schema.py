@@ -188,6 +188,11 @@ class RLConfig:
                                      "batch's (batch), or none (Dr. GRPO)", ("group", "batch", "none"))
     mask_truncated_completions: bool = _f(False, "leave completions that reached --max-completion-length without "
                                                  "ending out of the loss (DAPO's overlong filtering)")
+    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a completion within this many tokens of "
+                                 "--max-completion-length loses reward linearly, --overlong-penalty at the limit; "
+                                 "added as the reward 'overlong', weight 1 (0 = off)")
+    overlong_penalty: float = _f(1.0, "the reward a completion of --max-completion-length tokens loses under "
+                                      "--overlong-buffer (DAPO's penalty factor)")
     steps_per_generation: int = _f(1, "optimizer steps each generation round's completions serve (their "
                                       "log-probabilities at generation are then the ratio's old ones)")
     num_iterations: int = _f(1, "times each round's completions are trained on (mu; > 1: their old "

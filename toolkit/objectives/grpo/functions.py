@@ -302,3 +302,11 @@ def truncated_mask(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """`mask` with the rows of truncated completions (no EOS within max_completion_length) emptied: TRL's
     `mask_truncated_completions` (DAPO's overlong filtering, Yu et al. 2025, section 3.4)."""
     return mask * (~truncated.to(torch.bool)).unsqueeze(1).to(mask.dtype)
+
+
+def overlong_penalty(lengths: list[int], max_length: int, buffer: int, factor: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's `overlong_buffer`): 0 for a completion of at
+    most max_length - buffer tokens, then falling linearly to -factor at max_length (and below it past that):
+    min(-(length - (max_length - buffer)) / buffer x factor, 0). Added to the other rewards, weight 1."""
+    start = max_length - buffer
+    return [min(-(n - start) / buffer * factor, 0.0) for n in lengths]

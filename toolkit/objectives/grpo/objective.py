@@ -27,6 +27,12 @@ class GRPO:
         weights = [float(w) for w in cfg.rl.reward_weights.split(",") if w.strip()] or None
         # a reward file's errors are said now, before the weights load
         self.rewards = load_rewards([s for s in cfg.rl.reward.splitlines() if s.strip()], weights)
+        rl = cfg.rl
+        if rl.overlong_buffer:
+            from toolkit.objectives.grpo.rewards import overlong_reward
+
+            # DAPO's soft length penalty, beside the user's rewards
+            self.rewards.append(overlong_reward(rl.max_completion_length, rl.overlong_buffer, rl.overlong_penalty))
         self.loss: GRPOLoss | None = None
         self.rollouts, self.reference_model = None, None
 

@@ -181,6 +181,17 @@ def load_reward(spec: str) -> tuple[str, RewardFn]:
     return getattr(fn, "__name__", name), fn
 
 
+def overlong_reward(max_length: int, buffer: int, factor: float) -> Reward:
+    """--overlong-buffer's reward, named `overlong` in the metrics: each completion's `overlong_penalty` from its
+    token count."""
+    from toolkit.objectives.grpo.functions import overlong_penalty
+
+    def overlong(prompts, completions, completion_ids, **columns) -> list[float]:
+        return overlong_penalty([len(ids) for ids in completion_ids], max_length, buffer, factor)
+
+    return Reward(f"--overlong-buffer {buffer}", "overlong", overlong, 1.0)
+
+
 def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -> list[Reward]:
     """Every `--reward`, weighted by `--reward-weights` (1.0 each when not given, as TRL)."""
     if not specs:
