@@ -294,6 +294,41 @@ def test_the_overlong_penalty_is_dapos_soft_length_punishment(l_max, l_cache):
     assert reward.fn(["p", "p"], ["a", "b"], ids) == [0.0, -2.0]
 
 
+def test_coroutine_rewards_are_awaited_together():
+    """Two async reward functions that each wait for the other (as two judges behind one server might): awaited one
+    after the other, the first would wait 5 s and fail; gathered, as TRL 1.16 gathers them, both finish. A sync
+    function beside them scores as before, and each result lands in its own column."""
+    import asyncio
+
+    events: dict[str, asyncio.Event] = {}
+
+    def event(name: str) -> asyncio.Event:
+        return events.setdefault(name, asyncio.Event())
+
+    async def first(completions, **kwargs):
+        event("a").set()
+        await asyncio.wait_for(event("b").wait(), 5)
+        return [1.0] * len(completions)
+
+    async def second(completions, **kwargs):
+        event("b").set()
+        await asyncio.wait_for(event("a").wait(), 5)
+        return [2.0] * len(completions)
+
+    def third(completions, **kwargs):
+        return [3.0] * len(completions)
+
+    rewards = [rw.Reward(f"x.py:{f.__name__}", f.__name__, f) for f in (first, third, second)]
+    scores = rw.score(rewards, ["p", "p"], ["a", "b"], [[1], [2]])
+    assert scores.rewards == [[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]
+
+    async def broken(completions, **kwargs):
+        raise ValueError("judge down")
+
+    with pytest.raises(UserError, match="judge down"):
+        rw.score([rw.Reward("x.py:broken", "broken", broken)], ["p"], ["a"], [[1]])
+
+
 def test_regex_reward_searches_across_lines():
     name, fn = rw.load_reward(r"builtin:regex:^<think>.*</think>\s*<answer>\d+</answer>$")
     done = "<think>a\nb</think>\n<answer>42</answer>"

@@ -229,6 +229,11 @@ def _as_number(value: Any) -> float | None:
     raise TypeError(type(value).__name__)
 
 
+async def _gathered(coroutines: list) -> list:
+    """Every reward coroutine's result (or what it raised), run concurrently."""
+    return await asyncio.gather(*coroutines, return_exceptions=True)
+
+
 def _call(fn: RewardFn, kwargs: dict) -> Any:
     out = fn(**kwargs)
     return asyncio.run(out) if inspect.isawaitable(out) else out
@@ -258,11 +263,27 @@ def score(rewards: Sequence[Reward], prompts: Sequence, completions: Sequence, c
         return dict(prompts=list(prompts[rows]), completions=list(completions[rows]),
                     completion_ids=list(completion_ids[rows]), **{k: v[rows] for k, v in cols.items()}, **common)
 
+    outputs: dict[int, Any] = {}
+    # coroutine functions (TRL's async rewards: a judge served over HTTP, ...) awaited together, as TRL gathers them
+    waiting: list[tuple[int, Any]] = []
     for f, reward in enumerate(rewards):
         try:
-            out = _call(reward.fn, kwargs_for(slice(None)))
+            out = reward.fn(**kwargs_for(slice(None)))
         except Exception as e:  # noqa: BLE001 - the user's function: said in one line, naming the completion
             raise UserError(_failure(reward, e, n, kwargs_for, num_generations, records)) from e
+        if inspect.isawaitable(out):
+            waiting.append((f, out))
+        else:
+            outputs[f] = out
+    if waiting:
+        for (f, _), out in zip(waiting, asyncio.run(_gathered([c for _, c in waiting]))):
+            if isinstance(out, Exception):
+                raise UserError(_failure(rewards[f], out, n, kwargs_for, num_generations, records)) from out
+            if isinstance(out, BaseException):
+                raise out
+            outputs[f] = out
+    for f, reward in enumerate(rewards):
+        out = outputs[f]
         if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
             raise UserError(f"reward {reward.spec} returned a {type(out).__name__}, not a list of {n} rewards "
                             f"(one per completion)")
