@@ -354,7 +354,7 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]]):
     from toolkit.data.formats import record_place
     from toolkit.data.pairs import kl_sequences
     from toolkit.data.table import DataStats
-    from toolkit.data.tokenize import IGNORE_INDEX, blank
+    from toolkit.data.tokenize import blank
 
     # (record index, prompt, completion, desirable); pairs split, every chosen example first
     examples = [(i, e[0], e[1], e[2]) for i, e in indexed if len(e) == 3 and isinstance(e[2], bool)]
@@ -368,17 +368,9 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]]):
                          False, "", last_turn=True)
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
-        empty = blank(completion)
-        if row is None or empty or all(t == IGNORE_INDEX for t in row["labels"]):
-            stats.dropped += 1
-            stats.empty += int(empty)
-            stats.truncated += int(row is None or row["truncated"])
-            continue
-        row.pop("text_labels")
-        stats.truncated += int(row.pop("truncated"))
-        stats.tokens += len(row["input_ids"])
-        stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
-        rows.append({**row, "desirable": good})
+        row = _kept(row, blank(completion), stats)
+        if row is not None:
+            rows.append({**row, "desirable": good})
     kl_ids, kl_labels = kl_sequences([r["input_ids"] for r in rows], [r["labels"] for r in rows], settings.data.seq_len)
     for row, ids, labels in zip(rows, kl_ids, kl_labels):
         row.update(kl_input_ids=ids, kl_labels=labels)
@@ -429,7 +421,7 @@ def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | 
     """(`ImageRows` of the examples that keep an answer token, their `DataStats`)."""
     from toolkit.data.formats import record_place
     from toolkit.data.table import DataStats
-    from toolkit.data.tokenize import IGNORE_INDEX, empty_answers
+    from toolkit.data.tokenize import empty_answers
 
     d, rows, stats = settings.data, [], DataStats()
     for i, conv in indexed:
@@ -440,15 +432,24 @@ def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | 
             row = encode(processor, conv, d.seq_len, d.train_on_prompt, "")
         except UserError as e:
             raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
-        empty = empty_answers(conv)[0]
-        if row is None or empty or all(t == IGNORE_INDEX for t in row["labels"]):
-            stats.dropped += 1
-            stats.empty += int(empty)
-            stats.truncated += int(row is None or row["truncated"])
-            continue
-        row.pop("text_labels")
-        stats.truncated += int(row.pop("truncated"))
-        stats.tokens += len(row["input_ids"])
-        stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
-        rows.append(row)
+        row = _kept(row, empty_answers(conv)[0], stats)
+        if row is not None:
+            rows.append(row)
     return ImageRows(rows, processor), stats
+
+
+def _kept(row: dict | None, empty: bool, stats) -> dict | None:
+    """`row` counted into `stats` (`DataStats`): kept (its tokens and answer tokens), or dropped (None) where --seq-len
+    cut it to nothing or its answer is `empty`."""
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    if row is None or empty or all(t == IGNORE_INDEX for t in row["labels"]):
+        stats.dropped += 1
+        stats.empty += int(empty)
+        stats.truncated += int(row is None or row["truncated"])
+        return None
+    row.pop("text_labels")
+    stats.truncated += int(row.pop("truncated"))
+    stats.tokens += len(row["input_ids"])
+    stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
+    return row
