@@ -291,6 +291,10 @@ def test_images_are_read_where_the_model_and_data_have_them(llava, zoo, images, 
     assert images_of(zoo["gemma3"], text) == "off"
     assert images_of(llava, text) == "on"
     assert images_of(zoo["gemma3"], images / "chat.jsonl", "--images", "off") == "off"
+    # Gemma 3's image batches are padded whatever kernel --attn names (its token_type_ids are per row); LLaVA's not
+    for model, want in ((zoo["gemma3"], False), (llava, None)):
+        cfg = settle(["--model", str(model), "--dataset", str(images / "chat.jsonl"), "--attn", "varlen"])
+        assert resolve_images(cfg, str(model)).data.padding_free is want
     from transformers import AutoConfig
 
     assert auto_class(AutoConfig.from_pretrained(zoo["mllama"])).__name__ == "AutoModelForCausalLM"
@@ -317,6 +321,31 @@ def test_examples_without_an_image_are_one_line_on_several_ranks(llava, images, 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks"):
         prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
+    # GRPO's prompts alike
+    rows = [json.loads(line) for line in (images / "prompts.jsonl").read_text().splitlines()]
+    rows.append({"prompt": "What color?", "answer": "red"})
+    (images / "prompts_mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match="1 of 17 prompts have no image; on 2 ranks"):
+        prepared(["--model", str(llava), "--dataset", str(images / "prompts_mixed.jsonl"), "--objective", "grpo",
+                  "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"])
+
+
+def test_a_row_the_reference_pass_did_not_score_is_an_error(llava, images):
+    """A pair whose reference log-probabilities are NaN (not scored: `rows_read` and the loader disagree) reads as NaN
+    (the loader fetches a batch past the last step) but is an error in the loss, never a NaN loss."""
+    from toolkit.data.image_rows import MediaCollate
+    from toolkit.objectives.preference.loss import ObjectiveSpec, PreferenceLoss
+
+    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "pairs_train.jsonl"), "--objective",
+                                "dpo"])
+    rows = data.train
+    rows.reference = torch.zeros(len(rows), 2)
+    rows.reference[1, 0] = float("nan")
+    loss = PreferenceLoss(ObjectiveSpec("dpo", 0.1, reference="precomputed"))
+    good, bad = (MediaCollate(processor, processor.tokenizer.pad_token_id)([rows[i]]) for i in (0, 1))
+    assert loss.reference_logps(None, good).tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError, match="a pair without reference log-probabilities reached the loss"):
+        loss.reference_logps(None, bad)
 
 
 def common(llava, images) -> list[str]:
@@ -433,7 +462,7 @@ def test_image_runs_go_padding_free_by_default_with_the_padded_losses(runs, padd
     said = runs[f"{free}.stdout"].read_text()
     assert "batches: padding-free: each micro-batch's 4" in said and "with the processor's image inputs" in said
     padded_said = runs[f"{padded}.stdout"].read_text()
-    assert "batches: padded to each micro-batch's longest row (--no-padding-free)" in padded_said
+    assert "batches: padded to each micro-batch's longest row (--no-padding-free" in padded_said
     want, got = losses(runs[padded]), losses(runs[free])
     assert len(got) == len(want) == 5 and got == pytest.approx(want, rel=1e-5)
 
@@ -703,6 +732,11 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
     elif case == "planner":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--strategy", "auto"],
                 "is an image-text model, and the planner does not count its vision side yet")
+    elif case == "kto_on_gemma3":
+        gemma3 = build_vlm_dir(tmp_path / "gemma3", "gemma3")
+        return (["--model", str(gemma3), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
+                "--objective kto: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids), "
+                "which KTO's KL sequences do not lay out yet")
     elif case == "grpo_on_gemma3":
         gemma3 = build_vlm_dir(tmp_path / "gemma3", "gemma3")
         return (["--model", str(gemma3), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
@@ -718,7 +752,8 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
-                                  "processor_needs_torchvision", "planner", "grpo_on_gemma3"])
+                                  "processor_needs_torchvision", "planner", "grpo_on_gemma3",
+                                  "kto_on_gemma3"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

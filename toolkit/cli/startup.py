@@ -134,12 +134,16 @@ def resolve_images(cfg, model_path: str):
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
     on = pictured or only_image_text(config)
-    why = on and cfg.train.objective == "grpo" and image_text(config) and end_to_end_problem(config)
-    if why:
-        raise UserError(f"--objective grpo: {why}, which sampling from image prompts does not lay out yet; GRPO reads "
-                        "images on models that place them at their tokens alone (LLaVA, Idefics3/SmolVLM)")
-    why = on and cfg.data.padding_free and end_to_end_problem(config)
-    if why:
+    why = on and image_text(config) and end_to_end_problem(config)
+    if why and cfg.train.objective in ("grpo", "kto"):
+        # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again
+        what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"
+        raise UserError(f"--objective {cfg.train.objective}: {why}, which {what} not lay out yet; it reads images on "
+                        "models that place them at their tokens alone (LLaVA, Idefics3/SmolVLM)")
+    if why and cfg.data.padding_free:
         raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "
                         "it out (this model's image batches are padded)")
+    if why:
+        # padded whatever kernel --attn names (a padded batch's mask sends it to SDPA)
+        return cfg.replace(images="on", padding_free=False)
     return cfg.replace(images="on" if on else "off")

@@ -146,12 +146,9 @@ class ImageRows(list):
         row = super().__getitem__(i)
         if self.reference is None or not isinstance(i, int):
             return row
-        ref = self.reference[i].tolist()
-        # NaN: a row the reference pass did not score
-        if ref != ref:
-            raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.data.loader.rows_read and the "
-                               "loader disagree on the rows the run reads)")
-        return {**row, "ref_logps": ref}
+        # NaN where the reference pass did not score the row: a batch the loader fetches past the run's last step
+        # holds such rows; the loss refuses one (`PreferenceLoss.reference_logps`)
+        return {**row, "ref_logps": self.reference[i].tolist()}
 
     def __iter__(self):
         for i in range(len(self)):
@@ -162,10 +159,13 @@ class ImageRows(list):
         return [r["desirable"] for r in list.__iter__(self) if "desirable" in r]
 
     def digest(self) -> str:
-        """sha256 of the rows' tokens, texts and image references."""
+        """sha256 of the rows' tokens, texts and image references (a file's size and modification time too)."""
         h = hashlib.sha256()
         for r in list.__iter__(self):
-            h.update(repr((r["input_ids"], r["labels"], r["images"], r.get("rejected_input_ids"),
+            # an image file replaced in place is another example (a data URL is its bytes already)
+            files = [(os.stat(ref).st_size, os.stat(ref).st_mtime_ns) for ref in r["images"]
+                     if not ref.startswith("data:")]
+            h.update(repr((r["input_ids"], r["labels"], r["images"], files, r.get("rejected_input_ids"),
                            r.get("rejected_labels"), r.get("kl_input_ids"), r.get("desirable"))).encode())
         return h.hexdigest()
 
@@ -290,10 +290,15 @@ def prepare_images(settings, processor) -> tuple:
 
 def _every_image(train: ImageRows, held: ImageRows, dataset: str, unit: str) -> None:
     """One line where rows without an image would train on several ranks."""
-    plain = sum(not r["images"] for r in [*list.__iter__(train), *list.__iter__(held)])
+    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], dataset, unit)
+
+
+def every_image(images: list[list[str]], dataset: str, unit: str) -> None:
+    """One line where examples without an image (`images`: each one's references) would train on several ranks."""
+    plain = sum(not refs for refs in images)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if plain and ranks > 1:
-        raise UserError(f"--dataset {dataset}: {plain} of {len(train) + len(held)} {unit} have no image; on "
+        raise UserError(f"--dataset {dataset}: {plain} of {len(images)} {unit} have no image; on "
                         f"{ranks} ranks a micro-batch without one skips the vision tower the other ranks run "
                         "(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): give each example an image, "
                         "or train on one process")

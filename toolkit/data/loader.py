@@ -110,15 +110,15 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
     padding-free where `toolkit.model.attention.padding_free_on` says (`attn`: the model's attention), said in one
     line either way. `sequences`: an example's sequences (a pair's two), each up to --seq-len tokens; `unit`: what
     an example is called."""
-    from toolkit.model.attention import end_to_end, padding_free_on
+    from toolkit.model.attention import padding_free_on
 
     processor = getattr(train_rows, "processor", None)
     padding_free = padding_free_on(cfg, attn)
     # images: the processor's inputs beside the rows (`toolkit.data.image_rows`)
     if processor is not None:
-        # not padding-free where it would be for text: the model's attention line says why
-        why = "this model's images are tied to their rows: its attention line says how" \
-            if not padding_free and end_to_end(cfg)[1] == "auto" else None
+        # a model whose images are tied to their rows is padded (`toolkit.cli.startup.resolve_images`)
+        why = "--no-padding-free, or the model's images are tied to their rows: its attention line says which" \
+            if cfg.data.padding_free is False else None
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else ""), why)
             + ", with the processor's image inputs")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,

@@ -311,6 +311,10 @@ def prepare_prompts(settings: DataSettings, tokenizer, processor=None):
         held_rows = subset(whole, held) if held else PromptRows()
     if settings.data.eval_dataset:
         held_rows = load_prompts(settings.data, eval_source(settings.data), tokenizer, processor=processor)
+    if processor is not None:
+        from toolkit.data.image_rows import every_image
+
+        every_image(whole.images, settings.data.dataset, "prompts")
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
     return PreparedData(whole.format, settings.data.format == "auto", subset(whole, train), held_rows, stats,
                         DataStats(), eval_format=held_rows.format if settings.data.eval_dataset else None)

@@ -118,7 +118,7 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
     (`toolkit.data.images.with_images`), the prompt rendered by the processor's template and its image tokens
     expanded as the processor expands them."""
     from toolkit.data.formats import load_records, map_columns
-    from toolkit.data.images import with_images
+    from toolkit.data.images import has_images, with_images, without_images
     from toolkit.data.tokenize import prompt_text
 
     if records is None:
@@ -129,6 +129,9 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
     for i, row in enumerate(records):
         where = f"{source.flag} {record_place(source.path, i)}"
         prompt = prompt_of(row, fmt, where, source)
+        if processor is None and isinstance(prompt, list) and has_images(prompt):
+            # a text model's run (--images off): the prompt's text alone
+            prompt = without_images(prompt)
         messages = prompt_messages(prompt, data.system_prompt, row.get("system"))
         if processor is not None:
             messages = with_images([dict(m) for m in messages], row, source.path, f"{where}: ")

@@ -276,11 +276,9 @@ class Rows:
         if self._desirable is not None:
             row["desirable"] = self._desirable[r]
         if self.reference is not None:
+            # NaN where the reference pass did not score the row: a batch the loader fetches past the run's last
+            # step holds such rows; the loss refuses one (`PreferenceLoss.reference_logps`)
             row["ref_logps"] = self.reference[i].tolist()
-            # NaN: a row the reference pass did not score
-            if row["ref_logps"] != row["ref_logps"]:
-                raise RuntimeError(f"row {i} has no reference log-probabilities (toolkit.data.loader.rows_read "
-                                   "and the loader disagree on the rows the run reads)")
         return row
 
     def __iter__(self):

@@ -167,7 +167,7 @@ def attention(shape: ModelShape, model) -> tuple[str | None, str]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # image batches of a model that ties its images to their rows are padded (`toolkit.data.image_rows`)
-    why = shape.images and shape.padding_free and end_to_end_problem(model.config)
+    why = shape.images and end_to_end_problem(model.config)
     name, line = choose_attention(shape.attn, device, shape.packing, model, shape.seq_len,
                                   None if why else shape.padding_free)
     return name, line + (f"; image batches padded ({why})" if why else "")

@@ -81,7 +81,7 @@ def completion_logps(model, batch: dict, temperature: float, entropy: bool = Fal
     completion = batch["completion_ids"]
     width = completion.shape[1]
     # an image-text model's image inputs of the rows' prompts (`toolkit.data.images.MEDIA` keys)
-    media = {k[len(MEDIA):]: v for k, v in batch.items() if k.startswith(MEDIA)}
+    media = {k[len(MEDIA):]: v.to(batch["input_ids"].device) for k, v in batch.items() if k.startswith(MEDIA)}
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["positions"], logits_to_keep=width + 1, use_cache=False, **media)
     # position t predicts completion token t; the last position predicts none (a target 0, dropped): the

@@ -270,6 +270,8 @@ def score(rewards: Sequence[Reward], prompts: Sequence, completions: Sequence, c
         try:
             out = reward.fn(**kwargs_for(slice(None)))
         except Exception as e:  # noqa: BLE001 - the user's function: said in one line, naming the completion
+            for _, coroutine in waiting:
+                getattr(coroutine, "close", lambda: None)()
             raise UserError(_failure(reward, e, n, kwargs_for, num_generations, records)) from e
         if inspect.isawaitable(out):
             waiting.append((f, out))

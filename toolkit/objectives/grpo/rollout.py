@@ -360,8 +360,9 @@ class Rollouts:
                 part = slice(i, i + mb)
                 batch = collate_rollout(prompt_ids[part], completions.ids[part], mask[part], run.tokenizer.pad_token_id,
                                         device)
-                # an image-text model's image inputs of the rows' prompts
-                batch.update({MEDIA + k: v.to(device) for k, v in self.prompts.media(rows[part]).items()})
+                # an image-text model's image inputs of the rows' prompts: on the host until their forward (a
+                # round's micro-batches wait for their steps)
+                batch.update({MEDIA + k: v for k, v in self.prompts.media(rows[part]).items()})
                 if spec.mask_truncated:  # the labels the loop counts: the loss tokens
                     batch["labels"][:, -batch["completion_mask"].shape[1]:][batch["completion_mask"] == 0] = -100
                 batch["advantages"] = advantages[part].to(device)

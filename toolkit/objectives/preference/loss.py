@@ -330,7 +330,12 @@ class PreferenceLoss:
         "adapters": LoRA's base without gradients, through `inputs` as the training forward lays them out
         (packed rows, a context-parallel slice), or else whole rows through the layout's `forward_logps`."""
         if self.spec.reference == "precomputed":
-            return batch["ref_logps"]
+            ref = batch["ref_logps"]
+            # NaN: a row the reference pass did not score (`toolkit.data.loader.rows_read` and the loader disagree on
+            # the rows the run reads); checked on the device, without a read-back
+            torch._assert_async(~torch.isnan(ref).any(), "a pair without reference log-probabilities reached the "
+                                "loss: the reference pass did not score the rows this step reads")
+            return ref
         if self.spec.reference is None:
             return None
         if inputs is None:
