@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from functools import partial
 
-from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, template_messages
+from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, open_images, template_messages
 from toolkit.errors import UserError
 
 
@@ -54,11 +55,7 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     ids0 = plain["input_ids"]
     labels0 = list(ids0) if train_on_prompt else _answer_labels(ids0, plain["offset_mapping"], spans)
     refs = image_refs(conv)
-    try:
-        images = [open_image(r) for r in refs]
-    except Exception as e:  # noqa: BLE001 - PIL raises several kinds on a damaged file
-        raise UserError(f"{where}an image could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
-                        "replace the file") from None
+    images = open_images(refs, where)
     ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     labels, inserted = expanded_labels(ids0, labels0, ids, where)
@@ -284,13 +281,8 @@ def prepare_images(settings, processor) -> tuple:
     elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
-    _every_image(train, held, d.dataset, "examples")
+    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset, "examples")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
-
-
-def _every_image(train: ImageRows, held: ImageRows, dataset: str, unit: str) -> None:
-    """One line where rows without an image would train on several ranks."""
-    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], dataset, unit)
 
 
 def every_image(images: list[list[str]], dataset: str, unit: str) -> None:
@@ -313,16 +305,21 @@ def _prepare_pairs(settings, processor) -> tuple:
     from toolkit.data.table import DataStats
 
     d = settings.data
-    encoded = _encoded_kto if form(settings.objective) == "labelled" else _encoded_pairs
+    kto = form(settings.objective) == "labelled"
     fmt, pairs, added, source = _read_pairs(settings, data_sources(d)[0])
+    # KTO's unpaired records are its examples; pairs are split into two
+    encoded = partial(_encoded_kto, unpaired=fmt == "unpaired") if kto else _encoded_pairs
     train_idx, held_idx = split_indices(len(pairs), settings, "")
     train, stats = encoded(processor, settings, source, [(i, pairs[i]) for i in train_idx])
     check_trainable(stats, settings, "training")
     held, held_stats = encoded(processor, settings, source, [(i, pairs[i]) for i in held_idx])
     if not held_idx and d.eval_dataset:
-        _, held_pairs, _, held_source = _read_pairs(settings, eval_source(d))
+        held_fmt, held_pairs, _, held_source = _read_pairs(settings, eval_source(d))
+        if kto:
+            encoded = partial(_encoded_kto, unpaired=held_fmt == "unpaired")
         held, held_stats = encoded(processor, settings, held_source, list(enumerate(held_pairs)))
-    _every_image(train, held, d.dataset, "pairs" if encoded is _encoded_pairs else "examples")
+    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
+                "examples" if kto else "pairs")
     return fmt, train, held, stats, held_stats or DataStats(), added, None, None
 
 
@@ -350,7 +347,7 @@ def _read_pairs(settings, source):
     return fmt, pairs, added, source
 
 
-def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]]):
+def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]], unpaired: bool):
     """(`ImageRows` of KTO's examples, their `DataStats`), as `toolkit.data.pairs.encode_kto` makes text's: pairs
     split into a desirable and an undesirable example (every chosen, then every rejected: TRL's unpairing), each
     prompt + completion `encode`d with labels on the completion, and beside it its KL sequence (its own prompt's
@@ -362,9 +359,8 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]]):
     from toolkit.data.tokenize import blank
 
     # (record index, prompt, completion, desirable); pairs split, every chosen example first
-    examples = [(i, e[0], e[1], e[2]) for i, e in indexed if len(e) == 3 and isinstance(e[2], bool)]
-    if not examples:
-        examples = [(i, e[0], e[1], True) for i, e in indexed] + [(i, e[0], e[2], False) for i, e in indexed]
+    examples = [(i, *e) for i, e in indexed] if unpaired else \
+        [(i, e[0], e[1], True) for i, e in indexed] + [(i, e[0], e[2], False) for i, e in indexed]
     rows, stats = [], DataStats()
     for i, prompt, completion, good in examples:
         stats.examples += 1

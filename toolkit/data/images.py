@@ -187,6 +187,15 @@ def open_image(ref: str):
         return img.convert("RGB")
 
 
+def open_images(refs: list[str], where: str) -> list:
+    """Every image `refs` names (`open_image`); one that cannot be decoded is one line (`where`: the record)."""
+    try:
+        return [open_image(r) for r in refs]
+    except Exception as e:  # noqa: BLE001 - PIL raises several kinds on a damaged file
+        raise UserError(f"{where}an image could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "replace the file") from None
+
+
 def template_messages(conv: list[dict]) -> list[dict]:
     """The conversation as processor chat templates take it: every content a list of parts, images as bare
     `{"type": "image"}` (the pixels go to the processor apart)."""

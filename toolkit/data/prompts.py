@@ -135,10 +135,9 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
         messages = prompt_messages(prompt, data.system_prompt, row.get("system"))
         if processor is not None:
             messages = with_images([dict(m) for m in messages], row, source.path, f"{where}: ")
-            text, refs, ids = _image_prompt(processor, messages, where)
+            text, refs, ids = _image_prompt(processor, messages, f"{where}: ")
         else:
-            text = prompt_text(tokenizer, messages)
-            ids, refs = tokenizer(text, add_special_tokens=False)["input_ids"], []
+            ids = tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
         if len(ids) > data.seq_len:
             out.dropped += 1
             continue
@@ -155,15 +154,11 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
     """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
     with each image's tokens expanded)."""
-    from toolkit.data.images import image_refs, open_image, template_messages
+    from toolkit.data.images import image_refs, open_images, template_messages
 
     text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     refs = image_refs(messages)
-    try:
-        images = [open_image(r) for r in refs]
-    except Exception as e:  # noqa: BLE001 - PIL raises several kinds on a damaged file
-        raise UserError(f"{where}: an image could not be read ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:160]}); replace the file") from None
+    images = open_images(refs, where)
     ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
     return text, refs, list(ids.tolist() if hasattr(ids, "tolist") else ids)
 
