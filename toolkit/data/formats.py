@@ -86,7 +86,13 @@ def load_records(spec: str, flag: str = "--dataset"):
             if kind == "json":
                 for f in files:
                     _check_json_file(f, flag)
-            raise UserError(f"{flag} {spec}: could not be read as {kind} ({_short(e)})") from None
+            # datasets < 5.0 has no Json feature: a field that is a list in one place and a string in another (an
+            # image part list beside plain text content) fails its Arrow schema
+            mixed = kind == "json" and int(datasets.__version__.split(".")[0]) < 5
+            raise UserError(f"{flag} {spec}: could not be read as {kind} ({_short(e)})"
+                            + (f"; if a field holds a list in some records and a string in others (content parts "
+                               f"beside plain content), datasets {datasets.__version__} cannot read it: pip install "
+                               "'datasets>=5' (or write every content the same way)" if mixed else "")) from None
         if len(ds) == 0 and kind == "json":
             for f in files:
                 _check_json_file(f, flag)

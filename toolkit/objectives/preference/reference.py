@@ -37,12 +37,15 @@ def rows_key(rows_digest: str, precision: str) -> str:
 
 
 def cache_key(rows_key: str, *model_dirs: str) -> str:
-    """The shared cache's key: `rows_key` and the model's weight files (name, size, mtime): the base's,
-    and an SFT adapter's trained on, whose output the reference is."""
-    h = hashlib.sha256(rows_key.encode())
+    """The shared cache's key: `rows_key`, the model's weight files (name, size, mtime): the base's, and an SFT
+    adapter's trained on, whose output the reference is; and the torch and transformers versions, which decide how
+    those files load and compute (one folder loaded by two transformers releases can give two models)."""
+    import transformers
+
+    h = hashlib.sha256(f"{rows_key}\x00{torch.__version__}\x00{transformers.__version__}".encode())
     for i, model_dir in enumerate(model_dirs):
         path = Path(model_dir)
-        # one folder hashes as it always did: older cache entries still match
+        # an adapter's folder after the base's, told apart
         if i:
             h.update(f"{i}\x00".encode())
         for f in sorted(path.iterdir()) if path.is_dir() else []:
