@@ -119,11 +119,25 @@ def grpo_problems(cfg) -> list[str]:
     t, d, rl = cfg.train, cfg.data, cfg.rl
     p, o = [], "--objective grpo"
     specs = [s for s in rl.reward.splitlines() if s.strip()]
-    if not specs:
+    environments = [s for s in rl.environment.splitlines() if s.strip()]
+    # an environment may own the reward (its get_reward: found when it loads)
+    if not specs and not environments:
         p.append(f"{o} needs at least one --reward: builtin:math_answer (the last number against the answer "
                  "column), builtin:regex:PATTERN, or path.py:function (TRL's signature)")
     for spec in specs:
         p += reward_problems(spec)
+    for spec in (s for s in rl.tools.splitlines() if s.strip()):
+        file, _, names = spec.rpartition(":")
+        for name in (n.strip() for n in names.split(",") if n.strip()):
+            p += [x.replace("--reward", "--tools", 1) for x in reward_problems(f"{file}:{name}")]
+    for spec in environments:
+        named, eq, rest = spec.partition("=")
+        p += [x.replace("--reward", "--environment", 1)
+              for x in reward_problems(rest if eq and ":" not in named and "/" not in named else spec)]
+    if rl.max_tool_calls < 1:
+        p.append("--max-tool-calls must be >= 1")
+    if not rl.tool_timeout > 0:
+        p.append("--tool-timeout must be > 0 (seconds)")
     p += group_problems(cfg)
     weights = [w for w in rl.reward_weights.split(",") if w.strip()]
     if weights:

@@ -113,7 +113,7 @@ def _coerce(key: str, value: Any, origin: str, name: str | None = None) -> Any:
             if isinstance(value, (list, tuple)) and key in ("lora_targets", "reward_weights"):
                 value = ",".join(map(str, value))
             # one spec per flag or list item (a spec may hold a comma: a regex)
-            if isinstance(value, (list, tuple)) and key == "reward":
+            if isinstance(value, (list, tuple)) and key in ("reward", "tools", "environment"):
                 value = "\n".join(map(str, value))
             if isinstance(value, dict) and key == "columns":
                 value = _column_mapping(value, where)
@@ -322,7 +322,7 @@ def build_parser(prog: str = "finetune.py") -> argparse.ArgumentParser:
             if tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
             # given once per function
-            elif key == "reward":
+            elif key in ("reward", "tools", "environment"):
                 group.add_argument(flag, action="append", metavar="SPEC", help=help_)
             else:
                 group.add_argument(flag, metavar="{" + ",".join(names) + "}" if names else key.upper(), help=help_)

@@ -202,6 +202,19 @@ class RLConfig:
                          "last number against the answer column, GSM8K's '#### 42' read), or builtin:regex:PATTERN "
                          "(1 where the completion matches); give the flag once per function (YAML: a list)")
     reward_weights: str = _f("", "one weight per --reward, comma-separated (default: 1 each)")
+    tools: str = _f("", "tools the model may call while it samples: path.py:fn[,fn...] (TRL's tools: plain Python "
+                        "functions, sync or async, with type hints and a docstring, their schemas shown by the chat "
+                        "template); results are appended as tool messages and sampling continues; give the flag once "
+                        "per file (YAML: a list)")
+    environment: str = _f("", "an environment per rollout: path.py:Class (TRL's environment_factory: reset(**record) "
+                              "-> None or text added to the prompt, its public methods the tools, get_reward() an "
+                              "optional reward named after the class), or name=path.py:Class, once per environment, "
+                              "chosen per record by its 'environment' column")
+    max_tool_calls: int = _f(10, "tool-calling turns per completion at most (TRL's max_tool_calling_iterations); "
+                                 "the completion's tokens, tool results included, stay within "
+                                 "--max-completion-length")
+    tool_timeout: float = _f(30.0, "seconds a tool call may run; past it the call is abandoned, the model is told "
+                                   "it timed out, and it is counted (tools/timeouts)")
     log_completions_every: int = _f(0, "steps between the samples of prompts, completions and their rewards "
                                        "written to completions.jsonl (0 = at each metrics record)")
 

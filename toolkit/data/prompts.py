@@ -77,6 +77,9 @@ class PromptRows:
     texts: list[str] = field(default_factory=list)
     images: list[list[str]] = field(default_factory=list)
     processor: Any = None
+    # the conversation each prompt's tokens render (--system-prompt included): what a run with tools renders
+    # again with their schemas, and an environment's reset extends (`toolkit.objectives.grpo.turns`)
+    messages: list[list[dict]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -143,6 +146,7 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
             continue
         out.prompt_ids.append(ids)
         out.prompts.append(prompt)
+        out.messages.append(messages)
         if processor is not None:
             out.texts.append(text)
             out.images.append(refs)
@@ -169,7 +173,7 @@ def subset(rows: PromptRows, keep: list[int]) -> PromptRows:
     return PromptRows([rows.prompt_ids[i] for i in keep], [rows.prompts[i] for i in keep],
                       {k: [v[i] for i in keep] for k, v in rows.columns.items()}, rows.format, 0,
                       [rows.texts[i] for i in keep] if images else [], [rows.images[i] for i in keep] if images else [],
-                      rows.processor)
+                      rows.processor, [rows.messages[i] for i in keep] if rows.messages else [])
 
 
 def builtin_eval_prompts(data: DataConfig, source: DataSource, tokenizer, processor=None) -> PromptRows:

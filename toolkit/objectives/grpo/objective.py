@@ -22,19 +22,61 @@ class GRPO:
 
     def __init__(self, cfg):
         from toolkit.objectives.grpo.rewards import load_rewards
+        from toolkit.objectives.grpo.tools import environment_reward
 
         self.cfg, self.spec = cfg, GRPOSpec.from_config(cfg)
-        weights = [float(w) for w in cfg.rl.reward_weights.split(",") if w.strip()] or None
-        # a reward file's errors are said now, before the weights load
-        self.rewards = load_rewards([s for s in cfg.rl.reward.splitlines() if s.strip()], weights)
         rl = cfg.rl
+        weights = [float(w) for w in rl.reward_weights.split(",") if w.strip()] or None
+        # a reward, tool or environment file's errors are said now, before the weights load
+        specs = [s for s in rl.reward.splitlines() if s.strip()]
+        self.tools, self.environments = self.load_tools()
+        owned = [environment_reward(type(e)) for e in self.environments.values() if hasattr(e, "get_reward")]
+        owned = list({r.name: r for r in owned}.values())  # one per class, as TRL
+        if not specs and not owned:
+            from toolkit.errors import UserError
+
+            raise UserError("--objective grpo needs a reward: at least one --reward, or an --environment whose class "
+                            "defines get_reward()")
+        self.rewards = load_rewards(specs, weights) if specs else []
+        # an environment that owns its reward: a reward named after its class, weight 1, beside the functions
+        self.rewards += owned
         if rl.overlong_buffer:
             from toolkit.objectives.grpo.rewards import overlong_reward
 
             # DAPO's soft length penalty, beside the user's rewards
             self.rewards.append(overlong_reward(rl.max_completion_length, rl.overlong_buffer, rl.overlong_penalty))
         self.loss: GRPOLoss | None = None
-        self.rollouts, self.reference_model = None, None
+        self.rollouts, self.reference_model, self.toolbox = None, None, None
+
+    def load_tools(self) -> tuple[list, dict]:
+        """--tools' functions and --environment's probe instances (`toolkit.objectives.grpo.tools`)."""
+        from toolkit.objectives.grpo.tools import load_environments, load_tools
+
+        rl = self.cfg.rl
+        return (load_tools([s for s in rl.tools.splitlines() if s.strip()]),
+                load_environments([s for s in rl.environment.splitlines() if s.strip()]))
+
+    def make_toolbox(self, ctx: Context, prompts):
+        """The run's `Toolbox` where it has tools or environments (None otherwise), its chat template checked."""
+        if not self.tools and not self.environments:
+            return None
+        from toolkit.errors import UserError
+        from toolkit.objectives.grpo.tools import template_problem
+        from toolkit.objectives.grpo.turns import Toolbox
+
+        rl = self.cfg.rl
+        if prompts.processor is not None:
+            raise UserError("--tools / --environment with image prompts does not run yet (a tool turn re-reads the "
+                            "prompt's images); use a text model, or --images off")
+        box = Toolbox(self.tools, self.environments, ctx.tokenizer, rl.max_tool_calls, rl.tool_timeout,
+                      rl.max_completion_length)
+        for name, schemas in box.schemas.items():
+            problem = template_problem(ctx.tokenizer, schemas)
+            if problem:
+                raise UserError(f"--tools: the chat template of --model {self.cfg.model.model} cannot run tools: "
+                                f"{problem}; give one that can with --chat-template (a ChatML model such as SmolLM2: "
+                                "--chat-template chatml-tools)")
+        return box
 
     def make_loss(self, hooks: LayoutHooks) -> GRPOLoss:
         """The layout's `hooks` change nothing in it: sampling is the rollouts', through `Strategy.generating`."""
@@ -79,9 +121,12 @@ class GRPO:
         """The rounds from `first_step`; `saved`: the rest of a round a checkpoint was written in."""
         from toolkit.objectives.grpo.rollout import Rollouts
 
-        self.rollouts = Rollouts(ctx, rows, self.loss, self.reference_model)
+        self.toolbox = self.make_toolbox(ctx, rows)
+        self.rollouts = Rollouts(ctx, rows, self.loss, self.reference_model, self.toolbox)
         self.rollouts.start_at(first_step)
         ctx.log(self.rollouts.decode_line)
+        if self.toolbox is not None:
+            ctx.log(self.toolbox.describe())
         if saved is not None:
             self.rollouts.load_state_dict(saved)
         return self.rollouts
@@ -98,4 +143,5 @@ class GRPO:
     def evaluate(self, ctx: Context, rows) -> dict[str, float]:
         from toolkit.objectives.grpo.rollout import eval_rewards
 
-        return eval_rewards(ctx, rows, self.rewards, self.rollouts.decoder if self.rollouts is not None else None)
+        return eval_rewards(ctx, rows, self.rewards, self.rollouts.decoder if self.rollouts is not None else None,
+                            self.toolbox)

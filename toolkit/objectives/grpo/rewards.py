@@ -32,7 +32,8 @@ from toolkit.errors import UserError
 
 RewardFn = Callable[..., Sequence[float | None]]
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # what TRL keeps out of the columns it passes
-ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")  # not columns
+# not columns (`environments`: the rollouts' environment instances, with --environment)
+ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,12 @@ def reference_answer(answer: str) -> Decimal | None:
 
 
 def completion_text(completion: Any) -> str:
-    """A completion's text: itself, or a conversational completion's messages' contents joined."""
+    """A completion's text: itself, or a conversational completion's assistant messages' contents joined (a
+    tool's result is not the model's answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m["content"] for m in completion if isinstance(m.get("content"), str))
+    return "".join(m["content"] for m in completion
+                   if isinstance(m.get("content"), str) and m.get("role", "assistant") == "assistant")
 
 
 def math_answer(prompts: list, completions: list, answer: list | None = None, **columns) -> list[float]:
@@ -206,9 +209,14 @@ def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -
 
 
 # --- calling
-def completions_for(prompts: Sequence, texts: Sequence[str]) -> list:
+def completions_for(prompts: Sequence, texts: Sequence[str], trajectories: Sequence[list] | None = None) -> list:
     """The completions as TRL hands them to reward functions: the text where the prompt is a string, a
-    one-message conversation `[{"role": "assistant", "content": text}]` where it is a list of messages."""
+    one-message conversation `[{"role": "assistant", "content": text}]` where it is a list of messages; with
+    tools, that conversation is the completion's trajectory (its assistant turns, their `tool_calls`, and the
+    `tool` messages between them)."""
+    if trajectories is not None:
+        return [text if isinstance(prompt, str) else path
+                for prompt, text, path in zip(prompts, texts, trajectories, strict=True)]
     return [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
             for prompt, text in zip(prompts, texts, strict=True)]
 

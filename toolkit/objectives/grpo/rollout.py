@@ -44,6 +44,10 @@ class RoundMetrics:
     generated_tokens: int = 0  # this rank's
     generate_s: float = 0.0
     score_s: float = 0.0
+    # with tools, every rank's: calls per completion, turns per completion, and the faults' counts
+    tool_calls: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tool_faults: dict[str, int] = field(default_factory=dict)
 
     def values(self) -> dict[str, float]:
         """TRL's names: the reward's mean and std, each function's mean, the share of groups without signal,
@@ -66,6 +70,13 @@ class RoundMetrics:
                "time/generate_s": self.generate_s, "time/score_s": self.score_s}
         if self.generate_s > 0:
             out["generation_tokens_per_sec"] = self.generated_tokens / self.generate_s
+        if self.turns:  # TRL's names where it has them
+            calls = sum(self.tool_calls)
+            out["tools/call_frequency"] = calls / len(self.tool_calls)
+            out["tools/failure_frequency"] = self.tool_faults.get("failures", 0) / calls if calls else 0.0
+            out["tools/timeouts"] = float(self.tool_faults.get("timeouts", 0))
+            out["tools/malformed"] = float(self.tool_faults.get("malformed", 0))
+            out["turns/mean"] = mean([float(n) for n in self.turns])
         return out
 
 
@@ -102,10 +113,12 @@ def suppressed(prompts) -> tuple[int, ...]:
 
 
 def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                    pad_id: int, device) -> dict:
+                    pad_id: int, device, tool_mask: torch.Tensor | None = None) -> dict:
     """A micro-batch of (prompt, completion) rows: prompts left-padded so every completion starts at one
     column, completions right-padded to the longest (C); the positions each row's forward takes (from its
-    first real token, as sampling gave them), and the labels on completion tokens (the loop's token counts)."""
+    first real token, as sampling gave them), and the labels on completion tokens (the loop's token counts).
+    `tool_mask`: 0 on tool results' tokens, which are attended to but are not the loss's: `completion_mask`
+    is then TRL's completion_mask x tool_mask (the loss, the ratio and its metrics read it alone)."""
     from toolkit.objectives.grpo.sampling import left_pad
 
     width = int(completion_mask.sum(1).max().clamp(min=1))
@@ -113,11 +126,11 @@ def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, c
     prompt, prompt_mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([prompt, completion.cpu()], 1)
     attention = torch.cat([prompt_mask, mask.cpu()], 1)
-    labels = torch.where(attention.bool(), ids, -100)
-    labels[:, :prompt.shape[1]] = -100
+    loss_mask = mask if tool_mask is None else mask * tool_mask[:, :width].to(mask.device)
+    labels = torch.where(torch.cat([torch.zeros_like(prompt_mask), loss_mask.cpu()], 1).bool(), ids, -100)
     return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
             "positions": (attention.cumsum(-1) - 1).clamp(min=0).to(device), "labels": labels.to(device),
-            "completion_ids": completion.to(device), "completion_mask": mask.to(device)}
+            "completion_ids": completion.to(device), "completion_mask": loss_mask.to(device)}
 
 
 def steps_per_epoch(cfg, prompts: int, data_ranks: int) -> int:
@@ -132,7 +145,7 @@ class Rollouts:
     (the reward functions, the old and reference log-probabilities); a round's seconds are handed back
     (`take_seconds`) to be kept out of the step's tokens/s, as eval's are."""
 
-    def __init__(self, run, prompts, objective, reference_model=None):
+    def __init__(self, run, prompts, objective, reference_model=None, toolbox=None):
         from toolkit.objectives.grpo.sampling import SamplingConfig, decoder_for
 
         cfg, t = run.cfg, run.cfg.train
@@ -159,6 +172,10 @@ class Rollouts:
         if prompts.processor is not None and self.decoder is not None:
             # the prompts' forward takes their images, which the static path's compiled step does not
             self.decoder, self.decode_line = None, "decode: dynamic KV cache, eager steps (image prompts)"
+        self.toolbox = toolbox  # `toolkit.objectives.grpo.turns.Toolbox`: --tools, --environment
+        if toolbox is not None and self.decoder is not None:
+            # a turn after tool results has a budget of its own per row, which the static path does not take
+            self.decoder, self.decode_line = None, "decode: dynamic KV cache, eager steps (multi-turn with tools)"
         if self.decoder is not None:  # one cache length for every round: the longest prompt's
             self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
         self.pending: list[tuple[int, list[dict]]] = []
@@ -192,16 +209,21 @@ class Rollouts:
         batches = [start + k for k in range(self.K)]
         t0 = time.perf_counter()
         rows, prompt_ids, seeds, steps = self.rows_of(batches, first)
-        completions = self.sample(prompt_ids, seeds, rows)
+        envs, tools = None, None
+        if self.toolbox is not None:  # each rollout's environment, reset, and its prompt with its tools' schemas
+            self.toolbox.begin_round()
+            prompt_ids, envs, tools = self.toolbox.open(self.prompts, rows)
+        completions, trajectories = self.sample(prompt_ids, seeds, rows, tools)
         generated = time.perf_counter()
-        texts, rewards = self.score(rows, completions, first)
+        texts, rewards = self.score(rows, completions, first, trajectories, envs)
         scored = time.perf_counter()
         advantages = self.advantages(rewards, len(batches))
         out = self.micro_batches(batches, rows, prompt_ids, completions, advantages)
         self.metrics.generate_s += generated - t0
         self.metrics.score_s += scored - generated
-        self.metrics.generated_tokens += int(completions.mask.sum())
-        self.log_samples(first, rows, texts, rewards)
+        self.metrics.generated_tokens += int(completions.mask.sum() if completions.tool_mask is None else
+                                             (completions.mask * completions.tool_mask).sum())
+        self.log_samples(first, rows, trajectories or texts, rewards)
         self.seconds += time.perf_counter() - t0
         return [(self.epoch_of(b), micro) for _ in range(self.mu) for b, micro in zip(batches, out)]
 
@@ -244,34 +266,42 @@ class Rollouts:
             self.run.fault("sampling", self.step)
         return unfinished_anywhere(self.run, unfinished, f"sampling step {self.step}")
 
-    def sample(self, prompt_ids: list[list[int]], seeds: list[int], rows: list[int]):
-        """This rank's completions, a step's share at a time, from the policy as the layout gives it for
-        generating (its parameters gathered once: `Strategy.generating`); `rows`: their prompts' rows (their
-        images, for an image-text model)."""
-        from toolkit.objectives.grpo.sampling import Completions, sample
+    def sample(self, prompt_ids: list[list[int]], seeds: list[int], rows: list[int], tools: list[dict] | None = None):
+        """(this rank's completions, their trajectories with tools, else None), a step's share at a time, from the
+        policy as the layout gives it for generating (its parameters gathered once: `Strategy.generating`);
+        `rows`: their prompts' rows (their images, for an image-text model); `tools`: each rollout's tools by name
+        (`toolkit.objectives.grpo.turns.run_turns`)."""
+        from toolkit.objectives.grpo.sampling import sample
+        from toolkit.objectives.grpo.turns import run_turns
 
         run = self.run
         strategy = run.strategy
         tok = run.tokenizer
         share = self.per_step // self.data.ranks
-        parts = []
+        parts, trajectories = [], []
         with strategy.generating(run.model) as model:
             ends = eos_ids(tok, model)
+
+            def generate(ids, seeds, limits=None, media=None):
+                return sample(model, ids, seeds, self.sampling, ends, tok.pad_token_id,
+                              any_unfinished=self.unfinished_or_stop, decoder=self.decoder, media=media, limits=limits)
+
             for i in range(0, len(prompt_ids), share):
-                parts.append(sample(model, prompt_ids[i:i + share], seeds[i:i + share], self.sampling, ends,
-                                    tok.pad_token_id, any_unfinished=self.unfinished_or_stop, decoder=self.decoder,
-                                    media=self.prompts.media(rows[i:i + share])))
-        width = max(p.ids.shape[1] for p in parts)
+                mine = slice(i, i + share)
+                part = generate(prompt_ids[mine], seeds[mine], media=self.prompts.media(rows[mine]))
+                if tools is not None:
+                    part, paths = run_turns(self.toolbox, part, prompt_ids[i:i + share], seeds[i:i + share],
+                                            tools[i:i + share], generate,
+                                            lambda going: strategy.host_max(float(going)) > 0, tok.pad_token_id)
+                    trajectories += paths
+                parts.append(part)
+        return joined(parts, tok.pad_token_id), trajectories if tools is not None else None
 
-        def padded(x, value):
-            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-        return Completions(torch.cat([padded(p.ids, tok.pad_token_id) for p in parts]),
-                           torch.cat([padded(p.mask, 0) for p in parts]), torch.cat([p.truncated for p in parts]))
-
-    def score(self, rows: list[int], completions, first: int) -> tuple[list[str], torch.Tensor]:
+    def score(self, rows: list[int], completions, first: int, trajectories: list[list[dict]] | None = None,
+              environments: list | None = None) -> tuple[list[str], torch.Tensor]:
         """(this rank's completions as text, every rank's rewards (round completions, functions): NaN where a
-        function left one out), gathered in the round's (step, prompt, generation) order."""
+        function left one out), gathered in the round's (step, prompt, generation) order. With tools, a
+        conversational prompt's completion is its trajectory (TRL's), and `environments` the rollouts'."""
         from toolkit.objectives.grpo.rewards import RewardState, completions_for, score
 
         tok = self.run.tokenizer
@@ -279,10 +309,17 @@ class Rollouts:
         texts = tok.batch_decode(ids, skip_special_tokens=True)
         prompts = [self.prompts.prompts[r] for r in rows]
         state = RewardState(first, self.run.total_steps, (first - 1) / self.steps_per_epoch())
+        columns = self.prompts.columns_of(rows)
+        if environments is not None and any(e is not None for e in environments):
+            columns["environments"] = environments
         scores = scored_unless_stopped(self.run, f"scoring step {self.step}", score, self.rewards, prompts,
-                                       completions_for(prompts, texts), ids, self.prompts.columns_of(rows), self.G,
-                                       rows, state)
-        lengths = [len(x) for x in ids]
+                                       completions_for(prompts, texts, trajectories), ids, columns, self.G, rows,
+                                       state)
+        # TRL's lengths: the model's tokens (tool results left out)
+        lengths = [len(x) for x in ids] if completions.tool_mask is None else \
+            [int(n) for n in (completions.mask * completions.tool_mask).sum(1).tolist()]
+        if self.toolbox is not None:
+            self.count_tools()
         mine = (self.data.rank, scores.rewards, lengths, completions.truncated.tolist())
         # model-parallel peers hold the same share
         every = {r: (s, n, t) for r, s, n, t in self.run.strategy.gather_objects(mine)}
@@ -301,6 +338,19 @@ class Rollouts:
         m.lengths += ordered_lengths
         m.truncated += ordered_truncated
         return texts, rewards
+
+    def count_tools(self) -> None:
+        """The round's tool counts, every rank's, into the metrics."""
+        c = self.toolbox.take_counts()
+        faults = {"failures": c.failures, "timeouts": c.timeouts, "malformed": c.malformed}
+        m = self.metrics
+        every = {r: (calls, turns, f) for r, calls, turns, f in
+                 self.run.strategy.gather_objects((self.data.rank, c.per_completion, c.turns, faults))}
+        for calls, turns, f in every.values():
+            m.tool_calls += calls
+            m.turns += turns
+            for k, v in f.items():
+                m.tool_faults[k] = m.tool_faults.get(k, 0) + v
 
     def advantages(self, rewards: torch.Tensor, steps: int) -> torch.Tensor:
         """This rank's completions' advantages, from every rank's rewards: per prompt group (G rows), scaled
@@ -350,7 +400,7 @@ class Rollouts:
         run, spec = self.run, self.spec
         mb = run.cfg.train.micro_batch_size
         device = run.strategy.accelerator.device
-        mask = completions.mask
+        mask, tool_mask = completions.mask, completions.tool_mask
         if spec.mask_truncated:
             mask = mask * (~completions.truncated).long().unsqueeze(1)
         out, share = [], self.per_step // self.data.ranks
@@ -359,7 +409,7 @@ class Rollouts:
             for i in range(k * share, (k + 1) * share, mb):
                 part = slice(i, i + mb)
                 batch = collate_rollout(prompt_ids[part], completions.ids[part], mask[part], run.tokenizer.pad_token_id,
-                                        device)
+                                        device, None if tool_mask is None else tool_mask[part])
                 # an image-text model's image inputs of the rows' prompts: on the host until their forward (a
                 # round's micro-batches wait for their steps)
                 batch.update({MEDIA + k: v for k, v in self.prompts.media(rows[part]).items()})
@@ -431,6 +481,20 @@ class Rollouts:
                         for epoch, micro in state.get("pending", [])]
 
 
+def joined(parts: list, pad_id: int):
+    """One `Completions` of the shares' parts, right-padded to the widest."""
+    from toolkit.objectives.grpo.sampling import Completions
+
+    width = max(p.ids.shape[1] for p in parts)
+
+    def padded(x, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    tools = None if parts[0].tool_mask is None else torch.cat([padded(p.tool_mask, 1) for p in parts])
+    return Completions(torch.cat([padded(p.ids, pad_id) for p in parts]), torch.cat([padded(p.mask, 0) for p in parts]),
+                       torch.cat([p.truncated for p in parts]), tools)
+
+
 def scored_unless_stopped(run, doing: str, score: Callable, *args):
     """`score(*args)`, the user's reward functions, ended at once by a signal (`run.abandonable`: the
     completions depend only on the seed, the step and the prompt, so a resumed run scores them again); then
@@ -444,14 +508,17 @@ def scored_unless_stopped(run, doing: str, score: Callable, *args):
 
 
 @torch.no_grad()
-def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
+def eval_rewards(run, prompts, rewards, decoder=None, toolbox=None) -> dict[str, float]:
     """Greedy completions (the most likely token each step) of the held-out prompts, each data-parallel rank
     a strided share, scored by the run's reward functions: `eval_reward` (the weighted sum's mean: with
     builtin:math_answer, the accuracy) and each function's mean. `run`: the run's
-    `toolkit.objectives.base.Context`; `decoder`: the rollouts' decode path, where they made one."""
+    `toolkit.objectives.base.Context`; `decoder`: the rollouts' decode path, where they made one; `toolbox`: the
+    run's tools (`toolkit.objectives.grpo.turns.Toolbox`), called as in training (their counts kept apart)."""
     weights = [r.weight for r in rewards]
     from toolkit.objectives.grpo.rewards import completions_for, score
     from toolkit.objectives.grpo.sampling import SamplingConfig, sample
+    from toolkit.objectives.grpo.tools import ToolCounts
+    from toolkit.objectives.grpo.turns import run_turns
 
     strategy, tok, data = run.strategy, run.tokenizer, run.strategy.data
     cfg = SamplingConfig(run.cfg.rl.max_completion_length, 1.0, 1, 1.0, suppress=suppressed(prompts))  # greedy
@@ -459,22 +526,41 @@ def eval_rewards(run, prompts, rewards, decoder=None) -> dict[str, float]:
     size = run.cfg.train.micro_batch_size * run.cfg.rl.num_generations
     n_batches = math.ceil(len(prompts) / (size * data.ranks))  # the same count on every rank (sharded forwards)
     scored = []
+    training_counts = toolbox.counts if toolbox is not None else None
     with strategy.generating(run.model) as model:
         ends = eos_ids(tok, model)
+        anywhere = partial(unfinished_anywhere, run, doing="evaluating")
+
+        def generate(ids, seeds, limits=None, media=None):
+            return sample(model, ids, seeds, cfg, ends, tok.pad_token_id, any_unfinished=anywhere,
+                          decoder=None if prompts.processor is not None or toolbox is not None else decoder,
+                          media=media, limits=limits)
+
         for b in range(n_batches):
             part = rows[b * size:(b + 1) * size]
             held = part or rows[:1] or [0]  # a rank out of rows samples a dummy one, and keeps nothing
-            out = sample(model, [prompts.prompt_ids[r] for r in held], [0] * len(held), cfg, ends, tok.pad_token_id,
-                         any_unfinished=partial(unfinished_anywhere, run, doing="evaluating"),
-                         decoder=None if prompts.processor is not None else decoder, media=prompts.media(held))
+            prompt_ids, envs, paths = [prompts.prompt_ids[r] for r in held], None, None
+            if toolbox is not None:
+                toolbox.begin_round()
+                toolbox.counts = ToolCounts()
+                prompt_ids, envs, tools = toolbox.open(prompts, held)
+            out = generate(prompt_ids, [0] * len(held), media=prompts.media(held))
+            if toolbox is not None:
+                out, paths = run_turns(toolbox, out, prompt_ids, [0] * len(held), tools, generate,
+                                       lambda going: strategy.host_max(float(going)) > 0, tok.pad_token_id)
             if not part:
                 continue
             ids = out.token_lists()
             texts = tok.batch_decode(ids, skip_special_tokens=True)
             given = [prompts.prompts[r] for r in part]
-            s = scored_unless_stopped(run, "evaluating", score, rewards, given, completions_for(given, texts), ids,
-                                      prompts.columns_of(part), 1, part)
+            columns = prompts.columns_of(part)
+            if envs is not None and any(e is not None for e in envs):
+                columns["environments"] = envs
+            s = scored_unless_stopped(run, "evaluating", score, rewards, given, completions_for(given, texts, paths),
+                                      ids, columns, 1, part)
             scored += s.rewards
+    if toolbox is not None:
+        toolbox.counts = training_counts
     every = [x for part in strategy.gather_objects((data.rank, scored)) for x in [part]]
     table = torch.tensor([r for _, s in {rank: s for rank, s in every}.items() for r in s], dtype=torch.float64)
     if not len(table):

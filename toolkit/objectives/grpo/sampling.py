@@ -76,6 +76,9 @@ class Completions:
     ids: torch.Tensor
     mask: torch.Tensor
     truncated: torch.Tensor
+    # (B, L) 1 on the model's tokens, 0 on tool results' (`toolkit.objectives.grpo.turns`: in the context, never
+    # in the loss); None without tools
+    tool_mask: torch.Tensor | None = None
 
     def token_lists(self) -> list[list[int]]:
         """Each completion's tokens, EOS included, no padding: TRL's completion_ids for reward functions."""
@@ -87,6 +90,14 @@ def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
     generations get unrelated streams. `prompt` is the record's index in the dataset (not its place in a
     batch), so the seed does not depend on the layout."""
     digest = hashlib.blake2b(f"{seed}/{step}/{prompt}/{generation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of a completion's `turn`-th sampling after tool results (turn 0: its own `seed`)."""
+    if turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/turn/{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -316,13 +327,16 @@ def decoder_for(model) -> tuple[StaticDecoder | None, str]:
 def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], cfg: SamplingConfig,
            eos_ids: Sequence[int], pad_id: int,
            any_unfinished: Callable[[torch.Tensor], bool] = any_unfinished_here,
-           decoder: StaticDecoder | None = None, media: dict | None = None) -> Completions:
+           decoder: StaticDecoder | None = None, media: dict | None = None,
+           limits: Sequence[int] | None = None) -> Completions:
     """One completion per prompt (a prompt repeated for its G generations, each with its own seed), sampled
     from `model` with a KV cache; the model's train/eval mode is restored after. `decoder`: the static path
     (None: the dynamic one); where its compiled step fails to build or run, it says why once and this call
     and later ones take the dynamic path (out of memory is raised: another path would not fit either).
     `media`: an image-text model's image inputs of the prompts (pixel_values, ...), read by the prompts' forward
-    (the dynamic path: their features then sit in the cache)."""
+    (the dynamic path: their features then sit in the cache). `limits`: each row's own token budget below
+    `cfg.max_completion_length` (a completion's turn after tool results: what its budget has left; the
+    dynamic path), a row that reaches it truncated."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"sample: {len(seeds)} seeds for {len(prompt_ids)} prompts")
     device = next(model.parameters()).device
@@ -337,7 +351,7 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
         keep["output_router_logits"] = False  # per row against a wider mask its sum fails (Qwen3-MoE)
     with _EvalMode(model):
         decoded = None
-        if decoder is not None and decoder.failed is None:
+        if decoder is not None and decoder.failed is None and limits is None:
             try:
                 decoded = decoder.decode(model, ids, attention, positions, u, cfg, warpers, eos, pad_id, keep,
                                          any_unfinished)
@@ -348,22 +362,26 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
                 print(f"decode: the static path failed ({decoder.failed}); dynamic KV cache, eager steps from here",
                       flush=True)
         tokens, live, finished = decoded or _decode_dynamic(model, ids, attention, positions, u, cfg, warpers, eos,
-                                                            pad_id, keep, any_unfinished, media or {})
+                                                            pad_id, keep, any_unfinished, media or {},
+                                                            limits)
     ids, mask = torch.stack(tokens, 1), torch.stack(live, 1).long()
     width = int(mask.sum(1).max())  # the static path may run a few all-finished steps past the last end
     return Completions(ids[:, :width], mask[:, :width], ~finished)
 
 
 def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, warpers, eos, pad_id: int, keep: dict,
-                    any_unfinished, media: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                                         torch.Tensor]:
+                    any_unfinished, media: dict | None = None, limits: Sequence[int] | None = None
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """The dynamic path: a DynamicCache, every forward eager; the host looks at the rows after every step.
-    `media`: the prompts' image inputs, given to their forward alone."""
+    `media`: the prompts' image inputs, given to their forward alone; `limits`: each row's token budget (it
+    stops there, unfinished: truncated)."""
     from transformers import DynamicCache
 
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     tokens, live = [], []
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    ended = finished  # by an EOS (`finished` also holds the rows out of budget)
+    budget = None if limits is None else torch.tensor(list(limits), device=ids.device)
     cache = DynamicCache(config=config)
     media = {k: v.to(ids.device) for k, v in (media or {}).items()}
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, **keep,
@@ -372,11 +390,12 @@ def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, wa
         token, after = _draw(out.logits[:, -1], u[:, t], finished, warpers, eos, pad_id)
         tokens.append(token)
         live.append(~finished)
-        finished = after
+        ended = ended | (after & ~finished)
+        finished = after if budget is None else after | (budget <= t + 1)
         if t + 1 == cfg.max_completion_length or not any_unfinished(~finished):
             break
         attention = torch.cat([attention, attention.new_ones(ids.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, cache=cache,
                     use_cache=True, **keep)
-    return tokens, live, finished
+    return tokens, live, ended
