@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None):
     if resume is not None and resume.split is not None:
         cfg = cfg.replace(micro_batch_size=resume.split[0], grad_accum=resume.split[1])
     # the layout and the objective, decided once (a reward file that cannot load fails here, before the weights)
-    strategy = make_strategy(cfg, accelerator, model_path)
+    strategy = make_strategy(cfg, accelerator, model_path, tokenizer=tokenizer)
     log = accelerator.print
     # where the model came from (an SFT adapter), and the layout when not from our flags (a launcher, a DeepSpeed file)
     for note in ([source] if source else []) + list(cfg.notes):

@@ -556,3 +556,37 @@ def test_a_resume_in_the_middle_of_a_tool_round_continues_exactly(tool_runs, too
     tol = 0 if name.startswith("one") else 1e-6
     for key in ("loss", "grad_norm", "kl", "reward"):
         assert_metric_close(got, ref, key, rel=tol, abs=tol, what=name)
+
+
+BAD = [  # (flags, the line's start): every one before the model loads
+    (["--tools", "nowhere.py:add", "--reward", "builtin:math_answer"], "--tools nowhere.py:add: no file nowhere.py"),
+    (["--tools", "tools.py:nothing", "--reward", "builtin:math_answer"], "--tools tools.py:nothing: tools.py has no "
+                                                                         "'nothing'"),
+    (["--tools", "tools.py:no_hints", "--reward", "builtin:math_answer"], "--tools: no JSON schema for no_hints"),
+    (["--environment", "tools.py:NoReset"], "--environment tools.py:NoReset: NoReset has no reset method"),
+    (["--environment", "tools.py:Counter", "--max-tool-calls", "0"], "--max-tool-calls must be >= 1"),
+    (["--tools", "tools.py:add"], "--objective grpo needs at least one --reward"),
+    (["--tools", "tools.py:add", "--reward", "builtin:math_answer", "--chat-template", "{{ messages[0]['content'] }}"],
+     "--tools/--environment: the chat template of --model"),
+    (["--tools", "tools.py:add", "--reward", "builtin:math_answer", "--objective", "sft"],
+     "--num-generations, --reward, --tools set --objective grpo's"),
+]
+
+
+def test_a_bad_tool_flag_or_file_is_one_line_before_the_model_loads(tool_file, taught):
+    """Each case in a process of its own: exit 2, one line, no traceback, no model loaded."""
+    import subprocess
+    import sys
+
+    from distributed import ROOT
+
+    for flags, says in BAD:
+        argv = ["--model", str(taught["model"]), "--dataset", str(taught["prompts"]), "--objective", "grpo",
+                "--micro-batch-size", "8", "--num-generations", "4", "--report-to", "none", "--output-dir",
+                str(tool_file.parent / "out"), "--overwrite-output-dir", *flags]
+        p = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *argv], cwd=tool_file.parent,
+                           capture_output=True, text=True, timeout=300)
+        lines = [x for x in p.stderr.splitlines() if x.strip() and "kernels" not in x]
+        assert p.returncode == 2 and len(lines) == 1, (flags, p.stderr[-2000:])
+        assert lines[0].startswith(f"finetune.py: error: {says}"), lines[0]
+        assert "model:" not in p.stdout

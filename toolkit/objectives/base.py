@@ -158,6 +158,9 @@ class Objective(Protocol):
         """What this objective cannot run with on the layout `kind` (`toolkit.layout.rules.runtime`) over the
         world's `dims` (one line each)."""
 
+    def tokenizer_problems(self, tokenizer) -> list[str]:
+        """What this objective cannot do with the run's tokenizer (its chat template), before the weights load."""
+
     def loader(self, rows, tokenizer, log: Callable[[str], None], pin: bool, whole: bool, attn: str | None):
         """The DataLoader the strategy prepares (shards over the data-parallel ranks)."""
 

@@ -170,12 +170,13 @@ def cpu_threads_per_rank(local_ranks: int) -> int:
 
 
 def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
-                  loss_fn: LossFn = token_loss_sum, objective: Objective | None = None) -> Strategy:
+                  loss_fn: LossFn = token_loss_sum, objective: Objective | None = None, tokenizer=None) -> Strategy:
     """Decide the layout once from the flags and the launched world (`toolkit.layout.rules`), check it
     against the model's config (one line for every problem, before any weights are read), and build the
     strategy from its parts (`compose`). The config stops here: what the strategies and `parallelize` read
     of it is `Settings`. `objective`: the run's (`toolkit.objectives.build.build_objective`, built from the config
-    where not given), whose loss the strategy's head runs under the layout's hooks."""
+    where not given), whose loss the strategy's head runs under the layout's hooks; `tokenizer`: the run's, which
+    the objective checks too (GRPO's tools need a chat template that renders them)."""
     from toolkit.layout import rules
 
     par, world = cfg.parallel, accelerator.num_processes
@@ -188,6 +189,7 @@ def make_strategy(cfg: Config, accelerator, model_path: str | None = None,
     kind = rules.runtime(par, dims)
     objective = objective or build_objective(cfg)
     problems = objective.layout_problems(kind, dims)
+    problems += objective.tokenizer_problems(tokenizer) if tokenizer is not None else []
     if problems:
         raise UserError("; ".join(problems))
     return compose(kind, accelerator, dims, Settings.of(cfg), objective, loss_fn)

@@ -56,27 +56,39 @@ class GRPO:
         return (load_tools([s for s in rl.tools.splitlines() if s.strip()]),
                 load_environments([s for s in rl.environment.splitlines() if s.strip()]))
 
+    def tokenizer_problems(self, tokenizer) -> list[str]:
+        """With tools: a chat template that shows them to the model and renders calls and results (`template_problem`),
+        for the standalone tools and each environment's."""
+        from toolkit.objectives.grpo.tools import environment_methods, schema_of, template_problem
+
+        if not self.tools and not self.environments:
+            return []
+        envs = self.environments or {None: None}
+        for env in envs.values():
+            methods = [getattr(env, m) for m in environment_methods(type(env))] if env is not None else []
+            problem = template_problem(tokenizer, [schema_of(t, "--tools") for t in self.tools + methods])
+            if problem:
+                return [f"--tools/--environment: the chat template of --model {self.cfg.model.model} cannot run tools: "
+                        f"{problem}; give one that can with --chat-template (a ChatML model such as SmolLM2: "
+                        "--chat-template chatml-tools)"]
+        return []
+
     def make_toolbox(self, ctx: Context, prompts):
-        """The run's `Toolbox` where it has tools or environments (None otherwise), its chat template checked."""
+        """The run's `Toolbox` where it has tools or environments (None otherwise)."""
         if not self.tools and not self.environments:
             return None
         from toolkit.errors import UserError
-        from toolkit.objectives.grpo.tools import template_problem
         from toolkit.objectives.grpo.turns import Toolbox
 
         rl = self.cfg.rl
         if prompts.processor is not None:
             raise UserError("--tools / --environment with image prompts does not run yet (a tool turn re-reads the "
                             "prompt's images); use a text model, or --images off")
-        box = Toolbox(self.tools, self.environments, ctx.tokenizer, rl.max_tool_calls, rl.tool_timeout,
-                      rl.max_completion_length)
-        for name, schemas in box.schemas.items():
-            problem = template_problem(ctx.tokenizer, schemas)
-            if problem:
-                raise UserError(f"--tools: the chat template of --model {self.cfg.model.model} cannot run tools: "
-                                f"{problem}; give one that can with --chat-template (a ChatML model such as SmolLM2: "
-                                "--chat-template chatml-tools)")
-        return box
+        problems = self.tokenizer_problems(ctx.tokenizer)
+        if problems:
+            raise UserError(problems[0])
+        return Toolbox(self.tools, self.environments, ctx.tokenizer, rl.max_tool_calls, rl.tool_timeout,
+                       rl.max_completion_length)
 
     def make_loss(self, hooks: LayoutHooks) -> GRPOLoss:
         """The layout's `hooks` change nothing in it: sampling is the rollouts', through `Strategy.generating`."""

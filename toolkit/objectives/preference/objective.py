@@ -20,6 +20,9 @@ class Preference(SFT):
         self.loss = PreferenceLoss.from_config(self.cfg, hooks)
         return self.loss
 
+    def tokenizer_problems(self, tokenizer) -> list[str]:
+        return []
+
     def layout_problems(self, kind: str, dims) -> list[str]:
         return one_process_pipeline(self.cfg, kind)
 

@@ -53,6 +53,9 @@ class SFT:
     def make_loss(self, hooks: LayoutHooks) -> Loss | None:
         return None
 
+    def tokenizer_problems(self, tokenizer) -> list[str]:
+        return []
+
     def layout_problems(self, kind: str, dims) -> list[str]:
         return []
 
