@@ -464,8 +464,14 @@ LAYOUTS = {"one": (1, ONE), "ddp": (2, TWO), "zero3": (2, [*TWO, "--zero-stage",
 
 def kind_flags(kind: str, t: dict) -> list[str]:
     f = t["file"]
-    return ["--tools", f"{f}:add", "--reward", f"{f}:right_sum"] if kind == "tools" else \
-        ["--environment", f"{f}:Adder"]
+    tools = ["--tools", f"{f}:add", "--reward", f"{f}:right_sum"]
+    if kind == "dyn":  # DAPO's dynamic sampling, a round each step (so a checkpoint falls between rounds)
+        return [*tools, "--dynamic-sampling", "--steps-per-generation", "1", "--num-iterations", "1"]
+    return tools if kind == "tools" else ["--environment", f"{f}:Adder"]
+
+
+KINDS = {"one": ("tools", "env", "dyn"), "ddp": ("tools", "env", "dyn"), "zero3": ("tools", "env"),
+         "fsdp": ("tools", "env", "dyn"), "tp2": ("tools", "env")}
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +479,7 @@ def tool_runs(tmp_path_factory, taught):
     from distributed import batched_runs
 
     specs = {(layout, kind): (ranks, [*flags, *kind_flags(kind, taught)])
-             for layout, (ranks, flags) in LAYOUTS.items() for kind in ("tools", "env")}
+             for layout, (ranks, flags) in LAYOUTS.items() for kind in KINDS[layout]}
     return batched_runs(tmp_path_factory, tool_common(taught), specs)
 
 
@@ -482,8 +488,7 @@ def trajectories(out: Path) -> list[str]:
             map(json.loads, (out / "completions.jsonl").read_text().splitlines())]
 
 
-@pytest.mark.parametrize("kind", ["tools", "env"])
-@pytest.mark.parametrize("layout", ["ddp", "zero3", "fsdp", "tp2"])
+@pytest.mark.parametrize("layout, kind", [(lay, kind) for lay in LAYOUTS if lay != "one" for kind in KINDS[lay]])
 def test_every_layout_samples_one_process_trajectories_and_its_losses(tool_runs, layout, kind):
     """The same trajectories (as text: every turn, every tool call and result, every reward) and per-step
     losses within 1e-5 (fp32, the loss's tokens the model's alone) on DDP, ZeRO-3, FSDP2 and TP 2."""
@@ -590,3 +595,62 @@ def test_a_bad_tool_flag_or_file_is_one_line_before_the_model_loads(tool_file, t
         assert p.returncode == 2 and len(lines) == 1, (flags, p.stderr[-2000:])
         assert lines[0].startswith(f"finetune.py: error: {says}"), lines[0]
         assert "model:" not in p.stdout
+
+
+# --- DAPO's dynamic sampling
+def test_dynamic_sampling_keeps_the_groups_dapo_keeps():
+    """DAPO eq. 11: a group is kept where 0 < |correct| < G, i.e. its rewards do not all agree; a group of fewer
+    than two scored rewards (None: NaN) compares nothing."""
+    from toolkit.objectives.grpo.functions import informative_groups
+
+    nan = float("nan")
+    groups = [[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [0.1, 0.1, 0.1, 0.1], [nan, 1, nan, nan], [nan, 1, 0, nan],
+              [0.5, 0.5, 0.5, 0.25]]
+    correct = [sum(1 for x in g if x == 1) for g in groups]
+    assert correct[:3] == [4, 1, 0]  # DAPO's rule on the 0/1 groups: keep 0 < correct < G
+    got = informative_groups(torch.tensor(groups, dtype=torch.float64).view(-1), 4).tolist()
+    assert got == [False, True, False, False, False, True, True]
+
+
+def test_a_dynamic_sampling_run_trains_only_groups_with_signal_and_counts_the_drops(tool_runs):
+    from helpers import records
+
+    got = records(tool_runs("one", "dyn"), "loss")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in got) > 0  # the taught model's groups often agree
+    assert all(r["frac_reward_zero_std"] == 0 for r in got if r["dynamic_sampling/filled_groups"] == 0)
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in got)
+    plain = records(tool_runs("one", "tools"), "loss")
+    assert any(r["frac_reward_zero_std"] > 0 for r in plain)  # without the filter, groups without signal train
+
+
+@pytest.fixture(scope="module")
+def dyn_resumed(tmp_path_factory, taught, tool_runs):
+    """One process's dynamic-sampling run resumed from checkpoint-2: a round boundary, where the next prompt batch
+    is the checkpoint's cursor (how many batches steps 1-2 took depended on their rewards)."""
+    import shutil
+
+    from distributed import launch_layouts
+
+    root = tmp_path_factory.mktemp("resumed_dyn")
+    shutil.copytree(tool_runs("one", "dyn"), root / "one_dyn")
+    for later in ("checkpoint-3", "checkpoint-4", "final"):
+        shutil.rmtree(root / "one_dyn" / later)
+    lines = (root / "one_dyn" / "completions.jsonl").read_text().splitlines()
+    (root / "one_dyn" / "completions.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= 2))
+    return launch_layouts(root, tool_common(taught), {"one_dyn": [*ONE, *kind_flags("dyn", taught), "--resume",
+                                                                  "auto"]})["one_dyn"]
+
+
+def test_a_dynamic_sampling_resume_between_rounds_samples_the_same_prompts(tool_runs, dyn_resumed):
+    from distributed import assert_metric_close
+    from helpers import records
+
+    before = [r["dynamic_sampling/rounds"] for r in records(tool_runs("one", "dyn"), "loss")][:2]
+    assert sum(before) > 2  # steps 1-2 took more prompt batches than steps: the cursor is not the step's
+    assert dyn_resumed["exit"] == 0, dyn_resumed["stderr"].read_text()[-3000:]
+    assert "checkpoint-2: continuing at step 3" in dyn_resumed["stdout"].read_text()
+    assert trajectories(dyn_resumed["out"]) == trajectories(tool_runs("one", "dyn"))
+    for key in ("loss", "grad_norm", "reward", "dynamic_sampling/dropped_groups"):
+        assert_metric_close(records(dyn_resumed["out"], "loss"), records(tool_runs("one", "dyn"), "loss"), key,
+                            rel=0, abs=0, what="dyn resumed")

@@ -134,6 +134,8 @@ def grpo_problems(cfg) -> list[str]:
         named, eq, rest = spec.partition("=")
         p += [x.replace("--reward", "--environment", 1)
               for x in reward_problems(rest if eq and ":" not in named and "/" not in named else spec)]
+    if rl.dynamic_sampling_rounds < 0:
+        p.append("--dynamic-sampling-rounds must be >= 0")
     if rl.max_tool_calls < 1:
         p.append("--max-tool-calls must be >= 1")
     if not rl.tool_timeout > 0:

@@ -202,6 +202,11 @@ class RLConfig:
                          "last number against the answer column, GSM8K's '#### 42' read), or builtin:regex:PATTERN "
                          "(1 where the completion matches); give the flag once per function (YAML: a list)")
     reward_weights: str = _f("", "one weight per --reward, comma-separated (default: 1 each)")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: a step's prompt groups whose rewards all agree are "
+                                       "dropped and its batch refilled from the next prompts (prompts are then used "
+                                       "up faster than one batch a step)")
+    dynamic_sampling_rounds: int = _f(4, "extra sampling rounds a step may take under --dynamic-sampling; a batch "
+                                         "still short then trains with agreeing groups (advantage 0) in the gaps")
     tools: str = _f("", "tools the model may call while it samples: path.py:fn[,fn...] (TRL's tools: plain Python "
                         "functions, sync or async, with type hints and a docstring, their schemas shown by the chat "
                         "template); results are appended as tool messages and sampling continues; give the flag once "

@@ -310,3 +310,14 @@ def overlong_penalty(lengths: list[int], max_length: int, buffer: int, factor: f
     min(-(length - (max_length - buffer)) / buffer x factor, 0). Added to the other rewards, weight 1."""
     start = max_length - buffer
     return [min(-(n - start) / buffer * factor, 0.0) for n in lengths]
+
+
+def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(N / G,) bool: the groups DAPO's dynamic sampling keeps (Yu et al. 2025, "DAPO", eq. 11 and Algorithm 1:
+    0 < |{o_i equivalent to the answer}| < G, i.e. rewards that do not all agree): a group's scored rewards
+    (NaN: unscored) have a std above 0. A group with fewer than two scored rewards carries no comparison: dropped."""
+    grouped = rewards.view(-1, num_generations)
+    scored = (~torch.isnan(grouped)).sum(1)
+    std = torch.nan_to_num(nanstd(grouped, dim=1), nan=0.0)
+    # isclose, as `zero_std_groups`: equal rewards' mean can round, leaving a std of 1e-17
+    return (scored >= 2) & ~torch.isclose(std, torch.zeros_like(std))

@@ -48,6 +48,10 @@ class RoundMetrics:
     tool_calls: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     tool_faults: dict[str, int] = field(default_factory=dict)
+    # --dynamic-sampling: groups dropped (their rewards agreed), sampling rounds per step, groups filled past the cap
+    dropped_groups: int = 0
+    sampling_rounds: list[int] = field(default_factory=list)
+    filled_groups: int = 0
 
     def values(self) -> dict[str, float]:
         """TRL's names: the reward's mean and std, each function's mean, the share of groups without signal,
@@ -77,6 +81,10 @@ class RoundMetrics:
             out["tools/timeouts"] = float(self.tool_faults.get("timeouts", 0))
             out["tools/malformed"] = float(self.tool_faults.get("malformed", 0))
             out["turns/mean"] = mean([float(n) for n in self.turns])
+        if self.sampling_rounds:
+            out["dynamic_sampling/dropped_groups"] = float(self.dropped_groups)
+            out["dynamic_sampling/rounds"] = mean([float(n) for n in self.sampling_rounds])
+            out["dynamic_sampling/filled_groups"] = float(self.filled_groups)
         return out
 
 
@@ -180,6 +188,9 @@ class Rollouts:
             self.decoder.reserve = max(len(p) for p in prompts.prompt_ids) + self.sampling.max_completion_length
         self.pending: list[tuple[int, list[dict]]] = []
         self.step = 1  # the optimizer step the next batch serves
+        # --dynamic-sampling (`toolkit.objectives.grpo.dynamic`): the next prompt batch to sample, kept in checkpoints
+        self.dynamic, self.dynamic_rounds = cfg.rl.dynamic_sampling, cfg.rl.dynamic_sampling_rounds
+        self.cursor, self.said_filled = 0, False
         self.metrics = RoundMetrics()
         self.seconds = 0.0  # the rounds' since the last `take_seconds`
         self.no_signal, self.said_no_signal, self.said_unscored = 0, False, set()  # `say_if_nothing_is_learned`
@@ -191,6 +202,7 @@ class Rollouts:
     def start_at(self, step: int) -> None:
         """Resume at `step` (a round boundary, or the round's state restored with `load_state_dict`)."""
         self.step = step
+        self.cursor = (step - 1) // (self.K * self.mu) * self.K  # without the filter; a checkpoint's own otherwise
 
     def __iter__(self):
         return self
@@ -205,6 +217,10 @@ class Rollouts:
     def round(self, first: int) -> list[tuple[int, list[dict]]]:
         """The micro-batches of the K x mu steps from `first`: K prompt batches sampled, scored and turned into
         advantages (and old and reference log-probabilities where needed)."""
+        if self.dynamic:
+            from toolkit.objectives.grpo.dynamic import dynamic_round
+
+            return dynamic_round(self, first)
         start = (first - 1) // (self.K * self.mu) * self.K  # the round's first prompt batch (0-based)
         batches = [start + k for k in range(self.K)]
         t0 = time.perf_counter()
@@ -469,13 +485,16 @@ class Rollouts:
 
     def state_dict(self) -> dict | None:
         """What a checkpoint written mid-round must keep: the round's remaining micro-batches (sampled from
-        weights the checkpoint no longer holds), on the CPU; None at a round's end."""
-        if not self.pending:
+        weights the checkpoint no longer holds), on the CPU; under --dynamic-sampling, always, the next prompt
+        batch (how many it took depended on the rewards); else None at a round's end."""
+        if not self.pending and not self.dynamic:
             return None
         return {"pending": [(epoch, [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
-                            for epoch, micro in self.pending]}
+                            for epoch, micro in self.pending], "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.dynamic and "cursor" in state:
+            self.cursor = state["cursor"]
         device = self.run.strategy.accelerator.device
         self.pending = [(epoch, [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
                         for epoch, micro in state.get("pending", [])]
