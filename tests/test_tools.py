@@ -654,3 +654,69 @@ def test_a_dynamic_sampling_resume_between_rounds_samples_the_same_prompts(tool_
     for key in ("loss", "grad_norm", "reward", "dynamic_sampling/dropped_groups"):
         assert_metric_close(records(dyn_resumed["out"], "loss"), records(tool_runs("one", "dyn"), "loss"), key,
                             rel=0, abs=0, what="dyn resumed")
+
+
+def test_the_same_tools_file_runs_in_trls_grpo_trainer(taught, tmp_path):
+    """The run's tools and environment file, unchanged, in TRL 1.16's GRPOTrainer (`tools=`, `environment_factory=`)
+    on the same taught model: TRL calls the tool too. The tokenizer is given TRL's Qwen3 response template, which
+    TRL needs to parse calls (it knows only its listed templates); given it, this toolkit parses with it too."""
+    import importlib.util
+
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    spec = importlib.util.spec_from_file_location("run_tools_for_trl", taught["file"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tok = AutoTokenizer.from_pretrained(taught["model"])
+    tok.response_template = qwen3_template
+    rows = [json.loads(x) for x in Path(taught["prompts"]).read_text().splitlines()[:4]]
+    for kind, kw in (("tools", dict(tools=[module.add], reward_funcs=[module.right_sum])),
+                     ("env", dict(environment_factory=module.Adder, reward_funcs=[]))):
+        args = trl.GRPOConfig(output_dir=str(tmp_path / kind), per_device_train_batch_size=4, num_generations=4,
+                              max_completion_length=96, max_steps=1, report_to=[], logging_steps=1, use_cpu=True,
+                              bf16=False, temperature=0.7, save_strategy="no")
+        trainer = trl.GRPOTrainer(model=str(taught["model"]), args=args, train_dataset=Dataset.from_list(rows),
+                                  processing_class=tok, **kw)
+        trainer.train()
+        logged = trainer.state.log_history[0]
+        assert logged["tools/call_frequency"] > 0.5, (kind, logged)
+    # the toolkit's parser with the tokenizer's response template: the turn after its prompt
+    prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=True, add_generation_prompt=True,
+                                     return_dict=False)
+    ids = tok(call("add", a=3, b=4), add_special_tokens=False)["input_ids"]
+    assert tl.parse_calls(tok, ids, tok.decode(ids), prompt) == ([{"name": "add", "arguments": {"a": 3, "b": 4}}],
+                                                                  False)
+
+
+def test_a_string_prompts_reward_reads_the_models_text_not_the_tools(tok):
+    """`builtin:math_answer` reads the last number: a tool's result in the text would score a completion that called
+    the calculator and never answered. A string prompt's completion is the model's tokens alone."""
+    from toolkit.objectives.grpo.rollout import completion_texts
+
+    model = tok(call("multiply", a=3, b=4), add_special_tokens=False)["input_ids"]
+    result = tl.suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "12"}])
+    row = model + result + tok("no idea<|im_end|>", add_special_tokens=False)["input_ids"]
+    mask = [1] * len(model) + [0] * len(result) + [1] * (len(row) - len(model) - len(result))
+    done = Completions(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long), torch.tensor([False]),
+                       torch.tensor([mask]))
+    text = completion_texts(tok, done)[0]
+    assert "12" not in text and text.endswith("no idea") and '"a": 3' in text
+    from toolkit.objectives.grpo.rewards import math_answer
+
+    assert math_answer(["q"], [text], answer=["12"]) == [0.0]
+
+
+def test_chatml_tools_renders_content_parts_and_the_environment_column_is_checked(tok, tool_file):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": " 3 + 4?"}]}]
+    assert "What is 3 + 4?<|im_end|>" in tok.apply_chat_template(parts, tokenize=False)
+    from toolkit.data.prompts import PromptRows
+
+    envs = tl.load_environments([f"a={tool_file}:Counter"])
+    box = Toolbox([], envs, tok, max_turns=1, timeout=1.0, max_length=50)
+    rows = PromptRows(prompt_ids=[[1]], prompts=["p"], columns={"environment": ["b"]}, messages=[[{"role": "user",
+                                                                                                   "content": "p"}]])
+    with pytest.raises(UserError, match="prompt record 0 has environment 'b', not one of a"):
+        box.open(rows, [0])

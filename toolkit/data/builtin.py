@@ -16,6 +16,12 @@ problem, we need to ..." and runs out of tokens first: a reward for the right la
 at once (`configs/grpo_quickstart.yaml`). Train and eval are disjoint in the pair of operands (7 x 8 and 8 x 7
 are one pair): a held-out question is a product never seen in training, in any phrasing.
 
+`products`: multi-digit products (a 3-digit number times a 2-digit one: 347 * 29) for `--objective grpo` with a
+calculator tool (`configs/calculator.py`): a `prompt` column, the product as `answer`, and `messages`, a
+demonstration of the tool's use (the call in the assistant's text, the `tool` message with the product, the
+answer), which SFT reads (`configs/tools_sft.yaml`). SmolLM2-135M-Instruct cannot multiply such numbers alone; the
+quickstart teaches it to call the tool (`configs/tools_quickstart.yaml`). Train and eval are disjoint pairs.
+
 `shapes`: pictures the toolkit draws itself (56 px, a circle, square or triangle on a light background, one of six
 colors, big or small, anywhere), asked "What size and color is the shape?" and answered "big red", for an image-text
 model (`configs/vlm_quickstart.yaml`). The answer is in the pixels alone, so a model that has not learnt to read
@@ -38,7 +44,7 @@ PROMPTS = [
     "What is {d} in ledger style?",
     "Ledger style for {d}, please.",
 ]
-BUILTIN = ("dates", "date-pairs", "arithmetic", "shapes")
+BUILTIN = ("dates", "date-pairs", "arithmetic", "products", "shapes")
 # the built-ins whose records hold images
 IMAGE_BUILTINS = ("shapes",)
 SHAPE_COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40),
@@ -113,12 +119,46 @@ def _arithmetic(split: str, seed: int) -> list[dict]:
     return rows
 
 
+PRODUCT_PROMPTS = ["What is {a} * {b}?", "Compute {a} x {b}.", "What is the product of {a} and {b}?",
+                   "Multiply {a} by {b}."]
+PRODUCTS = {"train": 512, "eval": 64}
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A call in the `<tool_call>` form (Hermes, Qwen2.5, `--chat-template chatml-tools`), as an assistant writes it."""
+    import json
+
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def _products(split: str, seed: int) -> list[dict]:
+    """The split's questions: distinct (a, b) pairs, a in 100-999, b in 11-99, from one seeded stream (the eval
+    pairs drawn first, so no train pair is one), phrased in turn."""
+    rng = random.Random(f"{seed}-products")
+    pairs: dict[tuple[int, int], None] = {}
+    while len(pairs) < PRODUCTS["eval"] + PRODUCTS["train"]:
+        pairs.setdefault((rng.randint(100, 999), rng.randint(11, 99)))
+    ordered = list(pairs)
+    chosen = ordered[:PRODUCTS["eval"]] if split == "eval" else ordered[PRODUCTS["eval"]:]
+    rows = []
+    for i, (a, b) in enumerate(chosen):
+        prompt, answer = PRODUCT_PROMPTS[i % len(PRODUCT_PROMPTS)].format(a=a, b=b), str(a * b)
+        rows.append({"prompt": prompt, "answer": answer, "messages": [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": tool_call_text("multiply", {"a": a, "b": b})},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": f"{a} * {b} = {answer}"}]})
+    return rows
+
+
 def builtin_records(name: str, split: str = "train", seed: int = 0) -> list[dict]:
     if name not in BUILTIN:
         raise UserError(f"--dataset builtin:{name}: unknown built-in dataset (available: "
                         f"{', '.join('builtin:' + b for b in BUILTIN)})")
     if name == "arithmetic":
         return _arithmetic(split, seed)
+    if name == "products":
+        return _products(split, seed)
     if name == "shapes":
         return _shapes(split, seed)
     rng = random.Random(f"{seed}-{split}-prompts")

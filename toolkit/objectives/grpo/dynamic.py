@@ -1,7 +1,7 @@
 """`--dynamic-sampling`: DAPO's dynamic sampling (Yu et al. 2025, "DAPO", Algorithm 1). A step's prompt groups whose
 rewards all agree carry no advantage (each is 0); they are dropped and the step's batch refilled from the next
 prompts, sampled and scored as the first ones were, until it holds the P groups a step trains or
-`--dynamic-sampling-rounds` extra rounds have been sampled; a batch still short is filled with the last agreeing
+`--dynamic-sampling-rounds` extra rounds have been sampled; a batch still short is filled with the first agreeing
 groups (they train nothing: their advantages are 0), and the run says so once.
 
 The same on every layout: each attempt samples a whole prompt batch, each rank its share (`Rollouts.sample`),
@@ -23,10 +23,14 @@ import torch
 from toolkit.objectives.grpo.functions import informative_groups, weighted_rewards
 
 
-def attempt(r, batch: int, step: int) -> tuple[list[dict], torch.Tensor]:
+def attempt(r, batch: int, step: int, n: int) -> tuple[list[dict], torch.Tensor]:
     """(every rank's completions of prompt batch `batch`, in (prompt, generation) order, each a dict of what the
-    step's micro-batches and log need; their rewards (P x G, functions)), sampled with `step`'s seeds."""
+    step's micro-batches and log need; their rewards (P x G, functions)), sampled with `step`'s seeds, the `n`-th
+    attempt's (0: the step's own; a prompt the next epoch brings back within the step draws anew)."""
+    from toolkit.objectives.grpo.sampling import turn_seed
+
     rows, prompt_ids, seeds, _ = r.rows_of([batch], step)
+    seeds = [turn_seed(s, -n) for s in seeds]
     envs, tools = None, None
     if r.toolbox is not None:
         r.toolbox.begin_round()
@@ -57,7 +61,7 @@ def step_batch(r, step: int) -> tuple[list[dict], torch.Tensor, int]:
     while len(kept) < P and rounds <= r.dynamic_rounds:
         last, r.cursor = r.cursor, r.cursor + 1
         rounds += 1
-        completions, rewards = attempt(r, last, step)
+        completions, rewards = attempt(r, last, step, rounds - 1)
         keep = informative_groups(weighted_rewards(rewards, r.weights), G)
         for g in range(P):
             group = (completions[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])
@@ -82,11 +86,25 @@ def step_batch(r, step: int) -> tuple[list[dict], torch.Tensor, int]:
 def dynamic_round(r, first: int) -> list[tuple[int, list[dict]]]:
     """`Rollouts.round` under --dynamic-sampling: the K x mu steps from `first`, each step's batch from
     `step_batch`, this rank's share of it cut into micro-batches."""
-    from toolkit.objectives.grpo.sampling import Completions
-
     t0 = time.perf_counter()
     out, epochs = [], []
     pad = r.run.tokenizer.pad_token_id
+    # a round abandoned part-way (a stop while it samples) is sampled again from its start on resume
+    cursor = r.cursor
+    try:
+        out, epochs = steps_of(r, first, pad)
+    except BaseException:
+        r.cursor = cursor
+        raise
+    r.seconds += time.perf_counter() - t0
+    return [(epoch, micro) for _ in range(r.mu) for epoch, micro in zip(epochs, out)]
+
+
+def steps_of(r, first: int, pad: int) -> tuple[list, list[int]]:
+    """(each of the round's K steps' micro-batches on this rank, its epoch)."""
+    from toolkit.objectives.grpo.sampling import Completions
+
+    out, epochs = [], []
     for k in range(r.K):
         step = first + k
         completions, rewards, last = step_batch(r, step)
@@ -108,8 +126,7 @@ def dynamic_round(r, first: int) -> list[tuple[int, list[dict]]]:
                                advantages)
         epochs.append(r.epoch_of(last))
         log_kept(r, step, completions, rewards)
-    r.seconds += time.perf_counter() - t0
-    return [(epoch, micro) for _ in range(r.mu) for epoch, micro in zip(epochs, out)]
+    return out, epochs
 
 
 def log_kept(r, step: int, completions: list[dict], rewards: torch.Tensor) -> None:
@@ -122,5 +139,5 @@ def log_kept(r, step: int, completions: list[dict], rewards: torch.Tensor) -> No
     with open(Path(run.out_dir) / "completions.jsonl", "a") as f:
         for c, scores in zip(completions, rewards.tolist()):
             f.write(json.dumps({"step": step, "prompt": r.prompts.prompts[c["row"]], "completion": c["logged"],
-                                "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, scores)}})
-                    + "\n")
+                                "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, scores)}},
+                               default=str) + "\n")

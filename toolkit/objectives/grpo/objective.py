@@ -30,8 +30,9 @@ class GRPO:
         # a reward, tool or environment file's errors are said now, before the weights load
         specs = [s for s in rl.reward.splitlines() if s.strip()]
         self.tools, self.environments = self.load_tools()
-        owned = [environment_reward(type(e)) for e in self.environments.values() if hasattr(e, "get_reward")]
-        owned = list({r.name: r for r in owned}.values())  # one per class, as TRL
+        # one per class that defines get_reward, as TRL
+        owned = [environment_reward(cls) for cls in dict.fromkeys(type(e) for e in self.environments.values())
+                 if hasattr(cls, "get_reward")]
         if not specs and not owned:
             from toolkit.errors import UserError
 

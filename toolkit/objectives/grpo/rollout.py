@@ -120,6 +120,16 @@ def suppressed(prompts) -> tuple[int, ...]:
     return () if token is None else (token,)
 
 
+def completion_texts(tokenizer, completions) -> list[str]:
+    """Each completion's text as a string prompt's reward functions get it: with tools, the model's own tokens alone
+    (a tool's result is not the model's answer: `builtin:math_answer` would read the calculator's number)."""
+    ids = completions.token_lists()
+    if completions.tool_mask is None:
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+    own = [[t for t, m in zip(row, keep.tolist()) if m] for row, keep in zip(ids, completions.tool_mask.cpu())]
+    return tokenizer.batch_decode(own, skip_special_tokens=True)
+
+
 def collate_rollout(prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                     pad_id: int, device, tool_mask: torch.Tensor | None = None) -> dict:
     """A micro-batch of (prompt, completion) rows: prompts left-padded so every completion starts at one
@@ -322,7 +332,7 @@ class Rollouts:
 
         tok = self.run.tokenizer
         ids = completions.token_lists()
-        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        texts = completion_texts(tok, completions)
         prompts = [self.prompts.prompts[r] for r in rows]
         state = RewardState(first, self.run.total_steps, (first - 1) / self.steps_per_epoch())
         columns = self.prompts.columns_of(rows)
@@ -480,7 +490,7 @@ class Rollouts:
                     for prompt, text in gathered[(rank, k)]:
                         scores = {n: (None if math.isnan(v) else v) for n, v in zip(names, rewards[j].tolist())}
                         f.write(json.dumps({"step": first + k, "prompt": prompt, "completion": text,
-                                            "rewards": scores}) + "\n")
+                                            "rewards": scores}, default=str) + "\n")
                         j += 1
 
     def state_dict(self) -> dict | None:
@@ -489,8 +499,9 @@ class Rollouts:
         batch (how many it took depended on the rewards); else None at a round's end."""
         if not self.pending and not self.dynamic:
             return None
-        return {"pending": [(epoch, [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
-                            for epoch, micro in self.pending], "cursor": self.cursor}
+        state = {"pending": [(epoch, [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro])
+                             for epoch, micro in self.pending]}
+        return {**state, "cursor": self.cursor} if self.dynamic else state
 
     def load_state_dict(self, state: dict) -> None:
         if self.dynamic and "cursor" in state:
@@ -567,10 +578,12 @@ def eval_rewards(run, prompts, rewards, decoder=None, toolbox=None) -> dict[str,
             if toolbox is not None:
                 out, paths = run_turns(toolbox, out, prompt_ids, [0] * len(held), tools, generate,
                                        lambda going: strategy.host_max(float(going)) > 0, tok.pad_token_id)
-            if not part:
+            if not part:  # the stop check every rank makes in `scored_unless_stopped`, made here too
+                if run.strategy.host_max(float(run.stop_requested())) > 0:
+                    raise Interrupted("evaluating")
                 continue
             ids = out.token_lists()
-            texts = tok.batch_decode(ids, skip_special_tokens=True)
+            texts = completion_texts(tok, out)
             given = [prompts.prompts[r] for r in part]
             columns = prompts.columns_of(part)
             if envs is not None and any(e is not None for e in envs):

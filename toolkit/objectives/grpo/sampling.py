@@ -94,7 +94,8 @@ def completion_seed(seed: int, step: int, prompt: int, generation: int) -> int:
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The seed of a completion's `turn`-th sampling after tool results (turn 0: its own `seed`)."""
+    """The seed of a completion's `turn`-th sampling after tool results (turn 0: its own `seed`; a negative turn:
+    dynamic sampling's later attempts at a step, `toolkit.objectives.grpo.dynamic.attempt`)."""
     if turn == 0:
         return seed
     digest = hashlib.blake2b(f"{seed}/turn/{turn}".encode(), digest_size=8).digest()

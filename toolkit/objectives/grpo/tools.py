@@ -178,14 +178,16 @@ def suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 # --- parsing and calling
-def parse_calls(tokenizer, ids: list[int], text: str) -> tuple[list[dict], bool]:
+def parse_calls(tokenizer, ids: list[int], text: str, prefix: list[int] | None = None) -> tuple[list[dict], bool]:
     """(the completion turn's tool calls as [{"name", "arguments"}], whether it tried to call and could not be
-    parsed). The tokenizer's response parser where it has one (transformers' `parse_response`); the
+    parsed). The tokenizer's response parser where it has one (transformers' `parse_response`: a new-style
+    `response_template` reads the turn after `prefix`, the tokens before it, as TRL passes them); the
     `<tool_call>{json}</tool_call>` form otherwise."""
     if getattr(tokenizer, "response_template", None) is not None or \
             getattr(tokenizer, "response_schema", None) is not None:
         try:
-            parsed = tokenizer.parse_response(ids)
+            parsed = tokenizer.parse_response(ids, prefix=list(prefix or [])) \
+                if getattr(tokenizer, "response_template", None) is not None else tokenizer.parse_response(ids)
         except (ValueError, TypeError):
             return [], TOOL_CALL_OPEN in text
         calls = []
@@ -269,7 +271,18 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout: float, counts: To
     if fault == "error":
         counts.failures += 1
         return {"role": "tool", "name": name, "content": str({"error": result})}
-    return {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+    return {"role": "tool", "name": name, "content": as_content(result)}
+
+
+def as_content(result: Any) -> str | list:
+    """A tool's result as a `tool` message's content: a list of content parts as it is (TRL's multimodal results),
+    anything else as text (`str`, as TRL; a result whose `str` raises is its type's name)."""
+    if isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result):
+        return result
+    try:
+        return str(result)
+    except Exception:  # noqa: BLE001 - the tool's object: never the run's fault
+        return f"<{type(result).__name__}>"
 
 
 def tool_dict(tools: list[Callable], environment: Any = None) -> dict[str, Callable]:

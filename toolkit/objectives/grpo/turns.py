@@ -65,9 +65,16 @@ class Toolbox:
         self.cursor = {}
 
     def environment_of(self, prompts, row: int) -> str | None:
+        """The record's environment: the one unnamed, or the one its `environment` column names."""
         if None in self.environments or not self.environments:
             return None
         name = prompts.columns.get("environment", [None] * len(prompts))[row]
+        if name not in self.environments:
+            from toolkit.errors import UserError
+
+            raise UserError(f"--environment: prompt record {row} has environment {name!r}, not one of "
+                            f"{', '.join(map(str, self.environments))}; each record names its environment in an "
+                            "'environment' column")
         return name
 
     def open(self, prompts, rows: list[int]) -> tuple[list[list[int]], list, list[dict]]:
@@ -87,7 +94,7 @@ class Toolbox:
                 env = pool[k]
                 record = {"prompt": prompts.prompts[row], **{c: v[row] for c, v in prompts.columns.items()
                                                              if not (c == "environment" and name is not None)}}
-                observation = env.reset(**record)
+                observation = reset(env, record, row)
                 if observation is not None:
                     messages = reset_prompt(messages, observation)
                     ids.append(self.ids_of(messages, name))
@@ -115,6 +122,18 @@ class Toolbox:
         return taken
 
 
+def reset(env, record: dict, row: int):
+    """`env.reset(**record)`; an environment that raises stops the run in one line naming the record (its state
+    would be the last rollout's)."""
+    try:
+        return env.reset(**record)
+    except Exception as e:  # noqa: BLE001 - the user's environment
+        from toolkit.errors import UserError
+
+        raise UserError(f"--environment: {type(env).__name__}.reset raised {type(e).__name__}: {e} on prompt "
+                        f"record {row}") from None
+
+
 def assistant_message(tokenizer, ids: list[int], calls: list[dict]) -> dict:
     """A turn as TRL's trajectories hold it: its text (the calls' markup left out), its calls."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -137,7 +156,7 @@ def run_turns(box: Toolbox, first: Completions, prompt_ids: list[list[int]], see
     calls_made, turns = [0] * len(ids), [1] * len(ids)
     trajectories, active = [], {}
     for i, row in enumerate(ids):
-        calls, malformed = parse_calls(tok, row, tok.decode(row, skip_special_tokens=False))
+        calls, malformed = parse_calls(tok, row, tok.decode(row, skip_special_tokens=False), prompt_ids[i])
         counts.malformed += int(malformed)
         trajectories.append([assistant_message(tok, row, calls)])
         if calls and not truncated[i]:
@@ -147,7 +166,11 @@ def run_turns(box: Toolbox, first: Completions, prompt_ids: list[list[int]], see
         for i, calls in active.items():
             messages = [call_tool(tools[i], c, box.timeout, counts) for c in calls]
             calls_made[i] += len(calls)
-            suffix = suffix_ids(tok, messages)
+            try:
+                suffix = suffix_ids(tok, messages)
+            except Exception:  # noqa: BLE001 - the template cannot render this result: the turn ends, counted
+                counts.malformed += 1
+                continue
             if len(ids[i]) + len(suffix) >= box.max_length:  # no room left for a reply: TRL drops the results
                 continue
             ids[i] += suffix
@@ -161,11 +184,12 @@ def run_turns(box: Toolbox, first: Completions, prompt_ids: list[list[int]], see
                        [box.max_length - len(ids[i]) if going else 1 for i in rows])
         active = {}
         for k, (i, new) in enumerate(zip(going, out.token_lists())):
+            before = prompt_ids[i] + ids[i]
             ids[i] += new
             masks[i] += [1] * len(new)
             turns[i] += 1
             truncated[i] = bool(out.truncated[k])
-            calls, malformed = parse_calls(tok, new, tok.decode(new, skip_special_tokens=False))
+            calls, malformed = parse_calls(tok, new, tok.decode(new, skip_special_tokens=False), before)
             counts.malformed += int(malformed)
             trajectories[i].append(assistant_message(tok, new, calls))
             if calls and not truncated[i]:
