@@ -720,3 +720,30 @@ def test_chatml_tools_renders_content_parts_and_the_environment_column_is_checke
                                                                                                    "content": "p"}]])
     with pytest.raises(UserError, match="prompt record 0 has environment 'b', not one of a"):
         box.open(rows, [0])
+
+
+def test_the_quickstarts_task_demonstrates_the_tool_and_grades_the_answer(tok):
+    """builtin:products (the tools quickstart's): disjoint train and eval pairs, each record's `messages` a
+    demonstration whose call parses and, run through configs/calculator.py, gives the record's answer, which
+    builtin:math_answer grades 1; the two quickstart configs parse."""
+    import re
+
+    from toolkit.config import parse_config
+    from toolkit.data.builtin import builtin_records
+    from toolkit.objectives.grpo.rewards import math_answer
+
+    root = Path(__file__).resolve().parents[1]
+    train, held = builtin_records("products", "train"), builtin_records("products", "eval")
+    pairs = [{tuple(map(int, re.findall(r"\d+", r["prompt"]))) for r in rows} for rows in (train, held)]
+    assert (len(train), len(held), len(pairs[0]), len(pairs[1])) == (512, 64, 512, 64) and not pairs[0] & pairs[1]
+    multiply = tl.tool_dict(tl.load_tools([f"{root / 'configs' / 'calculator.py'}:multiply"]))
+    for row in train[:16] + held[:16]:
+        user, demo, result, answer = row["messages"]
+        a, b = map(int, re.findall(r"\d+", row["prompt"]))
+        assert 100 <= a <= 999 and 11 <= b <= 99 and row["answer"] == str(a * b) == result["content"]
+        calls, bad = tl.parse_calls(tok, [], demo["content"])
+        assert not bad and tl.call_tool(multiply, calls[0], 5.0, tl.ToolCounts())["content"] == row["answer"]
+        assert math_answer([row["prompt"]], [answer["content"]], answer=[row["answer"]]) == [1.0]
+    for name in ("tools_sft.yaml", "tools_quickstart.yaml"):
+        cfg = parse_config(["--config", str(root / "configs" / name), "--output-dir", "/nonexistent/x"])
+        assert cfg.data.dataset == "builtin:products"
