@@ -73,7 +73,8 @@ def test_a_template_name_the_tokenizer_lacks_is_one_line_before_the_model_loads(
     line = one_error(capsys, [*argv, "--chat-template", "chatml"])
     assert line.endswith(f"--chat-template chatml: not a file, and the tokenizer of {model} has no template of that "
                          "name (its templates are default, rag); give a Jinja file, or leave it out for the "
-                         "tokenizer's own (other tools' built-in names, such as chatml, are not read here)")
+                         "tokenizer's own (other tools' built-in names, such as chatml, are not read here; the "
+                         "built-in here: chatml-tools)")
     line = one_error(capsys, [*argv, "--chat-template", "templates/chatml.jinja"])
     assert line.endswith("--chat-template templates/chatml.jinja: file not found (a Jinja template file, or the name "
                          "of a template the tokenizer carries)")
