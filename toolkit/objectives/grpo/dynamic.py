@@ -109,18 +109,9 @@ def steps_of(r, first: int, pad: int) -> tuple[list, list[int]]:
         step = first + k
         completions, rewards, last = step_batch(r, step)
         share = [completions[i] for i in r.mine()]
-        width = max(1, max(len(c["ids"]) for c in share))
-        ids = torch.full((len(share), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(share), width), dtype=torch.long)
-        tools = torch.ones((len(share), width), dtype=torch.long)
-        for i, c in enumerate(share):
-            ids[i, :len(c["ids"])] = torch.tensor(c["ids"], dtype=torch.long)
-            mask[i, :len(c["ids"])] = 1
-            if c["tool_mask"] is not None:
-                tools[i, :len(c["tool_mask"])] = torch.tensor(c["tool_mask"], dtype=torch.long)
-        device = r.run.strategy.accelerator.device
-        batch = Completions(ids.to(device), mask.to(device), torch.tensor([c["truncated"] for c in share]).to(device),
-                            tools.to(device) if share[0]["tool_mask"] is not None else None)
+        tools = [c["tool_mask"] for c in share] if share[0]["tool_mask"] is not None else None
+        batch = Completions.from_lists([c["ids"] for c in share], [c["truncated"] for c in share], tools, pad,
+                                       r.run.strategy.accelerator.device)
         advantages = r.advantages(rewards, 1)
         out += r.micro_batches([last], [c["row"] for c in share], [c["prompt_ids"] for c in share], batch,
                                advantages)

@@ -80,6 +80,23 @@ class Completions:
     # in the loss); None without tools
     tool_mask: torch.Tensor | None = None
 
+    @classmethod
+    def from_lists(cls, ids: list[list[int]], truncated: list[bool], tool_masks: list[list[int]] | None, pad_id: int,
+                   device) -> "Completions":
+        """Completions of token lists (each EOS included, no padding), right-padded; `tool_masks` each row's 0/1
+        list (None: no tools)."""
+        width = max(1, max(len(x) for x in ids))
+        tensor = torch.full((len(ids), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        tools = torch.ones((len(ids), width), dtype=torch.long)
+        for i, row in enumerate(ids):
+            tensor[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+            if tool_masks is not None:
+                tools[i, :len(tool_masks[i])] = torch.tensor(tool_masks[i], dtype=torch.long)
+        return cls(tensor.to(device), mask.to(device), torch.tensor(truncated, dtype=torch.bool, device=device),
+                   tools.to(device) if tool_masks is not None else None)
+
     def token_lists(self) -> list[list[int]]:
         """Each completion's tokens, EOS included, no padding: TRL's completion_ids for reward functions."""
         return [row[m.bool()].tolist() for row, m in zip(self.ids.cpu(), self.mask.cpu())]

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from toolkit.objectives.grpo.sampling import Completions, turn_seed
 from toolkit.objectives.grpo.tools import (ToolCounts, TOOL_CALL, call_tool, environment_methods, parse_calls,
@@ -196,15 +195,5 @@ def run_turns(box: Toolbox, first: Completions, prompt_ids: list[list[int]], see
                 active[i] = calls
     counts.per_completion += calls_made
     counts.turns += turns
-    width = max(1, max(len(x) for x in ids))
-    tensor = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    tool_mask = torch.ones((len(ids), width), dtype=torch.long)
-    for i, (row, m) in enumerate(zip(ids, masks)):
-        tensor[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, :len(row)] = 1
-        tool_mask[i, :len(m)] = torch.tensor(m, dtype=torch.long)
-    device = first.ids.device
-    return (Completions(tensor.to(device), mask.to(device), torch.tensor(truncated, device=device),
-                        tool_mask.to(device)), trajectories)
+    return Completions.from_lists(ids, truncated, masks, pad_id, first.ids.device), trajectories
 
