@@ -16,7 +16,7 @@ import torch
 from distributed import launch, launch_layouts, parity_args
 from helpers import losses, records
 
-from vlm_zoo import build_vlm_dir, qwen2_vl_without_torchvision
+from vlm_zoo import build_vlm_dir, lfm2_vl_without_torchvision
 
 from toolkit.model.synthetic import build_llava_dir
 
@@ -216,16 +216,17 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zoo, images, kind):
     """Four examples (one with two images) end to end in one row, each one's image features at its own tokens, the
-    language model's attention kept to each example by the varlen kernel (the vision tower keeps its own): the loss
-    and every gradient of the padded batch, within 1e-5 (fp32; the kernels round apart). Pairs likewise: each
-    sequence's DPO log-probability."""
+    language model's attention kept to each example by the varlen kernel (the vision tower keeps its own), and
+    Qwen2/2.5/3-VL's multi-axis positions (M-RoPE) laid out per example: the loss and every gradient of the padded
+    batch, within 1e-5 (fp32; the kernels round apart). Pairs likewise: each sequence's DPO log-probability."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.image_rows import MediaCollate
     from toolkit.model.attention import register
+    from toolkit.model.vision import lay_out_positions, parts
     from toolkit.objectives.logps import whole_row_logps
 
     path = llava if kind == "llava" else zoo[kind]
@@ -236,6 +237,7 @@ def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zo
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     model.set_attn_implementation({"text_config": register("varlen")})
     assert model.config.vision_config._attn_implementation == "sdpa"
+    assert lay_out_positions(model) == kind.startswith("qwen")
     pad = processor.tokenizer.pad_token_id
     padded, free = MediaCollate(processor, pad)(rows), MediaCollate(processor, pad, padding_free=True, whole=True)(rows)
     assert free["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))
@@ -243,8 +245,8 @@ def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zo
     want, want_grads = loss_and_grads(model, padded)
     got, got_grads = loss_and_grads(model, free)
     assert got == pytest.approx(float(want), rel=1e-5)
-    assert want_grads.keys() == got_grads.keys() and any(".vision_tower." in n or ".vision_model." in n
-                                                         for n in got_grads)
+    tower = parts(model)["tower"]
+    assert want_grads.keys() == got_grads.keys() and any(n.startswith(tower + ".") for n in got_grads)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     # image pairs: each sequence's log-probability, chosen and rejected
@@ -356,7 +358,7 @@ def common(llava, images) -> list[str]:
 
 TERM_AT = 3
 LEARN_STEPS = 60
-ZOO = ("idefics3", "gemma3", "mllama")
+ZOO = ("idefics3", "gemma3", "mllama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +386,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
            "padded": ["--micro-batch-size", "4", "--no-padding-free"],
+           "qwen2_vl_padded": ["--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "4", "--no-padding-free"],
            **{f"{kind}_{method}": ["--model", str(zoo[kind]), "--method", method, "--micro-batch-size", "4"]
               for kind in ZOO for method in ("lora", "full")},
            **{name: [*pairs, *flags, "--micro-batch-size", "4"] for name, flags in (
@@ -404,6 +407,8 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            # tensor parallel: dp 1, so the one process's micro-batch
            "tp": ["--tp", "2", "--micro-batch-size", "4"],
            "gemma3_tp": ["--model", str(zoo["gemma3"]), "--tp", "2", "--micro-batch-size", "4"],
+           # M-RoPE positions laid out per example on each rank's padding-free row
+           "qwen2_vl_fsdp": ["--model", str(zoo["qwen2_vl"]), "--method", "full", "--fsdp", "--micro-batch-size", "2"],
            **{name: [*pairs, *flags, "--micro-batch-size", "2"] for name, flags in (
                ("dpo_ddp", []), ("dpo_zero3", ["--method", "full", "--zero-stage", "3"]),
                ("dpo_fsdp", ["--method", "full", "--fsdp"]),
@@ -440,7 +445,7 @@ def test_a_preempted_run_resumes_exactly_on_another_layout(runs):
 
 
 @pytest.mark.parametrize("layout, reference", [("ddp", "lora"), ("zero3", "full"), ("fsdp", "full"), ("tp", "lora"),
-                                               ("gemma3_tp", "gemma3_lora")])
+                                               ("gemma3_tp", "gemma3_lora"), ("qwen2_vl_fsdp", "qwen2_vl_full")])
 def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
     """Same seed and data: each step's loss within 1e-5 (relative, fp32) of one process's; under --tp 2 the language
     model's blocks split over the ranks, the vision tower and projector whole on each (LLaVA padding-free, Gemma 3
@@ -454,11 +459,13 @@ def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
         assert json.loads((runs[layout] / "integrity.json").read_text())["ok"]
 
 
-@pytest.mark.parametrize("padded, free", [("padded", "lora"), ("dpo_padded", "dpo_full")])
+@pytest.mark.parametrize("padded, free", [("padded", "lora"), ("dpo_padded", "dpo_full"),
+                                          ("qwen2_vl_padded", "qwen2_vl_lora")])
 def test_image_runs_go_padding_free_by_default_with_the_padded_losses(runs, padded, free):
-    """LLaVA's image batches go padding-free by default (its image features are placed at their tokens in order):
-    each step's loss within 1e-5 of the same run's padded batches (--no-padding-free), SFT and DPO (whose reference
-    pass scores the rows end to end as it trains them)."""
+    """LLaVA's and Qwen2-VL's image batches go padding-free by default (their image features are placed at their
+    tokens in order; Qwen2-VL's M-RoPE positions laid out per example): each step's loss within 1e-5 of the same
+    run's padded batches (--no-padding-free), SFT and DPO (whose reference pass scores the rows end to end as it
+    trains them)."""
     said = runs[f"{free}.stdout"].read_text()
     assert "batches: padding-free: each micro-batch's 4" in said and "with the processor's image inputs" in said
     padded_said = runs[f"{padded}.stdout"].read_text()
@@ -614,7 +621,8 @@ def test_more_image_text_architectures_train_with_lora_and_full(runs, zoo, kind)
     base, full = tensors(zoo[kind] / "model.safetensors"), tensors(runs[f"{kind}_full"] / "final" / "model.safetensors")
     # the checkpoints' own names
     tower, language = {"idefics3": ("vision_model", "text_model"), "gemma3": ("vision_tower", "language_model"),
-                       "mllama": ("vision_model", "language_model")}[kind]
+                       "mllama": ("vision_model", "language_model"), "qwen2_vl": ("visual", "layers"),
+                       "qwen2_5_vl": ("visual", "layers"), "qwen3_vl": ("visual", "language_model")}[kind]
     assert base.keys() == full.keys()
     frozen = [k for k in base if k.split(".")[:2].count(tower)]
     assert frozen and all(torch.equal(base[k], full[k]) for k in frozen)
@@ -727,7 +735,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         return (["--model", str(build_model_dir(tmp_path / "text-model")), "--dataset", str(data)],
                 "chat.jsonl holds images, but --model")
     elif case == "processor_needs_torchvision":
-        return (["--model", str(qwen2_vl_without_torchvision(tmp_path / "qwen2-vl")), "--dataset",
+        return (["--model", str(lfm2_vl_without_torchvision(tmp_path / "lfm2-vl")), "--dataset",
                  str(images / "chat.jsonl")], "its processor needs torchvision (`pip install torchvision`")
     elif case == "planner":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--strategy", "auto"],
@@ -742,6 +750,12 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         return (["--model", str(gemma3), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
                  "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
                 "--objective grpo: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids)")
+    elif case == "grpo_on_qwen2_vl":
+        qwen2_vl = build_vlm_dir(tmp_path / "qwen2-vl", "qwen2_vl")
+        return (["--model", str(qwen2_vl), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
+                 "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
+                "--objective grpo: Qwen2VLForConditionalGeneration: its positions are multi-axis (M-RoPE, "
+                "image_grid_thw), which GRPO's sampling does not lay out yet")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -753,13 +767,13 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
                                   "processor_needs_torchvision", "planner", "grpo_on_gemma3",
-                                  "kto_on_gemma3"])
+                                  "kto_on_gemma3", "grpo_on_qwen2_vl"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available
 
     if case == "processor_needs_torchvision" and is_torchvision_available():
-        pytest.skip("torchvision is installed: Qwen2-VL's processor loads")
+        pytest.skip("torchvision is installed: LFM2-VL's processor loads")
 
     argv, expect = bad(tmp_path, llava, images, case)
     # what building a model printed

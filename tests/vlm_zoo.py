@@ -10,7 +10,9 @@ kind            placeholder in the rendered text               tokens per image 
 "idefics3"      <image>                                         <fake><global-img> 4x<image> <fake>  (6)
 "gemma3"        <start_of_image>                                \n\n <boi> 4x<image_soft_token> <eoi> \n\n
 "mllama"        <|image|>                                       1 (<|image|>; cross-attention to the tiles)
-"qwen2_vl"      <|vision_start|><|image_pad|><|vision_end|>     NotImplementedError (needs torchvision)
+"qwen2_vl"      <|vision_start|><|image_pad|><|vision_end|>     <|vision_start|> n x <|image_pad|> <|vision_end|>
+"qwen2_5_vl"    (the same)                                      (n: the image's merged 28 px patches; M-RoPE)
+"qwen3_vl"      (the same)
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from toolkit.model.synthetic import build_tokenizer
 
-KINDS = ("idefics3", "gemma3", "mllama", "qwen2_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+KINDS = ("idefics3", "gemma3", "mllama", *QWEN)
 _CHAT = ("<|im_start|>", "<|im_end|>")
 
 
@@ -128,21 +131,7 @@ def _mllama(tile_size: int = 28, patch_size: int = 14, max_tiles: int = 2):
     return MllamaForConditionalGeneration, config, processor
 
 
-def _qwen2_vl():
-    """Qwen2-VL (placeholder `<|vision_start|><|image_pad|><|vision_end|>`) is not built: without torchvision
-    even `Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok, video_processor=None)`
-    fails (transformers 5.24: `AttributeError: type object 'VIDEO_PROCESSOR_MAPPING' has no attribute
-    '_extra_content'`, from `ProcessorMixin.check_argument_for_proper_class` looking up `Qwen2VLVideoProcessor`),
-    and `Qwen2VLVideoProcessor()` itself raises `ImportError: Qwen2VLVideoProcessor requires the Torchvision
-    library but it was not found in your environment`. With torchvision it is still unchecked."""
-    from transformers.utils import is_torchvision_available
-
-    why = ("requires torchvision, which is not installed" if not is_torchvision_available()
-           else "is not built here (only checked without torchvision)")
-    raise NotImplementedError(f"qwen2_vl: Qwen2VLProcessor (its video processor, Qwen2VLVideoProcessor) {why}")
-
-
-_BUILDERS = {"idefics3": _idefics3, "gemma3": _gemma3, "mllama": _mllama, "qwen2_vl": _qwen2_vl}
+_BUILDERS = {"idefics3": _idefics3, "gemma3": _gemma3, "mllama": _mllama}
 
 
 def build_vlm_dir(path, kind: str) -> Path:
@@ -150,6 +139,8 @@ def build_vlm_dir(path, kind: str) -> Path:
     processor, chat template); `AutoProcessor` and `AutoModelForImageTextToText` load it back."""
     import torch
 
+    if kind in QWEN:
+        return qwen_vl_dir(path, kind)
     if kind not in _BUILDERS:
         raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
     model_class, config, processor = _BUILDERS[kind]()
@@ -159,27 +150,68 @@ def build_vlm_dir(path, kind: str) -> Path:
     return Path(path)
 
 
-def qwen2_vl_without_torchvision(path) -> Path:
-    """A tiny Qwen2-VL folder as the hub ships one (its config, weights, tokenizer, image processor config and
-    `processor_config.json`), written file by file: on a machine without torchvision its processor cannot be built
-    (`_qwen2_vl`), so `AutoProcessor` fails on it as it fails on the real Qwen2-VL-2B."""
+def _qwen_vl_config(kind: str, tok, ids: dict):
+    """The config of a tiny Qwen2-VL, Qwen2.5-VL (window attention in the tower, full in its second block) or
+    Qwen3-VL (interleaved M-RoPE, the tower's first block's features stacked into the language model's first
+    layers): language model as `_text`, tower hidden 32, 2 blocks."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    marks = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    mrope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    if kind == "qwen2_vl":
+        return Qwen2VLConfig(text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                             vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                             **marks)
+    if kind == "qwen2_5_vl":
+        return Qwen2_5_VLConfig(text_config=_text(tok, rope_parameters=mrope),
+                                vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                                                   out_hidden_size=64, patch_size=14, window_size=56,
+                                                   fullatt_block_indexes=[1]), **marks)
+    return Qwen3VLConfig(text_config=_text(tok, head_dim=16, rope_parameters={**mrope, "mrope_interleaved": True}),
+                         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                                            out_hidden_size=64, patch_size=14, num_position_embeddings=64,
+                                            deepstack_visual_indexes=[0]), **marks)
+
+
+def qwen_vl_dir(path, kind: str = "qwen2_vl") -> Path:
+    """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`kind`) folder as the hub ships one, written file by file (its
+    config, weights, tokenizer, `preprocessor_config.json` read by both its image and its video processor,
+    `processor_config.json`, the chat template): without torchvision its processor cannot be built (its video
+    processor needs it), so `AutoProcessor` fails on it as on the real Qwen2-VL-2B, and the toolkit builds it
+    without the video processor (`toolkit.model.vision.without_video`). 56x56 to 112x112 images: 2x2 to 4x4
+    merged 14 px patches, 4 to 16 tokens."""
     import json
 
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
     tok = _tokenizer(marks)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in marks}
-    config = Qwen2VLConfig(text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                           vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
-                                              patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    config = _qwen_vl_config(kind, tok, {t: tok.convert_tokens_to_ids(t) for t in marks})
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(path, safe_serialization=True)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
-    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14).save_pretrained(path)
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(kind, "Qwen3VLProcessor")
+    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    (Path(path) / "chat_template.jinja").write_text(vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    return Path(path)
+
+
+def lfm2_vl_without_torchvision(path) -> Path:
+    """An LFM2-VL folder's config, tokenizer and processor configs (no weights: its processor is refused before any
+    model loads): its image processor, `Lfm2VlImageProcessor`, has no PIL version, so without torchvision neither
+    transformers nor the toolkit can build it."""
+    import json
+
+    from transformers import Lfm2VlConfig
+
+    tok = _tokenizer(["<image>"])
+    Lfm2VlConfig().save_pretrained(path)
+    tok.save_pretrained(path)
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Lfm2VlImageProcessor"}))
+    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
     return Path(path)

@@ -171,6 +171,19 @@ class ImageRows(list):
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
 
+def _end_to_end(key: str, v, lengths: list[int], width: int):
+    """A per-token tensor of the processor's (B, T) as the padding-free row lays its examples: each one's tokens end
+    to end, zero to `width`. Only modality types (`mm_token_type_ids`, which M-RoPE positions read) are laid out:
+    a mask between tokens (`token_type_ids`' bidirectional images, `cross_attention_mask`) would need the kernel
+    to follow it (such models' batches are padded: `toolkit.model.vision.end_to_end_problem`)."""
+    import torch
+
+    if key != "mm_token_type_ids":
+        raise RuntimeError(f"the processor gives {key} per token, which padding-free rows do not lay out")
+    row = torch.cat([v[i, :n] for i, n in enumerate(lengths)])
+    return torch.nn.functional.pad(row, (0, width - row.numel())).unsqueeze(0)
+
+
 class MediaCollate:
     """A micro-batch of `ImageRows` right-padded, or (`padding_free`) its examples end to end in one row as
     `toolkit.data.packing.collate_padding_free` lays text (`whole`: with the documents' boundaries), with the
@@ -201,7 +214,8 @@ class MediaCollate:
             if k in ("input_ids", "attention_mask") or not torch.is_tensor(v):
                 continue
             if k in PER_TOKEN and self.padding_free:
-                raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
+                out[MEDIA + k] = _end_to_end(k, v, [len(x["input_ids"]) for x in sequences], width)
+                continue
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
         return out
 

@@ -152,6 +152,11 @@ def apply_kernels(model, shape: ModelShape) -> None:
         # an image-text model's language model alone: the vision tower's attention is bidirectional
         key = text_config_key(model)
         model.set_attn_implementation({key: name} if key else name)
+    if shape.images:
+        from toolkit.model.vision import lay_out_positions
+
+        # multi-axis positions (M-RoPE) of padding-free rows, per example
+        lay_out_positions(model)
     if shape.kernels == "liger":
         apply_liger(model)
 

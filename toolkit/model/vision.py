@@ -10,7 +10,10 @@ model and the projector. `projector` adds the projector to a LoRA run (as module
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -51,10 +54,11 @@ ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_id
              "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
 
 
-def end_to_end_problem(config) -> str | None:
+def end_to_end_problem(config, sampled: bool = False) -> str | None:
     """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
-    their tokens in order (LLaVA's, Idefics3's), so examples laid end to end take theirs unchanged, unless its forward
-    takes one of `ROW_BOUND`'s per-row inputs."""
+    their tokens in order (LLaVA's, Idefics3's, Qwen2-VL's), so examples laid end to end take theirs unchanged, unless
+    its forward takes one of `ROW_BOUND`'s per-row inputs. Multi-axis positions (M-RoPE) are laid out per example
+    (`packed_mrope`) for training rows; `sampled`: for GRPO's sampling and KTO's KL rows, which do not yet."""
     import inspect
 
     from transformers.models.auto.auto_factory import _get_model_class
@@ -62,8 +66,58 @@ def end_to_end_problem(config) -> str | None:
 
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
-    why = [reason for name, reason in ROW_BOUND.items() if name in taken]
+    laid_out = set() if sampled else {"image_grid_thw"}
+    why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
     return f"{cls.__name__}: {'; '.join(why)}" if why else None
+
+
+def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 mm_token_type_ids: torch.Tensor | None = None,
+                 image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    """(4, 1, T) positions of a padding-free row (1, T) of a model with multi-axis rotary positions (Qwen2-VL's
+    M-RoPE): the text positions, restarting per example, which transformers reads as the examples' bounds (Qwen2-VL's
+    text model: "packed `position_ids` ... [4, bs, seq-len]"), then each example's temporal, height and width
+    positions as its own padded row gets them: `rope_index` (the model's `get_rope_index`) on the examples stacked
+    as a right-padded batch, whose image grids it takes in the row's order."""
+    from toolkit.model.attention import document_ids
+
+    if position_ids.shape[0] != 1:
+        raise RuntimeError(f"multi-axis positions are laid out for one padding-free row; got {position_ids.shape[0]}")
+    text = position_ids.view(1, 1, -1)
+    if image_grid_thw is None or mm_token_type_ids is None:
+        return text.expand(4, 1, -1)
+    doc, col = document_ids(position_ids)[0].long(), position_ids[0].long()
+    # one sync: the examples' count and the longest
+    n, width = (int(v) for v in torch.stack([doc.max() + 1, col.max() + 1]).tolist())
+    ids = input_ids.new_zeros(n, width)
+    ids[doc, col] = input_ids[0]
+    types = mm_token_type_ids.new_zeros(n, width)
+    types[doc, col] = mm_token_type_ids[0]
+    mask = torch.zeros(n, width, dtype=torch.long, device=ids.device)
+    mask[doc, col] = 1
+    axes, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw, attention_mask=mask)
+    return torch.cat([text, axes[:, doc, col].unsqueeze(1).to(text.dtype)])
+
+
+def _mrope_hook(module, args, kwargs):
+    """`packed_mrope` for a padding-free row (position_ids, no 2-D mask) reaching the module that builds M-RoPE
+    positions; padded batches and generation (a mask given) are left to the model."""
+    pos = kwargs.get("position_ids")
+    if pos is None or pos.ndim != 2 or kwargs.get("attention_mask") is not None or kwargs.get("input_ids") is None:
+        return None
+    kwargs["position_ids"] = packed_mrope(module.get_rope_index, kwargs["input_ids"], pos,
+                                          kwargs.get("mm_token_type_ids"), kwargs.get("image_grid_thw"))
+    return args, kwargs
+
+
+def lay_out_positions(model: torch.nn.Module) -> bool:
+    """Give a model with multi-axis positions (a submodule with `get_rope_index`: Qwen2-VL, Qwen2.5-VL, ...) the
+    positions of padding-free rows (`packed_mrope`, as a forward pre-hook); False where it has none."""
+    found = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+    if found is not None and not getattr(found, "_packed_mrope", False):
+        found.register_forward_pre_hook(_mrope_hook, with_kwargs=True)
+        found._packed_mrope = True
+    return found is not None
 
 
 def text_config_key(model) -> str:
@@ -77,20 +131,73 @@ def text_config_key(model) -> str:
 
 def load_processor(path: str, trust_remote_code: bool = False):
     """The model's processor (tokenizer + image processor + chat template). transformers falls back to the PIL image
-    processor where torchvision is missing; a processor that has no such fallback is one line naming the package."""
+    processor where torchvision is missing; a processor whose video processor needs it (Qwen2-VL's, Qwen2.5-VL's,
+    Qwen3-VL's) is built without one (`without_video`: image training never calls it); a processor that has no such
+    fallback is one line naming the package."""
     from transformers import AutoProcessor
 
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ImportError as e:
-        package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()), None)
-        needs = f"{package} (`pip install {package}`, the build that matches your torch)" if package else \
-            "a package that is not installed"
-        raise UserError(f"--model {path}: its processor needs {needs}: {' '.join(str(e).split())[:160]}") from None
+        fallback = "VideoProcessor" in str(e) and without_video(path, trust_remote_code)
+        if fallback:
+            try:
+                return fallback.from_pretrained(path, trust_remote_code=trust_remote_code)
+            except (ImportError, ValueError) as again:
+                e = again
+        raise _missing_package(path, e) from None
     except (OSError, ValueError) as e:
+        # transformers' words where no backend of an image processor can be imported
+        if "Missing optional dependencies" in str(e):
+            raise _missing_package(path, e) from None
         raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
                         "files (preprocessor_config.json, the tokenizer)") from None
+
+
+def _missing_package(path: str, e: Exception) -> UserError:
+    """The one line for a processor that needs a package that is not installed, naming it where the error does."""
+    package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()), None)
+    needs = f"{package} (`pip install {package}`, the build that matches your torch)" if package else \
+        "a package that is not installed"
+    return UserError(f"--model {path}: its processor needs {needs}: {' '.join(str(e).split())[:160]}")
+
+
+def without_video(path: str, trust_remote_code: bool = False):
+    """The processor class of the model at `path` with its video processor left out (None where its parts are not
+    an image processor, a tokenizer and a video processor): transformers builds a processor's parts from its
+    `__init__`'s signature, so a subclass whose signature omits `video_processor` loads and saves (as the class it
+    derives from) the image processor and the tokenizer alone."""
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    # as AutoProcessor finds it: the class a processor file names (an adapter folder has no config.json), else the
+    # model type's
+    named = [json.loads((Path(path) / f).read_text()).get("processor_class")
+             for f in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+             if (Path(path) / f).is_file()]
+    name = next((n for n in named if n), None) or PROCESSOR_MAPPING_NAMES.get(
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type)
+    cls = processor_class_from_name(name) if name else None
+    if cls is None or cls.get_attributes() != ["image_processor", "tokenizer", "video_processor"]:
+        return None
+
+    # named parameters: transformers passes a processor file's entries (chat_template) to those the code names
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                     chat_template=chat_template, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # the source's processor configs beside what it saves: the video processor's (preprocessor_config.json, or
+        # its own file) is what loads the folder where torchvision is installed
+        saved = cls.save_pretrained(self, save_directory, *args, **kwargs)
+        for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+            if (Path(path) / name).is_file() and not (Path(save_directory) / name).exists():
+                shutil.copyfile(Path(path) / name, Path(save_directory) / name)
+        return saved
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "save_pretrained": save_pretrained,
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:

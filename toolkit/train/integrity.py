@@ -307,10 +307,11 @@ def reload_loss(folder: str, base: str, batch: list[dict] | str, pad_id: int, lo
         model = cls.from_pretrained(folder, **kwargs)
     model.eval()
     if images:
-        from transformers import AutoProcessor
+        from toolkit.model.vision import load_processor
 
-        # the folder's own processor: final/ reloads as a user loads it
-        collated = MediaCollate(AutoProcessor.from_pretrained(folder), pad_id)(rows)
+        # the folder's own processor: final/ reloads as a user loads it (AutoProcessor; without torchvision, a
+        # processor whose video processor needs it is built without one)
+        collated = MediaCollate(load_processor(folder), pad_id)(rows)
     else:
         collated = collate(rows, pad_id)
     # 4-bit loads on the GPU
