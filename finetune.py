@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None):
                                cfg.model.chat_template)
     added_template = ensure_chat_template(tokenizer)
     # an image-text model's, where the run reads images: their inputs in every batch, saved in final/
-    processor = processor_for(model_path, tokenizer, cfg.model.trust_remote_code, cfg.model.chat_template) \
+    pixels = (cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    processor = processor_for(model_path, tokenizer, cfg.model.trust_remote_code, cfg.model.chat_template, pixels) \
         if cfg.data.images == "on" else None
     # tokenized once into the cache; bad data fails before the model
     data = prepare_data(cfg.data_settings, tokenizer, processor=processor)

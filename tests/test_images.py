@@ -315,14 +315,43 @@ def test_lora_targets_named_by_the_user_stay_on_the_language_model(llava, images
     assert adapted and all(".language_model." in n and n.endswith(("q_proj", "v_proj")) for n in adapted)
 
 
-def test_examples_without_an_image_are_one_line_on_several_ranks(llava, images, monkeypatch):
-    """A micro-batch without an image would skip the vision tower that the other ranks run (a ZeRO-3 or FSDP hang,
-    DDP's unused projector): on 2 ranks the text-only example is refused before the model loads."""
+def test_an_image_free_micro_batch_runs_a_blank_image_on_several_ranks(llava, images, monkeypatch):
+    """On several ranks a micro-batch without an image would skip the vision tower the other ranks run (a ZeRO-3 or
+    FSDP hang, DDP's unused projector). Padding-free, it runs one blank image as a document of its own without
+    labels: the loss and every gradient equal the batch's alone (the tower's and projector's now exist, zero), and
+    the examples and tokens counted do not include it. Padded batches (--no-padding-free), and GRPO's prompts, are
+    refused in one line before the model loads."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.data.image_rows import MediaCollate
+    from toolkit.data.packing import count_examples
     from toolkit.errors import UserError
+    from toolkit.model.attention import register
+
+    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--seq-len", "128"])
+    plain = [r for r in data.train if not r["images"]]
+    pad = processor.tokenizer.pad_token_id
+    alone = MediaCollate(processor, pad, padding_free=True, whole=True, ranks=1)(plain)
+    ranked = MediaCollate(processor, pad, padding_free=True, whole=True, ranks=2)(plain)
+    assert "media:pixel_values" not in alone and ranked["media:pixel_values"].shape[0] == 1
+    assert ranked["input_ids"].shape[1] > alone["input_ids"].shape[1]
+    assert count_examples(ranked) == count_examples(alone) == 1
+    assert ranked["attention_mask"].sum() == alone["attention_mask"].sum()
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32)
+    model.set_attn_implementation({"text_config": register("varlen")})
+    want, want_grads = loss_and_grads(model, alone)
+    got, got_grads = loss_and_grads(model, ranked)
+    assert got == want
+    extra = got_grads.keys() - want_grads.keys()
+    assert any(".vision_tower." in n for n in extra) and any("multi_modal_projector" in n for n in extra)
+    assert all(not got_grads[n].any() for n in extra)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0, msg=name)
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks"):
-        prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
+    prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
+    with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks a padded micro-batch"):
+        prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--no-padding-free"])
     # GRPO's prompts alike
     rows = [json.loads(line) for line in (images / "prompts.jsonl").read_text().splitlines()]
     rows.append({"prompt": "What color?", "answer": "red"})
@@ -381,12 +410,16 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
             f"{images / 'reward.py'}:initial", "--num-generations", "4", "--max-completion-length", "8", "--max-steps",
             "4", "--steps-per-generation", "2", "--num-iterations", "2", "--lr", "1e-2"]
     lora_beta, full_b0 = ["--beta", "0.05"], ["--method", "full", "--loss-type", "grpo"]
+    # a text-only example among the image ones: an epoch of 13 steps of 2
+    mixed = ["--dataset", str(images / "mixed.jsonl"), "--max-steps", "13"]
     kto = ["--dataset", str(images / "unpaired.jsonl"), "--objective", "kto", "--lr", "1e-2"]
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
            "padded": ["--micro-batch-size", "4", "--no-padding-free"],
            "qwen2_vl_padded": ["--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "4", "--no-padding-free"],
+           **{name: [*mixed, *flags, "--micro-batch-size", "2"] for name, flags in (
+               ("mixed_full", ["--method", "full"]), ("mixed_projector", ["--train-vision", "projector"]))},
            **{f"{kind}_{method}": ["--model", str(zoo[kind]), "--method", method, "--micro-batch-size", "4"]
               for kind in ZOO for method in ("lora", "full")},
            **{name: [*pairs, *flags, "--micro-batch-size", "4"] for name, flags in (
@@ -407,6 +440,10 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            # tensor parallel: dp 1, so the one process's micro-batch
            "tp": ["--tp", "2", "--micro-batch-size", "4"],
            "gemma3_tp": ["--model", str(zoo["gemma3"]), "--tp", "2", "--micro-batch-size", "4"],
+           # one example a rank: the text-only one alone on its rank once an epoch (a blank image runs there)
+           **{name: [*mixed, *flags, "--micro-batch-size", "1"] for name, flags in (
+               ("mixed_zero3", ["--method", "full", "--zero-stage", "3"]),
+               ("mixed_ddp", ["--train-vision", "projector"]))},
            # M-RoPE positions laid out per example on each rank's padding-free row
            "qwen2_vl_fsdp": ["--model", str(zoo["qwen2_vl"]), "--method", "full", "--fsdp", "--micro-batch-size", "2"],
            **{name: [*pairs, *flags, "--micro-batch-size", "2"] for name, flags in (
@@ -457,6 +494,15 @@ def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
     if layout.endswith("tp"):
         assert "layout: device mesh tp 2" in runs[f"{layout}.stdout"].read_text()
         assert json.loads((runs[layout] / "integrity.json").read_text())["ok"]
+
+
+@pytest.mark.parametrize("layout, reference", [("mixed_zero3", "mixed_full"), ("mixed_ddp", "mixed_projector")])
+def test_a_text_only_example_trains_among_image_ones_on_several_ranks(runs, layout, reference):
+    """mixed.jsonl's text-only example alone on its rank once in the epoch: that rank runs a blank image through the
+    vision tower (ZeRO-3 gathers its weights with the other rank's; DDP's projector, trained, is used), and every
+    step's loss is one process's within 1e-5."""
+    want, got = losses(runs[reference]), losses(runs[layout])
+    assert len(got) == len(want) == 13 and got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("padded, free", [("padded", "lora"), ("dpo_padded", "dpo_full"),

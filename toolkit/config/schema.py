@@ -91,6 +91,11 @@ class DataConfig:
     images: str = _f("auto", "train on the data's images (an image-text model, toolkit/data/images.py), or off: on the "
                              "text alone; auto: on where the model is image-text and the data has images, or where "
                              "the model loads only as an image-text model", ("auto", "on", "off"))
+    image_min_pixels: int = _f(0, "image-text models: the image processor's min_pixels, each image scaled up to at "
+                                  "least this many pixels (Qwen2-VL-like processors; 0: the processor's own)")
+    image_max_pixels: int = _f(0, "image-text models: the image processor's max_pixels, each image scaled down to at "
+                                  "most this many pixels, so to at most about this / 784 image tokens on Qwen2-VL "
+                                  "(0: the processor's own); a processor without it is one line")
     packing: bool = _f(False, "pack several examples into each --seq-len row (attention and positions "
                               "stay per example); --micro-batch-size then counts packed rows")
     padding_free: Optional[bool] = _f(None, "lay each micro-batch's examples (a pair's chosen and rejected) end to "

@@ -192,14 +192,26 @@ class MediaCollate:
     in the row in the order the padded batch places them (`toolkit.model.vision.end_to_end_problem`: models that need
     more are padded)."""
 
-    def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False):
+    def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False,
+                 ranks: int | None = None):
         self.processor, self.pad_id, self.padding_free, self.whole = processor, pad_id, padding_free, whole
+        # several ranks (`ranks`, default WORLD_SIZE): a padding-free micro-batch without an image runs one anyway
+        self.idle = (int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks) > 1 and padding_free
+        self._blank: dict | None = None
 
     def __call__(self, batch: list[dict]) -> dict:
         import torch
 
         sequences = pair_sequences(batch) if "rejected_input_ids" in batch[0] else batch
+        blank = self.idle and sequences is batch and "kl_input_ids" not in batch[0] and \
+            not any(x["images"] for x in batch)
+        if blank:
+            batch = sequences = [*batch, self.blank()]
         out = self._rows(batch)
+        if blank:
+            # the blank example is no example: out of the examples and tokens counted (the model gets no mask)
+            start = sum(len(x["input_ids"]) for x in batch[:-1])
+            out["attention_mask"][0, start:start + len(batch[-1]["input_ids"])] = 0
         images = [[open_image(r) for r in x["images"]] for x in sequences]
         if not any(images):
             return out
@@ -218,6 +230,25 @@ class MediaCollate:
                 continue
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
         return out
+
+    def blank(self) -> dict:
+        """An example of one blank 28 px image and nothing to learn, added to a padding-free micro-batch without an
+        image on several ranks, so the vision tower runs there as on the other ranks (ZeRO-3 and FSDP gather its
+        weights in step with them; DDP finds the projector used): its own document, so no example attends to it,
+        and no labels, so its gradient is zero."""
+        if self._blank is None:
+            from PIL import Image
+
+            from toolkit.data.images import image_value, template_messages
+            from toolkit.data.tokenize import IGNORE_INDEX
+
+            ref = image_value(Image.new("RGB", (28, 28)), "")
+            text = self.processor.apply_chat_template(
+                template_messages([{"role": "user", "content": [{"type": "image", "image": ref}]}]), tokenize=False)
+            ids = self.processor(text=[text], images=[[open_image(ref)]], add_special_tokens=False)["input_ids"][0]
+            ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+            self._blank = {"input_ids": ids, "labels": [IGNORE_INDEX] * len(ids), "text": text, "images": [ref]}
+        return self._blank
 
     def _rows(self, batch: list[dict]) -> dict:
         """The tokens: padded rows, or one row end to end; a preference pair's two sequences each (chosen, then
@@ -295,19 +326,24 @@ def prepare_images(settings, processor) -> tuple:
     elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
-    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset, "examples")
+    if d.padding_free is False:
+        # padding-free micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones cannot
+        every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset, "examples",
+                    "padded ")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 
-def every_image(images: list[list[str]], dataset: str, unit: str) -> None:
-    """One line where examples without an image (`images`: each one's references) would train on several ranks."""
+def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "") -> None:
+    """One line where examples without an image (`images`: each one's references) would train on several ranks
+    in micro-batches that cannot run a blank image in their place (`padded`: "padded " where that is why)."""
     plain = sum(not refs for refs in images)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if plain and ranks > 1:
+        instead = "let SFT batches go padding-free" if padded else "give each one an image"
         raise UserError(f"--dataset {dataset}: {plain} of {len(images)} {unit} have no image; on "
-                        f"{ranks} ranks a micro-batch without one skips the vision tower the other ranks run "
-                        "(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): give each example an image, "
-                        "or train on one process")
+                        f"{ranks} ranks a {padded}micro-batch without one skips the vision tower the other ranks run "
+                        f"(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): {instead}, or train on one "
+                        "process")
 
 
 def _prepare_pairs(settings, processor) -> tuple:

@@ -121,6 +121,11 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
             if cfg.data.padding_free is False else None
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else ""), why)
             + ", with the processor's image inputs")
+        if not padding_free:
+            from toolkit.data.image_rows import every_image
+
+            # padded by the attention picked (--padding-free unset): no blank image takes an image-free batch's place
+            every_image([r["images"] for r in list.__iter__(train_rows)], cfg.data.dataset, unit, "padded ")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
                           sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
                           collate_fn=MediaCollate(processor, tokenizer.pad_token_id, padding_free, whole),

@@ -129,23 +129,24 @@ def text_config_key(model) -> str:
     return next((key for key in getattr(config, "sub_configs", {}) if getattr(config, key, None) is text), "")
 
 
-def load_processor(path: str, trust_remote_code: bool = False):
+def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
     """The model's processor (tokenizer + image processor + chat template). transformers falls back to the PIL image
     processor where torchvision is missing; a processor whose video processor needs it (Qwen2-VL's, Qwen2.5-VL's,
     Qwen3-VL's) is built without one (`without_video`: image training never calls it); a processor that has no such
-    fallback is one line naming the package."""
+    fallback is one line naming the package. `bounds`: the image processor's pixel bounds (`min_pixels`,
+    `max_pixels`, --image-min/max-pixels), as `AutoProcessor.from_pretrained` takes them, where it declares them."""
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, **bounds)
     except ImportError as e:
         fallback = "VideoProcessor" in str(e) and without_video(path, trust_remote_code)
-        if fallback:
-            try:
-                return fallback.from_pretrained(path, trust_remote_code=trust_remote_code)
-            except (ImportError, ValueError) as again:
-                e = again
-        raise _missing_package(path, e) from None
+        if not fallback:
+            raise _missing_package(path, e) from None
+        try:
+            processor = fallback.from_pretrained(path, trust_remote_code=trust_remote_code, **bounds)
+        except (ImportError, ValueError) as again:
+            raise _missing_package(path, again) from None
     except (OSError, ValueError) as e:
         # transformers' words where no backend of an image processor can be imported
         if "Missing optional dependencies" in str(e):
@@ -153,6 +154,14 @@ def load_processor(path: str, trust_remote_code: bool = False):
         raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
                         "files (preprocessor_config.json, the tokenizer)") from None
+    image = getattr(processor, "image_processor", None)
+    declared = {k for c in getattr(getattr(image, "valid_kwargs", None), "__mro__", ())
+                for k in getattr(c, "__annotations__", {})}
+    for name in (k for k, v in bounds.items() if v and k not in declared):
+        raise UserError(f"--image-{name.replace('_', '-')}: {type(image).__name__} takes no {name} (it resizes "
+                        f"by its own settings, size {dict(getattr(image, 'size', None) or {})}); leave the flag "
+                        f"out, or change those in {path}/preprocessor_config.json")
+    return processor
 
 
 def _missing_package(path: str, e: Exception) -> UserError:
@@ -273,10 +282,13 @@ def lora_extras(model: torch.nn.Module, train_vision: str) -> list[str] | None:
     return [found[n] for n in names if n in found] or None
 
 
-def processor_for(path: str, tokenizer, trust_remote_code: bool = False, chat_template: str = ""):
+def processor_for(path: str, tokenizer, trust_remote_code: bool = False, chat_template: str = "",
+                  pixels: tuple[int, int] = (0, 0)):
     """The processor of the image-text model at `path` with the run's `tokenizer` in it (its pad token), rendering with
-    --chat-template where given (the tokenizer carries it), else its own template."""
-    processor = load_processor(path, trust_remote_code)
+    --chat-template where given (the tokenizer carries it), else its own template; `pixels`: --image-min-pixels and
+    --image-max-pixels (0: the processor's own), kept in the processor final/ saves."""
+    bounds = {k: v for k, v in zip(("min_pixels", "max_pixels"), pixels) if v}
+    processor = load_processor(path, trust_remote_code, **bounds)
     processor.tokenizer = tokenizer
     if chat_template or not getattr(processor, "chat_template", None):
         processor.chat_template = tokenizer.chat_template
