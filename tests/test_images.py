@@ -104,7 +104,9 @@ def prepared(argv: list[str]):
     cfg = settle(argv)
     cfg = resolve_images(cfg, cfg.model.model)
     tokenizer = load_tokenizer(cfg.model.model)
-    processor = processor_for(cfg.model.model, tokenizer) if cfg.data.images == "on" else None
+    processor = processor_for(cfg.model.model, tokenizer, pixels=(cfg.data.image_min_pixels,
+                                                                  cfg.data.image_max_pixels)) \
+        if cfg.data.images == "on" else None
     return processor, prepare_data(cfg.data_settings, tokenizer, processor=processor)
 
 
@@ -256,6 +258,38 @@ def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zo
     want = whole_row_logps(model, MediaCollate(processor, pad)(two))
     got = whole_row_logps(model, {**MediaCollate(processor, pad, padding_free=True, whole=True)(two), "documents": 4})
     assert got.tolist() == pytest.approx(want.tolist(), rel=1e-5)
+
+
+def test_image_pixel_bounds_reach_the_processor_and_final(zoo, images, tmp_path):
+    """--image-min-pixels / --image-max-pixels are the processor's own min_pixels / max_pixels (Qwen2-VL's, as
+    `AutoProcessor.from_pretrained` takes them): each example's image tokens are those of Qwen2-VL's image processor
+    built with the bounds (its merged 28x28 patches), 1 to 2 an image of chat.jsonl under 784 to 1568 pixels and
+    16 or more over 112x112, where the folder's own bounds give 4 to 8; final/'s processor keeps them. (A processor
+    that declares no such bound is one line: `test_bad_image_input_is_one_line_before_the_model_loads`.)"""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from toolkit.data.images import open_image
+    from toolkit.model.vision import load_processor
+
+    def tokens(low: int, high: int) -> tuple[list[int], list[int], object]:
+        flags = [f for name, v in (("--image-min-pixels", low), ("--image-max-pixels", high)) if v
+                 for f in (name, str(v))]
+        processor, data = prepared(["--model", str(zoo["qwen2_vl"]), "--dataset", str(images / "chat.jsonl"),
+                                    "--seq-len", "256", *flags])
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        alone = Qwen2VLImageProcessorPil(min_pixels=low or 56 * 56, max_pixels=high or 112 * 112, patch_size=14)
+        want = [sum(int(g.prod()) // 4 for g in alone([open_image(i) for i in r["images"]])["image_grid_thw"])
+                for r in data.train]
+        return [r["input_ids"].count(pad) for r in data.train], want, processor
+
+    own, want, _ = tokens(0, 0)
+    assert own == want and min(own) == 4 and max(own) == 12
+    small, want, processor = tokens(784, 1568)
+    assert small == want and all(s < o for s, o in zip(small, own))
+    large, want, _ = tokens(112 * 112, 0)
+    assert large == want and min(large) >= 16 and all(lg > o for lg, o in zip(large, own))
+    processor.save_pretrained(tmp_path / "final")
+    assert load_processor(str(tmp_path / "final")).image_processor.size["longest_edge"] == 1568
 
 
 def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
@@ -802,6 +836,9 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
                  "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
                 "--objective grpo: Qwen2VLForConditionalGeneration: its positions are multi-axis (M-RoPE, "
                 "image_grid_thw), which GRPO's sampling does not lay out yet")
+    elif case == "pixels_on_a_fixed_size_processor":
+        return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--image-max-pixels", "1000"],
+                "--image-max-pixels: CLIPImageProcessorPil takes no max_pixels (it resizes by its own settings")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -813,7 +850,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
                                   "processor_needs_torchvision", "planner", "grpo_on_gemma3",
-                                  "kto_on_gemma3", "grpo_on_qwen2_vl"])
+                                  "kto_on_gemma3", "grpo_on_qwen2_vl", "pixels_on_a_fixed_size_processor"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

@@ -287,6 +287,9 @@ def processor_for(path: str, tokenizer, trust_remote_code: bool = False, chat_te
     """The processor of the image-text model at `path` with the run's `tokenizer` in it (its pad token), rendering with
     --chat-template where given (the tokenizer carries it), else its own template; `pixels`: --image-min-pixels and
     --image-max-pixels (0: the processor's own), kept in the processor final/ saves."""
+    if any(v < 0 for v in pixels) or 0 < pixels[1] < pixels[0]:
+        raise UserError(f"--image-min-pixels {pixels[0]} / --image-max-pixels {pixels[1]}: give pixel counts, the "
+                        "minimum at most the maximum (0: the processor's own)")
     bounds = {k: v for k, v in zip(("min_pixels", "max_pixels"), pixels) if v}
     processor = load_processor(path, trust_remote_code, **bounds)
     processor.tokenizer = tokenizer
