@@ -466,7 +466,8 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "kto_lora": [*kto, "--micro-batch-size", "4"],
            "kto_full": [*kto, "--method", "full", "--micro-batch-size", "4"],
            "grpo_lora": [*grpo, *lora_beta, "--micro-batch-size", "8"],
-           "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"]}
+           "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"],
+           "qwen2_vl_grpo": [*grpo, *lora_beta, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "8"]}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
@@ -490,7 +491,9 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            # GRPO: the same 8 completions a step (2 ranks x 2 x 2; under --tp both ranks sample the 8)
            "grpo_ddp": [*grpo, *lora_beta, "--micro-batch-size", "2", "--grad-accum", "2"],
            "grpo_zero3": [*grpo, *full_b0, "--micro-batch-size", "2", "--grad-accum", "2", "--zero-stage", "3"],
-           "grpo_tp": [*grpo, *lora_beta, "--micro-batch-size", "8", "--tp", "2"]}
+           "grpo_tp": [*grpo, *lora_beta, "--micro-batch-size", "8", "--tp", "2"],
+           "qwen2_vl_grpo_ddp": [*grpo, *lora_beta, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "2",
+                                 "--grad-accum", "2"]}
     terms = {"term": "resumed", "dpo_term": "dpo_resumed"}
     for n, group in ((1, one), (2, two)):
         root = tmp_path_factory.mktemp(f"vision{n}")
@@ -576,11 +579,11 @@ def sampled(out: Path) -> list[tuple]:
 
 
 @pytest.mark.parametrize("layout, reference", [("grpo_ddp", "grpo_lora"), ("grpo_zero3", "grpo_full"),
-                                               ("grpo_tp", "grpo_lora")])
+                                               ("grpo_tp", "grpo_lora"), ("qwen2_vl_grpo_ddp", "qwen2_vl_grpo")])
 def test_grpo_on_image_prompts_samples_and_trains_as_one_process(runs, layout, reference):
     """GRPO on image prompts (the images in each prompt's forward when sampling and training, the reference's too:
-    LoRA's base, adapters off, beta 0.05): each layout's completions equal one process's as text, every step's, and
-    its losses, rewards and KL within 1e-5 (fp32)."""
+    LoRA's base, adapters off, beta 0.05; Qwen2-VL's multi-axis positions in each): each layout's completions equal
+    one process's as text, every step's, and its losses, rewards and KL within 1e-5 (fp32)."""
     from distributed import assert_metric_close
 
     assert sampled(runs[layout]) == sampled(runs[reference])
@@ -593,24 +596,31 @@ def test_grpo_on_image_prompts_samples_and_trains_as_one_process(runs, layout, r
         assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
 
 
-def test_image_prompts_sample_as_transformers_generate_does(llava, images):
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, kind):
     """The sampler's prompt forward reads the images: greedy completions (top-k 1) of image prompts, one of them with
     two images, left-padded together, equal transformers' `generate` on each prompt alone from the processor's own
-    inputs; another picture gives other completions."""
+    inputs (Qwen2-VL: its multi-axis positions from the given text positions, each decode step's continued from the
+    prompt's); another picture gives other completions. The training forward's completion log-probabilities equal
+    those of transformers' forward on each row alone, which computes its positions itself."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.images import open_image
+    from toolkit.model.vision import lay_out_positions
+    from toolkit.objectives.grpo.loss import completion_logps
     from toolkit.objectives.grpo.rollout import eos_ids
     from toolkit.objectives.grpo.sampling import SamplingConfig, sample
 
-    processor, data = prepared(["--model", str(llava), "--dataset", str(images / "prompts.jsonl"),
+    path = llava if kind == "llava" else zoo[kind]
+    processor, data = prepared(["--model", str(path), "--dataset", str(images / "prompts.jsonl"),
                                 "--objective", "grpo", "--reward", f"{images / 'reward.py'}:initial",
                                 "--num-generations", "4", "--micro-batch-size", "4"])
     prompts = data.train
     rows = [0, 3, 1]
     assert len(prompts.images[3]) == 2 and len(prompts.prompt_ids[3]) > len(prompts.prompt_ids[0])
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    assert lay_out_positions(model) == (kind == "qwen2_vl")
     tok, ends = processor.tokenizer, eos_ids(processor.tokenizer, model)
     # the image token is never sampled (it would ask the training forward for another image), as transformers'
     # suppress_tokens does
@@ -627,6 +637,28 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, images):
     other = prompts.media([1])
     swapped = sample(model, [prompts.prompt_ids[0]], [0], cfg, ends, tok.pad_token_id, media=other).token_lists()
     assert swapped[0] != ours[0]
+    # the training forward: left-padded prompts, right-padded completions, text positions given
+    width, plen = max(map(len, ours)), max(len(prompts.prompt_ids[r]) for r in rows)
+    ids = torch.full((3, plen + width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, (r, got) in enumerate(zip(rows, ours)):
+        row = prompts.prompt_ids[r] + got
+        ids[i, plen - len(prompts.prompt_ids[r]):plen + len(got)] = torch.tensor(row)
+        mask[i, plen - len(prompts.prompt_ids[r]):plen + len(got)] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "positions": (mask.cumsum(1) - 1).clamp(min=0),
+             "completion_ids": ids[:, plen:], **{"media:" + k: v for k, v in prompts.media(rows).items()}}
+    with torch.no_grad():
+        logps, _ = completion_logps(model, batch, 1.0)
+        for i, (r, got) in enumerate(zip(rows, ours)):
+            enc = processor(text=[prompts.texts[r]], images=[[open_image(x) for x in prompts.images[r]]],
+                            add_special_tokens=False, return_tensors="pt")
+            alone = torch.cat([enc["input_ids"], torch.tensor([got])], 1)
+            extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+            if "mm_token_type_ids" in extra:
+                extra["mm_token_type_ids"] = torch.nn.functional.pad(extra["mm_token_type_ids"], (0, len(got)))
+            logits = model(input_ids=alone, **extra).logits[0, enc["input_ids"].shape[1] - 1:-1]
+            want = logits.log_softmax(-1).gather(1, torch.tensor(got)[:, None])[:, 0]
+            torch.testing.assert_close(logps[i, :len(got)], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout, reference", [("kto_ddp", "kto_lora"), ("kto_fsdp", "kto_full")])
@@ -830,12 +862,11 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         return (["--model", str(gemma3), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
                  "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
                 "--objective grpo: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids)")
-    elif case == "grpo_on_qwen2_vl":
+    elif case == "kto_on_qwen2_vl":
         qwen2_vl = build_vlm_dir(tmp_path / "qwen2-vl", "qwen2_vl")
-        return (["--model", str(qwen2_vl), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
-                 "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
-                "--objective grpo: Qwen2VLForConditionalGeneration: its positions are multi-axis (M-RoPE, "
-                "image_grid_thw), which GRPO's sampling does not lay out yet")
+        return (["--model", str(qwen2_vl), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
+                "--objective kto: Qwen2VLForConditionalGeneration: its positions are multi-axis (M-RoPE, "
+                "image_grid_thw), which KTO's KL sequences do not lay out yet")
     elif case == "pixels_on_a_fixed_size_processor":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--image-max-pixels", "1000"],
                 "--image-max-pixels: CLIPImageProcessorPil takes no max_pixels (it resizes by its own settings")
@@ -850,7 +881,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
                                   "processor_needs_torchvision", "planner", "grpo_on_gemma3",
-                                  "kto_on_gemma3", "grpo_on_qwen2_vl", "pixels_on_a_fixed_size_processor"])
+                                  "kto_on_gemma3", "kto_on_qwen2_vl", "pixels_on_a_fixed_size_processor"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

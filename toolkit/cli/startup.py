@@ -134,14 +134,13 @@ def resolve_images(cfg, model_path: str):
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
     on = pictured or only_image_text(config)
-    sampled = on and image_text(config) and cfg.train.objective in ("grpo", "kto") and \
-        end_to_end_problem(config, sampled=True)
-    if sampled:
+    why = on and image_text(config) and end_to_end_problem(config, kl_rows=cfg.train.objective == "kto")
+    if why and cfg.train.objective in ("grpo", "kto"):
         # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again
         what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"
-        raise UserError(f"--objective {cfg.train.objective}: {sampled}, which {what} not lay out yet; it reads "
-                        "images on models that place them at their tokens alone (LLaVA, Idefics3/SmolVLM)")
-    why = on and image_text(config) and end_to_end_problem(config)
+        raise UserError(f"--objective {cfg.train.objective}: {why}, which {what} not lay out yet; it reads "
+                        "images on models that place them at their tokens in order (LLaVA, Idefics3/SmolVLM, the "
+                        "Qwen-VL family)")
     if why and cfg.data.padding_free:
         raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "
                         "it out (this model's image batches are padded)")

@@ -112,7 +112,10 @@ class PromptRows:
         enc = self.processor(text=[self.texts[i] for i in rows],
                              images=[[open_image(r) for r in self.images[i]] for i in rows],
                              add_special_tokens=False, padding=True, return_tensors="pt")
-        return {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)}
+        # per-token types would be the processor's padding, not the rows': multi-axis positions read the ids
+        # (`toolkit.model.vision.padded_mrope`)
+        return {k: v for k, v in enc.items()
+                if k not in ("input_ids", "attention_mask", "mm_token_type_ids") and torch.is_tensor(v)}
 
 
 def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, processor=None) -> PromptRows:

@@ -54,11 +54,11 @@ ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_id
              "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
 
 
-def end_to_end_problem(config, sampled: bool = False) -> str | None:
+def end_to_end_problem(config, kl_rows: bool = False) -> str | None:
     """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
     their tokens in order (LLaVA's, Idefics3's, Qwen2-VL's), so examples laid end to end take theirs unchanged, unless
     its forward takes one of `ROW_BOUND`'s per-row inputs. Multi-axis positions (M-RoPE) are laid out per example
-    (`packed_mrope`) for training rows; `sampled`: for GRPO's sampling and KTO's KL rows, which do not yet."""
+    (`packed_mrope`, `padded_mrope`); `kl_rows`: for KTO's KL rows, which do not lay them out yet."""
     import inspect
 
     from transformers.models.auto.auto_factory import _get_model_class
@@ -66,7 +66,7 @@ def end_to_end_problem(config, sampled: bool = False) -> str | None:
 
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
-    laid_out = set() if sampled else {"image_grid_thw"}
+    laid_out = set() if kl_rows else {"image_grid_thw"}
     why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
     return f"{cls.__name__}: {'; '.join(why)}" if why else None
 
@@ -84,8 +84,10 @@ def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor
     if position_ids.shape[0] != 1:
         raise RuntimeError(f"multi-axis positions are laid out for one padding-free row; got {position_ids.shape[0]}")
     text = position_ids.view(1, 1, -1)
-    if image_grid_thw is None or mm_token_type_ids is None:
+    if image_grid_thw is None:
         return text.expand(4, 1, -1)
+    if mm_token_type_ids is None:
+        mm_token_type_ids = (input_ids == rope_index.__self__.config.image_token_id).to(torch.int32)
     doc, col = document_ids(position_ids)[0].long(), position_ids[0].long()
     # one sync: the examples' count and the longest
     n, width = (int(v) for v in torch.stack([doc.max() + 1, col.max() + 1]).tolist())
@@ -99,14 +101,39 @@ def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor
     return torch.cat([text, axes[:, doc, col].unsqueeze(1).to(text.dtype)])
 
 
+def padded_mrope(module, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 image_grid_thw: torch.Tensor | None, cache=None) -> torch.Tensor:
+    """(3, B, L) positions of padded rows given with their own (B, L) text positions (GRPO's left-padded prompts,
+    their completions, each decode step's token): the model's `get_rope_index` on the rows (their image tokens read
+    from the ids: `config.image_token_id`), as transformers computes them when it is given none. A decode step
+    (`cache` holding tokens) continues each row from its prompt's last position: its text position plus the row's
+    offset (`rope_deltas`), kept from the prompt's forward."""
+    if cache is not None and cache.get_seq_length() > 0:
+        deltas = getattr(module, "_mrope_deltas", None)
+        shifted = position_ids + (deltas.to(position_ids.device) if deltas is not None else 0)
+        return shifted.unsqueeze(0).expand(3, -1, -1)
+    if image_grid_thw is None:
+        module._mrope_deltas = None
+        return position_ids.unsqueeze(0).expand(3, -1, -1)
+    image = module.config.image_token_id
+    types = (input_ids == image).to(torch.int32)
+    axes, module._mrope_deltas = module.get_rope_index(input_ids, mm_token_type_ids=types,
+                                                       image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+    return axes.to(position_ids.dtype)
+
+
 def _mrope_hook(module, args, kwargs):
-    """`packed_mrope` for a padding-free row (position_ids, no 2-D mask) reaching the module that builds M-RoPE
-    positions; padded batches and generation (a mask given) are left to the model."""
-    pos = kwargs.get("position_ids")
-    if pos is None or pos.ndim != 2 or kwargs.get("attention_mask") is not None or kwargs.get("input_ids") is None:
+    """Multi-axis positions for rows the model is handed text positions of (B, L): a padding-free row (no 2-D mask:
+    `packed_mrope`) or padded rows (`padded_mrope`); where none are given the model computes its own."""
+    pos, ids, mask = kwargs.get("position_ids"), kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if pos is None or pos.ndim != 2 or ids is None:
         return None
-    kwargs["position_ids"] = packed_mrope(module.get_rope_index, kwargs["input_ids"], pos,
-                                          kwargs.get("mm_token_type_ids"), kwargs.get("image_grid_thw"))
+    if mask is None:
+        kwargs["position_ids"] = packed_mrope(module.get_rope_index, ids, pos, kwargs.get("mm_token_type_ids"),
+                                              kwargs.get("image_grid_thw"))
+    else:
+        kwargs["position_ids"] = padded_mrope(module, ids, pos, mask, kwargs.get("image_grid_thw"),
+                                              kwargs.get("cache"))
     return args, kwargs
 
 
