@@ -730,6 +730,8 @@ def test_more_image_text_architectures_train_with_lora_and_full(runs, zoo, kind)
         got = losses(run)
         assert len(got) == 5 and got[-1] < got[0], (method, got)
         assert json.loads((run / "integrity.json").read_text())["ok"]
+        # the text stays causal with the processor's inputs (`toolkit.train.loss_check.check_causal`)
+        assert records(run, "loss")[0]["causal_check_gap"] == 0
     base, full = tensors(zoo[kind] / "model.safetensors"), tensors(runs[f"{kind}_full"] / "final" / "model.safetensors")
     # the checkpoints' own names
     tower, language = {"idefics3": ("vision_model", "text_model"), "gemma3": ("vision_tower", "language_model"),
@@ -739,6 +741,29 @@ def test_more_image_text_architectures_train_with_lora_and_full(runs, zoo, kind)
     frozen = [k for k in base if k.split(".")[:2].count(tower)]
     assert frozen and all(torch.equal(base[k], full[k]) for k in frozen)
     assert any(not torch.equal(base[k], full[k]) for k in base if k.split(".")[:2].count(language))
+
+
+def test_a_model_whose_text_sees_later_tokens_is_one_line_before_step_1(images, tmp_path, capsys):
+    """PaliGemma's processor gives token_type_ids of 0 on the whole row without a `suffix`, which its forward
+    makes one bidirectional block: a token would see the answer it is trained to predict. Before step 1 the run
+    changes the first row's last target token and finds the earlier positions moved: one line, exit 2, no step.
+    (Every other image run passes the same check: its gap is in each run's metrics.)"""
+    import finetune
+
+    from vlm_zoo import build_vlm_dir
+
+    model = build_vlm_dir(tmp_path / "paligemma", "paligemma")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--model", str(model), "--dataset", str(images / "chat.jsonl"), "--output-dir",
+                       str(tmp_path / "out"), "--max-steps", "2", "--verify", "none"])
+    said = capsys.readouterr()
+    # the progress bar's lines besides
+    lines = [line for line in said.err.splitlines() if "error" in line]
+    assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in said.err, said.err
+    assert lines[0].startswith("finetune.py: error: model type paligemma: with the inputs its processor gives "
+                               "(token_type_ids: True), a token sees later ones")
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
 
 
 def test_generate_answers_a_prompt_about_an_image(runs, images, capsys):

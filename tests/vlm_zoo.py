@@ -10,6 +10,7 @@ kind            placeholder in the rendered text               tokens per image 
 "idefics3"      <image>                                         <fake><global-img> 4x<image> <fake>  (6)
 "gemma3"        <start_of_image>                                \n\n <boi> 4x<image_soft_token> <eoi> \n\n
 "mllama"        <|image|>                                       1 (<|image|>; cross-attention to the tiles)
+"paligemma"     <image>                                         4x<image> <bos> before the text (a prefix-LM)
 "qwen2_vl"      <|vision_start|><|image_pad|><|vision_end|>     <|vision_start|> n x <|image_pad|> <|vision_end|>
 "qwen2_5_vl"    (the same)                                      (n: the image's merged 28 px patches; M-RoPE)
 "qwen3_vl"      (the same)
@@ -22,7 +23,7 @@ from pathlib import Path
 from toolkit.model.synthetic import build_tokenizer
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-KINDS = ("idefics3", "gemma3", "mllama", *QWEN)
+KINDS = ("idefics3", "gemma3", "mllama", "paligemma", *QWEN)
 _CHAT = ("<|im_start|>", "<|im_end|>")
 
 
@@ -131,7 +132,28 @@ def _mllama(tile_size: int = 28, patch_size: int = 14, max_tiles: int = 2):
     return MllamaForConditionalGeneration, config, processor
 
 
-_BUILDERS = {"idefics3": _idefics3, "gemma3": _gemma3, "mllama": _mllama}
+def _paligemma(image_size: int = 28, patch_size: int = 14):
+    """PaliGemma: a SigLIP tower whose (image_size / patch_size)^2 patches are the image's `<image>` tokens, put
+    before the text with a BOS by the processor, which also returns `token_type_ids` (0: the prefix, which attends
+    both ways; 1 only on a `suffix`)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor, \
+        SiglipImageProcessorPil
+
+    tok = _tokenizer(["<image>"], image_token="<image>")
+    image_processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
+    image_processor.image_seq_length = (image_size // patch_size) ** 2
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok,
+                                   chat_template=vlm_chat_template("<image>"))
+    config = PaliGemmaConfig(
+        text_config=dict(_text(tok, head_dim=16), model_type="gemma"),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=image_size, patch_size=patch_size,
+                           vision_use_head=False, projection_dim=64),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), projection_dim=64)
+    return PaliGemmaForConditionalGeneration, config, processor
+
+
+_BUILDERS = {"idefics3": _idefics3, "gemma3": _gemma3, "mllama": _mllama, "paligemma": _paligemma}
 
 
 def build_vlm_dir(path, kind: str) -> Path:

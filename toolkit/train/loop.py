@@ -35,7 +35,7 @@ from toolkit.train.compiling import plan as compile_plan
 from toolkit.objectives.base import Batches, Context, Interrupted
 from toolkit.objectives.evaluate import sample_completions
 from toolkit.train.flops import Peak, head_params, matmul_params, mfu_warning, run_peak, step_flops
-from toolkit.train.loss_check import check_loss, check_packing
+from toolkit.train.loss_check import check_causal, check_loss, check_packing
 from toolkit.train.metrics import MetricsLogger, log_interval
 from toolkit.train.step import Step, Window, batch_counts, host, sync_free
 
@@ -252,6 +252,9 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             # the loss this layout trains is the model's own, or the run stops
             if step == run.first_step:
                 check_loss(run, micro[0])
+                # images: the processor's inputs keep the text causal
+                if cfg.data.images == "on" and "labels" in micro[0]:
+                    check_causal(run, micro[0])
                 # packed or padding-free rows (pp and cp build the masks themselves)
                 if "position_ids" in micro[0] and run.strategy.whole_batches:
                     check_packing(run, micro[0])

@@ -76,6 +76,37 @@ def check_loss(run, batch: dict) -> None:
                            else "this layout does not compute what the model computes: run it on another layout"))
 
 
+def check_causal(run, batch: dict) -> None:
+    """An image-text run, before step 1: replacing the first row's last target token must leave every earlier
+    position's last hidden state as it was. With the inputs its processor gives, a model can let text attend to
+    later tokens (PaliGemma's prefix-LM: its processor's token_type_ids, all 0 without a `suffix`, make the whole
+    row one bidirectional block): the run would learn answers it can see, so it stops in one line. Every rank
+    checks its own rows (two forwards each, so sharded forwards stay in step); they agree on the worst."""
+    from toolkit.data.packing import model_inputs
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    strategy, accelerator = run.strategy, run.strategy.accelerator
+    ids = batch["input_ids"]
+    targets = (batch["labels"][0] != IGNORE_INDEX).nonzero()
+    t = int(targets[-1]) if len(targets) else ids.shape[1] - 1
+    changed = ids.clone()
+    # another text token: the one before it, or the one after that where they are the same
+    changed[0, t] = ids[0, t - 1] if ids[0, t - 1] != ids[0, t] else ids[0, t - 2]
+    with evaluating(run.model):
+        seen = [run.model(**model_inputs({**batch, "input_ids": x}), output_hidden_states=True).hidden_states[-1]
+                [0, :t].float() for x in (ids, changed)]
+    gap = (seen[1] - seen[0]).abs().max() / seen[0].abs().max().clamp(min=1e-12)
+    gap = float(rank_max(accelerator, gap.reshape(1)).item())
+    run.memory["causal_check_gap"] = gap
+    bound = agreement(checked_dtype(run))
+    if gap > bound:
+        model_type = strategy.unwrap(run.model).config.model_type
+        raise UserError(f"model type {model_type}: with the inputs its processor gives (token_type_ids: "
+                        f"{'media:token_type_ids' in batch}), a token sees later ones (changing the first row's last "
+                        f"target token moved the earlier positions by {gap:.1e} relative, over {bound:.1e}): it "
+                        "would learn answers it can see (a prefix-LM such as PaliGemma's); not yet trained here")
+
+
 def packing_gaps(packed: torch.Tensor, alone: torch.Tensor, n: int) -> tuple[float, float]:
     """(first document's gap, second's): the largest |packed - alone| over each document's positions,
     relative to the largest |alone| logit. Neither run lets the first document see the second (both are
