@@ -56,7 +56,9 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     labels0 = list(ids0) if train_on_prompt else _answer_labels(ids0, plain["offset_mapping"], spans)
     refs = image_refs(conv)
     images = open_images(refs, where)
-    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    parts = prefix_suffix(processor, text, spans[0][0] if spans else 0)
+    ids = processor(**texts_of([parts]), images=[images] if images else None,
+                    add_special_tokens=False)["input_ids"][0]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     labels, inserted = expanded_labels(ids0, labels0, ids, where)
     token = image_token_id(processor)
@@ -68,8 +70,28 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     truncated = len(ids) > seq_len
     if truncated and max(inserted, default=-1) >= seq_len:
         return None
-    return {"input_ids": ids[:seq_len], "labels": labels[:seq_len], "text": text, "images": refs,
+    return {"input_ids": ids[:seq_len], "labels": labels[:seq_len], **parts, "images": refs,
             "truncated": truncated, "text_labels": text_labels[:seq_len]}
+
+
+def prefix_suffix(processor, text: str, start: int) -> dict:
+    """The rendered `text` as the processor takes it: {"text": text}, or, for a processor whose call takes a
+    `suffix` (PaliGemma's prefix-LM, whose token_type_ids mark the suffix: the prefix attends both ways, the suffix
+    causally), {"text": the prefix, "suffix": the rest} split at `start`, where the first answer begins (0 where
+    every token trains)."""
+    import inspect
+
+    if "suffix" not in inspect.signature(type(processor).__call__).parameters:
+        return {"text": text}
+    return {"text": text[:start], "suffix": text[start:]}
+
+
+def texts_of(sequences: list[dict]) -> dict:
+    """The processor's text arguments for `sequences` (`prefix_suffix`'s parts)."""
+    out = {"text": [x["text"] for x in sequences]}
+    if "suffix" in sequences[0]:
+        out["suffix"] = [x["suffix"] for x in sequences]
+    return out
 
 
 def encode_pair(processor, prompt: list[dict], chosen: str, rejected: str, seq_len: int,
@@ -82,18 +104,20 @@ def encode_pair(processor, prompt: list[dict], chosen: str, rejected: str, seq_l
     if sides[0] is None or sides[1] is None:
         return None
     a, b = sides
+    suffixes = {"suffix": a["suffix"], "rejected_suffix": b["suffix"]} if "suffix" in a else {}
     return {"input_ids": a["input_ids"], "labels": a["labels"], "text": a["text"], "images": a["images"],
             "rejected_input_ids": b["input_ids"], "rejected_labels": b["labels"], "rejected_text": b["text"],
-            "orpo_labels": a["text_labels"], "truncated": a["truncated"] or b["truncated"]}
+            "orpo_labels": a["text_labels"], "truncated": a["truncated"] or b["truncated"], **suffixes}
 
 
 def pair_sequences(batch: list[dict]) -> list[dict]:
     """A micro-batch of image pairs as 2 x len(batch) sequences, chosen at even rows and rejected at odd ones, each
     with the pair's images (`toolkit.data.pairs.pair_rows`' order)."""
     return [seq for x in batch for seq in (
-        {"input_ids": x["input_ids"], "labels": x["labels"], "text": x["text"], "images": x["images"]},
+        {"input_ids": x["input_ids"], "labels": x["labels"], "text": x["text"], "images": x["images"],
+         **({"suffix": x["suffix"]} if "suffix" in x else {})},
         {"input_ids": x["rejected_input_ids"], "labels": x["rejected_labels"], "text": x["rejected_text"],
-         "images": x["images"]})]
+         "images": x["images"], **({"suffix": x["rejected_suffix"]} if "suffix" in x else {})})]
 
 
 def image_token_id(processor) -> int | None:
@@ -215,7 +239,7 @@ class MediaCollate:
         images = [[open_image(r) for r in x["images"]] for x in sequences]
         if not any(images):
             return out
-        enc = self.processor(text=[x["text"] for x in sequences], images=images, add_special_tokens=False,
+        enc = self.processor(**texts_of(sequences), images=images, add_special_tokens=False,
                              padding=True, padding_side="right", return_tensors="pt")
         width = out["input_ids"].shape[1]
         for i, x in enumerate(sequences):
@@ -223,7 +247,8 @@ class MediaCollate:
             if enc["input_ids"][i, :n].tolist() != x["input_ids"]:
                 raise RuntimeError(f"the processor tokenized example {i} of a batch unlike when it was prepared")
         for k, v in enc.items():
-            if k in ("input_ids", "attention_mask") or not torch.is_tensor(v):
+            # labels: a processor's own (PaliGemma's, with a suffix): the rows carry theirs
+            if k in ("input_ids", "attention_mask", "labels") or not torch.is_tensor(v):
                 continue
             if k in PER_TOKEN and self.padding_free:
                 out[MEDIA + k] = _end_to_end(k, v, [len(x["input_ids"]) for x in sequences], width)

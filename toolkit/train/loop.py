@@ -252,8 +252,8 @@ def train(cfg: Config, strategy, model, tokenizer, train_rows: list[dict], eval_
             # the loss this layout trains is the model's own, or the run stops
             if step == run.first_step:
                 check_loss(run, micro[0])
-                # images: the processor's inputs keep the text causal
-                if cfg.data.images == "on" and "labels" in micro[0]:
+                # images: the processor's inputs keep the text causal (GRPO's rows are the sampler's, left-padded)
+                if cfg.data.images == "on" and "labels" in micro[0] and "completion_ids" not in micro[0]:
                     check_causal(run, micro[0])
                 # packed or padding-free rows (pp and cp build the masks themselves)
                 if "position_ids" in micro[0] and run.strategy.whole_batches:
