@@ -290,6 +290,11 @@ def test_image_pixel_bounds_reach_the_processor_and_final(zoo, images, tmp_path)
     assert large == want and min(large) >= 16 and all(lg > o for lg, o in zip(large, own))
     processor.save_pretrained(tmp_path / "final")
     assert load_processor(str(tmp_path / "final")).image_processor.size["longest_edge"] == 1568
+    # built without its video processor here: the source's config for it saved beside (what loads the folder where
+    # torchvision is installed)
+    assert type(processor).__mro__[1].__name__ == "Qwen2VLProcessor"
+    assert (tmp_path / "final" / "preprocessor_config.json").read_text() == \
+        (zoo["qwen2_vl"] / "preprocessor_config.json").read_text()
 
 
 def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
@@ -386,6 +391,10 @@ def test_an_image_free_micro_batch_runs_a_blank_image_on_several_ranks(llava, im
     prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
     with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks a padded micro-batch"):
         prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--no-padding-free"])
+    # held-out examples are evaluated padded
+    with pytest.raises(UserError, match="mixed.jsonl: 1 of 26 held-out examples have no image; on 2 ranks a padded"):
+        prepared(["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--eval-dataset",
+                  str(images / "mixed.jsonl")])
     # GRPO's prompts alike
     rows = [json.loads(line) for line in (images / "prompts.jsonl").read_text().splitlines()]
     rows.append({"prompt": "What color?", "answer": "red"})
@@ -759,7 +768,7 @@ def test_a_model_whose_text_sees_later_tokens_is_one_line_before_step_1(zoo, ima
     check: its gap, 0, is in each run's metrics.)"""
     import finetune
 
-    monkeypatch.setattr("toolkit.data.image_rows.prefix_suffix", lambda processor, text, start: {"text": text})
+    monkeypatch.setattr("toolkit.data.image_rows.prefix_suffix", lambda processor, text, start, where="": {"text": text})
     model = zoo["paligemma"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -903,6 +912,10 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
     elif case == "pixels_on_a_fixed_size_processor":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--image-max-pixels", "1000"],
                 "--image-max-pixels: CLIPImageProcessorPil takes no max_pixels (it resizes by its own settings")
+    elif case == "paligemma_without_an_image":
+        paligemma = build_vlm_dir(tmp_path / "paligemma", "paligemma")
+        return (["--model", str(paligemma), "--dataset", str(images / "mixed.jsonl")],
+                "record 6 (line 6): PaliGemmaProcessor takes an example's images before its prompt")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -914,7 +927,8 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
                                   "processor_needs_torchvision", "planner", "grpo_on_gemma3",
-                                  "kto_on_gemma3", "kto_on_qwen2_vl", "pixels_on_a_fixed_size_processor"])
+                                  "kto_on_gemma3", "kto_on_qwen2_vl", "pixels_on_a_fixed_size_processor",
+                                  "paligemma_without_an_image"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

@@ -56,7 +56,7 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     labels0 = list(ids0) if train_on_prompt else _answer_labels(ids0, plain["offset_mapping"], spans)
     refs = image_refs(conv)
     images = open_images(refs, where)
-    parts = prefix_suffix(processor, text, spans[0][0] if spans else 0)
+    parts = prefix_suffix(processor, text, spans[0][0] if spans else 0, where)
     ids = processor(**texts_of([parts]), images=[images] if images else None,
                     add_special_tokens=False)["input_ids"][0]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
@@ -74,15 +74,20 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
             "truncated": truncated, "text_labels": text_labels[:seq_len]}
 
 
-def prefix_suffix(processor, text: str, start: int) -> dict:
+def prefix_suffix(processor, text: str, start: int, where: str = "") -> dict:
     """The rendered `text` as the processor takes it: {"text": text}, or, for a processor whose call takes a
     `suffix` (PaliGemma's prefix-LM, whose token_type_ids mark the suffix: the prefix attends both ways, the suffix
     causally), {"text": the prefix, "suffix": the rest} split at `start`, where the first answer begins (0 where
-    every token trains)."""
+    every token trains). Such a processor puts every image before the prefix: an example without one, or with one
+    after its first answer, is one line (`where`: the record)."""
     import inspect
 
     if "suffix" not in inspect.signature(type(processor).__call__).parameters:
         return {"text": text}
+    token = getattr(processor, "image_token", None)
+    if token and (token not in text[:start] or token in text[start:]):
+        raise UserError(f"{where}{type(processor).__name__} takes an example's images before its prompt: give each "
+                        "example an image, in the turns before its first answer")
     return {"text": text[:start], "suffix": text[start:]}
 
 
@@ -351,20 +356,22 @@ def prepare_images(settings, processor) -> tuple:
     elif not held_idx and d.eval_dataset:
         _, eval_convs, _, held_source = _read(settings, eval_source(d))
         held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
+    # padding-free training micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones, and
+    # the held-out examples' (evaluated padded), cannot
     if d.padding_free is False:
-        # padding-free micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones cannot
-        every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset, "examples",
-                    "padded ")
+        every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", "padded ")
+    every_image([r["images"] for r in list.__iter__(held)], d.eval_dataset or d.dataset, "held-out examples",
+                "padded ", "give each an image")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 
-def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "") -> None:
+def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "", instead: str = "") -> None:
     """One line where examples without an image (`images`: each one's references) would train on several ranks
     in micro-batches that cannot run a blank image in their place (`padded`: "padded " where that is why)."""
     plain = sum(not refs for refs in images)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if plain and ranks > 1:
-        instead = "let SFT batches go padding-free" if padded else "give each one an image"
+        instead = instead or ("let SFT batches go padding-free" if padded else "give each one an image")
         raise UserError(f"--dataset {dataset}: {plain} of {len(images)} {unit} have no image; on "
                         f"{ranks} ranks a {padded}micro-batch without one skips the vision tower the other ranks run "
                         f"(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): {instead}, or train on one "

@@ -66,9 +66,19 @@ def end_to_end_problem(config, kl_rows: bool = False) -> str | None:
 
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
-    laid_out = set() if kl_rows else {"image_grid_thw"}
+    laid_out = set() if kl_rows or mrope_axes(config) != 3 else {"image_grid_thw"}
     why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
     return f"{cls.__name__}: {'; '.join(why)}" if why else None
+
+
+def mrope_axes(config) -> int:
+    """The number of position axes of a model's multi-axis rotary embedding (Qwen2/2.5/3-VL's M-RoPE: 3, temporal,
+    height and width), from its text config's `mrope_section`; 0 where it names none. Three are laid out here."""
+    text = config.get_text_config()
+    for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return len(rope["mrope_section"])
+    return 0
 
 
 def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -141,6 +151,8 @@ def lay_out_positions(model: torch.nn.Module) -> bool:
     """Give a model with multi-axis positions (a submodule with `get_rope_index`: Qwen2-VL, Qwen2.5-VL, ...) the
     positions of padding-free rows (`packed_mrope`, as a forward pre-hook); False where it has none."""
     found = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+    if found is not None and mrope_axes(found.config) != 3:
+        return False
     if found is not None and not getattr(found, "_packed_mrope", False):
         found.register_forward_pre_hook(_mrope_hook, with_kwargs=True)
         found._packed_mrope = True
@@ -172,7 +184,7 @@ def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
             raise _missing_package(path, e) from None
         try:
             processor = fallback.from_pretrained(path, trust_remote_code=trust_remote_code, **bounds)
-        except (ImportError, ValueError) as again:
+        except (ImportError, ValueError, OSError) as again:
             raise _missing_package(path, again) from None
     except (OSError, ValueError) as e:
         # transformers' words where no backend of an image processor can be imported
@@ -224,12 +236,26 @@ def without_video(path: str, trust_remote_code: bool = False):
                      chat_template=chat_template, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        # the source's processor configs beside what it saves: the video processor's (preprocessor_config.json, or
-        # its own file) is what loads the folder where torchvision is installed
+        # the source's video processor config beside what it saves (its own file, preprocessor_config.json, or
+        # processor_config.json's entry; a folder or a hub id's cached files): what loads the folder where
+        # torchvision is installed
+        from transformers.utils import cached_file
+
         saved = cls.save_pretrained(self, save_directory, *args, **kwargs)
+        out = Path(save_directory)
+
+        def source(name: str) -> Path | None:
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+            return Path(found) if found else None
+
         for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
-            if (Path(path) / name).is_file() and not (Path(save_directory) / name).exists():
-                shutil.copyfile(Path(path) / name, Path(save_directory) / name)
+            if (found := source(name)) and not (out / name).exists():
+                shutil.copyfile(found, out / name)
+        nested = source("processor_config.json")
+        video = json.loads(nested.read_text()).get("video_processor") if nested else None
+        if video and (out / "processor_config.json").is_file():
+            mine = json.loads((out / "processor_config.json").read_text())
+            (out / "processor_config.json").write_text(json.dumps({**mine, "video_processor": video}, indent=2))
         return saved
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "save_pretrained": save_pretrained,
@@ -263,6 +289,26 @@ def parts(model: torch.nn.Module) -> dict[str, str]:
     if rest:
         found["projector"] = f"{parent}.{rest[0]}" if parent else rest[0]
     return found
+
+
+def plan_view(model_cfg: dict) -> tuple[dict, tuple[int, int]]:
+    """A config.json as the planner counts it (`toolkit.planner.estimate.PlanInput`): an image-text model's language
+    model config (with its class's defaults filled in) and its (vision tower, projector) parameters, counted on a
+    weightless skeleton of the class `AutoModelForImageTextToText` builds (`parts`); a text model's as it is."""
+    if "vision_config" not in model_cfg:
+        return model_cfg, (0, 0)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(**model_cfg)
+    with init_empty_weights():
+        skeleton = AutoModelForImageTextToText.from_config(config)
+    found = parts(skeleton)
+    count = lambda name: sum(p.numel() for p in skeleton.get_submodule(name).parameters())  # noqa: E731
+    text = config.get_text_config().to_dict()
+    # the head's tying is the whole model's
+    text["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", text.get("tie_word_embeddings")))
+    return text, (count(found["tower"]), count(found["projector"]) if "projector" in found else 0)
 
 
 def unquantized(config, images: bool) -> list[str] | None:

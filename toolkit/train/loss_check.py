@@ -86,15 +86,24 @@ def check_causal(run, batch: dict) -> None:
     from toolkit.data.tokenize import IGNORE_INDEX
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
-    ids = batch["input_ids"]
-    targets = (batch["labels"][0] != IGNORE_INDEX).nonzero()
+    ids, labels = batch["input_ids"], batch["labels"][0]
+    targets = (labels != IGNORE_INDEX).nonzero()
     t = int(targets[-1]) if len(targets) else ids.shape[1] - 1
+    # another of the row's targets, a text token (or the next id where the row has one target alone)
+    others = labels[(labels != IGNORE_INDEX) & (labels != ids[0, t])]
     changed = ids.clone()
-    # another text token: the one before it, or the one after that where they are the same
-    changed[0, t] = ids[0, t - 1] if ids[0, t - 1] != ids[0, t] else ids[0, t - 2]
-    with evaluating(run.model):
-        seen = [run.model(**model_inputs({**batch, "input_ids": x}), output_hidden_states=True).hidden_states[-1]
-                [0, :t].float() for x in (ids, changed)]
+    changed[0, t] = others[0] if len(others) else (ids[0, t] + 1) % strategy.unwrap(run.model).config.get_text_config(
+    ).vocab_size
+    # the language model's last hidden states (one tensor, no full logits: `logits_to_keep` 1)
+    seen = []
+    decoder = strategy.unwrap(run.model).get_decoder()
+    hook = decoder.register_forward_hook(lambda module, args, out: seen.append(out[0][0, :t].float()))
+    try:
+        with evaluating(run.model):
+            for x in (ids, changed):
+                run.model(**model_inputs({**batch, "input_ids": x}), logits_to_keep=1)
+    finally:
+        hook.remove()
     gap = (seen[1] - seen[0]).abs().max() / seen[0].abs().max().clamp(min=1e-12)
     gap = float(rank_max(accelerator, gap.reshape(1)).item())
     run.memory["causal_check_gap"] = gap
