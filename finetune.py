@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None):
     from toolkit.model.load import (check_model, count_parameters, human, load_model, load_tokenizer,
                                     resolved_precision, training_model)
     from toolkit.model.source import tokenizer_dir
-    from toolkit.model.vision import processor_for
+    from toolkit.model.vision import plan_view, processor_for
     from toolkit.objectives.sft.evaluate import ExactMatch
     from toolkit.parallel.build import make_accelerator, make_strategy
     from toolkit.parallel.tree import tree_problem
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None):
     planned = None
     # the planner's layout, checkpointing and batch sizes
     if cfg.parallel.strategy == "auto":
-        cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem)
+        cfg, planned, table = apply_auto_strategy(cfg, model_path, resolved_precision(cfg), tree_problem, plan_view)
     accelerator = make_accelerator(cfg, model_path)
     # a checkpoint of another run is refused before loading; its global batch re-split for this launch
     resume = resume_point(cfg.flat(), cfg.parallel, accelerator)

@@ -198,10 +198,10 @@ def cmd_plan(args) -> None:
                      "model" + ("" if timing else f" (none for {args.gpu}: measure one with --calibrate)"))
     hardware = load_hardware(args.hardware)
 
-    cfg = load_model_config(args.model_config or args.model)
-    if "vision_config" in cfg:
-        raise UserError(f"--model {args.model}: an image-text model; the planner does not count its vision side yet "
-                        "(the tower, the image tokens)")
+    from toolkit.model.vision import plan_view
+
+    # an image-text model: its language model's config, and its vision side's parameters beside
+    cfg, vision = plan_view(load_model_config(args.model_config or args.model))
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                if k not in cfg]
     if missing:
@@ -226,7 +226,8 @@ def cmd_plan(args) -> None:
                     sequences=terms["sequences"],
                     extra_forwards=terms["extra_forwards"], generation=terms.get("generation"),
                     method=args.method, lora_r=args.lora_r, lora_targets=args.lora_targets,
-                    lora_dropout=args.lora_dropout, seq_len=terms.get("seq_len", args.seq_len),
+                    lora_dropout=args.lora_dropout, seq_len=terms.get("seq_len", args.seq_len), vision=vision,
+                    train_vision=getattr(args, "train_vision", "none"),
                     micro_batch=args.micro_batch_size, grad_accum=args.grad_accum, precision=args.mixed_precision,
                     checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
                     global_batch=args.global_batch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, loss=terms["loss"],

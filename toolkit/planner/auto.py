@@ -92,9 +92,10 @@ def restart_after_oom(result: Plan, step: int, say) -> None:
 
 
 def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memory: int, nodes: int,
-               what: str) -> PlanInput:
+               what: str, vision: tuple[int, int] = (0, 0)) -> PlanInput:
     """The planner's question for this run on this hardware (`detect_hardware`). The global batch is
-    the run's micro-batch x accumulation x ranks; the plan keeps it and may re-split it."""
+    the run's micro-batch x accumulation x ranks; the plan keeps it and may re-split it. An image-text model:
+    `model_cfg` its language model's, `vision` its (tower, projector) parameters (`toolkit.model.vision.plan_view`)."""
     from toolkit.config.objectives import plan_terms
 
     t = cfg.train
@@ -108,12 +109,13 @@ def plan_input(cfg: Config, model_cfg: dict, precision: str, per_node: int, memo
                      seq_len=terms.get("seq_len", cfg.data.seq_len),
                      micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, precision=precision,
                      checkpointing=True if t.gradient_checkpointing else None, loss=terms["loss"],
-                     hardware=time_model(what), device="CPU" if what.startswith("CPU") else "GPU")
+                     hardware=time_model(what), device="CPU" if what.startswith("CPU") else "GPU",
+                     vision=vision, train_vision=cfg.model.train_vision)
 
 
-def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:
+def predicted_peak(cfg: Config, model_cfg: dict, precision: str, vision: tuple[int, int] = (0, 0)) -> int | None:
     """The planner's allocator peak (`bytes.allocated`) for the 1-D layout `cfg` runs on this hardware;
-    None for a mesh layout or a model the planner cannot count."""
+    None for a mesh layout or a model the planner cannot count (`plan_input`'s `model_cfg` and `vision`)."""
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.estimate import estimate
 
@@ -121,20 +123,20 @@ def predicted_peak(cfg: Config, model_cfg: dict, precision: str) -> int | None:
     if name not in STRATEGIES:
         return None
     try:
-        inp = plan_input(cfg, model_cfg, precision, *detect_hardware())
+        inp = plan_input(cfg, model_cfg, precision, *detect_hardware(), vision=vision)
         return estimate(inp, STRATEGIES[name], t.gradient_checkpointing, t.micro_batch_size).bytes["allocated"]
     except (KeyError, ValueError, UserError):
         return None
 
 
-def memory_advice(cfg: Config, model_cfg: dict, precision: str) -> str:
+def memory_advice(cfg: Config, model_cfg: dict, precision: str, vision: tuple[int, int] = (0, 0)) -> str:
     """For an out-of-memory line: the planner's peak for the layout that ran against the device's
     memory, and the flags of a layout that fits (or why none does)."""
     from toolkit.planner.memory import STRATEGIES
     from toolkit.planner.estimate import GiB, estimate
 
     per_node, memory, nodes, what = detect_hardware()
-    inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what)
+    inp = plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what, vision)
     name, t = strategy_name(cfg.parallel), cfg.train
     parts = []
     try:
@@ -160,20 +162,20 @@ def full_logits_fit(inp: PlanInput, c: Candidate) -> bool:
     return reestimate(dataclasses.replace(inp, loss="full"), c, c.micro_batch).fits
 
 
-def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check=None) -> tuple[Config, Plan, str]:
+def apply_auto_strategy(cfg: Config, model_path: str, precision: str, tree_check=None,
+                        view=None) -> tuple[Config, Plan, str]:
     """(the config with the plan's choices, the plan, its table for the log). `tree_check`: the run's
-    check of a layout on the model's module tree (`toolkit.parallel.tree.tree_problem`; `PlanInput.tree_check`)."""
+    check of a layout on the model's module tree (`toolkit.parallel.tree.tree_problem`; `PlanInput.tree_check`);
+    `view`: what the planner counts of a config (`toolkit.model.vision.plan_view`: an image-text model's language
+    model and vision side), handed in as `tree_check` is."""
     per_node, memory, nodes, what = detect_hardware()
     model_cfg = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else None
     if model_cfg is None:
         from transformers import AutoConfig
 
         model_cfg = AutoConfig.from_pretrained(model_path).to_dict()
-    if "vision_config" in model_cfg:
-        raise UserError(f"--strategy auto: {model_path} is an image-text model, and the planner does not count its "
-                        "vision side yet (the tower, the image tokens); choose the layout yourself: DDP, --zero-stage "
-                        "or --fsdp")
-    inp = replace(plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what), tree_check=tree_check)
+    model_cfg, vision = view(model_cfg) if view is not None else (model_cfg, (0, 0))
+    inp = replace(plan_input(cfg, model_cfg, precision, per_node, memory, nodes, what, vision), tree_check=tree_check)
     try:
         result = plan(inp)
     except (KeyError, ValueError) as e:

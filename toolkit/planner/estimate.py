@@ -26,7 +26,7 @@ from toolkit.planner.cost import (ADAM_STEP_BYTES, Hardware, Traffic, flops_per_
                                   step_seconds, step_terms)
 from toolkit.planner.layouts import (gathered_block, loss_bytes, mesh_step_terms, stage_bytes,
                                      traffic)
-from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes,
+from toolkit.planner.memory import (STRATEGIES, Sharding, cpu_bytes, vision_split,
                                     frozen_bytes_per_param, gathered_bytes_per_param, generation_bytes, grads_bytes,
                                     optimizer_bytes,
                                     weight_bytes_per_param, weights_bytes)
@@ -119,6 +119,11 @@ class PlanInput:
     # --objective grpo: (completions a rank samples at once, prompt + completion tokens): the KV cache and what
     # sampling holds (`memory.generation_bytes`), at its own peak beside the training step's
     generation: tuple[int, int] | None = None
+    # an image-text model's vision side beside its language model (`model` is the language model's config): the
+    # (vision tower's, projector's) parameters (`toolkit.model.vision.vision_params`), and --train-vision
+    # (`memory.vision_split`)
+    vision: tuple[int, int] = (0, 0)
+    train_vision: str = "none"
     # what the run refuses of --tp ("tp") or --pp ("pp") on the config's module tree, '' where it runs
     # (`toolkit.parallel.tree.tree_problem`, handed in by the caller: the planner stays below the parallel layer)
     tree_check: Callable[[dict[str, Any], str], str] | None = None
@@ -312,9 +317,11 @@ def offloads(s: Sharding) -> bool:
 def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int) -> Candidate:
     cfg = inp.model
     counts = count_params(cfg)
-    params = counts.total
-    trainable = params if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)
-    frozen = 0 if inp.method == "full" else params
+    v_frozen, v_trained = vision_split(inp.vision, inp.method, inp.train_vision)
+    # LoRA holds peft's trained copies beside the frozen originals
+    params = counts.total + v_frozen + v_trained
+    trainable = (counts.total if inp.method == "full" else lora_params(cfg, inp.lora_r, inp.lora_targets)) + v_trained
+    frozen = (0 if inp.method == "full" else counts.total) + v_frozen
     n = inp.gpus_per_node * inp.nodes
     layers, h, i, kv, vocab = _dims(cfg)
     act = 2 if inp.precision in ("bf16", "fp16") else 4
@@ -323,6 +330,9 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
         # bitsandbytes quantizes the nn.Linear weights, not stacked experts
         linear = counts.linear
         weights = int(linear * QLORA_BITS / 8) + 4 * (params - linear) + 4 * trainable
+    elif inp.method == "full":
+        # a full finetune loads every weight at the trained width, a frozen tower's too
+        weights = weights_bytes(s, 0, trainable + frozen, n, inp.precision)
     else:
         weights = weights_bytes(s, frozen, trainable, n, inp.precision)
     wb = weight_bytes_per_param(s, inp.precision)
@@ -338,7 +348,8 @@ def estimate(inp: PlanInput, s: Sharding, checkpointing: bool, micro_batch: int)
         "logits": loss_bytes(inp, rows, vocab, h, act),
     }
     # the whole model, once
-    model_bytes = frozen_bytes_per_param(inp.precision) * frozen + wb * trainable
+    model_bytes = wb * (frozen + trainable) if inp.method == "full" else \
+        frozen_bytes_per_param(inp.precision) * frozen + wb * trainable
     # what a sharded layout all-gathers: FSDP2 in its policy's compute dtype, ZeRO-3 as DeepSpeed holds it
     gathered = gathered_bytes_per_param(inp.precision) * params if s.fsdp else model_bytes
     block = gathered * counts.per_block // max(params, 1)
@@ -450,7 +461,10 @@ def estimate_layout(inp: PlanInput, d: ParallelDims, checkpointing: bool, micro_
 
 def tree_problems(inp: PlanInput, d: ParallelDims) -> str:
     """What the run refuses of this layout on the model's module tree (`inp.tree_check`, the run's own
-    check handed in by the caller: `toolkit.parallel.tree.tree_problem`), '' where it runs or nobody asked."""
+    check handed in by the caller: `toolkit.parallel.tree.tree_problem`), and of an image-text model's (pp, cp and
+    ep are one line there: `toolkit.cli.startup`), '' where it runs or nobody asked."""
+    if any(inp.vision) and max(d.pp, d.cp, d.ep) > 1:
+        return "not yet for image-text models (their layouts are data-parallel and --tp)"
     if inp.tree_check is None:
         return ""
     return ((inp.tree_check(inp.model, "tp") if d.tp > 1 else "")

@@ -32,8 +32,7 @@ from toolkit.layout.rules import (cp_divisibility_problems, ep_problems, not_run
 from toolkit.planner.cost import (ADAM_STEP_BYTES, Traffic, expert_all_to_all_bytes, flops_per_token,
                                   forward_flops_per_token, fsdp_bytes, pipeline_bubble, ring_factor, step_terms)
 from toolkit.planner.memory import (ADAM_BYTES, chunked_loss_bytes, frozen_bytes_per_param, gathered_bytes_per_param,
-                                    logits_bytes,
-                                    ulysses_comm_bytes)
+                                    logits_bytes, ulysses_comm_bytes, vision_split)
 from toolkit.planner import saved
 from toolkit.planner.params import blocks as model_blocks, count_params, head_dim, lora_layer_params, lora_params
 from toolkit.planner.stages import balance
@@ -228,9 +227,14 @@ def stage_bytes(inp, d: ParallelDims, stage: int, checkpointing: bool, micro_bat
                         pipeline=d.pp > 1, seq_len=tokens) if last else 0
     # under autocast each fp32 weight's cast for its matmul is saved for backward
     casts = 0 if fsdp else saved.autocast_copies(p.trainable, 4, dt)
-    return {"weights": at_rest(weight_bytes(p.params, p.trainable), weight_bytes(p.experts, p.experts_trainable), d),
-            "grads": at_rest(4 * p.trainable, 4 * p.experts_trainable, d),
-            "optimizer": at_rest(ADAM_BYTES * p.trainable, ADAM_BYTES * p.experts_trainable, d),
+    # an image-text model's vision side, on the first stage: whole on every TP rank (as the embeddings), sharded
+    # by FSDP2; a full finetune's params hold what trains, LoRA's the frozen base beside `trainable`
+    v_frozen, v_trained = vision_split(inp.vision, inp.method, inp.train_vision) if first else (0, 0)
+    params = p.params + v_frozen + (v_trained if inp.method == "full" else 0)
+    trainable = p.trainable + v_trained
+    return {"weights": at_rest(weight_bytes(params, trainable), weight_bytes(p.experts, p.experts_trainable), d),
+            "grads": at_rest(4 * trainable, 4 * p.experts_trainable, d),
+            "optimizer": at_rest(ADAM_BYTES * trainable, ADAM_BYTES * p.experts_trainable, d),
             "autocast_copies": casts, "activations": forwards * (kept + backward) + in_flight * tokens * outside,
             "logits": logits}
 

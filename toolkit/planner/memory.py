@@ -80,6 +80,20 @@ def frozen_bytes_per_param(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
+def vision_split(vision: tuple[int, int], method: str, train_vision: str) -> tuple[int, int]:
+    """(frozen, trained) parameters of an image-text model's vision side, `vision` its (tower, projector) counts, as
+    `toolkit.model.vision.freeze_vision` and `lora_extras` leave them: a full finetune trains the projector and
+    (--train-vision all) the tower, the rest frozen; LoRA keeps both frozen and trains peft's whole copies
+    (`modules_to_save`) of what --train-vision names, held beside them. Its activations are not counted: a frozen
+    tower saves none for backward, and the image tokens are the language model's, counted in --seq-len."""
+    tower, projector = vision
+    named = (projector if train_vision in ("projector", "all") else 0) + (tower if train_vision == "all" else 0)
+    if method == "full":
+        trained = projector + (tower if train_vision == "all" else 0)
+        return tower + projector - trained, trained
+    return tower + projector, named
+
+
 def weights_bytes(s: Sharding, frozen: int, trainable: int, n: int, precision: str) -> int:
     """Resident weights per GPU, frozen and trainable: all of them, or a 1/n shard (ZeRO-3, FSDP), or
     none (param offload)."""

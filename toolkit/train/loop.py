@@ -79,9 +79,12 @@ def preflight(cfg: Config, accelerator, model_cfg: dict, warn) -> dict:
     if measured is None:
         return {}
     from toolkit.model.load import resolved_precision
+    from toolkit.model.vision import plan_view
     from toolkit.planner.auto import predicted_peak
 
-    predicted = predicted_peak(cfg, model_cfg, resolved_precision(cfg))
+    # an image-text model: its language model and its vision side's parameters
+    text, vision = plan_view(model_cfg)
+    predicted = predicted_peak(cfg, text, resolved_precision(cfg), vision)
     if predicted and measured > 1.1 * predicted and accelerator.is_main_process:
         warn(f"warning: step 1 peaked at {measured / 2**30:.2f} GiB of device memory, {measured / predicted:.2f}x the "
              f"planner's {predicted / 2**30:.2f} GiB for this layout; memory plans (--strategy auto, plan) may not fit")
@@ -93,6 +96,7 @@ def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Pa
     and what was kept (the checkpoints on disk are complete: a save is renamed into place whole)."""
     from toolkit.layout.rules import layout_words
     from toolkit.model.load import resolved_precision
+    from toolkit.model.vision import plan_view
     from toolkit.planner.auto import memory_advice
     from toolkit.train.checkpoint import complete_checkpoints
 
@@ -101,7 +105,9 @@ def out_of_memory(cfg: Config, step: int, strategy, model_cfg: dict, out_dir: Pa
     where = (f"layout {layout_words(cfg.parallel)} on {strategy.accelerator.num_processes} process(es), "
              f"micro-batch {t.micro_batch_size}, "
              f"seq-len {cfg.data.seq_len}, gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}")
-    return (f"out of memory at step {step} ({where}): {memory_advice(cfg, model_cfg, resolved_precision(cfg))}. "
+    text, vision = plan_view(model_cfg)
+    advice = memory_advice(cfg, text, resolved_precision(cfg), vision)
+    return (f"out of memory at step {step} ({where}): {advice}. "
             + (f"The last checkpoint, {kept[-1]}, is intact (--resume auto continues from it)" if kept
                else "No checkpoint had been written (--save-every N keeps some)"))
 
