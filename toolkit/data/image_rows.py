@@ -200,26 +200,13 @@ class ImageRows(list):
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
 
-def _end_to_end(key: str, v, lengths: list[int], width: int):
-    """A per-token tensor of the processor's (B, T) as the padding-free row lays its examples: each one's tokens end
-    to end, zero to `width`. Only modality types (`mm_token_type_ids`, which M-RoPE positions read) are laid out:
-    a mask between tokens (`token_type_ids`' bidirectional images, `cross_attention_mask`) would need the kernel
-    to follow it (such models' batches are padded: `toolkit.model.vision.end_to_end_problem`)."""
-    import torch
-
-    if key != "mm_token_type_ids":
-        raise RuntimeError(f"the processor gives {key} per token, which padding-free rows do not lay out")
-    row = torch.cat([v[i, :n] for i, n in enumerate(lengths)])
-    return torch.nn.functional.pad(row, (0, width - row.numel())).unsqueeze(0)
-
-
 class MediaCollate:
     """A micro-batch of `ImageRows` right-padded, or (`padding_free`) its examples end to end in one row as
     `toolkit.data.packing.collate_padding_free` lays text (`whole`: with the documents' boundaries), with the
     processor's image inputs (its ids checked equal to the prepared ones) under `MEDIA` keys; a tensor of the
-    processor's that is per token (B, T, ...) cut as the ids are. End to end, the image features go to their tokens
-    in the row in the order the padded batch places them (`toolkit.model.vision.end_to_end_problem`: models that need
-    more are padded)."""
+    processor's that is per token (B, T, ...) cut as the ids are (padded rows only). End to end, the image features
+    go to their tokens in the row in the order the padded batch places them (`toolkit.model.vision.end_to_end_problem`:
+    models that need more are padded)."""
 
     def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False,
                  ranks: int | None = None):
@@ -256,8 +243,11 @@ class MediaCollate:
             if k in ("input_ids", "attention_mask", "labels") or not torch.is_tensor(v):
                 continue
             if k in PER_TOKEN and self.padding_free:
-                out[MEDIA + k] = _end_to_end(k, v, [len(x["input_ids"]) for x in sequences], width)
-                continue
+                # modality types: multi-axis positions read the ids (`toolkit.model.vision.packed_mrope`); a mask
+                # between tokens would need the kernel to follow it (such models are padded: `end_to_end_problem`)
+                if k == "mm_token_type_ids":
+                    continue
+                raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
         return out
 
@@ -269,15 +259,13 @@ class MediaCollate:
         if self._blank is None:
             from PIL import Image
 
-            from toolkit.data.images import image_value, template_messages
-            from toolkit.data.tokenize import IGNORE_INDEX
+            from toolkit.data.images import image_value
 
             ref = image_value(Image.new("RGB", (28, 28)), "")
-            text = self.processor.apply_chat_template(
-                template_messages([{"role": "user", "content": [{"type": "image", "image": ref}]}]), tokenize=False)
-            ids = self.processor(text=[text], images=[[open_image(ref)]], add_special_tokens=False)["input_ids"][0]
-            ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
-            self._blank = {"input_ids": ids, "labels": [IGNORE_INDEX] * len(ids), "text": text, "images": [ref]}
+            # a user turn alone: no answer, so no labels
+            row = encode(self.processor, [{"role": "user", "content": [{"type": "image", "image": ref}]}],
+                         2**31, False, "the blank image: ")
+            self._blank = {k: row[k] for k in ("input_ids", "labels", "text", "images")}
         return self._blank
 
     def _rows(self, batch: list[dict]) -> dict:

@@ -81,14 +81,19 @@ def mrope_axes(config) -> int:
     return 0
 
 
-def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 mm_token_type_ids: torch.Tensor | None = None,
+def image_types(module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The modality of each token (1: an image's, 0: text) as M-RoPE's `get_rope_index` reads it, from the ids
+    (`config.image_token_id`): the processor's `mm_token_type_ids` say the same of the rows it padded itself."""
+    return (input_ids == module.config.image_token_id).to(torch.int32)
+
+
+def packed_mrope(module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """(4, 1, T) positions of a padding-free row (1, T) of a model with multi-axis rotary positions (Qwen2-VL's
     M-RoPE): the text positions, restarting per example, which transformers reads as the examples' bounds (Qwen2-VL's
     text model: "packed `position_ids` ... [4, bs, seq-len]"), then each example's temporal, height and width
-    positions as its own padded row gets them: `rope_index` (the model's `get_rope_index`) on the examples stacked
-    as a right-padded batch, whose image grids it takes in the row's order."""
+    positions as its own padded row gets them: the model's `get_rope_index` on the examples stacked as a
+    right-padded batch, whose image grids it takes in the row's order."""
     from toolkit.model.attention import document_ids
 
     if position_ids.shape[0] != 1:
@@ -96,26 +101,23 @@ def packed_mrope(rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor
     text = position_ids.view(1, 1, -1)
     if image_grid_thw is None:
         return text.expand(4, 1, -1)
-    if mm_token_type_ids is None:
-        mm_token_type_ids = (input_ids == rope_index.__self__.config.image_token_id).to(torch.int32)
     doc, col = document_ids(position_ids)[0].long(), position_ids[0].long()
     # one sync: the examples' count and the longest
     n, width = (int(v) for v in torch.stack([doc.max() + 1, col.max() + 1]).tolist())
     ids = input_ids.new_zeros(n, width)
     ids[doc, col] = input_ids[0]
-    types = mm_token_type_ids.new_zeros(n, width)
-    types[doc, col] = mm_token_type_ids[0]
     mask = torch.zeros(n, width, dtype=torch.long, device=ids.device)
     mask[doc, col] = 1
-    axes, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw, attention_mask=mask)
+    axes, _ = module.get_rope_index(ids, mm_token_type_ids=image_types(module, ids), image_grid_thw=image_grid_thw,
+                                    attention_mask=mask)
     return torch.cat([text, axes[:, doc, col].unsqueeze(1).to(text.dtype)])
 
 
 def padded_mrope(module, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  image_grid_thw: torch.Tensor | None, cache=None) -> torch.Tensor:
     """(3, B, L) positions of padded rows given with their own (B, L) text positions (GRPO's left-padded prompts,
-    their completions, each decode step's token): the model's `get_rope_index` on the rows (their image tokens read
-    from the ids: `config.image_token_id`), as transformers computes them when it is given none. A decode step
+    their completions, each decode step's token): the model's `get_rope_index` on the rows (`image_types`), as
+    transformers computes them when it is given none. A decode step
     (`cache` holding tokens) continues each row from its prompt's last position: its text position plus the row's
     offset (`rope_deltas`), kept from the prompt's forward."""
     if cache is not None and cache.get_seq_length() > 0:
@@ -125,9 +127,7 @@ def padded_mrope(module, input_ids: torch.Tensor, position_ids: torch.Tensor, at
     if image_grid_thw is None:
         module._mrope_deltas = None
         return position_ids.unsqueeze(0).expand(3, -1, -1)
-    image = module.config.image_token_id
-    types = (input_ids == image).to(torch.int32)
-    axes, module._mrope_deltas = module.get_rope_index(input_ids, mm_token_type_ids=types,
+    axes, module._mrope_deltas = module.get_rope_index(input_ids, mm_token_type_ids=image_types(module, input_ids),
                                                        image_grid_thw=image_grid_thw, attention_mask=attention_mask)
     return axes.to(position_ids.dtype)
 
@@ -139,8 +139,7 @@ def _mrope_hook(module, args, kwargs):
     if pos is None or pos.ndim != 2 or ids is None:
         return None
     if mask is None:
-        kwargs["position_ids"] = packed_mrope(module.get_rope_index, ids, pos, kwargs.get("mm_token_type_ids"),
-                                              kwargs.get("image_grid_thw"))
+        kwargs["position_ids"] = packed_mrope(module, ids, pos, kwargs.get("image_grid_thw"))
     else:
         kwargs["position_ids"] = padded_mrope(module, ids, pos, mask, kwargs.get("image_grid_thw"),
                                               kwargs.get("cache"))

@@ -86,17 +86,17 @@ def check_causal(run, batch: dict) -> None:
     from toolkit.data.tokenize import IGNORE_INDEX
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
+    model = strategy.unwrap(run.model)
     ids, labels = batch["input_ids"], batch["labels"][0]
     targets = (labels != IGNORE_INDEX).nonzero()
     t = int(targets[-1]) if len(targets) else ids.shape[1] - 1
     # another of the row's targets, a text token (or the next id where the row has one target alone)
     others = labels[(labels != IGNORE_INDEX) & (labels != ids[0, t])]
     changed = ids.clone()
-    changed[0, t] = others[0] if len(others) else (ids[0, t] + 1) % strategy.unwrap(run.model).config.get_text_config(
-    ).vocab_size
+    changed[0, t] = others[0] if len(others) else (ids[0, t] + 1) % model.config.get_text_config().vocab_size
     # the language model's last hidden states (one tensor, no full logits: `logits_to_keep` 1)
     seen = []
-    decoder = strategy.unwrap(run.model).get_decoder()
+    decoder = model.get_decoder()
     hook = decoder.register_forward_hook(lambda module, args, out: seen.append(out[0][0, :t].float()))
     try:
         with evaluating(run.model):
@@ -109,8 +109,7 @@ def check_causal(run, batch: dict) -> None:
     run.memory["causal_check_gap"] = gap
     bound = agreement(checked_dtype(run))
     if gap > bound:
-        model_type = strategy.unwrap(run.model).config.model_type
-        raise UserError(f"model type {model_type}: with the inputs its processor gives (token_type_ids: "
+        raise UserError(f"model type {model.config.model_type}: with the inputs its processor gives (token_type_ids: "
                         f"{'media:token_type_ids' in batch}), a token sees later ones (changing the first row's last "
                         f"target token moved the earlier positions by {gap:.1e} relative, over {bound:.1e}): it "
                         "would learn answers it can see (a prefix-LM such as PaliGemma's); not yet trained here")
