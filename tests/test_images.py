@@ -813,7 +813,7 @@ def test_a_model_whose_text_sees_later_tokens_is_one_line_before_step_1(zoo, ima
     import finetune
 
     monkeypatch.setattr("toolkit.data.image_rows.prefix_suffix",
-                        lambda processor, text, start, where="": {"text": text})
+                        lambda processor, text, start, where="", images=1: {"text": text})
     model = zoo["paligemma"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:

@@ -56,7 +56,7 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
     labels0 = list(ids0) if train_on_prompt else _answer_labels(ids0, plain["offset_mapping"], spans)
     refs = image_refs(conv)
     images = open_images(refs, where)
-    parts = prefix_suffix(processor, text, spans[0][0] if spans else 0, where)
+    parts = prefix_suffix(processor, text, spans[0][0] if spans else 0, where, len(images))
     ids = processor(**texts_of([parts]), images=[images] if images else None,
                     add_special_tokens=False)["input_ids"][0]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
@@ -74,21 +74,34 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
             "truncated": truncated, "text_labels": text_labels[:seq_len]}
 
 
-def prefix_suffix(processor, text: str, start: int, where: str = "") -> dict:
+def prefix_suffix(processor, text: str, start: int, where: str = "", images: int = 1) -> dict:
     """The rendered `text` as the processor takes it: {"text": text}, or, for a processor whose call takes a
     `suffix` (PaliGemma's prefix-LM, whose token_type_ids mark the suffix: the prefix attends both ways, the suffix
     causally), {"text": the prefix, "suffix": the rest} split at `start`, where the first answer begins (0 where
-    every token trains). Such a processor puts every image before the prefix: an example without one, or with one
-    after its first answer, is one line (`where`: the record)."""
-    import inspect
-
-    if "suffix" not in inspect.signature(type(processor).__call__).parameters:
+    every token trains). Such a processor puts every image before the prefix: an example without one (`images`: how
+    many it has), or with one after its first answer, is one line (`where`: the record)."""
+    if not _takes_suffix(processor):
         return {"text": text}
     token = getattr(processor, "image_token", None)
-    if token and (token not in text[:start] or token in text[start:]):
+    # transformers 5.4's PaliGemmaProcessor has no image_token: the images' count alone
+    if not images or (token and (token not in text[:start] or token in text[start:])):
         raise UserError(f"{where}{type(processor).__name__} takes an example's images before its prompt: give each "
                         "example an image, in the turns before its first answer")
     return {"text": text[:start], "suffix": text[start:]}
+
+
+def _takes_suffix(processor) -> bool:
+    """The processor's call takes a `suffix`: a parameter of it (transformers 5.24), or a text keyword its module
+    declares (5.4's `PaliGemmaTextKwargs`, read through `**kwargs`)."""
+    import inspect
+    import sys
+
+    call = type(processor).__call__
+    if "suffix" in inspect.signature(call).parameters:
+        return True
+    module = sys.modules.get(call.__module__)
+    declared = (v for v in vars(module).values() if isinstance(v, type) and v.__name__.endswith("TextKwargs"))
+    return any("suffix" in getattr(v, "__annotations__", {}) for v in declared) if module else False
 
 
 def texts_of(sequences: list[dict]) -> dict:
