@@ -414,3 +414,38 @@ def test_a_full_disk_at_the_data_cache_or_before_the_first_step_is_one_line(trai
         (full / "filler2").write_bytes(b"\0" * 100_000)
     line = one_error(capsys, [*trained["common"], "--output-dir", str(full / "out")])
     assert f"could not write {full / 'out' / 'config.yaml'}: no space left on device; free space on that disk" in line
+
+
+def test_the_preemption_handler_is_put_back_when_set_up_fails_and_a_forked_worker_still_dies(trained, tmp_path,
+                                                                                             monkeypatch):
+    """A run that fails between installing its SIGTERM handler and its first step puts the old handler back;
+    a process forked under the handler (a `datasets` map worker) dies on SIGTERM, as a pool's `terminate`
+    needs: it had kept only a flag, and the pool waited on it for ever."""
+    import signal
+    import time
+
+    from toolkit.train import loop
+    from toolkit.train.faults import Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("metrics could not start")
+
+    monkeypatch.setattr(loop, "MetricsLogger", broken)
+    with pytest.raises(RuntimeError, match="metrics could not start"):
+        finetune.main([*trained["common"], "--max-steps", "1", "--output-dir", str(tmp_path / "out")])
+    assert signal.getsignal(signal.SIGTERM) is before
+    preemption = Preemption()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(20)
+            os._exit(0)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        preemption.restore()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert preemption.signal is None

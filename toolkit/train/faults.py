@@ -54,6 +54,7 @@ class Preemption:
         self.signal: int | None = None
         self.abandoning = False
         self._old = {}
+        self._pid = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -62,6 +63,12 @@ class Preemption:
                 pass
 
     def _handle(self, signum, frame) -> None:
+        # a process forked from this one (a data worker) inherits the handler: a flag nobody reads would
+        # keep it alive, and its parent's pool waiting on it, so it dies as the signal's default does
+        if os.getpid() != self._pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.signal = signum
         # not inside Abandonable.__exit__ itself: the block has ended, nothing is left to abandon
         if self.abandoning and frame is not None and frame.f_code is not Abandonable.__exit__.__code__:

@@ -347,7 +347,20 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
               Preemption(), 0.0, Window(0.0), sync_free(optimizer, accelerator, strategy.always_steps),
               compiling=compiling)
     run.objective = objective
-    run.context = Context(cfg, strategy, model, tokenizer, out_dir, total_steps, run.log_every, log,
+    try:
+        return _start(run, log, loader, train_rows, eval_rows, steps_per_epoch, resume, trackers, on_start)
+    # the loop's own `finally` is not reached yet: the signal handlers are put back here
+    except BaseException:
+        run.preempt.restore()
+        raise
+
+
+def _start(run: Run, log, loader, train_rows, eval_rows, steps_per_epoch: int, resume, trackers, on_start) -> Run:
+    """The objective's set-up, a checkpoint's state, the batches and the metrics: `set_up`'s part after the
+    signal handlers are installed."""
+    cfg, strategy, model, objective = run.cfg, run.strategy, run.model, run.objective
+    accelerator, compiling, total_steps = strategy.accelerator, run.compiling, run.total_steps
+    run.context = Context(cfg, strategy, model, run.tokenizer, run.out_dir, total_steps, run.log_every, log,
                           partial(frozen_copy, cfg, strategy, model), lambda: run.preempt.signal is not None,
                           run.fault, lambda line: run.metrics.write(line), run.preempt.abandonable)
     # before the checkpoint's weights are restored: a reference is the model as loaded
@@ -360,14 +373,14 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
         compiling.bucket()
     # records past the checkpoint (or all, when none was found) are of lost steps
     if cfg.output.resume and accelerator.is_main_process:
-        keep_records_through(out_dir / "metrics.jsonl", run.first_step - 1)
+        keep_records_through(run.out_dir / "metrics.jsonl", run.first_step - 1)
     # a checkpoint written mid-round keeps the round's rest
     run.batches = objective.batches(run.context, loader, train_rows, run.first_step, steps_per_epoch,
                                     saved.get(BATCHES_STATE) if saved is not None else None)
     # before the bar: what it prints stays whole
     if on_start is not None:
         on_start(model)
-    run.metrics = MetricsLogger(out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
+    run.metrics = MetricsLogger(run.out_dir, total_steps, accelerator.is_main_process, done=run.first_step - 1,
                                 trackers=trackers)
     run.start = time.perf_counter()
     run.window = Window(run.start)
