@@ -64,13 +64,18 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(autouse=True)
 def _reset_accelerate():
-    """accelerate keeps process-wide singletons; each in-process run starts from a clean state."""
+    """accelerate keeps process-wide singletons; each in-process run starts from a clean state. A run's
+    SIGTERM handler must not outlive it: processes forked later (datasets' map workers) inherit it."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
     yield
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+    assert signal.getsignal(signal.SIGTERM) is handler, "a run left its SIGTERM handler installed"
 
 
 # Longest first: under pytest-xdist (`--dist loadfile`, each file on one worker; `--no-loadscope-reorder`, in

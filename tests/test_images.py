@@ -16,7 +16,7 @@ import torch
 from distributed import launch, launch_layouts, parity_args
 from helpers import losses, records
 
-from vlm_zoo import build_vlm_dir, lfm2_vl_without_torchvision
+from vlm_zoo import build_vlm_dir, class_dir, lfm2_vl_without_torchvision
 
 from toolkit.model.synthetic import build_llava_dir
 
@@ -247,7 +247,7 @@ def test_padding_free_image_batches_give_the_padded_loss_and_gradients(llava, zo
     want, want_grads = loss_and_grads(model, padded)
     got, got_grads = loss_and_grads(model, free)
     assert got == pytest.approx(float(want), rel=1e-5)
-    tower = parts(model)["tower"]
+    (tower,) = parts(model)["tower"]
     assert want_grads.keys() == got_grads.keys() and any(n.startswith(tower + ".") for n in got_grads)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -958,6 +958,14 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         paligemma = build_vlm_dir(tmp_path / "paligemma", "paligemma")
         return (["--model", str(paligemma), "--dataset", str(images / "mixed.jsonl")],
                 "record 6 (line 6): PaliGemmaProcessor takes an example's images before its prompt")
+    elif case == "vision_tower_inside_the_language_model":
+        return (["--model", str(class_dir(tmp_path / "git", "git")), "--dataset", str(images / "chat.jsonl")],
+                "GitForCausalLM: its language model (git) holds its vision tower (git.image_encoder), so its language "
+                "side cannot train alone")
+    elif case == "no_vision_tower_of_its_own":
+        return (["--model", str(class_dir(tmp_path / "fuyu", "fuyu")), "--dataset", str(images / "chat.jsonl")],
+                "model type fuyu reads images without a vision tower of its own (no vision_config in its "
+                "config.json), which the toolkit does not train on images yet; pass --images off")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -970,7 +978,8 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
                                   "images_for_a_text_model", "pipeline",
                                   "processor_needs_torchvision", "grpo_on_gemma3",
                                   "kto_on_gemma3", "kto_on_qwen2_vl", "pixels_on_a_fixed_size_processor",
-                                  "paligemma_without_an_image"])
+                                  "paligemma_without_an_image", "vision_tower_inside_the_language_model",
+                                  "no_vision_tower_of_its_own"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

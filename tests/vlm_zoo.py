@@ -237,3 +237,21 @@ def lfm2_vl_without_torchvision(path) -> Path:
     (Path(path) / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Lfm2VlImageProcessor"}))
     (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
     return Path(path)
+
+
+def class_dir(path, model_type: str) -> Path:
+    """A tiny random model of an image-text class the toolkit refuses on images, with the tests' tokenizer and no
+    processor (the refusal comes before either is read): GIT, whose language model holds its vision tower, or Fuyu,
+    whose image patches enter without a vision tower of their own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    tok = build_tokenizer()
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(tok))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    extra = {"git": {"vision_config": vision}, "fuyu": {"num_key_value_heads": 4}}[model_type]
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **text, **extra)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)

@@ -116,7 +116,7 @@ def resolve_images(cfg, model_path: str):
 
     from toolkit.data.peek import data_images
     from toolkit.errors import UserError
-    from toolkit.model.vision import end_to_end_problem, image_text, only_image_text
+    from toolkit.model.vision import end_to_end_problem, image_text, only_image_text, vision_problem
 
     if cfg.data.images == "off":
         return cfg
@@ -129,11 +129,15 @@ def resolve_images(cfg, model_path: str):
         raise
     # a text model's data is only peeked (no full read on every run): what it misses, tokenizing refuses
     pictured = cfg.data.images == "on" or data_images(cfg.data_settings, full=image_text(config))
+    on = pictured or only_image_text(config)
+    problem = on and vision_problem(config)
+    if problem:
+        raise UserError(f"--model {cfg.model.model}: {problem}" + ("; pass --images off to train on the text alone"
+                                                                   if not only_image_text(config) else ""))
     if pictured and not image_text(config):
         raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is a text-only "
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
-    on = pictured or only_image_text(config)
     why = on and image_text(config) and end_to_end_problem(config, kl_rows=cfg.train.objective == "kto")
     if why and cfg.train.objective in ("grpo", "kto"):
         # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again

@@ -1,12 +1,14 @@
 """Image-text models (LLaVA, Idefics3/SmolVLM, Gemma 3, Mllama, ... : transformers' `AutoModelForImageTextToText`):
 which configs are one, their processor, and the model's parts named from the model itself, never from a table of
-names: the language model is `get_decoder()`, the output head `get_output_embeddings()`, the vision tower the
-submodule built from `config.vision_config`; whatever else sits beside them (LLaVA's `multi_modal_projector`,
-Idefics3's `connector`) is the projector.
+names: the language model is `get_decoder()`, the output head `get_output_embeddings()`, the vision towers the
+submodules built from `config.vision_config`; beside them, what the class's `get_image_features` and `forward` read
+(LLaVA's `multi_modal_projector`, Idefics3's `connector`, BLIP-2's `qformer`) is the projector, and what they do not
+(an audio tower) stays frozen. `vision_problem` refuses, from the config alone, the classes this cannot name
+(tests/test_image_classes.py runs it over every class transformers ships).
 
 What trains (`--train-vision`): LoRA adapts the language model's linears only; a full finetune trains the language
-model and the projector. `projector` adds the projector to a LoRA run (as modules_to_save), `all` the vision tower too.
-"""
+model and the projector. `projector` adds the projector to a LoRA run (as modules_to_save), `all` the vision tower
+too."""
 
 from __future__ import annotations
 
@@ -261,9 +263,10 @@ def without_video(path: str, trust_remote_code: bool = False):
                                        "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
-def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
-    """The module name of `target` in `model`."""
-    return next(name for name, module in model.named_modules() if module is target)
+def _name_of(model: torch.nn.Module, target: torch.nn.Module | None) -> str:
+    """The module name of `target` in `model` ("" where it is none of its modules: BLIP's output head is its
+    text decoder's)."""
+    return next((name for name, module in model.named_modules() if module is target and name), "")
 
 
 def has_vision(model: torch.nn.Module) -> bool:
@@ -272,66 +275,132 @@ def has_vision(model: torch.nn.Module) -> bool:
     return vision is not None and any(getattr(m, "config", None) is vision for m in model.modules())
 
 
-def parts(model: torch.nn.Module) -> dict[str, str]:
-    """{part: module name} of an image-text model (`has_vision`): `language`, `tower`, and `projector` where the model
-    has one (module names under `model`'s own, so a peft wrapper's prefix is not in them)."""
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+def _read_by(cls: type, method: str, depth: int, seen: set[str] | None = None) -> set[str]:
+    """The attributes `cls.method`'s source reads as `self.<name>`, and those of the methods it calls, `depth` deep."""
+    import inspect
+
+    seen = set() if seen is None else seen
+    fn = getattr(cls, method, None)
+    if fn is None or method in seen or depth == 0:
+        return set()
+    seen.add(method)
+    try:
+        names = set(re.findall(r"self\.(\w+)", inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError):
+        return set()
+    return names.union(*(_read_by(cls, n, depth - 1, seen) for n in names if callable(getattr(cls, n, None))))
+
+
+def parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """{part: module names} of an image-text model (`has_vision`), read from the model (names under `model`'s own, so a
+    peft wrapper's prefix is not in them):
+    - `language`: the decoder (`get_decoder()`), one name;
+    - `tower`: every module built from `config.vision_config` (Video-LLaVA has an image and a video tower);
+    - `projector`: the modules beside the towers that the image path reads, as `get_image_features` and `forward`
+      name them in their code: LLaVA's `multi_modal_projector`, BLIP-2's `qformer` and `language_projection`;
+      all of them where the class has no `get_image_features`;
+    - `others`: the modules beside them it does not read (an audio tower, Janus's image generation head): frozen.
+    A model whose language model holds its vision tower (IDEFICS, GIT) cannot train its language side alone: one
+    line (`UserError`)."""
     config = model.config
-    language = _name_of(model, model.get_decoder())
-    tower = next(name for name, module in model.named_modules()
-                 if getattr(module, "config", None) is config.vision_config and name)
-    parent = tower.rsplit(".", 1)[0] if "." in tower else ""
-    head = _name_of(model, model.get_output_embeddings())
-    taken = {language, tower, head}
-    rest = [name for name, module in (model.get_submodule(parent) if parent else model).named_children()
-            if (f"{parent}.{name}" if parent else name) not in taken and any(True for _ in module.parameters())]
-    found = {"language": language, "tower": tower}
-    if rest:
-        found["projector"] = f"{parent}.{rest[0]}" if parent else rest[0]
-    return found
+    language, head = _name_of(model, model.get_decoder()), _name_of(model, model.get_output_embeddings())
+    towers = [n for n, m in model.named_modules() if n and getattr(m, "config", None) is config.vision_config]
+    towers = [n for n in towers if not any(_inside(n, t) and n != t for t in towers)]
+    if not language or not towers:
+        what = "is built from its vision_config (a vision tower)" if language else "is its get_decoder()"
+        raise UserError(f"{type(model).__name__}: no module of it {what}, so the toolkit cannot tell its language "
+                        "model from its vision side")
+    if any(_inside(t, language) for t in towers):
+        raise UserError(f"{type(model).__name__}: its language model ({language}) holds its vision tower "
+                        f"({towers[0]}), so its language side cannot train alone; the toolkit trains image-text models "
+                        "whose language model is a module of its own")
+    parent = towers[0].rpartition(".")[0]
+    outer = model.get_submodule(parent) if parent else model
+    read = (_read_by(type(outer), "get_image_features", 3) | _read_by(type(outer), "forward", 1)
+            if hasattr(outer, "get_image_features") else None)
+    taken = [n for n in (language, head, *towers) if n]
+    beside = [(child, f"{parent}.{child}" if parent else child) for child, m in outer.named_children()
+              if any(True for _ in m.parameters())]
+    beside = [(child, name) for child, name in beside if not any(_inside(t, name) for t in taken)]
+    return {"language": (language,), "tower": tuple(towers),
+            "projector": tuple(name for child, name in beside if read is None or child in read),
+            "others": tuple(name for child, name in beside if read is not None and child not in read)}
+
+
+def skeleton(config, images: bool = True) -> torch.nn.Module:
+    """The model `auto_class` builds, on the meta device: no weights read, no memory taken (buffers neither: some
+    classes build rotary tables of gigabytes)."""
+    with torch.device("meta"):
+        return auto_class(config, images).from_config(config)
+
+
+def vision_problem(config) -> str | None:
+    """Why the toolkit cannot train this image-text class on images (None: it can), from its config alone, before any
+    weight loads: a class whose images enter without a vision tower of their own (no vision_config: Fuyu,
+    Chameleon), one transformers cannot build here (a package it needs is missing), or whose parts `parts` cannot
+    tell apart."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if getattr(config, "vision_config", None) is None:
+        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return (f"model type {config.model_type} reads images without a vision tower of its own (no vision_config "
+                    "in its config.json), which the toolkit does not train on images yet")
+        return None
+    try:
+        parts(skeleton(config))
+    # transformers' own words ("requires the timm library") or Python's (No module named 'timm')
+    except ImportError as e:
+        said = re.search(r"requires the (\S+) library", str(e))
+        package = said.group(1) if said else getattr(e, "name", None)
+        if package is None:
+            raise
+        return f"model type {config.model_type} needs the {package} package, not installed here: pip install {package}"
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def plan_view(model_cfg: dict) -> tuple[dict, tuple[int, int]]:
     """A config.json as the planner counts it (`toolkit.planner.estimate.PlanInput`): an image-text model's language
-    model config (with its class's defaults filled in) and its (vision tower, projector) parameters, counted on a
-    weightless skeleton of the class `AutoModelForImageTextToText` builds (`parts`); a text model's as it is."""
+    model config (with its class's defaults filled in) and its (frozen vision side, projector) parameters, counted
+    on a `skeleton` (`parts`: the towers and `others`; the projector); a text model's as it is."""
     if "vision_config" not in model_cfg:
         return model_cfg, (0, 0)
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(**model_cfg)
-    with init_empty_weights():
-        skeleton = AutoModelForImageTextToText.from_config(config)
-    found = parts(skeleton)
-    count = lambda name: sum(p.numel() for p in skeleton.get_submodule(name).parameters())  # noqa: E731
+    model = skeleton(config)
+    found = parts(model)
+    count = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
     text = config.get_text_config().to_dict()
     # the head's tying is the whole model's
     text["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", text.get("tie_word_embeddings")))
-    return text, (count(found["tower"]), count(found["projector"]) if "projector" in found else 0)
+    return text, (count(found["tower"] + found["others"]), count(found["projector"]))
 
 
 def unquantized(config, images: bool) -> list[str] | None:
-    """What QLoRA leaves unquantized in an image-text model (bitsandbytes' `llm_int8_skip_modules`): the vision tower,
-    the projector and the output head of the class `auto_class` loads, named on a weightless skeleton; None where it
-    holds no vision tower."""
-    from accelerate import init_empty_weights
-
+    """What QLoRA leaves unquantized in an image-text model (bitsandbytes' `llm_int8_skip_modules`): the vision side
+    (`parts`) and the output head of the class `auto_class` loads, named on a `skeleton`; None where it holds no
+    vision tower."""
     if not image_text(config):
         return None
-    with init_empty_weights():
-        skeleton = auto_class(config, images).from_config(config)
-    if not has_vision(skeleton):
+    model = skeleton(config, images)
+    if not has_vision(model):
         return None
-    found = parts(skeleton)
-    return [name for name in (found["tower"], found.get("projector"),
-                              _name_of(skeleton, skeleton.get_output_embeddings())) if name]
+    found = parts(model)
+    head = _name_of(model, model.get_output_embeddings())
+    return [*found["tower"], *found["others"], *found["projector"], *([head] if head else [])]
 
 
 def language_linears(model: torch.nn.Module, skip: set[str] = frozenset(), names: list[str] | None = None) -> str:
     """peft's `target_modules` (a regex, matched whole) for the language model's Linears, less `skip` (`names`: only
     those with these leaf names, --lora-targets): the text side only, so the vision tower and the projector (whose
     q_proj and v_proj share the names) keep their weights."""
-    language = parts(model)["language"]
+    (language,) = parts(model)["language"]
     leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.get_submodule(language).named_modules()
                      if isinstance(module, torch.nn.Linear) and f"{language}.{name}" not in skip
                      and (names is None or name.rsplit(".", 1)[-1] in names)})
@@ -339,19 +408,21 @@ def language_linears(model: torch.nn.Module, skip: set[str] = frozenset(), names
 
 
 def freeze_vision(model: torch.nn.Module, train_vision: str, method: str) -> None:
-    """The vision side's `requires_grad` for a full finetune: the tower frozen unless --train-vision all; the projector
-    trains (LoRA runs freeze the whole base and add what --train-vision names as modules_to_save: `lora_extras`)."""
-    if method != "full" or train_vision == "all" or not has_vision(model):
+    """The vision side's `requires_grad` for a full finetune: the towers frozen unless --train-vision all, `others`
+    always (no image-text example reaches them); the projector trains (LoRA runs freeze the whole base and
+    add what --train-vision names as modules_to_save: `lora_extras`)."""
+    if method != "full" or not has_vision(model):
         return
-    for p in model.get_submodule(parts(model)["tower"]).parameters():
-        p.requires_grad_(False)
+    found = parts(model)
+    for name in found["others"] + (found["tower"] if train_vision != "all" else ()):
+        model.get_submodule(name).requires_grad_(False)
 
 
 def lora_extras(model: torch.nn.Module, train_vision: str) -> list[str] | None:
-    """peft's `modules_to_save` for --train-vision under LoRA: the projector, or the projector and the tower."""
+    """peft's `modules_to_save` for --train-vision under LoRA: the projector, or the projector and the towers."""
     found = parts(model)
     names = {"none": [], "projector": ["projector"], "all": ["projector", "tower"]}[train_vision]
-    return [found[n] for n in names if n in found] or None
+    return [name for n in names for name in found[n]] or None
 
 
 def processor_for(path: str, tokenizer, trust_remote_code: bool = False, chat_template: str = "",
