@@ -966,6 +966,21 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         return (["--model", str(class_dir(tmp_path / "fuyu", "fuyu")), "--dataset", str(images / "chat.jsonl")],
                 "model type fuyu reads images without a vision tower of its own (no vision_config in its "
                 "config.json), which the toolkit does not train on images yet; pass --images off")
+    elif case == "image_beyond_the_bounds_with_resizing_off":
+        qwen = build_vlm_dir(tmp_path / "qwen2-vl", "qwen2_vl")
+        config = qwen / "preprocessor_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "do_resize": False}))
+        from PIL import Image
+
+        Image.new("RGB", (280, 140), (200, 30, 30)).save(tmp_path / "wide.png")
+        # one image the processor takes as given (sides of whole merged patches), one beyond its bounds
+        Image.new("RGB", (56, 56), (30, 30, 200)).save(tmp_path / "small.png")
+        rows = [chat_record(str(tmp_path / "small.png"), "blue"), chat_record(str(tmp_path / "wide.png"), "red")]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return (["--model", str(qwen), "--dataset", str(data)],
+                f"record 2 (line 2): image {tmp_path / 'wide.png'} (280x140) is beyond the bounds "
+                "Qwen2VLImageProcessorPil resizes to, and its do_resize is false: as given it makes 235200 pixel "
+                "values, 47040 once resized")
     elif case == "pipeline":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--pp", "2"],
                 "--pp 2: not yet for image-text models (LlavaConfig); their layouts are data-parallel (DDP, "
@@ -979,7 +994,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
                                   "processor_needs_torchvision", "grpo_on_gemma3",
                                   "kto_on_gemma3", "kto_on_qwen2_vl", "pixels_on_a_fixed_size_processor",
                                   "paligemma_without_an_image", "vision_tower_inside_the_language_model",
-                                  "no_vision_tower_of_its_own"])
+                                  "no_vision_tower_of_its_own", "image_beyond_the_bounds_with_resizing_off"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):
     import finetune
     from transformers.utils import is_torchvision_available

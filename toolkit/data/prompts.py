@@ -161,11 +161,12 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
     """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
     with each image's tokens expanded)."""
+    from toolkit.data.image_rows import within_bounds
     from toolkit.data.images import image_refs, open_images, template_messages
 
     text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     refs = image_refs(messages)
-    images = open_images(refs, where)
+    images = within_bounds(processor, open_images(refs, where), refs, where)
     ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
     return text, refs, list(ids.tolist() if hasattr(ids, "tolist") else ids)
 
