@@ -18,7 +18,8 @@ import hashlib
 import os
 from functools import partial
 
-from toolkit.data.images import MEDIA, answer_texts, image_refs, open_image, open_images, template_messages
+from toolkit.data.images import (MEDIA, answer_texts, image_refs, open_image, open_images, template_messages,
+                                 within_bounds)
 from toolkit.errors import UserError
 
 
@@ -72,31 +73,6 @@ def encode(processor, conv: list[dict], seq_len: int, train_on_prompt: bool, whe
         return None
     return {"input_ids": ids[:seq_len], "labels": labels[:seq_len], **parts, "images": refs,
             "truncated": truncated, "text_labels": text_labels[:seq_len]}
-
-
-def within_bounds(processor, images: list, refs: list[str], where: str = "") -> list:
-    """`images`, unless the image processor's resizing is off (`do_resize` false in its preprocessor_config.json) and
-    one is beyond the bounds it resizes to: it would make more pixel values as given than once resized (asked of the
-    image processor itself, whose bounds each model names its own way). One line names the image and the fix: a
-    silent long row would be cut or dropped."""
-    ip = getattr(processor, "image_processor", None)
-    if ip is None or getattr(ip, "do_resize", True) is not False:
-        return images
-    fix = "resize the image, or set do_resize true in the model's preprocessor_config.json"
-    for image, ref in zip(images, refs):
-        # Qwen2-VL's takes only sides that are multiples of its merged patch
-        try:
-            given = ip(images=[image], do_resize=False, return_tensors="pt")["pixel_values"].numel()
-        except Exception as e:  # noqa: BLE001 - each image processor fails its own way
-            raise UserError(f"{where}image {ref[:80]} ({image.width}x{image.height}): {type(ip).__name__}, whose "
-                            f"do_resize is false, cannot take it as given ({type(e).__name__}: "
-                            f"{' '.join(str(e).split())[:120]}); {fix}") from None
-        bound = ip(images=[image], do_resize=True, return_tensors="pt")["pixel_values"].numel()
-        if given > bound:
-            raise UserError(f"{where}image {ref[:80]} ({image.width}x{image.height}) is beyond the bounds "
-                            f"{type(ip).__name__} resizes to, and its do_resize is false: as given it makes {given} "
-                            f"pixel values, {bound} once resized; {fix}")
-    return images
 
 
 def prefix_suffix(processor, text: str, start: int, where: str = "", images: int = 1) -> dict:

@@ -161,8 +161,7 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
     """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
     with each image's tokens expanded)."""
-    from toolkit.data.image_rows import within_bounds
-    from toolkit.data.images import image_refs, open_images, template_messages
+    from toolkit.data.images import image_refs, open_images, template_messages, within_bounds
 
     text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     refs = image_refs(messages)

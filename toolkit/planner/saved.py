@@ -67,8 +67,10 @@ def dtypes(method: str, precision: str, device: str = "cuda", fsdp: bool = False
     mlp = residual if method == "qlora" else compute
     # peft casts the input to the adapters' dtype before their dropout
     adapter_input = compute if fsdp else 4
+    # lora_A's copy of its input: autocast's cast to the compute dtype; none in fp32 (no autocast, the stream and
+    # the adapters both fp32) or under FSDP2's policy (both in the compute dtype)
     return Dtypes(residual, compute, mlp, method == "full", 1 if device == "cuda" else adapter_input,
-                  adapter_cast=not (fsdp and half))
+                  adapter_cast=half and not fsdp)
 
 
 def rmsnorm(h: int, d: Dtypes) -> int:
