@@ -58,6 +58,10 @@ EXPECTED = {
     "video_llava": {"tower": ("model.video_tower", "model.image_tower")},
     "llama4": {"projector": ("multi_modal_projector",)},
     "idefics2": {"projector": ("model.connector",)},
+    # its high-resolution SAM encoder is built from high_res_vision_config: a tower, frozen as the other
+    "deepseek_vl_hybrid": {"tower": ("model.high_res_vision_model", "model.high_res_vision_neck",
+                                     "model.high_res_vision_proj", "model.vision_model"),
+                           "projector": ("model.aligner",)},
     "llava": {"language": ("model.language_model",), "tower": ("model.vision_tower",),
               "projector": ("model.multi_modal_projector",), "others": ()},
 }
@@ -107,3 +111,21 @@ def test_each_image_text_class_is_named_by_its_parts_or_refused_in_one_line(mode
     text, (frozen, projector) = plan_view(config.to_dict())
     assert 0 < frozen and frozen + projector < sum(p.numel() for p in model.parameters())
     assert text["model_type"] == config.get_text_config().model_type
+
+
+def test_a_class_whose_code_cannot_be_read_trains_all_beside_its_tower_and_a_vision_encoder_is_no_image_text_model(
+        monkeypatch):
+    """Where the source of `get_image_features` cannot be read (an install without sources), everything beside the
+    tower is the projector, which a full finetune trains: never all frozen. A config with a vision_config that is no
+    image-text class (CLIP) is not asked (`vision_problem` None: the text-only line comes after)."""
+    import inspect
+
+    from transformers import AutoConfig
+
+    def unreadable(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    found = parts(skeleton(default_config("llava")))
+    assert found["projector"] == ("model.multi_modal_projector",) and found["others"] == ()
+    assert vision_problem(AutoConfig.for_model("clip")) is None

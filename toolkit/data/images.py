@@ -209,12 +209,12 @@ def within_bounds(processor, images: list, refs: list[str], where: str = "") -> 
         ref = ref if not ref.startswith("data:") else ref[:40] + "..."
         # Qwen2-VL's takes only sides that are multiples of its merged patch
         try:
-            given = ip(images=[image], do_resize=False, return_tensors="pt")["pixel_values"].numel()
+            given, bound = (sum(v.numel() for k, v in ip(images=[image], do_resize=resize, return_tensors="pt").items()
+                                if k.startswith("pixel_values")) for resize in (False, True))
         except Exception as e:  # noqa: BLE001 - each image processor fails its own way
             raise UserError(f"{where}image {ref} ({image.width}x{image.height}): {type(ip).__name__}, whose "
                             f"do_resize is false, cannot take it as given ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:120]}); {fix}") from None
-        bound = ip(images=[image], do_resize=True, return_tensors="pt")["pixel_values"].numel()
         if given > bound:
             raise UserError(f"{where}image {ref} ({image.width}x{image.height}) is beyond the bounds "
                             f"{type(ip).__name__} resizes to, and its do_resize is false: as given it makes {given} "

@@ -308,7 +308,11 @@ def parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     line (`UserError`)."""
     config = model.config
     language, head = _name_of(model, model.get_decoder()), _name_of(model, model.get_output_embeddings())
-    towers = [n for n, m in model.named_modules() if n and getattr(m, "config", None) is config.vision_config]
+    # the config's own names for its vision encoders' configs: vision_config, DeepSeek-VL-Hybrid's
+    # high_res_vision_config
+    visions = {id(c) for key in getattr(config, "sub_configs", {}) if key.endswith("vision_config")
+               and (c := getattr(config, key, None)) is not None} | {id(config.vision_config)}
+    towers = [n for n, m in model.named_modules() if n and id(getattr(m, "config", None)) in visions]
     towers = [n for n in towers if not any(_inside(n, t) and n != t for t in towers)]
     if not language or not towers:
         what = "is built from its vision_config (a vision tower)" if language else "is its get_decoder()"
@@ -326,6 +330,10 @@ def parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     beside = [(child, f"{parent}.{child}" if parent else child) for child, m in outer.named_children()
               if any(True for _ in m.parameters())]
     beside = [(child, name) for child, name in beside if not any(_inside(t, name) for t in taken)]
+    # code that cannot be read (an install without sources): all are the projector (trained by a full finetune),
+    # never all frozen
+    if read is not None and not read:
+        read = None
     return {"language": (language,), "tower": tuple(towers),
             "projector": tuple(name for child, name in beside if read is None or child in read),
             "others": tuple(name for child, name in beside if read is not None and child not in read)}
@@ -345,11 +353,11 @@ def vision_problem(config) -> str | None:
     tell apart."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    if getattr(config, "vision_config", None) is None:
-        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-            return (f"model type {config.model_type} reads images without a vision tower of its own (no vision_config "
-                    "in its config.json), which the toolkit does not train on images yet")
+    if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return None
+    if getattr(config, "vision_config", None) is None:
+        return (f"model type {config.model_type} reads images without a vision tower of its own (no vision_config "
+                "in its config.json), which the toolkit does not train on images yet")
     try:
         parts(skeleton(config))
     # transformers' own words ("requires the timm library") or Python's (No module named 'timm')

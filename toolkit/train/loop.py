@@ -349,9 +349,11 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     run.objective = objective
     try:
         return _start(run, log, loader, train_rows, eval_rows, steps_per_epoch, resume, trackers, on_start)
-    # the loop's own `finally` is not reached yet: the signal handlers are put back here
+    # the loop's own `finally` is not reached yet: the signal handlers are put back here, the metrics closed
     except BaseException:
         run.preempt.restore()
+        if run.metrics is not None:
+            run.metrics.close()
         raise
 
 
