@@ -138,7 +138,7 @@ def resolve_images(cfg, model_path: str):
         raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is a text-only "
                         "model (no vision_config in its config.json); train an image-text model, or pass --images "
                         "off to train on the text alone")
-    why = on and image_text(config) and end_to_end_problem(config, kl_rows=cfg.train.objective == "kto")
+    why = on and image_text(config) and end_to_end_problem(config)
     if why and cfg.train.objective in ("grpo", "kto"):
         # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again
         what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"

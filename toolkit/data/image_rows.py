@@ -263,6 +263,11 @@ class MediaCollate:
                     continue
                 raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
+        if "kl_input_ids" in out and MEDIA + "mm_token_type_ids" in out:
+            # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
+            # their own longest: their modality types read from their ids, as the processor reads them
+            out["kl_" + MEDIA + "mm_token_type_ids"] = \
+                (out["kl_input_ids"] == self.processor.image_token_id).to(out[MEDIA + "mm_token_type_ids"].dtype)
         return out
 
     def blank(self) -> dict:

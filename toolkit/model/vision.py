@@ -56,11 +56,11 @@ ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_id
              "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
 
 
-def end_to_end_problem(config, kl_rows: bool = False) -> str | None:
+def end_to_end_problem(config) -> str | None:
     """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
     their tokens in order (LLaVA's, Idefics3's, Qwen2-VL's), so examples laid end to end take theirs unchanged, unless
     its forward takes one of `ROW_BOUND`'s per-row inputs. Multi-axis positions (M-RoPE) are laid out per example
-    (`packed_mrope`, `padded_mrope`); `kl_rows`: for KTO's KL rows, which do not lay them out yet."""
+    (`packed_mrope`, `padded_mrope`), KTO's KL rows' too."""
     import inspect
 
     from transformers.models.auto.auto_factory import _get_model_class
@@ -68,7 +68,7 @@ def end_to_end_problem(config, kl_rows: bool = False) -> str | None:
 
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
-    laid_out = set() if kl_rows or mrope_axes(config) != 3 else {"image_grid_thw"}
+    laid_out = set() if mrope_axes(config) != 3 else {"image_grid_thw"}
     why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
     return f"{cls.__name__}: {'; '.join(why)}" if why else None
 

@@ -132,6 +132,7 @@ def kl_batch(batch: dict) -> dict:
             kl[key] = batch[f"kl_{key}"]
     if "ref_kl_logps" in batch:
         kl["ref_logps"] = batch["ref_kl_logps"]
-    # image examples: each KL sequence holds its own example's prompt, so the batch's images, in order
-    kl.update({k: v for k, v in batch.items() if k.startswith(MEDIA)})
+    # image examples: each KL sequence holds its own example's prompt, so the batch's images, in order; a value per
+    # token, the KL rows' own (`toolkit.data.image_rows.MediaCollate`)
+    kl.update({k: batch.get("kl_" + k, v) for k, v in batch.items() if k.startswith(MEDIA)})
     return kl
