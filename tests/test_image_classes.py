@@ -125,7 +125,23 @@ def test_a_class_whose_code_cannot_be_read_trains_all_beside_its_tower_and_a_vis
     def unreadable(obj):
         raise OSError("could not get source code")
 
+    # built first: importing the model's module reads sources (torch._dynamo's)
+    model = skeleton(default_config("llava"))
     monkeypatch.setattr(inspect, "getsource", unreadable)
-    found = parts(skeleton(default_config("llava")))
+    found = parts(model)
     assert found["projector"] == ("model.multi_modal_projector",) and found["others"] == ()
     assert vision_problem(AutoConfig.for_model("clip")) is None
+
+
+def test_a_forward_that_reads_each_tokens_modality_pads_its_image_batches_unless_its_positions_are_m_rope():
+    """Gemma 4's forward reads mm_token_type_ids (its image tokens attend both ways): laid end to end they would be
+    dropped, so its image batches are padded; Qwen2-VL's are read from the ids by its M-RoPE positions (its config as
+    the hub's: three sections), laid out per example; LLaVA's forward takes none."""
+    from transformers import AutoConfig
+
+    from toolkit.model.vision import end_to_end_problem
+
+    assert "mm_token_type_ids" in end_to_end_problem(default_config("gemma4"))
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+    assert end_to_end_problem(AutoConfig.for_model("qwen2_vl", text_config={"rope_parameters": rope})) is None
+    assert end_to_end_problem(default_config("llava")) is None

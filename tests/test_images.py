@@ -342,6 +342,20 @@ def test_images_are_read_where_the_model_and_data_have_them(llava, zoo, images, 
     assert auto_class(AutoConfig.from_pretrained(zoo["mllama"]), True).__name__ == "AutoModelForImageTextToText"
 
 
+def test_images_for_a_vision_model_of_no_image_text_class_are_one_line(images, tmp_path):
+    """A config with a vision_config whose model type is no image-text class (CLIP) is told so, not called text-only."""
+    from transformers import AutoConfig
+
+    from toolkit.cli.startup import resolve_images, settle
+    from toolkit.errors import UserError
+
+    AutoConfig.for_model("clip").save_pretrained(tmp_path / "clip")
+    cfg = settle(["--model", str(tmp_path / "clip"), "--dataset", str(images / "chat.jsonl")])
+    with pytest.raises(UserError, match="is no image-text model \\(model type clip is no class of "
+                                        "AutoModelForImageTextToText\\)"):
+        resolve_images(cfg, str(tmp_path / "clip"))
+
+
 def test_lora_targets_named_by_the_user_stay_on_the_language_model(llava, images):
     """--lora-targets q_proj,v_proj: the CLIP tower's q_proj and v_proj share the names, and keep their weights."""
     from toolkit.cli.startup import resolve_images, settle
@@ -737,7 +751,7 @@ def test_kto_on_image_examples_trains_alike_on_every_data_parallel_layout(runs, 
         assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
     # the estimate is a mean of differences of sequence log-probabilities some 30 in size, each summed in fp32 on
     # rows of another length on each layout: 1e-5 absolute is their rounding (Qwen2-VL DDP: 2.9e-6 off at 0.0143)
-    assert_metric_close(a, b, "kl", rel=1e-5, abs=1e-5, what=layout)
+    assert_metric_close(a, b, "kl", rel=1e-5, abs=1e-5 if layout.startswith("qwen") else 1e-6, what=layout)
 
 
 @pytest.mark.parametrize("padding_free", [True, False])

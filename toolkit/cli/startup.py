@@ -135,9 +135,11 @@ def resolve_images(cfg, model_path: str):
         raise UserError(f"--model {cfg.model.model}: {problem}" + ("; pass --images off to train on the text alone"
                                                                    if not only_image_text(config) else ""))
     if pictured and not image_text(config):
-        raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is a text-only "
-                        "model (no vision_config in its config.json); train an image-text model, or pass --images "
-                        "off to train on the text alone")
+        what = "a text-only model (no vision_config in its config.json)" \
+            if getattr(config, "vision_config", None) is None else \
+            f"no image-text model (model type {config.model_type} is no class of AutoModelForImageTextToText)"
+        raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is {what}; train "
+                        "an image-text model, or pass --images off to train on the text alone")
     why = on and image_text(config) and end_to_end_problem(config)
     if why and cfg.train.objective in ("grpo", "kto"):
         # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again

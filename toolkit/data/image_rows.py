@@ -265,10 +265,19 @@ class MediaCollate:
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
         if "kl_input_ids" in out and MEDIA + "mm_token_type_ids" in out:
             # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
-            # their own longest: their modality types read from their ids, as the processor reads them
-            out["kl_" + MEDIA + "mm_token_type_ids"] = \
-                (out["kl_input_ids"] == self.processor.image_token_id).to(out[MEDIA + "mm_token_type_ids"].dtype)
+            # their own longest: their modality types as the processor makes them of their ids
+            out["kl_" + MEDIA + "mm_token_type_ids"] = self.types_of(out["kl_input_ids"])
         return out
+
+    def types_of(self, ids):
+        """The processor's modality type of each token of `ids` (`create_mm_token_type_ids`: 1 at an image's
+        tokens, as transformers' processors read them; else where the ids are its `image_token_id`)."""
+        import torch
+
+        make = getattr(self.processor, "create_mm_token_type_ids", None)
+        if make is not None:
+            return torch.tensor(make(ids.tolist()), dtype=torch.long)
+        return (ids == image_token_id(self.processor)).long()
 
     def blank(self) -> dict:
         """An example of one blank 28 px image and nothing to learn, added to a padding-free micro-batch without an

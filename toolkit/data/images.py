@@ -208,13 +208,17 @@ def within_bounds(processor, images: list, refs: list[str], where: str = "") -> 
     for image, ref in zip(images, refs):
         ref = ref if not ref.startswith("data:") else ref[:40] + "..."
         # Qwen2-VL's takes only sides that are multiples of its merged patch
-        try:
-            given, bound = (sum(v.numel() for k, v in ip(images=[image], do_resize=resize, return_tensors="pt").items()
-                                if k.startswith("pixel_values")) for resize in (False, True))
-        except Exception as e:  # noqa: BLE001 - each image processor fails its own way
-            raise UserError(f"{where}image {ref} ({image.width}x{image.height}): {type(ip).__name__}, whose "
-                            f"do_resize is false, cannot take it as given ({type(e).__name__}: "
-                            f"{' '.join(str(e).split())[:120]}); {fix}") from None
+        sizes = []
+        for resize in (False, True):
+            try:
+                made = ip(images=[image], do_resize=resize, return_tensors="pt")
+                sizes.append(sum(v.numel() for k, v in made.items() if k.startswith("pixel_values")))
+            except Exception as e:  # noqa: BLE001 - each image processor fails its own way
+                how = "resized" if resize else "as given (its do_resize is false)"
+                raise UserError(f"{where}image {ref} ({image.width}x{image.height}): {type(ip).__name__} cannot "
+                                f"take it {how} ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+                                f"{fix}") from None
+        given, bound = sizes
         if given > bound:
             raise UserError(f"{where}image {ref} ({image.width}x{image.height}) is beyond the bounds "
                             f"{type(ip).__name__} resizes to, and its do_resize is false: as given it makes {given} "

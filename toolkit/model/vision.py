@@ -52,6 +52,8 @@ def auto_class(config, images: bool = False):
 # what a model's forward takes that ties an image to its example's own row: a micro-batch's examples laid end to end in
 # one row would need it rebuilt per example (named from the forward's arguments, not from a table of models)
 ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_ids)",
+             # Gemma 4's attention, MiniCPM-V 4.7's layout, Molmo2's; M-RoPE's are read from the ids
+             "mm_token_type_ids": "its forward reads each token's modality (mm_token_type_ids)",
              "cross_attention_mask": "its images enter through cross-attention (cross_attention_mask)",
              "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
 
@@ -68,7 +70,7 @@ def end_to_end_problem(config) -> str | None:
 
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
-    laid_out = set() if mrope_axes(config) != 3 else {"image_grid_thw"}
+    laid_out = set() if mrope_axes(config) != 3 else {"image_grid_thw", "mm_token_type_ids"}
     why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
     return f"{cls.__name__}: {'; '.join(why)}" if why else None
 
@@ -311,7 +313,8 @@ def parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     # the config's own names for its vision encoders' configs: vision_config, DeepSeek-VL-Hybrid's
     # high_res_vision_config
     visions = {id(c) for key in getattr(config, "sub_configs", {}) if key.endswith("vision_config")
-               and (c := getattr(config, key, None)) is not None} | {id(config.vision_config)}
+               and (c := getattr(config, key, None)) is not None}
+    visions |= {id(config.vision_config)} if getattr(config, "vision_config", None) is not None else set()
     towers = [n for n, m in model.named_modules() if n and id(getattr(m, "config", None)) in visions]
     towers = [n for n in towers if not any(_inside(n, t) and n != t for t in towers)]
     if not language or not towers:

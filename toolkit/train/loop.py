@@ -13,6 +13,7 @@ faults, preemption), and `finish`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -352,8 +353,10 @@ def set_up(cfg: Config, strategy, model, tokenizer, train_rows, eval_rows, out_d
     # the loop's own `finally` is not reached yet: the signal handlers are put back here, the metrics closed
     except BaseException:
         run.preempt.restore()
-        if run.metrics is not None:
-            run.metrics.close()
+        # the set-up's own error is the one to say
+        with contextlib.suppress(Exception):
+            if run.metrics is not None:
+                run.metrics.close()
         raise
 
 
