@@ -312,9 +312,8 @@ def parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     language, head = _name_of(model, model.get_decoder()), _name_of(model, model.get_output_embeddings())
     # the config's own names for its vision encoders' configs: vision_config, DeepSeek-VL-Hybrid's
     # high_res_vision_config
-    visions = {id(c) for key in getattr(config, "sub_configs", {}) if key.endswith("vision_config")
-               and (c := getattr(config, key, None)) is not None}
-    visions |= {id(config.vision_config)} if getattr(config, "vision_config", None) is not None else set()
+    keys = {k for k in (*getattr(config, "sub_configs", {}), "vision_config") if k.endswith("vision_config")}
+    visions = {id(c) for k in keys if (c := getattr(config, k, None)) is not None}
     towers = [n for n, m in model.named_modules() if n and id(getattr(m, "config", None)) in visions]
     towers = [n for n in towers if not any(_inside(n, t) and n != t for t in towers)]
     if not language or not towers:
