@@ -47,7 +47,7 @@ def test_smoke_runs_every_part(tmp_path):
     assert parts["memory"]["skipped"]  # qlora needs a GPU: said so
     user = {c["name"]: c for c in parts["user"]["cases"]}  # finetune.py as a subprocess, each case
     assert set(user) == {"lora", "full", "lora_compile", "full_compile", "lora_unpacked", "lora_fp32", "dpo",
-                         "qwen3_moe", "gemma2", "grpo"} and "qlora:" in " ".join(parts["user"]["skipped"])
+                         "qwen3_moe", "gemma2", "vlm", "grpo"} and "qlora:" in " ".join(parts["user"]["skipped"])
     assert all(c["started"] and c["integrity"] and c["tokens_per_s"] > 0 and c["step_time_cv"] >= 0
                for c in user.values() if c["name"] != "grpo")
     grpo = user["grpo"]  # --objective grpo: its own figures (a round's generation kept out of training tokens/s)
@@ -65,18 +65,29 @@ def test_smoke_runs_every_part(tmp_path):
     assert all(user[n]["loss_check_gap"] <= 1e-4 for n in user)  # fp32 here
     yard = {c["name"]: c for c in parts["yardstick"]["cases"]}  # TRL's SFTTrainer beside the default
     assert set(yard) == {"lora", "sft_lora", "sft_lora_best", "full", "sft_full", "lora_200_default", "lora_200_eager",
-                         "grpo", "grpo_trl", "grpo_trl_cb"}  # and TRL's GRPOTrainer beside --objective grpo
+                         "grpo", "grpo_trl", "grpo_trl_cb",  # and TRL's GRPOTrainer beside --objective grpo
+                         "vlm", "sft_vlm", "sft_vlm_best"}  # and SFTTrainer on image records beside the VLM case
     assert all(c["tokens_per_s"] > 0 for c in yard.values() if not c["name"].startswith("grpo"))
     assert yard["sft_lora_best"]["best"]["torch_compile"] and yard["grpo"]["from"] == "the user part"
     for name in ("grpo_trl", "grpo_trl_cb"):
         c = yard[name]
         assert c["generation_tokens_per_s"] > 0 and c["training_tokens_per_s"] > 0 and c["step_s"] > 0, name
     assert yard["grpo_trl_cb"]["continuous_batching"] and not yard["grpo_trl"]["continuous_batching"]
+    # issue 73: the VLM case, padding-free image rows, against SFTTrainer on the same images, training as many LoRA
+    # parameters (the language model's linear layers, at the same rank) as the toolkit saved
+    from safetensors.torch import load_file
+
+    assert yard["vlm"]["from"] == "the user part" and user["vlm"]["attention"].startswith("attention: varlen")
+    adapter = load_file(tmp_path / "work" / "user" / "vlm" / "final" / "adapter_model.safetensors")
+    for name in ("sft_vlm", "sft_vlm_best"):
+        assert yard[name]["images"] and yard[name]["trainable_params"] == sum(t.numel() for t in adapter.values())
+    assert yard["sft_vlm_best"]["best"]["torch_compile"] and not yard["sft_vlm_best"]["best"]["padding_free"]
     names = {c["what"] for c in parts["user"]["checks"]}  # the yardstick's merged in
     assert {"lora: default / fastest arm", "full: default / fastest arm", "lora: default / SFTTrainer",
             "lora: default / SFTTrainer best", "full: default / SFTTrainer", "full: logged MFU",
             "200 steps: default wall / eager wall", "grpo: generation tokens/s / GRPOTrainer's (generate)",
-            "grpo: generation tokens/s / GRPOTrainer's (continuous batching)"} <= names  # issues 59's and 65's
+            "grpo: generation tokens/s / GRPOTrainer's (continuous batching)", "vlm: default / SFTTrainer",
+            "vlm: default / SFTTrainer best"} <= names  # issues 59's, 65's and 73's
     skipped = {name: " ".join(d.get("skipped", [])) for name, d in parts.items()}
     assert "flash:" in skipped["packing"] and "loss_liger:" in skipped["chunked_loss"]
     for d in (parts["throughput_full"], parts["throughput_lora"]):

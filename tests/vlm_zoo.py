@@ -20,41 +20,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.model.synthetic import build_tokenizer
+from toolkit.model.synthetic import build_qwen_vl_dir as qwen_vl_dir
+from toolkit.model.synthetic import build_tokenizer, vlm_chat_template
+from toolkit.model.synthetic import vlm_text_config as _text
+from toolkit.model.synthetic import vlm_tokenizer as _tokenizer
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 KINDS = ("idefics3", "gemma3", "mllama", "paligemma", *QWEN)
-_CHAT = ("<|im_start|>", "<|im_end|>")
-
-
-def vlm_chat_template(placeholder: str, prefix: str = "") -> str:
-    """`VLM_CHAT_TEMPLATE` with `placeholder` written for each image part (`prefix`: Jinja put before all)."""
-    return (
-        prefix + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-        "{% if c['type'] == 'image' %}" + placeholder + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def _tokenizer(extra: list[str], **named):
-    """`build_tokenizer()` with `extra` special tokens; `named`: model-specific named tokens (Gemma 3's
-    `boi_token`...), which the processor reads as `tokenizer.boi_token` / `tokenizer.image_token_id`."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = build_tokenizer()
-    tokens = [*_CHAT, *extra]
-    tok.add_special_tokens({"additional_special_tokens": tokens})
-    if not named:
-        return tok
-    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token=tok.eos_token,
-                                   pad_token=tok.pad_token, bos_token=tok.bos_token,
-                                   additional_special_tokens=tokens, **named)
-
-
-def _text(tok, **kw) -> dict:
-    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **kw)
 
 
 def _idefics3(image_size: int = 56, patch_size: int = 14):
@@ -167,59 +139,15 @@ def build_vlm_dir(path, kind: str) -> Path:
         raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
     model_class, config, processor = _BUILDERS[kind]()
     torch.manual_seed(0)
-    model_class(config).save_pretrained(path, safe_serialization=True)
+    model = model_class(config)
+    with torch.no_grad():
+        for weight in model.parameters():
+            # a matrix transformers starts at zero (Gemma 3's mm_input_projection_weight) would make every image's
+            # features zero: a test could not tell an image read from one dropped
+            if weight.dim() > 1 and not weight.any():
+                weight.normal_(0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
-    return Path(path)
-
-
-def _qwen_vl_config(kind: str, tok, ids: dict):
-    """The config of a tiny Qwen2-VL, Qwen2.5-VL (window attention in the tower, full in its second block) or
-    Qwen3-VL (interleaved M-RoPE, the tower's first block's features stacked into the language model's first
-    layers): language model as `_text`, tower hidden 32, 2 blocks."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
-
-    marks = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    mrope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-    if kind == "qwen2_vl":
-        return Qwen2VLConfig(text_config=_text(tok, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                             vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
-                                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-                             **marks)
-    if kind == "qwen2_5_vl":
-        return Qwen2_5_VLConfig(text_config=_text(tok, rope_parameters=mrope),
-                                vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                                                   out_hidden_size=64, patch_size=14, window_size=56,
-                                                   fullatt_block_indexes=[1]), **marks)
-    return Qwen3VLConfig(text_config=_text(tok, head_dim=16, rope_parameters={**mrope, "mrope_interleaved": True}),
-                         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                                            out_hidden_size=64, patch_size=14, num_position_embeddings=64,
-                                            deepstack_visual_indexes=[0]), **marks)
-
-
-def qwen_vl_dir(path, kind: str = "qwen2_vl") -> Path:
-    """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`kind`) folder as the hub ships one, written file by file (its
-    config, weights, tokenizer, `preprocessor_config.json` read by both its image and its video processor,
-    `processor_config.json`, the chat template): without torchvision its processor cannot be built (its video
-    processor needs it), so `AutoProcessor` fails on it as on the real Qwen2-VL-2B, and the toolkit builds it
-    without the video processor (`toolkit.model.vision.without_video`). 56x56 to 112x112 images: 2x2 to 4x4
-    merged 14 px patches, 4 to 16 tokens."""
-    import json
-
-    import torch
-    from transformers import AutoModelForImageTextToText
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    tok = _tokenizer(marks)
-    config = _qwen_vl_config(kind, tok, {t: tok.convert_tokens_to_ids(t) for t in marks})
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14).save_pretrained(path)
-    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(kind, "Qwen3VLProcessor")
-    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
-    (Path(path) / "chat_template.jinja").write_text(vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
     return Path(path)
 
 

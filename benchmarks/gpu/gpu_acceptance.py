@@ -254,12 +254,18 @@ def build_model(shape: dict, path: str, device: str) -> str:
     saving leaves nothing a later call (the same --work on a warm machine) would take as built."""
     import shutil
 
-    from toolkit.model.synthetic import build_model_dir, build_zoo_model_dir
+    from toolkit.model.synthetic import build_model_dir, build_qwen_vl_dir, build_zoo_model_dir
 
     if not (Path(path) / "config.json").exists():
         tmp = Path(f"{path}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        if "model_type" in shape:  # another architecture than Llama (toolkit.model.synthetic.ZOO's, at this shape)
+        if "vlm" in shape:  # an image-text model with its processor (gpu_user.py's VLM shapes)
+            import torch
+
+            build_qwen_vl_dir(tmp, shape["vlm"], text=shape.get("text"), vision=shape.get("vision"),
+                              pixels=tuple(shape.get("pixels", (56 * 56, 112 * 112))), device=device,
+                              dtype=getattr(torch, shape["dtype"]) if "dtype" in shape else None)
+        elif "model_type" in shape:  # another architecture than Llama (toolkit.model.synthetic.ZOO's, at this shape)
             shape = dict(shape)
             build_zoo_model_dir(tmp, shape.pop("model_type"), device=device, **shape)
         else:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # benchmarks/gpu/gpu_acceptance.py on the device tool's GPU machine, from the repo root.
 #   bash benchmarks/gpu/gpu_wheels.sh                      # here, once: deepspeed, bitsandbytes, datasets into .whl/
-# First on every GPU lent, before any other part: finetune.py as users run it (benchmarks/gpu/gpu_user.py: 10 cases,
-# ~7 minutes, a guess; cases that would end past the budget are left out and listed):
+# First on every GPU lent, before any other part: finetune.py as users run it (benchmarks/gpu/gpu_user.py: 11 cases,
+# ~8 minutes, a guess; cases that would end past the budget are left out and listed):
 #   run(command="BUDGET_S=480 bash benchmarks/gpu/gpu_acceptance.sh user", carry=[".whl"], timeout_s=540)
 #   then commit benchmarks/gpu/user.json; the yardstick (TRL's SFTTrainer, 200 steps) fills in the rest of its checks:
 #   run(command="BUDGET_S=480 bash benchmarks/gpu/gpu_acceptance.sh yardstick", carry=[".whl"], timeout_s=540)
+# The image-text case alone (issue 73: the Qwen2.5-VL-3B shape, then TRL's SFTTrainer on the same images, its defaults
+# and its best; ~4 minutes, a guess: the 3.75B model is built and saved first):
+#   run(command="GPU_USER_CASES=vlm BUDGET_S=480 bash benchmarks/gpu/gpu_acceptance.sh user,yardstick", carry=[".whl"], timeout_s=540)
 # The GRPO comparison alone (finetune.py --objective grpo, then TRL's GRPOTrainer with generate and with
 # continuous batching; ~6 minutes, a guess):
 #   run(command="GPU_USER_CASES=grpo BUDGET_S=480 bash benchmarks/gpu/gpu_acceptance.sh user,yardstick", carry=[".whl"], timeout_s=540)

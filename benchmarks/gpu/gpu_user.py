@@ -10,6 +10,12 @@ logs every step by default), the allocator's peak over the steps (summary.json),
 gaps (the loss trained against the model's own, packed documents against each alone) and whether the
 saved folder passed the integrity check; or the error line it stopped with.
 
+Images (issue 73): the `vlm` case trains the Qwen2.5-VL-3B shape (random weights, Qwen2.5-VL's own image
+processor settings, the tests' tokenizer: no hub files reach the GPU machine) with LoRA on the language model, the
+toolkit's defaults (padding-free image rows), on VLM_RECORDS chat records, each a GSM8K record with a drawn
+448 x 448 picture (256 image tokens) before its question; the yardstick part runs TRL's SFTTrainer on the same
+file and model (sft_trainer_user.py: padded batches, which TRL's SFTTrainer keeps for vision datasets).
+
 Data: the first RECORDS records of GSM8K in alpaca form (`../shared/data/gsm8k_train_alpaca.json`, or the
 copy `benchmarks/gpu/gpu_wheels.sh` puts in `.whl/` for the GPU machine, which has no ../shared); synthetic
 records where neither exists (a fresh checkout's smoke run). DPO reads pairs made from them: the
@@ -25,7 +31,8 @@ TRL's GRPOTrainer on the same file and reward (grpo_trainer_user.py: its default
 use_transformers_continuous_batching) beside it.
 
 Time on one H100 (unmeasured: a guess from the first H100 runs, h100-2026-11-24/, 30-80 s of
-start-up per process there): ~40 s a case, ~7 minutes for the 10, and the GRPO case ~100 s (start-up,
+start-up per process there): ~40 s a case, ~8 minutes for the 11 (the VLM case builds a 3.75B model first), and
+the GRPO case ~100 s (start-up,
 compiling the decode step, 6 steps); cases run in CASES' order (the figures the README quotes first),
 and one that would end past the budget is left out and listed. GPU_USER_CASES (a regex on case names)
 runs only the cases it matches, in this part and the yardstick: `GPU_USER_CASES=grpo` is the GRPO
@@ -58,9 +65,24 @@ GEMMA2 = dict(model_type="gemma2", hidden_size=1024, intermediate_size=4096, num
               num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128, vocab_size=256000,
               final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=1024,
               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=8192)
-SHAPES = {"qwen3-moe-0.7b": QWEN3_MOE, "gemma2-0.3b": GEMMA2}
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json (text and vision_config) and preprocessor_config.json (min/max pixels),
+# saved in bf16 as published; the vocabulary at its size (the head's cost), the tokenizer the tests' own
+QWEN2_5_VL_3B = {"vlm": "qwen2_5_vl", "dtype": "bfloat16", "pixels": [3136, 12845056],
+                 "text": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
+                              tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                         "mrope_section": [16, 24, 24],
+                                                                         "rope_theta": 1000000.0}),
+                 "vision": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")}
+VLM = "qwen2.5-vl-3b"
+SHAPES = {"qwen3-moe-0.7b": QWEN3_MOE, "gemma2-0.3b": GEMMA2, VLM: QWEN2_5_VL_3B}
 SMOKE_SHAPES = {"qwen3-moe-0.7b": {"model_type": "qwen3_moe", "mlp_only_layers": []},  # toolkit.model.synthetic.ZOO's
-                "gemma2-0.3b": {"model_type": "gemma2"}}
+                "gemma2-0.3b": {"model_type": "gemma2"},
+                VLM: {"vlm": "qwen2_5_vl"}}  # toolkit.model.synthetic.build_qwen_vl_dir's tiny one: 4-16 image tokens
+VLM_RECORDS = 160  # the drawn pictures: enough for 30 steps of 4
+PICTURE = {False: 448, True: 112}  # a drawn picture's side (smoke: True): 448 px is 16 x 16 merged 28 px patches
 
 PACKED = ["--packing"]
 # (name, model, flags): in the order they run
@@ -69,7 +91,7 @@ CASES = [("lora", "llama-1b", [*PACKED, "--profile"]), ("full", "llama-1b", [*PA
          ("full_compile", "llama-1b", [*PACKED, "--method", "full", "--compile"]),
          ("lora_unpacked", "llama-1b", ["--profile"]), ("lora_fp32", "llama-1b", [*PACKED, "--mixed-precision", "no"]),
          ("qlora", "llama-1b", [*PACKED, "--method", "qlora"]), ("dpo", "llama-1b", ["--objective", "dpo"]),
-         ("qwen3_moe", "qwen3-moe-0.7b", PACKED), ("gemma2", "gemma2-0.3b", PACKED)]
+         ("qwen3_moe", "qwen3-moe-0.7b", PACKED), ("gemma2", "gemma2-0.3b", PACKED), ("vlm", VLM, [])]
 GPU_ONLY = {"qlora": "QLoRA's 4-bit base needs bitsandbytes' CUDA kernels"}
 SECONDS = 40  # a case on one H100, start-up included (a guess until measured)
 # --objective grpo against TRL's GRPOTrainer (issue 65): G completions of `completion` tokens a step, `micro`
@@ -109,6 +131,37 @@ def data_files(work: Path, smoke: bool) -> tuple[Path, Path, str]:
                                   "chosen": r["output"], "rejected": rows[(i + 1) % len(rows)]["output"]}
                                  for i, r in enumerate(rows)]))
     return alpaca, pairs, origin
+
+
+def vlm_file(work: Path, smoke: bool) -> Path:
+    """VLM_RECORDS of the user part's records as chat records with a drawn picture each (PICTURE's side: a few
+    shapes in colours drawn from the record's index), its path relative to the file, before the question."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    alpaca = work / "alpaca.json"
+    rows = json.loads(alpaca.read_text())
+    side, images = PICTURE[smoke], work / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i in range(VLM_RECORDS):
+        r, rng = rows[i % len(rows)], random.Random(i)
+        img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+        pen = ImageDraw.Draw(img)
+        for _ in range(6):
+            x, y, d = rng.randrange(side), rng.randrange(side), rng.randrange(side // 8, side // 2)
+            draw = pen.ellipse if rng.random() < 0.5 else pen.rectangle
+            draw([x - d // 2, y - d // 2, x + d // 2, y + d // 2], fill=tuple(rng.randrange(256) for _ in range(3)))
+        img.save(images / f"{i}.png")
+        question = "\n\n".join(x for x in (r["instruction"], r.get("input")) if x)
+        records.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": f"images/{i}.png"},
+                                         {"type": "text", "text": question}]},
+            {"role": "assistant", "content": r["output"]}]})
+    path = work / "vlm.json"
+    path.write_text(json.dumps(records))
+    return path
 
 
 def steady(records: list[dict]) -> dict:
@@ -214,6 +267,7 @@ def part_user(run, check) -> dict:
     `check`: its figure-against-target record)."""
     work = Path(run.work) / "user"
     alpaca, pairs, origin = data_files(work, run.smoke)
+    vlm = vlm_file(work, run.smoke) if selected("vlm") else None
     seq, mb, steps = (256, 2, 6) if run.smoke else (2048, 4, 30)  # smoke: GSM8K prompts pass 64 tokens
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
@@ -231,7 +285,7 @@ def part_user(run, check) -> dict:
             skipped.append(f"{name}: {late}")
             continue
         out = work / name
-        data = pairs if "--objective" in flags else alpaca
+        data = vlm if model == VLM else pairs if "--objective" in flags else alpaca
         n = steps + 2 if run.smoke and "--profile" in flags else steps  # smoke: steady steps 7-8 after profiled 4-6
         cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model(model), "--dataset", str(data),
                "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size",
@@ -240,6 +294,8 @@ def part_user(run, check) -> dict:
         case = run_case(name, cmd, out, env, run.timeout() if run.deadline else None)
         print(f"    {'ok' if not case['error'] else 'FAILED: ' + case['error']} ({case['seconds']} s)", flush=True)
         cases.append(case)
+        if name == "vlm":  # kept on `run`: the yardstick part compares it with TRL's SFTTrainer
+            run.vlm_case = case
     if selected("grpo"):
         late = run.out_of_time(GRPO_SECONDS)
         if late:
@@ -395,10 +451,12 @@ def trl_grpo_case(run, name: str, model: str, prompts: Path, out: Path, flags: l
 def part_yardstick(run, check) -> dict:
     """The toolkit's default against TRL's SFTTrainer on the same file, GPU and steps (its defaults with
     packing, and its best documented flags), LoRA and full; then YARDSTICK_STEPS steps of the toolkit's
-    default (--compile auto) against --no-compile, wall time with start-up and compile. Its checks are
-    also written into OUT/user.json's, under the names issue 59 gives them."""
+    default (--compile auto) against --no-compile, wall time with start-up and compile; the VLM case (the user
+    part's, when it ran in this command) against SFTTrainer on its image records (TRL's defaults, and its best).
+    Its checks are also written into OUT/user.json's, under the names issues 59 and 73 give them."""
     work = Path(run.work) / "yardstick"
     alpaca, _, origin = data_files(work, run.smoke)
+    run.shapes = {**run.shapes, VLM: (SMOKE_SHAPES if run.smoke else SHAPES)[VLM]}
     seq, mb, steps = (256, 2, 6) if run.smoke else (2048, 4, 30)
     long_steps = 8 if run.smoke else YARDSTICK_STEPS
     everything = work / "all.json"  # the long runs need more than RECORDS records
@@ -418,10 +476,23 @@ def part_yardstick(run, check) -> dict:
         print(f"  {name}", flush=True)
         cases.append(run_case(name, cmd, out, env, run.timeout() if run.deadline else None))
 
-    def sft(name: str, flags: list[str]) -> None:
+    def sft(name: str, flags: list[str], on: tuple[str, Path] | None = None) -> None:
         print(f"  {name}", flush=True)
-        cases.append(sft_case(name, model, alpaca, work / name, flags, seq, mb, steps, env,
+        m, data = on or (model, alpaca)
+        cases.append(sft_case(name, m, data, work / name, flags, seq, mb, steps, env,
                               run.timeout() if run.deadline else None))
+
+    def vlm_toolkit() -> None:  # the user part's run when it ran in this command, else its own
+        mine = getattr(run, "vlm_case", None)
+        if mine:
+            cases.append({**mine, "from": "the user part"})
+            return
+        out = work / "vlm"
+        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model(VLM), "--dataset", str(vlm_data),
+               "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb),
+               "--max-steps", str(steps)]
+        print("  vlm", flush=True)
+        cases.append(run_case("vlm", cmd, out, env, run.timeout() if run.deadline else None))
 
     plan = [("lora", lambda: toolkit("lora", [])), ("sft_lora", lambda: sft("sft_lora", [])),
             ("sft_lora_best", lambda: sft("sft_lora_best", ["--best", *backend])),
@@ -440,6 +511,9 @@ def part_yardstick(run, check) -> dict:
 
     plan += [("grpo", grpo_toolkit), ("grpo_trl", lambda: grpo("grpo_trl", [])),
              ("grpo_trl_cb", lambda: grpo("grpo_trl_cb", ["--continuous-batching"]))]
+    vlm_data = vlm_file(work, run.smoke) if selected("vlm") else None
+    plan += [("vlm", vlm_toolkit), ("sft_vlm", lambda: sft("sft_vlm", [], (run.model(VLM), vlm_data))),
+             ("sft_vlm_best", lambda: sft("sft_vlm_best", ["--best", *backend], (run.model(VLM), vlm_data)))]
     skipped = []
     for name, go in plan:
         if not selected(name):
@@ -463,7 +537,9 @@ def part_yardstick(run, check) -> dict:
         ("grpo: generation tokens/s / GRPOTrainer's (generate)",
          ratio("grpo", "grpo_trl", "generation_tokens_per_s"), ">=", 2.0),
         ("grpo: generation tokens/s / GRPOTrainer's (continuous batching)",
-         ratio("grpo", "grpo_trl_cb", "generation_tokens_per_s"), ">=", 1.0))
+         ratio("grpo", "grpo_trl_cb", "generation_tokens_per_s"), ">=", 1.0),
+        ("vlm: default / SFTTrainer", ratio("vlm", "sft_vlm"), ">=", 1.5),
+        ("vlm: default / SFTTrainer best", ratio("vlm", "sft_vlm_best"), ">=", 1.1))
         if value is not None]
     merge_checks(run.out, checks)
     return {"data": origin, "seq_len": seq, "micro_batch": mb, "max_steps": steps, "cases": cases, "checks": checks,

@@ -13,6 +13,13 @@ with padding-free (FlashAttention 2, `attn_implementation="flash_attention_2"`) 
 turns off the gradient checkpointing SFTConfig turns on by default (TRL at its real best; the Llama-
 3.2-1B shape at 2048 x 4 fits an H100/H200 without it: the toolkit's run peaked at 18 GiB); what it could not
 use is said in the JSON. Without --best, TRL's defaults (checkpointing on).
+A chat file whose user turns hold image parts (gpu_user.py's `vlm` case) is read as TRL's vision datasets are
+written: prompt-completion conversations with `{"type": "image"}` placeholders and an `images` column (the files,
+decoded by `datasets.Image`), the completion trained; the model loads as `AutoModelForImageTextToText` with
+`AutoProcessor` (without torchvision, Qwen2-VL's processor cannot build its video processor: it is then built
+without it, `toolkit.model.vision.without_video`, as the toolkit does, and the JSON says so); LoRA on the language
+model's linear layers alone, as the toolkit's default. TRL refuses packing and padding-free on vision datasets:
+padded batches, in the default and in `--best`.
 Tokens/s come from TRL's own log (`num_tokens`, cumulative) over the wall time between steps (a callback
 notes each step's end): the steps after WARMUP, as the user part counts the toolkit's. Writes
 OUT/sft_metrics.json: tokens_per_s, step_time_cv, seconds_to_step1, warmup_s (the first WARMUP steps,
@@ -38,6 +45,40 @@ def records(path: str, limit: int | None = None) -> list[dict]:
              "completion": r["output"]} for r in rows]
 
 
+def vlm_records(path: str) -> list[dict] | None:
+    """A chat file with image parts as TRL's vision prompt-completion rows (None: not one): the user turn's
+    image parts become placeholders, their files (relative to the data file) the `images` column."""
+    rows = json.loads(Path(path).read_text())
+    if not (isinstance(rows, list) and rows and "messages" in rows[0]):
+        return None
+    base = Path(path).parent
+    out = []
+    for r in rows:
+        user, answer = r["messages"]
+        out.append({"prompt": [{"role": "user", "content": [{"type": "image"} if c["type"] == "image" else c
+                                                            for c in user["content"]]}],
+                    "completion": [{"role": "assistant", "content": [{"type": "text", "text": answer["content"]}]}],
+                    "images": [str(base / c["image"]) for c in user["content"] if c["type"] == "image"]})
+    return out
+
+
+def vlm_processor(model: str) -> tuple[object, str]:
+    """(`AutoProcessor`'s processor, "AutoProcessor"), or without torchvision where it cannot be built (Qwen2-VL's
+    video processor needs it) the toolkit's build without the video processor, so named."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model), "AutoProcessor"
+    except (ImportError, ValueError, TypeError) as e:
+        from toolkit.model.vision import without_video
+
+        cls = without_video(model)
+        if cls is None:
+            raise
+        why = " ".join(str(e).split())[:120]
+        return cls.from_pretrained(model), f"without its video processor ({type(e).__name__}: {why})"
+
+
 def main() -> None:
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,23 +102,37 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     liger = importlib.util.find_spec("liger_kernel") is not None
     flash = gpu and importlib.util.find_spec("flash_attn") is not None
-    best = {"torch_compile": True, "torch_compile_backend": a.compile_backend, "padding_free": True,
+    vision = vlm_records(a.dataset)
+    best = {"torch_compile": True, "torch_compile_backend": a.compile_backend, "padding_free": vision is None,
             "gradient_checkpointing": False,
             "use_liger_kernel": liger and gpu} if a.best else {}
+    # TRL refuses packing for vision datasets; keep_end truncation too (its default is keep_start)
     config = SFTConfig(output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.micro_batch_size,
-                       max_length=a.seq_len, packing=True, bf16=gpu, logging_steps=1, report_to="none",
+                       max_length=a.seq_len, packing=vision is None, bf16=gpu, logging_steps=1, report_to="none",
                        save_strategy="no", learning_rate=2e-4 if a.method == "lora" else 2e-5,
                        lr_scheduler_type="cosine", warmup_steps=10, **best)
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
     attn = {"attn_implementation": "flash_attention_2"} if a.best and flash else {}
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if gpu and a.method == "lora" else None,
-                                                 **attn)
+    dtype = torch.bfloat16 if gpu and a.method == "lora" else None
+    if vision is None:
+        processing, processor_from = AutoTokenizer.from_pretrained(a.model), None
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, **attn)
+        dataset = Dataset.from_list(records(a.dataset))
+    else:
+        import datasets
+        from transformers import AutoModelForImageTextToText
+
+        processing, processor_from = vlm_processor(a.model)
+        model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=dtype, **attn)
+        dataset = Dataset.from_list(vision).cast_column("images", datasets.Sequence(datasets.Image()))
     peft_config = None
     if a.method == "lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                 task_type="CAUSAL_LM")
+        # an image-text model: the language model's linear layers alone (the toolkit's default; "all-linear"
+        # would add the vision tower's)
+        targets = "all-linear" if vision is None else \
+            r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     ends: list[float] = []
 
     class StepTimes(TrainerCallback):
@@ -86,8 +141,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
 
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(records(a.dataset)),
-                         processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimes()])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=processing,
+                         peft_config=peft_config, callbacks=[StepTimes()])
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t_train = time.perf_counter()
@@ -96,7 +151,9 @@ def main() -> None:
     steps = list(zip(tokens, ends))
     pairs = [(b[0] - a_[0], b[1] - a_[1]) for a_, b in zip(steps[WARMUP - 1:], steps[WARMUP:])]
     times = [t for _, t in pairs]
-    out = {"method": a.method, "best": best, "liger_left_out": a.best and not (liger and gpu),
+    out = {"method": a.method, "best": best, "images": vision is not None, "processor": processor_from,
+           "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+           "liger_left_out": a.best and not (liger and gpu),
            "attention": model.config._attn_implementation, "flash_attn_left_out": a.best and not flash,
            "gradient_checkpointing": config.gradient_checkpointing, "steps": len(ends),
            "tokens_per_s": sum(n for n, _ in pairs) / sum(times) if pairs else None,

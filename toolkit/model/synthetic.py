@@ -178,12 +178,100 @@ def tiny_preset(preset: dict) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **{**values, **tiny, "num_hidden_layers": layers})
 
 
-# a chat template in the shape of the hub's image-text ones: content parts, an image as its placeholder token
-VLM_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+def vlm_chat_template(placeholder: str, prefix: str = "") -> str:
+    """A chat template in the shape of the hub's image-text ones: content parts, each image written as
+    `placeholder` (`prefix`: Jinja put before all)."""
+    return (
+        prefix + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}" + placeholder + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+VLM_CHAT_TEMPLATE = vlm_chat_template("<image>")
+
+
+def vlm_tokenizer(extra: list[str], **named):
+    """`build_tokenizer()` with `extra` special tokens; `named`: model-specific named tokens (Gemma 3's
+    `boi_token`...), which the processor reads as `tokenizer.boi_token` / `tokenizer.image_token_id`."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer()
+    tokens = ["<|im_start|>", "<|im_end|>", *extra]
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    if not named:
+        return tok
+    return PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token=tok.eos_token,
+                                   pad_token=tok.pad_token, bos_token=tok.bos_token,
+                                   additional_special_tokens=tokens, **named)
+
+
+def vlm_text_config(tok, **kw) -> dict:
+    """A tiny image-text model's language model: hidden 64, 2 blocks, 4 heads, 2 kv heads, `tok`'s vocabulary."""
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **kw)
+
+
+def qwen_vl_config(kind: str, tok, ids: dict, text: dict | None = None, vision: dict | None = None):
+    """The config of a Qwen2-VL, Qwen2.5-VL (window attention in the tower, full in its last block) or Qwen3-VL
+    (interleaved M-RoPE, the tower's first block's features stacked into the language model's first layers):
+    tiny (language model as `vlm_text_config`, tower hidden 32, 2 blocks) unless `text` / `vision` give the
+    published sizes."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    marks = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    mrope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text, vision = text or {}, vision or {}
+    if kind == "qwen2_vl":
+        return Qwen2VLConfig(text_config={**vlm_text_config(tok, rope_scaling={"type": "mrope",
+                                                                               "mrope_section": [2, 3, 3]}), **text},
+                             vision_config={**dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                                            **vision}, **marks)
+    if kind == "qwen2_5_vl":
+        return Qwen2_5_VLConfig(text_config={**vlm_text_config(tok, rope_parameters=mrope), **text},
+                                vision_config={**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                                                      out_hidden_size=64, patch_size=14, window_size=56,
+                                                      fullatt_block_indexes=[1]), **vision}, **marks)
+    return Qwen3VLConfig(text_config={**vlm_text_config(tok, head_dim=16, rope_parameters={
+                             **mrope, "mrope_interleaved": True}), **text},
+                         vision_config={**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                                               out_hidden_size=64, patch_size=14, num_position_embeddings=64,
+                                               deepstack_visual_indexes=[0]), **vision}, **marks)
+
+
+def build_qwen_vl_dir(path, kind: str = "qwen2_vl", text: dict | None = None, vision: dict | None = None,
+                      pixels: tuple[int, int] = (56 * 56, 112 * 112), device: str = "cpu", dtype=None) -> Path:
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`kind`; `qwen_vl_config`'s sizes) folder as the hub ships one, written
+    file by file (its config, weights, the tests' tokenizer with Qwen's image tokens, `preprocessor_config.json`
+    read by both its image and its video processor, `processor_config.json`, the chat template): without
+    torchvision its processor cannot be built (its video processor needs it), so `AutoProcessor` fails on it as on
+    the real Qwen2-VL-2B, and the toolkit builds it without the video processor (`toolkit.model.vision.
+    without_video`). `pixels`: the image processor's min and max pixels (by default 56x56 to 112x112 images: 2x2 to
+    4x4 merged 14 px patches, 4 to 16 tokens). `device`: where the random init runs; `dtype`: the saved weights'."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok = vlm_tokenizer(marks)
+    config = qwen_vl_config(kind, tok, {t: tok.convert_tokens_to_ids(t) for t in marks}, text, vision)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, **({"dtype": dtype} if dtype else {}))
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1],
+                             patch_size=config.vision_config.patch_size).save_pretrained(path)
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(kind, "Qwen3VLProcessor")
+    (Path(path) / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    (Path(path) / "chat_template.jinja").write_text(vlm_chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    return Path(path)
 
 
 def build_llava_dir(path: Path, image_size: int = 28, patch_size: int = 14, **text) -> Path:
