@@ -297,6 +297,31 @@ def test_image_pixel_bounds_reach_the_processor_and_final(zoo, images, tmp_path)
         (zoo["qwen2_vl"] / "preprocessor_config.json").read_text()
 
 
+def test_a_transformers_that_cannot_name_the_image_processor_without_torchvision_asks_for_it(zoo, monkeypatch):
+    """transformers 5.4 (the floor) without torchvision resolves no image processor for Qwen2-VL and says so as a
+    ValueError about the folder (its words below, run there by hand on 2026-12-03): the line names torchvision, not
+    the folder's files."""
+    import importlib.util
+
+    from transformers import AutoProcessor
+
+    from toolkit.errors import UserError
+    from toolkit.model.vision import load_processor
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the line would rightly blame the folder")
+    path = str(zoo["qwen2_vl"])
+
+    def older(*args, **kwargs):
+        raise ValueError(f"Unrecognized image processor in {path}. Should have a `image_processor_type` key in its "
+                         "preprocessor_config.json of config.json, or one of the following `model_type` keys in its "
+                         "config.json: aimv2, ...")
+
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", older)
+    with pytest.raises(UserError, match=r"its processor needs torchvision \(`pip install torchvision`"):
+        load_processor(path)
+
+
 def test_an_image_column_of_decoded_images_or_bytes_reads_as_the_file(images):
     """datasets gives an Image feature's values as PIL images (or {bytes, path} undecoded): both become data URLs whose
     pixels are the file's; a bare image part takes them in order."""
@@ -494,11 +519,15 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "kto_lora": [*kto, "--micro-batch-size", "4"],
            "kto_full": [*kto, "--method", "full", "--micro-batch-size", "4"],
            # the KL rows' M-RoPE positions laid out on the row (padded ones:
-           # test_kto_sequences_on_qwen2_vl_score_as_each_alone)
+           # test_kto_sequences_score_as_each_alone)
            "qwen2_vl_kto": [*kto, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "4"],
+           # the KL rows' token_type_ids their own (test_kto_sequences_score_as_each_alone)
+           "gemma3_kto": [*kto, "--model", str(zoo["gemma3"]), "--micro-batch-size", "4"],
            "grpo_lora": [*grpo, *lora_beta, "--micro-batch-size", "8"],
            "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"],
-           "qwen2_vl_grpo": [*grpo, *lora_beta, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "8"]}
+           "qwen2_vl_grpo": [*grpo, *lora_beta, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "8"],
+           # its image tokens attend both ways: token_type_ids made of each padded row's ids
+           "gemma3_grpo": [*grpo, *lora_beta, "--model", str(zoo["gemma3"]), "--micro-batch-size", "8"]}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
@@ -670,19 +699,41 @@ def test_grpo_on_image_prompts_samples_and_trains_as_one_process(runs, layout, r
         assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_grpo_and_kto_on_gemma3_train_through_the_cli(runs):
+    """finetune.py --objective grpo on Gemma 3 (its image tokens attending both ways, by token_type_ids made of each
+    left-padded row's ids: `test_image_prompts_sample_as_transformers_generate_does` holds sampling and the training
+    forward to transformers'): a round's completions logged, no image token among them, the steps' losses and KL not
+    all zero, and the saved folder reloads to the trained loss (the integrity check, through the processor). KTO
+    (`test_kto_sequences_score_as_each_alone` holds its KL sequences to transformers'): its loss falls, the folder
+    reloads."""
+    from transformers import AutoProcessor
+
+    done = [json.loads(x) for x in (runs["gemma3_grpo"] / "completions.jsonl").read_text().splitlines()]
+    assert {c["step"] for c in done} == {1, 2} and len(done) == 16
+    soft = AutoProcessor.from_pretrained(runs["gemma3_grpo"] / "final").tokenizer.image_token
+    assert not any(soft in c["completion"] for c in done)
+    b = records(runs["gemma3_grpo"], "loss")
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and any(r["loss"] != 0 for r in b) and any(r["kl"] > 0 for r in b)
+    assert json.loads((runs["gemma3_grpo"] / "integrity.json").read_text())["ok"]
+    kto = losses(runs["gemma3_kto"])
+    assert len(kto) == 5 and kto[-1] < kto[0] and json.loads((runs["gemma3_kto"] / "integrity.json").read_text())["ok"]
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "gemma3"])
 def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, kind):
     """The sampler's prompt forward reads the images: greedy completions (top-k 1) of image prompts, one of them with
     two images, left-padded together, equal transformers' `generate` on each prompt alone from the processor's own
     inputs (Qwen2-VL: its multi-axis positions from the given text positions, each decode step's continued from the
-    prompt's); another picture gives other completions. The training forward's completion log-probabilities equal
-    those of transformers' forward on each row alone, which computes its positions itself."""
+    prompt's; Gemma 3: its image tokens attending both ways, by token_type_ids made of the left-padded ids, in the
+    prefill alone, as `generate` gives them); another picture gives other completions. The training forward's
+    completion log-probabilities equal those of transformers' forward on each row alone, which computes its
+    positions itself (Gemma 3: with the processor's token_type_ids)."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.images import open_image
     from toolkit.model.vision import lay_out_positions
     from toolkit.objectives.grpo.loss import completion_logps
-    from toolkit.objectives.grpo.rollout import eos_ids
+    from toolkit.objectives.grpo.rollout import eos_ids, suppressed
     from toolkit.objectives.grpo.sampling import SamplingConfig, sample
 
     path = llava if kind == "llava" else zoo[kind]
@@ -697,15 +748,17 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, 
     assert lay_out_positions(model) == (kind == "qwen2_vl")
     tok, ends = processor.tokenizer, eos_ids(processor.tokenizer, model)
     # the image token is never sampled (it would ask the training forward for another image), as transformers'
-    # suppress_tokens does
-    cfg = SamplingConfig(6, 1.0, top_k=1, suppress=(processor.image_token_id,))
+    # suppress_tokens does; Gemma 3's soft token too (its `image_token_id` is the begin-of-image mark)
+    never = suppressed(prompts)
+    assert (processor.tokenizer.convert_tokens_to_ids("<image_soft_token>") in never) == (kind == "gemma3")
+    cfg = SamplingConfig(6, 1.0, top_k=1, suppress=never)
     ours = sample(model, [prompts.prompt_ids[r] for r in rows], [0] * 3, cfg, ends, tok.pad_token_id,
                   media=prompts.media(rows)).token_lists()
     for r, got in zip(rows, ours):
         enc = processor(text=[prompts.texts[r]], images=[[open_image(x) for x in prompts.images[r]]],
                         add_special_tokens=False, return_tensors="pt")
         want = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=ends,
-                              pad_token_id=tok.pad_token_id, suppress_tokens=[processor.image_token_id])
+                              pad_token_id=tok.pad_token_id, suppress_tokens=list(never))
         assert got == want[0, enc["input_ids"].shape[1]:].tolist()[:len(got)] and got, r
     # the first prompt with the second's picture (another color)
     other = prompts.media([1])
@@ -720,7 +773,8 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, 
         ids[i, plen - len(prompts.prompt_ids[r]):plen + len(got)] = torch.tensor(row)
         mask[i, plen - len(prompts.prompt_ids[r]):plen + len(got)] = 1
     batch = {"input_ids": ids, "attention_mask": mask, "positions": (mask.cumsum(1) - 1).clamp(min=0),
-             "completion_ids": ids[:, plen:], **{"media:" + k: v for k, v in prompts.media(rows).items()}}
+             "completion_ids": ids[:, plen:], **{"media:" + k: v for k, v in prompts.media(rows, ids).items()}}
+    assert ("media:token_type_ids" in batch) == (kind == "gemma3")
     with torch.no_grad():
         logps, _ = completion_logps(model, batch, 1.0)
         for i, (r, got) in enumerate(zip(rows, ours)):
@@ -728,8 +782,9 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, 
                             add_special_tokens=False, return_tensors="pt")
             alone = torch.cat([enc["input_ids"], torch.tensor([got])], 1)
             extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-            if "mm_token_type_ids" in extra:
-                extra["mm_token_type_ids"] = torch.nn.functional.pad(extra["mm_token_type_ids"], (0, len(got)))
+            for key in ("mm_token_type_ids", "token_type_ids"):
+                if key in extra:
+                    extra[key] = torch.nn.functional.pad(extra[key], (0, len(got)))
             logits = model(input_ids=alone, **extra).logits[0, enc["input_ids"].shape[1] - 1:-1]
             want = logits.log_softmax(-1).gather(1, torch.tensor(got)[:, None])[:, 0]
             torch.testing.assert_close(logps[i, :len(got)], want, rtol=1e-5, atol=1e-5)
@@ -754,12 +809,13 @@ def test_kto_on_image_examples_trains_alike_on_every_data_parallel_layout(runs, 
     assert_metric_close(a, b, "kl", rel=1e-5, abs=1e-5 if layout.startswith("qwen") else 1e-6, what=layout)
 
 
-@pytest.mark.parametrize("padding_free", [True, False])
-def test_kto_sequences_on_qwen2_vl_score_as_each_alone(zoo, images, padding_free):
-    """KTO's KL sequences on a model with multi-axis positions (Qwen2-VL's M-RoPE): each one (its example's prompt and
-    images, the previous example's completion) scores the log-probability transformers gives it alone, within 1e-5
-    (fp32), end to end (its positions laid out per sequence) and padded (the model's own positions, from the KL
-    rows' own modality types: here one is wider than every example, 48 tokens to 47)."""
+@pytest.mark.parametrize("kind, padding_free", [("qwen2_vl", True), ("qwen2_vl", False), ("gemma3", False)])
+def test_kto_sequences_score_as_each_alone(zoo, images, kind, padding_free):
+    """KTO's KL sequences on a model with multi-axis positions (Qwen2-VL's M-RoPE) or whose image tokens attend both
+    ways (Gemma 3's token_type_ids): each one (its example's prompt and images, the previous example's completion)
+    scores the log-probability transformers gives it alone, within 1e-5 (fp32), end to end (Qwen2-VL: its positions
+    laid out per sequence) and padded (the model's own positions or mask, from the KL rows' own modality types: here
+    one is wider than every example, 48 tokens to 47 on Qwen2-VL, 50 to 49 on Gemma 3)."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.image_rows import MediaCollate, open_image
@@ -768,25 +824,28 @@ def test_kto_sequences_on_qwen2_vl_score_as_each_alone(zoo, images, padding_free
     from toolkit.objectives.logps import sequence_logps, whole_row_logps
     from toolkit.objectives.preference.functions import kl_batch
 
-    path = zoo["qwen2_vl"]
+    path = zoo[kind]
     processor, data = prepared(["--model", str(path), "--dataset", str(images / "unpaired.jsonl"), "--objective",
                                 "kto", "--seq-len", "256"])
-    rows = [data.train[i] for i in (0, 6, 12, 18)]
+    # four examples, a KL sequence wider than each of them (a row the examples' per-token inputs do not span)
+    rows = [data.train[i] for i in ((0, 6, 12, 18) if kind == "qwen2_vl" else (0, 5, 11, 17))]
     assert max(len(r["kl_input_ids"]) for r in rows) > max(len(r["input_ids"]) for r in rows)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     if padding_free:
         model.set_attn_implementation({"text_config": register("varlen")})
-    assert lay_out_positions(model)
+    assert lay_out_positions(model) == (kind == "qwen2_vl")
     batch = MediaCollate(processor, processor.tokenizer.pad_token_id, padding_free, padding_free)(rows)
+    assert ("kl_media:token_type_ids" in batch) == (kind == "gemma3")
     got = whole_row_logps(model, {**kl_batch(batch), **({"documents": len(rows)} if padding_free else {})})
     want = []
     with torch.no_grad():
         for r in rows:
             pixels = processor.image_processor(images=[open_image(x) for x in r["images"]], return_tensors="pt")
             ids = torch.tensor([r["kl_input_ids"]])
+            types = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels,
-                           mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+                           **{"mm_token_type_ids" if kind == "qwen2_vl" else "token_type_ids": types}).logits
             want.append(float(sequence_logps(logits, torch.tensor([r["kl_labels"]]))[0][0]))
     assert got.tolist() == pytest.approx(want, rel=1e-5)
 
@@ -996,16 +1055,22 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
     elif case == "processor_needs_torchvision":
         return (["--model", str(lfm2_vl_without_torchvision(tmp_path / "lfm2-vl")), "--dataset",
                  str(images / "chat.jsonl")], "its processor needs torchvision (`pip install torchvision`")
-    elif case == "kto_on_gemma3":
-        gemma3 = build_vlm_dir(tmp_path / "gemma3", "gemma3")
-        return (["--model", str(gemma3), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
-                "--objective kto: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids), "
-                "which KTO's KL sequences do not lay out yet")
-    elif case == "grpo_on_gemma3":
-        gemma3 = build_vlm_dir(tmp_path / "gemma3", "gemma3")
-        return (["--model", str(gemma3), "--dataset", str(images / "prompts.jsonl"), "--objective", "grpo",
-                 "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4", "--micro-batch-size", "4"],
-                "--objective grpo: Gemma3ForConditionalGeneration: its image tokens attend both ways (token_type_ids)")
+    elif case == "kto_on_paligemma":
+        paligemma = build_vlm_dir(tmp_path / "paligemma", "paligemma")
+        return (["--model", str(paligemma), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
+                "--objective kto: PaliGemmaProcessor's token_type_ids are not each token's modality (they mark a "
+                "prefix the model attends to both ways, as PaliGemma's do), which its KL sequences do not lay out")
+    elif case in ("grpo_on_mllama", "grpo_on_paligemma"):
+        # Mllama's cross-attention mask is per row; PaliGemma's token_type_ids mark a prefix, not the image tokens
+        # (told from what its processor gives, once the prompts are read)
+        kind = case.removeprefix("grpo_on_")
+        return (["--model", str(build_vlm_dir(tmp_path / kind, kind)), "--dataset", str(images / "prompts.jsonl"),
+                 "--objective", "grpo", "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4",
+                 "--micro-batch-size", "4"],
+                "--objective grpo: MllamaForConditionalGeneration: its images enter through cross-attention "
+                "(cross_attention_mask)" if kind == "mllama" else
+                "--objective grpo: PaliGemmaProcessor's token_type_ids are not each token's modality (they mark a "
+                "prefix")
     elif case == "pixels_on_a_fixed_size_processor":
         return (["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--image-max-pixels", "1000"],
                 "--image-max-pixels: CLIPImageProcessorPil takes no max_pixels (it resizes by its own settings")
@@ -1046,8 +1111,8 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
-                                  "processor_needs_torchvision", "grpo_on_gemma3",
-                                  "kto_on_gemma3", "pixels_on_a_fixed_size_processor",
+                                  "processor_needs_torchvision", "grpo_on_mllama", "grpo_on_paligemma",
+                                  "kto_on_paligemma", "pixels_on_a_fixed_size_processor",
                                   "paligemma_without_an_image", "vision_tower_inside_the_language_model",
                                   "no_vision_tower_of_its_own", "image_beyond_the_bounds_with_resizing_off"])
 def test_bad_image_input_is_one_line_before_the_model_loads(tmp_path, llava, images, capsys, case):

@@ -116,7 +116,7 @@ def resolve_images(cfg, model_path: str):
 
     from toolkit.data.peek import data_images
     from toolkit.errors import UserError
-    from toolkit.model.vision import end_to_end_problem, image_text, only_image_text, vision_problem
+    from toolkit.model.vision import end_to_end_problem, image_text, only_image_text, row_bound, vision_problem
 
     if cfg.data.images == "off":
         return cfg
@@ -141,12 +141,15 @@ def resolve_images(cfg, model_path: str):
         raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is {what}; train "
                         "an image-text model, or pass --images off to train on the text alone")
     why = on and image_text(config) and end_to_end_problem(config)
-    if why and cfg.train.objective in ("grpo", "kto"):
-        # GRPO's left-padded prompts and KTO's KL rows would need the per-row inputs laid out again
+    # GRPO's left-padded rows and KTO's KL rows take per-token modality types made of their ids (Gemma 3's
+    # token_type_ids: the processor's are checked to be such when the data is read,
+    # `toolkit.data.image_rows.refuse_prefix_types`); other per-row inputs would need them laid out again
+    types_only = why and row_bound(config)[1] == ["token_type_ids"]
+    if why and cfg.train.objective in ("grpo", "kto") and not types_only:
         what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"
         raise UserError(f"--objective {cfg.train.objective}: {why}, which {what} not lay out yet; it reads "
                         "images on models that place them at their tokens in order (LLaVA, Idefics3/SmolVLM, the "
-                        "Qwen-VL family)")
+                        "Qwen-VL family) and on Gemma 3")
     if why and cfg.data.padding_free:
         raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "
                         "it out (this model's image batches are padded)")

@@ -147,6 +147,21 @@ def image_token_id(processor) -> int | None:
     return token
 
 
+def refuse_prefix_types(processor, enc, objective: str) -> None:
+    """One line where the processor's `token_type_ids` (of `enc`, its output) are not each token's modality (its
+    `create_mm_token_type_ids`: Gemma 3's are) but mark a prefix the model attends to both ways (PaliGemma's): GRPO's
+    sampled rows and KTO's KL rows make them of their own ids."""
+    types = enc.get("token_type_ids")
+    if types is None:
+        return
+    ids = [[int(t) for t in row] for row in enc["input_ids"]]
+    if [[int(t) for t in row] for row in types] != processor.create_mm_token_type_ids(ids):
+        raise UserError(f"--objective {objective}: {type(processor).__name__}'s token_type_ids are not each token's "
+                        "modality (they mark a prefix the model attends to both ways, as PaliGemma's do), which "
+                        f"{'its sampled rows' if objective == 'grpo' else 'its KL sequences'} do not lay out; it "
+                        "reads images on LLaVA, Idefics3/SmolVLM, the Qwen-VL family and Gemma 3")
+
+
 def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: str) -> tuple[list[int], set[int]]:
     """(labels over the processor's expanded `ids`, the positions it inserted or rewrote): each label of `ids0` carried
     to its token's place in `ids` through the two sequences' matching blocks."""
@@ -263,10 +278,12 @@ class MediaCollate:
                     continue
                 raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
-        if "kl_input_ids" in out and MEDIA + "mm_token_type_ids" in out:
-            # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
-            # their own longest: their modality types as the processor makes them of their ids
-            out["kl_" + MEDIA + "mm_token_type_ids"] = self.types_of(out["kl_input_ids"])
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if "kl_input_ids" in out and MEDIA + key in out:
+                # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
+                # their own longest: their modality types as the processor makes them of their ids (Gemma 3's
+                # token_type_ids are such: `refuse_prefix_types`)
+                out["kl_" + MEDIA + key] = self.types_of(out["kl_input_ids"])
         return out
 
     def types_of(self, ids):
@@ -470,6 +487,10 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]], 
         row = _kept(row, blank(completion), stats)
         if row is not None:
             rows.append({**row, "desirable": good})
+    first = next((r for r in rows if r["images"]), None)
+    if first is not None:
+        refuse_prefix_types(processor, processor(**texts_of([first]), images=[[open_image(x) for x in first["images"]]],
+                                                 add_special_tokens=False), "kto")
     kl_ids, kl_labels = kl_sequences([r["input_ids"] for r in rows], [r["labels"] for r in rows], settings.data.seq_len)
     for row, ids, labels in zip(rows, kl_ids, kl_labels):
         row.update(kl_input_ids=ids, kl_labels=labels)

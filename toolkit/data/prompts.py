@@ -12,6 +12,7 @@ as TRL hands a dataset's columns. A prompt longer than --seq-len tokens is dropp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from toolkit.config.schema import DataConfig
@@ -99,10 +100,13 @@ class PromptRows:
         """The other columns of `rows`, by name, for the reward functions."""
         return {k: [v[i] for i in rows] for k, v in self.columns.items()}
 
-    def media(self, rows: list[int]) -> dict:
+    def media(self, rows: list[int], ids=None) -> dict:
         """The processor's image inputs of `rows`' prompts, in order (pixel_values, ...), as the model takes them;
-        empty for text prompts. Per row, whatever the ids' padding: a model whose image inputs are per token is
-        refused before (`toolkit.model.vision.end_to_end_problem`)."""
+        empty for text prompts. Per row, whatever the ids' padding; per token, Gemma 3's `token_type_ids` (each
+        token's modality, checked to be such when the prompt was read: `_image_prompt`) as a function of the ids the
+        forward gets, or (`ids`: those ids, (B, T)) made of them. Other per-token inputs are refused before
+        (`toolkit.cli.startup.resolve_images`); multi-axis positions read the ids (`toolkit.model.vision.
+        padded_mrope`)."""
         import torch
 
         from toolkit.data.images import open_image
@@ -112,10 +116,13 @@ class PromptRows:
         enc = self.processor(text=[self.texts[i] for i in rows],
                              images=[[open_image(r) for r in self.images[i]] for i in rows],
                              add_special_tokens=False, padding=True, return_tensors="pt")
-        # per-token types would be the processor's padding, not the rows': multi-axis positions read the ids
-        # (`toolkit.model.vision.padded_mrope`)
-        return {k: v for k, v in enc.items()
-                if k not in ("input_ids", "attention_mask", "mm_token_type_ids") and torch.is_tensor(v)}
+        out = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
+                                                         "token_type_ids") and torch.is_tensor(v)}
+        if "token_type_ids" in enc:
+            out["token_type_ids"] = partial(modality_types, self.processor)
+            if ids is not None:
+                out["token_type_ids"] = out["token_type_ids"](ids)
+        return out
 
 
 def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, processor=None) -> PromptRows:
@@ -158,15 +165,27 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
     return out
 
 
+def modality_types(processor, ids):
+    """Each token's modality (1: an image's) of `ids` (B, T), as the processor makes its `token_type_ids` (Gemma 3's:
+    `create_mm_token_type_ids`), on `ids`' device."""
+    import torch
+
+    return torch.tensor(processor.create_mm_token_type_ids(ids.tolist()), dtype=torch.long, device=ids.device)
+
+
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
     """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
-    with each image's tokens expanded)."""
+    with each image's tokens expanded). A processor's `token_type_ids` must be each token's modality (GRPO makes
+    them of a row's ids, `PromptRows.media`), not a prefix (PaliGemma's: `refuse_prefix_types`)."""
+    from toolkit.data.image_rows import refuse_prefix_types
     from toolkit.data.images import image_refs, open_images, template_messages, within_bounds
 
     text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     refs = image_refs(messages)
     images = within_bounds(processor, open_images(refs, where), refs, where)
-    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    enc = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
+    refuse_prefix_types(processor, enc, "grpo")
+    ids = enc["input_ids"][0]
     return text, refs, list(ids.tolist() if hasattr(ids, "tolist") else ids)
 
 

@@ -12,6 +12,7 @@ too."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -58,11 +59,9 @@ ROW_BOUND = {"token_type_ids": "its image tokens attend both ways (token_type_id
              "image_grid_thw": "its positions are multi-axis (M-RoPE, image_grid_thw)"}
 
 
-def end_to_end_problem(config) -> str | None:
-    """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
-    their tokens in order (LLaVA's, Idefics3's, Qwen2-VL's), so examples laid end to end take theirs unchanged, unless
-    its forward takes one of `ROW_BOUND`'s per-row inputs. Multi-axis positions (M-RoPE) are laid out per example
-    (`packed_mrope`, `padded_mrope`), KTO's KL rows' too."""
+def row_bound(config) -> tuple[str, list[str]]:
+    """(the model class's name, the `ROW_BOUND` inputs its forward takes that are not laid out here): multi-axis
+    positions (M-RoPE) are laid out per example (`packed_mrope`, `padded_mrope`), KTO's KL rows' too."""
     import inspect
 
     from transformers.models.auto.auto_factory import _get_model_class
@@ -71,8 +70,15 @@ def end_to_end_problem(config) -> str | None:
     cls = _get_model_class(config, AutoModelForImageTextToText._model_mapping)
     taken = inspect.signature(cls.forward).parameters
     laid_out = set() if mrope_axes(config) != 3 else {"image_grid_thw", "mm_token_type_ids"}
-    why = [reason for name, reason in ROW_BOUND.items() if name in taken and name not in laid_out]
-    return f"{cls.__name__}: {'; '.join(why)}" if why else None
+    return cls.__name__, [name for name in ROW_BOUND if name in taken and name not in laid_out]
+
+
+def end_to_end_problem(config) -> str | None:
+    """Why this image-text model's batches cannot go padding-free (None: they can): its image features are placed at
+    their tokens in order (LLaVA's, Idefics3's, Qwen2-VL's), so examples laid end to end take theirs unchanged, unless
+    its forward takes one of `ROW_BOUND`'s per-row inputs (`row_bound`)."""
+    name, bound = row_bound(config)
+    return f"{name}: {'; '.join(ROW_BOUND[k] for k in bound)}" if bound else None
 
 
 def mrope_axes(config) -> int:
@@ -190,9 +196,12 @@ def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
         except (ImportError, ValueError, OSError) as again:
             raise _missing_package(path, again) from None
     except (OSError, ValueError) as e:
-        # transformers' words where no backend of an image processor can be imported
+        # transformers' words where no backend of an image processor can be imported; older releases (5.4) name
+        # no class for Qwen2-VL's without torchvision and call the image processor unrecognized
         if "Missing optional dependencies" in str(e):
             raise _missing_package(path, e) from None
+        if "Unrecognized image processor" in str(e) and importlib.util.find_spec("torchvision") is None:
+            raise _missing_package(path, e, "torchvision") from None
         raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
                         "files (preprocessor_config.json, the tokenizer)") from None
@@ -206,9 +215,11 @@ def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
     return processor
 
 
-def _missing_package(path: str, e: Exception) -> UserError:
-    """The one line for a processor that needs a package that is not installed, naming it where the error does."""
-    package = next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()), None)
+def _missing_package(path: str, e: Exception, package: str | None = None) -> UserError:
+    """The one line for a processor that needs a package that is not installed, naming it where the error does
+    (or `package`)."""
+    package = package or next((p for p in ("torchvision", "timm", "av", "decord", "librosa") if p in str(e).lower()),
+                              None)
     needs = f"{package} (`pip install {package}`, the build that matches your torch)" if package else \
         "a package that is not installed"
     return UserError(f"--model {path}: its processor needs {needs}: {' '.join(str(e).split())[:160]}")

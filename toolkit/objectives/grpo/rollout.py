@@ -113,11 +113,16 @@ def eos_ids(tokenizer, model) -> list[int]:
 
 
 def suppressed(prompts) -> tuple[int, ...]:
-    """The ids sampling never draws for `prompts` (`SamplingConfig.suppress`): an image-text model's image token."""
+    """The ids sampling never draws for `prompts` (`SamplingConfig.suppress`): an image-text model's image token, and
+    every id its processor counts as an image's (`image_token_ids`: Gemma 3's soft tokens, where its `image_token_id`
+    is the begin-of-image mark)."""
     from toolkit.data.image_rows import image_token_id
 
-    token = image_token_id(prompts.processor) if getattr(prompts, "processor", None) is not None else None
-    return () if token is None else (token,)
+    processor = getattr(prompts, "processor", None)
+    if processor is None:
+        return ()
+    ids = {image_token_id(processor), *(getattr(processor, "image_token_ids", None) or ())}
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def completion_texts(tokenizer, completions) -> list[str]:
@@ -438,7 +443,7 @@ class Rollouts:
                                         device, None if tool_mask is None else tool_mask[part])
                 # an image-text model's image inputs of the rows' prompts: on the host until their forward (a
                 # round's micro-batches wait for their steps)
-                batch.update({MEDIA + k: v for k, v in self.prompts.media(rows[part]).items()})
+                batch.update({MEDIA + k: v for k, v in self.prompts.media(rows[part], batch["input_ids"]).items()})
                 if spec.mask_truncated:  # the labels the loop counts: the loss tokens
                     batch["labels"][:, -batch["completion_mask"].shape[1]:][batch["completion_mask"] == 0] = -100
                 batch["advantages"] = advantages[part].to(device)

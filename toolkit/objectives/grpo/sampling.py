@@ -351,15 +351,18 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
     from `model` with a KV cache; the model's train/eval mode is restored after. `decoder`: the static path
     (None: the dynamic one); where its compiled step fails to build or run, it says why once and this call
     and later ones take the dynamic path (out of memory is raised: another path would not fit either).
-    `media`: an image-text model's image inputs of the prompts (pixel_values, ...), read by the prompts' forward
-    (the dynamic path: their features then sit in the cache). `limits`: each row's own token budget below
-    `cfg.max_completion_length` (a completion's turn after tool results: what its budget has left; the
-    dynamic path), a row that reaches it truncated."""
+    `media`: an image-text model's image inputs of the prompts (pixel_values, ...; a per-token one as a function of
+    the left-padded ids), read by the prompts' forward alone (the dynamic path: their features then sit in the cache,
+    and the decode steps attend causally, as transformers' `generate` leaves Gemma 3's token_type_ids to the
+    prefill). `limits`: each row's own token budget below `cfg.max_completion_length` (a completion's turn after tool
+    results: what its budget has left; the dynamic path), a row that reaches it truncated."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"sample: {len(seeds)} seeds for {len(prompt_ids)} prompts")
     device = next(model.parameters()).device
     ids, attention = left_pad(prompt_ids, pad_id, device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # each prompt's own positions from 0, as generate's
+    # a per-token input given as a function of the ids (Gemma 3's modality types: `PromptRows.media`), of these
+    media = {k: v(ids) if callable(v) else v for k, v in (media or {}).items()}
     u = uniforms(seeds, cfg.max_completion_length, device)
     warpers = logits_warpers(cfg)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
