@@ -699,6 +699,30 @@ def test_grpo_on_image_prompts_samples_and_trains_as_one_process(runs, layout, r
         assert_metric_close(a, b, key, rel=1e-5, abs=1e-6, what=layout)
 
 
+@pytest.mark.parametrize("kind", ["llava", *ZOO])
+def test_every_tiny_model_reads_its_pictures(llava, zoo, kind):
+    """The fixtures' own check: a red and a blue picture give each tiny model other next-token log-probabilities
+    (by more than 0.01), so a test on it can tell an image read from one dropped (transformers starts Gemma 3's
+    projector and Mllama's cross-attention gates at zero: `vlm_zoo` starts them random)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.model.vision import load_processor
+
+    path = llava if kind == "llava" else zoo[kind]
+    processor, model = load_processor(str(path)), AutoModelForImageTextToText.from_pretrained(path)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                         "text": "the fox"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    got = []
+    for color in ((255, 0, 0), (0, 0, 255)):
+        enc = processor(text=[text], images=[[Image.new("RGB", (56, 56), color)]], add_special_tokens=False,
+                        return_tensors="pt")
+        with torch.no_grad():
+            got.append(model(**enc).logits[0, -1].log_softmax(-1))
+    assert (got[0] - got[1]).abs().max() > 0.01
+
+
 def test_grpo_and_kto_on_gemma3_train_through_the_cli(runs):
     """finetune.py --objective grpo on Gemma 3 (its image tokens attending both ways, by token_type_ids made of each
     left-padded row's ids: `test_image_prompts_sample_as_transformers_generate_does` holds sampling and the training

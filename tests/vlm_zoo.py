@@ -142,10 +142,11 @@ def build_vlm_dir(path, kind: str) -> Path:
     model = model_class(config)
     with torch.no_grad():
         for weight in model.parameters():
-            # a matrix transformers starts at zero (Gemma 3's mm_input_projection_weight) would make every image's
-            # features zero: a test could not tell an image read from one dropped
-            if weight.dim() > 1 and not weight.any():
-                weight.normal_(0, 0.02)
+            # what transformers starts at zero between the image and the text (Gemma 3's mm_input_projection_weight,
+            # Mllama's cross-attention gates) would leave every image without effect: a test could not tell an image
+            # read from one dropped (a matrix, or a scalar gate; zero biases, and Gemma's norms' zero offsets, stay)
+            if not weight.any() and (weight.dim() > 1 or weight.numel() == 1):
+                weight.normal_(0, 0.02 if weight.dim() > 1 else 0.5)
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
     return Path(path)
