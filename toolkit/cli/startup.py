@@ -150,9 +150,13 @@ def resolve_images(cfg, model_path: str):
         raise UserError(f"--objective {cfg.train.objective}: {why}, which {what} not lay out yet; it reads "
                         "images on models that place them at their tokens in order (LLaVA, Idefics3/SmolVLM, the "
                         "Qwen-VL family) and on Gemma 3")
-    if why and cfg.data.padding_free:
-        raise UserError(f"--padding-free: {why}, which a row of examples laid end to end does not keep apart; leave "
-                        "it out (this model's image batches are padded)")
+    for flag, on_ in (("--padding-free", cfg.data.padding_free), ("--packing", cfg.data.packing)):
+        if why and on_:
+            raise UserError(f"{flag}: {why}, which a row of examples laid end to end does not keep apart; leave "
+                            "it out (this model's image batches are padded)")
+    if on and cfg.data.packing and cfg.data.padding_free is False:
+        raise UserError("--packing with --no-padding-free: packed image examples are laid end to end, padding-free; "
+                        "leave one of them out")
     if why:
         # padded whatever kernel --attn names (a padded batch's mask sends it to SDPA)
         return cfg.replace(images="on", padding_free=False)

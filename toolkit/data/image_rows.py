@@ -225,6 +225,27 @@ class ImageRows(list):
         return h.hexdigest()
 
 
+class ImageBins:
+    """--packing on an image-text model: `rows`' examples in first-fit-decreasing bins of at most `width` tokens
+    (`toolkit.data.packing.pack_bins`, by each example's tokens, its images' included). A bin reads as its examples,
+    which `MediaCollate` lays end to end with the micro-batch's other bins' (padding-free), so a micro-batch is its
+    examples' padded batch without the padding; `bins` tells `toolkit.data.loader.rows_read` which examples a step
+    reads, as `toolkit.data.packing.PackedRows` does."""
+
+    def __init__(self, rows: ImageRows, width: int):
+        from toolkit.data.packing import pack_bins
+
+        self.rows, self.processor = rows, rows.processor
+        self.bins = pack_bins(rows.lengths, width)
+        self.lengths = [sum(rows.lengths[i] for i in b) for b in self.bins]
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, k: int) -> list[dict]:
+        return [self.rows[i] for i in self.bins[k]]
+
+
 # the processors' outputs that hold a value per token (B, T, ...): cut with the ids
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
@@ -244,9 +265,11 @@ class MediaCollate:
         self.idle = (int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks) > 1 and padding_free
         self._blank: dict | None = None
 
-    def __call__(self, batch: list[dict]) -> dict:
+    def __call__(self, batch: list[dict] | list[list[dict]]) -> dict:
         import torch
 
+        # packed (`ImageBins`): each bin's examples, in order
+        batch = [x for b in batch for x in b] if batch and isinstance(batch[0], list) else batch
         sequences = pair_sequences(batch) if "rejected_input_ids" in batch[0] else batch
         blank = self.idle and sequences is batch and "kl_input_ids" not in batch[0] and \
             not any(x["images"] for x in batch)
@@ -361,11 +384,9 @@ def prepare_images(settings, processor) -> tuple:
     from toolkit.data.table import DataStats
 
     d = settings.data
-    blocked = ("a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else
-               "--packing" if d.packing else "")
+    blocked = "a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else ""
     if blocked:
-        raise UserError(f"{blocked}: not yet for image-text models, which train on one dataset file, padded "
-                        "batches; leave it out")
+        raise UserError(f"{blocked}: not yet for image-text models, which train on one dataset file; leave it out")
     if form(settings.objective) in ("pairs", "labelled"):
         return _prepare_pairs(settings, processor)
     fmt, convs, added, source = _read(settings, data_sources(d)[0])

@@ -115,6 +115,20 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
     processor = getattr(train_rows, "processor", None)
     padding_free = padding_free_on(cfg, attn)
     # images: the processor's inputs beside the rows (`toolkit.data.image_rows`)
+    if processor is not None and cfg.data.packing:
+        from toolkit.data.image_rows import ImageBins
+
+        # bins of examples, laid end to end per micro-batch (a model whose images are tied to their rows was refused:
+        # `toolkit.cli.startup.resolve_images`)
+        n_examples, width = len(train_rows), cfg.data.seq_len * sequences
+        train_rows = ImageBins(train_rows, width)
+        fill = sum(train_rows.lengths) / (len(train_rows) * width)
+        log(f"packing: {n_examples} {unit} -> {len(train_rows)} rows of <= {width} tokens ({fill:.1%} full), each "
+            f"micro-batch's {cfg.train.micro_batch_size} rows end to end in one, with the processor's image inputs")
+        return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
+                          sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
+                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id, True, whole),
+                          generator=torch.Generator().manual_seed(cfg.train.seed))
     if processor is not None:
         # a model whose images are tied to their rows is padded (`toolkit.cli.startup.resolve_images`)
         why = "--no-padding-free, or the model's images are tied to their rows: its attention line says which" \
