@@ -461,6 +461,16 @@ def test_an_image_free_micro_batch_runs_a_blank_image_on_several_ranks(llava, im
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl")])
+    # the ranks that read different micro-batches decide it: under --tp 2 alone both read the same one
+    from toolkit.cli.startup import settle
+    from toolkit.data.loader import training_loader
+    from toolkit.model.load import load_tokenizer
+
+    for flags, blank in (([], True), (["--tp", "2"], False)):
+        cfg = settle(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), *flags])
+        loader = training_loader(cfg, data.train, load_tokenizer(str(llava)), lambda line: None, False, True,
+                                 register("varlen"))
+        assert loader.collate_fn.idle == blank, flags
     with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks a padded micro-batch"):
         prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--no-padding-free"])
     # held-out examples are evaluated padded

@@ -261,7 +261,8 @@ class MediaCollate:
     def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False,
                  ranks: int | None = None):
         self.processor, self.pad_id, self.padding_free, self.whole = processor, pad_id, padding_free, whole
-        # several ranks (`ranks`, default WORLD_SIZE): a padding-free micro-batch without an image runs one anyway
+        # several ranks reading different micro-batches (`ranks`, `toolkit.data.loader.data_ranks`; default
+        # WORLD_SIZE): a padding-free micro-batch without an image runs one anyway
         self.idle = (int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks) > 1 and padding_free
         self._blank: dict | None = None
 
@@ -419,11 +420,14 @@ def prepare_images(settings, processor) -> tuple:
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 
-def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "", instead: str = "") -> None:
+def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "", instead: str = "",
+                ranks: int | None = None) -> None:
     """One line where examples without an image (`images`: each one's references) would train on several ranks
-    in micro-batches that cannot run a blank image in their place (`padded`: "padded " where that is why)."""
+    in micro-batches that cannot run a blank image in their place (`padded`: "padded " where that is why; `ranks`:
+    those reading different micro-batches, `toolkit.data.loader.data_ranks`; before the layout is known, every
+    rank of the launch)."""
     plain = sum(not refs for refs in images)
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks
     if plain and ranks > 1:
         instead = instead or ("let SFT batches go padding-free" if padded else "give each one an image")
         raise UserError(f"--dataset {dataset}: {plain} of {len(images)} {unit} have no image; on "
