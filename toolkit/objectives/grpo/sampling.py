@@ -210,12 +210,22 @@ def _draw(logits: torch.Tensor, u: torch.Tensor, finished: torch.Tensor, warpers
     return token, finished | torch.isin(token, eos)
 
 
-def _decode_step(model, token, attention, positions, cache, u, finished, warpers, eos, pad_id: int, keep: dict):
-    """One static-cache step: `token` (B,) forwarded at `positions` (B, 1), then the next one drawn (`_draw`).
-    The function `StaticDecoder` compiles."""
-    out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, cache=cache,
+def _decode_step(model, token, attention, positions, cache: dict, u, finished, warpers, eos, pad_id: int,
+                 keep: dict):
+    """One static-cache step: `token` (B,) forwarded at `positions` (B, 1), then the next one drawn (`_draw`);
+    `cache`: the cache under the name the model's forward takes (`cached`). The function `StaticDecoder` compiles."""
+    out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, **cache,
                 use_cache=True, **keep)
     return _draw(out.logits[:, -1], u, finished, warpers, eos, pad_id)
+
+
+def cached(model, cache) -> dict:
+    """`cache` under the name the model's forward takes it (`toolkit.objectives.evaluate.cache_kwarg`: `cache` since
+    transformers renamed it, `past_key_values` before; 5.4, the floor, ignores `cache=` and recomputes every step
+    from the one token it is given)."""
+    from toolkit.objectives.evaluate import cache_kwarg
+
+    return {cache_kwarg(model): cache}
 
 
 DECODE_ENV = "TOOLKIT_DECODE"  # dynamic or static: overrides `decoder_for`'s choice (tests, benchmarks)
@@ -276,9 +286,10 @@ class StaticDecoder:
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         batch, width = ids.shape
         size, cache = self.cache(config, batch, width + cfg.max_completion_length)
+        cache = cached(model, cache)
         mask = attention.new_zeros(batch, size)  # full width: one shape for every step
         mask[:, :width] = attention
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **keep)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache, use_cache=True, **keep)
         finished = torch.zeros(batch, dtype=torch.bool, device=ids.device)
         token, after = _draw(out.logits[:, -1], u[:, 0], finished, warpers, eos, pad_id)
         del out
@@ -403,9 +414,9 @@ def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, wa
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     ended = finished  # by an EOS (`finished` also holds the rows out of budget)
     budget = None if limits is None else torch.tensor(list(limits), device=ids.device)
-    cache = DynamicCache(config=config)
+    cache = cached(model, DynamicCache(config=config))
     media = {k: v.to(ids.device) for k, v in (media or {}).items()}
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, **keep,
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, **cache, use_cache=True, **keep,
                 **media)
     for t in range(cfg.max_completion_length):
         token, after = _draw(out.logits[:, -1], u[:, t], finished, warpers, eos, pad_id)
@@ -417,6 +428,6 @@ def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, wa
             break
         attention = torch.cat([attention, attention.new_ones(ids.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, cache=cache,
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, **cache,
                     use_cache=True, **keep)
     return tokens, live, ended
