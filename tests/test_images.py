@@ -330,10 +330,11 @@ def test_image_pixel_bounds_reach_the_processor_and_final(zoo, images, tmp_path)
         (zoo["qwen2_vl"] / "preprocessor_config.json").read_text()
 
 
-def test_a_transformers_that_cannot_name_the_image_processor_without_torchvision_asks_for_it(zoo, monkeypatch):
+def test_a_transformers_that_cannot_name_the_image_processor_without_torchvision_asks_for_it(zoo, monkeypatch,
+                                                                                             tmp_path):
     """transformers 5.4 (the floor) without torchvision resolves no image processor for Qwen2-VL and says so as a
     ValueError about the folder (its words below, run there by hand on 2026-12-03): the line names torchvision, not
-    the folder's files."""
+    the folder's files, where the folder names its image processor; where it names none, the files."""
     import importlib.util
 
     from transformers import AutoProcessor
@@ -352,6 +353,11 @@ def test_a_transformers_that_cannot_name_the_image_processor_without_torchvision
 
     monkeypatch.setattr(AutoProcessor, "from_pretrained", older)
     with pytest.raises(UserError, match=r"its processor needs torchvision \(`pip install torchvision`"):
+        load_processor(path)
+    # a folder whose preprocessor_config.json names no image processor lacks its files, torchvision or not
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    path = str(tmp_path)
+    with pytest.raises(UserError, match="the folder needs the processor's files"):
         load_processor(path)
 
 
@@ -558,6 +564,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            **{name: [*pairs, *flags, "--micro-batch-size", "4"] for name, flags in (
                ("dpo_lora", []), ("dpo_full", ["--method", "full"]), ("dpo_term", ["--method", "full"]),
                ("dpo_padded", ["--method", "full", "--no-padding-free"]),
+               ("dpo_packed", ["--method", "full", "--packing", "--seq-len", "128"]),
                ("orpo", ["--objective", "orpo"]), ("simpo", ["--objective", "simpo"]),
                ("paligemma_dpo", ["--model", str(zoo["paligemma"])]),
                ("dpo_learns", ["--method", "full", "--max-steps", str(LEARN_STEPS), "--lr-schedule", "constant",
@@ -642,6 +649,18 @@ def test_data_parallel_layouts_give_one_process_losses(runs, layout, reference):
     if layout.endswith("tp"):
         assert "layout: device mesh tp 2" in runs[f"{layout}.stdout"].read_text()
         assert json.loads((runs[layout] / "integrity.json").read_text())["ok"]
+
+
+def test_packed_image_pairs_start_at_their_reference_to_the_bit(runs):
+    """DPO on packed image pairs (a full finetune: the reference scored before step 1, end to end as the pairs
+    train): each pair meets its own reference (step 1's margins exactly 0, its loss ln 2); the loss falls; the
+    folder reloads."""
+    said = runs["dpo_packed.stdout"].read_text()
+    assert "packing: 32 pairs -> " in said and "rows of <= 256 tokens" in said
+    first = records(runs["dpo_packed"], "loss")[0]
+    assert first["rewards/margins"] == 0.0 and first["loss"] == pytest.approx(math.log(2), rel=1e-7)
+    got = losses(runs["dpo_packed"])
+    assert len(got) == 5 and got[-1] < got[0] and json.loads((runs["dpo_packed"] / "integrity.json").read_text())["ok"]
 
 
 @pytest.mark.parametrize("layout, reference", [("packed_ddp", "packed"), ("qwen2_vl_packed_fsdp", "qwen2_vl_packed")])
@@ -789,16 +808,13 @@ def test_every_tiny_model_reads_its_pictures(llava, zoo, kind):
 def test_grpo_and_kto_on_gemma3_train_through_the_cli(runs):
     """finetune.py --objective grpo on Gemma 3 (its image tokens attending both ways, by token_type_ids made of each
     left-padded row's ids: `test_image_prompts_sample_as_transformers_generate_does` holds sampling and the training
-    forward to transformers'): a round's completions logged, no image token among them, the steps' losses and KL not
-    all zero, and the saved folder reloads to the trained loss (the integrity check, through the processor). KTO
+    forward to transformers', and that its image tokens are never sampled): a round's completions logged, the steps'
+    losses and KL not all zero, and the saved folder reloads to the trained loss (the integrity check, through the
+    processor). KTO
     (`test_kto_sequences_score_as_each_alone` holds its KL sequences to transformers'): its loss falls, the folder
     reloads."""
-    from transformers import AutoProcessor
-
     done = [json.loads(x) for x in (runs["gemma3_grpo"] / "completions.jsonl").read_text().splitlines()]
     assert {c["step"] for c in done} == {1, 2} and len(done) == 16
-    soft = AutoProcessor.from_pretrained(runs["gemma3_grpo"] / "final").tokenizer.image_token
-    assert not any(soft in c["completion"] for c in done)
     b = records(runs["gemma3_grpo"], "loss")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and any(r["loss"] != 0 for r in b) and any(r["kl"] > 0 for r in b)
     assert json.loads((runs["gemma3_grpo"] / "integrity.json").read_text())["ok"]

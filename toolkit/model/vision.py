@@ -151,8 +151,9 @@ def _mrope_hook(module, args, kwargs):
     if mask is None:
         kwargs["position_ids"] = packed_mrope(module, ids, pos, kwargs.get("image_grid_thw"))
     else:
+        # the KV cache under either name (`past_key_values` before transformers renamed it)
         kwargs["position_ids"] = padded_mrope(module, ids, pos, mask, kwargs.get("image_grid_thw"),
-                                              kwargs.get("cache"))
+                                              kwargs.get("cache", kwargs.get("past_key_values")))
     return args, kwargs
 
 
@@ -200,7 +201,8 @@ def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
         # no class for Qwen2-VL's without torchvision and call the image processor unrecognized
         if "Missing optional dependencies" in str(e):
             raise _missing_package(path, e) from None
-        if "Unrecognized image processor" in str(e) and importlib.util.find_spec("torchvision") is None:
+        if "Unrecognized image processor" in str(e) and importlib.util.find_spec("torchvision") is None and \
+                _names_image_processor(path):
             raise _missing_package(path, e, "torchvision") from None
         raise UserError(f"--model {path}: an image-text model, but its processor could not be loaded "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); the folder needs the processor's "
@@ -213,6 +215,15 @@ def load_processor(path: str, trust_remote_code: bool = False, **bounds: int):
                         f"by its own settings, size {dict(getattr(image, 'size', None) or {})}); leave the flag "
                         f"out, or change those in {path}/preprocessor_config.json")
     return processor
+
+
+def _names_image_processor(path: str) -> bool:
+    """Whether the folder's preprocessor_config.json names its image processor class (a folder that does not is
+    missing its processor's files, whatever is installed)."""
+    try:
+        return bool(json.loads((Path(path) / "preprocessor_config.json").read_text()).get("image_processor_type"))
+    except (OSError, ValueError):
+        return False
 
 
 def _missing_package(path: str, e: Exception, package: str | None = None) -> UserError:

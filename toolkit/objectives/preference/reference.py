@@ -150,9 +150,11 @@ def attach_reference(run, rows, name: str, log, resuming: bool = False, needed: 
     from toolkit.model.attention import padding_free_on
 
     strategy, accelerator = run.strategy, run.strategy.accelerator
-    # the training rows of a padding-free run are scored as it trains them (eval's stay padded, as eval runs)
-    free = name == "train" and padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config.get_text_config(),
-                                                                "_attn_implementation", None))
+    # the training rows of a padding-free run are scored as it trains them (eval's stay padded, as eval runs); so are
+    # packed image pairs, which train end to end as padding-free rows do (`toolkit.data.image_rows.ImageBins`)
+    free = name == "train" and (padding_free_on(run.cfg, getattr(strategy.unwrap(run.model).config.get_text_config(),
+                                                                 "_attn_implementation", None))
+                                or (run.cfg.data.packing and getattr(rows, "processor", None) is not None))
     key = rows_key(rows.digest() + ("\x00padding-free" if free else ""), resolved_precision(run.cfg))
     mine = run.out_dir / FILE
     adapter = sft_adapter(run.cfg.model)
