@@ -262,9 +262,13 @@ def build_model(shape: dict, path: str, device: str) -> str:
         if "vlm" in shape:  # an image-text model with its processor (gpu_user.py's VLM shapes)
             import torch
 
+            from benchmarks.gpu.gpu_user import tokenizer_texts
+
             build_qwen_vl_dir(tmp, shape["vlm"], text=shape.get("text"), vision=shape.get("vision"),
                               pixels=tuple(shape.get("pixels", (56 * 56, 112 * 112))), device=device,
-                              dtype=getattr(torch, shape["dtype"]) if "dtype" in shape else None)
+                              dtype=getattr(torch, shape["dtype"]) if "dtype" in shape else None,
+                              tokenizer_vocab=shape.get("tokenizer_vocab", 384),
+                              tokenizer_texts=tokenizer_texts() if "tokenizer_vocab" in shape else None)
         elif "model_type" in shape:  # another architecture than Llama (toolkit.model.synthetic.ZOO's, at this shape)
             shape = dict(shape)
             build_zoo_model_dir(tmp, shape.pop("model_type"), device=device, **shape)

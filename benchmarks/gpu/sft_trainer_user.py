@@ -2,7 +2,7 @@
 (benchmarks/gpu/gpu_user.py runs it beside finetune.py).
 
     python -m benchmarks.gpu.sft_trainer_user --model DIR --dataset alpaca.json --output-dir OUT [--method full]
-        [--best] [--seq-len 2048] [--micro-batch-size 4] [--max-steps 30]
+        [--best [--no-compile]] [--seq-len 2048] [--micro-batch-size 4] [--max-steps 30]
 
 The records become TRL's prompt-completion form (the completion trained, as the toolkit trains the
 answer), packed to --seq-len (`packing=True`: TRL's best-fit decreasing, padding-free rows), bf16 on a
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--compile-backend", default="inductor",
                     help="--best's torch.compile backend (a CPU smoke: aot_eager)")
+    ap.add_argument("--no-compile", action="store_true", help="--best without torch.compile")
     a = ap.parse_args()
 
     import torch
@@ -103,7 +104,9 @@ def main() -> None:
     liger = importlib.util.find_spec("liger_kernel") is not None
     flash = gpu and importlib.util.find_spec("flash_attn") is not None
     vision = vlm_records(a.dataset)
-    best = {"torch_compile": True, "torch_compile_backend": a.compile_backend, "padding_free": vision is None,
+    # transformers turns torch_compile on wherever a backend is named: none named without it
+    compiled = {} if a.no_compile else {"torch_compile": True, "torch_compile_backend": a.compile_backend}
+    best = {**compiled, "padding_free": vision is None,
             "gradient_checkpointing": False,
             "use_liger_kernel": liger and gpu} if a.best else {}
     # TRL refuses packing for vision datasets; keep_end truncation too (its default is keep_start)
@@ -155,7 +158,8 @@ def main() -> None:
            "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
            "liger_left_out": a.best and not (liger and gpu),
            "attention": model.config._attn_implementation, "flash_attn_left_out": a.best and not flash,
-           "gradient_checkpointing": config.gradient_checkpointing, "steps": len(ends),
+           "gradient_checkpointing": config.gradient_checkpointing, "torch_compiled": config.torch_compile,
+           "steps": len(ends),
            "tokens_per_s": sum(n for n, _ in pairs) / sum(times) if pairs else None,
            "step_time_cv": statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else None,
            "seconds_to_step1": round(ends[0] - t_start, 1) if ends else None,

@@ -26,17 +26,18 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
 
 
-def build_tokenizer(chat_template: str | None = None):
-    """A byte-level BPE of 384 tokens trained on `corpus()`, with the usual special tokens."""
+def build_tokenizer(chat_template: str | None = None, vocab_size: int = 384, texts: list[str] | None = None):
+    """A byte-level BPE of `vocab_size` tokens trained on `corpus()` (and `texts`: a benchmark's own records, so its
+    text splits into about as many tokens as a published tokenizer makes of it), with the usual special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus() + ["<|user|> <|assistant|> <|system|> " * 3], trainer)
+    tok.train_from_iterator(corpus() + ["<|user|> <|assistant|> <|system|> " * 3] + list(texts or []), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", bos_token="<s>",
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     if chat_template:
@@ -191,12 +192,12 @@ def vlm_chat_template(placeholder: str, prefix: str = "") -> str:
 VLM_CHAT_TEMPLATE = vlm_chat_template("<image>")
 
 
-def vlm_tokenizer(extra: list[str], **named):
-    """`build_tokenizer()` with `extra` special tokens; `named`: model-specific named tokens (Gemma 3's
-    `boi_token`...), which the processor reads as `tokenizer.boi_token` / `tokenizer.image_token_id`."""
+def vlm_tokenizer(extra: list[str], vocab_size: int = 384, texts: list[str] | None = None, **named):
+    """`build_tokenizer(vocab_size=, texts=)` with `extra` special tokens; `named`: model-specific named tokens
+    (Gemma 3's `boi_token`...), which the processor reads as `tokenizer.boi_token` / `tokenizer.image_token_id`."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(vocab_size=vocab_size, texts=texts)
     tokens = ["<|im_start|>", "<|im_end|>", *extra]
     tok.add_special_tokens({"additional_special_tokens": tokens})
     if not named:
@@ -243,14 +244,16 @@ def qwen_vl_config(kind: str, tok, ids: dict, text: dict | None = None, vision: 
 
 
 def build_qwen_vl_dir(path, kind: str = "qwen2_vl", text: dict | None = None, vision: dict | None = None,
-                      pixels: tuple[int, int] = (56 * 56, 112 * 112), device: str = "cpu", dtype=None) -> Path:
+                      pixels: tuple[int, int] = (56 * 56, 112 * 112), device: str = "cpu", dtype=None,
+                      tokenizer_vocab: int = 384, tokenizer_texts: list[str] | None = None) -> Path:
     """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`kind`; `qwen_vl_config`'s sizes) folder as the hub ships one, written
     file by file (its config, weights, the tests' tokenizer with Qwen's image tokens, `preprocessor_config.json`
     read by both its image and its video processor, `processor_config.json`, the chat template): without
     torchvision its processor cannot be built (its video processor needs it), so `AutoProcessor` fails on it as on
     the real Qwen2-VL-2B, and the toolkit builds it without the video processor (`toolkit.model.vision.
     without_video`). `pixels`: the image processor's min and max pixels (by default 56x56 to 112x112 images: 2x2 to
-    4x4 merged 14 px patches, 4 to 16 tokens). `device`: where the random init runs; `dtype`: the saved weights'."""
+    4x4 merged 14 px patches, 4 to 16 tokens). `device`: where the random init runs; `dtype`: the saved weights';
+    `tokenizer_vocab`, `tokenizer_texts`: the tokenizer's size and extra training text (`build_tokenizer`)."""
     import json
 
     import torch
@@ -258,7 +261,7 @@ def build_qwen_vl_dir(path, kind: str = "qwen2_vl", text: dict | None = None, vi
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    tok = vlm_tokenizer(marks)
+    tok = vlm_tokenizer(marks, tokenizer_vocab, tokenizer_texts)
     config = qwen_vl_config(kind, tok, {t: tok.convert_tokens_to_ids(t) for t in marks}, text, vision)
     torch.manual_seed(0)
     with torch.device(device):
