@@ -143,7 +143,7 @@ def resolve_images(cfg, model_path: str):
     why = on and image_text(config) and end_to_end_problem(config)
     # GRPO's left-padded rows and KTO's KL rows take per-token modality types made of their ids (Gemma 3's
     # token_type_ids: the processor's are checked to be such when the data is read,
-    # `toolkit.data.image_rows.refuse_prefix_types`); other per-row inputs would need them laid out again
+    # `toolkit.data.images.refuse_prefix_types`); other per-row inputs would need them laid out again
     types_only = why and row_bound(config)[1] == ["token_type_ids"]
     if why and cfg.train.objective in ("grpo", "kto") and not types_only:
         what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"

@@ -18,8 +18,8 @@ import hashlib
 import os
 from functools import partial
 
-from toolkit.data.images import (MEDIA, answer_texts, image_refs, open_image, open_images, template_messages,
-                                 within_bounds)
+from toolkit.data.images import (MEDIA, answer_texts, image_refs, open_image, open_images, refuse_prefix_types,
+                                 template_messages, within_bounds)
 from toolkit.errors import UserError
 
 
@@ -145,21 +145,6 @@ def image_token_id(processor) -> int | None:
     if token is None and getattr(processor, "image_token", None):
         token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     return token
-
-
-def refuse_prefix_types(processor, enc, objective: str) -> None:
-    """One line where the processor's `token_type_ids` (of `enc`, its output) are not each token's modality (its
-    `create_mm_token_type_ids`: Gemma 3's are) but mark a prefix the model attends to both ways (PaliGemma's): GRPO's
-    sampled rows and KTO's KL rows make them of their own ids."""
-    types = enc.get("token_type_ids")
-    if types is None:
-        return
-    ids = [[int(t) for t in row] for row in enc["input_ids"]]
-    if [[int(t) for t in row] for row in types] != processor.create_mm_token_type_ids(ids):
-        raise UserError(f"--objective {objective}: {type(processor).__name__}'s token_type_ids are not each token's "
-                        "modality (they mark a prefix the model attends to both ways, as PaliGemma's do), which "
-                        f"{'its sampled rows' if objective == 'grpo' else 'its KL sequences'} do not lay out; it "
-                        "reads images on LLaVA, Idefics3/SmolVLM, the Qwen-VL family and Gemma 3")
 
 
 def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: str) -> tuple[list[int], set[int]]:
@@ -306,7 +291,7 @@ class MediaCollate:
             if "kl_input_ids" in out and MEDIA + key in out:
                 # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
                 # their own longest: their modality types as the processor makes them of their ids (Gemma 3's
-                # token_type_ids are such: `refuse_prefix_types`)
+                # token_type_ids are such: `toolkit.data.images.refuse_prefix_types`)
                 out["kl_" + MEDIA + key] = self.types_of(out["kl_input_ids"])
         return out
 

@@ -238,3 +238,17 @@ def answer_texts(message: dict) -> list[str]:
     content = message["content"]
     return [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
 
+
+def refuse_prefix_types(processor, enc, objective: str) -> None:
+    """One line where the processor's `token_type_ids` (of `enc`, its output) are not each token's modality (its
+    `create_mm_token_type_ids`: Gemma 3's are) but mark a prefix the model attends to both ways (PaliGemma's): GRPO's
+    sampled rows and KTO's KL rows make them of their own ids."""
+    types = enc.get("token_type_ids")
+    if types is None:
+        return
+    ids = [[int(t) for t in row] for row in enc["input_ids"]]
+    if [[int(t) for t in row] for row in types] != processor.create_mm_token_type_ids(ids):
+        raise UserError(f"--objective {objective}: {type(processor).__name__}'s token_type_ids are not each token's "
+                        "modality (they mark a prefix the model attends to both ways, as PaliGemma's do), which "
+                        f"{'its sampled rows' if objective == 'grpo' else 'its KL sequences'} do not lay out; it "
+                        "reads images on LLaVA, Idefics3/SmolVLM, the Qwen-VL family and Gemma 3")

@@ -176,9 +176,8 @@ def modality_types(processor, ids):
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:
     """(the prompt rendered by the processor's template with its generation prompt, its image references, its ids
     with each image's tokens expanded). A processor's `token_type_ids` must be each token's modality (GRPO makes
-    them of a row's ids, `PromptRows.media`), not a prefix (PaliGemma's: `refuse_prefix_types`)."""
-    from toolkit.data.image_rows import refuse_prefix_types
-    from toolkit.data.images import image_refs, open_images, template_messages, within_bounds
+    them of a row's ids, `PromptRows.media`), not a prefix (PaliGemma's: `toolkit.data.images.refuse_prefix_types`)."""
+    from toolkit.data.images import image_refs, open_images, refuse_prefix_types, template_messages, within_bounds
 
     text = processor.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True)
     refs = image_refs(messages)
