@@ -81,6 +81,7 @@ def test_smoke_runs_every_part(tmp_path):
     adapter = load_file(tmp_path / "work" / "user" / "vlm" / "final" / "adapter_model.safetensors")
     for name in ("sft_vlm", "sft_vlm_best"):
         assert yard[name]["images"] and yard[name]["trainable_params"] == sum(t.numel() for t in adapter.values())
+        assert 0 < yard[name]["padding_fraction"] < 1  # TRL pads image batches: the tokens it counts exclude it
     assert "torch_compile" not in yard["sft_vlm_best"]["best"] and not yard["sft_vlm_best"]["best"]["padding_free"]
     assert not yard["sft_vlm_best"]["torch_compiled"]  # transformers compiles wherever a backend is named
     assert "sft_vlm_best_compile: a GPU run's" in " ".join(parts["yardstick"]["skipped"])

@@ -23,7 +23,8 @@ padded batches, in the default and in `--best`.
 Tokens/s come from TRL's own log (`num_tokens`, cumulative) over the wall time between steps (a callback
 notes each step's end): the steps after WARMUP, as the user part counts the toolkit's. Writes
 OUT/sft_metrics.json: tokens_per_s, step_time_cv, seconds_to_step1, warmup_s (the first WARMUP steps,
-compile included), wall_s, peak_gib, and what ran.
+compile included), wall_s, peak_gib, padding_fraction (of the batches' slots, where they carry an attention mask),
+and what ran.
 """
 
 from __future__ import annotations
@@ -146,6 +147,19 @@ def main() -> None:
 
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=processing,
                          peft_config=peft_config, callbacks=[StepTimes()])
+    # the batches' tokens and their padding, as the collator hands them over (the loader is built in train())
+    seen = {"tokens": 0, "slots": 0}
+    collate = trainer.data_collator
+
+    def counted(examples):
+        batch = collate(examples)
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            seen["tokens"] += int(mask.sum())
+            seen["slots"] += mask.numel()
+        return batch
+
+    trainer.data_collator = counted
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t_train = time.perf_counter()
@@ -159,6 +173,7 @@ def main() -> None:
            "liger_left_out": a.best and not (liger and gpu),
            "attention": model.config._attn_implementation, "flash_attn_left_out": a.best and not flash,
            "gradient_checkpointing": config.gradient_checkpointing, "torch_compiled": config.torch_compile,
+           "padding_fraction": 1 - seen["tokens"] / seen["slots"] if seen["slots"] else None,
            "steps": len(ends),
            "tokens_per_s": sum(n for n, _ in pairs) / sum(times) if pairs else None,
            "step_time_cv": statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else None,
