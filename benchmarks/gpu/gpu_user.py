@@ -485,11 +485,12 @@ def part_yardstick(run, check) -> dict:
     model = run.model("llama-1b")
     cases = []
 
-    def toolkit(name: str, flags: list[str], data: Path = alpaca, n: int = steps) -> None:
+    def toolkit(name: str, flags: list[str], data: Path = alpaca, n: int = steps, on: str | None = None,
+                packed: bool = True) -> None:
         out = work / name
-        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", model, "--dataset", str(data), "--output-dir",
-               str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb), "--max-steps",
-               str(n), "--packing", *flags]
+        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", on or model, "--dataset", str(data),
+               "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb),
+               "--max-steps", str(n), *(["--packing"] if packed else []), *flags]
         print(f"  {name}", flush=True)
         cases.append(run_case(name, cmd, out, env, run.timeout() if run.deadline else None))
 
@@ -503,13 +504,8 @@ def part_yardstick(run, check) -> dict:
         mine = getattr(run, "vlm_case", None)
         if mine:
             cases.append({**mine, "from": "the user part"})
-            return
-        out = work / "vlm"
-        cmd = [sys.executable, str(ROOT / "finetune.py"), "--model", run.model(VLM), "--dataset", str(vlm_data),
-               "--output-dir", str(out), "--overwrite-output-dir", "--seq-len", str(seq), "--micro-batch-size", str(mb),
-               "--max-steps", str(steps)]
-        print("  vlm", flush=True)
-        cases.append(run_case("vlm", cmd, out, env, run.timeout() if run.deadline else None))
+        else:  # the user part's flags: the defaults (padding-free image rows)
+            toolkit("vlm", [], vlm_data, on=run.model(VLM), packed=False)
 
     plan = [("lora", lambda: toolkit("lora", [])), ("sft_lora", lambda: sft("sft_lora", [])),
             ("sft_lora_best", lambda: sft("sft_lora_best", ["--best", *backend])),

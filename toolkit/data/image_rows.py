@@ -18,8 +18,8 @@ import hashlib
 import os
 from functools import partial
 
-from toolkit.data.images import (MEDIA, answer_texts, image_refs, open_image, open_images, refuse_prefix_types,
-                                 template_messages, within_bounds)
+from toolkit.data.images import (MEDIA, answer_texts, image_refs, image_token_id, modality_types, open_image,
+                                 open_images, refuse_prefix_types, template_messages, within_bounds)
 from toolkit.errors import UserError
 
 
@@ -137,14 +137,6 @@ def pair_sequences(batch: list[dict]) -> list[dict]:
          **({"suffix": x["suffix"]} if "suffix" in x else {})},
         {"input_ids": x["rejected_input_ids"], "labels": x["rejected_labels"], "text": x["rejected_text"],
          "images": x["images"], **({"suffix": x["rejected_suffix"]} if "suffix" in x else {})})]
-
-
-def image_token_id(processor) -> int | None:
-    """The id the processor repeats for an image's features (`image_token_id`, else its `image_token`'s)."""
-    token = getattr(processor, "image_token_id", None)
-    if token is None and getattr(processor, "image_token", None):
-        token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return token
 
 
 def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: str) -> tuple[list[int], set[int]]:
@@ -292,18 +284,8 @@ class MediaCollate:
                 # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
                 # their own longest: their modality types as the processor makes them of their ids (Gemma 3's
                 # token_type_ids are such: `toolkit.data.images.refuse_prefix_types`)
-                out["kl_" + MEDIA + key] = self.types_of(out["kl_input_ids"])
+                out["kl_" + MEDIA + key] = modality_types(self.processor, out["kl_input_ids"])
         return out
-
-    def types_of(self, ids):
-        """The processor's modality type of each token of `ids` (`create_mm_token_type_ids`: 1 at an image's
-        tokens, as transformers' processors read them; else where the ids are its `image_token_id`)."""
-        import torch
-
-        make = getattr(self.processor, "create_mm_token_type_ids", None)
-        if make is not None:
-            return torch.tensor(make(ids.tolist()), dtype=torch.long)
-        return (ids == image_token_id(self.processor)).long()
 
     def blank(self) -> dict:
         """An example of one blank 28 px image and nothing to learn, added to a padding-free micro-batch without an

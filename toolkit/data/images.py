@@ -252,3 +252,22 @@ def refuse_prefix_types(processor, enc, objective: str) -> None:
                         "modality (they mark a prefix the model attends to both ways, as PaliGemma's do), which "
                         f"{'its sampled rows' if objective == 'grpo' else 'its KL sequences'} do not lay out; it "
                         "reads images on LLaVA, Idefics3/SmolVLM, the Qwen-VL family and Gemma 3")
+
+
+def modality_types(processor, ids):
+    """Each token's modality (1: an image's) of `ids` (B, T) as the processor makes its types
+    (`create_mm_token_type_ids`, where it has one; else where the ids are its image token), on `ids`' device."""
+    import torch
+
+    make = getattr(processor, "create_mm_token_type_ids", None)
+    if make is not None:
+        return torch.tensor(make(ids.tolist()), dtype=torch.long, device=ids.device)
+    return (ids == image_token_id(processor)).long()
+
+
+def image_token_id(processor) -> int | None:
+    """The id the processor repeats for an image's features (`image_token_id`, else its `image_token`'s)."""
+    token = getattr(processor, "image_token_id", None)
+    if token is None and getattr(processor, "image_token", None):
+        token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return token

@@ -119,6 +119,8 @@ class PromptRows:
         out = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
                                                          "token_type_ids") and torch.is_tensor(v)}
         if "token_type_ids" in enc:
+            from toolkit.data.images import modality_types
+
             out["token_type_ids"] = partial(modality_types, self.processor)
             if ids is not None:
                 out["token_type_ids"] = out["token_type_ids"](ids)
@@ -163,14 +165,6 @@ def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, 
         for c in others:
             out.columns.setdefault(c, []).append(row[c])
     return out
-
-
-def modality_types(processor, ids):
-    """Each token's modality (1: an image's) of `ids` (B, T), as the processor makes its `token_type_ids` (Gemma 3's:
-    `create_mm_token_type_ids`), on `ids`' device."""
-    import torch
-
-    return torch.tensor(processor.create_mm_token_type_ids(ids.tolist()), dtype=torch.long, device=ids.device)
 
 
 def _image_prompt(processor, messages: list[dict], where: str) -> tuple[str, list[str], list[int]]:

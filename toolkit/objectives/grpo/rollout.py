@@ -116,7 +116,7 @@ def suppressed(prompts) -> tuple[int, ...]:
     """The ids sampling never draws for `prompts` (`SamplingConfig.suppress`): an image-text model's image token, and
     every id its processor counts as an image's (`image_token_ids`: Gemma 3's soft tokens, where its `image_token_id`
     is the begin-of-image mark)."""
-    from toolkit.data.image_rows import image_token_id
+    from toolkit.data.images import image_token_id
 
     processor = getattr(prompts, "processor", None)
     if processor is None:
