@@ -479,6 +479,8 @@ def test_an_image_free_micro_batch_runs_a_blank_image_on_several_ranks(llava, im
         assert loader.collate_fn.idle == blank, flags
     with pytest.raises(UserError, match="1 of 26 examples have no image; on 2 ranks a padded micro-batch"):
         prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--no-padding-free"])
+    # padded too, under --tp 2 alone both ranks read the same micro-batch: no refusal, before the layout as after
+    prepared(["--model", str(llava), "--dataset", str(images / "mixed.jsonl"), "--no-padding-free", "--tp", "2"])
     # held-out examples are evaluated padded
     with pytest.raises(UserError, match="mixed.jsonl: 1 of 26 held-out examples have no image; on 2 ranks a padded"):
         prepared(["--model", str(llava), "--dataset", str(images / "chat.jsonl"), "--eval-dataset",

@@ -11,6 +11,7 @@ metadata holds its help text and its choices (`toolkit.config.parse` turns each 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -286,10 +287,12 @@ SECTIONS = ("model", "data", "train", "rl", "parallel", "output", "plan")
 class DataSettings:
     """What the data package reads of a run (`Config.data_settings`): its section, and the two training settings
     that shape the rows: the objective picks the formats and columns a source may have, the seed draws the
-    eval split and a mixture's order."""
+    eval split and a mixture's order; `ranks`, those reading different micro-batches (`Config.data_ranks`), decide
+    whether an image-free one can train."""
     data: DataConfig
     objective: str
     seed: int
+    ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,15 @@ class Config:
     @property
     def data_settings(self) -> DataSettings:
         """What `toolkit.data` is passed in place of this whole config."""
-        return DataSettings(self.data, self.train.objective, self.train.seed)
+        return DataSettings(self.data, self.train.objective, self.train.seed, self.data_ranks)
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different micro-batches: the launch's (WORLD_SIZE) over those that share one (--tp x
+        --pp x --cp). Under --tp alone every rank reads the same micro-batch, so an image-free one needs no blank
+        image. Before --strategy auto has planned, every rank of the launch."""
+        p = self.parallel
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")) // (p.tp * p.pp * p.cp))
 
     @property
     def lr(self) -> float:

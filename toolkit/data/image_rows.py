@@ -238,7 +238,7 @@ class MediaCollate:
     def __init__(self, processor, pad_id: int, padding_free: bool = False, whole: bool = False,
                  ranks: int | None = None):
         self.processor, self.pad_id, self.padding_free, self.whole = processor, pad_id, padding_free, whole
-        # several ranks reading different micro-batches (`ranks`, `toolkit.data.loader.data_ranks`; default
+        # several ranks reading different micro-batches (`ranks`, `Config.data_ranks`; default
         # WORLD_SIZE): a padding-free micro-batch without an image runs one anyway
         self.idle = (int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks) > 1 and padding_free
         self._blank: dict | None = None
@@ -381,20 +381,18 @@ def prepare_images(settings, processor) -> tuple:
     # padding-free training micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones, and
     # the held-out examples' (evaluated padded), cannot
     if d.padding_free is False:
-        every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", "padded ")
+        every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", settings.ranks, "padded ")
     every_image([r["images"] for r in list.__iter__(held)], d.eval_dataset or d.dataset, "held-out examples",
-                "padded ", "give each an image")
+                settings.ranks, "padded ", "give each an image")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
 
 
-def every_image(images: list[list[str]], dataset: str, unit: str, padded: str = "", instead: str = "",
-                ranks: int | None = None) -> None:
+def every_image(images: list[list[str]], dataset: str, unit: str, ranks: int, padded: str = "",
+                instead: str = "") -> None:
     """One line where examples without an image (`images`: each one's references) would train on several ranks
     in micro-batches that cannot run a blank image in their place (`padded`: "padded " where that is why; `ranks`:
-    those reading different micro-batches, `toolkit.data.loader.data_ranks`; before the layout is known, every
-    rank of the launch)."""
+    those reading different micro-batches, `Config.data_ranks`)."""
     plain = sum(not refs for refs in images)
-    ranks = int(os.environ.get("WORLD_SIZE", "1")) if ranks is None else ranks
     if plain and ranks > 1:
         instead = instead or ("let SFT batches go padding-free" if padded else "give each one an image")
         raise UserError(f"--dataset {dataset}: {plain} of {len(images)} {unit} have no image; on "
@@ -426,7 +424,7 @@ def _prepare_pairs(settings, processor) -> tuple:
             encoded = partial(_encoded_kto, unpaired=held_fmt == "unpaired")
         held, held_stats = encoded(processor, settings, held_source, list(enumerate(held_pairs)))
     every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
-                "examples" if kto else "pairs")
+                "examples" if kto else "pairs", settings.ranks)
     return fmt, train, held, stats, held_stats or DataStats(), added, None, None
 
 

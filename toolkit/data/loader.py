@@ -103,15 +103,6 @@ def rows_read(loader, grad_accum: int, steps_per_epoch: int, steps: int) -> set[
     return read
 
 
-def data_ranks(cfg) -> int:
-    """The ranks that read different micro-batches: the launch's (WORLD_SIZE) over those that share one (--tp x --pp
-    x --cp). Under --tp alone every rank reads the same micro-batch, so an image-free one needs no blank image."""
-    import os
-
-    p = cfg.parallel
-    return max(1, int(os.environ.get("WORLD_SIZE", "1")) // (p.tp * p.pp * p.cp))
-
-
 def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, attn: str | None = None,
                     sequences: int = 1, unit: str = "examples") -> DataLoader:
     """The map-style loader (packed from the lengths column of a table with --packing: no row is read
@@ -136,7 +127,7 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
             f"micro-batch's {cfg.train.micro_batch_size} rows end to end in one, with the processor's image inputs")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
                           sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
-                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id, True, whole, data_ranks(cfg)),
+                          collate_fn=MediaCollate(processor, tokenizer.pad_token_id, True, whole, cfg.data_ranks),
                           generator=torch.Generator().manual_seed(cfg.train.seed))
     if processor is not None:
         # a model whose images are tied to their rows is padded (`toolkit.cli.startup.resolve_images`)
@@ -148,12 +139,12 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
             from toolkit.data.image_rows import every_image
 
             # padded by the attention picked (--padding-free unset): no blank image takes an image-free batch's place
-            every_image([r["images"] for r in list.__iter__(train_rows)], cfg.data.dataset, unit, "padded ",
-                        ranks=data_ranks(cfg))
+            every_image([r["images"] for r in list.__iter__(train_rows)], cfg.data.dataset, unit, cfg.data_ranks,
+                        "padded ")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
                           sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
                           collate_fn=MediaCollate(processor, tokenizer.pad_token_id, padding_free, whole,
-                                                  data_ranks(cfg)),
+                                                  cfg.data_ranks),
                           generator=torch.Generator().manual_seed(cfg.train.seed))
     if not cfg.data.packing:
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else "")))

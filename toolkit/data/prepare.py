@@ -314,7 +314,7 @@ def prepare_prompts(settings: DataSettings, tokenizer, processor=None):
     if processor is not None:
         from toolkit.data.image_rows import every_image
 
-        every_image(whole.images, settings.data.dataset, "prompts")
+        every_image(whole.images, settings.data.dataset, "prompts", settings.ranks)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
     return PreparedData(whole.format, settings.data.format == "auto", subset(whole, train), held_rows, stats,
                         DataStats(), eval_format=held_rows.format if settings.data.eval_dataset else None)
