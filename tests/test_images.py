@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -672,6 +673,8 @@ def test_packed_image_runs_give_one_process_losses_on_two_ranks(runs, layout, re
     reloading to the trained loss."""
     said = runs[f"{reference}.stdout"].read_text()
     assert "packing: 25 examples -> " in said and "rows of <= 128 tokens" in said
+    # the global batch is counted in packed rows, not examples
+    assert re.search(r"global batch .* = \d+ packed rows of <= 128 tokens", said)
     want, got = losses(runs[reference]), losses(runs[layout])
     assert len(got) == len(want) == 5 and got == pytest.approx(want, rel=1e-5) and want[-1] < want[0]
     for name in (layout, reference):

@@ -68,6 +68,9 @@ class SFT:
         return t.max_steps if self.cfg.data.streaming else math.ceil(len(loader) / t.grad_accum)
 
     def batch_words(self, global_batch: int) -> str:
+        # packed: each row holds several examples (the packing line says how many rows the epoch has)
+        if self.cfg.data.packing:
+            return f"{global_batch} packed rows of <= {self.cfg.data.seq_len} tokens"
         return f"{global_batch} examples"
 
     def before_training(self, ctx: Context, loader, rows, eval_rows, steps_per_epoch: int, resuming: bool) -> None:
