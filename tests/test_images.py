@@ -580,11 +580,15 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "qwen2_vl_kto": [*kto, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "4"],
            # the KL rows' token_type_ids their own (test_kto_sequences_score_as_each_alone)
            "gemma3_kto": [*kto, "--model", str(zoo["gemma3"]), "--micro-batch-size", "4"],
+           # the KL rows' cross-attention mask their own
+           "mllama_kto": [*kto, "--model", str(zoo["mllama"]), "--micro-batch-size", "4"],
            "grpo_lora": [*grpo, *lora_beta, "--micro-batch-size", "8"],
            "grpo_full": [*grpo, *full_b0, "--micro-batch-size", "8"],
            "qwen2_vl_grpo": [*grpo, *lora_beta, "--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "8"],
            # its image tokens attend both ways: token_type_ids made of each padded row's ids
-           "gemma3_grpo": [*grpo, *lora_beta, "--model", str(zoo["gemma3"]), "--micro-batch-size", "8"]}
+           "gemma3_grpo": [*grpo, *lora_beta, "--model", str(zoo["gemma3"]), "--micro-batch-size", "8"],
+           # its text cross-attends to the images: cross_attention_mask made of each padded row's ids
+           "mllama_grpo": [*grpo, *lora_beta, "--model", str(zoo["mllama"]), "--micro-batch-size", "8"]}
     two = {"ddp": ["--micro-batch-size", "2"], "zero3": ["--method", "full", "--zero-stage", "3", "--micro-batch-size",
                                                          "2"],
            "fsdp": ["--method", "full", "--fsdp", "--micro-batch-size", "2"],
@@ -810,32 +814,35 @@ def test_every_tiny_model_reads_its_pictures(llava, zoo, kind):
     assert (got[0] - got[1]).abs().max() > 0.01
 
 
-def test_grpo_and_kto_on_gemma3_train_through_the_cli(runs):
+@pytest.mark.parametrize("kind", ["gemma3", "mllama"])
+def test_grpo_and_kto_on_per_token_image_inputs_train_through_the_cli(runs, kind):
     """finetune.py --objective grpo on Gemma 3 (its image tokens attending both ways, by token_type_ids made of each
-    left-padded row's ids: `test_image_prompts_sample_as_transformers_generate_does` holds sampling and the training
-    forward to transformers', and that its image tokens are never sampled): a round's completions logged, the steps'
-    losses and KL not all zero, and the saved folder reloads to the trained loss (the integrity check, through the
-    processor). KTO
+    left-padded row's ids) and Mllama (its text cross-attending to the images, by a cross_attention_mask made of the
+    ids): `test_image_prompts_sample_as_transformers_generate_does` holds sampling and the training forward to
+    transformers', and that image tokens are never sampled. A round's completions logged, the steps' losses and KL
+    not all zero, and the saved folder reloads to the trained loss (the integrity check, through the processor). KTO
     (`test_kto_sequences_score_as_each_alone` holds its KL sequences to transformers'): its loss falls, the folder
     reloads."""
-    done = [json.loads(x) for x in (runs["gemma3_grpo"] / "completions.jsonl").read_text().splitlines()]
+    done = [json.loads(x) for x in (runs[f"{kind}_grpo"] / "completions.jsonl").read_text().splitlines()]
     assert {c["step"] for c in done} == {1, 2} and len(done) == 16
-    b = records(runs["gemma3_grpo"], "loss")
+    b = records(runs[f"{kind}_grpo"], "loss")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and any(r["loss"] != 0 for r in b) and any(r["kl"] > 0 for r in b)
-    assert json.loads((runs["gemma3_grpo"] / "integrity.json").read_text())["ok"]
-    kto = losses(runs["gemma3_kto"])
-    assert len(kto) == 5 and kto[-1] < kto[0] and json.loads((runs["gemma3_kto"] / "integrity.json").read_text())["ok"]
+    assert json.loads((runs[f"{kind}_grpo"] / "integrity.json").read_text())["ok"]
+    kto = losses(runs[f"{kind}_kto"])
+    assert len(kto) == 5 and kto[-1] < kto[0] and json.loads((runs[f"{kind}_kto"] / "integrity.json").read_text())["ok"]
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "gemma3", "mllama"])
 def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, kind):
     """The sampler's prompt forward reads the images: greedy completions (top-k 1) of image prompts, one of them with
     two images, left-padded together, equal transformers' `generate` on each prompt alone from the processor's own
     inputs (Qwen2-VL: its multi-axis positions from the given text positions, each decode step's continued from the
     prompt's; Gemma 3: its image tokens attending both ways, by token_type_ids made of the left-padded ids, in the
-    prefill alone, as `generate` gives them); another picture gives other completions. The training forward's
-    completion log-probabilities equal those of transformers' forward on each row alone, which computes its
-    positions itself (Gemma 3: with the processor's token_type_ids)."""
+    prefill alone, as `generate` gives them; Mllama: its cross-attention mask made of the left-padded ids, each
+    decode step carrying the prompt's last token's, as `generate` extends it); another picture gives other
+    completions. The training forward's completion log-probabilities equal those of transformers' forward on each
+    row alone, which computes its positions itself (Gemma 3: with the processor's token_type_ids; Mllama: the
+    processor's cross-attention mask, its last row repeated over the completion as `generate` does)."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.images import open_image
@@ -883,6 +890,7 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, 
     batch = {"input_ids": ids, "attention_mask": mask, "positions": (mask.cumsum(1) - 1).clamp(min=0),
              "completion_ids": ids[:, plen:], **{"media:" + k: v for k, v in prompts.media(rows, ids).items()}}
     assert ("media:token_type_ids" in batch) == (kind == "gemma3")
+    assert ("media:cross_attention_mask" in batch) == (kind == "mllama")
     with torch.no_grad():
         logps, _ = completion_logps(model, batch, 1.0)
         for i, (r, got) in enumerate(zip(rows, ours)):
@@ -893,6 +901,10 @@ def test_image_prompts_sample_as_transformers_generate_does(llava, zoo, images, 
             for key in ("mm_token_type_ids", "token_type_ids"):
                 if key in extra:
                     extra[key] = torch.nn.functional.pad(extra[key], (0, len(got)))
+            if "cross_attention_mask" in extra:
+                last = extra["cross_attention_mask"][:, -1:]
+                extra["cross_attention_mask"] = torch.cat([extra["cross_attention_mask"],
+                                                           last.expand(-1, len(got), -1, -1)], 1)
             logits = model(input_ids=alone, **extra).logits[0, enc["input_ids"].shape[1] - 1:-1]
             want = logits.log_softmax(-1).gather(1, torch.tensor(got)[:, None])[:, 0]
             torch.testing.assert_close(logps[i, :len(got)], want, rtol=1e-5, atol=1e-5)
@@ -917,13 +929,16 @@ def test_kto_on_image_examples_trains_alike_on_every_data_parallel_layout(runs, 
     assert_metric_close(a, b, "kl", rel=1e-5, abs=1e-5 if layout.startswith("qwen") else 1e-6, what=layout)
 
 
-@pytest.mark.parametrize("kind, padding_free", [("qwen2_vl", True), ("qwen2_vl", False), ("gemma3", False)])
+@pytest.mark.parametrize("kind, padding_free", [("qwen2_vl", True), ("qwen2_vl", False), ("gemma3", False),
+                                                ("mllama", False)])
 def test_kto_sequences_score_as_each_alone(zoo, images, kind, padding_free):
-    """KTO's KL sequences on a model with multi-axis positions (Qwen2-VL's M-RoPE) or whose image tokens attend both
-    ways (Gemma 3's token_type_ids): each one (its example's prompt and images, the previous example's completion)
-    scores the log-probability transformers gives it alone, within 1e-5 (fp32), end to end (Qwen2-VL: its positions
-    laid out per sequence) and padded (the model's own positions or mask, from the KL rows' own modality types: here
-    one is wider than every example, 48 tokens to 47 on Qwen2-VL, 50 to 49 on Gemma 3)."""
+    """KTO's KL sequences on a model with multi-axis positions (Qwen2-VL's M-RoPE), whose image tokens attend both
+    ways (Gemma 3's token_type_ids) or whose text cross-attends to its images (Mllama's cross_attention_mask): each
+    one (its example's prompt and images, the previous example's completion) scores the log-probability transformers
+    gives it alone, within 1e-5 (fp32), end to end (Qwen2-VL: its positions laid out per sequence) and padded (the
+    model's own positions or mask, from the KL rows' own ids: here one is wider than every example, 48 tokens to 47
+    on Qwen2-VL, 50 to 49 on Gemma 3). Mllama's alone: the processor's mask of its example's prompt, the last prompt
+    token's carried over the other completion, as `generate` carries it."""
     from transformers import AutoModelForImageTextToText
 
     from toolkit.data.image_rows import MediaCollate, open_image
@@ -945,12 +960,25 @@ def test_kto_sequences_score_as_each_alone(zoo, images, kind, padding_free):
     assert lay_out_positions(model) == (kind == "qwen2_vl")
     batch = MediaCollate(processor, processor.tokenizer.pad_token_id, padding_free, padding_free)(rows)
     assert ("kl_media:token_type_ids" in batch) == (kind == "gemma3")
+    assert ("kl_media:cross_attention_mask" in batch) == (kind == "mllama")
     got = whole_row_logps(model, {**kl_batch(batch), **({"documents": len(rows)} if padding_free else {})})
     want = []
     with torch.no_grad():
         for r in rows:
-            pixels = processor.image_processor(images=[open_image(x) for x in r["images"]], return_tensors="pt")
             ids = torch.tensor([r["kl_input_ids"]])
+            if kind == "mllama":
+                enc = processor(text=[r["text"]], images=[[open_image(x) for x in r["images"]]],
+                                add_special_tokens=False, return_tensors="pt")
+                assert enc["input_ids"][0].tolist() == r["input_ids"]
+                # the prompt the example and its KL sequence share, then the other completion
+                shared = next(i for i, (a, b) in enumerate(zip(r["input_ids"], r["kl_input_ids"])) if a != b)
+                mask = enc["cross_attention_mask"][:, :shared]
+                mask = torch.cat([mask, mask[:, -1:].expand(-1, ids.shape[1] - shared, -1, -1)], 1)
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), cross_attention_mask=mask,
+                               **{k: enc[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")}).logits
+                want.append(float(sequence_logps(logits, torch.tensor([r["kl_labels"]]))[0][0]))
+                continue
+            pixels = processor.image_processor(images=[open_image(x) for x in r["images"]], return_tensors="pt")
             types = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels,
                            **{"mm_token_type_ids" if kind == "qwen2_vl" else "token_type_ids": types}).logits
@@ -1173,15 +1201,12 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
         return (["--model", str(paligemma), "--dataset", str(images / "unpaired.jsonl"), "--objective", "kto"],
                 "--objective kto: PaliGemmaProcessor's token_type_ids are not each token's modality (they mark a "
                 "prefix the model attends to both ways, as PaliGemma's do), which its KL sequences do not lay out")
-    elif case in ("grpo_on_mllama", "grpo_on_paligemma"):
-        # Mllama's cross-attention mask is per row; PaliGemma's token_type_ids mark a prefix, not the image tokens
-        # (told from what its processor gives, once the prompts are read)
-        kind = case.removeprefix("grpo_on_")
-        return (["--model", str(build_vlm_dir(tmp_path / kind, kind)), "--dataset", str(images / "prompts.jsonl"),
-                 "--objective", "grpo", "--reward", f"{images / 'reward.py'}:initial", "--num-generations", "4",
-                 "--micro-batch-size", "4"],
-                "--objective grpo: MllamaForConditionalGeneration: its images enter through cross-attention "
-                "(cross_attention_mask)" if kind == "mllama" else
+    elif case == "grpo_on_paligemma":
+        # PaliGemma's token_type_ids mark a prefix, not the image tokens (told from what its processor gives, once
+        # the prompts are read)
+        return (["--model", str(build_vlm_dir(tmp_path / "paligemma", "paligemma")), "--dataset",
+                 str(images / "prompts.jsonl"), "--objective", "grpo", "--reward", f"{images / 'reward.py'}:initial",
+                 "--num-generations", "4", "--micro-batch-size", "4"],
                 "--objective grpo: PaliGemmaProcessor's token_type_ids are not each token's modality (they mark a "
                 "prefix")
     elif case == "pixels_on_a_fixed_size_processor":
@@ -1224,7 +1249,7 @@ def bad(tmp_path: Path, llava: Path, images: Path, case: str) -> tuple[list[str]
 
 @pytest.mark.parametrize("case", ["missing_image", "unreadable_image", "placeholders_and_images_differ",
                                   "images_for_a_text_model", "pipeline",
-                                  "processor_needs_torchvision", "grpo_on_mllama", "grpo_on_paligemma",
+                                  "processor_needs_torchvision", "grpo_on_paligemma",
                                   "kto_on_paligemma", "packing_on_gemma3", "pixels_on_a_fixed_size_processor",
                                   "paligemma_without_an_image", "vision_tower_inside_the_language_model",
                                   "no_vision_tower_of_its_own", "image_beyond_the_bounds_with_resizing_off"])

@@ -141,15 +141,15 @@ def resolve_images(cfg, model_path: str):
         raise UserError(f"--dataset {cfg.data.dataset} holds images, but --model {cfg.model.model} is {what}; train "
                         "an image-text model, or pass --images off to train on the text alone")
     why = on and image_text(config) and end_to_end_problem(config)
-    # GRPO's left-padded rows and KTO's KL rows take per-token modality types made of their ids (Gemma 3's
-    # token_type_ids: the processor's are checked to be such when the data is read,
-    # `toolkit.data.images.refuse_prefix_types`); other per-row inputs would need them laid out again
-    types_only = why and row_bound(config)[1] == ["token_type_ids"]
-    if why and cfg.train.objective in ("grpo", "kto") and not types_only:
+    # GRPO's left-padded rows and KTO's KL rows take their per-token inputs made of their ids
+    # (`toolkit.data.images.of_ids`: Gemma 3's token_type_ids, checked to be each token's modality when the data is
+    # read, `refuse_prefix_types`; Mllama's cross_attention_mask); other per-row inputs would need them laid out again
+    of_ids = why and set(row_bound(config)[1]) <= {"token_type_ids", "cross_attention_mask"}
+    if why and cfg.train.objective in ("grpo", "kto") and not of_ids:
         what = "GRPO's sampling does" if cfg.train.objective == "grpo" else "KTO's KL sequences do"
         raise UserError(f"--objective {cfg.train.objective}: {why}, which {what} not lay out yet; it reads "
                         "images on models that place them at their tokens in order (LLaVA, Idefics3/SmolVLM, the "
-                        "Qwen-VL family) and on Gemma 3")
+                        "Qwen-VL family), on Gemma 3 and on Mllama")
     for flag, on_ in (("--padding-free", cfg.data.padding_free), ("--packing", cfg.data.packing)):
         if why and on_:
             raise UserError(f"{flag}: {why}, which a row of examples laid end to end does not keep apart; leave "

@@ -18,7 +18,7 @@ import hashlib
 import os
 from functools import partial
 
-from toolkit.data.images import (MEDIA, answer_texts, image_refs, image_token_id, modality_types, open_image,
+from toolkit.data.images import (MEDIA, OF_IDS, answer_texts, image_refs, image_token_id, of_ids, open_image,
                                  open_images, refuse_prefix_types, template_messages, within_bounds)
 from toolkit.errors import UserError
 
@@ -279,12 +279,12 @@ class MediaCollate:
                     continue
                 raise RuntimeError(f"the processor gives {k} per token, which padding-free rows do not lay out")
             out[MEDIA + k] = v[:, :width] if k in PER_TOKEN else v
-        for key in ("mm_token_type_ids", "token_type_ids"):
-            if "kl_input_ids" in out and MEDIA + key in out:
-                # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
-                # their own longest: their modality types as the processor makes them of their ids (Gemma 3's
-                # token_type_ids are such: `toolkit.data.images.refuse_prefix_types`)
-                out["kl_" + MEDIA + key] = modality_types(self.processor, out["kl_input_ids"])
+        if "kl_input_ids" in out:
+            # KTO's KL rows (each its example's prompt, so its images, with another's completion) are as wide as
+            # their own longest: their per-token inputs made of their ids as the processor makes them (Gemma 3's
+            # token_type_ids are each token's modality: `toolkit.data.images.refuse_prefix_types`)
+            made = of_ids(self.processor, enc, [k for k in OF_IDS if MEDIA + k in out])
+            out.update({"kl_" + MEDIA + k: f(out["kl_input_ids"]) for k, f in made.items()})
         return out
 
     def blank(self) -> dict:

@@ -13,6 +13,7 @@ Their rows, labels and batches: `toolkit.data.image_rows`.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,47 @@ def modality_types(processor, ids):
     if make is not None:
         return torch.tensor(make(ids.tolist()), dtype=torch.long, device=ids.device)
     return (ids == image_token_id(processor)).long()
+
+
+# the per-token inputs of rows the processor did not pad itself (GRPO's sampled rows, KTO's KL rows), made of their
+# own ids as the processor makes them: each token's modality (Gemma 3's token_type_ids, Qwen2-VL's
+# mm_token_type_ids), the images each token attends to (Mllama's cross_attention_mask)
+OF_IDS = ("mm_token_type_ids", "token_type_ids", "cross_attention_mask")
+
+
+def of_ids(processor, enc, keys=OF_IDS) -> dict:
+    """{name: a function of ids (B, T) giving that input} for each of `keys` the processor's output `enc` holds (of
+    the same rows' images): rows laid out otherwise than the processor pads take theirs from their own ids."""
+    out = {}
+    for key in (k for k in keys if k in enc):
+        if key == "cross_attention_mask":
+            mask = enc[key]
+            # each row's images' tiles, as the processor's own mask attends them (any of its tokens)
+            tiles = [[int(n) for n in row.amax(0).sum(-1)] for row in mask]
+            out[key] = partial(cross_attention_mask, processor, tiles, mask.shape[-1])
+        else:
+            out[key] = partial(modality_types, processor)
+    return out
+
+
+def cross_attention_mask(processor, tiles: list[list[int]], max_tiles: int, ids):
+    """The images and tiles each token of `ids` (B, T) attends to, (B, T, images, max_tiles), as Mllama's processor
+    makes its cross_attention_mask of the ids it padded (its module's `get_cross_attention_token_mask`: an image from
+    its token to the next image's, the last and consecutive ones to the row's end); `tiles`: each row's images' tile
+    counts. A token before every image attends to none (the model zeroes its cross-attention)."""
+    import importlib
+
+    import numpy as np
+    import torch
+
+    module = importlib.import_module(type(processor).__module__)
+    spans = [module.get_cross_attention_token_mask(row, processor.image_token_id) for row in ids.tolist()]
+    for row, (have, n) in enumerate(zip(spans, tiles)):
+        if len(have) > len(n):
+            raise RuntimeError(f"row {row} holds {len(have)} image tokens for {len(n)} images")
+    dense = module.convert_sparse_cross_attention_mask_to_dense(spans, tiles, max_tiles, ids.shape[1]) \
+        if any(spans) else np.zeros((ids.shape[0], ids.shape[1], 1, max_tiles), dtype=np.int64)
+    return torch.from_numpy(dense).to(ids.device)
 
 
 def image_token_id(processor) -> int | None:

@@ -12,7 +12,6 @@ as TRL hands a dataset's columns. A prompt longer than --seq-len tokens is dropp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from toolkit.config.schema import DataConfig
@@ -102,29 +101,23 @@ class PromptRows:
 
     def media(self, rows: list[int], ids=None) -> dict:
         """The processor's image inputs of `rows`' prompts, in order (pixel_values, ...), as the model takes them;
-        empty for text prompts. Per row, whatever the ids' padding; per token, Gemma 3's `token_type_ids` (each
-        token's modality, checked to be such when the prompt was read: `_image_prompt`) as a function of the ids the
-        forward gets, or (`ids`: those ids, (B, T)) made of them. Other per-token inputs are refused before
-        (`toolkit.cli.startup.resolve_images`); multi-axis positions read the ids (`toolkit.model.vision.
-        padded_mrope`)."""
+        empty for text prompts. Per row, whatever the ids' padding; per token (Gemma 3's `token_type_ids`, each
+        token's modality, checked to be such when the prompt was read: `_image_prompt`; Mllama's
+        `cross_attention_mask`) as a function of the ids the forward gets, or (`ids`: those ids, (B, T)) made of them
+        (`toolkit.data.images.of_ids`). Multi-axis positions read the ids (`toolkit.model.vision.padded_mrope`)."""
         import torch
 
-        from toolkit.data.images import open_image
+        from toolkit.data.images import OF_IDS, of_ids, open_image
 
         if self.processor is None or not any(self.images[i] for i in rows):
             return {}
         enc = self.processor(text=[self.texts[i] for i in rows],
                              images=[[open_image(r) for r in self.images[i]] for i in rows],
                              add_special_tokens=False, padding=True, return_tensors="pt")
-        out = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
-                                                         "token_type_ids") and torch.is_tensor(v)}
-        if "token_type_ids" in enc:
-            from toolkit.data.images import modality_types
-
-            out["token_type_ids"] = partial(modality_types, self.processor)
-            if ids is not None:
-                out["token_type_ids"] = out["token_type_ids"](ids)
-        return out
+        out = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", *OF_IDS) and torch.is_tensor(v)}
+        # M-RoPE's modality types are read from the ids by its hook (`toolkit.model.vision.padded_mrope`)
+        made = of_ids(self.processor, enc, ("token_type_ids", "cross_attention_mask"))
+        return {**out, **({k: f(ids) for k, f in made.items()} if ids is not None else made)}
 
 
 def load_prompts(data: DataConfig, source: DataSource, tokenizer, records=None, processor=None) -> PromptRows:

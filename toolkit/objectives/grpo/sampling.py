@@ -352,6 +352,10 @@ def decoder_for(model) -> tuple[StaticDecoder | None, str]:
     return decoder, f"decode: {decoder.describe()}"
 
 
+# per-token image inputs a completion's tokens take from its prompt's last token: the images they attend to
+CARRIED = ("cross_attention_mask",)
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], cfg: SamplingConfig,
            eos_ids: Sequence[int], pad_id: int,
@@ -365,8 +369,9 @@ def sample(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], seeds: S
     `media`: an image-text model's image inputs of the prompts (pixel_values, ...; a per-token one as a function of
     the left-padded ids), read by the prompts' forward alone (the dynamic path: their features then sit in the cache,
     and the decode steps attend causally, as transformers' `generate` leaves Gemma 3's token_type_ids to the
-    prefill). `limits`: each row's own token budget below `cfg.max_completion_length` (a completion's turn after tool
-    results: what its budget has left; the dynamic path), a row that reaches it truncated."""
+    prefill; Mllama's cross-attention mask is carried on from the prompt's last token, `CARRIED`). `limits`: each
+    row's own token budget below `cfg.max_completion_length` (a completion's turn after tool results: what its budget
+    has left; the dynamic path), a row that reaches it truncated."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"sample: {len(seeds)} seeds for {len(prompt_ids)} prompts")
     device = next(model.parameters()).device
@@ -416,6 +421,9 @@ def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, wa
     budget = None if limits is None else torch.tensor(list(limits), device=ids.device)
     cache = cached(model, DynamicCache(config=config))
     media = {k: v.to(ids.device) for k, v in (media or {}).items()}
+    # what each decode step carries of the prompt's per-token inputs: its last token's (as transformers' generate
+    # extends Mllama's cross_attention_mask); the rest of the image inputs sit in the cache
+    carried = {k: media[k][:, -1:] for k in CARRIED if k in media}
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, **cache, use_cache=True, **keep,
                 **media)
     for t in range(cfg.max_completion_length):
@@ -429,5 +437,5 @@ def _decode_dynamic(model, ids, attention, positions, u, cfg: SamplingConfig, wa
         attention = torch.cat([attention, attention.new_ones(ids.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=positions, **cache,
-                    use_cache=True, **keep)
+                    use_cache=True, **keep, **carried)
     return tokens, live, ended
