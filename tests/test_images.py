@@ -92,6 +92,11 @@ def images(tmp_path_factory) -> Path:
     rows.insert(5, {"messages": [{"role": "user", "content": "the quick fox"},
                                  {"role": "assistant", "content": "jumps"}]})
     (d / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # text-only chats, to mix with the pictures (`--dataset chat.jsonl:0.7,text.jsonl:0.3`)
+    words = ("cat", "dog", "fox", "owl", "bee", "ant")
+    (d / "text.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"say {w}"},
+                                                                  {"role": "assistant", "content": w}]}) + "\n"
+                                          for w in words))
     return d
 
 
@@ -547,6 +552,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
     # a text-only example among the image ones: an epoch of 13 steps of 2
     mixed = ["--dataset", str(images / "mixed.jsonl"), "--max-steps", "13"]
     kto = ["--dataset", str(images / "unpaired.jsonl"), "--objective", "kto", "--lr", "1e-2"]
+    mixture = ["--dataset", f"{images / 'chat.jsonl'}:0.7,{images / 'text.jsonl'}:0.3"]
     one = {"lora": ["--micro-batch-size", "4"], "full": ["--method", "full", "--micro-batch-size", "4"],
            "lora_projector": ["--micro-batch-size", "4", "--train-vision", "projector"],
            "term": ["--micro-batch-size", "4"], "qlora": ["--micro-batch-size", "4", "--method", "qlora"],
@@ -556,6 +562,8 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "qwen2_vl_packed": ["--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "2", "--packing", "--seq-len",
                                "128"],
            "qwen2_vl_padded": ["--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "4", "--no-padding-free"],
+           # a mixture of the pictures and text-only chats, drawn with the seed
+           "mixture": [*mixture, "--micro-batch-size", "4"],
            # the planner picks the layout (one process: DDP at the asked micro-batch, as "lora" runs)
            "auto": ["--strategy", "auto", "--micro-batch-size", "4"],
            **{name: [*mixed, *flags, "--micro-batch-size", "2"] for name, flags in (
@@ -599,6 +607,7 @@ def runs(llava, images, zoo, tmp_path_factory) -> dict[str, Path]:
            "qwen2_vl_packed_fsdp": ["--model", str(zoo["qwen2_vl"]), "--micro-batch-size", "1", "--packing",
                                     "--seq-len", "128", "--fsdp"],
            "gemma3_tp": ["--model", str(zoo["gemma3"]), "--tp", "2", "--micro-batch-size", "4"],
+           "mixture_ddp": [*mixture, "--micro-batch-size", "2"],
            # one example a rank: the text-only one alone on its rank once an epoch (a blank image runs there)
            **{name: [*mixed, *flags, "--micro-batch-size", "1"] for name, flags in (
                ("mixed_zero3", ["--method", "full", "--zero-stage", "3"]),
@@ -683,6 +692,53 @@ def test_packed_image_runs_give_one_process_losses_on_two_ranks(runs, layout, re
     assert len(got) == len(want) == 5 and got == pytest.approx(want, rel=1e-5) and want[-1] < want[0]
     for name in (layout, reference):
         assert json.loads((runs[name] / "integrity.json").read_text())["ok"], name
+
+
+def test_a_mixture_of_image_and_text_files_trains_alike_on_two_ranks(runs):
+    """--dataset chat.jsonl:0.7,text.jsonl:0.3 on LLaVA: each source named with its share; every rank draws the
+    same mixture (the seed's), so 2 DDP ranks (blank images where a rank's micro-batch holds only text) give one
+    process's losses within 1e-5, and the folder reloads to the trained loss."""
+    said = runs["mixture.stdout"].read_text()
+    assert re.search(r"mixture source \S+chat.jsonl: format chat, weight 0.700, 25 training records", said)
+    assert re.search(r"mixture source \S+text.jsonl: format chat, weight 0.300, 6 training records", said)
+    want, got = losses(runs["mixture"]), losses(runs["mixture_ddp"])
+    assert len(want) == 5 and got == pytest.approx(want, rel=1e-5)
+    assert json.loads((runs["mixture"] / "integrity.json").read_text())["ok"]
+
+
+def test_a_mixture_draws_every_source_whole_with_the_seed(llava, images, tmp_path):
+    """Image data in a mixture is drawn as text mixtures are: every training example of each source at least once
+    (smaller sources cycled, none cut short), in an order the seed decides; --eval-split is held out of each source;
+    preference pairs mix as well; a source with nothing left to train is one line."""
+    from toolkit.errors import UserError
+
+    chat, text = images / "chat.jsonl", images / "text.jsonl"
+    mix = f"{chat}:0.7,{text}:0.3"
+    _, alone = prepared(["--model", str(llava), "--dataset", str(chat)])
+    _, words = prepared(["--model", str(llava), "--dataset", str(text)])
+    _, data = prepared(["--model", str(llava), "--dataset", mix])
+    # an example: its tokens and its pictures (the colors repeat)
+    key = lambda r: (tuple(r["input_ids"]), tuple(r["images"]), tuple(r.get("rejected_input_ids", ())))  # noqa: E731
+    drawn = [key(r) for r in data.train]
+    sources = [{key(r) for r in alone.train}, {key(r) for r in words.train}]
+    assert set(drawn) == sources[0] | sources[1] and len(drawn) > len(sources[0]) + len(sources[1])
+    assert data.stats.examples - data.stats.dropped == len(drawn)
+    assert data.stats.tokens == sum(len(k[0]) for k in drawn)
+    # text-only rows are mixed among the image rows, not appended
+    first_text = next(i for i, k in enumerate(drawn) if k in sources[1])
+    assert first_text < len(sources[0])
+    _, other = prepared(["--model", str(llava), "--dataset", mix, "--seed", "8"])
+    assert [key(r) for r in other.train] != drawn
+    _, held = prepared(["--model", str(llava), "--dataset", mix, "--eval-split", "0.2"])
+    assert {key(r) for r in held.eval} & sources[0] and {key(r) for r in held.eval} & sources[1]
+    assert not {key(r) for r in held.eval} & {key(r) for r in held.train}
+    _, pairs = prepared(["--model", str(llava), "--objective", "dpo", "--dataset",
+                         f"{images / 'pairs_train.jsonl'}:1,{images / 'pairs_eval.jsonl'}:1"])
+    assert {len(r["images"]) for r in pairs.train} == {1} and len({key(r) for r in pairs.train}) == 48
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                   {"role": "assistant", "content": " "}]}) + "\n")
+    with pytest.raises(UserError, match="empty.jsonl has nothing left to train"):
+        prepared(["--model", str(llava), "--dataset", f"{chat}:1,{tmp_path / 'empty.jsonl'}:1"])
 
 
 @pytest.mark.parametrize("layout, reference", [("mixed_zero3", "mixed_full"), ("mixed_ddp", "mixed_projector")])

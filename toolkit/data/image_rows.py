@@ -342,49 +342,118 @@ class MediaCollate:
 
 def prepare_images(settings, processor) -> tuple:
     """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats` each, conversations given
-    --system-prompt, a built-in's exact-match conversations and answers) of a run on an image-text model
-    (`toolkit.data.prepare.prepare_data` hands it over): the records read and checked as SFT reads them
-    (`toolkit.data.as_example`: the images placed and found), --eval-split held out (a built-in: its own held-out
-    examples), each example `encode`d. Read every run (the images are opened to count their tokens), nothing cached."""
+    --system-prompt, a built-in's exact-match conversations and answers, a mixture's sources) of a run on an
+    image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records read and checked as SFT reads
+    them (`toolkit.data.as_example`: the images placed and found; pairs as `_read_pairs` reads them), --eval-split
+    held out (a built-in: its own held-out examples), each example `encode`d (`encode_pair`, `_encoded_kto`); a
+    mixture's sources drawn as text's (`_sources`). Read every run (the images are opened to count their tokens),
+    nothing cached."""
     from toolkit.config.datasets import is_mixture
     from toolkit.config.objectives import form
-    from toolkit.data import check_trainable, data_sources, eval_source, split_indices
+    from toolkit.data import check_trainable, eval_source
     from toolkit.data.table import DataStats
 
     d = settings.data
-    blocked = "a mixture of datasets" if is_mixture(d.dataset) else "--streaming" if d.streaming else ""
-    if blocked:
-        raise UserError(f"{blocked}: not yet for image-text models, which train on one dataset file; leave it out")
-    if form(settings.objective) in ("pairs", "labelled"):
-        return _prepare_pairs(settings, processor)
-    fmt, convs, added, source = _read(settings, data_sources(d)[0])
-    scored, answers = None, None
-    if d.dataset.startswith("builtin:"):
-        from toolkit.data import as_example
-        from toolkit.data.builtin import builtin_records
-
-        # the built-in's own held-out examples: the eval split and the exact-match questions, as for text
-        records = builtin_records(d.dataset.split(":", 1)[1], split="eval")
-        scored = [as_example(r, fmt, i, d, source)[0] for i, r in enumerate(records)]
-        answers = [r["answer"] for r in records]
-        train_idx, held_idx = list(range(len(convs))), []
+    if d.streaming:
+        raise UserError("--streaming: not yet for image-text models, which read their data files whole; leave it out")
+    kind = form(settings.objective)
+    pairs, kto = kind in ("pairs", "labelled"), kind == "labelled"
+    read = _read_pairs if pairs else _read
+    # KTO's unpaired records are its examples; pairs are split into two
+    encoder = (lambda fmt: partial(_encoded_kto, unpaired=fmt == "unpaired")) if kto else \
+        (lambda fmt: _encoded_pairs) if pairs else (lambda fmt: _encoded)
+    scored, answers, sources = None, None, None
+    if d.dataset.startswith("builtin:") and not is_mixture(d.dataset) and not pairs:
+        fmt, train, held, stats, held_stats, added, scored, answers = _builtin_examples(settings, processor)
     else:
-        train_idx, held_idx = split_indices(len(convs), settings, "")
-    train, stats = _encoded(processor, settings, source, [(i, convs[i]) for i in train_idx])
+        fmt, train, held, stats, held_stats, added, sources = _sources(settings, processor, read, encoder)
     check_trainable(stats, settings, "training")
-    held, held_stats = _encoded(processor, settings, source, [(i, convs[i]) for i in held_idx])
-    if scored is not None and d.eval_split > 0:
-        held, held_stats = _encoded(processor, settings, source, list(enumerate(scored)))
-    elif not held_idx and d.eval_dataset:
-        _, eval_convs, _, held_source = _read(settings, eval_source(d))
-        held, held_stats = _encoded(processor, settings, held_source, list(enumerate(eval_convs)))
-    # padding-free training micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones, and
-    # the held-out examples' (evaluated padded), cannot
-    if d.padding_free is False:
-        every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", settings.ranks, "padded ")
-    every_image([r["images"] for r in list.__iter__(held)], d.eval_dataset or d.dataset, "held-out examples",
-                settings.ranks, "padded ", "give each an image")
-    return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers
+    if not len(held) and d.eval_dataset and (scored is None or d.eval_split == 0):
+        held_fmt, records, _, held_source = read(settings, eval_source(d))
+        held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
+    if pairs:
+        every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
+                    "examples" if kto else "pairs", settings.ranks)
+    else:
+        # padding-free training micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones,
+        # and the held-out examples' (evaluated padded), cannot
+        if d.padding_free is False:
+            every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", settings.ranks, "padded ")
+        every_image([r["images"] for r in list.__iter__(held)], d.eval_dataset or d.dataset, "held-out examples",
+                    settings.ranks, "padded ", "give each an image")
+    return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers, sources
+
+
+def _builtin_examples(settings, processor) -> tuple:
+    """`prepare_images`' first eight for a built-in image task: all its training examples, and its own held-out
+    examples (the eval split, where --eval-split asks for one, and the exact-match questions), as for text."""
+    from toolkit.data import as_example, data_sources
+    from toolkit.data.builtin import builtin_records
+    from toolkit.data.table import DataStats
+
+    d = settings.data
+    fmt, convs, added, source = _read(settings, data_sources(d)[0])
+    records = builtin_records(d.dataset.split(":", 1)[1], split="eval")
+    scored = [as_example(r, fmt, i, d, source)[0] for i, r in enumerate(records)]
+    train, stats = _encoded(processor, settings, source, list(enumerate(convs)))
+    held, held_stats = _encoded(processor, settings, source, list(enumerate(scored))) if d.eval_split > 0 else \
+        (ImageRows([], processor), DataStats())
+    return fmt, train, held, stats, held_stats, added, scored, [r["answer"] for r in records]
+
+
+def _sources(settings, processor, read, encoder) -> tuple:
+    """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats`, conversations given --system-prompt, a
+    mixture's (spec, format, weight share, training examples) per source, else None): each source of --dataset read
+    (`read`), its --eval-split held out (drawn per source, as text's), encoded (`encoder(format)`). A mixture's
+    training rows are drawn from its sources by weight with the seed as text's are
+    (`toolkit.data.mixture.mixture_order`: smaller sources cycled, none cut short); its examples and tokens counted
+    as drawn, its dropped records once."""
+    import dataclasses
+
+    from toolkit.config.datasets import is_mixture, parse_sources
+    from toolkit.data import data_sources, split_indices
+    from toolkit.data.mixture import mixture_order
+    from toolkit.data.table import DataStats
+
+    mixed, specs = is_mixture(settings.data.dataset), parse_sources(settings.data.dataset)
+    formats, trains, helds, added = [], [], [], 0
+    stats, held_stats = DataStats(), DataStats()
+    total = lambda a, b: DataStats(**{f.name: getattr(a, f.name) + getattr(b, f.name)  # noqa: E731
+                                      for f in dataclasses.fields(DataStats) if f.name != "cached"})
+    for spec, source in zip(specs, data_sources(settings.data)):
+        fmt, records, n, source = read(settings, source)
+        train_idx, held_idx = split_indices(len(records), settings, spec.spec if mixed else "")
+        encode = encoder(fmt)
+        train, got = encode(processor, settings, source, [(i, records[i]) for i in train_idx])
+        held, held_got = encode(processor, settings, source, [(i, records[i]) for i in held_idx])
+        if mixed and not len(train):
+            raise UserError(f"--dataset {settings.data.dataset}: source {spec.spec} has nothing left to train (of "
+                            f"{got.examples} examples, {got.dropped} dropped); fix it or leave it out of the mixture")
+        formats.append(fmt), trains.append(train), helds.append(held)
+        added += n
+        stats, held_stats = total(stats, got), total(held_stats, held_got)
+    held = ImageRows([r for h in helds for r in list.__iter__(h)], processor)
+    if not mixed:
+        return formats[0], trains[0], held, stats, held_stats, added, None
+    weights = [s.weight if s.weight is not None else len(t) for s, t in zip(specs, trains)]
+    rows = [list.__getitem__(trains[k], i) for k, i in mixture_order([len(t) for t in trains], weights, settings.seed)]
+    counts = [_counts(r) for r in rows]
+    stats.examples, stats.tokens = len(rows) + stats.dropped, sum(c[0] for c in counts)
+    stats.target_tokens = sum(c[1] for c in counts)
+    sources = [(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(specs, formats, weights, trains)]
+    return "+".join(dict.fromkeys(formats)), ImageRows(rows, processor), held, stats, held_stats, added, sources
+
+
+def _counts(row: dict) -> tuple[int, int]:
+    """(tokens, trained tokens) of a row as its `DataStats` count it: a pair's both sequences and the fewer of its
+    completions' (`_encoded_pairs`)."""
+    from toolkit.data.tokenize import IGNORE_INDEX
+
+    trained = lambda labels: sum(t != IGNORE_INDEX for t in labels)  # noqa: E731
+    if "rejected_input_ids" in row:
+        return (len(row["input_ids"]) + len(row["rejected_input_ids"]),
+                min(trained(row["labels"]), trained(row["rejected_labels"])))
+    return len(row["input_ids"]), trained(row["labels"])
 
 
 def every_image(images: list[list[str]], dataset: str, unit: str, ranks: int, padded: str = "",
@@ -399,33 +468,6 @@ def every_image(images: list[list[str]], dataset: str, unit: str, ranks: int, pa
                         f"{ranks} ranks a {padded}micro-batch without one skips the vision tower the other ranks run "
                         f"(ZeRO-3 and FSDP wait on it, DDP finds its projector unused): {instead}, or train on one "
                         "process")
-
-
-def _prepare_pairs(settings, processor) -> tuple:
-    """`prepare_images` for preference pairs (KTO's examples): each record read as the text pairs are
-    (`toolkit.data.pairs.to_pair`, `to_unpaired`), its images placed in the prompt, --eval-split or --eval-dataset
-    held out, each pair `encode_pair`ed (each KTO example `_encoded_kto`)."""
-    from toolkit.config.objectives import form
-    from toolkit.data import check_trainable, data_sources, eval_source, split_indices
-    from toolkit.data.table import DataStats
-
-    d = settings.data
-    kto = form(settings.objective) == "labelled"
-    fmt, pairs, added, source = _read_pairs(settings, data_sources(d)[0])
-    # KTO's unpaired records are its examples; pairs are split into two
-    encoded = partial(_encoded_kto, unpaired=fmt == "unpaired") if kto else _encoded_pairs
-    train_idx, held_idx = split_indices(len(pairs), settings, "")
-    train, stats = encoded(processor, settings, source, [(i, pairs[i]) for i in train_idx])
-    check_trainable(stats, settings, "training")
-    held, held_stats = encoded(processor, settings, source, [(i, pairs[i]) for i in held_idx])
-    if not held_idx and d.eval_dataset:
-        held_fmt, held_pairs, _, held_source = _read_pairs(settings, eval_source(d))
-        if kto:
-            encoded = partial(_encoded_kto, unpaired=held_fmt == "unpaired")
-        held, held_stats = encoded(processor, settings, held_source, list(enumerate(held_pairs)))
-    every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
-                "examples" if kto else "pairs", settings.ranks)
-    return fmt, train, held, stats, held_stats or DataStats(), added, None, None
 
 
 def _read_pairs(settings, source):

@@ -109,9 +109,9 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
     if processor is not None:
         from toolkit.data.image_rows import prepare_images
 
-        fmt, train, held, stats, held_stats, added, scored, answers = prepare_images(settings, processor)
+        fmt, train, held, stats, held_stats, added, scored, answers, sources = prepare_images(settings, processor)
         return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added,
-                            em_conversations=scored, answers=answers)
+                            sources=sources, em_conversations=scored, answers=answers)
 
     cache = cache or cache_dir() / "data"
     if settings.data.streaming:
