@@ -741,6 +741,33 @@ def test_a_mixture_draws_every_source_whole_with_the_seed(llava, images, tmp_pat
         prepared(["--model", str(llava), "--dataset", f"{chat}:1,{tmp_path / 'empty.jsonl'}:1"])
 
 
+def test_encoded_image_rows_are_cached_and_encoded_again_when_an_input_changes(zoo, images, tmp_path, monkeypatch):
+    """Encoding opens every image (the processor counts its tokens); a second run reads the rows back from the token
+    cache, equal to the first's. An image replaced in place (another size: more tokens), other pixel bounds, another
+    --seq-len or another seed's eval split encode them again."""
+    from dataclasses import replace
+
+    from PIL import Image
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    shutil.copytree(images, data)
+    argv = ["--model", str(zoo["qwen2_vl"]), "--dataset", str(data / "chat.jsonl")]
+    _, first = prepared(argv)
+    _, again = prepared(argv)
+    assert not first.stats.cached and again.stats.cached
+    assert list(again.train) == list(first.train) and replace(again.stats, cached=False) == first.stats
+    # the 30x44 picture of example 0 replaced by a 110x110 one (16 image tokens, the most the bounds give)
+    Image.new("RGB", (110, 110), (255, 0, 0)).save(data / "images" / "0.png")
+    _, changed = prepared(argv)
+    assert not changed.stats.cached and len(changed.train[0]["input_ids"]) > len(first.train[0]["input_ids"])
+    assert list(changed.train)[1:] == list(first.train)[1:]
+    for flags in (["--image-max-pixels", str(56 * 56)], ["--seq-len", "52"], ["--eval-split", "0.2"],
+                  ["--eval-split", "0.2", "--seed", "8"]):
+        _, other = prepared([*argv, *flags])
+        assert not other.stats.cached, flags
+
+
 @pytest.mark.parametrize("layout, reference", [("mixed_zero3", "mixed_full"), ("mixed_ddp", "mixed_projector")])
 def test_a_text_only_example_trains_among_image_ones_on_several_ranks(runs, layout, reference):
     """mixed.jsonl's text-only example alone on its rank once in the epoch: that rank runs a blank image through the

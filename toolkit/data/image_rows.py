@@ -15,8 +15,10 @@ prepared ones, and passed to the model under `MEDIA` keys (`toolkit.data.packing
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from functools import partial
+from pathlib import Path
 
 from toolkit.data.images import (MEDIA, OF_IDS, answer_texts, image_refs, image_token_id, of_ids, open_image,
                                  open_images, refuse_prefix_types, template_messages, within_bounds)
@@ -340,17 +342,18 @@ class MediaCollate:
         return out
 
 
-def prepare_images(settings, processor) -> tuple:
+def prepare_images(settings, processor, cache: Path | None = None) -> tuple:
     """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats` each, conversations given
     --system-prompt, a built-in's exact-match conversations and answers, a mixture's sources) of a run on an
     image-text model (`toolkit.data.prepare.prepare_data` hands it over): the records read and checked as SFT reads
     them (`toolkit.data.as_example`: the images placed and found; pairs as `_read_pairs` reads them), --eval-split
     held out (a built-in: its own held-out examples), each example `encode`d (`encode_pair`, `_encoded_kto`); a
-    mixture's sources drawn as text's (`_sources`). Read every run (the images are opened to count their tokens),
-    nothing cached."""
-    from toolkit.config.datasets import is_mixture
+    mixture's sources drawn as text's (`_encoded_sources`). Encoding opens every image (the processor counts its
+    tokens): in `cache`, the rows are kept under a key of what was read, the images' sizes and times, the processor
+    and the settings (`_images_key`), and a later run reads them back (a built-in is encoded every run)."""
+    from toolkit.config.datasets import is_mixture, parse_sources
     from toolkit.config.objectives import form
-    from toolkit.data import check_trainable, eval_source
+    from toolkit.data import check_trainable, data_sources, eval_source
     from toolkit.data.table import DataStats
 
     d = settings.data
@@ -365,12 +368,18 @@ def prepare_images(settings, processor) -> tuple:
     scored, answers, sources = None, None, None
     if d.dataset.startswith("builtin:") and not is_mixture(d.dataset) and not pairs:
         fmt, train, held, stats, held_stats, added, scored, answers = _builtin_examples(settings, processor)
+        if d.eval_dataset and d.eval_split == 0:
+            held_fmt, records, _, held_source = read(settings, eval_source(d))
+            held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
     else:
-        fmt, train, held, stats, held_stats, added, sources = _sources(settings, processor, read, encoder)
+        # every file read and its records checked (no image opened: cheap), then encoded or read back from the cache
+        reads = [(spec.spec, read(settings, source)) for spec, source in zip(parse_sources(d.dataset),
+                                                                              data_sources(d))]
+        held_read = read(settings, eval_source(d)) if d.eval_dataset else None
+        build = partial(_encoded_sources, settings, processor, reads, held_read, encoder)
+        fmt, train, held, stats, held_stats, added, sources = build() if cache is None else \
+            _cached(cache / f"images-{_images_key(settings, processor, reads, held_read)}", build, processor)
     check_trainable(stats, settings, "training")
-    if not len(held) and d.eval_dataset and (scored is None or d.eval_split == 0):
-        held_fmt, records, _, held_source = read(settings, eval_source(d))
-        held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
     if pairs:
         every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
                     "examples" if kto else "pairs", settings.ranks)
@@ -401,17 +410,17 @@ def _builtin_examples(settings, processor) -> tuple:
     return fmt, train, held, stats, held_stats, added, scored, [r["answer"] for r in records]
 
 
-def _sources(settings, processor, read, encoder) -> tuple:
+def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, encoder) -> tuple:
     """(format, training `ImageRows`, held-out `ImageRows`, their `DataStats`, conversations given --system-prompt, a
-    mixture's (spec, format, weight share, training examples) per source, else None): each source of --dataset read
-    (`read`), its --eval-split held out (drawn per source, as text's), encoded (`encoder(format)`). A mixture's
-    training rows are drawn from its sources by weight with the seed as text's are
-    (`toolkit.data.mixture.mixture_order`: smaller sources cycled, none cut short); its examples and tokens counted
-    as drawn, its dropped records once."""
+    mixture's (spec, format, weight share, training examples) per source, else None): each source's records
+    (`reads`: (spec, `_read`'s or `_read_pairs`' of it)) with its --eval-split held out (drawn per source, as
+    text's), encoded (`encoder(format)`); --eval-dataset's (`held_read`) held out whole. A mixture's training rows
+    are drawn from its sources by weight with the seed as text's are (`toolkit.data.mixture.mixture_order`: smaller
+    sources cycled, none cut short); its examples and tokens counted as drawn, its dropped records once."""
     import dataclasses
 
     from toolkit.config.datasets import is_mixture, parse_sources
-    from toolkit.data import data_sources, split_indices
+    from toolkit.data import split_indices
     from toolkit.data.mixture import mixture_order
     from toolkit.data.table import DataStats
 
@@ -420,19 +429,21 @@ def _sources(settings, processor, read, encoder) -> tuple:
     stats, held_stats = DataStats(), DataStats()
     total = lambda a, b: DataStats(**{f.name: getattr(a, f.name) + getattr(b, f.name)  # noqa: E731
                                       for f in dataclasses.fields(DataStats) if f.name != "cached"})
-    for spec, source in zip(specs, data_sources(settings.data)):
-        fmt, records, n, source = read(settings, source)
-        train_idx, held_idx = split_indices(len(records), settings, spec.spec if mixed else "")
+    for spec, (fmt, records, n, source) in reads:
+        train_idx, held_idx = split_indices(len(records), settings, spec if mixed else "")
         encode = encoder(fmt)
         train, got = encode(processor, settings, source, [(i, records[i]) for i in train_idx])
         held, held_got = encode(processor, settings, source, [(i, records[i]) for i in held_idx])
         if mixed and not len(train):
-            raise UserError(f"--dataset {settings.data.dataset}: source {spec.spec} has nothing left to train (of "
+            raise UserError(f"--dataset {settings.data.dataset}: source {spec} has nothing left to train (of "
                             f"{got.examples} examples, {got.dropped} dropped); fix it or leave it out of the mixture")
         formats.append(fmt), trains.append(train), helds.append(held)
         added += n
         stats, held_stats = total(stats, got), total(held_stats, held_got)
     held = ImageRows([r for h in helds for r in list.__iter__(h)], processor)
+    if held_read is not None:
+        held_fmt, records, _, held_source = held_read
+        held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
     if not mixed:
         return formats[0], trains[0], held, stats, held_stats, added, None
     weights = [s.weight if s.weight is not None else len(t) for s, t in zip(specs, trains)]
@@ -442,6 +453,65 @@ def _sources(settings, processor, read, encoder) -> tuple:
     stats.target_tokens = sum(c[1] for c in counts)
     sources = [(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(specs, formats, weights, trains)]
     return "+".join(dict.fromkeys(formats)), ImageRows(rows, processor), held, stats, held_stats, added, sources
+
+
+# what of the data settings decides the encoded rows, beside the records read and the processor
+IMAGE_SETTINGS = ("dataset", "eval_dataset", "format", "columns", "system_prompt", "seq_len", "train_on_prompt",
+                  "eval_split")
+
+
+def _images_key(settings, processor, reads: list, held_read: tuple | None) -> str:
+    """The cache folder of a run's encoded image rows: sha256 of the records as read (their image references
+    resolved), each referenced file's size and modification time (an image replaced in place is another example;
+    a data URL is in the record), the processor (its tokenizer, image processor settings, pixel bounds and chat
+    template), `IMAGE_SETTINGS`, the objective and the seed."""
+    from toolkit.data.table import CACHE_VERSION, tokenizer_digest
+
+    h = hashlib.sha256()
+    for part in (CACHE_VERSION, "images", type(processor).__name__, tokenizer_digest(processor.tokenizer),
+                 processor.to_json_string(), str(getattr(processor, "chat_template", None)), settings.objective,
+                 str(settings.seed), *(f"{k}={getattr(settings.data, k)!r}" for k in IMAGE_SETTINGS)):
+        h.update(part.encode() + b"\x00")
+    for spec, (fmt, records, n, _) in [*reads, *([("eval", held_read)] if held_read else [])]:
+        h.update(json.dumps([spec, fmt, n, records], default=str).encode())
+        # a record: a conversation, a plain text, or a pair's or KTO example's (prompt, ...)
+        for record in records:
+            for ref in image_refs(record if isinstance(record, list) else record[0] if isinstance(record, tuple)
+                                  else []):
+                if not ref.startswith("data:"):
+                    h.update(repr((ref, os.stat(ref).st_size, os.stat(ref).st_mtime_ns)).encode())
+    return h.hexdigest()
+
+
+def _cached(path: Path, build, processor) -> tuple:
+    """`build()`'s (format, training rows, held-out rows, their stats, conversations given --system-prompt, sources),
+    written to `path` by one process (`toolkit.data.table.built_once`: the others wait) and read back, the training
+    stats marked `cached` where a run before wrote them."""
+    import dataclasses
+
+    import datasets
+
+    from toolkit.data.table import DataStats, built_once
+
+    def write(tmp: Path) -> None:
+        fmt, train, held, stats, held_stats, added, sources = build()
+        tmp.mkdir(parents=True)
+        for name, rows in (("train", train), ("eval", held)):
+            if len(rows):
+                datasets.Dataset.from_list(list(list.__iter__(rows))).save_to_disk(str(tmp / name))
+        (tmp / "meta.json").write_text(json.dumps({
+            "format": fmt, "stats": dataclasses.asdict(stats), "eval_stats": dataclasses.asdict(held_stats),
+            "added": added, "sources": sources}))
+
+    datasets.disable_progress_bars()
+    hit = built_once(path, write)
+    meta = json.loads((path / "meta.json").read_text())
+    rows = {name: ImageRows(datasets.load_from_disk(str(path / name)).to_list() if (path / name).is_dir() else [],
+                            processor) for name in ("train", "eval")}
+    stats = DataStats(**{**meta["stats"], "cached": hit})
+    sources = [tuple(s) for s in meta["sources"]] if meta["sources"] else None
+    return (meta["format"], rows["train"], rows["eval"], stats, DataStats(**meta["eval_stats"]), meta["added"],
+            sources)
 
 
 def _counts(row: dict) -> tuple[int, int]:

@@ -106,14 +106,15 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
     # prompts: tokenized as they are read (a prompt file is small); an image-text model's through its processor
     if form(settings.objective) == "prompts":
         return prepare_prompts(settings, tokenizer, processor)
+    cache = cache or cache_dir() / "data"
     if processor is not None:
         from toolkit.data.image_rows import prepare_images
 
-        fmt, train, held, stats, held_stats, added, scored, answers, sources = prepare_images(settings, processor)
+        fmt, train, held, stats, held_stats, added, scored, answers, sources = prepare_images(settings, processor,
+                                                                                             cache)
         return PreparedData(fmt, settings.data.format == "auto", train, held, stats, held_stats, system_added=added,
                             sources=sources, em_conversations=scored, answers=answers)
 
-    cache = cache or cache_dir() / "data"
     if settings.data.streaming:
         from toolkit.data.stream import RecordStream
 
