@@ -14,6 +14,7 @@ written), then again (warm: read back), then once more without a cache (the path
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import random
 import shutil
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 from benchmarks.common import BENCH, ROOT, md_table, write_pair
@@ -74,18 +76,31 @@ def measure(n: int, work: Path) -> dict:
     cache = work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     out = {"examples": n}
-    for arm, where in (("cold", cache), ("warm", cache), ("uncached", None)):
-        t = time.perf_counter()
+
+    def prepare(where):
         if where is None:
             from toolkit.data.image_rows import prepare_images
 
             prepared = prepare_images(cfg.data_settings, processor)
-            tokens = prepared[3].tokens
-        else:
-            prepared = prepare_data(cfg.data_settings, tokenizer, cache=where, processor=processor)
-            tokens = prepared.stats.tokens
-            assert prepared.stats.cached == (arm == "warm"), arm
+            return prepared, prepared[3].tokens
+        prepared = prepare_data(cfg.data_settings, tokenizer, cache=where, processor=processor)
+        return prepared, prepared.stats.tokens
+
+    for arm, where in (("cold", cache), ("warm", cache), ("uncached", None)):
+        t = time.perf_counter()
+        prepared, tokens = prepare(where)
         out[f"{arm}_s"] = time.perf_counter() - t
+        assert where is None or prepared.stats.cached == (arm == "warm"), arm
+        del prepared
+    # apart (tracemalloc slows what it traces): what the prepared rows hold on the Python heap, a memory-mapped
+    # table's pages not on it
+    for arm, where in (("warm", cache), ("uncached", None)):
+        gc.collect()
+        tracemalloc.start()
+        prepared, _ = prepare(where)
+        out[f"{arm}_held_mib"] = tracemalloc.get_traced_memory()[0] / 2**20
+        tracemalloc.stop()
+        del prepared
     out["tokens_per_example"] = tokens / n
     out["warm_speedup"] = out["uncached_s"] / out["warm_s"]
     return out
@@ -100,15 +115,18 @@ def main(argv: list[str] | None = None) -> None:
         results = [measure(int(n), Path(tmp)) for n in args.sizes.split(",")]
     rows = [(f"{r['examples']:,}", f"{r['tokens_per_example']:.0f}", f"{r['uncached_s']:.2f}",
              f"{1000 * r['uncached_s'] / r['examples']:.2f}", f"{r['cold_s']:.2f}", f"{r['warm_s']:.3f}",
-             f"{1000 * r['warm_s'] / r['examples']:.3f}", f"{r['warm_speedup']:.0f}x") for r in results]
+             f"{1000 * r['warm_s'] / r['examples']:.3f}", f"{r['warm_speedup']:.0f}x", f"{r['uncached_held_mib']:.1f}",
+             f"{r['warm_held_mib']:.1f}") for r in results]
     lines = ["# Image data: encoded every run against read back from the token cache", "",
              f"`python -m benchmarks.image_data` on {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores, one process; {SIDE} px drawn pictures, a Qwen2-VL processor at the published "
              "Qwen2.5-VL bounds. uncached: every image opened and the processor run on it (the path before the "
-             "cache); cold: the same, written to the cache; warm: read back. Timings are one run each, as noisy as "
+             "cache); cold: the same, written to the cache; warm: read back, memory-mapped. Rows on the heap: what "
+             "`tracemalloc` counts still allocated once the data is prepared. Timings are one run each, as noisy as "
              "the machine.", "",
              *md_table(["examples", "tokens/example", "uncached (s)", "uncached (ms/example)", "cold (s)",
-                        "warm (s)", "warm (ms/example)", "uncached / warm"], rows)]
+                        "warm (s)", "warm (ms/example)", "uncached / warm", "uncached rows on the heap (MiB)",
+                        "warm rows on the heap (MiB)"], rows)]
     write_pair(args.out, {"results": results, "pixels": PIXELS, "side": SIDE}, lines)
 
 

@@ -165,20 +165,26 @@ def expanded_labels(ids0: list[int], labels0: list[int], ids: list[int], where: 
     return labels, set(range(len(ids))) - matched
 
 
-class ImageRows(list):
+class ImageRows:
     """Rows of examples with images (`encode`'s or `encode_pair`'s dicts), with the processor that collates them
-    (`MediaCollate`); a pair's row also gives its `reference` log-probabilities once they are attached
+    (`MediaCollate`): a list of dicts while they are built, a memory-mapped table once read back from the cache
+    (`_cached`: a large dataset's rows are not held in memory; `key`, the cache's, names what they were made of). A
+    pair's row also gives its `reference` log-probabilities once they are attached
     (`toolkit.objectives.preference.reference`), as `toolkit.data.table.Rows` does."""
 
-    def __init__(self, rows: list[dict], processor):
-        super().__init__(rows)
-        self.processor = processor
-        self.lengths = [len(r["input_ids"]) + len(r.get("rejected_input_ids", ())) for r in rows]
+    def __init__(self, rows, processor, key: str | None = None):
+        self.rows, self.processor, self.key = rows, processor, key
+        self.lengths = [a + b for a, b in zip(self._lengths("input_ids"), self._lengths("rejected_input_ids"))]
         self.reference = None
 
+    def __len__(self) -> int:
+        return len(self.rows)
+
     def __getitem__(self, i):
-        row = super().__getitem__(i)
-        if self.reference is None or not isinstance(i, int):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        row = self.rows[i]
+        if self.reference is None:
             return row
         # NaN where the reference pass did not score the row: a batch the loader fetches past the run's last step
         # holds such rows; the loss refuses one (`PreferenceLoss.reference_logps`)
@@ -188,14 +194,38 @@ class ImageRows(list):
         for i in range(len(self)):
             yield self[i]
 
+    def names(self) -> list[str]:
+        """The rows' fields."""
+        if isinstance(self.rows, list):
+            return list(self.rows[0]) if self.rows else []
+        return list(self.rows.column_names)
+
+    def column(self, name: str) -> list:
+        """Every row's `name` (their images, ...), without reading the rest of the rows."""
+        return [r[name] for r in self.rows] if isinstance(self.rows, list) else list(self.rows[name])
+
+    def _lengths(self, name: str) -> list[int]:
+        """Each row's number of `name` tokens (0 where the rows have none): a table's counted by Arrow."""
+        if name not in self.names():
+            return [0] * len(self)
+        if isinstance(self.rows, list):
+            return [len(r[name]) for r in self.rows]
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(self.rows.data.column(name)).to_pylist()
+
     def desirable(self) -> list[bool]:
         """KTO's labels of the rows (empty for other rows), as `toolkit.data.table.Rows.desirable`."""
-        return [r["desirable"] for r in list.__iter__(self) if "desirable" in r]
+        return self.column("desirable") if "desirable" in self.names() else []
 
     def digest(self) -> str:
-        """sha256 of the rows' tokens, texts and image references (a file's size and modification time too)."""
+        """sha256 of the rows' tokens, texts and image references (a file's size and modification time too); rows
+        read back from the cache: of its key, which holds all of that."""
         h = hashlib.sha256()
-        for r in list.__iter__(self):
+        if self.key is not None:
+            h.update(self.key.encode())
+            return h.hexdigest()
+        for r in self.rows:
             # an image file replaced in place is another example (a data URL is its bytes already)
             files = [(os.stat(ref).st_size, os.stat(ref).st_mtime_ns) for ref in r["images"]
                      if not ref.startswith("data:")]
@@ -381,14 +411,14 @@ def prepare_images(settings, processor, cache: Path | None = None) -> tuple:
             _cached(cache / f"images-{_images_key(settings, processor, reads, held_read)}", build, processor)
     check_trainable(stats, settings, "training")
     if pairs:
-        every_image([r["images"] for r in [*list.__iter__(train), *list.__iter__(held)]], d.dataset,
+        every_image(train.column("images") + held.column("images"), d.dataset,
                     "examples" if kto else "pairs", settings.ranks)
     else:
         # padding-free training micro-batches without an image run a blank one (`MediaCollate.blank`); padded ones,
         # and the held-out examples' (evaluated padded), cannot
         if d.padding_free is False:
-            every_image([r["images"] for r in list.__iter__(train)], d.dataset, "examples", settings.ranks, "padded ")
-        every_image([r["images"] for r in list.__iter__(held)], d.eval_dataset or d.dataset, "held-out examples",
+            every_image(train.column("images"), d.dataset, "examples", settings.ranks, "padded ")
+        every_image(held.column("images"), d.eval_dataset or d.dataset, "held-out examples",
                     settings.ranks, "padded ", "give each an image")
     return fmt, train, held, stats, held_stats or DataStats(), added, scored, answers, sources
 
@@ -440,14 +470,14 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
         formats.append(fmt), trains.append(train), helds.append(held)
         added += n
         stats, held_stats = total(stats, got), total(held_stats, held_got)
-    held = ImageRows([r for h in helds for r in list.__iter__(h)], processor)
+    held = ImageRows([r for h in helds for r in h.rows], processor)
     if held_read is not None:
         held_fmt, records, _, held_source = held_read
         held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
     if not mixed:
         return formats[0], trains[0], held, stats, held_stats, added, None
     weights = [s.weight if s.weight is not None else len(t) for s, t in zip(specs, trains)]
-    rows = [list.__getitem__(trains[k], i) for k, i in mixture_order([len(t) for t in trains], weights, settings.seed)]
+    rows = [trains[k].rows[i] for k, i in mixture_order([len(t) for t in trains], weights, settings.seed)]
     counts = [_counts(r) for r in rows]
     stats.examples, stats.tokens = len(rows) + stats.dropped, sum(c[0] for c in counts)
     stats.target_tokens = sum(c[1] for c in counts)
@@ -498,7 +528,7 @@ def _cached(path: Path, build, processor) -> tuple:
         tmp.mkdir(parents=True)
         for name, rows in (("train", train), ("eval", held)):
             if len(rows):
-                datasets.Dataset.from_list(list(list.__iter__(rows))).save_to_disk(str(tmp / name))
+                datasets.Dataset.from_list(rows.rows).save_to_disk(str(tmp / name))
         (tmp / "meta.json").write_text(json.dumps({
             "format": fmt, "stats": dataclasses.asdict(stats), "eval_stats": dataclasses.asdict(held_stats),
             "added": added, "sources": sources}))
@@ -506,8 +536,9 @@ def _cached(path: Path, build, processor) -> tuple:
     datasets.disable_progress_bars()
     hit = built_once(path, write)
     meta = json.loads((path / "meta.json").read_text())
-    rows = {name: ImageRows(datasets.load_from_disk(str(path / name)).to_list() if (path / name).is_dir() else [],
-                            processor) for name in ("train", "eval")}
+    # memory-mapped, as text's tables; their digest the key's
+    rows = {name: ImageRows(datasets.load_from_disk(str(path / name)), processor, f"{path.name}/{name}")
+                  if (path / name).is_dir() else ImageRows([], processor) for name in ("train", "eval")}
     stats = DataStats(**{**meta["stats"], "cached": hit})
     sources = [tuple(s) for s in meta["sources"]] if meta["sources"] else None
     return (meta["format"], rows["train"], rows["eval"], stats, DataStats(**meta["eval_stats"]), meta["added"],

@@ -139,7 +139,7 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
             from toolkit.data.image_rows import every_image
 
             # padded by the attention picked (--padding-free unset): no blank image takes an image-free batch's place
-            every_image([r["images"] for r in list.__iter__(train_rows)], cfg.data.dataset, unit, cfg.data_ranks,
+            every_image(train_rows.column("images"), cfg.data.dataset, unit, cfg.data_ranks,
                         "padded ")
         return DataLoader(train_rows, batch_size=cfg.train.micro_batch_size,
                           sampler=EpochShuffleSampler(len(train_rows), cfg.train.seed),
