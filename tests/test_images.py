@@ -768,6 +768,38 @@ def test_encoded_image_rows_are_cached_and_encoded_again_when_an_input_changes(z
         assert not other.stats.cached, flags
 
 
+def test_examples_are_encoded_in_forked_processes_as_in_one(zoo, tmp_path, monkeypatch):
+    """From 1024 examples on, --data-workers processes encode them (each opens its images and runs the processor):
+    the rows and their counts equal one process's, and a record the processor refuses is the same one line naming
+    it (an image beyond the bounds of a processor that does not resize), whichever process met it."""
+    from PIL import Image
+
+    from toolkit.errors import UserError
+
+    qwen = tmp_path / "qwen2-vl"
+    shutil.copytree(zoo["qwen2_vl"], qwen)
+    config = qwen / "preprocessor_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "do_resize": False}))
+    for name, size in (("small", (56, 56)), ("tall", (56, 84)), ("wide", (280, 140))):
+        Image.new("RGB", size, (30, 30, 200)).save(tmp_path / f"{name}.png")
+    rows = [chat_record(str(tmp_path / ("small.png" if i % 3 else "tall.png")), "blue") for i in range(1030)]
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / f"cache{workers}"))
+        _, got[workers] = prepared(["--model", str(qwen), "--dataset", str(data), "--data-workers", workers])
+    assert len(got["1"].train) == 1030 and list(got["2"].train) == list(got["1"].train)
+    assert got["2"].stats == got["1"].stats
+    rows[1011] = chat_record(str(tmp_path / "wide.png"), "blue")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for workers in ("1", "2"):
+        monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / f"bad{workers}"))
+        with pytest.raises(UserError, match=r"many.jsonl: record 1012 \(line 1012\): image .*wide.png \(280x140\) is "
+                                            "beyond the bounds"):
+            prepared(["--model", str(qwen), "--dataset", str(data), "--data-workers", workers])
+
+
 @pytest.mark.parametrize("layout, reference", [("mixed_zero3", "mixed_full"), ("mixed_ddp", "mixed_projector")])
 def test_a_text_only_example_trains_among_image_ones_on_several_ranks(runs, layout, reference):
     """mixed.jsonl's text-only example alone on its rank once in the epoch: that rank runs a blank image through the

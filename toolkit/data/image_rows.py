@@ -601,7 +601,6 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]], 
     prompt + completion `encode`d with labels on the completion, and beside it its KL sequence (its own prompt's
     tokens, images included, with the previous example's completion: `toolkit.data.pairs.kl_sequences`), whose
     images are its own example's; an example with a `blank` completion is kept out of the rows and counted."""
-    from toolkit.data.formats import record_place
     from toolkit.data.pairs import kl_sequences
     from toolkit.data.table import DataStats
     from toolkit.data.tokenize import blank
@@ -610,13 +609,11 @@ def _encoded_kto(processor, settings, source, indexed: list[tuple[int, tuple]], 
     examples = [(i, *e) for i, e in indexed] if unpaired else \
         [(i, e[0], e[1], True) for i, e in indexed] + [(i, e[0], e[2], False) for i, e in indexed]
     rows, stats = [], DataStats()
-    for i, prompt, completion, good in examples:
+    convs = [(i, prompt + [{"role": "assistant", "content": completion}]) for i, prompt, completion, _ in examples]
+    encoded = _encoded_each(partial(_example, processor, settings.data.seq_len, False, True), convs, source,
+                            settings)
+    for (i, prompt, completion, good), row in zip(examples, encoded):
         stats.examples += 1
-        try:
-            row = encode(processor, prompt + [{"role": "assistant", "content": completion}], settings.data.seq_len,
-                         False, "", last_turn=True)
-        except UserError as e:
-            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
         row = _kept(row, blank(completion), stats)
         if row is not None:
             rows.append({**row, "desirable": good})
@@ -641,20 +638,66 @@ def _read(settings, source):
     return fmt, [c for c, _ in pairs], sum(a for _, a in pairs), source
 
 
+def _example(processor, seq_len: int, train_on_prompt: bool, last_turn: bool, conv: list[dict]) -> dict | None:
+    """`encode` of one conversation, as `_encoded_each` maps it."""
+    return encode(processor, conv, seq_len, train_on_prompt, "", last_turn)
+
+
+def _pair(processor, seq_len: int, pair: tuple) -> dict | None:
+    """`encode_pair` of one (prompt, chosen, rejected), as `_encoded_each` maps it."""
+    return encode_pair(processor, *pair, seq_len, "")
+
+
+# the function the forked encoders run (`_encoded_each`): inherited, not pickled (a processor need not pickle)
+_EACH = None
+
+
+def _each(x):
+    """`_EACH(x)`, or the UserError it raised (returned, so the first bad record in order is the one named)."""
+    try:
+        return _EACH(x)
+    except UserError as e:
+        return e
+
+
+def _encoded_each(fn, indexed: list[tuple[int, object]], source, settings) -> list:
+    """[fn(x) for each (record index, x) of `indexed`], in order: in --data-workers forked processes (0: the node's
+    cores) where there are enough to gain (`toolkit.data.table.map_processes`; each example opens its images and
+    runs the processor, some 10 ms), else here. A record the processor refuses is one line naming it, the first in
+    the file's order whichever process met it."""
+    import multiprocessing
+
+    from toolkit.data.formats import record_place
+    from toolkit.data.table import map_processes
+
+    global _EACH
+    items = [x for _, x in indexed]
+    workers = map_processes(len(items), settings.data.data_workers)
+    _EACH = fn
+    try:
+        if workers is None:
+            out = [_each(x) for x in items]
+        else:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                out = pool.map(_each, items, chunksize=max(1, len(items) // (8 * workers)))
+    finally:
+        _EACH = None
+    for (i, _), r in zip(indexed, out):
+        if isinstance(r, UserError):
+            raise UserError(f"{source.flag} {record_place(source.path, i)}: {r}") from None
+    return out
+
+
 def _encoded_pairs(processor, settings, source, indexed: list[tuple[int, tuple[list[dict], str, str]]]):
     """(`ImageRows` of the pairs that keep a completion token on both sides, their `DataStats`: `tokens` both
     sequences', `target_tokens` the fewer of their completions', as the text pairs' table counts them)."""
-    from toolkit.data.formats import record_place
     from toolkit.data.table import DataStats
     from toolkit.data.tokenize import IGNORE_INDEX, blank
 
     rows, stats = [], DataStats()
-    for i, (prompt, chosen, rejected) in indexed:
+    encoded = _encoded_each(partial(_pair, processor, settings.data.seq_len), indexed, source, settings)
+    for (i, (prompt, chosen, rejected)), row in zip(indexed, encoded):
         stats.examples += 1
-        try:
-            row = encode_pair(processor, prompt, chosen, rejected, settings.data.seq_len, "")
-        except UserError as e:
-            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
         empty = blank(chosen) or blank(rejected)
         sides = () if row is None else (row["labels"], row["rejected_labels"])
         targets = [sum(t != IGNORE_INDEX for t in labels) for labels in sides] or [0]
@@ -672,19 +715,17 @@ def _encoded_pairs(processor, settings, source, indexed: list[tuple[int, tuple[l
 
 def _encoded(processor, settings, source, indexed: list[tuple[int, list[dict] | str]]):
     """(`ImageRows` of the examples that keep an answer token, their `DataStats`)."""
-    from toolkit.data.formats import record_place
     from toolkit.data.table import DataStats
     from toolkit.data.tokenize import empty_answers
 
     d, rows, stats = settings.data, [], DataStats()
-    for i, conv in indexed:
-        if isinstance(conv, str):
-            conv = [{"role": "user", "content": ""}, {"role": "assistant", "content": conv}]
+    # a plain text: all of it trained, as an answer
+    convs = [(i, [{"role": "user", "content": ""}, {"role": "assistant", "content": c}] if isinstance(c, str) else c)
+             for i, c in indexed]
+    encoded = _encoded_each(partial(_example, processor, d.seq_len, d.train_on_prompt, False), convs, source,
+                            settings)
+    for (i, conv), row in zip(convs, encoded):
         stats.examples += 1
-        try:
-            row = encode(processor, conv, d.seq_len, d.train_on_prompt, "")
-        except UserError as e:
-            raise UserError(f"{source.flag} {record_place(source.path, i)}: {e}") from None
         row = _kept(row, empty_answers(conv)[0], stats)
         if row is not None:
             rows.append(row)
