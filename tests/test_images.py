@@ -791,13 +791,37 @@ def test_examples_are_encoded_in_forked_processes_as_in_one(zoo, tmp_path, monke
         _, got[workers] = prepared(["--model", str(qwen), "--dataset", str(data), "--data-workers", workers])
     assert len(got["1"].train) == 1030 and list(got["2"].train) == list(got["1"].train)
     assert got["2"].stats == got["1"].stats
-    rows[1011] = chat_record(str(tmp_path / "wide.png"), "blue")
+    # two refused records in different processes' shares: the first in the file is named
+    rows[1011] = rows[100] = chat_record(str(tmp_path / "wide.png"), "blue")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for workers in ("1", "2"):
         monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / f"bad{workers}"))
-        with pytest.raises(UserError, match=r"many.jsonl: record 1012 \(line 1012\): image .*wide.png \(280x140\) is "
+        with pytest.raises(UserError, match=r"many.jsonl: record 101 \(line 101\): image .*wide.png \(280x140\) is "
                                             "beyond the bounds"):
             prepared(["--model", str(qwen), "--dataset", str(data), "--data-workers", workers])
+
+
+FORKED = """
+import sys, torch
+from types import SimpleNamespace
+from toolkit.data.image_rows import _encoded_each
+def resize(x):  # a processor that resizes with torch (transformers' torchvision-backed ones)
+    return int(torch.nn.functional.interpolate(torch.rand(1, 3, 224, 224), size=(112, 112)).sum() > 0)
+resize(0)  # the parent has run torch's thread pool (a small source encoded here first)
+out = _encoded_each(resize, list(enumerate(range(1100))), SimpleNamespace(flag="--dataset", path="x"),
+                    SimpleNamespace(data=SimpleNamespace(data_workers=2)))
+print(len(out), sum(out))
+"""
+
+
+def test_forked_encoders_run_torch_after_the_parent_did():
+    """A thread pool torch used before fork does not survive it: each forked encoder runs torch on one thread, so a
+    processor that resizes with torch returns in a child after the parent ran one (it hung there before)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.split() == ["1100", "1100"], done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("layout, reference", [("mixed_zero3", "mixed_full"), ("mixed_ddp", "mixed_projector")])

@@ -110,6 +110,13 @@ def test_stream_skips_wraps_and_packs_each_micro_batch(files, tmp_path):
                      StreamCollate(stream, tok.pad_token_id, True)(first))
     assert plain["input_ids"].shape[0] == 4 and packed["input_ids"].shape[0] < 4 and int(count_examples(packed)) == 4
     assert int((packed["labels"] != -100).sum()) == int((plain["labels"] != -100).sum())
+    # so a streamed global batch is its records, packed or not (a map-style packed one is its packed rows)
+    from toolkit.objectives.sft.objective import SFT
+
+    streamed = parse_config(["--dataset", str(files["in_sampler_order"]), "--streaming", "--packing", "--max-steps",
+                             "1", "--output-dir", str(tmp_path / "o")])
+    assert SFT(streamed).batch_words(8) == "8 examples"
+    assert SFT(streamed.replace(streaming=False)).batch_words(8) == "8 packed rows of <= 1024 tokens"
 
 
 def test_stream_of_a_folder_without_data_files_is_one_clear_error(tmp_path):

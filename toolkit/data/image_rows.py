@@ -494,13 +494,25 @@ def _images_key(settings, processor, reads: list, held_read: tuple | None) -> st
     """The cache folder of a run's encoded image rows: sha256 of the records as read (their image references
     resolved), each referenced file's size and modification time (an image replaced in place is another example;
     a data URL is in the record), the processor (its tokenizer, image processor settings, pixel bounds and chat
-    template), `IMAGE_SETTINGS`, the objective and the seed."""
+    template) and transformers' version, `IMAGE_SETTINGS`, the objective's form (SFT's, pairs', KTO's rows) and the
+    seed where it draws (the eval split, a mixture)."""
     from toolkit.data.table import CACHE_VERSION, tokenizer_digest
 
+    import transformers
+
+    from toolkit.config.datasets import is_mixture
+    from toolkit.config.objectives import form
+
+    d = settings.data
+    # the processor's own settings, and transformers' version (its code expands the images into their tokens)
+    image_processor = getattr(processor, "image_processor", None)
+    seeded = d.eval_split > 0 or is_mixture(d.dataset)
     h = hashlib.sha256()
-    for part in (CACHE_VERSION, "images", type(processor).__name__, tokenizer_digest(processor.tokenizer),
-                 processor.to_json_string(), str(getattr(processor, "chat_template", None)), settings.objective,
-                 str(settings.seed), *(f"{k}={getattr(settings.data, k)!r}" for k in IMAGE_SETTINGS)):
+    for part in (CACHE_VERSION, "images", transformers.__version__, type(processor).__name__,
+                 tokenizer_digest(processor.tokenizer), processor.to_json_string(),
+                 image_processor.to_json_string() if image_processor is not None else "",
+                 str(getattr(processor, "chat_template", None)), form(settings.objective),
+                 f"seed={settings.seed if seeded else None}", *(f"{k}={getattr(d, k)!r}" for k in IMAGE_SETTINGS)):
         h.update(part.encode() + b"\x00")
     for spec, (fmt, records, n, _) in [*reads, *([("eval", held_read)] if held_read else [])]:
         h.update(json.dumps([spec, fmt, n, records], default=str).encode())
@@ -660,12 +672,23 @@ def _each(x):
         return e
 
 
+def _one_thread() -> None:
+    """A forked encoder's torch on one thread, as DataLoader workers are: a thread pool the parent used does not
+    survive fork (its first parallel op in the child would never return: a processor that resizes with torch), and
+    N workers of N threads would oversubscribe the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _encoded_each(fn, indexed: list[tuple[int, object]], source, settings) -> list:
     """[fn(x) for each (record index, x) of `indexed`], in order: in --data-workers forked processes (0: the node's
     cores) where there are enough to gain (`toolkit.data.table.map_processes`; each example opens its images and
     runs the processor, some 10 ms), else here. A record the processor refuses is one line naming it, the first in
-    the file's order whichever process met it."""
+    the file's order whichever process met it; a worker killed (out of memory) fails the run, never hangs it."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     from toolkit.data.formats import record_place
     from toolkit.data.table import map_processes
@@ -673,18 +696,31 @@ def _encoded_each(fn, indexed: list[tuple[int, object]], source, settings) -> li
     global _EACH
     items = [x for _, x in indexed]
     workers = map_processes(len(items), settings.data.data_workers)
+
+    def named(i: int, e: UserError) -> UserError:
+        return UserError(f"{source.flag} {record_place(source.path, i)}: {e}")
+
+    if workers is None:
+        out = []
+        for i, x in indexed:
+            try:
+                out.append(fn(x))
+            except UserError as e:
+                raise named(i, e) from None
+        return out
     _EACH = fn
     try:
-        if workers is None:
-            out = [_each(x) for x in items]
-        else:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
-                out = pool.map(_each, items, chunksize=max(1, len(items) // (8 * workers)))
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_one_thread) as pool:
+            out = list(pool.map(_each, items, chunksize=max(1, len(items) // (8 * workers))))
+    except BrokenProcessPool:
+        raise UserError(f"{source.flag} {source.path}: a process encoding its images was killed (out of memory?); "
+                        f"pass fewer --data-workers (it ran {workers})") from None
     finally:
         _EACH = None
     for (i, _), r in zip(indexed, out):
         if isinstance(r, UserError):
-            raise UserError(f"{source.flag} {record_place(source.path, i)}: {r}") from None
+            raise named(i, r) from None
     return out
 
 

@@ -289,15 +289,14 @@ def of_ids(processor, enc, keys=OF_IDS) -> dict:
 
 def cross_attention_mask(processor, tiles: list[list[int]], max_tiles: int, ids):
     """The images and tiles each token of `ids` (B, T) attends to, (B, T, images, max_tiles), as Mllama's processor
-    makes its cross_attention_mask of the ids it padded (its module's `get_cross_attention_token_mask`: an image from
+    makes its cross_attention_mask of the ids it padded (`get_cross_attention_token_mask`: an image from
     its token to the next image's, the last and consecutive ones to the row's end); `tiles`: each row's images' tile
     counts. A token before every image attends to none (the model zeroes its cross-attention)."""
-    import importlib
-
     import numpy as np
     import torch
 
-    module = importlib.import_module(type(processor).__module__)
+    from transformers.models.mllama import processing_mllama as module
+
     spans = [module.get_cross_attention_token_mask(row, processor.image_token_id) for row in ids.tolist()]
     for row, (have, n) in enumerate(zip(spans, tiles)):
         if len(have) > len(n):

@@ -68,8 +68,9 @@ class SFT:
         return t.max_steps if self.cfg.data.streaming else math.ceil(len(loader) / t.grad_accum)
 
     def batch_words(self, global_batch: int) -> str:
-        # packed: each row holds several examples (the packing line says how many rows the epoch has)
-        if self.cfg.data.packing:
+        # packed: each row holds several examples (the packing line says how many rows the epoch has); a stream
+        # batches records and packs them as they come
+        if self.cfg.data.packing and not self.cfg.data.streaming:
             return f"{global_batch} packed rows of <= {self.cfg.data.seq_len} tokens"
         return f"{global_batch} examples"
 
