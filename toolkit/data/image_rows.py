@@ -446,7 +446,8 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
     (`reads`: (spec, `_read`'s or `_read_pairs`' of it)) with its --eval-split held out (drawn per source, as
     text's), encoded (`encoder(format)`); --eval-dataset's (`held_read`) held out whole. A mixture's training rows
     are drawn from its sources by weight with the seed as text's are (`toolkit.data.mixture.mixture_order`: smaller
-    sources cycled, none cut short); its examples and tokens counted as drawn, its dropped records once."""
+    sources cycled, none cut short), over the examples each keeps (text's draw over its records, then drop); its
+    examples and tokens counted as drawn, its dropped and truncated records once (text's, as drawn)."""
     import dataclasses
 
     from toolkit.config.datasets import is_mixture, parse_sources
@@ -455,7 +456,7 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
     from toolkit.data.table import DataStats
 
     mixed, specs = is_mixture(settings.data.dataset), parse_sources(settings.data.dataset)
-    formats, trains, helds, added = [], [], [], 0
+    formats, trains, helds, records_of, added = [], [], [], [], 0
     stats, held_stats = DataStats(), DataStats()
     total = lambda a, b: DataStats(**{f.name: getattr(a, f.name) + getattr(b, f.name)  # noqa: E731
                                       for f in dataclasses.fields(DataStats) if f.name != "cached"})
@@ -467,7 +468,7 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
         if mixed and not len(train):
             raise UserError(f"--dataset {settings.data.dataset}: source {spec} has nothing left to train (of "
                             f"{got.examples} examples, {got.dropped} dropped); fix it or leave it out of the mixture")
-        formats.append(fmt), trains.append(train), helds.append(held)
+        formats.append(fmt), trains.append(train), helds.append(held), records_of.append(got.examples)
         added += n
         stats, held_stats = total(stats, got), total(held_stats, held_got)
     held = ImageRows([r for h in helds for r in h.rows], processor)
@@ -476,12 +477,13 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
         held, held_stats = encoder(held_fmt)(processor, settings, held_source, list(enumerate(records)))
     if not mixed:
         return formats[0], trains[0], held, stats, held_stats, added, None
-    weights = [s.weight if s.weight is not None else len(t) for s, t in zip(specs, trains)]
+    # unweighted: each source's share its training records', as text's
+    weights = [s.weight if s.weight is not None else n for s, n in zip(specs, records_of)]
     rows = [trains[k].rows[i] for k, i in mixture_order([len(t) for t in trains], weights, settings.seed)]
     counts = [_counts(r) for r in rows]
     stats.examples, stats.tokens = len(rows) + stats.dropped, sum(c[0] for c in counts)
     stats.target_tokens = sum(c[1] for c in counts)
-    sources = [(s.spec, f, w / sum(weights), len(t)) for s, f, w, t in zip(specs, formats, weights, trains)]
+    sources = [(s.spec, f, w / sum(weights), n) for s, f, w, n in zip(specs, formats, weights, records_of)]
     return "+".join(dict.fromkeys(formats)), ImageRows(rows, processor), held, stats, held_stats, added, sources
 
 
