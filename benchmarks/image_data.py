@@ -80,7 +80,7 @@ def measure(n: int, work: Path) -> dict:
 
     def prepare(where):
         if where is None:
-            from toolkit.data.image_rows import prepare_images
+            from toolkit.data.image_prepare import prepare_images
 
             # one process, every run: the path before the cache and the forked encoders
             prepared = prepare_images(cfg.replace(data_workers=1).data_settings, processor)

@@ -804,7 +804,7 @@ def test_examples_are_encoded_in_forked_processes_as_in_one(zoo, tmp_path, monke
 FORKED = """
 import sys, torch
 from types import SimpleNamespace
-from toolkit.data.image_rows import _encoded_each
+from toolkit.data.image_prepare import _encoded_each
 def resize(x):  # a processor that resizes with torch (transformers' torchvision-backed ones)
     return int(torch.nn.functional.interpolate(torch.rand(1, 3, 224, 224), size=(112, 112)).sum() > 0)
 resize(0)  # the parent has run torch's thread pool (a small source encoded here first)

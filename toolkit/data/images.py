@@ -8,7 +8,7 @@ The forms users have, each read into one conversation whose messages hold conten
 - alpaca-like rows with an `image` (or `images`) column (`--columns image=photo`): the images go first in the prompt.
 Paths resolve relative to the data file's folder. Images are opened when a batch is collated, never held.
 
-Their rows, labels and batches: `toolkit.data.image_rows`.
+Their rows, labels and batches: `toolkit.data.image_rows`; a run's image data prepared: `toolkit.data.image_prepare`.
 """
 
 from __future__ import annotations

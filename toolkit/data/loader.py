@@ -136,7 +136,7 @@ def training_loader(cfg, train_rows, tokenizer, log, pin: bool, whole: bool, att
         log(padding_free_line(cfg, attn, padding_free, unit + (" (chosen, rejected)" if sequences == 2 else ""), why)
             + ", with the processor's image inputs")
         if not padding_free:
-            from toolkit.data.image_rows import every_image
+            from toolkit.data.image_prepare import every_image
 
             # padded by the attention picked (--padding-free unset): no blank image takes an image-free batch's place
             every_image(train_rows.column("images"), cfg.data.dataset, unit, cfg.data_ranks,

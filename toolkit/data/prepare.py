@@ -108,7 +108,7 @@ def prepare_data(settings: DataSettings, tokenizer, cache: Path | None = None, p
         return prepare_prompts(settings, tokenizer, processor)
     cache = cache or cache_dir() / "data"
     if processor is not None:
-        from toolkit.data.image_rows import prepare_images
+        from toolkit.data.image_prepare import prepare_images
 
         fmt, train, held, stats, held_stats, added, scored, answers, sources = prepare_images(settings, processor,
                                                                                              cache)
@@ -313,7 +313,7 @@ def prepare_prompts(settings: DataSettings, tokenizer, processor=None):
     if settings.data.eval_dataset:
         held_rows = load_prompts(settings.data, eval_source(settings.data), tokenizer, processor=processor)
     if processor is not None:
-        from toolkit.data.image_rows import every_image
+        from toolkit.data.image_prepare import every_image
 
         every_image(whole.images, settings.data.dataset, "prompts", settings.ranks)
     stats = DataStats(examples=len(whole) + whole.dropped - len(held), dropped=whole.dropped)
