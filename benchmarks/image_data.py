@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import platform
-import random
 import shutil
 import tempfile
 import time
@@ -27,6 +26,7 @@ import tracemalloc
 from pathlib import Path
 
 from benchmarks.common import BENCH, ROOT, md_table, write_pair
+from benchmarks.gpu.gpu_user import drawn_picture
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k_train_alpaca.json"
 # the published Qwen2.5-VL-3B preprocessor's bounds
@@ -35,22 +35,14 @@ SIDE = 448
 
 
 def write_records(n: int, folder: Path) -> Path:
-    """`n` chat records with a drawn SIDE px picture each, as `benchmarks.gpu.gpu_user.vlm_file` draws them."""
-    from PIL import Image, ImageDraw
-
+    """`n` chat records with a drawn SIDE px picture each, as the GPU user part's image case draws them."""
     rows = json.loads(GSM8K.read_text()) if GSM8K.is_file() else \
         [{"instruction": "How many shapes are in the picture?", "output": "Six."}]
     (folder / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i in range(n):
-        r, rng = rows[i % len(rows)], random.Random(i)
-        img = Image.new("RGB", (SIDE, SIDE), tuple(rng.randrange(256) for _ in range(3)))
-        pen = ImageDraw.Draw(img)
-        for _ in range(6):
-            x, y, d = rng.randrange(SIDE), rng.randrange(SIDE), rng.randrange(SIDE // 8, SIDE // 2)
-            draw = pen.ellipse if rng.random() < 0.5 else pen.rectangle
-            draw([x - d // 2, y - d // 2, x + d // 2, y + d // 2], fill=tuple(rng.randrange(256) for _ in range(3)))
-        img.save(folder / "images" / f"{i}.png")
+        r = rows[i % len(rows)]
+        drawn_picture(i, SIDE).save(folder / "images" / f"{i}.png")
         records.append({"messages": [
             {"role": "user", "content": [{"type": "image", "image": f"images/{i}.png"},
                                          {"type": "text", "text": r["instruction"]}]},

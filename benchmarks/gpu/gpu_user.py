@@ -148,27 +148,33 @@ def tokenizer_texts() -> list[str]:
             for r in json.loads(src.read_text())]
 
 
-def vlm_file(work: Path, smoke: bool) -> Path:
-    """VLM_RECORDS of the user part's records as chat records with a drawn picture each (PICTURE's side: a few
-    shapes in colours drawn from the record's index), its path relative to the file, before the question."""
+def drawn_picture(index: int, side: int):
+    """A `side` px picture of a few shapes in colours drawn from `index` (deterministic)."""
     import random
 
     from PIL import Image, ImageDraw
 
+    rng = random.Random(index)
+    img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+    pen = ImageDraw.Draw(img)
+    for _ in range(6):
+        x, y, d = rng.randrange(side), rng.randrange(side), rng.randrange(side // 8, side // 2)
+        draw = pen.ellipse if rng.random() < 0.5 else pen.rectangle
+        draw([x - d // 2, y - d // 2, x + d // 2, y + d // 2], fill=tuple(rng.randrange(256) for _ in range(3)))
+    return img
+
+
+def vlm_file(work: Path, smoke: bool) -> Path:
+    """VLM_RECORDS of the user part's records as chat records with a drawn picture each (PICTURE's side: a few
+    shapes in colours drawn from the record's index), its path relative to the file, before the question."""
     alpaca = work / "alpaca.json"
     rows = json.loads(alpaca.read_text())
     side, images = PICTURE[smoke], work / "images"
     images.mkdir(parents=True, exist_ok=True)
     records = []
     for i in range(VLM_RECORDS):
-        r, rng = rows[i % len(rows)], random.Random(i)
-        img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
-        pen = ImageDraw.Draw(img)
-        for _ in range(6):
-            x, y, d = rng.randrange(side), rng.randrange(side), rng.randrange(side // 8, side // 2)
-            draw = pen.ellipse if rng.random() < 0.5 else pen.rectangle
-            draw([x - d // 2, y - d // 2, x + d // 2, y + d // 2], fill=tuple(rng.randrange(256) for _ in range(3)))
-        img.save(images / f"{i}.png")
+        r = rows[i % len(rows)]
+        drawn_picture(i, side).save(images / f"{i}.png")
         question = "\n\n".join(x for x in (r["instruction"], r.get("input")) if x)
         records.append({"messages": [
             {"role": "user", "content": [{"type": "image", "image": f"images/{i}.png"},

@@ -125,9 +125,10 @@ def _encoded_sources(settings, processor, reads: list, held_read: tuple | None, 
     # unweighted: each source's share its training records', as text's
     weights = [s.weight if s.weight is not None else n for s, n in zip(specs, records_of)]
     rows = [trains[k].rows[i] for k, i in mixture_order([len(t) for t in trains], weights, settings.seed)]
-    counts = [_counts(r) for r in rows]
-    stats.examples, stats.tokens = len(rows) + stats.dropped, sum(c[0] for c in counts)
-    stats.target_tokens = sum(c[1] for c in counts)
+    # as drawn: a cycled source's rows count again
+    stats.examples, stats.tokens, stats.target_tokens = len(rows) + stats.dropped, 0, 0
+    for r in rows:
+        _count(r, stats)
     sources = [(s.spec, f, w / sum(weights), n) for s, f, w, n in zip(specs, formats, weights, records_of)]
     return "+".join(dict.fromkeys(formats)), ImageRows(rows, processor), held, stats, held_stats, added, sources
 
@@ -204,16 +205,18 @@ def _cached(path: Path, build, processor) -> tuple:
             sources)
 
 
-def _counts(row: dict) -> tuple[int, int]:
-    """(tokens, trained tokens) of a row as its `DataStats` count it: a pair's both sequences and the fewer of its
-    completions' (`_encoded_pairs`)."""
+def _count(row: dict, stats) -> None:
+    """A kept row's tokens and trained tokens into `stats` (`DataStats`): a pair's both sequences, and the fewer of
+    its completions' trained tokens, as the text pairs' table counts them."""
     from toolkit.data.tokenize import IGNORE_INDEX
 
     trained = lambda labels: sum(t != IGNORE_INDEX for t in labels)  # noqa: E731
     if "rejected_input_ids" in row:
-        return (len(row["input_ids"]) + len(row["rejected_input_ids"]),
-                min(trained(row["labels"]), trained(row["rejected_labels"])))
-    return len(row["input_ids"]), trained(row["labels"])
+        stats.tokens += len(row["input_ids"]) + len(row["rejected_input_ids"])
+        stats.target_tokens += min(trained(row["labels"]), trained(row["rejected_labels"]))
+    else:
+        stats.tokens += len(row["input_ids"])
+        stats.target_tokens += trained(row["labels"])
 
 
 def every_image(images: list[list[str]], dataset: str, unit: str, ranks: int, padded: str = "",
@@ -390,8 +393,7 @@ def _encoded_pairs(processor, settings, source, indexed: list[tuple[int, tuple[l
             stats.truncated += int(row is None or row["truncated"])
             continue
         stats.truncated += int(row.pop("truncated"))
-        stats.tokens += len(row["input_ids"]) + len(row["rejected_input_ids"])
-        stats.target_tokens += min(targets)
+        _count(row, stats)
         rows.append(row)
     return ImageRows(rows, processor), stats
 
@@ -427,6 +429,5 @@ def _kept(row: dict | None, empty: bool, stats) -> dict | None:
         return None
     row.pop("text_labels")
     stats.truncated += int(row.pop("truncated"))
-    stats.tokens += len(row["input_ids"])
-    stats.target_tokens += sum(t != IGNORE_INDEX for t in row["labels"])
+    _count(row, stats)
     return row
